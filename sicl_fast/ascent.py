@@ -1,0 +1,225 @@
+"""Algorithm 1: gated zeroth-order ascent on the demonstration embeddings, keeping the best X by proxy.
+
+    f0 = f(X0); if f0 < tau: return X0                       (the gate, on the first step's row 0)
+    repeat up to max_steps:
+        f = f([X, X + mu U_1, ..., X + mu U_N])              (one batched forward)
+        if f[0] > best: best, X_best = f[0], X               else: patience counter += 1
+        stop when the counter reaches `patience`
+        X <- X + eta * clip(g(f, U));  cosine projection onto cos(X, X0) >= kappa
+
+mu and eta are given in units of the model's embedding scale s = mean row norm / sqrt(d) (the paper scales its
+grids per model this way); `scale` overrides s (scale=1 gives absolute units).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .errors import NumericalError, SiclError
+from .fused import default_ops
+from .proxy import proxy
+from .rng import check_counter_range
+from .spans import Prompt
+from .zo import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, batch_size, cosine, snr
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """Every knob of the ascent. Defaults are the paper's settings (N=16; 8 for models under 1B parameters)."""
+
+    mu: float = 0.004  # smoothing radius, in units of `scale`
+    N: int = 16  # Gaussian directions per step
+    eta: float = 0.05  # step size, in units of `scale`
+    kappa: float = 0.2  # cosine floor to X0; <= 0 turns the projection off
+    tau: float = 0.05  # gate: no ascent when f(X0) < tau
+    patience: int = 5  # steps without a better f0 before stopping; 0 turns early stopping off
+    max_steps: int = 250  # K
+    alpha: float = 0.6
+    beta: float = 0.3
+    gamma: float = 0.1
+    q: float = 0.1
+    seed: int = 0
+    estimator: str = "forward"  # or "central" (pairs X +/- mu U)
+    grad_mode: str = "clip"  # or "normalize" (per-token unit norm)
+    clip_norm: float = 1.0
+    snr_threshold: float = 0.0  # > 0: skip the update when |mean|/std of the differences is below it
+    projection_scope: str = "prompt"  # "prompt": the whole matrix, as the reference; "demos": rows [a, b) only
+    scale: float | None = None  # None: the model's embedding scale
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.mu > 0, "mu must be > 0"),
+            (self.N >= 1, "N must be >= 1"),
+            (self.eta >= 0, "eta must be >= 0"),
+            (self.kappa < 1, "kappa must be < 1"),
+            (self.patience >= 0, "patience must be >= 0"),
+            (self.max_steps >= 1, "max_steps must be >= 1"),
+            (0.0 <= self.q <= 1.0, "q must be in [0, 1]"),
+            (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
+            (self.estimator in ESTIMATORS, f"estimator must be one of {ESTIMATORS}"),
+            (self.grad_mode in GRAD_MODES, f"grad_mode must be one of {GRAD_MODES}"),
+            (self.projection_scope in PROJECTION_SCOPES, f"projection_scope must be one of {PROJECTION_SCOPES}"),
+            (self.clip_norm > 0, "clip_norm must be > 0"),
+            (self.scale is None or self.scale > 0, "scale must be > 0"),
+        ]
+        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm"):
+            if not math.isfinite(getattr(self, name)):
+                raise SiclError(f"CalibrationConfig: {name} must be finite, got {getattr(self, name)}")
+        for ok, msg in checks:
+            if not ok:
+                raise SiclError(f"CalibrationConfig: {msg}")
+
+    @property
+    def mu_eff(self) -> float:
+        return self.mu * (1.0 if self.scale is None else self.scale)
+
+    @property
+    def eta_eff(self) -> float:
+        return self.eta * (1.0 if self.scale is None else self.scale)
+
+    @property
+    def batch(self) -> int:
+        return batch_size(self.N, self.estimator)
+
+    def replace(self, **kw) -> "CalibrationConfig":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def for_model(cls, lm, **overrides) -> "CalibrationConfig":
+        """The preset of the model's family, N=8 under 1B parameters, then `overrides` (None values ignored)."""
+        base = dict(PRESETS[preset_name(lm.family)])
+        if sum(p.numel() for p in lm.model.parameters()) < 1e9:
+            base["N"] = 8
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+
+# The paper's settings for its three models. It reports one shared setting, with the mu / eta grids scaled per
+# model by the embedding scale (applied at run time through `scale`), so the presets hold the same numbers.
+_PAPER = dict(mu=0.004, N=16, eta=0.05, kappa=0.2, tau=0.05, patience=5, max_steps=250)
+PRESETS: dict[str, dict] = {"llama": dict(_PAPER), "qwen3": dict(_PAPER), "gemma2": dict(_PAPER)}
+_FAMILY_PRESET = {"llama": "llama", "qwen2": "qwen3", "qwen3": "qwen3", "gemma": "gemma2", "gemma2": "gemma2",
+                  "gemma3": "gemma2", "gemma3_text": "gemma2"}
+
+
+def preset_name(family: str) -> str:
+    """Model family (config.model_type) -> preset; Llama's for anything else."""
+    return _FAMILY_PRESET.get(family, "llama")
+
+
+@dataclass
+class CalibrationResult:
+    """What one calibration returns. embeddings: [L, d] float32, the best X found (X0 when gated)."""
+
+    embeddings: torch.Tensor
+    initial_proxy: float
+    best_proxy: float
+    steps: int  # batched forwards run
+    best_step: int  # 0-based step whose X is returned
+    gated: bool
+    stop_reason: str  # "gate", "patience", "max_steps", "snr"
+    history: list[float] = field(default_factory=list)  # f0 at every step
+    seconds: float = 0.0
+    projections: int = 0  # how often the cosine projection fired
+    config: CalibrationConfig | None = None
+
+    def summary(self) -> dict:
+        return {"initial_proxy": self.initial_proxy, "best_proxy": self.best_proxy, "steps": self.steps,
+                "best_step": self.best_step, "gated": self.gated, "stop_reason": self.stop_reason,
+                "seconds": round(self.seconds, 4), "projections": self.projections}
+
+
+class Calibrator:
+    """Runs Algorithm 1 for a prompt on a backend. `ops` does the tensor work of a step (TorchOps by default)."""
+
+    def __init__(self, backend, config: CalibrationConfig, ops=None) -> None:
+        self.backend = backend
+        self.config = config if config.scale is not None else config.replace(scale=backend.lm.embedding_scale)
+        self.ops = ops if ops is not None else default_ops(backend.device)
+
+    def proxy_of(self, batch: torch.Tensor, prompt: Prompt):
+        """f and its parts for a batch [B, n, d] of embeddings."""
+        cfg = self.config
+        lp = self.backend.span_logprobs(batch, prompt)
+        return proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q)
+
+    def run(
+        self,
+        prompt: Prompt,
+        X0: torch.Tensor | None = None,
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> CalibrationResult:
+        """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        X0 = (self.backend.embed(prompt) if X0 is None else X0).float()
+        if X0.shape[0] != prompt.length:
+            raise SiclError(f"request {prompt.id!r}: X0 has {X0.shape[0]} rows, the prompt has {prompt.length} tokens")
+        if not bool(torch.isfinite(X0).all()):
+            row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
+            raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
+        a, b = prompt.demo_start, prompt.demo_end
+        check_counter_range(cfg.N, b - a, X0.shape[1])
+        X = X0.clone()
+        best_X, best_f, best_step = X0, -math.inf, 0
+        history: list[float] = []
+        since_best = low_snr = projections = 0
+        initial = math.nan
+        stop = "max_steps"
+        steps = 0
+        for step in range(cfg.max_steps):
+            batch = self.ops.perturb(X, step, cfg, a, b)  # [B, b, d]
+            f = self.proxy_of(batch, prompt).f  # [B]
+            steps += 1
+            f0 = float(f[0])
+            if not math.isfinite(f0):
+                raise NumericalError(f"request {prompt.id!r}: the proxy is {f0} at step {step}")
+            history.append(f0)
+            if on_step is not None:
+                on_step(step, f0)
+            if step == 0:
+                initial = f0
+                if f0 < cfg.tau:
+                    stop = "gate"
+                    best_f = f0
+                    break
+            if f0 > best_f:
+                best_X, best_f, best_step, since_best = X, f0, step, 0
+            else:
+                since_best += 1
+            if cfg.patience and since_best >= cfg.patience:
+                stop = "patience"
+                break
+            if cfg.snr_threshold > 0 and snr(f, cfg.mu_eff, cfg.estimator) < cfg.snr_threshold:
+                # noise-dominated estimate: skip the update; give up after `patience` such steps in a row
+                low_snr += 1
+                if low_snr >= max(cfg.patience, 1):
+                    stop = "snr"
+                    break
+                continue
+            low_snr = 0
+            if step == cfg.max_steps - 1:
+                break  # the next X would never be evaluated
+            X, fired = self.ops.update(X, X0, f, step, cfg, a, b)
+            projections += int(fired)
+        return CalibrationResult(
+            embeddings=best_X.clone(),
+            initial_proxy=initial,
+            best_proxy=best_f,
+            steps=steps,
+            best_step=best_step,
+            gated=stop == "gate",
+            stop_reason=stop,
+            history=history,
+            seconds=time.perf_counter() - t0,
+            projections=projections,
+            config=cfg,
+        )
+
+
+__all__ = ["CalibrationConfig", "CalibrationResult", "Calibrator", "PRESETS", "preset_name", "cosine"]

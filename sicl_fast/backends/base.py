@@ -1,0 +1,61 @@
+"""The backend interface: batched span log-probabilities (and greedy generation) from prompt embeddings.
+
+A backend knows nothing of the ascent: it maps a batch of embedding matrices to the log-probabilities of the
+demonstrated output tokens. The ascent knows nothing of a backend's insides.
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ..errors import NumericalError, SiclError
+from ..spans import Prompt
+
+
+class Backend(abc.ABC):
+    """Base class. `lm` is a `sicl_fast.models.LoadedModel`."""
+
+    name: str = "base"
+
+    def __init__(self, lm) -> None:
+        self.lm = lm
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    def embed(self, prompt: Prompt) -> torch.Tensor:
+        """X0 [L, d] float32: what the model's input-embedding module returns for the prompt's tokens."""
+        with torch.no_grad():
+            ids = prompt.input_ids.to(self.device)
+            return self.lm.model.get_input_embeddings()(ids).float()
+
+    @abc.abstractmethod
+    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+        """embeds [B, n, d] (rows 0..n-1 of the prompt, n >= prompt.demo_end; float32 or the model's dtype)
+        -> [B, P] float32 log p(target_t | x_<t) at the prompt's span positions."""
+
+    def check_embeds(self, embeds: torch.Tensor, prompt: Prompt) -> None:
+        """Shape and value checks shared by every backend; raise with what is wrong."""
+        if embeds.dim() != 3:
+            raise SiclError(f"request {prompt.id!r}: embeddings must be [B, n, d], got shape {tuple(embeds.shape)}")
+        d = self.lm.hidden_size
+        if embeds.shape[2] != d:
+            raise SiclError(f"request {prompt.id!r}: embeddings have width {embeds.shape[2]}, the model needs {d}")
+        if embeds.shape[1] < prompt.demo_end:
+            raise SiclError(
+                f"request {prompt.id!r}: embeddings cover {embeds.shape[1]} rows, the output spans end at row "
+                f"{prompt.demo_end}"
+            )
+        if not bool(torch.isfinite(embeds).all()):
+            bad = torch.nonzero(~torch.isfinite(embeds))[0].tolist()
+            raise NumericalError(
+                f"request {prompt.id!r}: embeddings contain NaN or inf (first at batch {bad[0]}, row {bad[1]})"
+            )
+
+    def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(), stop_fn=None):
+        """Greedy answer from prompt embeddings [L, d] (calibrated demos + original query)."""
+        from ..generate import greedy_generate
+
+        return greedy_generate(self.lm, embeds, max_new_tokens=max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn)

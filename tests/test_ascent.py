@@ -1,0 +1,173 @@
+"""Algorithm 1 on a tiny random-weight Llama: repeatability, monotone best, untouched rows, projection, gate."""
+import math
+
+import pytest
+import torch
+
+from conftest import synthetic_prompt
+from sicl_fast import zo
+from sicl_fast.ascent import CalibrationConfig, Calibrator, preset_name
+from sicl_fast.backends import make_backend
+from sicl_fast.errors import NumericalError, SiclError
+from sicl_fast.rng import directions
+
+# tau=0 so the gate never fires on a random model; scale=1: absolute units; big steps so things move
+BASE = CalibrationConfig(N=4, mu=0.01, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=6, seed=3, scale=1.0)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    p = synthetic_prompt(36, [(6, 9), (14, 16), (22, 26)], a=4, vocab=tiny_llama.config.vocab_size, seed=5)
+    return make_backend("hf", tiny_llama), p
+
+
+def test_seeded_run_is_bit_for_bit_repeatable(setup):
+    hf, p = setup
+    r1 = Calibrator(hf, BASE).run(p)
+    r2 = Calibrator(hf, BASE).run(p)
+    assert r1.history == r2.history and len(r1.history) == 6
+    assert torch.equal(r1.embeddings, r2.embeddings)
+    r3 = Calibrator(hf, BASE.replace(seed=4)).run(p)
+    assert r3.history[1:] != r1.history[1:]
+
+
+def test_never_worse_than_initial_and_best_is_max_of_history(setup):
+    hf, p = setup
+    for seed in range(3):
+        r = Calibrator(hf, BASE.replace(seed=seed, eta=2.0)).run(p)
+        assert r.best_proxy >= r.initial_proxy
+        assert r.best_proxy == max(r.history) and r.history[r.best_step] == r.best_proxy
+        # the returned embeddings really score best_proxy
+        f = Calibrator(hf, BASE).proxy_of(r.embeddings.unsqueeze(0), p).f
+        assert float(f[0]) == pytest.approx(r.best_proxy, abs=1e-6)
+
+
+def test_query_and_prefix_rows_untouched_without_projection(setup):
+    hf, p = setup
+    X0 = hf.embed(p)
+    r = Calibrator(hf, BASE.replace(kappa=0.0, eta=0.05)).run(p)
+    assert r.projections == 0 and r.best_step > 0
+    a, b = p.demo_start, p.demo_end
+    assert torch.equal(r.embeddings[:a], X0[:a]) and torch.equal(r.embeddings[b:], X0[b:])
+    assert not torch.equal(r.embeddings[a:b], X0[a:b])
+
+
+def test_projection_fires_and_lands_on_kappa(setup):
+    hf, p = setup
+    X0 = hf.embed(p)
+    # unit-norm rows times a huge eta drive cos(X, X0) far below kappa; every update projects back onto kappa
+    r = Calibrator(hf, BASE.replace(eta=50.0, kappa=0.9, grad_mode="normalize")).run(p)
+    assert r.projections > 0
+    if r.best_step > 0:
+        assert zo.cosine(r.embeddings, X0) == pytest.approx(0.9, abs=1e-5)
+        # the whole-matrix projection rescales the query rows too (as the reference does)
+        assert not torch.equal(r.embeddings[p.demo_end:], X0[p.demo_end:])
+
+
+def test_projection_scope_demos_keeps_other_rows(setup):
+    hf, p = setup
+    X0 = hf.embed(p)
+    r = Calibrator(hf, BASE.replace(eta=50.0, kappa=0.9, grad_mode="normalize", projection_scope="demos")).run(p)
+    assert r.projections > 0 and r.best_step > 0
+    a, b = p.demo_start, p.demo_end
+    assert torch.equal(r.embeddings[:a], X0[:a]) and torch.equal(r.embeddings[b:], X0[b:])
+    assert zo.cosine(r.embeddings[a:b], X0[a:b]) == pytest.approx(0.9, abs=1e-5)
+
+
+def test_project_cosine_geometry():
+    torch.manual_seed(0)
+    X0 = torch.randn(7, 5)
+    for X in (torch.randn(7, 5), -X0 + 0.1 * torch.randn(7, 5)):
+        out, fired = zo.project_cosine(X, X0, 0.3)
+        assert fired
+        assert zo.cosine(out, X0) == pytest.approx(0.3, abs=1e-6)
+        assert float(out.norm()) == pytest.approx(float(X.norm()), rel=1e-6)
+    same, fired = zo.project_cosine(X0 * 2, X0, 0.3)
+    assert not fired and torch.equal(same, X0 * 2)
+
+
+def test_gate_returns_x0(setup):
+    hf, p = setup
+    r = Calibrator(hf, BASE.replace(tau=0.99)).run(p)
+    assert r.gated and r.stop_reason == "gate" and r.steps == 1
+    assert r.best_proxy == r.initial_proxy < 0.99
+    assert torch.equal(r.embeddings, hf.embed(p))
+
+
+def test_patience_stops(setup):
+    hf, p = setup
+    # eta=0: X never changes, f0 never improves after step 0
+    r = Calibrator(hf, BASE.replace(eta=0.0, patience=2, max_steps=50)).run(p)
+    assert r.stop_reason == "patience" and r.steps == 3 and r.best_step == 0
+
+
+def test_gradient_estimators_match_hand_formula():
+    torch.manual_seed(0)
+    U = torch.randn(3, 4, 5)
+    f = torch.tensor([0.5, 0.6, 0.4, 0.55])
+    g = zo.estimate_gradient(f, U, 0.1, "forward")
+    ref = sum((f[1 + i] - f[0]) / 0.1 * U[i] for i in range(3)) / 3
+    torch.testing.assert_close(g, ref)
+    fc = torch.tensor([0.5, 0.6, 0.4, 0.7, 0.3, 0.52, 0.5])
+    gc = zo.estimate_gradient(fc, U, 0.1, "central")
+    refc = sum((fc[1 + 2 * i] - fc[2 + 2 * i]) / 0.2 * U[i] for i in range(3)) / 3
+    torch.testing.assert_close(gc, refc)
+    X = torch.randn(6, 5)
+    batch = zo.perturb(X, U, 0.1, 1, 5, "central")
+    assert batch.shape == (7, 5, 5)
+    torch.testing.assert_close(batch[1, 1:5], X[1:5] + 0.1 * U[0])
+    torch.testing.assert_close(batch[2, 1:5], X[1:5] - 0.1 * U[0])
+    assert torch.equal(batch[:, 0], X[0].expand(7, -1))
+
+
+def test_clip_and_normalize_rows():
+    g = torch.tensor([[3.0, 4.0], [0.3, 0.4]])
+    torch.testing.assert_close(zo.clip_rows(g), torch.tensor([[0.6, 0.8], [0.3, 0.4]]), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(zo.normalize_rows(g), torch.tensor([[0.6, 0.8], [0.6, 0.8]]), rtol=1e-6, atol=1e-7)
+
+
+def test_central_normalize_and_snr_options_run(setup):
+    hf, p = setup
+    r = Calibrator(hf, BASE.replace(estimator="central", grad_mode="normalize", max_steps=3)).run(p)
+    assert r.steps == 3 and r.best_proxy >= r.initial_proxy
+    r = Calibrator(hf, BASE.replace(snr_threshold=1e9, patience=2, max_steps=20)).run(p)
+    assert r.stop_reason == "snr" and r.steps == 2  # every estimate is "noise": no update, stop after 2 in a row
+
+
+def test_directions_are_counter_based_and_standard_normal():
+    U = directions(7, 2, 4, 50, 30)
+    assert torch.equal(U, directions(7, 2, 4, 50, 30))
+    assert not torch.equal(U, directions(7, 3, 4, 50, 30))
+    # direction i does not depend on how many directions were drawn
+    assert torch.equal(U[:2], directions(7, 2, 2, 50, 30))
+    big = directions(1, 0, 1, 1000, 200).flatten()
+    assert abs(float(big.mean())) < 0.01 and abs(float(big.std()) - 1) < 0.01
+
+
+def test_config_validation_and_presets(tiny_llama):
+    with pytest.raises(SiclError, match="mu must be > 0"):
+        CalibrationConfig(mu=0)
+    with pytest.raises(SiclError, match="estimator"):
+        CalibrationConfig(estimator="backward")
+    with pytest.raises(SiclError, match="seed"):
+        CalibrationConfig(seed=-1)
+    with pytest.raises(SiclError, match="finite"):
+        CalibrationConfig(eta=math.nan)
+    assert preset_name("qwen3") == "qwen3" and preset_name("gemma2") == "gemma2" and preset_name("mpt") == "llama"
+    cfg = CalibrationConfig.for_model(tiny_llama, max_steps=3, mu=None)
+    assert cfg.N == 8 and cfg.max_steps == 3 and cfg.mu == 0.004  # small model: N = 8; None keeps the preset
+
+
+def test_scale_defaults_to_embedding_scale(setup):
+    hf, _ = setup
+    cal = Calibrator(hf, CalibrationConfig())
+    s = hf.lm.embedding_scale
+    assert cal.config.scale == pytest.approx(s) and cal.config.mu_eff == pytest.approx(0.004 * s)
+
+
+def test_nan_initial_embeddings_are_rejected(setup):
+    hf, p = setup
+    X0 = hf.embed(p)
+    X0[9, 0] = float("nan")
+    with pytest.raises(NumericalError, match=r"row 9"):
+        Calibrator(hf, BASE).run(p, X0=X0)

@@ -1,0 +1,101 @@
+"""hf backend: truncated forward + span-only head == full logits, log_softmax over V, gather (float32, 1e-5)."""
+import pytest
+import torch
+
+from conftest import synthetic_prompt
+from sicl_fast.backends import make_backend
+from sicl_fast.errors import NumericalError, SiclError
+from sicl_fast.logprobs import gather_logprobs_chunked
+from sicl_fast.models import from_transformers
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def full_logits_reference(lm, X, prompt):
+    """The naive form, written out: full sequence, full [B, L, V] logits, log_softmax, gather."""
+    logits = lm.model(inputs_embeds=X).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp[:, prompt.positions - 1, prompt.targets]
+
+
+def perturbed_batch(X, B, a, b, scale=0.01, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    batch = X.unsqueeze(0).repeat(B, 1, 1)
+    batch[1:, a:b] += scale * torch.randn(B - 1, b - a, X.shape[1], generator=g)
+    return batch
+
+
+def test_tiny_llama_matches_full_logits(tiny_llama):
+    lm = tiny_llama
+    p = synthetic_prompt(40, [(5, 9), (14, 15), (20, 27)], a=3, vocab=lm.config.vocab_size)
+    hf = make_backend("hf", lm)
+    X = perturbed_batch(hf.embed(p), 5, p.demo_start, p.demo_end)
+    with torch.no_grad():
+        ref = full_logits_reference(lm, X, p)
+    got = hf.span_logprobs(X, p)
+    assert got.shape == (5, 12) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, **TOL)
+    torch.testing.assert_close(make_backend("naive", lm).span_logprobs(X, p), ref, **TOL)
+    # rows after demo_end (the query) do not matter: the backend never runs them
+    X2 = X.clone()
+    X2[:, p.demo_end:] = 1e3
+    torch.testing.assert_close(hf.span_logprobs(X2, p), got, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_full_logits(smol):
+    from sicl_fast.requests import parse_request
+    from sicl_fast.spans import tokenize
+
+    req = parse_request({"id": "s", "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"},
+                                              {"input": "ten", "output": "10"}], "query": "two"})
+    p = tokenize(req, smol.tokenizer)
+    hf = make_backend("hf", smol)
+    X = perturbed_batch(hf.embed(p), 3, p.demo_start, p.demo_end, scale=0.005)
+    with torch.no_grad():
+        ref = full_logits_reference(smol, X, p)
+    torch.testing.assert_close(hf.span_logprobs(X, p), ref, **TOL)
+
+
+def test_gemma2_softcap_matches_full_logits():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                       final_logit_softcapping=5.0, attn_logit_softcapping=20.0)
+    model = Gemma2ForCausalLM(cfg)
+    model.config._attn_implementation = "eager"
+    lm = from_transformers(model, tokenizer=None, name="tiny-gemma2")
+    assert lm.final_softcap == 5.0
+    p = synthetic_prompt(30, [(4, 8), (12, 20)], a=2, vocab=300, seed=3)
+    hf = make_backend("hf", lm)
+    X = perturbed_batch(hf.embed(p), 3, p.demo_start, p.demo_end)
+    with torch.no_grad():
+        ref = full_logits_reference(lm, X, p)
+    torch.testing.assert_close(hf.span_logprobs(X, p), ref, **TOL)
+
+
+def test_chunked_head_equals_unchunked():
+    torch.manual_seed(0)
+    h, w, t = torch.randn(3, 11, 16), torch.randn(97, 16), torch.randint(0, 97, (11,))
+    ref = torch.log_softmax(h @ w.t(), -1).gather(-1, t.view(1, -1, 1).expand(3, -1, 1)).squeeze(-1)
+    torch.testing.assert_close(gather_logprobs_chunked(h, w, t, max_elems=97 * 3 * 2), ref, **TOL)
+    capped = torch.log_softmax(3 * torch.tanh(h @ w.t() / 3), -1).gather(-1, t.view(1, -1, 1).expand(3, -1, 1))
+    torch.testing.assert_close(gather_logprobs_chunked(h, w, t, softcap=3.0), capped.squeeze(-1), **TOL)
+
+
+def test_bad_embeddings_are_named(tiny_llama):
+    p = synthetic_prompt(20, [(5, 9)], a=2, vocab=tiny_llama.config.vocab_size)
+    hf = make_backend("hf", tiny_llama)
+    X = hf.embed(p).unsqueeze(0)
+    bad = X.clone()
+    bad[0, 7, 3] = float("nan")
+    with pytest.raises(NumericalError, match=r"NaN or inf \(first at batch 0, row 7\)"):
+        hf.span_logprobs(bad, p)
+    with pytest.raises(SiclError, match="cover 6 rows"):
+        hf.span_logprobs(X[:, :6], p)
+    with pytest.raises(SiclError, match="width"):
+        hf.span_logprobs(X[..., :8], p)
+    with pytest.raises(SiclError, match="unknown backend"):
+        make_backend("nope", tiny_llama)

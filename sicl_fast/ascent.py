@@ -49,6 +49,7 @@ class CalibrationConfig:
     clip_norm: float = 1.0
     snr_threshold: float = 0.0  # > 0: skip the update when |mean|/std of the differences is below it
     projection_scope: str = "prompt"  # "prompt": the whole matrix, as the reference; "demos": rows [a, b) only
+    perturb_query: bool = False  # ablation: perturb rows [a, L) (the query too) instead of [a, b)
     scale: float | None = None  # None: the model's embedding scale
 
     def __post_init__(self) -> None:
@@ -163,7 +164,8 @@ class Calibrator:
         if not bool(torch.isfinite(X0).all()):
             row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
             raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
-        a, b = prompt.demo_start, prompt.demo_end
+        # perturbed rows [a, b); the forward always reads rows [0, demo_end) only
+        a, b = prompt.demo_start, prompt.length if cfg.perturb_query else prompt.demo_end
         check_counter_range(cfg.N, b - a, X0.shape[1])
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0

@@ -30,6 +30,10 @@ def _config_flags(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(CalibrationConfig)
     for f in dataclasses.fields(CalibrationConfig):
         typ = hints[f.name]
+        if typ is bool:
+            g.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_const", const=True,
+                           default=None, help=f"(preset: {f.default})")
+            continue
         conv = float if typ in (float, typing.Optional[float]) else int if typ is int else str
         names = [f"--{f.name.replace('_', '-')}"]
         if f.name == "N":

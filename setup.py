@@ -39,7 +39,8 @@ if Pybind11Extension is not None and sources:
             "sicl_fast._C",
             sources,
             cxx_std=17,
-            extra_compile_args=["-O3", "-fopenmp"],
+            # -ffp-contract=off: no fused multiply-adds, so the Philox normals are bit-identical to the Triton kernels
+            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
         )
     )

@@ -22,7 +22,7 @@ import torch
 
 from .errors import NumericalError, SiclError
 from .fused import default_ops
-from .proxy import proxy
+from .fused import proxy as fused_proxy
 from .rng import check_counter_range
 from .spans import Prompt
 from .zo import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, batch_size, cosine, snr
@@ -147,7 +147,7 @@ class Calibrator:
         """f and its parts for a batch [B, n, d] of embeddings."""
         cfg = self.config
         lp = self.backend.span_logprobs(batch, prompt)
-        return proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q)
+        return fused_proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q)
 
     def run(
         self,

@@ -47,7 +47,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help=f"default: the embedded SmolLM2-135M. Also: {HOW_TO_POINT}")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    g.add_argument("--backend", default="auto", help="auto, hf, naive")
+    g.add_argument("--backend", default="auto", help="auto (fast when the family is supported, else hf), fast, hf, naive")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
 

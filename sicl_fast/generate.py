@@ -35,7 +35,8 @@ def cut_at_stops(text: str, stop_strings: Sequence[str]) -> str:
     return body[:cut].strip()
 
 
-def _stopped(text: str, stop_strings: Sequence[str], stop_fn) -> bool:
+def stop_reached(text: str, stop_strings: Sequence[str], stop_fn) -> bool:
+    """True when the decoded text (leading whitespace removed) holds a stop string, or stop_fn(text) says so."""
     body = text.lstrip()
     if any(s and s in body for s in stop_strings):
         return True
@@ -77,7 +78,7 @@ def greedy_generate(
                 break
             out.token_ids.append(nxt)
             out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            if _stopped(out.text, stop_strings, stop_fn):
+            if stop_reached(out.text, stop_strings, stop_fn):
                 out.stop_reason = "stop_string"
                 break
             if len(out.token_ids) == max_new_tokens:

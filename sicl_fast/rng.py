@@ -10,7 +10,9 @@ Keying (shared by all paths):
     U[i, r, c]     = Box-Muller(first two 32-bit outputs), first (cosine) branch, in float32
 
 Integers: the Philox words and the int -> uniform map are exactly those of Triton's `tl.randint4x` /
-`uint_to_uniform_float` (the kernels call `tl.randint4x`).
+`uint_to_uniform_float` (the kernels call `tl.randint4x`). The normals themselves are not `tl.randn`'s: that one
+uses the platform's log / cos, whose last bits differ between the interpreter (numpy), the GPU (libdevice),
+torch and C++; the kernels never call `tl.randn`.
 
 Floats: the Box-Muller transform does NOT use a libm log / cos (torch, numpy, CUDA's libdevice and glibc all
 round those differently, so the outputs would differ by an ulp here and there). Every path instead evaluates
@@ -27,8 +29,9 @@ bit casts), defined by `box_muller` below:
 
 With no FMA contraction (Triton kernels are launched with enable_fp_fusion=False and use div_rn / sqrt_rn; the
 C++ code is compiled with fp-contract off) every path yields the same bits. (torch's own float32 sqrt is not
-correctly rounded on AVX-512 CPUs, so this reference takes the float64 sqrt and rounds it to float32, which is.) The polynomials are more accurate
-than float32 libm on the rounded argument 2 pi u2; the normal-quality tests check mean / variance / tails.
+correctly rounded on AVX-512 CPUs, so this reference takes the float64 sqrt and rounds it to float32, which is.)
+The polynomials are more accurate than float32 libm on the rounded argument 2 pi u2; the normal-quality tests
+check mean / variance / tails / Kolmogorov-Smirnov (tests/test_kernel_rng.py).
 """
 from __future__ import annotations
 

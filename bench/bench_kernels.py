@@ -1,0 +1,128 @@
+"""CPU benchmarks of the hot ops: proxy and perturb+update (C++ extension vs torch reference), and the LM head at
+the span positions (chunked log-sum-exp vs full [B, P, V] logits). SmolLM2-135M shapes (d 576, V 49152).
+
+Run (pytest-benchmark; not collected by the normal test run):
+
+    PYTHONPATH=. python -m pytest bench/bench_kernels.py --benchmark-only -q \
+        --benchmark-columns=min,mean,max,rounds --benchmark-sort=name
+
+Time: pytest-benchmark (wall clock, `rounds` calls after one warm-up). Peak memory: from the torch profiler's
+memory events (profile_memory=True): the highest running sum of tensor allocations minus frees during one call,
+above the level at its start, stored in each result's extra_info["peak_mb"] and printed at the end. It sees every
+torch tensor (the C++ ops' outputs included) but not the C++ code's own small scratch vectors (one [d] row per
+thread and three [L] float64 arrays). Build the extension first (python setup.py build_ext --inplace); the C++
+cases skip without it. The Triton kernels are benchmarked on a GPU by bench/gpu_kernels.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sicl_fast import cpp_ops, zo
+from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.logprobs import gather_logprobs_chunked
+from sicl_fast.proxy import proxy as torch_proxy
+from sicl_fast.proxy import span_offsets
+
+D, V = 576, 49152  # SmolLM2-135M
+PEAKS: dict[str, float] = {}
+
+
+def peak_mb(fn) -> float:
+    """Peak tensor memory (MB) of one call above its starting level, from torch profiler memory events."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    cur = peak = 0
+    for e in events:
+        cur += e.self_cpu_memory_usage
+        peak = max(peak, cur)
+    return peak / 1e6
+
+
+def run(benchmark, name: str, fn, rounds: int):
+    mb = peak_mb(fn)
+    PEAKS[name] = mb
+    benchmark.extra_info["peak_mb"] = round(mb, 2)
+    benchmark.pedantic(fn, rounds=rounds, warmup_rounds=1, iterations=1)
+
+
+need_cpp = pytest.mark.skipif(not cpp_ops.available(), reason=f"sicl_fast._C not built; {cpp_ops.BUILD_HINT}")
+
+
+# ---------------------------------------------------------------- proxy
+PROXY_CASES = {"B9-P64-T8": (9, [8] * 8), "B33-P512-T16": (33, [32] * 16)}
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
+@pytest.mark.parametrize("case", list(PROXY_CASES))
+def test_proxy(benchmark, impl, case):
+    B, lengths = PROXY_CASES[case]
+    benchmark.group = f"proxy {case}"
+    lp = -torch.rand(B, sum(lengths), generator=torch.Generator().manual_seed(0)) * 5
+    offs = span_offsets(lengths)
+    fn = (lambda: torch_proxy(lp, offs)) if impl == "torch" else (lambda: cpp_ops.proxy(lp, offs))
+    run(benchmark, f"proxy {case} {impl}", fn, rounds=50)
+
+
+# ---------------------------------------------------------------- perturb + update
+STEP_CASES = {"N8-fwd": dict(N=8), "N16-fwd": dict(N=16), "N16-central": dict(N=16, estimator="central")}
+L, A, B_END = 160, 10, 140  # a prompt of 160 tokens, 130 perturbed rows
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_perturb_update(benchmark, impl, case):
+    cfg = CalibrationConfig(mu=0.01, eta=0.05, kappa=0.2, seed=1, scale=1.0, **STEP_CASES[case])
+    benchmark.group = f"perturb+update {case} L{L} R{B_END - A} d{D}"
+    g = torch.Generator().manual_seed(0)
+    X0 = torch.randn(L, D, generator=g)
+    X = X0 + 0.01 * torch.randn(L, D, generator=g)
+    f = torch.rand(cfg.batch, generator=g)
+    ops = zo.TorchOps() if impl == "torch" else cpp_ops.CppOps()
+
+    def step():
+        ops.perturb(X, 3, cfg, A, B_END)
+        ops.update(X, X0, f, 3, cfg, A, B_END)
+
+    run(benchmark, f"perturb+update {case} {impl}", step, rounds=5 if impl == "cpp" else 3)
+
+
+# ---------------------------------------------------------------- span head
+SPAN_B, SPAN_P = 9, 64
+
+
+@pytest.fixture(scope="module")
+def head():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(SPAN_B, SPAN_P, D, generator=g)
+    w = torch.randn(V, D, generator=g) * 0.05
+    t = torch.randint(0, V, (SPAN_P,), generator=g)
+    return h, w, t
+
+
+def full_logits(h, w, t):
+    logp = torch.log_softmax(torch.matmul(h, w.t()).float(), dim=-1)  # [B, P, V]
+    return logp.gather(-1, t.view(1, -1, 1).expand(h.shape[0], -1, 1)).squeeze(-1)
+
+
+SPAN_IMPLS = {
+    "full-logits": full_logits,
+    "chunked-default": lambda h, w, t: gather_logprobs_chunked(h, w, t),  # max_elems 2**25: one chunk here
+    "chunked-4M": lambda h, w, t: gather_logprobs_chunked(h, w, t, max_elems=1 << 22),
+}
+
+
+@pytest.mark.parametrize("impl", list(SPAN_IMPLS))
+def test_span_head(benchmark, head, impl):
+    h, w, t = head
+    benchmark.group = f"span head B{SPAN_B} P{SPAN_P} d{D} V{V}"
+    run(benchmark, f"span head {impl}", lambda: SPAN_IMPLS[impl](h, w, t), rounds=3)
+
+
+def teardown_module(module):
+    if PEAKS:
+        print("\npeak tensor memory per call (torch profiler):")
+        for name, mb in PEAKS.items():
+            print(f"  {name:40s} {mb:9.2f} MB")

@@ -1,0 +1,85 @@
+"""Shared launcher helpers: argument checks with clear errors, interpreter detection, launch options."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import triton
+
+from sicl_fast.errors import SiclError
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# The RNG / update kernels must evaluate exactly the op sequence of sicl_fast.rng: no FMA contraction.
+EXACT = {"enable_fp_fusion": False}
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(*tensors: torch.Tensor, op: str) -> torch.device:
+    """All tensors on one device; CUDA, or the CPU under TRITON_INTERPRET=1."""
+    dev = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != dev:
+            raise SiclError(f"{op}: tensors are on different devices ({dev} and {t.device})")
+    if dev.type != "cuda" and not interpreting():
+        raise SiclError(
+            f"{op}: the Triton kernel needs CUDA tensors (got {dev}); on the CPU set TRITON_INTERPRET=1 before "
+            "triton is imported, or use the torch / C++ path"
+        )
+    return dev
+
+
+def check_shape(t: torch.Tensor, shape: tuple, name: str, op: str) -> None:
+    """shape entries: ints, or None for 'any'."""
+    if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise SiclError(f"{op}: {name} must have shape {want}, got {list(t.shape)}")
+
+
+def check_dtype(t: torch.Tensor, dtypes, name: str, op: str) -> None:
+    if not isinstance(dtypes, (tuple, list)):
+        dtypes = (dtypes,)
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise SiclError(f"{op}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def f32(x: float) -> float:
+    """x rounded to float32 (as a python float), so every path converts the same value exactly."""
+    return float(np.float32(x))
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into a python int with int(ndarray of shape (1,)), which
+    NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted"); `range(0, d, BLOCK)` over a kernel
+    argument then fails. Wrap its tensor patcher so __index__ takes the single element. No-op when not needed."""
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return  # this NumPy still converts size-1 arrays
+    except TypeError:
+        pass
+    from triton.runtime import interpreter as _interp
+
+    orig = getattr(_interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_sicl_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._sicl_patched = True
+    _interp._patch_lang_tensor = patched
+
+
+if interpreting():
+    _patch_interpreter_index()

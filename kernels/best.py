@@ -1,0 +1,86 @@
+"""Best-so-far bookkeeping of the ascent on the device (for a loop with no host sync, e.g. a CUDA graph).
+
+State (all device tensors, see `BestState`):
+    best_X [L, d] float32      the X with the highest f0 seen
+    best_f [1] float32         its f0 (starts at -inf)
+    counters [3] int32         (steps without improvement, step of best_X, steps seen)
+
+`track_best(f, X, state)` applies one step of Algorithm 1's bookkeeping:
+    if f[0] > best_f:  best_f = f[0];  best_X = X;  since = 0;  best_step = seen
+    else:              since += 1
+    seen += 1
+NaN f[0] counts as no improvement. Two launches (copy, then state) so no program reads best_f after another
+wrote it; both are capturable in a CUDA graph (no host values change between steps).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sicl_fast.errors import SiclError
+
+from ._utils import check_device, check_dtype, check_shape, interpreting
+
+
+@triton.jit
+def _best_copy_kernel(f_ptr, best_f_ptr, x_ptr, best_x_ptr, n, BLOCK: tl.constexpr):
+    f0 = tl.load(f_ptr).to(tl.float32)
+    best = tl.load(best_f_ptr)
+    if f0 > best:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(best_x_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _best_state_kernel(f_ptr, best_f_ptr, counters_ptr):
+    f0 = tl.load(f_ptr).to(tl.float32)
+    best = tl.load(best_f_ptr)
+    since = tl.load(counters_ptr)
+    best_step = tl.load(counters_ptr + 1)
+    seen = tl.load(counters_ptr + 2)
+    better = f0 > best
+    tl.store(best_f_ptr, tl.where(better, f0, best))
+    tl.store(counters_ptr, tl.where(better, 0, since + 1))
+    tl.store(counters_ptr + 1, tl.where(better, seen, best_step))
+    tl.store(counters_ptr + 2, seen + 1)
+
+
+class BestState:
+    """Device-resident best-so-far state for an [L, d] float32 X (see module docstring)."""
+
+    def __init__(self, X: torch.Tensor) -> None:
+        self.best_X = X.detach().clone().contiguous().float()
+        self.best_f = torch.full((1,), float("-inf"), dtype=torch.float32, device=X.device)
+        self.counters = torch.zeros(3, dtype=torch.int32, device=X.device)
+
+    # host reads (each one synchronises)
+    @property
+    def since_best(self) -> int:
+        return int(self.counters[0])
+
+    @property
+    def best_step(self) -> int:
+        return int(self.counters[1])
+
+    @property
+    def steps(self) -> int:
+        return int(self.counters[2])
+
+
+def track_best(f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState:
+    """One bookkeeping step on the device (module docstring). f: [B] (f[0] is X's proxy); X: [L, d] float32."""
+    op = "triton track_best"
+    check_device(f, X, state.best_X, op=op)
+    check_dtype(X, torch.float32, "X", op)
+    check_shape(X, tuple(state.best_X.shape), "X", op)
+    if f.numel() < 1:
+        raise SiclError(f"{op}: f is empty")
+    X = X.contiguous()
+    f = f.reshape(-1)
+    n = X.numel()
+    BLOCK = 1 << 16 if interpreting() else 2048
+    _best_copy_kernel[(triton.cdiv(n, BLOCK),)](f, state.best_f, X, state.best_X, n, BLOCK=BLOCK)
+    _best_state_kernel[(1,)](f, state.best_f, state.counters)
+    return state

@@ -1,0 +1,95 @@
+"""The perturbation batch of one ascent step, noise drawn in the kernel (sicl_fast.zo.perturb's function).
+
+    perturb(X [L, d] float32, seed, step, N, mu, a, b, estimator) -> out [B, b, d] float32
+
+Batch layout (sicl_fast.zo):
+    forward:  out[0] = X[:b],  out[1 + i] = X[:b] + mu U_i on rows [a, b)                       (B = N + 1)
+    central:  out[0] = X[:b],  out[1 + 2i] = X[:b] + mu U_i,  out[2 + 2i] = X[:b] - mu U_i        (B = 2N + 1)
+U_i[r, c] = randn(seed + step * 2**32, counter = i * R * d + r * d + c), R = b - a: the same bits as
+sicl_fast.rng.directions and the C++ extension. U is never stored.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sicl_fast.errors import SiclError
+from sicl_fast.rng import check_counter_range, step_seed
+from sicl_fast.zo import batch_size
+
+from ._utils import EXACT, check_device, check_dtype, check_shape, f32, interpreting
+from .randn import randn_f32
+
+
+@triton.jit(do_not_specialize=["seed64"])
+def _perturb_kernel(
+    x_ptr,  # [L, d] float32, contiguous
+    out_ptr,  # [B, n, d] float32, contiguous
+    seed64,  # seed + step * 2**32
+    n,  # rows per batch entry (b)
+    d,
+    a,
+    b,
+    mu,  # float32
+    CENTRAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    j = tl.program_id(0)  # batch row
+    pid = tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat index into [n, d]
+    total = n * d
+    mask = offs < total
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    dst = out_ptr + j.to(tl.int64) * total + offs
+    lo = a * d
+    hi = b * d
+    block_lo = pid * BLOCK
+    touches = (j > 0) & (block_lo < hi) & (block_lo + BLOCK > lo)
+    if touches:
+        if CENTRAL:
+            i = (j - 1) // 2
+            sign = 1.0 - 2.0 * ((j - 1) % 2).to(tl.float32)
+        else:
+            i = j - 1
+            sign = 1.0
+        R = b - a
+        counter = i * R * d + (offs - lo)
+        inside = (offs >= lo) & (offs < hi)
+        u = randn_f32(seed64, tl.where(inside, counter, 0))
+        step_ = mu * u
+        y = tl.where(sign > 0, x + step_, x - step_)
+        tl.store(dst, tl.where(inside, y, x), mask=mask)
+    else:
+        tl.store(dst, x, mask=mask)
+
+
+def perturb(X: torch.Tensor, seed: int, step: int, N: int, mu: float, a: int, b: int,
+            estimator: str = "forward", out: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+    """The perturbation batch [B, b, d] float32 (module docstring). X: [L, d] float32 on CUDA (or the CPU
+    under TRITON_INTERPRET=1). out: optional preallocated [B, b, d] float32 contiguous buffer. block: elements
+    per program (a power of two; default 1024, 4096 in the interpreter)."""
+    op = "triton perturb"
+    check_device(X, op=op)
+    check_dtype(X, torch.float32, "X", op)
+    check_shape(X, (None, None), "X", op)
+    L, d = X.shape
+    if N < 1:
+        raise SiclError(f"{op}: N must be >= 1, got {N}")
+    if not 0 <= a < b <= L:
+        raise SiclError(f"{op}: perturbed rows [a, b) = [{a}, {b}) must satisfy 0 <= a < b <= L = {L}")
+    check_counter_range(N, b - a, d)
+    B = batch_size(N, estimator)
+    X = X.contiguous()
+    if out is None:
+        out = torch.empty(B, b, d, dtype=torch.float32, device=X.device)
+    else:
+        check_shape(out, (B, b, d), "out", op)
+        check_dtype(out, torch.float32, "out", op)
+        if not out.is_contiguous():
+            raise SiclError(f"{op}: out must be contiguous")
+    BLOCK = block or (4096 if interpreting() else 1024)
+    grid = (B, triton.cdiv(b * d, BLOCK))
+    _perturb_kernel[grid](X, out, step_seed(seed, step), b, d, a, b, f32(mu), CENTRAL=estimator == "central",
+                          BLOCK=BLOCK, **EXACT)
+    return out

@@ -1,0 +1,103 @@
+"""The ICL confidence proxy, one program per batch row (sicl_fast.proxy.proxy's function).
+
+    proxy(logprobs [B, P] float (computed in float32), offsets [T+1] int64, alpha, beta, gamma, q)
+        -> ProxyOut(f [B], C [B], R [B], G [B], c [B, T])  float32
+
+    c_t = exp(mean of logprobs over span t)      C = mean_t c_t      G = mean_{t>=2} max(0, c_t - c_{t-1})
+    R   = q-quantile of exp(logprobs) over the P positions, linear interpolation exactly as torch.quantile
+          (rank = q * (P - 1) in float32, then torch.lerp's formula); the row is sorted with tl.sort after
+          padding to a power of two with +inf
+    f   = alpha C + beta R + gamma G
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sicl_fast.errors import NumericalError, SiclError
+from sicl_fast.proxy import ProxyOut, check_offsets
+
+from ._utils import check_device, check_dtype, check_shape, f32, next_pow2
+
+
+@triton.jit(do_not_specialize=["P", "T", "below", "above"])
+def _proxy_kernel(
+    lp_ptr, stride_b,  # [B, P] log-probs (any float dtype), row stride
+    off_ptr,  # [T+1] int64 on the device
+    f_ptr, C_ptr, R_ptr, G_ptr, c_ptr,  # outputs, float32: [B] x 4 and [B, T]
+    P, T,
+    alpha, beta, gamma,  # float32
+    rank,  # float32: q * (P - 1)
+    below, above,  # int32: floor(rank), ceil(rank)
+    BLOCK_P: tl.constexpr,
+):
+    row = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_P)
+    pm = idx < P
+    lp = tl.load(lp_ptr + row.to(tl.int64) * stride_b + idx, mask=pm, other=0.0).to(tl.float32)
+    # per-span confidences, C and G
+    c_sum = 0.0
+    g_sum = 0.0
+    c_prev = 0.0
+    for t in range(0, T):
+        s = tl.load(off_ptr + t).to(tl.int32)
+        e = tl.load(off_ptr + t + 1).to(tl.int32)
+        span = tl.sum(tl.where((idx >= s) & (idx < e), lp, 0.0), axis=0)
+        ct = tl.exp(span / (e - s).to(tl.float32))
+        tl.store(c_ptr + row.to(tl.int64) * T + t, ct)
+        c_sum += ct
+        g_sum += tl.where(t > 0, tl.maximum(ct - c_prev, 0.0), 0.0)
+        c_prev = ct
+    C = c_sum / T.to(tl.float32)
+    G = tl.where(T >= 2, g_sum / tl.maximum(T - 1, 1).to(tl.float32), 0.0)
+    # R: the q-quantile of the pooled probabilities
+    p = tl.where(pm, tl.exp(lp), float("inf"))
+    srt = tl.sort(p, 0)
+    v_lo = tl.sum(tl.where(idx == below, srt, 0.0), axis=0)
+    v_hi = tl.sum(tl.where(idx == above, srt, 0.0), axis=0)
+    w = rank - below.to(tl.float32)
+    R = tl.where(w < 0.5, v_lo + w * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - w))
+    tl.store(C_ptr + row, C)
+    tl.store(R_ptr + row, R)
+    tl.store(G_ptr + row, G)
+    tl.store(f_ptr + row, alpha * C + beta * R + gamma * G)
+
+
+def proxy(logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, beta: float = 0.3,
+          gamma: float = 0.1, q: float = 0.1, check_values: bool = True) -> ProxyOut:
+    """The proxy of every batch row (module docstring). logprobs on CUDA (or the CPU under TRITON_INTERPRET=1).
+
+    check_values: raise NumericalError on NaN / +inf log-probs as the reference does (one host sync);
+    False skips the check (for a loop that must not synchronise).
+    """
+    op = "triton proxy"
+    check_device(logprobs, op=op)
+    check_shape(logprobs, (None, None), "logprobs", op)
+    check_dtype(logprobs, (torch.float32, torch.bfloat16, torch.float16), "logprobs", op)
+    if not 0.0 <= q <= 1.0:
+        raise SiclError(f"q must be in [0, 1], got {q}")
+    B, P = logprobs.shape
+    offs_cpu = torch.as_tensor(offsets, dtype=torch.int64).cpu()
+    check_offsets(offs_cpu, P)
+    if check_values and (bool(torch.isnan(logprobs).any()) or bool((logprobs == float("inf")).any())):
+        raise NumericalError("span log-probabilities contain NaN or +inf")
+    T = offs_cpu.numel() - 1
+    dev = logprobs.device
+    on_dev = isinstance(offsets, torch.Tensor) and offsets.device == dev
+    offs = (offsets if on_dev else offs_cpu.to(dev)).to(torch.int64).contiguous()
+    if logprobs.stride(1) != 1:
+        logprobs = logprobs.contiguous()
+    f, C, R, G = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(4))
+    c = torch.empty(B, T, dtype=torch.float32, device=dev)
+    # torch.quantile: rank = q * (P - 1) in float32 (the input dtype), below = floor, above = ceil
+    rank = f32(f32(q) * f32(P - 1))
+    below = int(rank)
+    above = min(below + (1 if rank > below else 0), P - 1)
+    BLOCK_P = max(next_pow2(P), 2)
+    num_warps = 4 if BLOCK_P <= 1024 else 8
+    _proxy_kernel[(B,)](
+        logprobs, logprobs.stride(0), offs, f, C, R, G, c, P, T, f32(alpha), f32(beta), f32(gamma), rank, below,
+        above, BLOCK_P=BLOCK_P, num_warps=num_warps,
+    )
+    return ProxyOut(f=f, C=C, R=R, G=G, c=c)

@@ -1,0 +1,240 @@
+"""One zeroth-order ascent step with the noise regenerated in the kernel (sicl_fast.zo.update's function).
+
+    zo_update(X [L, d], X0 [L, d], f [B], seed, step, N, a, b, mu, eta, kappa, estimator, grad_mode,
+              clip_norm, projection_scope) -> (X_new [L, d] float32, fired: int32 [1] device tensor)
+
+    w_i = (f_{1+i} - f_0) / mu                   forward  (batch layout of sicl_fast.zo)
+    w_i = (f_{1+2i} - f_{2+2i}) / (2 mu)         central
+    g   = (sum_i w_i U_i) / N                    on rows [a, b), U_i regenerated from (seed, step) as in perturb
+    g_r <- g_r * min(1, clip / (|g_r| + 1e-8))   per token row ("clip"), or g_r / (|g_r| + 1e-8) ("normalize")
+    X_new = X;  X_new[a:b] += eta * g
+    if kappa > 0 and cos(X_new, X0) < kappa (over the whole matrix, or rows [a, b) for scope "demos"):
+        X_new <- |X_new| (kappa x0_hat + sqrt(1 - kappa^2) perp_hat),  perp = X_new - (X_new . x0_hat) x0_hat
+
+Two kernels, no [N, R, d] tensor: `_step_kernel` (one program per row of X: gradient + clip + step for rows in
+[a, b), a copy elsewhere, and float64 per-row partial sums X_new.X0, |X_new|^2, |X0|^2), then, when kappa > 0,
+`_project_kernel` (sums the partials in row order, decides on the device, rewrites the rows when it fires).
+Nothing is synchronised with the host; `fired` stays a device tensor (TritonOps reads it).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sicl_fast.errors import SiclError
+from sicl_fast.rng import check_counter_range, step_seed
+from sicl_fast.zo import GRAD_MODES, PROJECTION_SCOPES, batch_size
+
+from ._utils import EXACT, check_device, check_dtype, check_shape, f32, interpreting, next_pow2
+from .randn import randn_f32
+
+
+@triton.jit(do_not_specialize=["seed64", "N", "a", "b", "lo", "hi"])
+def _step_kernel(
+    x_ptr, x0_ptr, f_ptr, out_ptr,  # X, X0 [L, d]; f [B]; out [L, d]   (float32, contiguous)
+    pdot_ptr, pxx_ptr, px0_ptr,  # [L] float64 per-row partial sums for the projection
+    seed64, N, L, d, a, b, lo, hi,  # lo, hi: rows the projection covers
+    mu, eta, clip_norm,  # float32
+    CENTRAL: tl.constexpr, NORMALIZE: tl.constexpr, PROJECT: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    rbase = row.to(tl.int64) * d
+    if (row >= a) & (row < b):
+        r = row - a
+        R = b - a
+        f0 = tl.load(f_ptr)
+        nf = N.to(tl.float32)
+        sumsq = tl.zeros([BLOCK_D], dtype=tl.float32)
+        # pass 1: g = (sum_i w_i U_i) / N, written to out[row] for now
+        for c0 in range(0, d, BLOCK_D):
+            cc = c0 + cols
+            cm = cc < d
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for i in range(0, N):
+                if CENTRAL:
+                    fp = tl.load(f_ptr + 1 + 2 * i)
+                    fm = tl.load(f_ptr + 2 + 2 * i)
+                    w = tl.math.div_rn(fp - fm, 2.0 * mu)
+                else:
+                    w = tl.math.div_rn(tl.load(f_ptr + 1 + i) - f0, mu)
+                counter = i * R * d + r * d + cc
+                u = randn_f32(seed64, tl.where(cm, counter, 0))
+                acc = acc + w * u
+            g = tl.math.div_rn(acc, tl.zeros_like(acc) + nf)
+            g = tl.where(cm, g, 0.0)
+            sumsq += g * g
+            tl.store(out_ptr + rbase + cc, g, mask=cm)
+        norm = tl.sqrt_rn(tl.sum(sumsq, axis=0))
+        if NORMALIZE:
+            den = norm + 1e-8
+        else:
+            scale = tl.minimum(tl.math.div_rn(clip_norm, norm + 1e-8), 1.0)
+        tl.debug_barrier()
+        # pass 2: X_new = X + eta * g'
+        sd = tl.zeros([BLOCK_D], dtype=tl.float64)
+        sx = tl.zeros([BLOCK_D], dtype=tl.float64)
+        s0 = tl.zeros([BLOCK_D], dtype=tl.float64)
+        for c0 in range(0, d, BLOCK_D):
+            cc = c0 + cols
+            cm = cc < d
+            g = tl.load(out_ptr + rbase + cc, mask=cm, other=0.0)
+            if NORMALIZE:
+                gs = tl.math.div_rn(g, tl.zeros_like(g) + den)
+            else:
+                gs = g * scale
+            x = tl.load(x_ptr + rbase + cc, mask=cm, other=0.0)
+            y = x + eta * gs
+            tl.store(out_ptr + rbase + cc, y, mask=cm)
+            if PROJECT:
+                x0 = tl.load(x0_ptr + rbase + cc, mask=cm, other=0.0).to(tl.float64)
+                y64 = tl.where(cm, y, 0.0).to(tl.float64)
+                sd += y64 * x0
+                sx += y64 * y64
+                s0 += x0 * x0
+        if PROJECT:
+            tl.store(pdot_ptr + row, tl.sum(sd, axis=0))
+            tl.store(pxx_ptr + row, tl.sum(sx, axis=0))
+            tl.store(px0_ptr + row, tl.sum(s0, axis=0))
+    else:
+        sd = tl.zeros([BLOCK_D], dtype=tl.float64)
+        sx = tl.zeros([BLOCK_D], dtype=tl.float64)
+        s0 = tl.zeros([BLOCK_D], dtype=tl.float64)
+        for c0 in range(0, d, BLOCK_D):
+            cc = c0 + cols
+            cm = cc < d
+            x = tl.load(x_ptr + rbase + cc, mask=cm, other=0.0)
+            tl.store(out_ptr + rbase + cc, x, mask=cm)
+            if PROJECT:
+                x0 = tl.load(x0_ptr + rbase + cc, mask=cm, other=0.0).to(tl.float64)
+                x64 = x.to(tl.float64)
+                sd += x64 * x0
+                sx += x64 * x64
+                s0 += x0 * x0
+        if PROJECT:
+            inside = (row >= lo) & (row < hi)
+            tl.store(pdot_ptr + row, tl.where(inside, tl.sum(sd, axis=0), 0.0))
+            tl.store(pxx_ptr + row, tl.where(inside, tl.sum(sx, axis=0), 0.0))
+            tl.store(px0_ptr + row, tl.where(inside, tl.sum(s0, axis=0), 0.0))
+
+
+@triton.jit
+def _project_kernel(
+    out_ptr, x0_ptr,  # [L, d] float32
+    pdot_ptr, pxx_ptr, px0_ptr,  # [L] float64 partials (zero outside [lo, hi))
+    fired_ptr,  # [1] int32
+    consts_ptr,  # [2] float64: kappa, sqrt(1 - kappa^2) (a float argument would be rounded to float32)
+    L, d, lo,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = lo + tl.program_id(0)
+    kappa = tl.load(consts_ptr)
+    sk = tl.load(consts_ptr + 1)
+    # every program sums the partials in the same order: the same decision everywhere
+    vd = tl.zeros([BLOCK_L], dtype=tl.float64)
+    vx = tl.zeros([BLOCK_L], dtype=tl.float64)
+    v0 = tl.zeros([BLOCK_L], dtype=tl.float64)
+    for s in range(0, L, BLOCK_L):
+        k = s + tl.arange(0, BLOCK_L)
+        km = k < L
+        vd += tl.load(pdot_ptr + k, mask=km, other=0.0)
+        vx += tl.load(pxx_ptr + k, mask=km, other=0.0)
+        v0 += tl.load(px0_ptr + k, mask=km, other=0.0)
+    dot = tl.sum(vd, axis=0)
+    xx = tl.sum(vx, axis=0)
+    x0x0 = tl.sum(v0, axis=0)
+    nx = tl.sqrt(xx)
+    n0 = tl.sqrt(x0x0)
+    cosv = dot / (nx * n0)
+    fire = cosv < kappa
+    if tl.program_id(0) == 0:
+        tl.store(fired_ptr, fire.to(tl.int32))
+    if fire:
+        p = dot / n0
+        pn = tl.sqrt(tl.maximum(xx - p * p, 0.0))
+        axis = pn <= 1e-12
+        pn_safe = tl.where(axis, 1.0, pn)
+        cols = tl.arange(0, BLOCK_D)
+        rbase = row.to(tl.int64) * d
+        for c0 in range(0, d, BLOCK_D):
+            cc = c0 + cols
+            cm = cc < d
+            y = tl.load(out_ptr + rbase + cc, mask=cm, other=0.0).to(tl.float64)
+            h = tl.load(x0_ptr + rbase + cc, mask=cm, other=0.0).to(tl.float64) / n0
+            perp = y - p * h
+            v = tl.where(axis, nx * h, nx * (kappa * h + sk * perp / pn_safe))
+            tl.store(out_ptr + rbase + cc, v.to(tl.float32), mask=cm)
+
+
+_CONSTS: dict = {}
+
+
+def _consts(kappa: float, device) -> torch.Tensor:
+    """[kappa, sqrt(1 - kappa^2)] float64 on the device, cached (no host copy per step once made)."""
+    key = (kappa, str(device))
+    t = _CONSTS.get(key)
+    if t is None:
+        if len(_CONSTS) > 64:
+            _CONSTS.clear()
+        t = _CONSTS[key] = torch.tensor([kappa, (1.0 - kappa * kappa) ** 0.5], dtype=torch.float64, device=device)
+    return t
+
+
+def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, seed: int, step: int, N: int, a: int, b: int,
+              mu: float, eta: float, kappa: float, estimator: str = "forward", grad_mode: str = "clip",
+              clip_norm: float = 1.0, projection_scope: str = "prompt", out: torch.Tensor | None = None,
+              block_d: int | None = None):
+    """One ascent step (module docstring). X, X0: [L, d] float32; f: [B] float (B = N+1 or 2N+1), all on one
+    device (CUDA, or the CPU under TRITON_INTERPRET=1). X is not modified.
+
+    out: optional preallocated [L, d] float32 buffer (not X). block_d: columns per loop step (a power of two;
+    default min(next_pow2(d), 1024), 4096 in the interpreter).
+    Returns (X_new [L, d] float32, fired int32 [1] device tensor: 1 when the cosine projection fired).
+    """
+    op = "triton zo_update"
+    if grad_mode not in GRAD_MODES:
+        raise SiclError(f"{op}: unknown grad_mode {grad_mode!r}; choose one of {GRAD_MODES}")
+    if projection_scope not in PROJECTION_SCOPES:
+        raise SiclError(f"{op}: unknown projection_scope {projection_scope!r}; choose one of {PROJECTION_SCOPES}")
+    check_device(X, X0, f, op=op)
+    check_dtype(X, torch.float32, "X", op)
+    check_dtype(X0, torch.float32, "X0", op)
+    check_shape(X, (None, None), "X", op)
+    L, d = X.shape
+    check_shape(X0, (L, d), "X0", op)
+    if N < 1:
+        raise SiclError(f"{op}: N must be >= 1, got {N}")
+    if not 0 <= a < b <= L:
+        raise SiclError(f"{op}: perturbed rows [a, b) = [{a}, {b}) must satisfy 0 <= a < b <= L = {L}")
+    check_counter_range(N, b - a, d)
+    B = batch_size(N, estimator)
+    f = f.reshape(-1)
+    check_shape(f, (B,), "f", op)
+    f = f.to(torch.float32).contiguous()
+    X, X0 = X.contiguous(), X0.contiguous()
+    if out is None:
+        out = torch.empty_like(X)
+    else:
+        check_shape(out, (L, d), "out", op)
+        check_dtype(out, torch.float32, "out", op)
+        if not out.is_contiguous() or out.data_ptr() == X.data_ptr():
+            raise SiclError(f"{op}: out must be contiguous and must not alias X")
+    project = kappa > 0
+    lo, hi = (a, b) if projection_scope == "demos" else (0, L)
+    fired = torch.zeros(1, dtype=torch.int32, device=X.device)
+    parts = torch.zeros(3, L, dtype=torch.float64, device=X.device) if project else fired
+    pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if project else (fired, fired, fired)
+    BLOCK_D = block_d or min(next_pow2(d), 4096 if interpreting() else 1024)
+    _step_kernel[(L,)](
+        X, X0, f, out, pdot, pxx, px0, step_seed(seed, step), N, L, d, a, b, lo, hi, f32(mu), f32(eta),
+        f32(clip_norm), CENTRAL=estimator == "central", NORMALIZE=grad_mode == "normalize", PROJECT=project,
+        BLOCK_D=BLOCK_D, **EXACT,
+    )
+    if project:
+        BLOCK_L = min(next_pow2(L), 1024)
+        consts = _consts(float(kappa), X.device)
+        _project_kernel[(hi - lo,)](
+            out, X0, pdot, pxx, px0, fired, consts, L, d, lo, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
+        )
+    return out, fired

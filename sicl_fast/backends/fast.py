@@ -1,0 +1,126 @@
+"""`fast` backend: our own decoder forward (sicl_fast.models.transformer), with the prefix's K/V computed once.
+
+Per ascent step the batch is [X, X + mu U_1, ..., X + mu U_N] over rows [0, b); rows [0, a) (the
+demonstration-free prefix) are the same in every batch row and usually from step to step. So:
+
+    prefix rows [0, a):  run once, batch 1, keep every layer's K/V  (reused while the rows are unchanged)
+    rows [a, b):         run per batch row; attention = (prefix keys, shared) + (own keys, causal),
+                         merged by log-sum-exp; the prefix K/V is never copied per row
+    span positions:      hidden states at positions - 1 only go through the LM head (fused.span_head)
+
+The cache is keyed on the prefix rows' values (torch.equal against the cached rows, in the model dtype): the
+ascent's cosine projection may rescale the whole matrix, and then the prefix is recomputed. K/V of rows [0, a)
+depend on nothing else (positions start at 0), so two prompts with equal prefix embeddings share the entry.
+A batch whose prefix rows differ between batch rows takes the full path (no cache).
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import NumericalError, SiclError
+from ..fused import span_head
+from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
+from ..spans import Prompt
+from .base import Backend
+
+
+class FastBackend(Backend):
+    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text. attn: 'auto' (math on the CPU; flash-attn or
+    SDPA on CUDA), 'math', 'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b)."""
+
+    name = "fast"
+
+    def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True) -> None:
+        super().__init__(lm)
+        self.model = Transformer(lm, attn=attn)  # raises UnsupportedModelError for other families
+        self.prefix_cache = prefix_cache
+        self._prefix: PrefixKV | None = None
+        self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
+
+    def clear_cache(self) -> None:
+        self._prefix = None
+
+    def _prefix_for(self, x: torch.Tensor, a: int) -> PrefixKV | None:
+        """The prefix K/V for x [B, b, d] (model dtype), or None when batch rows disagree on rows [0, a)."""
+        rows = x[0, :a]
+        B = x.shape[0]
+        if B > 1 and not torch.equal(x[1:, :a], rows.expand(B - 1, -1, -1)):
+            return None
+        c = self._prefix
+        if c is not None and c.length == a and c.rows.dtype == rows.dtype and torch.equal(c.rows, rows):
+            self.stats["prefix_hits"] += 1
+            return c
+        self._prefix = None  # free the old entry before building the new one
+        c = self._prefix = self.model.prefix_kv(rows)
+        self.stats["prefix_builds"] += 1
+        return c
+
+    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+        self.check_embeds(embeds, prompt)
+        m = self.model
+        a, b = prompt.demo_start, prompt.demo_end
+        x = embeds[:, :b].to(device=m.device, dtype=m.dtype)  # [B, b, d]
+        B = x.shape[0]
+        idx = prompt.positions - 1  # [P] (CPU): the hidden state at t-1 predicts token t
+        with torch.no_grad():
+            prefix = self._prefix_for(x, a) if (self.prefix_cache and a > 0) else None
+            if prefix is None:
+                self.stats["full"] += 1
+                hidden = m.forward(x)  # [B, b, d]
+                h = hidden.index_select(1, idx.to(m.device))  # [B, P, d]
+            else:
+                hidden = m.forward(x[:, a:], a, prefix)  # [B, b-a, d]
+                if int(idx.min()) >= a:
+                    h = hidden.index_select(1, (idx - a).to(m.device))
+                else:  # a span starts right at row a: its first prediction is the prefix's last row
+                    full = torch.cat([prefix.hidden.expand(B, -1, -1), hidden], dim=1)
+                    h = full.index_select(1, idx.to(m.device))
+            return span_head(h, m.head, prompt.targets, softcap=m.final_softcap)
+
+    def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(),
+                 stop_fn: Callable[[str], bool] | None = None):
+        """Greedy answer from embeddings [L, d], with a static KV cache; same stop rules and result type
+        (sicl_fast.generate.Generation) as the hf path's greedy_generate."""
+        from ..generate import Generation, stop_reached, cut_at_stops
+
+        lm, m = self.lm, self.model
+        if max_new_tokens < 0:
+            raise SiclError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if embeds.dim() != 2 or embeds.shape[1] != lm.hidden_size:
+            raise SiclError(f"embeddings must be [L, {lm.hidden_size}], got shape {tuple(embeds.shape)}")
+        if not bool(torch.isfinite(embeds).all()):
+            raise NumericalError("embeddings for generation contain NaN or inf")
+        ctx = lm.max_context
+        L = embeds.shape[0]
+        if ctx is not None and L + max_new_tokens > ctx:
+            raise SiclError(f"prompt of {L} tokens plus {max_new_tokens} new tokens exceeds the context of {ctx}")
+        out = Generation()
+        if max_new_tokens == 0:
+            return out
+        eos = lm.eos_token_ids
+        embed = lm.model.get_input_embeddings()
+        cache = m.new_cache(L + max_new_tokens)
+        x = embeds.to(device=m.device, dtype=m.dtype).unsqueeze(0)  # [1, L, d]
+        with torch.no_grad():
+            h = m.forward(x, 0, cache=cache)[:, -1]  # [1, d]
+            for _ in range(max_new_tokens):
+                nxt = int(m.logits(h)[0].float().argmax())
+                if nxt in eos:
+                    out.stop_reason = "eos"
+                    break
+                out.token_ids.append(nxt)
+                out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                if stop_reached(out.text, stop_strings, stop_fn):
+                    out.stop_reason = "stop_string"
+                    break
+                if len(out.token_ids) == max_new_tokens:
+                    break
+                e = embed(torch.tensor([[nxt]], device=m.device))  # [1, 1, d], as the model embeds input_ids
+                h = m.forward(e, cache.length, cache=cache)[:, -1]
+        out.answer = cut_at_stops(out.text, stop_strings)
+        return out
+
+
+__all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]

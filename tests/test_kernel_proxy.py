@@ -1,0 +1,100 @@
+"""Triton proxy kernel against sicl_fast.proxy.proxy (the reference).
+
+Tolerance: float32 log-probs: rtol 1e-5 and atol 1e-7 on f, C, R, G and c (the kernel sums spans as a tree,
+the reference sequentially); 16-bit inputs are upcast exactly, so the same bound holds against the reference on
+the same 16-bit tensor.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from sicl_fast import fused  # noqa: E402
+from sicl_fast.errors import NumericalError, SiclError  # noqa: E402
+from sicl_fast.proxy import proxy as ref_proxy  # noqa: E402
+from sicl_fast.proxy import span_offsets  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
+@pytest.fixture(scope="module")
+def K():
+    return fused.kernels()
+
+
+def check(got, ref):
+    for name in ("f", "C", "R", "G", "c"):
+        g, r = getattr(got, name).cpu(), getattr(ref, name).cpu()
+        assert g.dtype == torch.float32 and g.shape == r.shape, name
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+CASES = [
+    (5, [1, 4, 2, 4]),  # P = 11, not a power of two
+    (3, [7]),  # T = 1: G = 0
+    (4, [1, 1, 1]),  # single-token spans: c = exp(l)
+    (1, [1]),  # P = 1
+]
+
+
+def run_case(K, B, lengths, q):
+    g = torch.Generator().manual_seed(len(lengths) * 100 + B)
+    lp = -torch.rand(B, sum(lengths), generator=g) * 6
+    offs = span_offsets(lengths)
+    check(K.proxy(lp.to(DEV), offs, 0.6, 0.3, 0.1, q), ref_proxy(lp, offs, 0.6, 0.3, 0.1, q))
+
+
+@pytest.mark.parametrize("B,lengths", CASES)
+@pytest.mark.parametrize("q", [0.1, 0.0, 0.5, 1.0, 0.37])
+def test_matches_reference(K, B, lengths, q):
+    run_case(K, B, lengths, q)
+
+
+@pytest.mark.parametrize("B,lengths,q", [(3, [3, 17, 1, 44, 5, 30], 0.1), (1, [64] * 8, 0.37)])
+def test_matches_reference_long_rows(K, B, lengths, q):
+    """P = 100 and P = 512 (tl.sort over 128 / 512 padded entries; slow in the interpreter, so few rows)."""
+    run_case(K, B, lengths, q)
+
+
+def test_weights_ties_and_minus_inf(K):
+    lp = torch.tensor([[-1.0, -1.0, -1.0, -2.0, -0.5], [float("-inf"), -3.0, -0.1, -0.1, -7.0]])
+    offs = span_offsets([2, 3])
+    for a, b, c in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0), (0.25, 0.5, 0.25)):
+        check(K.proxy(lp.to(DEV), offs, a, b, c, 0.3), ref_proxy(lp, offs, a, b, c, 0.3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_logprobs(K, dtype):
+    lp = (-torch.rand(3, 13, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    offs = span_offsets([5, 1, 7])
+    check(K.proxy(lp.to(DEV), offs), ref_proxy(lp, offs))
+
+
+def test_errors_are_clear(K):
+    lp = -torch.rand(2, 5).to(DEV)
+    with pytest.raises(SiclError, match="run from 0 to P=5"):
+        K.proxy(lp, span_offsets([2, 2]))
+    with pytest.raises(SiclError, match="has no tokens"):
+        K.proxy(lp, torch.tensor([0, 2, 2, 5]))
+    with pytest.raises(SiclError, match="q must be in"):
+        K.proxy(lp, span_offsets([5]), q=1.5)
+    with pytest.raises(SiclError, match=r"logprobs must have shape \[\*, \*\]"):
+        K.proxy(lp[0], span_offsets([5]))
+    bad = lp.clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(NumericalError):
+        K.proxy(bad, span_offsets([5]))
+
+
+def test_fused_proxy_dispatch(monkeypatch):
+    lp = -torch.rand(3, 6)
+    offs = span_offsets([2, 4])
+    monkeypatch.setenv("SICL_TRITON", "1")
+    check(fused.proxy(lp.to(DEV), offs), ref_proxy(lp, offs))

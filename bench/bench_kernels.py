@@ -17,28 +17,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from sicl_fast import cpp_ops, zo
 from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.benchmark import peak_mb
 from sicl_fast.logprobs import gather_logprobs_chunked
 from sicl_fast.proxy import proxy as torch_proxy
 from sicl_fast.proxy import span_offsets
 
 D, V = 576, 49152  # SmolLM2-135M
 PEAKS: dict[str, float] = {}
-
-
-def peak_mb(fn) -> float:
-    """Peak tensor memory (MB) of one call above its starting level, from torch profiler memory events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-    cur = peak = 0
-    for e in events:
-        cur += e.self_cpu_memory_usage
-        peak = max(peak, cur)
-    return peak / 1e6
 
 
 def run(benchmark, name: str, fn, rounds: int):
@@ -125,4 +113,4 @@ def teardown_module(module):
     if PEAKS:
         print("\npeak tensor memory per call (torch profiler):")
         for name, mb in PEAKS.items():
-            print(f"  {name:40s} {mb:9.2f} MB")
+            print(f"  {name:40s} {mb:9.2f} MiB")

@@ -1,13 +1,12 @@
 """Timing and peak memory of one ascent step and of a whole calibration (used by `sicl-fast bench` and bench/).
 
-Peak memory: on CUDA, torch.cuda.max_memory_allocated; on the CPU, the resident set size sampled every
-millisecond by a background thread (torch releases the GIL inside its ops), minus the RSS just before the step.
+Peak memory: extra tensor memory of one call (PeakMemory: CUDA's allocator statistics, or the torch profiler's
+memory events on the CPU).
 """
 from __future__ import annotations
 
 import random
 import statistics
-import threading
 import time
 
 import torch
@@ -20,15 +19,18 @@ _WORDS = ("river stone light paper green quiet seven market window garden silver
           "winter coffee letter bridge forest candle orange music rocket planet school doctor animal").split()
 
 
-def synthetic_prompt(lm, length: int, output_fraction: float = 0.15, seed: int = 0) -> Prompt:
-    """A structured few-shot prompt of `length` tokens (or a few fewer), about `output_fraction` of them in output
-    spans, made of random common words; deterministic for a seed. The query is padded to reach the length."""
+def synthetic_prompt(lm, length: int, output_fraction: float = 0.15, seed: int = 0, prefix: int = 0) -> Prompt:
+    """A structured few-shot prompt of `length` tokens (or a few fewer), about `output_fraction` of the
+    demonstration tokens in output spans, made of random common words; deterministic for a seed. `prefix` > 0
+    puts an instruction of about that many tokens before the demonstrations (the fixed prefix). The query is
+    padded to reach the length."""
     rng = random.Random(seed)
     demos: list[dict] = []
     query: list[str] = []
+    instruction = " ".join(rng.choices(_WORDS, k=prefix)) if prefix else None
 
     def render():
-        return tokenize(render_structured("bench", demos, " ".join(query)), lm.tokenizer)
+        return tokenize(render_structured("bench", demos, " ".join(query), instruction=instruction), lm.tokenizer)
 
     # a demonstration is ~6 template tokens + inputs + 3 output words (~1 token a word)
     in_words = max(1, round(3 / output_fraction - 3 - 6))
@@ -48,16 +50,16 @@ def synthetic_prompt(lm, length: int, output_fraction: float = 0.15, seed: int =
 
 
 class PeakMemory:
-    """Context manager: .peak_mb = peak extra memory (MiB) inside the block (see module docstring)."""
+    """Context manager: .peak_mb = peak extra tensor memory (MiB) allocated inside the block.
 
-    def __init__(self, device: torch.device) -> None:
+    CUDA: torch.cuda.max_memory_allocated above the level at entry. CPU: the torch profiler's memory events: the
+    highest running sum of tensor allocations minus frees, in time order (tensors only; not the allocator's
+    cached pages or a C++ op's own small scratch buffers).
+    """
+
+    def __init__(self, device) -> None:
         self.cuda = torch.device(device).type == "cuda"
         self.peak_mb = 0.0
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * 4096
 
     def __enter__(self):
         if self.cuda:
@@ -65,26 +67,31 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated()
         else:
-            self._base = self._peak = self._rss()
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
+            from torch.profiler import ProfilerActivity, profile
 
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self._peak = max(self._peak, self._rss())
-            time.sleep(0.001)
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        else:
-            self._stop.set()
-            self._thread.join()
-            peak = max(self._peak, self._rss())
-        self.peak_mb = (peak - self._base) / 2**20
+            self.peak_mb = (torch.cuda.max_memory_allocated() - self._base) / 2**20
+            return
+        self._prof.__exit__(*exc)
+        events = sorted((e for e in self._prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+        cur = peak = 0
+        for e in events:
+            cur += e.self_cpu_memory_usage
+            peak = max(peak, cur)
+        self.peak_mb = peak / 2**20
+
+
+def peak_mb(fn, device="cpu") -> float:
+    """Peak extra tensor memory (MiB) of one call of fn() (see PeakMemory)."""
+    with PeakMemory(device) as mem:
+        fn()
+    return mem.peak_mb
 
 
 def _sync(device) -> None:

@@ -1,4 +1,4 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval`. It only parses arguments and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench`. It only parses and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ import typing
 
 from .ascent import CalibrationConfig
 from .errors import SiclError
+from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
 
 DEMO_REQUEST = {
@@ -81,11 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="first N samples per task")
     e.add_argument("--out", required=True)
     _model_flags(e), _config_flags(e)
+    add_icleval_eval_args(e)
+    add_report_command(sub)
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
     bn.add_argument("--length", type=int, nargs="+", default=[128], help="prompt lengths in tokens")
     bn.add_argument("--backends", nargs="+", default=["hf", "naive"], help="backends to compare side by side")
     bn.add_argument("--repeats", type=int, default=3)
+    bn.add_argument("--prefix", type=int, default=0, help="tokens of instruction before the demonstrations")
     bn.add_argument("--calibration-steps", type=int, default=0,
                     help="also time a whole calibration of this many steps (patience off)")
     _model_flags(bn), _config_flags(bn)
@@ -175,13 +179,17 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_icleval(args) -> int:
-    from .icleval.run import print_table, run_icleval
+    from .evaluation.cli import run_icleval_from_args
 
     eng = _engine(args, add_special_tokens=True)  # ICLEval: the tokenizer's default special tokens
     cfg = eng.config(**_overrides(args))
-    records = run_icleval(eng, cfg, args.dir, tasks=args.tasks, limit=args.limit, out_path=args.out)
-    print_table(records)
-    return 0
+    return run_icleval_from_args(eng, cfg, args)
+
+
+def cmd_report(args) -> int:
+    from .evaluation.cli import report_from_args
+
+    return report_from_args(args)
 
 
 def cmd_bench(args) -> int:
@@ -193,10 +201,10 @@ def cmd_bench(args) -> int:
     cfg = eng.config(**_overrides(args))
     print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
-    print("| backend | L | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
+    print("|---|---|---|---|---|---|---|---|")
     for length in args.length:
-        prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed)
+        prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
         for name in args.backends:
             backend = make_backend(name, eng.lm)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
@@ -204,13 +212,13 @@ def cmd_bench(args) -> int:
             if args.calibration_steps:
                 c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0, tau=0.0))
                 cal = f"{c['seconds']:.2f}"
-            print(f"| {name} | {r['L']} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
+            print(f"| {name} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
                   flush=True)
     return 0
 
 
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,14 +43,8 @@ def stop_reached(text: str, stop_strings: Sequence[str], stop_fn) -> bool:
     return bool(stop_fn is not None and stop_fn(text))
 
 
-def greedy_generate(
-    lm,
-    embeds: torch.Tensor,
-    max_new_tokens: int,
-    stop_strings: Sequence[str] = (),
-    stop_fn: Callable[[str], bool] | None = None,
-) -> Generation:
-    """Greedy answer. embeds: [L, d] prompt embeddings (any float dtype; cast to the model's)."""
+def check_inputs(lm, embeds: torch.Tensor, max_new_tokens: int) -> None:
+    """Shape, value and context checks shared by every backend's generation."""
     if max_new_tokens < 0:
         raise SiclError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if embeds.dim() != 2 or embeds.shape[1] != lm.hidden_size:
@@ -62,29 +56,62 @@ def greedy_generate(
         raise SiclError(
             f"prompt of {embeds.shape[0]} tokens plus {max_new_tokens} new tokens exceeds the context of {ctx}"
         )
+
+
+def greedy_decode(
+    lm,
+    prefill: Callable[[], torch.Tensor],
+    step: Callable[[int], torch.Tensor],
+    max_new_tokens: int,
+    stop_strings: Sequence[str] = (),
+    stop_fn: Callable[[str], bool] | None = None,
+) -> Generation:
+    """The greedy loop and its stop rules, for any forward: prefill() -> next-token logits [V] after the prompt;
+    step(token_id) -> next-token logits [V] after feeding that token."""
     out = Generation()
-    if max_new_tokens == 0:
-        return out
-    eos = lm.eos_token_ids
-    model = lm.model
-    x = embeds.to(device=lm.device, dtype=lm.dtype).unsqueeze(0)  # [1, L, d]
-    with torch.no_grad():
-        step = model(inputs_embeds=x, use_cache=True, logits_to_keep=1)
-        past = step.past_key_values
-        for _ in range(max_new_tokens):
-            nxt = int(step.logits[0, -1].float().argmax())
-            if nxt in eos:
-                out.stop_reason = "eos"
-                break
-            out.token_ids.append(nxt)
-            out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            if stop_reached(out.text, stop_strings, stop_fn):
-                out.stop_reason = "stop_string"
-                break
-            if len(out.token_ids) == max_new_tokens:
-                break
-            ids = torch.tensor([[nxt]], device=lm.device)
-            step = model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = step.past_key_values
+    if max_new_tokens > 0:
+        eos = lm.eos_token_ids
+        with torch.no_grad():
+            logits = prefill()
+            while True:
+                nxt = int(logits.float().argmax())
+                if nxt in eos:
+                    out.stop_reason = "eos"
+                    break
+                out.token_ids.append(nxt)
+                out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                if stop_reached(out.text, stop_strings, stop_fn):
+                    out.stop_reason = "stop_string"
+                    break
+                if len(out.token_ids) == max_new_tokens:
+                    break
+                logits = step(nxt)
     out.answer = cut_at_stops(out.text, stop_strings)
     return out
+
+
+def greedy_generate(
+    lm,
+    embeds: torch.Tensor,
+    max_new_tokens: int,
+    stop_strings: Sequence[str] = (),
+    stop_fn: Callable[[str], bool] | None = None,
+) -> Generation:
+    """Greedy answer through the transformers model with its KV cache. embeds: [L, d] (cast to the model's dtype)."""
+    check_inputs(lm, embeds, max_new_tokens)
+    model = lm.model
+    state = {}
+
+    def prefill():
+        x = embeds.to(device=lm.device, dtype=lm.dtype).unsqueeze(0)  # [1, L, d]
+        out = model(inputs_embeds=x, use_cache=True, logits_to_keep=1)
+        state["past"] = out.past_key_values
+        return out.logits[0, -1]
+
+    def step(token: int):
+        ids = torch.tensor([[token]], device=lm.device)
+        out = model(input_ids=ids, past_key_values=state["past"], use_cache=True)
+        state["past"] = out.past_key_values
+        return out.logits[0, -1]
+
+    return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn)

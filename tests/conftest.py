@@ -1,12 +1,29 @@
 """Shared fixtures: the real SmolLM2 (loaded once per session) and tiny random-weight models."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run through Triton's interpreter (on numpy); this must be set before triton is
+# first imported, which happens lazily through sicl_fast.fused.kernels(). On a GPU, the kernels run for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 from sicl_fast.models import from_transformers, load
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
+
+
+@pytest.fixture(scope="session")
+def K():
+    """The Triton kernels package (sicl_fast.kernels); skips the test when triton is not installed."""
+    pytest.importorskip("triton")
+    from sicl_fast import fused
+
+    return fused.kernels()
 
 
 @pytest.fixture(scope="session")

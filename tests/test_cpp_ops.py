@@ -9,7 +9,6 @@ skip, unless SICL_REQUIRE_CPP=1 turns the skip into a failure (for CI that build
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

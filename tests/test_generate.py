@@ -1,6 +1,5 @@
 """Greedy decoding from embeddings: equals transformers' greedy generate from ids; stop rules."""
 import pytest
-import torch
 
 from conftest import synthetic_prompt
 from sicl_fast.backends import make_backend

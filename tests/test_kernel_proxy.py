@@ -4,9 +4,6 @@ Tolerance: float32 log-probs: rtol 1e-5 and atol 1e-7 on f, C, R, G and c (the k
 the reference sequentially); 16-bit inputs are upcast exactly, so the same bound holds against the reference on
 the same 16-bit tensor.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,16 +14,7 @@ from sicl_fast import fused  # noqa: E402
 from sicl_fast.errors import NumericalError, SiclError  # noqa: E402
 from sicl_fast.proxy import proxy as ref_proxy  # noqa: E402
 from sicl_fast.proxy import span_offsets  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-
-
-@pytest.fixture(scope="module")
-def K():
-    return fused.kernels()
+from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 
 def check(got, ref):

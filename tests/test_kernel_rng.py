@@ -1,11 +1,8 @@
 """The in-kernel noise: bit-identical to sicl_fast.rng, good normals, and GPU code that keeps the bits.
 
-Triton runs under TRITON_INTERPRET=1 on the CPU (set here before the kernels are imported).
+Triton runs under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it when there is no GPU).
 """
 import math
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -13,17 +10,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sicl_fast import fused, rng  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-
-
-@pytest.fixture(scope="module")
-def K():
-    return fused.kernels()
+from sicl_fast import rng  # noqa: E402
+from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

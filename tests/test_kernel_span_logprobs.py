@@ -6,9 +6,6 @@ Tolerances (absolute, on log-probabilities of magnitude ~5-15):
                               16-bit values exactly and accumulates in float32); 0.05 (bf16) / 5e-3 (fp16) against
                               the reference run in the 16-bit dtype, which rounds its logits to that dtype
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,16 +15,7 @@ pytest.importorskip("triton")
 from sicl_fast import fused  # noqa: E402
 from sicl_fast.errors import SiclError  # noqa: E402
 from sicl_fast.logprobs import gather_logprobs_chunked  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-
-
-@pytest.fixture(scope="module")
-def K():
-    return fused.kernels()
+from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 
 def make(B, P, d, V, dtype, seed=0, scale=0.3):

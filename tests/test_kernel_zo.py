@@ -4,28 +4,16 @@ perturb: bit-identical to zo.perturb with U = rng.directions (same Philox bits, 
 zo_update: float32 tolerance, rtol 1e-5 / atol 1e-6 on X_new (the gradient sum over directions and the row norms
 are reduced in another order than torch's einsum / norm); the projection decision must agree.
 """
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sicl_fast import fused, rng, zo  # noqa: E402
+from sicl_fast import rng, zo  # noqa: E402
 from sicl_fast.ascent import CalibrationConfig  # noqa: E402
 from sicl_fast.errors import SiclError  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-
-DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-
-
-@pytest.fixture(scope="module")
-def K():
-    return fused.kernels()
+from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 
 def mats(L, d, seed=0, drift=0.3):

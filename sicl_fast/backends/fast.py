@@ -15,11 +15,10 @@ A batch whose prefix rows differ between batch rows takes the full path (no cach
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
-from ..errors import NumericalError, SiclError
 from ..fused import span_head
 from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
 from ..spans import Prompt
@@ -27,8 +26,8 @@ from .base import Backend
 
 
 class FastBackend(Backend):
-    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text. attn: 'auto' (math on the CPU; flash-attn or
-    SDPA on CUDA), 'math', 'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b)."""
+    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text. attn: 'auto' (SDPA on the CPU; flash-attn or
+    SDPA on CUDA; soft-capping always takes the math path), 'math', 'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b)."""
 
     name = "fast"
 
@@ -83,44 +82,23 @@ class FastBackend(Backend):
                  stop_fn: Callable[[str], bool] | None = None):
         """Greedy answer from embeddings [L, d], with a static KV cache; same stop rules and result type
         (sicl_fast.generate.Generation) as the hf path's greedy_generate."""
-        from ..generate import Generation, stop_reached, cut_at_stops
+        from ..generate import check_inputs, greedy_decode
 
         lm, m = self.lm, self.model
-        if max_new_tokens < 0:
-            raise SiclError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if embeds.dim() != 2 or embeds.shape[1] != lm.hidden_size:
-            raise SiclError(f"embeddings must be [L, {lm.hidden_size}], got shape {tuple(embeds.shape)}")
-        if not bool(torch.isfinite(embeds).all()):
-            raise NumericalError("embeddings for generation contain NaN or inf")
-        ctx = lm.max_context
+        check_inputs(lm, embeds, max_new_tokens)
         L = embeds.shape[0]
-        if ctx is not None and L + max_new_tokens > ctx:
-            raise SiclError(f"prompt of {L} tokens plus {max_new_tokens} new tokens exceeds the context of {ctx}")
-        out = Generation()
-        if max_new_tokens == 0:
-            return out
-        eos = lm.eos_token_ids
         embed = lm.model.get_input_embeddings()
-        cache = m.new_cache(L + max_new_tokens)
-        x = embeds.to(device=m.device, dtype=m.dtype).unsqueeze(0)  # [1, L, d]
-        with torch.no_grad():
-            h = m.forward(x, 0, cache=cache)[:, -1]  # [1, d]
-            for _ in range(max_new_tokens):
-                nxt = int(m.logits(h)[0].float().argmax())
-                if nxt in eos:
-                    out.stop_reason = "eos"
-                    break
-                out.token_ids.append(nxt)
-                out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                if stop_reached(out.text, stop_strings, stop_fn):
-                    out.stop_reason = "stop_string"
-                    break
-                if len(out.token_ids) == max_new_tokens:
-                    break
-                e = embed(torch.tensor([[nxt]], device=m.device))  # [1, 1, d], as the model embeds input_ids
-                h = m.forward(e, cache.length, cache=cache)[:, -1]
-        out.answer = cut_at_stops(out.text, stop_strings)
-        return out
+        cache = m.new_cache(L + max(max_new_tokens, 1))
+
+        def prefill():
+            x = embeds.to(device=m.device, dtype=m.dtype).unsqueeze(0)  # [1, L, d]
+            return m.logits(m.forward(x, 0, cache=cache)[:, -1])[0]
+
+        def step(token: int):
+            e = embed(torch.tensor([[token]], device=m.device))  # [1, 1, d], as the model embeds input_ids
+            return m.logits(m.forward(e, cache.length, cache=cache)[:, -1])[0]
+
+        return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn)
 
 
 __all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]

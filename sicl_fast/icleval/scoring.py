@@ -14,7 +14,6 @@ import re
 from .errors import ICLEvalError, where
 from .loader import Sample
 from .render import render_prompt
-from .tasks import NL_END_CHARS
 
 # FMT placeholders (SPEC 6.4): what "value" / "key" become in the template's regular expression
 _NUMBER = r"-?\$?\d+"  # output_format_01: optional minus, optional dollar, digits (commas removed beforehand)

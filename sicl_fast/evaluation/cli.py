@@ -1,0 +1,93 @@
+"""Command-line glue for `sicl-fast icleval ... --report RUN/ [--method ...] [ablations]` and `sicl-fast report`.
+
+sicl_fast/cli.py calls:
+    add_icleval_eval_args(icleval_parser)          the flags below, on the icleval subcommand
+    run_icleval_from_args(engine, config, args)    runs, prints the tables, writes the report; returns the exit code
+    add_report_command(subparsers)                 the `report` subcommand
+    report_from_args(args)                         its implementation; returns the exit code
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .ablations import ABLATIONS, make_variants
+from .icleval_cls import CONTENT_FREE_INPUTS, DCPMI_PREMISES
+from .methods import METHODS, BaselineOptions, run_methods
+
+
+def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("evaluation (methods, baselines, ablations, report)")
+    g.add_argument("--report", default=None, metavar="RUN_DIR",
+                   help="also write RUN_DIR/report.md, report.json and plots/*.png from the records")
+    g.add_argument("--method", nargs="+", default=["sicl"], choices=METHODS, metavar="METHOD",
+                   help=f"one or more of {', '.join(METHODS)} (default: sicl); cc, dcpmi and demo run on the "
+                        "classification files only")
+    g.add_argument("--ablate", nargs="+", default=[], choices=ABLATIONS, metavar="WHAT",
+                   help="extra calibration variants: alpha, beta or gamma off (the others rescaled), perturb-query")
+    g.add_argument("--sweep-N", dest="sweep_N", nargs="+", type=int, default=[], metavar="N",
+                   help="extra calibration variants, one per number of directions")
+    g.add_argument("--sweep-mu", dest="sweep_mu", nargs="+", type=float, default=[], metavar="MU",
+                   help="extra calibration variants, one per smoothing radius")
+    g.add_argument("--no-reference", action="store_true",
+                   help="with --ablate / --sweep-*, do not also run the unablated calibration")
+    g.add_argument("--cf-inputs", nargs="+", default=list(CONTENT_FREE_INPUTS), metavar="TEXT",
+                   help="content-free inputs of cc and demo (default: 'N/A' '' '[MASK]')")
+    g.add_argument("--dcpmi-premise", default="delimiter", choices=DCPMI_PREMISES,
+                   help="DC-PMI domain premise: the answer delimiter 'Output:' alone (default) or the "
+                        "demonstrations followed by it")
+    g.add_argument("--demo-orders", type=int, default=24, help="DEmO: candidate orders (all of them if n! is smaller)")
+    g.add_argument("--demo-top-k", type=int, default=4, help="DEmO: orders kept by the label-fairness stage")
+    g.add_argument("--demo-seed", type=int, default=0)
+    g.add_argument("--demo-influence", default="zeroshot", choices=("zeroshot", "content_free"),
+                   help="DEmO: reference distribution of the influence KL")
+    g.add_argument("--demo-predict", default="score", choices=("score", "generate"),
+                   help="DEmO: argmax label (default) or greedy decoding with the chosen order")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def options_from_args(args) -> BaselineOptions:
+    return BaselineOptions(cf_inputs=tuple(args.cf_inputs), dcpmi_premise=args.dcpmi_premise,
+                           demo_orders=args.demo_orders, demo_top_k=args.demo_top_k, demo_seed=args.demo_seed,
+                           demo_influence=args.demo_influence, demo_predict=args.demo_predict)
+
+
+def run_icleval_from_args(engine, config, args, file=None) -> int:
+    """`sicl-fast icleval`: run the methods, print the report's tables, write the report when --report is given."""
+    from .report import Run, build_report, render_markdown, write_report
+
+    file = file or sys.stdout
+    variants = make_variants(config, engine.config(), ablate=args.ablate, sweep_N=args.sweep_N,
+                             sweep_mu=args.sweep_mu, reference=not args.no_reference)
+    records = run_methods(engine, args.dir, args.out, methods=args.method, config=config, tasks=args.tasks,
+                          limit=args.limit, sicl_variants=variants, options=options_from_args(args),
+                          progress=not args.quiet)
+    runs = [Run(name=engine.lm.name, records=records, source=str(args.out))]
+    if args.report:
+        write_report(args.report, runs)
+        print(f"report: {args.report}/report.md", file=sys.stderr)
+    print(render_markdown(build_report(runs)), file=file)
+    return 0
+
+
+def add_report_command(subparsers) -> argparse.ArgumentParser:
+    r = subparsers.add_parser("report", help="the analysis (tables, tests, plots) of one or more results files")
+    r.add_argument("results", nargs="+", help="results JSONL files, one per run (model)")
+    r.add_argument("--report", required=True, metavar="RUN_DIR", help="folder for report.md, report.json, plots/")
+    r.add_argument("--names", nargs="+", default=None, help="run names (default: the records' model, or file stem)")
+    r.add_argument("--no-plots", action="store_true")
+    return r
+
+
+def report_from_args(args, file=None) -> int:
+    from .report import load_runs, write_report
+
+    runs = load_runs(args.results, args.names)
+    write_report(args.report, runs, plots=not args.no_plots)
+    with open(f"{args.report}/report.md", encoding="utf-8") as fh:
+        print(fh.read(), file=file or sys.stdout)
+    return 0
+
+
+__all__ = ["add_icleval_eval_args", "run_icleval_from_args", "add_report_command", "report_from_args",
+           "options_from_args"]

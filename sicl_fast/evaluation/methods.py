@@ -1,0 +1,300 @@
+"""Running ICLEval with several methods at once: `base | sicl | cc | dcpmi | demo`, plus calibration ablations.
+
+One record per (variant, task file, uid), (task, uid, label, answer_base,
+answer_calibrated, correct_base, correct_calibrated, initial_proxy, best_proxy, steps, gated, seconds, history)
+plus method, variant, model and config. For every method the *_base fields hold plain greedy decoding from the
+original prompt (ICLEval's protocol) and the *_calibrated fields hold the method's answer, so one report compares
+each method with the base:
+
+* base:  the greedy answer itself (answer_calibrated = answer_base);
+* sicl:  calibration with the variant's CalibrationConfig, then greedy decoding from the calibrated embeddings
+         ; one variant per ablation (see `ablations`);
+* cc, dcpmi, demo (classification files only, see `icleval_cls`): the label chosen by the baseline, scored by
+         ICLEval's scorer. These records also carry answer_scored_base / correct_scored_base: the label with the
+         highest probability after the original prompt (uncalibrated label scoring), and the label probabilities.
+
+`seconds` is the time of the method's own answer (for sicl: calibration and decoding; for base: decoding).
+The base answer is decoded once per sample and shared by all variants. Records are written whole (ResultWriter),
+so an interrupted run resumes where it stopped; a resumed run refuses records of another model or of a variant
+whose settings changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..errors import SiclError
+from ..icleval.convert import tokenize_sample
+from ..icleval.loader import Sample, load_dir
+from ..icleval.scoring import max_gen_len, score, should_stop
+from ..records import ResultWriter, read_records
+from .ablations import Variant, make_variants, variant_name
+from .baselines import contextual_calibration, dc_pmi, demo_select
+from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_contexts, content_free_query,
+                          continuations, dcpmi_premise, demo_blocks, is_classification, labels_for, reordered,
+                          scoring_context, with_query, zero_shot_context)
+from .label_scoring import LabelScorer
+
+METHODS = ("base", "sicl", "cc", "dcpmi", "demo")
+BASELINES = ("cc", "dcpmi", "demo")
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Settings of the label-scoring baselines (stored in their records)."""
+
+    cf_inputs: tuple[str, ...] = CONTENT_FREE_INPUTS  # CC's and DEmO's content-free inputs
+    dcpmi_premise: str = "delimiter"  # "delimiter": "Output:" alone; "demos": demonstrations + "Output:"
+    demo_orders: int = 24  # candidate orders (all n! when n! <= this)
+    demo_top_k: int = 4  # orders kept by the label-fairness stage
+    demo_seed: int = 0
+    demo_influence: str = "zeroshot"  # reference of the influence KL: "zeroshot" or "content_free"
+    demo_predict: str = "score"  # "score": argmax label; "generate": greedy decoding with the chosen order
+
+    def __post_init__(self) -> None:
+        if self.dcpmi_premise not in DCPMI_PREMISES:
+            raise SiclError(f"dcpmi_premise must be one of {DCPMI_PREMISES}, got {self.dcpmi_premise!r}")
+        if self.demo_orders < 1 or self.demo_top_k < 1:
+            raise SiclError("demo_orders and demo_top_k must be >= 1")
+        if self.demo_influence not in ("zeroshot", "content_free"):
+            raise SiclError(f"demo_influence must be 'zeroshot' or 'content_free', got {self.demo_influence!r}")
+        if self.demo_predict not in ("score", "generate"):
+            raise SiclError(f"demo_predict must be 'score' or 'generate', got {self.demo_predict!r}")
+        if not self.cf_inputs:
+            raise SiclError("cf_inputs must hold at least one content-free input")
+
+    def for_method(self, method: str) -> dict:
+        d = dataclasses.asdict(self)
+        d["cf_inputs"] = list(self.cf_inputs)
+        if method == "cc":
+            return {"cf_inputs": d["cf_inputs"]}
+        if method == "dcpmi":
+            return {"dcpmi_premise": self.dcpmi_premise}
+        if method == "demo":
+            return {k: v for k, v in d.items() if k != "dcpmi_premise"}
+        return {}
+
+
+def record_key(rec: dict) -> tuple[str, str, int]:
+    """(variant, task, uid); records without a variant field (single-method runs) are the 'sicl' variant."""
+    return rec.get("variant", "sicl"), rec["task"], rec["uid"]
+
+
+def build_variants(methods: Sequence[str], engine=None, config=None, sicl_variants: Sequence[Variant] | None = None,
+                   options: BaselineOptions | None = None) -> list[Variant]:
+    """Variants in method order; 'sicl' expands to `sicl_variants` (default: `config` alone)."""
+    options = options or BaselineOptions()
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SiclError(f"unknown method(s) {unknown}; choose from {METHODS}")
+    out: list[Variant] = []
+    for m in dict.fromkeys(methods):
+        if m == "sicl":
+            if sicl_variants is None:
+                if config is None:
+                    raise SiclError("method 'sicl' needs a CalibrationConfig")
+                preset = engine.config() if engine is not None else None
+                sicl_variants = [Variant(variant_name(config, preset), "sicl", config)]
+            out += list(sicl_variants)
+        elif m == "base":
+            out.append(Variant("base", "base"))
+        else:
+            out.append(Variant(m, m, options=options.for_method(m)))
+    return out
+
+
+def _applies(variant: Variant, sample: Sample) -> bool:
+    return variant.method not in BASELINES or is_classification(sample.task_file)
+
+
+def _common(sample: Sample, variant: Variant, model: str) -> dict:
+    return {"task": sample.task_file, "uid": sample.uid, "label": sample.label, "method": variant.method,
+            "variant": variant.name, "model": model}
+
+
+class _Runner:
+    def __init__(self, engine, options: BaselineOptions) -> None:
+        self.engine = engine
+        self.options = options
+        self.scorer = LabelScorer(engine.lm, add_special_tokens=True)
+        self._base_for: tuple | None = None
+        self._base = None
+
+    def prompt(self, sample: Sample):
+        lm = self.engine.lm
+        return tokenize_sample(sample, lm.tokenizer, lm.max_context)
+
+    def decode(self, sample: Sample, prompt, embeds=None):
+        stop = lambda text, s=sample: should_stop(s, text)  # noqa: E731 - ICLEval's allowed early stop
+        return self.engine.generate(prompt, embeds, max_new_tokens=max_gen_len(sample), stop_strings=(), stop_fn=stop)
+
+    def base(self, sample: Sample, prompt):
+        """(Generation, seconds) of the greedy base answer, decoded once per sample."""
+        if self._base_for != sample.key:
+            t0 = time.perf_counter()
+            gen = self.decode(sample, prompt)
+            self._base, self._base_for = (gen, time.perf_counter() - t0), sample.key
+        return self._base
+
+    def record(self, sample: Sample, prompt, variant: Variant) -> dict:
+        gen, base_seconds = self.base(sample, prompt)
+        rec = _common(sample, variant, self.engine.lm.name)
+        rec["config"] = variant.config_dict()
+        rec.update({"answer_base": gen.text, "correct_base": score(sample, gen.text)})
+        t0 = time.perf_counter()
+        if variant.method == "base":
+            rec.update({"answer_calibrated": gen.text, "correct_calibrated": rec["correct_base"],
+                        "initial_proxy": None, "best_proxy": None, "steps": 0, "gated": None,
+                        "seconds": round(base_seconds, 3), "history": []})
+            return rec
+        if variant.method == "sicl":
+            res = self.engine.calibrate(prompt, variant.config)
+            cal = gen if res.best_step == 0 else self.decode(sample, prompt, res.embeddings)
+            rec.update({"answer_calibrated": cal.text, "correct_calibrated": score(sample, cal.text),
+                        "initial_proxy": res.initial_proxy, "best_proxy": res.best_proxy, "steps": res.steps,
+                        "gated": res.gated, "seconds": round(time.perf_counter() - t0, 3), "history": res.history,
+                        "best_step": res.best_step, "stop_reason": res.stop_reason})
+            return rec
+        extra = getattr(self, "_" + variant.method)(sample)
+        rec.update({"answer_calibrated": extra.pop("answer"), "initial_proxy": None, "best_proxy": None,
+                    "steps": 0, "gated": None})
+        rec["correct_calibrated"] = score(sample, rec["answer_calibrated"])
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        rec["history"] = []
+        rec.update(extra)
+        return rec
+
+    # -- baselines ----------------------------------------------------------------------------------------------
+    def _scored_base(self, sample: Sample, labels, p) -> dict:
+        k = max(range(len(labels)), key=lambda i: p[i])
+        return {"labels": list(labels), "answer_scored_base": labels[k],
+                "correct_scored_base": score(sample, labels[k])}
+
+    def _cc(self, sample: Sample) -> dict:
+        labels = labels_for(sample)
+        r = contextual_calibration(self.scorer, scoring_context(sample),
+                                   content_free_contexts(sample, self.options.cf_inputs), continuations(labels))
+        return {"answer": labels[r.pred], **self._scored_base(sample, labels, r.p),
+                "probs": r.p.tolist(), "probs_content_free": r.p_cf.tolist(), "probs_calibrated": r.q.tolist()}
+
+    def _dcpmi(self, sample: Sample) -> dict:
+        labels = labels_for(sample)
+        premise = dcpmi_premise(sample, self.options.dcpmi_premise)
+        r = dc_pmi(self.scorer, scoring_context(sample), premise, continuations(labels))
+        return {"answer": labels[r.pred], **self._scored_base(sample, labels, r.logp),
+                "logp": r.logp.tolist(), "logp_domain": r.logp_domain.tolist(), "pmi": r.scores.tolist()}
+
+    def _demo(self, sample: Sample) -> dict:
+        labels = labels_for(sample)
+        opts = self.options
+
+        def build(order, cf):
+            s = reordered(sample, order)
+            if cf is not None:
+                s = with_query(s, content_free_query(sample, cf))
+            return scoring_context(s)
+
+        r = demo_select(self.scorer, build, len(demo_blocks(sample)), continuations(labels), opts.cf_inputs,
+                        zero_shot_context(sample), num_orders=opts.demo_orders, top_k=opts.demo_top_k,
+                        seed=f"{opts.demo_seed}:{sample.task_file}:{sample.uid}",
+                        influence_reference=opts.demo_influence)
+        out = {"answer_scored": labels[r.pred], "correct_scored": score(sample, labels[r.pred])}
+        if opts.demo_predict == "generate":
+            gen = self.decode(sample, self.prompt(reordered(sample, r.order)))
+            out.update({"answer": gen.text, "answer_generated": gen.text})
+        else:
+            out["answer"] = labels[r.pred]
+        out.update(self._scored_base(sample, labels, r.p_orders[0]))  # orders[0] is the original order
+        out.update({"order": list(r.order), "orders_evaluated": len(r.orders),
+                    "fairness": r.fairness[r.chosen], "influence": r.influence[r.chosen],
+                    "candidates": [list(r.orders[i]) for i in r.candidates], "probs": list(map(float, r.p))})
+        return out
+
+
+def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path) -> None:
+    """A resumed file must hold records of this model, and each variant with the settings asked for now."""
+    want = {v.name: v.config_dict() for v in variants}
+    for rec in records:
+        m = rec.get("model")
+        if m is not None and m != model:
+            raise SiclError(f"{path}: holds records of model {m!r}, this run uses {model!r}; use another --out")
+        name = rec.get("variant", "sicl")
+        if name in want and "config" in rec and _norm(rec["config"]) != _norm(want[name]):
+            diff = sorted(k for k in set(rec["config"]) | set(want[name])
+                          if _norm(rec["config"].get(k)) != _norm(want[name].get(k)))
+            raise SiclError(f"{path}: variant {name!r} was run with other settings ({', '.join(diff)} differ); "
+                            f"use another --out or the same settings")
+
+
+def _norm(v):
+    """Configs compare after a JSON round trip (tuples become lists)."""
+    if isinstance(v, dict):
+        return {k: _norm(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    return v
+
+
+def select_samples(data_dir, tasks=None, limit: int | None = None) -> list[Sample]:
+    data = load_dir(data_dir, tasks)
+    return [s for name in data for s in (data[name][:limit] if limit is not None else data[name])]
+
+
+def run_methods(
+    engine,
+    data_dir: str | Path,
+    out_path: str | Path,
+    methods: Sequence[str] = ("sicl",),
+    config=None,
+    tasks=None,
+    limit: int | None = None,
+    sicl_variants: Sequence[Variant] | None = None,
+    options: BaselineOptions | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Run every variant on the selected samples; returns their records (those already in out_path included).
+
+    engine: an Engine built with add_special_tokens=True (ICLEval's tokenization). config: the CalibrationConfig
+    of method 'sicl' (or give `sicl_variants`, e.g. from `ablations.make_variants`).
+    """
+    from tqdm import tqdm
+
+    options = options or BaselineOptions()
+    variants = build_variants(methods, engine, config, sicl_variants, options)
+    samples = select_samples(data_dir, tasks, limit)
+    runner = _Runner(engine, options)
+    prompts = {s.key: runner.prompt(s) for s in samples}  # every tokenization error before any work
+    for v in variants:
+        if v.method in BASELINES:
+            for s in samples:
+                if is_classification(s.task_file):
+                    labels_for(s)
+                    demo_blocks(s) if v.method == "demo" else content_free_query(s, "N/A")
+            if not any(is_classification(s.task_file) for s in samples):
+                print(f"note: method {v.method!r} applies to classification files only "
+                      f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
+    model = engine.lm.name
+    with ResultWriter(out_path, key=record_key) as out:
+        _check_existing(read_records(out_path), variants, model, out_path)
+        todo = [(s, v) for s in samples for v in variants
+                if _applies(v, s) and (v.name, s.task_file, s.uid) not in out]
+        done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - len(todo)
+        if done_before:
+            print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
+        bar = tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
+                   dynamic_ncols=True)
+        for s, v in todo:
+            bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
+            out.write(runner.record(s, prompts[s.key], v))
+            bar.update(1)
+        bar.close()
+    wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
+    return [r for r in read_records(out_path) if record_key(r) in wanted]
+
+
+__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods",
+           "select_samples", "make_variants"]

@@ -1,0 +1,479 @@
+"""The paper's analysis of per-sample records: tables, tests and figures, written to RUN/ as report.md + report.json.
+
+A *run* is one results file (one model); its records are grouped by *variant* (base, sicl and its ablations, cc,
+dcpmi, demo). For every variant:
+
+* the per-task table: n, base accuracy, the variant's accuracy ("calibrated"), relative change in percent
+  (100 (cal - base) / base; n/a when base = 0), change in points, mean steps, mean seconds; the mean row is the
+  unweighted mean over tasks (its relative change is computed from the two means), the micro row pools samples;
+* the one-sided exact McNemar test over all samples (H1: the variant beats the base), with b = #(base wrong,
+  variant right), c = #(base right, variant wrong), p = P(X >= b | X ~ Bin(b + c, 1/2));
+* for calibration variants: per task the mean proxy improvement (best_proxy - initial_proxy, gated samples count
+  as 0) against the accuracy change (points), the one-sided Spearman test over tasks (H1: rho > 0) and the
+  least-squares line.
+
+Across runs (several models given together), Fisher's method combines each calibration variant's one-sided
+Spearman p-values. With more than one variant, a table compares the methods' accuracies per task, as in the
+paper. Figures: proxy improvement vs accuracy change (one per variant, every run in it), proxy histories, accuracy
+per task. Everything is written atomically; NaN becomes null in the JSON.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ..errors import SiclError
+from ..icleval.tasks import TASK_FILES
+from ..records import read_records, write_json_atomic
+from . import stats
+
+METHOD_ORDER = ("base", "sicl", "cc", "dcpmi", "demo")
+
+
+@dataclass
+class Run:
+    name: str
+    records: list[dict]
+    source: str = ""
+    meta: dict = field(default_factory=dict)
+
+
+def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = None) -> list[Run]:
+    """One Run per results file, named by its model (the records' "model" field) or else by the file's stem."""
+    if names is not None and len(names) != len(paths):
+        raise SiclError(f"{len(names)} names for {len(paths)} results files")
+    runs: list[Run] = []
+    used: set[str] = set()
+    for i, p in enumerate(paths):
+        recs = read_records(p)
+        if names is not None:
+            name = names[i]
+        else:
+            models = {r.get("model") for r in recs if r.get("model")}
+            name = models.pop() if len(models) == 1 else Path(p).stem
+            if name in used:
+                name = f"{name} ({Path(p).stem})"
+        k, base = 2, name
+        while name in used:
+            name, k = f"{base} #{k}", k + 1
+        used.add(name)
+        runs.append(Run(name=name, records=recs, source=str(p)))
+    return runs
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def method_of(rec: dict) -> str:
+    return rec.get("method", "sicl")
+
+
+def variant_of(rec: dict) -> str:
+    return rec.get("variant", method_of(rec))
+
+
+def _task_order(tasks) -> list[str]:
+    known = {t: i for i, t in enumerate(TASK_FILES)}
+    return sorted(set(tasks), key=lambda t: (known.get(t, len(known)), t))
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _rel(base: float, cal: float) -> float:
+    if math.isnan(base) or math.isnan(cal) or base == 0:
+        return math.nan
+    return 100.0 * (cal - base) / base
+
+
+def group_variants(records: Sequence[dict]) -> "OrderedDict[str, list[dict]]":
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(variant_of(r), []).append(r)
+
+    def rank(name: str):
+        m = method_of(groups[name][0])
+        return (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), name != m, name)
+
+    return OrderedDict((k, groups[k]) for k in sorted(groups, key=rank))
+
+
+def check_records(records: Sequence[dict], where: str = "") -> None:
+    """Every record needs the fields the report reads; one (variant, task, uid) at most once."""
+    need = ("task", "uid", "correct_base", "correct_calibrated")
+    seen = set()
+    for i, r in enumerate(records):
+        miss = [k for k in need if k not in r]
+        if miss:
+            raise SiclError(f"{where} record {i}: missing field(s) {', '.join(miss)}")
+        key = (variant_of(r), r["task"], r["uid"])
+        if key in seen:
+            raise SiclError(f"{where} record {i}: duplicate record for variant {key[0]!r}, {key[1]}:{key[2]}")
+        seen.add(key)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# tables and tests
+
+
+def task_table(records: Sequence[dict]) -> dict:
+    """Per-task rows, the mean row (macro over tasks) and the micro row (all samples pooled)."""
+    by_task: dict[str, list[dict]] = {}
+    for r in records:
+        by_task.setdefault(r["task"], []).append(r)
+    rows = []
+    for t in _task_order(by_task):
+        rs = by_task[t]
+        n = len(rs)
+        base = sum(bool(r["correct_base"]) for r in rs) / n
+        cal = sum(bool(r["correct_calibrated"]) for r in rs) / n
+        rows.append({"task": t, "n": n, "base": base, "calibrated": cal, "relative_change": _rel(base, cal),
+                     "change_points": 100.0 * (cal - base), "mean_steps": _mean(r.get("steps") for r in rs),
+                     "mean_seconds": _mean(r.get("seconds") for r in rs)})
+    if not rows:
+        return {"tasks": [], "mean": None, "micro": None}
+    mb, mc = _mean(x["base"] for x in rows), _mean(x["calibrated"] for x in rows)
+    mean = {"task": "mean", "n": sum(x["n"] for x in rows), "base": mb, "calibrated": mc,
+            "relative_change": _rel(mb, mc), "change_points": 100.0 * (mc - mb),
+            "mean_steps": _mean(x["mean_steps"] for x in rows), "mean_seconds": _mean(x["mean_seconds"] for x in rows)}
+    n = len(records)
+    ub = sum(bool(r["correct_base"]) for r in records) / n
+    uc = sum(bool(r["correct_calibrated"]) for r in records) / n
+    micro = {"task": "all (micro)", "n": n, "base": ub, "calibrated": uc, "relative_change": _rel(ub, uc),
+             "change_points": 100.0 * (uc - ub), "mean_steps": _mean(r.get("steps") for r in records),
+             "mean_seconds": _mean(r.get("seconds") for r in records)}
+    return {"tasks": rows, "mean": mean, "micro": micro}
+
+
+def mcnemar(records: Sequence[dict]) -> dict:
+    res = stats.mcnemar_exact([bool(r["correct_base"]) for r in records],
+                              [bool(r["correct_calibrated"]) for r in records])
+    return {**res.to_dict(), "samples": len(records)}
+
+
+def has_proxy(records: Sequence[dict]) -> bool:
+    return any(r.get("initial_proxy") is not None and r.get("best_proxy") is not None for r in records)
+
+
+def proxy_analysis(records: Sequence[dict]) -> dict | None:
+    """Per task: mean (best_proxy - initial_proxy) and accuracy change; Spearman over tasks; least squares."""
+    if not has_proxy(records):
+        return None
+    by_task: dict[str, list[dict]] = {}
+    for r in records:
+        if r.get("initial_proxy") is not None and r.get("best_proxy") is not None:
+            by_task.setdefault(r["task"], []).append(r)
+    rows = []
+    for t in _task_order(by_task):
+        rs = by_task[t]
+        n = len(rs)
+        rows.append({"task": t, "n": n,
+                     "mean_proxy_improvement": sum(r["best_proxy"] - r["initial_proxy"] for r in rs) / n,
+                     "mean_initial_proxy": sum(r["initial_proxy"] for r in rs) / n,
+                     "mean_best_proxy": sum(r["best_proxy"] for r in rs) / n,
+                     "gated": sum(bool(r.get("gated")) for r in rs),
+                     "accuracy_change": 100.0 * (sum(bool(r["correct_calibrated"]) for r in rs)
+                                                 - sum(bool(r["correct_base"]) for r in rs)) / n})
+    x = [r["mean_proxy_improvement"] for r in rows]
+    y = [r["accuracy_change"] for r in rows]
+    fit = stats.least_squares(x, y)
+    return {"tasks": rows, "spearman": stats.spearman_one_sided(x, y).to_dict(),
+            "fit": None if fit is None else {"slope": fit[0], "intercept": fit[1]}}
+
+
+def methods_table(groups: "OrderedDict[str, list[dict]]") -> dict:
+    """Accuracy per task of the base and of every variant on the samples that every variant has (all methods on
+    the same samples, as in the paper's table; with cc / dcpmi / demo that is the classification subset). The
+    "base (label scoring)" column (uncalibrated argmax label) appears when baseline records carry it. When the
+    variants share no sample, each column uses its own samples (same_samples = False)."""
+    keysets = [{(r["task"], r["uid"]) for r in recs} for recs in groups.values()]
+    common = set.intersection(*keysets) if keysets else set()
+    shared = bool(common)
+    base: dict[str, dict] = {}
+    scored: dict[str, dict] = {}
+    cols: "OrderedDict[str, dict[str, float]]" = OrderedDict()
+    for name, recs in groups.items():
+        rs = [r for r in recs if not shared or (r["task"], r["uid"]) in common]
+        by_task: dict[str, list[dict]] = {}
+        for r in rs:
+            by_task.setdefault(r["task"], []).append(r)
+            base.setdefault(r["task"], {}).setdefault(r["uid"], bool(r["correct_base"]))
+            if "correct_scored_base" in r:
+                scored.setdefault(r["task"], {}).setdefault(r["uid"], bool(r["correct_scored_base"]))
+        if method_of(recs[0]) != "base":
+            cols[name] = {t: sum(bool(r["correct_calibrated"]) for r in v) / len(v) for t, v in by_task.items()}
+    columns: "OrderedDict[str, dict[str, float]]" = OrderedDict()
+    columns["base"] = {t: sum(v.values()) / len(v) for t, v in base.items()}
+    if scored:
+        columns["base (label scoring)"] = {t: sum(v.values()) / len(v) for t, v in scored.items()}
+    columns.update(cols)
+    tasks = _task_order(base)
+    full = [t for t in tasks if all(t in c for c in columns.values())]
+    return {"columns": list(columns), "tasks": tasks, "same_samples": shared,
+            "n": sum(len(base[t]) for t in tasks),
+            "rows": [{"task": t, "n": len(base[t]), **{c: columns[c].get(t) for c in columns}} for t in tasks],
+            "mean": {"tasks": full, **{c: (_mean(columns[c][t] for t in full) if full else None) for c in columns}}}
+
+
+def variant_report(name: str, records: Sequence[dict]) -> dict:
+    first = records[0]
+    out = {"variant": name, "method": method_of(first), "config": first.get("config"), "n": len(records),
+           "table": task_table(records), "mcnemar": mcnemar(records), "proxy": proxy_analysis(records)}
+    if any("correct_scored_base" in r for r in records):
+        rs = [r for r in records if "correct_scored_base" in r]
+        out["label_scoring_base_accuracy"] = sum(bool(r["correct_scored_base"]) for r in rs) / len(rs)
+    return out
+
+
+def build_report(runs: Sequence[Run]) -> dict:
+    """Everything the report shows, as plain data (NaN kept; `write_report` turns it into null)."""
+    out_runs = []
+    for run in runs:
+        check_records(run.records, run.name)
+        groups = group_variants(run.records)
+        out_runs.append({"name": run.name, "source": run.source, "n_records": len(run.records),
+                         "models": sorted({r["model"] for r in run.records if r.get("model")}),
+                         "variants": [variant_report(k, v) for k, v in groups.items()],
+                         "methods": methods_table(groups) if len(groups) > 1 else None})
+    fisher = {}
+    names = list(dict.fromkeys(v["variant"] for r in out_runs for v in r["variants"] if v["proxy"] is not None))
+    for vn in names:
+        items = []
+        for r in out_runs:
+            for v in r["variants"]:
+                if v["variant"] == vn and v["proxy"] is not None:
+                    items.append((r["name"], v["proxy"]["spearman"]["p"], v["proxy"]["spearman"]["p_exact"]))
+        ps = [(n, p) for n, p, _ in items if p is not None and not math.isnan(p)]
+        pe = [(n, p) for n, _, p in items if p is not None and not math.isnan(p)]
+        fisher[vn] = {
+            "runs": [n for n, _ in ps], "pvalues": [p for _, p in ps],
+            "excluded": [n for n, p, _ in items if p is None or math.isnan(p)],
+            **stats.fisher_combined([p for _, p in ps]).to_dict(),
+            "exact": stats.fisher_combined([p for _, p in pe]).to_dict() if len(pe) == len(items) and pe else None,
+        }
+    return {"runs": out_runs, "fisher": fisher}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def _pct(v, signed=False) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{100 * v:+.1f}" if signed else f"{100 * v:.1f}"
+
+
+def _num(v, fmt="{:.2f}", signed=False) -> str:
+    if v is None or (isinstance(v, float) and (math.isnan(v) or math.isinf(v))):
+        return "n/a"
+    return (("+" if signed and v >= 0 else "") + fmt.format(v))
+
+
+def _p(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{v:.4g}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _fmt(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _config_line(cfg) -> str:
+    if not cfg:
+        return ""
+    keys = ("N", "mu", "eta", "kappa", "tau", "max_steps", "patience", "alpha", "beta", "gamma", "perturb_query")
+    if all(k in cfg for k in ("N", "mu")):
+        return ", ".join(f"{k}={_fmt(cfg[k])}" for k in keys if k in cfg)
+    return ", ".join(f"{k}={_fmt(v)}" for k, v in cfg.items())
+
+
+def render_markdown(report: dict) -> str:
+    L: list[str] = ["# sicl_fast evaluation report", ""]
+    L.append("Runs: " + ", ".join(f"**{r['name']}** (`{r['source']}`, {r['n_records']} records)" for r in report["runs"]))
+    L.append("")
+    for run in report["runs"]:
+        L += [f"## {run['name']}", ""]
+        mt = run.get("methods")
+        if mt:
+            L += ["### Methods compared (accuracy %, per task)", "",
+                  (f"On the {_plural(mt['n'], 'sample')} that every method has." if mt["same_samples"]
+                   else "The methods share no sample: each column uses its own samples."), ""]
+            L.append("| task | n | " + " | ".join(mt["columns"]) + " |")
+            L.append("|---|---|" + "---|" * len(mt["columns"]))
+            for row in mt["rows"]:
+                L.append(f"| {row['task']} | {row['n']} | " + " | ".join(_pct(row[c]) for c in mt["columns"]) + " |")
+            m = mt["mean"]
+            L.append(f"| mean ({_plural(len(m['tasks']), 'task')}) | | "
+                     + " | ".join(_pct(m[c]) for c in mt["columns"]) + " |")
+            L.append("")
+        for v in run["variants"]:
+            L += [f"### {v['variant']} (method {v['method']}, {_plural(v['n'], 'sample')})", ""]
+            if _config_line(v.get("config")):
+                L += [f"Settings: {_config_line(v['config'])}", ""]
+            L.append("| task | n | base acc (%) | calibrated acc (%) | relative change (%) | change (points) | "
+                     "mean steps | mean seconds |")
+            L.append("|---|---|---|---|---|---|---|---|")
+            tbl = v["table"]
+            for row in tbl["tasks"] + [x for x in (tbl["mean"], tbl["micro"]) if x]:
+                L.append(f"| {row['task']} | {row['n']} | {_pct(row['base'])} | {_pct(row['calibrated'])} | "
+                         f"{_num(row['relative_change'], '{:.1f}', True)} | {_num(row['change_points'], '{:.1f}', True)} | "
+                         f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], '{:.2f}')} |")
+            if "label_scoring_base_accuracy" in v:
+                L.append(f"\nUncalibrated label scoring on the same samples: {_pct(v['label_scoring_base_accuracy'])}%.")
+            mc = v["mcnemar"]
+            if v["method"] != "base":
+                L += ["", f"McNemar (exact, one-sided, H1: {v['variant']} > base): b = {mc['b']} (base wrong, "
+                      f"{v['variant']} right), c = {mc['c']} (base right, {v['variant']} wrong), n = {mc['n']}, "
+                      f"p = {_p(mc['p'])}."]
+            L.append("")
+            px = v.get("proxy")
+            if px:
+                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | accuracy change (points) |")
+                L.append("|---|---|---|---|---|---|")
+                for row in px["tasks"]:
+                    L.append(f"| {row['task']} | {row['n']} | {_num(row['mean_proxy_improvement'], '{:.4f}', True)} | "
+                             f"{_num(row['mean_initial_proxy'], '{:.4f}')} | {row['gated']} | "
+                             f"{_num(row['accuracy_change'], '{:.1f}', True)} |")
+                sp = px["spearman"]
+                fit = px.get("fit")
+                L += ["", f"Spearman over {_plural(sp['n'], 'task')} (one-sided, H1: rho > 0): rho = {_num(sp['rho'], '{:.3f}')}, "
+                          f"p = {_p(sp['p'])} (t approximation)"
+                          + (f", exact permutation p = {_p(sp['p_exact'])}" if sp.get("p_exact") is not None else "")
+                          + "." + (f" Least squares: change = {fit['slope']:.4g} x improvement "
+                                   f"{'-' if fit['intercept'] < 0 else '+'} {abs(fit['intercept']):.4g}." if fit else ""), ""]
+        plots = run.get("plots") or []
+        if plots:
+            L += ["Figures:", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    if report.get("fisher") and len(report["runs"]) > 1:
+        L += ["## Across runs: Fisher's combined test of the Spearman p-values", ""]
+        L.append("| variant | runs | p-values | chi2 statistic | dof | combined p | combined exact p |")
+        L.append("|---|---|---|---|---|---|---|")
+        for vn, f in report["fisher"].items():
+            ex = f.get("exact")
+            L.append(f"| {vn} | {', '.join(f['runs']) or '-'} | {', '.join(_p(p) for p in f['pvalues']) or '-'} | "
+                     f"{_num(f['statistic'], '{:.3f}')} | {2 * f['k']} | {_p(f['p'])} | {_p(ex['p']) if ex else 'n/a'} |")
+            if f["excluded"]:
+                L.append(f"|  | excluded (Spearman undefined): {', '.join(f['excluded'])} | | | | | |")
+        L.append("")
+    if report.get("figures"):
+        L += ["## Proxy improvement vs accuracy change, per task (every run)", ""] + [f"![{Path(p).stem}]({p})" for p in report["figures"]] + [""]
+    L += ["## Definitions", "",
+          "* calibrated = the variant's answers; base = greedy decoding from the original prompt (ICLEval's protocol).",
+          "* relative change = 100 (calibrated - base) / base; mean row = unweighted mean over tasks.",
+          "* McNemar: p = P(X >= b), X ~ Binomial(b + c, 1/2).",
+          "* proxy improvement = best_proxy - initial_proxy per sample (0 when gated), averaged per task; "
+          "Spearman p from the t approximation with n - 2 degrees of freedom (as scipy.stats.spearmanr), "
+          "exact permutation p for up to 8 tasks.",
+          "* Fisher: X = -2 sum ln p over runs, chi-squared with 2k degrees of freedom.", ""]
+    return "\n".join(L)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _json_safe(v):
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {str(k): _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", s).strip("_") or "x"
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def make_plots(report: dict, runs: Sequence[Run], out_dir: Path) -> None:
+    """Draw the figures into out_dir/plots and list them (relative paths) in the report."""
+    from . import plots
+
+    pdir = out_dir / "plots"
+    by_name = {r.name: r for r in runs}
+    for run in report["runs"]:
+        files = []
+        groups = group_variants(by_name[run["name"]].records)
+        rs = _slug(run["name"])
+        mt = run.get("methods")
+        if mt:
+            tasks = mt["tasks"]
+            cols = {c: [row[c] for row in mt["rows"]] for c in mt["columns"]}
+        else:
+            v = run["variants"][0]
+            tasks = [row["task"] for row in v["table"]["tasks"]]
+            cols = {"base": [row["base"] for row in v["table"]["tasks"]],
+                    v["variant"]: [row["calibrated"] for row in v["table"]["tasks"]]}
+        files.append(plots.accuracy_bars(pdir / f"accuracy_{rs}.png", tasks, cols, f"accuracy per task - {run['name']}"))
+        for v in run["variants"]:
+            if v["proxy"] is None:
+                continue
+            hist: dict[str, list[list[float]]] = {}
+            for r in groups[v["variant"]]:
+                if r.get("history"):
+                    hist.setdefault(r["task"], []).append([float(x) for x in r["history"]])
+            hist = {t: hist[t] for t in _task_order(hist)}
+            files.append(plots.proxy_histories(pdir / f"history_{rs}_{_slug(v['variant'])}.png", hist,
+                                               f"proxy history - {run['name']} - {v['variant']}"))
+        run["plots"] = [str(Path(f).relative_to(out_dir)) for f in files]
+    figures = []
+    for vn in report["fisher"]:
+        series = []
+        for run in report["runs"]:
+            for v in run["variants"]:
+                if v["variant"] == vn and v["proxy"] is not None:
+                    px = v["proxy"]
+                    series.append({"name": run["name"], "tasks": [r["task"] for r in px["tasks"]],
+                                   "x": [r["mean_proxy_improvement"] for r in px["tasks"]],
+                                   "y": [r["accuracy_change"] for r in px["tasks"]],
+                                   "fit": (px["fit"]["slope"], px["fit"]["intercept"]) if px["fit"] else None})
+        f = plots.proxy_vs_accuracy(pdir / f"proxy_vs_accuracy_{_slug(vn)}.png", series,
+                                    f"proxy improvement vs accuracy change - {vn}")
+        figures.append(str(Path(f).relative_to(out_dir)))
+    report["figures"] = figures
+
+
+def write_report(out_dir: str | os.PathLike, runs: Sequence[Run], plots: bool = True) -> dict:
+    """Build the report of `runs` and write out_dir/report.md, out_dir/report.json and out_dir/plots/*.png."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = build_report(runs)
+    if plots:
+        make_plots(report, runs, out_dir)
+    safe = _json_safe(report)
+    json.dumps(safe, allow_nan=False)  # strict JSON, checked before anything is replaced
+    write_json_atomic(out_dir / "report.json", safe)
+    _write_text_atomic(out_dir / "report.md", render_markdown(report))
+    return safe
+
+
+def report_from_files(paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, names=None,
+                      plots: bool = True) -> dict:
+    return write_report(out_dir, load_runs(paths, names), plots=plots)
+
+
+__all__ = ["Run", "load_runs", "group_variants", "task_table", "mcnemar", "proxy_analysis", "methods_table",
+           "variant_report", "build_report", "render_markdown", "write_report", "report_from_files", "make_plots"]

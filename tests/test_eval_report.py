@@ -1,0 +1,295 @@
+"""sicl_fast.evaluation without a model: the tests' statistics against scipy, the report's numbers against the
+records, the files it writes, ablation variants and the ICLEval classification helpers."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from scipy import stats as sps
+
+from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.evaluation import icleval_cls as C
+from sicl_fast.evaluation import stats
+from sicl_fast.evaluation.ablations import drop_component, make_variants, variant_name
+from sicl_fast.evaluation.report import Run, build_report, load_runs, write_report
+from sicl_fast.icleval import load_dir, render
+
+FIXTURES = Path(__file__).parent / "fixtures" / "icleval" / "data"
+SHARED = Path("/work/shared/icleval/data")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _strict_json(path: Path):
+    def bad(x):
+        raise ValueError(f"non-standard JSON constant {x}")
+
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# statistics
+
+
+@pytest.mark.parametrize("b,c", [(0, 1), (1, 0), (3, 2), (7, 1), (2, 9), (15, 15), (40, 22)])
+def test_mcnemar_matches_binomtest(b, c):
+    base = [False] * b + [True] * c + [True] * 5 + [False] * 4
+    meth = [True] * b + [False] * c + [True] * 5 + [False] * 4
+    res = stats.mcnemar_exact(base, meth)
+    assert (res.b, res.c, res.n) == (b, c, b + c)
+    assert res.p == pytest.approx(sps.binomtest(b, b + c, 0.5, alternative="greater").pvalue, rel=1e-12, abs=1e-15)
+
+
+def test_mcnemar_no_discordant_pairs():
+    assert stats.mcnemar_exact([True, False], [True, False]).p == 1.0
+
+
+def test_spearman_matches_scipy():
+    rng = random.Random(0)
+    cases = [([1, 2, 3], [1, 2, 3]), ([1, 2, 3], [3, 1, 2]), ([0.1, 0.5, 0.2, 0.9], [1, 1, 0, 3])]
+    for n in (3, 4, 5, 7, 9, 12):
+        x = [rng.random() for _ in range(n)]
+        cases.append((x, [v + rng.gauss(0, 0.3) for v in x]))
+        cases.append(([rng.randint(0, 3) for _ in range(n)], [rng.randint(0, 3) for _ in range(n)]))  # ties
+    for x, y in cases:
+        mine = stats.spearman_one_sided(x, y)
+        ref = sps.spearmanr(x, y, alternative="greater")
+        if math.isnan(ref.statistic):
+            assert math.isnan(mine.rho) and math.isnan(mine.p)
+            continue
+        assert mine.rho == pytest.approx(ref.statistic, abs=1e-12)
+        assert mine.p == pytest.approx(ref.pvalue, abs=1e-12)
+
+
+def test_spearman_exact_p_is_the_permutation_distribution():
+    x, y = [0.3, 0.1, 0.7, 0.5], [2.0, 1.0, 5.0, 3.0]
+    res = stats.spearman_one_sided(x, y)
+    ref = sps.permutation_test((y,), lambda yy: sps.spearmanr(x, yy).statistic, permutation_type="pairings",
+                               alternative="greater", n_resamples=math.inf)
+    assert res.rho == pytest.approx(1.0)
+    assert res.p_exact == pytest.approx(ref.pvalue) == pytest.approx(1 / 24)
+
+
+def test_spearman_degenerate():
+    assert math.isnan(stats.spearman_one_sided([1, 2, 3], [1, 1, 1]).p)
+    assert math.isnan(stats.spearman_one_sided([1, 2], [1, 2]).p)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")
+@pytest.mark.parametrize("ps", [[0.5], [0.01, 0.2], [0.3, 0.8, 0.05], [1.0, 1.0], [0.0, 0.4], [1e-9, 0.5, 0.7, 0.2]])
+def test_fisher_matches_scipy(ps):
+    mine = stats.fisher_combined(ps)
+    ref = sps.combine_pvalues(ps, method="fisher")
+    assert mine.statistic == pytest.approx(ref.statistic, rel=1e-12)
+    assert mine.p == pytest.approx(ref.pvalue, rel=1e-9, abs=1e-300)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report on synthetic records
+
+TASKS = ["classifier_order", "generate_order", "classifier_duplication", "generate_list_number"]  # ICLEval order
+
+
+def synthetic_records(seed: int, variant: str = "sicl", n: int = 10, method: str = "sicl") -> list[dict]:
+    rng = random.Random(seed)
+    recs = []
+    for ti, task in enumerate(TASKS):
+        for uid in range(n):
+            init = rng.uniform(0.05, 0.5)
+            gated = rng.random() < 0.15
+            best = init if gated else init + rng.uniform(0, 0.05 * (ti + 1))
+            steps = 1 if gated else rng.randint(2, 9)
+            hist = [init] + [init + (best - init) * (k + 1) / (steps - 1) for k in range(steps - 1)] if steps > 1 else [init]
+            base_ok = rng.random() < 0.4
+            cal_ok = base_ok if rng.random() < 0.6 else rng.random() < 0.3 + 0.12 * ti
+            recs.append({"task": task, "uid": uid, "label": "x", "answer_base": "a", "answer_calibrated": "b",
+                         "correct_base": base_ok, "correct_calibrated": cal_ok,
+                         "initial_proxy": None if method != "sicl" else init,
+                         "best_proxy": None if method != "sicl" else best, "steps": steps if method == "sicl" else 0,
+                         "gated": gated, "seconds": rng.uniform(0.1, 3.0), "history": hist if method == "sicl" else [],
+                         "method": method, "variant": variant, "model": f"model-{seed}"})
+    return recs
+
+
+def _write_jsonl(path: Path, recs) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    return path
+
+
+def test_report_numbers_match_the_records(tmp_path):
+    recs = synthetic_records(1) + synthetic_records(11, variant="sicl[no-alpha]")
+    run = Run(name="m1", records=recs, source="r1.jsonl")
+    rep = write_report(tmp_path / "RUN", [run])
+    assert (tmp_path / "RUN" / "report.md").read_text().startswith("# sicl_fast evaluation report")
+    assert _strict_json(tmp_path / "RUN" / "report.json") == rep
+    (r1,) = rep["runs"]
+    assert [v["variant"] for v in r1["variants"]] == ["sicl", "sicl[no-alpha]"]
+    for v in r1["variants"]:
+        rs = [r for r in recs if r["variant"] == v["variant"]]
+        rows = {row["task"]: row for row in v["table"]["tasks"]}
+        assert list(rows) == TASKS  # ICLEval file order
+        for t in TASKS:
+            tr = [r for r in rs if r["task"] == t]
+            base = sum(r["correct_base"] for r in tr) / len(tr)
+            cal = sum(r["correct_calibrated"] for r in tr) / len(tr)
+            assert rows[t]["n"] == len(tr)
+            assert rows[t]["base"] == pytest.approx(base) and rows[t]["calibrated"] == pytest.approx(cal)
+            assert rows[t]["relative_change"] == (pytest.approx(100 * (cal - base) / base) if base else None)
+            assert rows[t]["mean_steps"] == pytest.approx(sum(r["steps"] for r in tr) / len(tr))
+            assert rows[t]["mean_seconds"] == pytest.approx(sum(r["seconds"] for r in tr) / len(tr))
+        mean = v["table"]["mean"]
+        assert mean["base"] == pytest.approx(sum(rows[t]["base"] for t in TASKS) / len(TASKS))
+        assert mean["calibrated"] == pytest.approx(sum(rows[t]["calibrated"] for t in TASKS) / len(TASKS))
+        assert mean["n"] == len(rs)
+        b = sum(1 for r in rs if not r["correct_base"] and r["correct_calibrated"])
+        c = sum(1 for r in rs if r["correct_base"] and not r["correct_calibrated"])
+        mc = v["mcnemar"]
+        assert (mc["b"], mc["c"], mc["n"]) == (b, c, b + c)
+        assert mc["p"] == pytest.approx(sps.binomtest(b, b + c, 0.5, alternative="greater").pvalue)
+        px = v["proxy"]
+        xs = [sum(r["best_proxy"] - r["initial_proxy"] for r in rs if r["task"] == t) / 10 for t in TASKS]
+        ys = [rows[t]["change_points"] for t in TASKS]
+        assert len(set(ys)) > 1 and len(set(xs)) > 1  # a defined correlation
+        assert [row["mean_proxy_improvement"] for row in px["tasks"]] == pytest.approx(xs)
+        assert [row["accuracy_change"] for row in px["tasks"]] == pytest.approx(ys)
+        ref = sps.spearmanr(xs, ys, alternative="greater")
+        assert px["spearman"]["rho"] == pytest.approx(ref.statistic)
+        assert px["spearman"]["p"] == pytest.approx(ref.pvalue)
+        slope, intercept = __import__("numpy").polyfit(xs, ys, 1)
+        assert px["fit"]["slope"] == pytest.approx(slope) and px["fit"]["intercept"] == pytest.approx(intercept)
+    # the methods table compares both variants with the shared base
+    mt = r1["methods"]
+    assert mt["columns"] == ["base", "sicl", "sicl[no-alpha]"]
+    md = (tmp_path / "RUN" / "report.md").read_text()
+    assert "McNemar" in md and "Spearman" in md and "| mean |" in md
+    for p in r1["plots"] + rep["figures"]:
+        assert (tmp_path / "RUN" / p).read_bytes()[:8] == PNG
+        assert p in md
+    assert len(r1["plots"]) == 3 and len(rep["figures"]) == 2  # accuracy + 2 histories; 1 scatter per variant
+
+
+def test_fisher_across_runs_from_files(tmp_path):
+    paths = [_write_jsonl(tmp_path / f"r{i}.jsonl", synthetic_records(i)) for i in (2, 3, 4)]
+    runs = load_runs(paths)
+    assert [r.name for r in runs] == ["model-2", "model-3", "model-4"]
+    rep = write_report(tmp_path / "RUN", runs)
+    ps = [r["variants"][0]["proxy"]["spearman"]["p"] for r in rep["runs"]]
+    f = rep["fisher"]["sicl"]
+    assert f["pvalues"] == ps and f["k"] == 3
+    ref = sps.combine_pvalues(ps, method="fisher")
+    assert f["statistic"] == pytest.approx(ref.statistic) and f["p"] == pytest.approx(ref.pvalue)
+    assert (tmp_path / "RUN" / "plots" / "proxy_vs_accuracy_sicl.png").read_bytes()[:8] == PNG
+
+
+def test_report_with_baselines_and_nan(tmp_path):
+    """Baseline variants (no proxies) and a degenerate Spearman: strict JSON with null, 'n/a' in the Markdown."""
+    recs = synthetic_records(5, variant="cc", method="cc") + synthetic_records(5, variant="base", method="base")
+    for r in recs:
+        if r["method"] == "cc":
+            r["correct_scored_base"] = r["uid"] % 2 == 0
+        if r["method"] == "base":
+            r["correct_calibrated"] = r["correct_base"]
+    flat = synthetic_records(6)
+    for r in flat:
+        r["best_proxy"] = r["initial_proxy"]  # no improvement anywhere: Spearman undefined
+    rep = write_report(tmp_path / "RUN", [Run("a", recs, "a.jsonl"), Run("b", flat, "b.jsonl")])
+    _strict_json(tmp_path / "RUN" / "report.json")
+    va = {v["variant"]: v for v in rep["runs"][0]["variants"]}
+    assert list(va) == ["base", "cc"] and va["cc"]["proxy"] is None
+    assert va["base"]["mcnemar"] == {"b": 0, "c": 0, "n": 0, "p": 1.0, "samples": len(recs) // 2}
+    mt = rep["runs"][0]["methods"]
+    assert mt["columns"] == ["base", "base (label scoring)", "cc"] and mt["same_samples"] and mt["n"] == 40
+    row = mt["rows"][0]
+    cc0 = [r for r in recs if r["method"] == "cc" and r["task"] == row["task"]]
+    assert row["cc"] == pytest.approx(sum(r["correct_calibrated"] for r in cc0) / len(cc0))
+    assert row["base (label scoring)"] == pytest.approx(sum(r["correct_scored_base"] for r in cc0) / len(cc0))
+    assert rep["fisher"]["sicl"]["excluded"] == ["b"] and rep["fisher"]["sicl"]["p"] is None
+    assert "n/a" in (tmp_path / "RUN" / "report.md").read_text()
+
+
+def test_report_reads_plain_run_icleval_records(tmp_path):
+    """Records of earlier single-method runs (no method / variant / model fields) are the 'sicl' variant."""
+    keep = ("task", "uid", "label", "answer_base", "answer_calibrated", "correct_base", "correct_calibrated",
+            "initial_proxy", "best_proxy", "steps", "gated", "seconds", "history")
+    recs = [{k: r[k] for k in keep} for r in synthetic_records(8)]
+    (run,) = load_runs([_write_jsonl(tmp_path / "plain.jsonl", recs)])
+    assert run.name == "plain"
+    rep = write_report(tmp_path / "RUN", [run])
+    (v,) = rep["runs"][0]["variants"]
+    assert v["variant"] == "sicl" and v["proxy"] is not None and v["mcnemar"]["samples"] == len(recs)
+
+
+def test_report_refuses_duplicates(tmp_path):
+    recs = synthetic_records(7)
+    with pytest.raises(ValueError, match="duplicate"):
+        build_report([Run("x", recs + recs[:1])])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ablation variants
+
+
+def test_ablation_variants():
+    preset = CalibrationConfig(N=8)
+    cfg = preset.replace(max_steps=3)
+    c = drop_component(cfg, "alpha")
+    assert (c.alpha, c.beta, c.gamma) == pytest.approx((0.0, 0.75, 0.25))
+    c = drop_component(cfg, "gamma")
+    assert (c.alpha, c.beta, c.gamma) == pytest.approx((0.6 / 0.9, 0.3 / 0.9, 0.0))
+    vs = make_variants(cfg, preset, ablate=["beta", "perturb-query"], sweep_N=[4, 8], sweep_mu=[0.008])
+    assert [v.name for v in vs] == ["sicl", "sicl[no-beta]", "sicl[perturb-query]", "sicl[N=4]", "sicl[mu=0.008]"]
+    assert vs[2].config.perturb_query and vs[3].config.N == 4 and vs[4].config.mu == 0.008
+    assert all(v.config.max_steps == 3 for v in vs)
+    assert [v.name for v in make_variants(cfg, preset, sweep_N=[2], reference=False)] == ["sicl[N=2]"]
+    assert variant_name(cfg.replace(perturb_query=True), preset) == "sicl[perturb-query]"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ICLEval classification helpers
+
+
+def _cls_samples():
+    data = load_dir(FIXTURES, ["classifier_duplication", "classifier_format"], check_sha256=False)
+    if SHARED.is_dir():
+        data.update(load_dir(SHARED, ["classifier_order"]))
+    return data
+
+
+def test_content_free_queries_and_contexts():
+    data = _cls_samples()
+    for name, samples in data.items():
+        for s in samples[:3]:
+            assert C.label_text(s) in C.labels_for(s)
+            for cf in C.CONTENT_FREE_INPUTS:
+                q = C.content_free_query(s, cf)
+                p = render(C.with_query(s, q)).prompt  # still a valid ICLEval prompt (spans, ending)
+                assert p.startswith(C.examples_text(s)) and p.endswith(s.prompt[s.prompt.rfind("\nOutput:"):])
+            ctx = C.scoring_context(s)
+            assert not ctx.endswith(" ") and ctx.endswith("Output:")
+    s = data["classifier_duplication"][0]
+    assert C.content_free_query(s, "N/A") == "Input: N/A\nOutput:"
+    assert C.content_free_query(s, "") == "Input: \nOutput:"
+    f = data["classifier_format"][0]
+    assert C.content_free_query(f, "[MASK]") == "Input: [MASK]\nOutput: "
+    if "classifier_order" in data:
+        o = data["classifier_order"][0]
+        assert C.content_free_query(o, "N/A") == "Input: \nString1: N/A\nString2: N/A\nOutput:"
+    assert C.dcpmi_premise(s, "delimiter") == "Output:"
+    assert C.dcpmi_premise(s, "demos") == s.raw["examples"] + "Output:"
+
+
+def test_demo_blocks_and_reordering():
+    data = _cls_samples()
+    for samples in data.values():
+        s = samples[0]
+        blocks = C.demo_blocks(s)
+        assert len(blocks) == s.spec.demos and "".join(blocks) == s.raw["examples"]
+        order = list(range(len(blocks)))[::-1]
+        r = C.reordered(s, order)
+        rr = render(r)
+        assert r.raw["examples"] == "".join(blocks[::-1])
+        assert sorted(rr.span_texts()) == sorted(render(s).span_texts())  # same demonstrations, new order
+    with pytest.raises(ValueError):
+        C.reordered(s, [0, 0, 1])

@@ -83,16 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     _model_flags(e), _config_flags(e)
     add_icleval_eval_args(e)
-    add_report_command(sub)
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
     bn.add_argument("--length", type=int, nargs="+", default=[128], help="prompt lengths in tokens")
-    bn.add_argument("--backends", nargs="+", default=["hf", "naive"], help="backends to compare side by side")
+    bn.add_argument("--backends", nargs="+", default=["fast", "hf", "naive"], help="backends to compare side by side")
     bn.add_argument("--repeats", type=int, default=3)
     bn.add_argument("--prefix", type=int, default=0, help="tokens of instruction before the demonstrations")
     bn.add_argument("--calibration-steps", type=int, default=0,
                     help="also time a whole calibration of this many steps (patience off)")
     _model_flags(bn), _config_flags(bn)
+
+    add_report_command(sub)
     return p
 
 

@@ -2,6 +2,7 @@
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,9 +78,13 @@ def test_unknown_model_and_bad_knob(tmp_path, capsys):
     assert "kappa must be < 1" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("sicl-fast") is None, reason="package not installed (pip install -e .)")
+# the console script installed beside this interpreter (CI runs .venv/bin/python without activating the venv)
+SCRIPT = shutil.which("sicl-fast", path=str(Path(sys.executable).parent)) or shutil.which("sicl-fast")
+
+
+@pytest.mark.skipif(SCRIPT is None, reason="package not installed (pip install -e .)")
 def test_console_script_demo():
-    run = subprocess.run(["sicl-fast", "demo", "--max-steps", "2"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([SCRIPT, "demo", "--max-steps", "2"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "proxy before:" in run.stdout and "answer before: '5'" in run.stdout and "answer after:" in run.stdout
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -197,9 +198,10 @@ class LoadedModel:
     def final_softcap(self) -> float | None:
         return getattr(self.text_config, "final_logit_softcapping", None)
 
-    @property
+    @cached_property
     def embedding_scale(self) -> float:
-        """Mean L2 norm of the input-embedding rows over sqrt(d): the per-coordinate scale the grids are in."""
+        """Mean L2 norm of the input-embedding rows over sqrt(d): the per-coordinate scale the grids are in
+        (computed once: the weights are never changed)."""
         w = self.model.get_input_embeddings().weight.float()
         return float(w.norm(dim=1).mean() / w.shape[1] ** 0.5)
 

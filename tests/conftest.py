@@ -26,6 +26,15 @@ def K():
     return fused.kernels()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: on a 2-core machine shared with other jobs it is several times faster."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smol():
     """The embedded SmolLM2-135M (float32, CPU)."""

@@ -18,7 +18,8 @@ from sicl_fast.evaluation.methods import BaselineOptions, run_methods
 from sicl_fast.icleval import score
 from sicl_fast.icleval.loader import load_dir
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning")]
 
 FIXTURES = Path(__file__).parent / "fixtures" / "icleval" / "data"
 
@@ -28,15 +29,6 @@ BIASED = "".join(f"Review: {r}\nSentiment: positive\n\n"
 LABELS = [" positive", " negative"]
 CF = [BIASED + f"Review: {cf}\nSentiment:" for cf in ("N/A", "", "[MASK]")]
 QUERIES = {"awful movie": 1, "terrible": 1, "nice": 0}  # index of the right label
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """On a 2-core machine shared with other jobs, one intra-op thread is several times faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

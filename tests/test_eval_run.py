@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 from scipy import stats as sps
 
 from sicl_fast.engine import Engine
@@ -22,17 +21,8 @@ SHARED = Path("/work/shared/icleval/data")
 TASKS = ["classifier_order", "generate_order"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not SHARED.is_dir(), reason="the shipped ICLEval files are not on this machine")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """On a 2-core machine shared with other jobs, one intra-op thread is several times faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,17 @@ def check_dtype(t: torch.Tensor, dtypes, name: str, op: str) -> None:
         raise SiclError(f"{op}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
 
 
+def check_rows(N: int, a: int, b: int, L: int, d: int, op: str) -> None:
+    """N >= 1 directions on perturbed rows 0 <= a < b <= L, within the int32 Philox counter range."""
+    from sicl_fast.rng import check_counter_range
+
+    if N < 1:
+        raise SiclError(f"{op}: N must be >= 1, got {N}")
+    if not 0 <= a < b <= L:
+        raise SiclError(f"{op}: perturbed rows [a, b) = [{a}, {b}) must satisfy 0 <= a < b <= L = {L}")
+    check_counter_range(N, b - a, d)
+
+
 def f32(x: float) -> float:
     """x rounded to float32 (as a python float), so every path converts the same value exactly."""
     return float(np.float32(x))

@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.rng import check_counter_range, step_seed
+from sicl_fast.rng import step_seed
 from sicl_fast.zo import batch_size
 
-from ._utils import EXACT, check_device, check_dtype, check_shape, f32, interpreting
+from ._utils import EXACT, check_device, check_rows, check_dtype, check_shape, f32, interpreting
 from .randn import randn_f32
 
 
@@ -74,11 +74,7 @@ def perturb(X: torch.Tensor, seed: int, step: int, N: int, mu: float, a: int, b:
     check_dtype(X, torch.float32, "X", op)
     check_shape(X, (None, None), "X", op)
     L, d = X.shape
-    if N < 1:
-        raise SiclError(f"{op}: N must be >= 1, got {N}")
-    if not 0 <= a < b <= L:
-        raise SiclError(f"{op}: perturbed rows [a, b) = [{a}, {b}) must satisfy 0 <= a < b <= L = {L}")
-    check_counter_range(N, b - a, d)
+    check_rows(N, a, b, L, d, op)
     B = batch_size(N, estimator)
     X = X.contiguous()
     if out is None:

@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.rng import check_counter_range, step_seed
+from sicl_fast.rng import step_seed
 from sicl_fast.zo import GRAD_MODES, PROJECTION_SCOPES, batch_size
 
-from ._utils import EXACT, check_device, check_dtype, check_shape, f32, interpreting, next_pow2
+from ._utils import EXACT, check_device, check_rows, check_dtype, check_shape, f32, interpreting, next_pow2
 from .randn import randn_f32
 
 
@@ -203,11 +203,7 @@ def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, seed: int, ste
     check_shape(X, (None, None), "X", op)
     L, d = X.shape
     check_shape(X0, (L, d), "X0", op)
-    if N < 1:
-        raise SiclError(f"{op}: N must be >= 1, got {N}")
-    if not 0 <= a < b <= L:
-        raise SiclError(f"{op}: perturbed rows [a, b) = [{a}, {b}) must satisfy 0 <= a < b <= L = {L}")
-    check_counter_range(N, b - a, d)
+    check_rows(N, a, b, L, d, op)
     B = batch_size(N, estimator)
     f = f.reshape(-1)
     check_shape(f, (B,), "f", op)

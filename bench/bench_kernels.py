@@ -1,5 +1,6 @@
 """CPU benchmarks of the hot ops: proxy and perturb+update (C++ extension vs torch reference), and the LM head at
-the span positions (chunked log-sum-exp vs full [B, P, V] logits). SmolLM2-135M shapes (d 576, V 49152).
+the span positions (chunked log-sum-exp vs full [B, P, V] logits), the difference-product epilogues (C++ vs torch
+reference). SmolLM2-135M shapes (d 576, V 49152).
 
 Run (pytest-benchmark; not collected by the normal test run):
 
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sicl_fast import cpp_ops, zo
 from sicl_fast.ascent import CalibrationConfig
 from sicl_fast.benchmark import peak_mb
-from sicl_fast.logprobs import gather_logprobs_chunked
+from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
+from sicl_fast.models import diff
 from sicl_fast.proxy import proxy as torch_proxy
 from sicl_fast.proxy import span_offsets
 
@@ -99,6 +102,7 @@ SPAN_IMPLS = {
     "full-logits": full_logits,
     "chunked-default": lambda h, w, t: gather_logprobs_chunked(h, w, t),  # max_elems 2**25: one chunk here
     "chunked-4M": lambda h, w, t: gather_logprobs_chunked(h, w, t, max_elems=1 << 22),
+    "vocab-chunked": vocab_chunked_logprobs,  # what span_head runs on the CPU
 }
 
 
@@ -107,6 +111,31 @@ def test_span_head(benchmark, head, impl):
     h, w, t = head
     benchmark.group = f"span head B{SPAN_B} P{SPAN_P} d{D} V{V}"
     run(benchmark, f"span head {impl}", lambda: SPAN_IMPLS[impl](h, w, t), rounds=3)
+
+
+# ---------------------------------------------------------------- difference-product epilogues
+# SmolLM2's MLP at L = 512, N = 8: R = 8 difference rows of T = 502 tokens, I = 1536 (gate | up stacked)
+DIFF_R, DIFF_T, DIFF_I = 8, 502, 1536
+
+
+@pytest.fixture(scope="module")
+def gated_inputs():
+    g = torch.Generator().manual_seed(0)
+    y0 = torch.randn(1, DIFF_T, 2 * DIFF_I, generator=g)
+    yd = (1e-2 * torch.randn(DIFF_R, DIFF_T, 2 * DIFF_I, generator=g)).to(torch.bfloat16)
+    return y0, yd
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
+@pytest.mark.parametrize("op", ["add_rows", "gated_diff"])
+def test_diff_epilogues(benchmark, monkeypatch, gated_inputs, impl, op):
+    y0, yd = gated_inputs
+    if impl == "torch":
+        monkeypatch.setenv("SICL_CPP", "0")
+    fn = {"add_rows": lambda: diff.add_rows(y0, yd),
+          "gated_diff": lambda: diff.gated_diff(y0, yd, F.silu, "silu")}[op]
+    benchmark.group = f"{op} R{DIFF_R} T{DIFF_T} I{DIFF_I}"
+    run(benchmark, f"{op} {impl}", fn, rounds=5)
 
 
 def teardown_module(module):

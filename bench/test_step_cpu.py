@@ -1,4 +1,5 @@
-"""pytest-benchmark: one ascent step (N=8) of SmolLM2 on the CPU, fast and hf backends vs the naive form, L in {128, 512, 1024}.
+"""pytest-benchmark: one ascent step (N=8) of SmolLM2 on the CPU, fast (bf16 difference products), fast-fp32 and hf
+backends vs the naive form, L in {128, 512, 1024}.
 
     pytest bench/test_step_cpu.py --benchmark-only --benchmark-columns=mean,min,max,rounds
 
@@ -22,7 +23,7 @@ def smol():
 
 
 @pytest.mark.parametrize("length", [128, 512, 1024])
-@pytest.mark.parametrize("backend", ["fast", "hf", "naive"])
+@pytest.mark.parametrize("backend", ["fast", "fast-fp32", "hf", "naive"])
 def test_ascent_step(benchmark, smol, backend, length):
     be = make_backend(backend, smol)
     prompt = synthetic_prompt(smol, length)

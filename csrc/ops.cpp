@@ -25,34 +25,16 @@
 #include <omp.h>
 #endif
 
+#include "arrays.h"
 #include "philox.h"  // after pybind11: its no-FMA pragma applies to everything below
 
 namespace py = pybind11;
 
 namespace {
 
-void check_array(const py::array& arr, const char* name, char kind, std::vector<py::ssize_t> shape, bool writable) {
-    const bool ok_dtype = kind == 'f' ? arr.dtype().is(py::dtype::of<float>()) : arr.dtype().is(py::dtype::of<int64_t>());
-    if (!ok_dtype) {
-        throw std::invalid_argument(std::string(name) + " must be " + (kind == 'f' ? "float32" : "int64") +
-                                    ", got " + std::string(py::str(arr.dtype())));
-    }
-    if (!(arr.flags() & py::array::c_style)) throw std::invalid_argument(std::string(name) + " must be C-contiguous");
-    if (writable && !arr.writeable()) throw std::invalid_argument(std::string(name) + " must be writable");
-    if (static_cast<size_t>(arr.ndim()) != shape.size()) {
-        throw std::invalid_argument(std::string(name) + " must have " + std::to_string(shape.size()) + " dims, got " +
-                                    std::to_string(arr.ndim()));
-    }
-    for (size_t k = 0; k < shape.size(); ++k) {
-        if (shape[k] >= 0 && arr.shape(k) != shape[k]) {
-            throw std::invalid_argument(std::string(name) + ": dim " + std::to_string(k) + " is " +
-                                        std::to_string(arr.shape(k)) + ", expected " + std::to_string(shape[k]));
-        }
-    }
-}
-
-inline const float* cf(const py::array& a) { return static_cast<const float*>(a.data()); }
-inline float* mf(py::array& a) { return static_cast<float*>(a.mutable_data()); }
+using sicl::cf;
+using sicl::check_array;
+using sicl::mf;
 
 void randn(py::array out, uint64_t seed64) {
     check_array(out, "out", 'f', {-1}, true);
@@ -303,8 +285,13 @@ void set_num_threads(int n) {
 
 }  // namespace
 
+namespace sicl {
+void register_diff_ops(py::module_& m);  // diff.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy. Use sicl_fast.cpp_ops.";
+    m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy (sicl_fast.cpp_ops); "
+              "diff_rows, add_rows, gated_diff (sicl_fast.models.diff).";
     m.def("randn", &randn, py::arg("out"), py::arg("seed64"), "out[k] = N(0, 1) of Philox counter k under seed64");
     m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed64"), py::arg("N"), py::arg("a"),
           py::arg("b"), py::arg("mu"), py::arg("central"), "the perturbation batch, written into out [B, n, d]");
@@ -318,4 +305,5 @@ PYBIND11_MODULE(_C, m) {
     m.def("num_threads", &num_threads, "OpenMP threads the ops use");
     m.def("set_num_threads", &set_num_threads, py::arg("n"));
     m.attr("FMA_CONTRACTION") = py::bool_(false);
+    sicl::register_diff_ops(m);
 }

@@ -143,10 +143,11 @@ class Calibrator:
         self.config = config if config.scale is not None else config.replace(scale=backend.lm.embedding_scale)
         self.ops = ops if ops is not None else default_ops(backend.device)
 
-    def proxy_of(self, batch: torch.Tensor, prompt: Prompt):
-        """f and its parts for a batch [B, n, d] of embeddings."""
+    def proxy_of(self, batch: torch.Tensor, prompt: Prompt, near_row0: bool = False):
+        """f and its parts for a batch [B, n, d] of embeddings. near_row0: rows 1.. are perturbations of row 0
+        (the perturbation batch; lets the backend use difference products)."""
         cfg = self.config
-        lp = self.backend.span_logprobs(batch, prompt)
+        lp = self.backend.span_logprobs(batch, prompt, near_row0=near_row0)
         return fused_proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q)
 
     def run(
@@ -176,7 +177,7 @@ class Calibrator:
         steps = 0
         for step in range(cfg.max_steps):
             batch = self.ops.perturb(X, step, cfg, a, b)  # [B, b, d]
-            f = self.proxy_of(batch, prompt).f  # [B]
+            f = self.proxy_of(batch, prompt, near_row0=True).f  # [B]
             steps += 1
             f0 = float(f[0])
             if not math.isfinite(f0):

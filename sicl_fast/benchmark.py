@@ -104,7 +104,7 @@ def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor,
     cfg = cal.config
     a, b = prompt.demo_start, prompt.demo_end
     batch = cal.ops.perturb(X, step, cfg, a, b)
-    f = cal.proxy_of(batch, prompt).f
+    f = cal.proxy_of(batch, prompt, near_row0=True).f
     return cal.ops.update(X, X0, f, step, cfg, a, b)[0]
 
 

@@ -48,7 +48,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help=f"default: the embedded SmolLM2-135M. Also: {HOW_TO_POINT}")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    g.add_argument("--backend", default="auto", help="auto (fast when the family is supported, else hf), fast, hf, naive")
+    g.add_argument("--backend", default="auto",
+                   help="auto (fast when the family is supported, else hf), fast, fast-fp32, hf, naive")
+    g.add_argument("--diff-matmul", default="auto", choices=["auto", "off", "bf16"],
+                   help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
+                        "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+)")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
 
@@ -86,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
     bn.add_argument("--length", type=int, nargs="+", default=[128], help="prompt lengths in tokens")
-    bn.add_argument("--backends", nargs="+", default=["fast", "hf", "naive"], help="backends to compare side by side")
+    bn.add_argument("--backends", nargs="+", default=["fast", "fast-fp32", "hf", "naive"],
+                    help="backends to compare side by side")
     bn.add_argument("--repeats", type=int, default=3)
     bn.add_argument("--prefix", type=int, default=0, help="tokens of instruction before the demonstrations")
     bn.add_argument("--calibration-steps", type=int, default=0,
@@ -105,7 +110,8 @@ def _engine(args, add_special_tokens=None):
     from .engine import Engine
 
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
-    return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast)
+    return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
+                  diff_matmul=args.diff_matmul)
 
 
 def _progress(total: int, desc: str):
@@ -198,7 +204,7 @@ def cmd_bench(args) -> int:
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
     from .engine import Engine
 
-    eng = Engine(model=args.model, backend=args.backends[0], dtype=args.dtype, device=args.device)
+    eng = Engine(model=args.model, backend="hf", dtype=args.dtype, device=args.device)
     cfg = eng.config(**_overrides(args))
     print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
@@ -207,7 +213,7 @@ def cmd_bench(args) -> int:
     for length in args.length:
         prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
         for name in args.backends:
-            backend = make_backend(name, eng.lm)
+            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
             cal = ""
             if args.calibration_steps:

@@ -31,9 +31,10 @@ class Engine:
         model: str | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        diff_matmul: str = "auto",
     ) -> None:
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
-        self.backend = make_backend(backend, self.lm)
+        self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul)
         self.add_special_tokens = add_special_tokens
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:

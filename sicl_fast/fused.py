@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import SiclError
-from .logprobs import gather_logprobs_chunked
+from .logprobs import vocab_chunked_logprobs
 from .proxy import ProxyOut
 from .proxy import proxy as torch_proxy
 from .zo import TorchOps
@@ -88,7 +88,7 @@ def span_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     """[B, P, d] hidden states at the span positions -> [B, P] float32 log p(target)."""
     if triton_wanted(hidden.device):
         return kernels().span_logprobs(hidden, weight, targets, softcap=softcap)
-    return gather_logprobs_chunked(hidden, weight, targets, softcap=softcap)
+    return vocab_chunked_logprobs(hidden, weight, targets, softcap=softcap)
 
 
 def default_ops(device: torch.device):

@@ -1,9 +1,13 @@
-"""Span log-probabilities from hidden states: the torch reference of the LM head at span positions.
+"""Span log-probabilities from hidden states: the LM head at span positions only.
 
-The Triton kernel `sicl_fast.kernels.span_logprobs` computes the same function with an online log-sum-exp over
-vocabulary chunks and is tested against `gather_logprobs_chunked`.
+`gather_logprobs_chunked` is the torch reference (log_softmax over whole vocabulary rows, chunked along P).
+`vocab_chunked_logprobs` (the CPU path of sicl_fast.fused.span_head) and the Triton kernel
+`sicl_fast.kernels.span_logprobs` compute the same function with an online log-sum-exp over vocabulary chunks,
+so the head weight is read once and only [B*P, chunk] logits exist; both are tested against the reference.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,3 +38,36 @@ def gather_logprobs_chunked(
         picked = logits.gather(-1, tgt.view(1, -1, 1).expand(B, -1, 1)).squeeze(-1)
         out[:, s:e] = picked - lse
     return out
+
+
+def vocab_chunked_logprobs(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    softcap: float | None = None,
+    max_elems: int = 1 << 22,
+) -> torch.Tensor:
+    """Same result as gather_logprobs_chunked: hidden [B, P, d], head_weight [V, d], targets [P] -> [B, P]
+    float32. Walks the vocabulary in chunks (256 to 8192 rows, B*P*chunk <= max_elems when it can) with a
+    running max and rescaled sum, so only [B*P, chunk] float32 logits exist and the weight is read once."""
+    B, P, d = hidden.shape
+    V = head_weight.shape[0]
+    chunk = min(8192, max(256, max_elems // max(1, B * P)))
+    h = hidden.reshape(B * P, d)
+    tgt = targets.to(hidden.device).repeat(B)  # [B*P]
+    m = torch.full((B * P,), -math.inf, dtype=torch.float32, device=hidden.device)
+    s = torch.zeros(B * P, dtype=torch.float32, device=hidden.device)
+    picked = torch.zeros(B * P, dtype=torch.float32, device=hidden.device)
+    rows = torch.arange(B * P, device=hidden.device)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        z = torch.matmul(h, head_weight[v0:v1].t()).float()  # [B*P, c]
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        m_new = torch.maximum(m, z.amax(dim=-1))
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
+        m = m_new
+        here = (tgt >= v0) & (tgt < v1)
+        if bool(here.any()):
+            picked[here] = z[rows[here], tgt[here] - v0]
+    return (picked - (m + torch.log(s))).view(B, P)

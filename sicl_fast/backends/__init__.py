@@ -1,5 +1,6 @@
 """Backends: `hf` (any transformers causal LM), `naive` (the reference's form), `fast` (own forward: Llama, Qwen3,
-Gemma 2, Gemma 3, with prefix KV reuse). `auto` picks `fast` for the families it supports, `hf` otherwise."""
+Gemma 2, Gemma 3, with prefix KV reuse and, for float32 models, bf16 difference products), `fast-fp32` (fast
+with every product in float32). `auto` picks `fast` for the families it supports, `hf` otherwise."""
 from __future__ import annotations
 
 from ..errors import SiclError
@@ -9,15 +10,23 @@ from .fast import FastBackend
 from .hf import HFBackend
 from .naive import NaiveBackend
 
-BACKENDS: dict[str, type[Backend]] = {"hf": HFBackend, "naive": NaiveBackend, "fast": FastBackend}
+BACKENDS: dict[str, type[Backend]] = {"hf": HFBackend, "naive": NaiveBackend, "fast": FastBackend,
+                                      "fast-fp32": FastBackend}
 
 
-def make_backend(name: str, lm) -> Backend:
-    """Backend by name. 'auto' picks the best available backend for the model."""
+def make_backend(name: str, lm, diff_matmul: str = "auto") -> Backend:
+    """Backend by name. 'auto' picks the best available backend for the model. diff_matmul is the fast
+    backend's difference-product setting (auto, off, bf16); 'fast-fp32' is fast with it off."""
     if name == "auto":
         name = "fast" if lm.family in FAST_FAMILIES else "hf"
     if name not in BACKENDS:
         raise SiclError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+    if name == "fast":
+        return FastBackend(lm, diff_matmul=diff_matmul)
+    if name == "fast-fp32":
+        be = FastBackend(lm, diff_matmul="off")
+        be.name = "fast-fp32"
+        return be
     return BACKENDS[name](lm)
 
 

@@ -32,9 +32,12 @@ class Backend(abc.ABC):
             return self.lm.model.get_input_embeddings()(ids).float()
 
     @abc.abstractmethod
-    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         """embeds [B, n, d] (rows 0..n-1 of the prompt, n >= prompt.demo_end; float32 or the model's dtype)
-        -> [B, P] float32 log p(target_t | x_<t) at the prompt's span positions."""
+        -> [B, P] float32 log p(target_t | x_<t) at the prompt's span positions.
+
+        near_row0: a promise that rows 1.. are small perturbations of row 0 (the ascent's batch); a backend may
+        use it to compute the rows' differences more cheaply (the fast backend's difference products)."""
 
     def check_embeds(self, embeds: torch.Tensor, prompt: Prompt) -> None:
         """Shape and value checks shared by every backend; raise with what is wrong."""

@@ -7,6 +7,8 @@ demonstration-free prefix) are the same in every batch row and usually from step
     rows [a, b):         run per batch row; attention = (prefix keys, shared) + (own keys, causal),
                          merged by log-sum-exp; the prefix K/V is never copied per row
     span positions:      hidden states at positions - 1 only go through the LM head (fused.span_head)
+    near_row0 batches:   with a float32 model and diff_matmul on, every projection multiplies row 0 in float32
+                         and the other rows' differences from it in bf16 (sicl_fast.models.diff)
 
 The cache is keyed on the prefix rows' values (torch.equal against the cached rows, in the model dtype): the
 ascent's cosine projection may rescale the whole matrix, and then the prefix is recomputed. K/V of rows [0, a)
@@ -20,20 +22,24 @@ from typing import Callable
 import torch
 
 from ..fused import span_head
-from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
+from ..models.transformer import DIFF_MATMUL, SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
 from ..spans import Prompt
 from .base import Backend
 
 
 class FastBackend(Backend):
-    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text. attn: 'auto' (SDPA on the CPU; flash-attn or
-    SDPA on CUDA; soft-capping always takes the math path), 'math', 'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b)."""
+    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text.
+
+    attn: 'auto' (SDPA on the CPU; flash-attn or SDPA on CUDA; soft-capping always takes the math path), 'math',
+    'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b). diff_matmul: 'auto' (bf16 difference
+    products for perturbation batches of float32 models where bf16 products are fast), 'off', 'bf16'."""
 
     name = "fast"
 
-    def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True) -> None:
+    def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True, diff_matmul: str = "auto") -> None:
         super().__init__(lm)
-        self.model = Transformer(lm, attn=attn)  # raises UnsupportedModelError for other families
+        # raises UnsupportedModelError for other families
+        self.model = Transformer(lm, attn=attn, diff_matmul=diff_matmul)
         self.prefix_cache = prefix_cache
         self._prefix: PrefixKV | None = None
         self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
@@ -56,7 +62,7 @@ class FastBackend(Backend):
         self.stats["prefix_builds"] += 1
         return c
 
-    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         m = self.model
         a, b = prompt.demo_start, prompt.demo_end
@@ -67,10 +73,10 @@ class FastBackend(Backend):
             prefix = self._prefix_for(x, a) if (self.prefix_cache and a > 0) else None
             if prefix is None:
                 self.stats["full"] += 1
-                hidden = m.forward(x)  # [B, b, d]
+                hidden = m.forward(x, near_row0=near_row0)  # [B, b, d]
                 h = hidden.index_select(1, idx.to(m.device))  # [B, P, d]
             else:
-                hidden = m.forward(x[:, a:], a, prefix)  # [B, b-a, d]
+                hidden = m.forward(x[:, a:], a, prefix, near_row0=near_row0)  # [B, b-a, d]
                 if int(idx.min()) >= a:
                     h = hidden.index_select(1, (idx - a).to(m.device))
                 else:  # a span starts right at row a: its first prediction is the prefix's last row
@@ -101,4 +107,4 @@ class FastBackend(Backend):
         return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn)
 
 
-__all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]
+__all__ = ["FastBackend", "DIFF_MATMUL", "SUPPORTED_FAMILIES", "UnsupportedModelError"]

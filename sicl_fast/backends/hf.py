@@ -17,7 +17,7 @@ class HFBackend(Backend):
 
     name = "hf"
 
-    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
+    def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         lm = self.lm
         b = prompt.demo_end

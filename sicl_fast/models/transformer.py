@@ -13,6 +13,10 @@ Attention keys can come in two parts whose results are merged by log-sum-exp: a 
   math   explicit scores, float32 softmax; handles soft-capping, sliding windows, any mask (the CPU default)
   sdpa   torch's scaled_dot_product_attention (no soft-capping; falls back to math for what it cannot do exactly)
   flash  flash-attn's flash_attn_func (CUDA, fp16/bf16, optional import)
+
+Difference products (`forward(near_row0=True)` on a float32 model with `diff_matmul` on; sicl_fast.models.diff):
+in a perturbation batch rows 1.. are row 0 plus small differences, so each projection multiplies row 0 in
+float32 and the differences in bf16. Norms, rotary, attention and the activations stay float32 on every row.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SiclError
+from . import diff
 
 SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text")
 _GEMMA = ("gemma2", "gemma3_text")
@@ -35,6 +40,7 @@ _ACTIVATIONS = {
     "gelu": F.gelu,
 }
 ATTN_IMPLS = ("auto", "math", "sdpa", "flash")
+DIFF_MATMUL = ("auto", "off", "bf16")
 
 try:  # optional; never needed on the CPU
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -270,6 +276,26 @@ class Layer:
 
 
 @dataclass
+class LowWeights:
+    """One layer's projection weights, concatenated per product and cast once to the difference dtype."""
+
+    qkv: torch.Tensor  # [(H + 2 Hk) hd, d]: q, k, v stacked
+    o: torch.Tensor  # [d, H hd]
+    gate_up: torch.Tensor  # [2 I, d]: gate, up stacked
+    down: torch.Tensor  # [d, I]
+
+
+def fast_low_precision(device: torch.device) -> bool:
+    """Does this device multiply bf16 much faster than float32 (AVX512-BF16 / AMX CPUs, CUDA sm_80+)?"""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 8
+    if device.type == "cpu":
+        return any(bool(getattr(torch.cpu, name, lambda: False)())
+                   for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return False
+
+
+@dataclass
 class PrefixKV:
     """K/V of the prefix rows [0, a) (batch 1), and their final hidden states, for the embeddings `rows`."""
 
@@ -299,12 +325,16 @@ def _param(module, name):
 class Transformer:
     """The decoder of a loaded transformers model, run by our own code. `lm` is a LoadedModel."""
 
-    def __init__(self, lm, attn: str = "auto") -> None:
+    def __init__(self, lm, attn: str = "auto", diff_matmul: str = "auto") -> None:
         family = lm.family
         if family not in SUPPORTED_FAMILIES:
             raise unsupported(family)
         if attn not in ATTN_IMPLS:
             raise SiclError(f"unknown attention implementation {attn!r}; choose one of {ATTN_IMPLS}")
+        if diff_matmul not in DIFF_MATMUL:
+            raise SiclError(f"unknown diff_matmul {diff_matmul!r}; choose one of {DIFF_MATMUL}")
+        if diff_matmul == "bf16" and lm.dtype != torch.float32:
+            raise SiclError(f"diff_matmul='bf16' is for float32 models; this one is {lm.dtype} (use 'off')")
         cfg = lm.text_config
         dec = lm.decoder
         if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
@@ -329,6 +359,7 @@ class Transformer:
         if act_name not in _ACTIVATIONS:
             raise UnsupportedModelError(f"activation {act_name!r} is not supported by the fast backend")
         self.act = _ACTIVATIONS[act_name]
+        self.act_name = act_name
         self.embed = lm.model.get_input_embeddings()
         # transformers 5 Gemma embedding modules scale themselves (X is scaled); older Gemma 2 code scaled
         # inputs_embeds by sqrt(d) in the model dtype inside the forward, with a plain nn.Embedding.
@@ -374,6 +405,11 @@ class Transformer:
                 rope=layer_types[i] if per_type else "all",
             ))
         self.final_norm = self._norm_weight(dec.norm)
+        # bf16 difference products (module docstring): 'auto' where bf16 products are much faster than float32
+        use_diff = diff_matmul == "bf16" or (diff_matmul == "auto" and self.dtype == torch.float32
+                                              and fast_low_precision(self.device))
+        self.diff_dtype = torch.bfloat16 if use_diff else None
+        self._low: list[LowWeights] | None = None  # built on the first difference forward
         self._masks: dict = {}
         self.attn = self._pick_attn(attn)
 
@@ -438,6 +474,16 @@ class Transformer:
         finally:
             self.attn = attn
 
+    def low_weights(self) -> list[LowWeights]:
+        """Per layer, the stacked projection weights in the difference dtype (made once: half the float32
+        weights' memory in bf16)."""
+        if self._low is None:
+            dt = self.diff_dtype
+            self._low = [LowWeights(qkv=torch.cat([L.wq, L.wk, L.wv]).to(dt), o=L.wo.to(dt),
+                                    gate_up=torch.cat([L.w_gate, L.w_up]).to(dt), down=L.w_down.to(dt))
+                         for L in self.layers]
+        return self._low
+
     def masks(self, q0: int, T: int, k0: int, N: int, window):
         """(visibility, bool mask [T, N] or None, additive float32 bias [T, 1, N] or None) on the device, cached."""
         key = (q0, T, k0, N, window)
@@ -484,13 +530,26 @@ class Transformer:
         return out[0]
 
     def block(self, L: Layer, x: torch.Tensor, pos0: int, prefix=None, cache: StaticCache | None = None,
-              i: int = 0):
-        """One decoder layer on x [B, T, d] at positions pos0 .. pos0+T-1. Returns (x, (k, v) of these rows)."""
+              i: int = 0, low: LowWeights | None = None, keep_kv: bool = False):
+        """One decoder layer on x [B, T, d] at positions pos0 .. pos0+T-1. Returns (x, (k, v) of these rows if
+        keep_kv, else None). low: the layer's bf16 weights for difference products (rows 1.. near row 0), None
+        for plain ones. Temporaries are dropped as soon as they are used (`del`): the peak memory is that of
+        one sub-block, as in transformers' own layers."""
         B, T, _ = x.shape
         h = self.norm(x, L.attn_norm)
-        q = F.linear(h, L.wq, L.bq).view(B, T, self.H, self.hd)
-        k = F.linear(h, L.wk, L.bk).view(B, T, self.Hk, self.hd)
-        v = F.linear(h, L.wv, L.bv).view(B, T, self.Hk, self.hd)
+        if low is None:
+            q = F.linear(h, L.wq, L.bq)
+            k = F.linear(h, L.wk, L.bk)
+            v = F.linear(h, L.wv, L.bv)
+        else:
+            qkv = diff.add_rows(*diff.product(h[:1], diff.diff_rows(h), (L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv),
+                                              low.qkv))
+            q, k, v = qkv.split([L.wq.shape[0], L.wk.shape[0], L.wv.shape[0]], dim=-1)
+            del qkv
+        del h
+        q = q.view(B, T, self.H, self.hd)
+        k = k.view(B, T, self.Hk, self.hd)
+        v = v.view(B, T, self.Hk, self.hd)
         if L.q_norm is not None:
             q, k = self.norm(q, L.q_norm), self.norm(k, L.k_norm)
         cos, sin = self.rotary[L.rope].tables(pos0, T)
@@ -502,30 +561,50 @@ class Transformer:
                                cache_len=pos0 + T)
         else:
             o = self.attention(q, k, v, pos0, L.window, prefix)
-        o = F.linear(o.reshape(B, T, self.H * self.hd), L.wo, L.bo)
+        kv = (k, v) if keep_kv else None
+        del q, k, v
+        o = o.reshape(B, T, self.H * self.hd)
+        if low is None:
+            o = F.linear(o, L.wo, L.bo)
+        else:
+            o = diff.add_rows(*diff.product(o[:1], diff.diff_rows(o), (L.wo,), (L.bo,), low.o))
         if L.post_attn_norm is not None:
             o = self.norm(o, L.post_attn_norm)
         x = x + o
+        del o
         h = self.norm(x, L.mlp_norm)
-        m = F.linear(self.act(F.linear(h, L.w_gate, L.b_gate)) * F.linear(h, L.w_up, L.b_up), L.w_down, L.b_down)
+        if low is None:
+            m = F.linear(self.act(F.linear(h, L.w_gate, L.b_gate)) * F.linear(h, L.w_up, L.b_up), L.w_down,
+                         L.b_down)
+        else:  # the gated activations come out as row 0 and bf16 differences, ready for the down product
+            a0, da = diff.gated_diff(*diff.product(h[:1], diff.diff_rows(h), (L.w_gate, L.w_up),
+                                                   (L.b_gate, L.b_up), low.gate_up), self.act, self.act_name)
+            m = diff.add_rows(*diff.product(a0, da, (L.w_down,), (L.b_down,), low.down))
+            del a0, da
+        del h
         if L.post_mlp_norm is not None:
             m = self.norm(m, L.post_mlp_norm)
-        return x + m, (k, v)
+        return x + m, kv
 
     # ----------------------------------------------------------------------------------------- forwards
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, pos0: int = 0, prefix: PrefixKV | None = None,
-                cache: StaticCache | None = None, collect: bool = False):
+                cache: StaticCache | None = None, collect: bool = False, near_row0: bool = False):
         """x [B, T, d] (model dtype) at positions pos0 .. -> final-normed hidden [B, T, d]; with collect, also
-        the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: generation KV cache."""
+        the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: generation KV cache.
+        near_row0: rows 1.. are small perturbations of row 0, so difference products may be used (when
+        enabled; see the module docstring)."""
         if prefix is not None and prefix.length != pos0:
             raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {pos0}")
         if self.embed_mult is not None:
             x = x * self.embed_mult
+        use_diff = near_row0 and self.diff_dtype is not None and x.shape[0] > 1 and cache is None
+        lows = self.low_weights() if use_diff else None
         kvs = []
         for i, L in enumerate(self.layers):
-            x, kv = self.block(L, x, pos0, None if prefix is None else prefix.kv[i], cache, i)
+            x, kv = self.block(L, x, pos0, None if prefix is None else prefix.kv[i], cache, i,
+                               None if lows is None else lows[i], keep_kv=collect)
             if collect:
                 kvs.append(kv)
         if cache is not None:
@@ -550,5 +629,6 @@ class Transformer:
         return StaticCache(len(self.layers), max_len, self.Hk, self.hd, self.dtype, self.device)
 
 
-__all__ = ["SUPPORTED_FAMILIES", "Transformer", "PrefixKV", "StaticCache", "UnsupportedModelError",
-           "rope_inv_freq", "attend_math", "visibility", "merge", "unsupported"]
+__all__ = ["SUPPORTED_FAMILIES", "DIFF_MATMUL", "Transformer", "PrefixKV", "StaticCache", "UnsupportedModelError",
+           "LowWeights", "fast_low_precision", "rope_inv_freq", "attend_math", "visibility", "merge",
+           "unsupported"]

@@ -1,0 +1,180 @@
+// Difference-product epilogues of the fast backend (sicl_fast/models/diff.py holds the torch reference and the
+// Python wrappers). A perturbation batch's rows 1..R are close to row 0, so the projections multiply row 0 in
+// float32 and the rows' differences from it in bf16; these ops move between the two forms:
+//
+//   diff_rows(x[B,n] f32, out[B-1,n] bf16)             out[i-1] = bf16(x[i] - x[0])
+//   add_rows(y0[n] f32, yd[R,n] bf16, out[R+1,n] f32)  out[0] = y0; out[i] = y0 + yd[i-1]
+//   gated_diff(y0[M,2I] f32, yd[R,M,2I] bf16, act, a0[M,I] f32, dx[R,M,I] bf16)
+//       a(y) = act(y[:, :I]) * y[:, I:]  (gate | up stacked);  a0 = a(y0);  dx[i] = bf16(a(y0 + yd[i]) - a0)
+//
+// bf16 travels as its 16 bits (int16 / uint16 arrays); float -> bf16 rounds to nearest even, as torch's cast.
+// act: 0 SiLU, 1 GELU with the tanh approximation; exp is our own (Cody-Waite reduction, degree-7 polynomial,
+// ~1 ulp) so that the loops vectorise; the inner loops are compiled for AVX-512, AVX2 and plain x86-64 and
+// picked at load time. Inputs must be finite (the backend checks the embeddings).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+#include "arrays.h"
+
+// Finite inputs only (checked upstream): let the clamps and selects become vector min / max / blends.
+#pragma GCC push_options
+#pragma GCC optimize("finite-math-only", "no-signed-zeros", "no-trapping-math", "no-math-errno")
+
+namespace sicl {
+
+namespace {
+
+inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even (finite inputs)
+    return static_cast<uint16_t>(u >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    // n = round(x / ln 2) by the 1.5 * 2^23 trick (exact for |n| < 2^22; vectorises, unlike floor / nearbyint)
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln 2 = hi + lo
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 127]
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+inline float act_silu(float g) { return g / (1.0f + exp_f32(-g)); }
+
+// 0.5 g (1 + tanh(z)) written as g * sigmoid(2 z): no cancellation where tanh(z) is near -1
+inline float act_gelu_tanh(float g) {
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi)
+    return g / (1.0f + exp_f32(-2.0f * z));
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------- inner loops
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void diff_row(const float* x, const float* x0,
+                                                                         uint16_t* o, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) o[j] = to_bf16(x[j] - x0[j]);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void add_row(const float* y0, const uint16_t* yd,
+                                                                        float* o, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) o[j] = y0[j] + from_bf16(yd[j]);
+}
+
+// gated activations: a = act(g) * u for one token row y = (gate | up) [2I] (rows: y0 + yd, written as bf16
+// differences from a0). One function per activation and form: no branches in the loops, which vectorise.
+#define SICL_GATED_ROWS(ACT)                                                                                      \
+    __attribute__((target_clones("avx512f", "avx2", "default"))) void gated_base_##ACT(const float* y0, float* a, \
+                                                                                        int64_t I) {              \
+        for (int64_t j = 0; j < I; ++j) a[j] = act_##ACT(y0[j]) * y0[I + j];                                     \
+    }                                                                                                             \
+    __attribute__((target_clones("avx512f", "avx2", "default"))) void gated_diff_##ACT(                          \
+        const float* y0, const uint16_t* yd, const float* a0, uint16_t* dx, int64_t I) {                          \
+        for (int64_t j = 0; j < I; ++j) {                                                                         \
+            const float g = y0[j] + from_bf16(yd[j]), u = y0[I + j] + from_bf16(yd[I + j]);                       \
+            dx[j] = to_bf16(act_##ACT(g) * u - a0[j]);                                                            \
+        }                                                                                                         \
+    }
+
+SICL_GATED_ROWS(silu)
+SICL_GATED_ROWS(gelu_tanh)
+#undef SICL_GATED_ROWS
+
+#pragma GCC pop_options
+
+// ----------------------------------------------------------------------------------------- ops
+
+namespace {
+
+void diff_rows(py::array x, py::array out) {
+    check_array(x, "x", 'f', {-1, -1}, false);
+    const int64_t B = x.shape(0), n = x.shape(1);
+    if (B < 2) throw std::invalid_argument("diff_rows: x needs at least 2 rows");
+    check_array(out, "out", 'h', {B - 1, n}, true);
+    const float* xp = cf(x);
+    uint16_t* op = mh(out);
+    const int64_t chunk = 4096, per_row = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < (B - 1) * per_row; ++t) {
+        const int64_t i = t / per_row, j0 = (t % per_row) * chunk, len = std::min(chunk, n - j0);
+        diff_row(xp + (i + 1) * n + j0, xp + j0, op + i * n + j0, len);
+    }
+}
+
+void add_rows(py::array y0, py::array yd, py::array out) {
+    check_array(y0, "y0", 'f', {-1}, false);
+    const int64_t n = y0.shape(0);
+    check_array(yd, "yd", 'h', {-1, n}, false);
+    const int64_t R = yd.shape(0);
+    check_array(out, "out", 'f', {R + 1, n}, true);
+    const float* y0p = cf(y0);
+    const uint16_t* ydp = ch(yd);
+    float* op = mf(out);
+    std::memcpy(op, y0p, sizeof(float) * n);
+    const int64_t chunk = 4096, per_row = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < R * per_row; ++t) {
+        const int64_t i = t / per_row, j0 = (t % per_row) * chunk, len = std::min(chunk, n - j0);
+        add_row(y0p + j0, ydp + i * n + j0, op + (i + 1) * n + j0, len);
+    }
+}
+
+void gated_diff(py::array y0, py::array yd, int act, py::array a0, py::array dx) {
+    check_array(y0, "y0", 'f', {-1, -1}, false);
+    const int64_t M = y0.shape(0), I2 = y0.shape(1), I = I2 / 2;
+    if (I2 % 2) throw std::invalid_argument("gated_diff: y0's last dim must be even (gate | up)");
+    check_array(yd, "yd", 'h', {-1, M, I2}, false);
+    const int64_t R = yd.shape(0);
+    check_array(a0, "a0", 'f', {M, I}, true);
+    check_array(dx, "dx", 'h', {R, M, I}, true);
+    if (act != 0 && act != 1) throw std::invalid_argument("gated_diff: act must be 0 (silu) or 1 (gelu_tanh)");
+    auto base = act == 0 ? gated_base_silu : gated_base_gelu_tanh;
+    auto diff = act == 0 ? gated_diff_silu : gated_diff_gelu_tanh;
+    const float* y0p = cf(y0);
+    const uint16_t* ydp = ch(yd);
+    float* a0p = mf(a0);
+    uint16_t* dxp = mh(dx);
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; ++m) base(y0p + m * I2, a0p + m * I, I);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < R * M; ++t) {
+        const int64_t m = t % M;
+        diff(y0p + m * I2, ydp + t * I2, a0p + m * I, dxp + t * I, I);
+    }
+}
+
+}  // namespace
+
+void register_diff_ops(py::module_& m) {
+    m.def("diff_rows", &diff_rows, py::arg("x"), py::arg("out"), "out[i-1] = bf16(x[i] - x[0]), x [B, n] float32");
+    m.def("add_rows", &add_rows, py::arg("y0"), py::arg("yd"), py::arg("out"),
+          "out[0] = y0, out[i] = y0 + float(yd[i-1]); y0 [n] float32, yd [R, n] bf16 bits");
+    m.def("gated_diff", &gated_diff, py::arg("y0"), py::arg("yd"), py::arg("act"), py::arg("a0"), py::arg("dx"),
+          "gated activations a0 = act(g0) u0 [M, I] and bf16 differences dx [R, M, I] of rows y0 + yd");
+}
+
+}  // namespace sicl

@@ -110,6 +110,18 @@ SICL_GATED_ROWS(gelu_tanh)
 
 namespace {
 
+// body(i, j0, len) over rows i < R and column chunks [j0, j0 + len) of n columns, in parallel: rows alone would
+// leave threads idle when R is small and n large.
+template <class Body>
+void for_row_chunks(int64_t R, int64_t n, Body body) {
+    const int64_t chunk = 4096, per_row = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < R * per_row; ++t) {
+        const int64_t i = t / per_row, j0 = (t % per_row) * chunk;
+        body(i, j0, std::min(chunk, n - j0));
+    }
+}
+
 void diff_rows(py::array x, py::array out) {
     check_array(x, "x", 'f', {-1, -1}, false);
     const int64_t B = x.shape(0), n = x.shape(1);
@@ -117,12 +129,9 @@ void diff_rows(py::array x, py::array out) {
     check_array(out, "out", 'h', {B - 1, n}, true);
     const float* xp = cf(x);
     uint16_t* op = mh(out);
-    const int64_t chunk = 4096, per_row = (n + chunk - 1) / chunk;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < (B - 1) * per_row; ++t) {
-        const int64_t i = t / per_row, j0 = (t % per_row) * chunk, len = std::min(chunk, n - j0);
+    for_row_chunks(B - 1, n, [&](int64_t i, int64_t j0, int64_t len) {
         diff_row(xp + (i + 1) * n + j0, xp + j0, op + i * n + j0, len);
-    }
+    });
 }
 
 void add_rows(py::array y0, py::array yd, py::array out) {
@@ -135,12 +144,9 @@ void add_rows(py::array y0, py::array yd, py::array out) {
     const uint16_t* ydp = ch(yd);
     float* op = mf(out);
     std::memcpy(op, y0p, sizeof(float) * n);
-    const int64_t chunk = 4096, per_row = (n + chunk - 1) / chunk;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < R * per_row; ++t) {
-        const int64_t i = t / per_row, j0 = (t % per_row) * chunk, len = std::min(chunk, n - j0);
+    for_row_chunks(R, n, [&](int64_t i, int64_t j0, int64_t len) {
         add_row(y0p + j0, ydp + i * n + j0, op + (i + 1) * n + j0, len);
-    }
+    });
 }
 
 void gated_diff(py::array y0, py::array yd, int act, py::array a0, py::array dx) {

@@ -11,6 +11,7 @@ from .ascent import CalibrationConfig
 from .errors import SiclError
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
+from .models.transformer import DIFF_MATMUL
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -50,7 +51,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     g.add_argument("--backend", default="auto",
                    help="auto (fast when the family is supported, else hf), fast, fast-fp32, hf, naive")
-    g.add_argument("--diff-matmul", default="auto", choices=["auto", "off", "bf16"],
+    g.add_argument("--diff-matmul", default="auto", choices=DIFF_MATMUL,
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
                         "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+)")
     g.add_argument("--add-special-tokens", action="store_true",

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..fused import span_head
-from ..models.transformer import DIFF_MATMUL, SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
+from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
 from ..spans import Prompt
 from .base import Backend
 
@@ -107,4 +107,4 @@ class FastBackend(Backend):
         return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn)
 
 
-__all__ = ["FastBackend", "DIFF_MATMUL", "SUPPORTED_FAMILIES", "UnsupportedModelError"]
+__all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]

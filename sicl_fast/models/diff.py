@@ -18,6 +18,7 @@ reference. Tensors are contiguous; float32 and bf16.
     diff_rows(x [B, T, k] f32)                       -> dx [B-1, T, k] bf16:  bf16(x_i - x_0)
     product(x0 [1, T, k] f32, dx, ws, bs, low)       -> y0 [1, T, o] f32, yd [B-1, T, o] bf16
     add_rows(y0, yd)                                 -> y [B, T, o] f32:  y_0, y_0 + yd_i
+    linear(x [B, T, k] f32, ws, bs, low)             -> y [B, T, o] f32:  the three above in a row
     gated_diff(y0 [1, T, 2I], yd [B-1, T, 2I], act)  -> a0 [1, T, I] f32, da [B-1, T, I] bf16
                                                         a = act(gate) * up on rows y0 and y0 + yd_i
 """
@@ -102,5 +103,11 @@ def product(x0: torch.Tensor, dx: torch.Tensor, ws, bs, low: torch.Tensor) -> tu
     return y0, F.linear(dx, low)
 
 
-__all__ = ["DIFF_DTYPE", "diff_rows", "add_rows", "gated_diff", "product", "diff_rows_reference",
+def linear(x: torch.Tensor, ws, bs, low: torch.Tensor) -> torch.Tensor:
+    """x [B, T, k] float32 (rows 1.. near row 0) times the stacked weights ws (biases bs; low = their bf16
+    stack) -> [B, T, sum o_j] float32: row 0's float32 product, the others' through their bf16 differences."""
+    return add_rows(*product(x[:1], diff_rows(x), ws, bs, low))
+
+
+__all__ = ["DIFF_DTYPE", "diff_rows", "add_rows", "gated_diff", "product", "linear", "diff_rows_reference",
            "add_rows_reference", "gated_diff_reference"]

@@ -542,8 +542,7 @@ class Transformer:
             k = F.linear(h, L.wk, L.bk)
             v = F.linear(h, L.wv, L.bv)
         else:
-            qkv = diff.add_rows(*diff.product(h[:1], diff.diff_rows(h), (L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv),
-                                              low.qkv))
+            qkv = diff.linear(h, (L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv), low.qkv)
             q, k, v = qkv.split([L.wq.shape[0], L.wk.shape[0], L.wv.shape[0]], dim=-1)
             del qkv
         del h
@@ -567,7 +566,7 @@ class Transformer:
         if low is None:
             o = F.linear(o, L.wo, L.bo)
         else:
-            o = diff.add_rows(*diff.product(o[:1], diff.diff_rows(o), (L.wo,), (L.bo,), low.o))
+            o = diff.linear(o, (L.wo,), (L.bo,), low.o)
         if L.post_attn_norm is not None:
             o = self.norm(o, L.post_attn_norm)
         x = x + o

@@ -3,47 +3,33 @@
 Used by tests (the RNG kernels' PTX must contain no FMA and no approximate division / sqrt, or the GPU would
 not reproduce sicl_fast.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
 
-    compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel
+    compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions)
+    compile_ptx(name, arch=90) -> {"ptx": str, "shared": int}            (works under TRITON_INTERPRET=1 too)
+    spec_mismatches() -> list of str: where SPECS disagrees with the kernels' own parameters (tested empty)
     float_ops(ptx) -> Counter of the float32 arithmetic instructions in a PTX listing
+
+Under TRITON_INTERPRET=1 the kernels of this process are interpreted functions, which cannot be compiled, so
+compile_ptx runs the compile in a fresh interpreter with TRITON_INTERPRET=0: the same installed package, loaded
+the normal way, whatever this process imported before.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import inspect
+import json
 import os
 import re
+import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_AOT_PACKAGE = "_sicl_fast_kernels_aot"
+from sicl_fast.errors import SiclError
 
-
-def _jit_package():
-    """The kernels as real JITFunctions. Under TRITON_INTERPRET=1 the loaded package holds interpreted
-    functions, which cannot be compiled: load a second copy of kernels/ with the interpreter switched off."""
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return sys.modules[__package__]
-    if _AOT_PACKAGE in sys.modules:
-        return sys.modules[_AOT_PACKAGE]
-    init = Path(__file__).resolve().parent / "__init__.py"
-    spec = importlib.util.spec_from_file_location(_AOT_PACKAGE, init, submodule_search_locations=[str(init.parent)])
-    module = importlib.util.module_from_spec(spec)
-    old = os.environ["TRITON_INTERPRET"]
-    os.environ["TRITON_INTERPRET"] = "0"
-    sys.modules[_AOT_PACKAGE] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[_AOT_PACKAGE]
-        raise
-    finally:
-        os.environ["TRITON_INTERPRET"] = old
-    return module
-
+from . import _utils
 
 _F, _D, _I = "*fp32", "*fp64", "*i32"
 
@@ -95,21 +81,59 @@ SPECS = {
 }
 
 
+def _kernel(name: str):
+    """The kernel object (JITFunction, or InterpretedFunction under TRITON_INTERPRET=1) a SPECS entry names."""
+    mod, attr = SPECS[name][0]
+    return getattr(importlib.import_module(f"{__package__}.{mod}"), attr)
+
+
+def spec_mismatches() -> list[str]:
+    """Where SPECS disagrees with the kernels: every parameter named once, constexprs exactly the parameters
+    annotated tl.constexpr. Empty when they agree (a changed kernel signature shows up here, in a test)."""
+    out = []
+    for name, (_, sig, consts, _) in SPECS.items():
+        params = inspect.signature(_kernel(name).fn).parameters
+        want_const = {p for p, v in params.items() if "constexpr" in str(v.annotation)}
+        if set(consts) != want_const:
+            out.append(f"{name}: constexprs {sorted(consts)} != kernel's {sorted(want_const)}")
+        if set(sig) != set(params) - want_const:
+            out.append(f"{name}: signature {sorted(sig)} != kernel's {sorted(set(params) - want_const)}")
+    return out
+
+
 def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, constexprs: dict | None = None,
                    options: dict | None = None):
-    """Compile one kernel of SPECS for CUDA sm_<arch> (no GPU needed). Overrides update the spec's dicts."""
-    (mod, attr), sig, consts, opts = SPECS[name]
-    fn = getattr(sys.modules[_jit_package().__name__ + "." + mod], attr)
+    """Compile one kernel of SPECS for CUDA sm_<arch> (no GPU needed). Overrides update the spec's dicts.
+    Needs the kernels as JIT functions (TRITON_INTERPRET unset or 0 at import); see compile_ptx otherwise."""
+    if _utils.interpreting():
+        raise SiclError("compile_kernel needs the kernels as JIT functions; under TRITON_INTERPRET=1 use "
+                        "compile_ptx (it compiles in a separate interpreter)")
+    _, sig, consts, opts = SPECS[name]
+    fn = _kernel(name)
     sig = {**sig, **(signature or {})}
     consts = {**consts, **(constexprs or {})}
     opts = {**opts, **(options or {})}
-    full_sig = {}
-    for arg in fn.arg_names:
-        full_sig[arg] = "constexpr" if arg in consts else sig[arg]
+    full_sig = {arg: "constexpr" if arg in consts else sig[arg] for arg in fn.arg_names}
     src = ASTSource(fn, full_sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def compile_ptx(name: str, arch: int = 90) -> dict:
+    """{"ptx": the PTX listing, "shared": shared memory bytes} of one kernel of SPECS for sm_<arch>."""
+    if not _utils.interpreting():
+        k = compile_kernel(name, arch)
+        return {"ptx": k.asm["ptx"], "shared": int(k.metadata.shared)}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-m", __name__, name, str(arch)], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SiclError(f"compiling {name} for sm_{arch} failed: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout)
 
 
 def float_ops(ptx: str) -> Counter:
     """Counter of float32 arithmetic instructions (mul.rn.f32, fma.rn.f32, div.rn.f32, sqrt.approx.f32, ...)."""
     return Counter(re.findall(r"\b(?:add|sub|mul|fma|div|sqrt|rsqrt|rcp|ex2|lg2)(?:\.[a-z0-9]+)*\.f32\b", ptx))
+
+
+if __name__ == "__main__":  # python -m sicl_fast.kernels._aot NAME ARCH: compile_ptx's separate interpreter
+    print(json.dumps(compile_ptx(sys.argv[1], int(sys.argv[2]))))

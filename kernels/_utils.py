@@ -1,4 +1,5 @@
-"""Shared launcher helpers: argument checks with clear errors, interpreter detection, launch options."""
+"""Shared launcher helpers: tensor checks with clear errors, interpreter detection, launch options. (The step's
+arguments are checked once, by sicl_fast.spec.StepSpec; the proxy's by sicl_fast.proxy.check_proxy_inputs.)"""
 from __future__ import annotations
 
 import os
@@ -47,22 +48,6 @@ def check_dtype(t: torch.Tensor, dtypes, name: str, op: str) -> None:
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise SiclError(f"{op}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
-
-
-def check_rows(N: int, a: int, b: int, L: int, d: int, op: str) -> None:
-    """N >= 1 directions on perturbed rows 0 <= a < b <= L, within the int32 Philox counter range."""
-    from sicl_fast.rng import check_counter_range
-
-    if N < 1:
-        raise SiclError(f"{op}: N must be >= 1, got {N}")
-    if not 0 <= a < b <= L:
-        raise SiclError(f"{op}: perturbed rows [a, b) = [{a}, {b}) must satisfy 0 <= a < b <= L = {L}")
-    check_counter_range(N, b - a, d)
-
-
-def f32(x: float) -> float:
-    """x rounded to float32 (as a python float), so every path converts the same value exactly."""
-    return float(np.float32(x))
 
 
 def next_pow2(n: int) -> int:

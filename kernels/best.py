@@ -1,10 +1,6 @@
 """Best-so-far bookkeeping of the ascent on the device (for a loop with no host sync, e.g. a CUDA graph).
 
-State (all device tensors, see `BestState`):
-    best_X [L, d] float32      the X with the highest f0 seen
-    best_f [1] float32         its f0 (starts at -inf)
-    counters [3] int32         (steps without improvement, step of best_X, steps seen)
-
+State: sicl_fast.best.BestState (device tensors); the torch reference is sicl_fast.best.track_best.
 `track_best(f, X, state)` applies one step of Algorithm 1's bookkeeping:
     if f[0] > best_f:  best_f = f[0];  best_X = X;  since = 0;  best_step = seen
     else:              since += 1
@@ -18,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.errors import SiclError
+from sicl_fast.best import BestState, check_best_args
 
-from ._utils import check_device, check_dtype, check_shape, interpreting
+from ._utils import check_device, interpreting
 
 
 @triton.jit
@@ -47,36 +43,11 @@ def _best_state_kernel(f_ptr, best_f_ptr, counters_ptr):
     tl.store(counters_ptr + 2, seen + 1)
 
 
-class BestState:
-    """Device-resident best-so-far state for an [L, d] float32 X (see module docstring)."""
-
-    def __init__(self, X: torch.Tensor) -> None:
-        self.best_X = X.detach().clone().contiguous().float()
-        self.best_f = torch.full((1,), float("-inf"), dtype=torch.float32, device=X.device)
-        self.counters = torch.zeros(3, dtype=torch.int32, device=X.device)
-
-    # host reads (each one synchronises)
-    @property
-    def since_best(self) -> int:
-        return int(self.counters[0])
-
-    @property
-    def best_step(self) -> int:
-        return int(self.counters[1])
-
-    @property
-    def steps(self) -> int:
-        return int(self.counters[2])
-
-
 def track_best(f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState:
     """One bookkeeping step on the device (module docstring). f: [B] (f[0] is X's proxy); X: [L, d] float32."""
     op = "triton track_best"
     check_device(f, X, state.best_X, op=op)
-    check_dtype(X, torch.float32, "X", op)
-    check_shape(X, tuple(state.best_X.shape), "X", op)
-    if f.numel() < 1:
-        raise SiclError(f"{op}: f is empty")
+    check_best_args(f, X, state, op)
     X = X.contiguous()
     f = f.reshape(-1)
     n = X.numel()

@@ -1,6 +1,6 @@
 """The perturbation batch of one ascent step, noise drawn in the kernel (sicl_fast.zo.perturb's function).
 
-    perturb(X [L, d] float32, seed, step, N, mu, a, b, estimator) -> out [B, b, d] float32
+    perturb(X [L, d] float32, step, spec: StepSpec) -> out [B, b, d] float32
 
 Batch layout (sicl_fast.zo):
     forward:  out[0] = X[:b],  out[1 + i] = X[:b] + mu U_i on rows [a, b)                       (B = N + 1)
@@ -16,9 +16,9 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 from sicl_fast.rng import step_seed
-from sicl_fast.zo import batch_size
+from sicl_fast.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_rows, check_dtype, check_shape, f32, interpreting
+from ._utils import EXACT, check_device, check_dtype, interpreting
 from .randn import randn_f32
 
 
@@ -64,28 +64,24 @@ def _perturb_kernel(
         tl.store(dst, x, mask=mask)
 
 
-def perturb(X: torch.Tensor, seed: int, step: int, N: int, mu: float, a: int, b: int,
-            estimator: str = "forward", out: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+def perturb(X: torch.Tensor, step: int, spec: StepSpec, out: torch.Tensor | None = None,
+            block: int | None = None) -> torch.Tensor:
     """The perturbation batch [B, b, d] float32 (module docstring). X: [L, d] float32 on CUDA (or the CPU
     under TRITON_INTERPRET=1). out: optional preallocated [B, b, d] float32 contiguous buffer. block: elements
     per program (a power of two; default 1024, 4096 in the interpreter)."""
     op = "triton perturb"
     check_device(X, op=op)
     check_dtype(X, torch.float32, "X", op)
-    check_shape(X, (None, None), "X", op)
-    L, d = X.shape
-    check_rows(N, a, b, L, d, op)
-    B = batch_size(N, estimator)
+    spec.check_X(X, "X", op)
+    B, b, d = spec.B, spec.b, spec.d
     X = X.contiguous()
     if out is None:
         out = torch.empty(B, b, d, dtype=torch.float32, device=X.device)
-    else:
-        check_shape(out, (B, b, d), "out", op)
-        check_dtype(out, torch.float32, "out", op)
-        if not out.is_contiguous():
-            raise SiclError(f"{op}: out must be contiguous")
+    elif tuple(out.shape) != (B, b, d) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise SiclError(f"{op}: out must be a contiguous float32 [{B}, {b}, {d}] tensor, got "
+                        f"{out.dtype} {list(out.shape)}")
     BLOCK = block or (4096 if interpreting() else 1024)
     grid = (B, triton.cdiv(b * d, BLOCK))
-    _perturb_kernel[grid](X, out, step_seed(seed, step), b, d, a, b, f32(mu), CENTRAL=estimator == "central",
+    _perturb_kernel[grid](X, out, step_seed(spec.seed, step), b, d, spec.a, b, f32(spec.mu), CENTRAL=spec.central,
                           BLOCK=BLOCK, **EXACT)
     return out

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.proxy import ProxyOut, check_offsets
+from sicl_fast.proxy import ProxyOut, check_proxy_inputs
+from sicl_fast.spec import f32
 
-from ._utils import check_device, check_dtype, check_shape, f32, next_pow2
+from ._utils import FLOAT_DTYPES, check_device, check_dtype, next_pow2
 
 
 @triton.jit(do_not_specialize=["P", "T", "below", "above"])
@@ -69,19 +69,13 @@ def proxy(logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, bet
     """The proxy of every batch row (module docstring). logprobs on CUDA (or the CPU under TRITON_INTERPRET=1).
 
     check_values: raise NumericalError on NaN / +inf log-probs as the reference does (one host sync);
-    False skips the check (for a loop that must not synchronise).
+    False skips the check (for a loop that must not synchronise; sicl_fast.proxy.check_proxy_inputs).
     """
     op = "triton proxy"
     check_device(logprobs, op=op)
-    check_shape(logprobs, (None, None), "logprobs", op)
-    check_dtype(logprobs, (torch.float32, torch.bfloat16, torch.float16), "logprobs", op)
-    if not 0.0 <= q <= 1.0:
-        raise SiclError(f"q must be in [0, 1], got {q}")
+    check_dtype(logprobs, FLOAT_DTYPES, "logprobs", op)
+    offs_cpu = check_proxy_inputs(logprobs, offsets, q, check_values)
     B, P = logprobs.shape
-    offs_cpu = torch.as_tensor(offsets, dtype=torch.int64).cpu()
-    check_offsets(offs_cpu, P)
-    if check_values and (bool(torch.isnan(logprobs).any()) or bool((logprobs == float("inf")).any())):
-        raise NumericalError("span log-probabilities contain NaN or +inf")
     T = offs_cpu.numel() - 1
     dev = logprobs.device
     on_dev = isinstance(offsets, torch.Tensor) and offsets.device == dev

@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
+from sicl_fast.spec import f32
 
-from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, f32, interpreting, next_pow2
+from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, next_pow2
 
 
 @triton.jit

@@ -1,7 +1,6 @@
 """One zeroth-order ascent step with the noise regenerated in the kernel (sicl_fast.zo.update's function).
 
-    zo_update(X [L, d], X0 [L, d], f [B], seed, step, N, a, b, mu, eta, kappa, estimator, grad_mode,
-              clip_norm, projection_scope) -> (X_new [L, d] float32, fired: int32 [1] device tensor)
+    zo_update(X [L, d], X0 [L, d], f [B], step, spec: StepSpec) -> (X_new [L, d] float32, fired: int32 [1])
 
     w_i = (f_{1+i} - f_0) / mu                   forward  (batch layout of sicl_fast.zo)
     w_i = (f_{1+2i} - f_{2+2i}) / (2 mu)         central
@@ -14,7 +13,7 @@
 Two kernels, no [N, R, d] tensor: `_step_kernel` (one program per row of X: gradient + clip + step for rows in
 [a, b), a copy elsewhere, and float64 per-row partial sums X_new.X0, |X_new|^2, |X0|^2), then, when kappa > 0,
 `_project_kernel` (sums the partials in row order, decides on the device, rewrites the rows when it fires).
-Nothing is synchronised with the host; `fired` stays a device tensor (TritonOps reads it).
+Nothing is synchronised with the host; `fired` stays a device tensor.
 """
 from __future__ import annotations
 
@@ -24,9 +23,9 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 from sicl_fast.rng import step_seed
-from sicl_fast.zo import GRAD_MODES, PROJECTION_SCOPES, batch_size
+from sicl_fast.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_rows, check_dtype, check_shape, f32, interpreting, next_pow2
+from ._utils import EXACT, check_device, check_dtype, interpreting, next_pow2
 from .randn import randn_f32
 
 
@@ -181,10 +180,8 @@ def _consts(kappa: float, device) -> torch.Tensor:
     return t
 
 
-def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, seed: int, step: int, N: int, a: int, b: int,
-              mu: float, eta: float, kappa: float, estimator: str = "forward", grad_mode: str = "clip",
-              clip_norm: float = 1.0, projection_scope: str = "prompt", out: torch.Tensor | None = None,
-              block_d: int | None = None):
+def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step: int, spec: StepSpec,
+              out: torch.Tensor | None = None, block_d: int | None = None):
     """One ascent step (module docstring). X, X0: [L, d] float32; f: [B] float (B = N+1 or 2N+1), all on one
     device (CUDA, or the CPU under TRITON_INTERPRET=1). X is not modified.
 
@@ -193,43 +190,33 @@ def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, seed: int, ste
     Returns (X_new [L, d] float32, fired int32 [1] device tensor: 1 when the cosine projection fired).
     """
     op = "triton zo_update"
-    if grad_mode not in GRAD_MODES:
-        raise SiclError(f"{op}: unknown grad_mode {grad_mode!r}; choose one of {GRAD_MODES}")
-    if projection_scope not in PROJECTION_SCOPES:
-        raise SiclError(f"{op}: unknown projection_scope {projection_scope!r}; choose one of {PROJECTION_SCOPES}")
     check_device(X, X0, f, op=op)
     check_dtype(X, torch.float32, "X", op)
     check_dtype(X0, torch.float32, "X0", op)
-    check_shape(X, (None, None), "X", op)
-    L, d = X.shape
-    check_shape(X0, (L, d), "X0", op)
-    check_rows(N, a, b, L, d, op)
-    B = batch_size(N, estimator)
-    f = f.reshape(-1)
-    check_shape(f, (B,), "f", op)
-    f = f.to(torch.float32).contiguous()
+    spec.check_X(X, "X", op)
+    spec.check_X(X0, "X0", op)
+    spec.check_f(f, op)
+    L, d = spec.L, spec.d
+    f = f.reshape(-1).to(torch.float32).contiguous()
     X, X0 = X.contiguous(), X0.contiguous()
     if out is None:
         out = torch.empty_like(X)
-    else:
-        check_shape(out, (L, d), "out", op)
-        check_dtype(out, torch.float32, "out", op)
-        if not out.is_contiguous() or out.data_ptr() == X.data_ptr():
-            raise SiclError(f"{op}: out must be contiguous and must not alias X")
-    project = kappa > 0
-    lo, hi = (a, b) if projection_scope == "demos" else (0, L)
+    elif (tuple(out.shape) != (L, d) or out.dtype != torch.float32 or not out.is_contiguous()
+          or out.data_ptr() == X.data_ptr()):
+        raise SiclError(f"{op}: out must be a contiguous float32 [{L}, {d}] tensor that does not alias X")
+    lo, hi = spec.project_rows
     fired = torch.zeros(1, dtype=torch.int32, device=X.device)
-    parts = torch.zeros(3, L, dtype=torch.float64, device=X.device) if project else fired
-    pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if project else (fired, fired, fired)
+    parts = torch.zeros(3, L, dtype=torch.float64, device=X.device) if spec.project else fired
+    pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if spec.project else (fired, fired, fired)
     BLOCK_D = block_d or min(next_pow2(d), 4096 if interpreting() else 1024)
     _step_kernel[(L,)](
-        X, X0, f, out, pdot, pxx, px0, step_seed(seed, step), N, L, d, a, b, lo, hi, f32(mu), f32(eta),
-        f32(clip_norm), CENTRAL=estimator == "central", NORMALIZE=grad_mode == "normalize", PROJECT=project,
-        BLOCK_D=BLOCK_D, **EXACT,
+        X, X0, f, out, pdot, pxx, px0, step_seed(spec.seed, step), spec.N, L, d, spec.a, spec.b, lo, hi,
+        f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), CENTRAL=spec.central,
+        NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, BLOCK_D=BLOCK_D, **EXACT,
     )
-    if project:
+    if spec.project:
         BLOCK_L = min(next_pow2(L), 1024)
-        consts = _consts(float(kappa), X.device)
+        consts = _consts(float(spec.kappa), X.device)
         _project_kernel[(hi - lo,)](
             out, X0, pdot, pxx, px0, fired, consts, L, d, lo, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
         )

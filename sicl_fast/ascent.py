@@ -21,11 +21,9 @@ from typing import Callable
 import torch
 
 from .errors import NumericalError, SiclError
-from .fused import default_ops
-from .fused import proxy as fused_proxy
-from .rng import check_counter_range
 from .spans import Prompt
-from .zo import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, batch_size, cosine, snr
+from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice
+from .zo import cosine, snr
 
 
 @dataclass(frozen=True)
@@ -62,9 +60,6 @@ class CalibrationConfig:
             (self.max_steps >= 1, "max_steps must be >= 1"),
             (0.0 <= self.q <= 1.0, "q must be in [0, 1]"),
             (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
-            (self.estimator in ESTIMATORS, f"estimator must be one of {ESTIMATORS}"),
-            (self.grad_mode in GRAD_MODES, f"grad_mode must be one of {GRAD_MODES}"),
-            (self.projection_scope in PROJECTION_SCOPES, f"projection_scope must be one of {PROJECTION_SCOPES}"),
             (self.clip_norm > 0, "clip_norm must be > 0"),
             (self.scale is None or self.scale > 0, "scale must be > 0"),
         ]
@@ -74,6 +69,9 @@ class CalibrationConfig:
         for ok, msg in checks:
             if not ok:
                 raise SiclError(f"CalibrationConfig: {msg}")
+        check_choice(self.estimator, ESTIMATORS, "estimator", "CalibrationConfig")
+        check_choice(self.grad_mode, GRAD_MODES, "grad_mode", "CalibrationConfig")
+        check_choice(self.projection_scope, PROJECTION_SCOPES, "projection_scope", "CalibrationConfig")
 
     @property
     def mu_eff(self) -> float:
@@ -128,27 +126,36 @@ class CalibrationResult:
     seconds: float = 0.0
     projections: int = 0  # how often the cosine projection fired
     config: CalibrationConfig | None = None
+    impl: str = ""  # which implementation of the hot ops ran: "torch", "cpp" or "triton" (sicl_fast.ops)
 
     def summary(self) -> dict:
         return {"initial_proxy": self.initial_proxy, "best_proxy": self.best_proxy, "steps": self.steps,
                 "best_step": self.best_step, "gated": self.gated, "stop_reason": self.stop_reason,
-                "seconds": round(self.seconds, 4), "projections": self.projections}
+                "seconds": round(self.seconds, 4), "projections": self.projections, "impl": self.impl}
 
 
 class Calibrator:
-    """Runs Algorithm 1 for a prompt on a backend. `ops` does the tensor work of a step (TorchOps by default)."""
+    """Runs Algorithm 1 for a prompt on a backend. The tensor work of a step runs on the backend's own Ops object
+    (`backend.ops`, chosen once by make_backend's `impl`)."""
 
-    def __init__(self, backend, config: CalibrationConfig, ops=None) -> None:
+    def __init__(self, backend, config: CalibrationConfig) -> None:
         self.backend = backend
+        self.ops = backend.ops
         self.config = config if config.scale is not None else config.replace(scale=backend.lm.embedding_scale)
-        self.ops = ops if ops is not None else default_ops(backend.device)
+
+    def step_spec(self, prompt: Prompt, X0: torch.Tensor) -> StepSpec:
+        """The step's arguments for this prompt: perturbed rows [a, b) = [first demonstration token, end of the
+        last output span), or [a, L) with perturb_query; the forward always reads rows [0, demo_end) only."""
+        cfg = self.config
+        b = prompt.length if cfg.perturb_query else prompt.demo_end
+        return StepSpec.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, b)
 
     def proxy_of(self, batch: torch.Tensor, prompt: Prompt, near_row0: bool = False):
         """f and its parts for a batch [B, n, d] of embeddings. near_row0: rows 1.. are perturbations of row 0
         (the perturbation batch; lets the backend use difference products)."""
         cfg = self.config
         lp = self.backend.span_logprobs(batch, prompt, near_row0=near_row0)
-        return fused_proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q)
+        return self.ops.proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q)
 
     def run(
         self,
@@ -165,9 +172,7 @@ class Calibrator:
         if not bool(torch.isfinite(X0).all()):
             row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
             raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
-        # perturbed rows [a, b); the forward always reads rows [0, demo_end) only
-        a, b = prompt.demo_start, prompt.length if cfg.perturb_query else prompt.demo_end
-        check_counter_range(cfg.N, b - a, X0.shape[1])
+        spec = self.step_spec(prompt, X0)
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0
         history: list[float] = []
@@ -176,7 +181,7 @@ class Calibrator:
         stop = "max_steps"
         steps = 0
         for step in range(cfg.max_steps):
-            batch = self.ops.perturb(X, step, cfg, a, b)  # [B, b, d]
+            batch = self.ops.perturb(X, step, spec)  # [B, b, d]
             f = self.proxy_of(batch, prompt, near_row0=True).f  # [B]
             steps += 1
             f0 = float(f[0])
@@ -208,7 +213,7 @@ class Calibrator:
             low_snr = 0
             if step == cfg.max_steps - 1:
                 break  # the next X would never be evaluated
-            X, fired = self.ops.update(X, X0, f, step, cfg, a, b)
+            X, fired = self.ops.update(X, X0, f, step, spec)
             projections += int(fired)
         return CalibrationResult(
             embeddings=best_X.clone(),
@@ -222,6 +227,7 @@ class Calibrator:
             seconds=time.perf_counter() - t0,
             projections=projections,
             config=cfg,
+            impl=self.ops.name,
         )
 
 

@@ -101,11 +101,10 @@ def _sync(device) -> None:
 
 def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor, step: int = 0):
     """One ascent step: perturbation batch -> forward -> proxy -> gradient, clip, update, projection."""
-    cfg = cal.config
-    a, b = prompt.demo_start, prompt.demo_end
-    batch = cal.ops.perturb(X, step, cfg, a, b)
+    spec = cal.step_spec(prompt, X0)
+    batch = cal.ops.perturb(X, step, spec)
     f = cal.proxy_of(batch, prompt, near_row0=True).f
-    return cal.ops.update(X, X0, f, step, cfg, a, b)[0]
+    return cal.ops.update(X, X0, f, step, spec)[0]
 
 
 def bench_step(backend, prompt: Prompt, config: CalibrationConfig, repeats: int = 3, warmup: int = 1) -> dict:
@@ -124,7 +123,8 @@ def bench_step(backend, prompt: Prompt, config: CalibrationConfig, repeats: int 
             times.append(time.perf_counter() - t)
         with PeakMemory(backend.device) as mem:
             one_step(cal, prompt, X0, X0)
-    return {"backend": backend.name, "L": prompt.length, "P": int(prompt.positions.numel()), "N": config.N,
+    return {"backend": backend.name, "impl": backend.ops.name, "L": prompt.length, "P": int(prompt.positions.numel()),
+            "N": config.N,
             "B": config.batch, "ms_mean": 1e3 * statistics.mean(times), "ms_min": 1e3 * min(times),
             "peak_mb": mem.peak_mb}
 
@@ -133,5 +133,5 @@ def bench_calibration(backend, prompt: Prompt, config: CalibrationConfig) -> dic
     """Wall time and peak extra memory of a whole calibration (use patience=0 for a fixed step count)."""
     with PeakMemory(backend.device) as mem:
         res = Calibrator(backend, config).run(prompt)
-    return {"backend": backend.name, "L": prompt.length, "N": config.N, "steps": res.steps,
+    return {"backend": backend.name, "impl": res.impl, "L": prompt.length, "N": config.N, "steps": res.steps,
             "seconds": res.seconds, "ms_per_step": 1e3 * res.seconds / max(res.steps, 1), "peak_mb": mem.peak_mb}

@@ -12,6 +12,7 @@ from .errors import SiclError
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
+from .ops import IMPLS
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -54,6 +55,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--diff-matmul", default="auto", choices=DIFF_MATMUL,
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
                         "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+)")
+    g.add_argument("--impl", default="auto", choices=IMPLS,
+                   help="implementation of the hot ops (perturb, update, proxy, span head, difference epilogues): "
+                        "auto (Triton on CUDA, the C++ extension on the CPU when built, else torch), torch, cpp, "
+                        "triton")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
 
@@ -112,7 +117,7 @@ def _engine(args, add_special_tokens=None):
 
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
     return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                  diff_matmul=args.diff_matmul)
+                  diff_matmul=args.diff_matmul, impl=args.impl)
 
 
 def _progress(total: int, desc: str):
@@ -130,7 +135,7 @@ def cmd_demo(args) -> int:
     cfg = eng.config(**over)
     stops = args.stop or ["\n"]
     base = eng.generate(prompt, max_new_tokens=args.max_new_tokens, stop_strings=stops)
-    print(f"model: {eng.lm.name}  backend: {eng.backend.name}  prompt: {prompt.length} tokens, "
+    print(f"model: {eng.lm.name}  backend: {eng.backend.name}  impl: {eng.backend.ops.name}  prompt: {prompt.length} tokens, "
           f"{prompt.num_demos} demonstrations, perturbed rows [{prompt.demo_start}, {prompt.demo_end})")
     print("--- prompt ---")
     print(prompt.request.prompt)
@@ -209,18 +214,18 @@ def cmd_bench(args) -> int:
     cfg = eng.config(**_overrides(args))
     print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
-    print("| backend | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| backend | impl | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for length in args.length:
         prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
         for name in args.backends:
-            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul)
+            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
             cal = ""
             if args.calibration_steps:
                 c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0, tau=0.0))
                 cal = f"{c['seconds']:.2f}"
-            print(f"| {name} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
+            print(f"| {name} | {r['impl']} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
                   flush=True)
     return 0
 

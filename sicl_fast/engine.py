@@ -21,7 +21,8 @@ from .spans import Prompt, tokenize
 
 
 class Engine:
-    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`)."""
+    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`). impl: the implementation of the hot
+    ops, chosen once here ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops)."""
 
     def __init__(
         self,
@@ -32,9 +33,10 @@ class Engine:
         dtype: str = "float32",
         device: str = "cpu",
         diff_matmul: str = "auto",
+        impl: str = "auto",
     ) -> None:
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
-        self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul)
+        self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul, impl=impl)
         self.add_special_tokens = add_special_tokens
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:

@@ -56,6 +56,24 @@ def check_offsets(offsets: torch.Tensor, num_positions: int) -> None:
         raise SiclError(f"output span {bad} has no tokens (offsets {offsets.tolist()})")
 
 
+def check_proxy_inputs(logprobs: torch.Tensor, offsets, q: float, check_values: bool = True) -> torch.Tensor:
+    """The checks every proxy implementation shares; returns the offsets as a CPU int64 tensor.
+
+    logprobs must be [B, P] matching the offsets; q in [0, 1]; with check_values, NaN or +inf log-probs raise
+    (-inf, probability 0, is legal). The value check reads the device (one host sync); a loop that must not
+    synchronise passes check_values=False and checks the proxy values it reads back instead."""
+    if logprobs.dim() != 2:
+        raise SiclError(f"logprobs must be [B, P], got shape {tuple(logprobs.shape)}")
+    if not 0.0 <= q <= 1.0:
+        raise SiclError(f"q must be in [0, 1], got {q}")
+    offsets = torch.as_tensor(offsets, dtype=torch.int64).cpu()
+    check_offsets(offsets, logprobs.shape[1])
+    if check_values and bool((torch.isnan(logprobs) | (logprobs == float("inf"))).any()):
+        # NaN or +inf means the forward pass broke upstream
+        raise NumericalError("span log-probabilities contain NaN or +inf")
+    return offsets
+
+
 def proxy(
     logprobs: torch.Tensor,
     offsets: torch.Tensor,
@@ -63,24 +81,18 @@ def proxy(
     beta: float = 0.3,
     gamma: float = 0.1,
     q: float = 0.1,
+    check_values: bool = True,
 ) -> ProxyOut:
     """Reference proxy.
 
     logprobs: [B, P] log p(target) at the P pooled span positions (any float dtype; computed in float32).
     offsets:  [T+1] int64, span i owns positions offsets[i]:offsets[i+1].
+    check_values: see check_proxy_inputs.
     Returns a ProxyOut of float32 tensors.
     """
-    if logprobs.dim() != 2:
-        raise SiclError(f"logprobs must be [B, P], got shape {tuple(logprobs.shape)}")
-    if not 0.0 <= q <= 1.0:
-        raise SiclError(f"q must be in [0, 1], got {q}")
-    offsets = torch.as_tensor(offsets, dtype=torch.int64).cpu()
-    B, P = logprobs.shape
-    check_offsets(offsets, P)
+    offsets = check_proxy_inputs(logprobs, offsets, q, check_values)
+    B = logprobs.shape[0]
     lp = logprobs.float()
-    if bool(torch.isnan(lp).any()) or bool((lp == float("inf")).any()):
-        # -inf (probability 0) is legal; NaN or +inf means the forward pass broke upstream
-        raise NumericalError("span log-probabilities contain NaN or +inf")
     T = offsets.numel() - 1
     lengths = (offsets[1:] - offsets[:-1]).to(lp.device)
     seg = torch.repeat_interleave(torch.arange(T, device=lp.device), lengths)  # [P] span index of each position

@@ -1,45 +1,47 @@
 """Zeroth-order ascent step, torch reference: perturbation batch, gradient estimate, clip, step, projection.
 
 Shapes: X, X0 [L, d] float32 (the whole prompt); rows [a, b) are the perturbed demonstration block, R = b - a;
-U [N, R, d] float32 directions from `sicl_fast.rng.directions(seed, step, N, R, d)`.
+U [N, R, d] float32 directions from `sicl_fast.rng.directions(seed, step, N, R, d)`. The step's arguments travel
+as one `sicl_fast.spec.StepSpec`.
 
 Batch layout (B rows, each the first b prompt rows, since nothing after b changes the proxy):
     forward estimator:  row 0 = X,  row 1 + i = X + mu U_i                       (B = N + 1)
     central estimator:  row 0 = X,  row 1 + 2i = X + mu U_i, row 2 + 2i = X - mu U_i   (B = 2N + 1)
 
-The fused kernels (sicl_fast.kernels, sicl_fast._C) implement `perturb` and `update` below without storing U and
-are tested against these functions.
+The C++ and Triton step ops (sicl_fast.ops) compute `perturb` and `update` below without storing U and are
+tested against these functions.
 """
 from __future__ import annotations
 
 import torch
 
-from .errors import SiclError
 from .rng import directions
-
-ESTIMATORS = ("forward", "central")
-GRAD_MODES = ("clip", "normalize")
-PROJECTION_SCOPES = ("prompt", "demos")
+from .spec import StepSpec, batch_size
 
 
-def batch_size(N: int, estimator: str) -> int:
-    if estimator not in ESTIMATORS:
-        raise SiclError(f"unknown estimator {estimator!r}; choose one of {ESTIMATORS}")
-    return 2 * N + 1 if estimator == "central" else N + 1
+def step_directions(step: int, spec: StepSpec, device=None) -> torch.Tensor:
+    """U [N, R, d] float32 of one step: the noise every implementation draws (or regenerates) for it."""
+    return directions(spec.seed, step, spec.N, spec.rows, spec.d, device=device)
 
 
-def perturb(X: torch.Tensor, U: torch.Tensor, mu: float, a: int, b: int, estimator: str = "forward") -> torch.Tensor:
-    """The perturbation batch [B, b, d] (layout in the module docstring). X [L, d], U [N, R=b-a, d]."""
-    N = U.shape[0]
-    B = batch_size(N, estimator)
-    base = X[:b]
-    out = base.unsqueeze(0).repeat(B, 1, 1)
-    if estimator == "forward":
-        out[1:, a:b] += mu * U
+def perturb(X: torch.Tensor, U: torch.Tensor, spec: StepSpec) -> torch.Tensor:
+    """The perturbation batch [B, b, d] (layout in the module docstring). X [L, d], U [N, R, d]."""
+    a, b = spec.a, spec.b
+    out = X[:b].unsqueeze(0).repeat(spec.B, 1, 1)
+    if spec.central:
+        out[1::2, a:b] += spec.mu * U
+        out[2::2, a:b] -= spec.mu * U
     else:
-        out[1::2, a:b] += mu * U
-        out[2::2, a:b] -= mu * U
+        out[1:, a:b] += spec.mu * U
     return out
+
+
+def finite_differences(f: torch.Tensor, mu: float, estimator: str = "forward") -> torch.Tensor:
+    """The N directional-derivative estimates [N] that weight the directions."""
+    f = f.float()
+    if estimator == "forward":
+        return (f[1:] - f[0]) / mu
+    return (f[1::2] - f[2::2]) / (2.0 * mu)
 
 
 def estimate_gradient(f: torch.Tensor, U: torch.Tensor, mu: float, estimator: str = "forward") -> torch.Tensor:
@@ -49,14 +51,6 @@ def estimate_gradient(f: torch.Tensor, U: torch.Tensor, mu: float, estimator: st
     """
     w = finite_differences(f, mu, estimator)  # [N]
     return torch.einsum("n,nrd->rd", w.to(U.dtype), U) / U.shape[0]
-
-
-def finite_differences(f: torch.Tensor, mu: float, estimator: str = "forward") -> torch.Tensor:
-    """The N directional-derivative estimates [N] that weight the directions."""
-    f = f.float()
-    if estimator == "forward":
-        return (f[1:] - f[0]) / mu
-    return (f[1::2] - f[2::2]) / (2.0 * mu)
 
 
 def snr(f: torch.Tensor, mu: float, estimator: str = "forward") -> float:
@@ -104,57 +98,25 @@ def project_cosine(X: torch.Tensor, X0: torch.Tensor, kappa: float) -> tuple[tor
     return out.to(X.dtype), True
 
 
-def update(
-    X: torch.Tensor,
-    X0: torch.Tensor,
-    f: torch.Tensor,
-    U: torch.Tensor,
-    a: int,
-    b: int,
-    mu: float,
-    eta: float,
-    kappa: float,
-    estimator: str = "forward",
-    grad_mode: str = "clip",
-    clip_norm: float = 1.0,
-    projection_scope: str = "prompt",
-) -> tuple[torch.Tensor, bool]:
+def update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, U: torch.Tensor,
+           spec: StepSpec) -> tuple[torch.Tensor, bool]:
     """One ascent step: g from f and U, clip (or normalise) per row, X[a:b] += eta g, cosine projection.
 
     Returns (X_new [L, d], projection_fired). X is not modified in place.
     """
-    if grad_mode not in GRAD_MODES:
-        raise SiclError(f"unknown grad_mode {grad_mode!r}; choose one of {GRAD_MODES}")
-    if projection_scope not in PROJECTION_SCOPES:
-        raise SiclError(f"unknown projection_scope {projection_scope!r}; choose one of {PROJECTION_SCOPES}")
-    g = estimate_gradient(f, U, mu, estimator)
-    g = clip_rows(g, clip_norm) if grad_mode == "clip" else normalize_rows(g)
+    a, b = spec.a, spec.b
+    g = estimate_gradient(f, U, spec.mu, spec.estimator)
+    g = clip_rows(g, spec.clip_norm) if spec.grad_mode == "clip" else normalize_rows(g)
     X = X.clone()
-    X[a:b] += eta * g
-    if kappa <= 0:
+    X[a:b] += spec.eta * g
+    if not spec.project:
         return X, False
-    if projection_scope == "prompt":
-        return project_cosine(X, X0, kappa)
-    block, fired = project_cosine(X[a:b], X0[a:b], kappa)
+    if spec.scope == "prompt":
+        return project_cosine(X, X0, spec.kappa)
+    block, fired = project_cosine(X[a:b], X0[a:b], spec.kappa)
     X[a:b] = block
     return X, fired
 
 
-class TorchOps:
-    """Reference step ops: materialise U with the counter-based RNG, then the functions above.
-
-    The fused ops (Triton, C++) have the same two methods and regenerate U instead of storing it.
-    """
-
-    name = "torch"
-
-    def perturb(self, X, step: int, cfg, a: int, b: int) -> torch.Tensor:
-        U = directions(cfg.seed, step, cfg.N, b - a, X.shape[1], device=X.device)
-        return perturb(X, U, cfg.mu_eff, a, b, cfg.estimator)
-
-    def update(self, X, X0, f, step: int, cfg, a: int, b: int) -> tuple[torch.Tensor, bool]:
-        U = directions(cfg.seed, step, cfg.N, b - a, X.shape[1], device=X.device)
-        return update(
-            X, X0, f, U, a, b, cfg.mu_eff, cfg.eta_eff, cfg.kappa, cfg.estimator, cfg.grad_mode, cfg.clip_norm,
-            cfg.projection_scope,
-        )
+__all__ = ["step_directions", "perturb", "finite_differences", "estimate_gradient", "snr", "clip_rows",
+           "normalize_rows", "cosine", "project_cosine", "update", "batch_size"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 # Without a GPU the Triton kernels run through Triton's interpreter (on numpy); this must be set before triton is
-# first imported, which happens lazily through sicl_fast.fused.kernels(). On a GPU, the kernels run for real.
+# first imported, which happens lazily (sicl_fast.kernels, through make_ops). On a GPU, the kernels run for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -21,9 +21,9 @@ from sicl_fast.spans import Prompt
 def K():
     """The Triton kernels package (sicl_fast.kernels); skips the test when triton is not installed."""
     pytest.importorskip("triton")
-    from sicl_fast import fused
+    from sicl_fast.ops.triton_ops import load_kernels
 
-    return fused.kernels()
+    return load_kernels()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator, preset_name
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
 from sicl_fast.rng import directions
+from sicl_fast.spec import StepSpec
 
 # tau=0 so the gate never fires on a random model; scale=1: absolute units; big steps so things move
 BASE = CalibrationConfig(N=4, mu=0.01, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=6, seed=3, scale=1.0)
@@ -113,7 +114,7 @@ def test_gradient_estimators_match_hand_formula():
     refc = sum((fc[1 + 2 * i] - fc[2 + 2 * i]) / 0.2 * U[i] for i in range(3)) / 3
     torch.testing.assert_close(gc, refc)
     X = torch.randn(6, 5)
-    batch = zo.perturb(X, U, 0.1, 1, 5, "central")
+    batch = zo.perturb(X, U, StepSpec(L=6, d=5, a=1, b=5, N=3, mu=0.1, eta=0.0, kappa=0.0, estimator="central"))
     assert batch.shape == (7, 5, 5)
     torch.testing.assert_close(batch[1, 1:5], X[1:5] + 0.1 * U[0])
     torch.testing.assert_close(batch[2, 1:5], X[1:5] - 0.1 * U[0])

@@ -1,11 +1,6 @@
 """Difference products (sicl_fast.models.diff): row 0 in float32, the other rows' differences in bf16.
 
-Tolerances, and why:
-  C++ diff_rows / add_rows vs the torch reference: bit-identical (same float32 op, same round-to-nearest-even).
-  C++ gated_diff: its own exp (~1 ulp): a0 to 2e-6 relative + 1e-6 absolute (torch's 0.5 g (1 + tanh) loses
-      ~1e-7 |g| absolute where tanh is near -1); the bf16 differences to 1 bf16 ulp (2^-7 relative) of the
-      reference's, + 4 float32 ulps of the activation's scale (a_i - a_0 carries the values' rounding) + 1e-6;
-      here of |g u|, since torch's 0.5 g (1 + tanh) is off by about an ulp of |g u| in its tail.
+Tolerances, and why (the epilogues of each implementation against the reference: tests/test_ops.py):
   A whole forward, tiny random models: row 0 to 1e-5 (float32 path, only the C++ activation's ulps differ);
       rows' log-prob differences from row 0 to 3 % of their norm (bf16 rounds each layer's difference term
       by 2^-9; measured 0.2-1 % here).
@@ -19,20 +14,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sicl_fast import cpp_ops
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.backends.fast import FastBackend
 from sicl_fast.backends.hf import HFBackend
 from sicl_fast.errors import SiclError
-from sicl_fast.fused import proxy as fused_proxy
 from sicl_fast.models import diff
 from sicl_fast.models.transformer import fast_low_precision
-from sicl_fast.zo import TorchOps
+from sicl_fast.ops import TorchOps
+from sicl_fast.proxy import proxy as ref_proxy
+from sicl_fast.spec import StepSpec
 
 from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, models, perturbed  # noqa: F401 (fixture)
+from test_ops import why_unavailable
 
-needs_cpp = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension is not built")
 GELU_TANH = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
 
 
@@ -43,45 +38,6 @@ def near(B, T, k, scale=1e-2, seed=0):
     return torch.cat([x0, x0 + scale * torch.randn(B - 1, T, k, generator=g)])
 
 
-@needs_cpp
-@pytest.mark.parametrize("B,T,k", [(2, 1, 5), (3, 7, 64), (9, 33, 4099), (5, 2, 8193)])
-def test_cpp_diff_and_add_rows_bit_identical(monkeypatch, B, T, k):
-    x = near(B, T, k)
-    got = diff.diff_rows(x)
-    monkeypatch.setenv("SICL_CPP", "0")
-    assert torch.equal(got, diff.diff_rows(x)) and got.dtype == torch.bfloat16 and got.shape == (B - 1, T, k)
-    monkeypatch.delenv("SICL_CPP")
-    y0, yd = x[:1], (0.01 * x[1:]).to(torch.bfloat16)
-    got = diff.add_rows(y0, yd)
-    assert torch.equal(got, diff.add_rows_reference(y0, yd)) and got.shape == (B, T, k)
-
-
-@needs_cpp
-@pytest.mark.parametrize("act_name,act", [("silu", F.silu), ("gelu_pytorch_tanh", GELU_TANH)])
-@pytest.mark.parametrize("R,T,I", [(1, 1, 3), (4, 9, 64), (8, 5, 1537)])
-def test_cpp_gated_diff_matches_reference(act_name, act, R, T, I):
-    y = near(R + 1, T, 2 * I, scale=1e-2, seed=I) * 3  # pre-activations over the functions' curved range
-    y0, yd = y[:1], (y[1:] - y[:1]).to(torch.bfloat16)
-    a0, da = diff.gated_diff(y0, yd, act, act_name)
-    r0, rd = diff.gated_diff_reference(y0, yd, act)
-    assert a0.shape == (1, T, I) and da.shape == (R, T, I) and da.dtype == torch.bfloat16
-    torch.testing.assert_close(a0, r0, rtol=2e-6, atol=1e-6)
-    err = (da.float() - rd.float()).abs()
-    # 1 bf16 ulp of the difference, plus a few float32 ulps of |g u| (a_i - a_0 inherits the values' rounding;
-    # torch's 0.5 g (1 + tanh) is off by ~ulp |g u| in the tail)
-    g0, u0 = y0.chunk(2, dim=-1)
-    bound = rd.float().abs() * 2 ** -7 + 4 * 2 ** -23 * (g0 * u0).abs() + 1e-6
-    assert bool((err <= bound).all()), float((err - bound).max())
-
-
-def test_gated_diff_falls_back_for_other_activations():
-    y = near(3, 4, 10)
-    y0, yd = y[:1], (y[1:] - y[:1]).to(torch.bfloat16)
-    a0, da = diff.gated_diff(y0, yd, F.gelu, "gelu")  # exact-erf GELU: torch reference only
-    r0, rd = diff.gated_diff_reference(y0, yd, F.gelu)
-    assert torch.equal(a0, r0) and torch.equal(da, rd)
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_difference_product_equals_plain_product_up_to_bf16_on_the_difference(bias):
     x = near(6, 11, 96, scale=1e-2, seed=3)
@@ -89,7 +45,7 @@ def test_difference_product_equals_plain_product_up_to_bf16_on_the_difference(bi
     ws = [torch.randn(40, 96, generator=g) * 0.1, torch.randn(24, 96, generator=g) * 0.1]
     bs = [torch.randn(40, generator=g), torch.randn(24, generator=g)] if bias else [None, None]
     low = torch.cat(ws).to(torch.bfloat16)
-    y = diff.linear(x, ws, bs, low)
+    y = diff.linear(TorchOps(), x, ws, bs, low)
     ref = torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
     # row 0 is a float32 product (of one row: the BLAS blocking, hence the last bits, may differ from the batch's)
     torch.testing.assert_close(y[0], ref[0], rtol=1e-6, atol=1e-6)
@@ -98,10 +54,14 @@ def test_difference_product_equals_plain_product_up_to_bf16_on_the_difference(bi
     assert float((y[1:] - ref[1:]).abs().max()) > 0  # the bf16 path really ran
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
-def test_forward_with_difference_products_tracks_float32(models, family):
+def test_forward_with_difference_products_tracks_float32(models, family, impl):
+    reason = why_unavailable(impl)
+    if reason:
+        pytest.skip(reason)
     lm = models[family]
-    exact, fast = FastBackend(lm, diff_matmul="off"), FastBackend(lm, diff_matmul="bf16")
+    exact, fast = FastBackend(lm, diff_matmul="off"), make_backend("fast", lm, diff_matmul="bf16", impl=impl)
     for a in (0, 6):  # without and with a shared prefix
         p = make_prompt(a, seed=a)
         X = perturbed(exact.embed(p), a, B=7, scale=0.02, seed=a)
@@ -113,7 +73,7 @@ def test_forward_with_difference_products_tracks_float32(models, family):
         assert 0 < rel < 0.03, rel
         # without the promise the fast backend takes the float32 products
         torch.testing.assert_close(fast.span_logprobs(X, p), ref, rtol=0, atol=0)
-    assert fast.model._low is not None and exact.model._low is None
+    assert fast.model._diff is not None and exact.model._diff is None
 
 
 def test_single_rows_and_generation_never_use_bf16(models):
@@ -124,7 +84,7 @@ def test_single_rows_and_generation_never_use_bf16(models):
     torch.testing.assert_close(fast.span_logprobs(X[None], p, near_row0=True), exact.span_logprobs(X[None], p),
                                rtol=0, atol=0)
     assert fast.generate(X, p, 6).token_ids == exact.generate(X, p, 6).token_ids
-    assert fast.model._low is None  # the bf16 weights were never made
+    assert fast.model._diff is None  # the bf16 weights were never made
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -132,8 +92,8 @@ def test_seeded_calibration_with_difference_products_tracks_float32(models, fami
     lm = models[family]
     cfg = CalibrationConfig(N=4, max_steps=3, tau=0, scale=1.0, seed=1)
     p = make_prompt(6)
-    ref = Calibrator(FastBackend(lm, diff_matmul="off"), cfg, ops=TorchOps()).run(p)
-    got = Calibrator(FastBackend(lm, diff_matmul="bf16"), cfg, ops=TorchOps()).run(p)
+    ref = Calibrator(FastBackend(lm, diff_matmul="off"), cfg).run(p)
+    got = Calibrator(FastBackend(lm, diff_matmul="bf16"), cfg).run(p)
     assert got.history[0] == pytest.approx(ref.history[0], rel=1e-5, abs=1e-6)
     assert got.history == pytest.approx(ref.history, rel=1e-3, abs=1e-4)
     moved = (ref.embeddings - FastBackend(lm).embed(p)).norm()
@@ -167,10 +127,10 @@ def test_smollm2_finite_differences_against_float64(smol):
     cfg = CalibrationConfig.for_model(smol, N=6)
     exact = FastBackend(smol, diff_matmul="off")
     X0 = exact.embed(p)
-    batch = TorchOps().perturb(X0, 0, cfg, p.demo_start, p.demo_end)
+    batch = TorchOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
 
     def f(backend, x, **kw):
-        return fused_proxy(backend.span_logprobs(x, p, **kw), p.offsets, 0.6, 0.3, 0.1, 0.1).f.double()
+        return ref_proxy(backend.span_logprobs(x, p, **kw), p.offsets, 0.6, 0.3, 0.1, 0.1).f.double()
 
     lm64 = copy.copy(smol)
     lm64.model = copy.deepcopy(smol.model).double()

@@ -14,10 +14,10 @@ from sicl_fast.backends.fast import SUPPORTED_FAMILIES, FastBackend
 from sicl_fast.backends.hf import HFBackend
 from sicl_fast.generate import greedy_generate
 from sicl_fast.models import from_transformers
-from sicl_fast.models.transformer import UnsupportedModelError, attend_math, rope_inv_freq
+from sicl_fast.models.attention import attend_math
+from sicl_fast.models.transformer import UnsupportedModelError, rope_inv_freq
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
-from sicl_fast.zo import TorchOps
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 V, D, L, WINDOW = 256, 64, 48, 8
@@ -120,7 +120,7 @@ def test_the_prompt_exercises_window_and_softcap(models, family):
     assert (fast.span_logprobs(X, p) - ref).abs().max() > 1e-3
     if family == "gemma2":
         fast = FastBackend(lm)
-        fast.model.attn_softcap = None
+        fast.model.attention.softcap = None
         assert (fast.span_logprobs(X, p) - ref).abs().max() > 1e-3
 
 
@@ -157,9 +157,9 @@ def test_calibration_history_matches_hf(models, family):
     lm = models[family]
     cfg = CalibrationConfig(N=4, max_steps=3, tau=0, scale=1.0, seed=1)
     p = make_prompt(6)
-    ref = Calibrator(HFBackend(lm), cfg, ops=TorchOps()).run(p)  # the torch step ops: only backends differ
+    ref = Calibrator(HFBackend(lm), cfg).run(p)  # the torch ops on both: only the backends differ
     fast = FastBackend(lm, diff_matmul="off")  # every product in float32 (test_diff_products.py: bf16 ones)
-    got = Calibrator(fast, cfg, ops=TorchOps()).run(p)
+    got = Calibrator(fast, cfg).run(p)
     assert len(got.history) == len(ref.history) == 3
     assert all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5) for x, y in zip(got.history, ref.history))
     torch.testing.assert_close(got.embeddings, ref.embeddings, rtol=1e-5, atol=1e-5)
@@ -207,7 +207,25 @@ def test_sdpa_kernels_match_math(models, family):
         p = make_prompt(a)
         X = perturbed(math_b.embed(p), a)
         torch.testing.assert_close(sdpa_b.span_logprobs(X, p), math_b.span_logprobs(X, p), rtol=1e-5, atol=1e-5)
-    assert sdpa_b.model._self_check("sdpa")  # what a CUDA machine runs before trusting the fused kernels
+    m = sdpa_b.model
+    assert m.attention.max_error(m.H, m.Hk, m.hd) < 1e-4
+    m.attention.verify(m.H, m.Hk, m.hd, fallback=False)  # what a CUDA machine runs once, when the backend is built
+    assert m.attention.impl == "sdpa"
+
+
+def test_attention_verify_falls_back_loudly_or_raises(models, monkeypatch):
+    """A fused kernel that disagrees with the math path: 'auto' warns and takes math; a named kernel raises."""
+    from sicl_fast.errors import SiclError
+    from sicl_fast.models import attention
+
+    real = attention.attend_sdpa
+    monkeypatch.setattr(attention, "attend_sdpa", lambda *a: (lambda o: (o[0] * 1.5, o[1]) if o else o)(real(*a)))
+    m = FastBackend(models["llama"], attn="sdpa").model
+    with pytest.raises(SiclError, match="'sdpa' attention kernel differs from the math path"):
+        m.attention.verify(m.H, m.Hk, m.hd, fallback=False)
+    with pytest.warns(RuntimeWarning, match="differs from the math path.*using 'math'"):
+        m.attention.verify(m.H, m.Hk, m.hd, fallback=True)
+    assert m.attention.impl == "math"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

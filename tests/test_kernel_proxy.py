@@ -1,4 +1,5 @@
-"""Triton proxy kernel against sicl_fast.proxy.proxy (the reference).
+"""Triton proxy kernel against sicl_fast.proxy.proxy (the reference): what only this kernel has (16-bit inputs,
+the weights, ties). The float32 parity over odd shapes is tests/test_ops.py's, for every implementation.
 
 Tolerance: float32 log-probs: rtol 1e-5 and atol 1e-7 on f, C, R, G and c (the kernel sums spans as a tree,
 the reference sequentially); 16-bit inputs are upcast exactly, so the same bound holds against the reference on
@@ -10,7 +11,6 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sicl_fast import fused  # noqa: E402
 from sicl_fast.errors import NumericalError, SiclError  # noqa: E402
 from sicl_fast.proxy import proxy as ref_proxy  # noqa: E402
 from sicl_fast.proxy import span_offsets  # noqa: E402
@@ -22,33 +22,6 @@ def check(got, ref):
         g, r = getattr(got, name).cpu(), getattr(ref, name).cpu()
         assert g.dtype == torch.float32 and g.shape == r.shape, name
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-
-
-CASES = [
-    (5, [1, 4, 2, 4]),  # P = 11, not a power of two
-    (3, [7]),  # T = 1: G = 0
-    (4, [1, 1, 1]),  # single-token spans: c = exp(l)
-    (1, [1]),  # P = 1
-]
-
-
-def run_case(K, B, lengths, q):
-    g = torch.Generator().manual_seed(len(lengths) * 100 + B)
-    lp = -torch.rand(B, sum(lengths), generator=g) * 6
-    offs = span_offsets(lengths)
-    check(K.proxy(lp.to(DEV), offs, 0.6, 0.3, 0.1, q), ref_proxy(lp, offs, 0.6, 0.3, 0.1, q))
-
-
-@pytest.mark.parametrize("B,lengths", CASES)
-@pytest.mark.parametrize("q", [0.1, 0.0, 0.5, 1.0, 0.37])
-def test_matches_reference(K, B, lengths, q):
-    run_case(K, B, lengths, q)
-
-
-@pytest.mark.parametrize("B,lengths,q", [(3, [3, 17, 1, 44, 5, 30], 0.1), (1, [64] * 8, 0.37)])
-def test_matches_reference_long_rows(K, B, lengths, q):
-    """P = 100 and P = 512 (tl.sort over 128 / 512 padded entries; slow in the interpreter, so few rows)."""
-    run_case(K, B, lengths, q)
 
 
 def test_weights_ties_and_minus_inf(K):
@@ -73,16 +46,9 @@ def test_errors_are_clear(K):
         K.proxy(lp, torch.tensor([0, 2, 2, 5]))
     with pytest.raises(SiclError, match="q must be in"):
         K.proxy(lp, span_offsets([5]), q=1.5)
-    with pytest.raises(SiclError, match=r"logprobs must have shape \[\*, \*\]"):
+    with pytest.raises(SiclError, match=r"logprobs must be \[B, P\]"):
         K.proxy(lp[0], span_offsets([5]))
     bad = lp.clone()
     bad[1, 2] = float("nan")
     with pytest.raises(NumericalError):
         K.proxy(bad, span_offsets([5]))
-
-
-def test_fused_proxy_dispatch(monkeypatch):
-    lp = -torch.rand(3, 6)
-    offs = span_offsets([2, 4])
-    monkeypatch.setenv("SICL_TRITON", "1")
-    check(fused.proxy(lp.to(DEV), offs), ref_proxy(lp, offs))

@@ -12,7 +12,6 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sicl_fast import fused  # noqa: E402
 from sicl_fast.errors import SiclError  # noqa: E402
 from sicl_fast.logprobs import gather_logprobs_chunked  # noqa: E402
 from conftest import TRITON_DEVICE as DEV  # noqa: E402
@@ -87,16 +86,3 @@ def test_errors_are_clear(K):
         K.span_logprobs(h.double(), w.double(), t)
     with pytest.raises(SiclError, match="softcap must be > 0"):
         K.span_logprobs(h, w, t, softcap=0.0)
-
-
-def test_span_head_dispatch(monkeypatch):
-    """fused.span_head takes the kernel under SICL_TRITON=1, the chunked torch path otherwise: same numbers."""
-    h, w, t = make(2, 4, 24, 300, torch.float32, seed=4)
-    monkeypatch.delenv("SICL_TRITON", raising=False)
-    if DEV == "cpu":
-        ref = fused.span_head(h, w, t)
-        monkeypatch.setenv("SICL_TRITON", "1")
-    else:
-        ref = gather_logprobs_chunked(h, w, t)
-    got = fused.span_head(h, w, t)
-    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=0, atol=2e-5)

@@ -4,6 +4,7 @@ with every product in float32). `auto` picks `fast` for the families it supports
 from __future__ import annotations
 
 from ..errors import SiclError
+from ..ops import make_ops
 from .base import Backend
 from .fast import SUPPORTED_FAMILIES as FAST_FAMILIES
 from .fast import FastBackend
@@ -14,20 +15,23 @@ BACKENDS: dict[str, type[Backend]] = {"hf": HFBackend, "naive": NaiveBackend, "f
                                       "fast-fp32": FastBackend}
 
 
-def make_backend(name: str, lm, diff_matmul: str = "auto") -> Backend:
+def make_backend(name: str, lm, diff_matmul: str = "auto", impl: str = "auto") -> Backend:
     """Backend by name. 'auto' picks the best available backend for the model. diff_matmul is the fast
-    backend's difference-product setting (auto, off, bf16); 'fast-fp32' is fast with it off."""
+    backend's difference-product setting (auto, off, bf16); 'fast-fp32' is fast with it off. impl chooses, once,
+    the implementation of the hot ops (sicl_fast.ops.make_ops: auto, torch, cpp, triton) for the device of the
+    model's tensors; the backend and every calibration on it use that one object."""
     if name == "auto":
         name = "fast" if lm.family in FAST_FAMILIES else "hf"
     if name not in BACKENDS:
         raise SiclError(f"unknown backend {name!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+    ops = make_ops(impl, lm.device)
     if name == "fast":
-        return FastBackend(lm, diff_matmul=diff_matmul)
+        return FastBackend(lm, diff_matmul=diff_matmul, ops=ops)
     if name == "fast-fp32":
-        be = FastBackend(lm, diff_matmul="off")
+        be = FastBackend(lm, diff_matmul="off", ops=ops)
         be.name = "fast-fp32"
         return be
-    return BACKENDS[name](lm)
+    return BACKENDS[name](lm, ops=ops)
 
 
 __all__ = ["Backend", "BACKENDS", "FAST_FAMILIES", "FastBackend", "HFBackend", "NaiveBackend", "make_backend"]

@@ -1,7 +1,8 @@
 """The backend interface: batched span log-probabilities (and greedy generation) from prompt embeddings.
 
 A backend knows nothing of the ascent: it maps a batch of embedding matrices to the log-probabilities of the
-demonstrated output tokens. The ascent knows nothing of a backend's insides.
+demonstrated output tokens. The ascent knows nothing of a backend's insides. Each backend holds the one `Ops`
+object (sicl_fast.ops) that does its hot tensor work, and the ascent on it uses the same object.
 """
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ from ..spans import Prompt
 
 
 class Backend(abc.ABC):
-    """Base class. `lm` is a `sicl_fast.models.LoadedModel`."""
+    """Base class. `lm` is a `sicl_fast.models.LoadedModel`; `ops` the implementation of the hot ops (made by
+    make_backend; TorchOps when None)."""
 
     name: str = "base"
 
-    def __init__(self, lm) -> None:
+    def __init__(self, lm, ops=None) -> None:
+        from ..ops import TorchOps
+
         self.lm = lm
+        self.ops = ops if ops is not None else TorchOps()
 
     @property
     def device(self) -> torch.device:

@@ -6,7 +6,7 @@ demonstration-free prefix) are the same in every batch row and usually from step
     prefix rows [0, a):  run once, batch 1, keep every layer's K/V  (reused while the rows are unchanged)
     rows [a, b):         run per batch row; attention = (prefix keys, shared) + (own keys, causal),
                          merged by log-sum-exp; the prefix K/V is never copied per row
-    span positions:      hidden states at positions - 1 only go through the LM head (fused.span_head)
+    span positions:      hidden states at positions - 1 only go through the LM head (ops.span_head)
     near_row0 batches:   with a float32 model and diff_matmul on, every projection multiplies row 0 in float32
                          and the other rows' differences from it in bf16 (sicl_fast.models.diff)
 
@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-from ..fused import span_head
 from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
 from ..spans import Prompt
 from .base import Backend
@@ -32,14 +31,19 @@ class FastBackend(Backend):
 
     attn: 'auto' (SDPA on the CPU; flash-attn or SDPA on CUDA; soft-capping always takes the math path), 'math',
     'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b). diff_matmul: 'auto' (bf16 difference
-    products for perturbation batches of float32 models where bf16 products are fast), 'off', 'bf16'."""
+    products for perturbation batches of float32 models where bf16 products are fast), 'off', 'bf16'. ops: the
+    implementation of the hot ops (sicl_fast.ops; make_backend passes it)."""
 
     name = "fast"
 
-    def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True, diff_matmul: str = "auto") -> None:
-        super().__init__(lm)
+    def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True, diff_matmul: str = "auto",
+                 ops=None) -> None:
+        super().__init__(lm, ops)
         # raises UnsupportedModelError for other families
-        self.model = Transformer(lm, attn=attn, diff_matmul=diff_matmul)
+        self.model = Transformer(lm, attn=attn, diff_matmul=diff_matmul, ops=self.ops)
+        m = self.model
+        if m.device.type == "cuda":  # trust a fused attention kernel only after comparing it with the math path
+            m.attention.verify(m.H, m.Hk, m.hd, fallback=attn == "auto")
         self.prefix_cache = prefix_cache
         self._prefix: PrefixKV | None = None
         self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
@@ -82,7 +86,7 @@ class FastBackend(Backend):
                 else:  # a span starts right at row a: its first prediction is the prefix's last row
                     full = torch.cat([prefix.hidden.expand(B, -1, -1), hidden], dim=1)
                     h = full.index_select(1, idx.to(m.device))
-            return span_head(h, m.head, prompt.targets, softcap=m.final_softcap)
+            return self.ops.span_head(h, m.head, prompt.targets, softcap=m.final_softcap)
 
     def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(),
                  stop_fn: Callable[[str], bool] | None = None):

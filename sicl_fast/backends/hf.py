@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from ..fused import span_head
 from ..spans import Prompt
 from .base import Backend
 
@@ -26,4 +25,4 @@ class HFBackend(Backend):
             hidden = lm.decoder(inputs_embeds=x, use_cache=False).last_hidden_state  # [B, b, d]
             pos = (prompt.positions - 1).to(lm.device)  # the hidden state at t-1 predicts token t
             h = hidden.index_select(1, pos)  # [B, P, d]
-            return span_head(h, lm.head_weight, prompt.targets, softcap=lm.final_softcap)
+            return self.ops.span_head(h, lm.head_weight, prompt.targets, softcap=lm.final_softcap)

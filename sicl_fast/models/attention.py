@@ -1,0 +1,258 @@
+"""Attention of the fast backend: causal (and sliding-window, soft-capped) attention whose keys may come in two
+parts merged by log-sum-exp: a shared prefix (K/V of rows [0, a), batch 1, attended to by every batch row without
+being copied) and the rows themselves (or a KV cache's keys). Kernels:
+
+  math   explicit scores, float32 softmax; handles soft-capping, sliding windows, any mask (the reference)
+  sdpa   torch's scaled_dot_product_attention (no soft-capping; falls back to math for what it cannot do exactly)
+  flash  flash-attn's flash_attn_func (CUDA, fp16/bf16, optional: `pip install "sicl-fast[flash]"`)
+
+Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
+o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import SiclError
+
+ATTN_IMPLS = ("auto", "math", "sdpa", "flash")
+
+try:  # optional; never needed on the CPU
+    from flash_attn import flash_attn_func as _flash_attn_func
+except Exception:  # ImportError, or a broken CUDA build
+    _flash_attn_func = None
+
+
+def visibility(q0: int, T: int, k0: int, N: int, window: int | None):
+    """Which keys (positions k0 .. k0+N-1) each query (positions q0 .. q0+T-1) sees: causal, and inside the
+    sliding window (key > query - window, as transformers). Returns 'all', 'causal' (square, aligned, nothing
+    else cut) or a bool mask [T, N] (True = visible)."""
+    last_q, last_k = q0 + T - 1, k0 + N - 1
+    in_window = window is None or k0 > last_q - window
+    if last_k <= q0 and in_window:
+        return "all"
+    if q0 == k0 and T == N and in_window:
+        return "causal"
+    qp = torch.arange(q0, q0 + T)[:, None]
+    kp = torch.arange(k0, k0 + N)[None, :]
+    ok = kp <= qp
+    if window is not None:
+        ok &= kp > qp - window
+    return ok
+
+
+def _is(vis, what: str) -> bool:
+    return isinstance(vis, str) and vis == what
+
+
+def attend_math(q, k, v, bias, scale: float, softcap: float | None):
+    """Explicit attention. q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch
+    row shares (the batch is folded into the query rows: no copy of k / v per row); bias: None (all visible)
+    or float32 [T, 1, N], 0 / -inf. Returns o [B, T, H, hd] (q's dtype) and lse [B, T, H] float32 (-inf where
+    a query sees no key; its o is 0 then)."""
+    B, T, H, hd = q.shape
+    Bk, N, Hk, _ = k.shape
+    G = H // Hk
+    Bq, X = (1, B) if (Bk == 1 and B > 1) else (B, 1)
+    qq = q.view(Bq, X, T, Hk, G, hd).permute(0, 3, 1, 2, 4, 5).reshape(Bq, Hk, X * T * G, hd)
+    s = torch.matmul(qq, k.permute(0, 2, 3, 1))  # [Bq, Hk, X*T*G, N]
+    s = s.float() if s.dtype != torch.float32 else s
+    s.mul_(scale)
+    if softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
+    if bias is not None:
+        s.view(Bq, Hk, X, T, G, N).add_(bias)
+    m = s.amax(dim=-1, keepdim=True)
+    if bias is not None:
+        m.masked_fill_(m == -math.inf, 0.0)  # a row that sees nothing: e = 0, l = 0, lse = -inf, o = 0
+    e = s.sub_(m).exp_()  # unnormalised probabilities, in place of the scores
+    l = e.sum(dim=-1, keepdim=True)
+    lse = m + l.log()
+    if bias is not None:
+        l.clamp_(min=torch.finfo(torch.float32).tiny)
+    vv = v.transpose(1, 2)  # [Bk, Hk, N, hd]
+    if v.dtype == torch.float32:
+        o = torch.matmul(e, vv).div_(l)  # [Bq, Hk, X*T*G, hd]
+    else:  # normalise in float32 before the cast, as transformers' eager attention
+        o = torch.matmul(e.div_(l).to(v.dtype), vv)
+    o = o.view(Bq, Hk, X, T, G, hd).permute(0, 2, 3, 1, 4, 5).reshape(B, T, H, hd)
+    lse = lse.view(Bq, Hk, X, T, G).permute(0, 2, 3, 1, 4).reshape(B, T, H)
+    return o, lse
+
+
+def _sdpa_lse(q, k, v, causal: bool, scale: float):
+    """(o, lse) from torch's fused kernels. q [Bq, Hh, M, hd]; k, v [Bq, Hh, N, hd] (same batch and heads)."""
+    if q.device.type == "cuda":
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                         scale=scale)[:2]
+        return o, lse[..., : q.shape[2]]  # the kernel pads lse along the rows
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def attend_sdpa(q, k, v, vis, scale: float, need_lse: bool):
+    """torch SDPA (no soft-capping). Same shapes as attend_math; returns None where it cannot be exact."""
+    B, T, H, hd = q.shape
+    Bk, N, Hk, _ = k.shape
+    G = H // Hk
+    if not need_lse:
+        if Bk != B:
+            return None
+        mask = None if isinstance(vis, str) else vis
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=_is(vis, "causal"), scale=scale,
+                                           enable_gqa=G > 1)
+        return o.transpose(1, 2), None
+    if _is(vis, "all"):  # fold batch and query groups into rows: one [1 or B, Hk, X*T*G, hd] problem
+        Bq, X = (1, B) if (Bk == 1 and B > 1) else (B, 1)
+        qq = q.view(Bq, X, T, Hk, G, hd).permute(0, 3, 1, 2, 4, 5).reshape(Bq, Hk, X * T * G, hd)
+        o, lse = _sdpa_lse(qq, k.transpose(1, 2), v.transpose(1, 2), False, scale)
+        o = o.reshape(Bq, Hk, X, T, G, hd).permute(0, 2, 3, 1, 4, 5).reshape(B, T, H, hd)
+        return o, lse.reshape(Bq, Hk, X, T, G).permute(0, 2, 3, 1, 4).reshape(B, T, H)
+    if _is(vis, "causal") and Bk == B:  # square and aligned: the kernel's own causal mask
+        kk = k.repeat_interleave(G, dim=2) if G > 1 else k
+        vv = v.repeat_interleave(G, dim=2) if G > 1 else v
+        o, lse = _sdpa_lse(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), True, scale)
+        return o.transpose(1, 2), lse.transpose(1, 2)
+    return None
+
+
+def attend_flash(q, k, v, vis, q0: int, k0: int, window, scale: float, softcap):
+    """flash-attn (CUDA, fp16 / bf16). Returns None where it cannot be exact (then the caller uses math)."""
+    if _flash_attn_func is None or q.dtype not in (torch.float16, torch.bfloat16) or q.device.type != "cuda":
+        return None
+    B, T, H, hd = q.shape
+    Bk, N = k.shape[:2]
+    cap = 0.0 if softcap is None else float(softcap)
+    if _is(vis, "all"):
+        qq = q.reshape(1, B * T, H, hd) if (Bk == 1 and B > 1) else q
+        o, lse, _ = _flash_attn_func(qq, k, v, softmax_scale=scale, causal=False, softcap=cap,
+                                     return_attn_probs=True)
+        return o.reshape(B, T, H, hd), lse.transpose(1, 2).reshape(B, T, H)
+    if q0 == k0 and T == N and Bk == B:  # square, aligned: causal + window (key > query - window)
+        ws = (window - 1, 0) if window is not None else (-1, -1)
+        o, lse, _ = _flash_attn_func(q, k, v, softmax_scale=scale, causal=True, window_size=ws, softcap=cap,
+                                     return_attn_probs=True)
+        return o, lse.transpose(1, 2)
+    return None
+
+
+def merge(o1, lse1, o2, lse2):
+    """Attention over the union of two key sets from each part's (output, log-sum-exp)."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+
+
+class Attention:
+    """The attention of one model: its kernel (`impl`), scale, soft-cap, and a cache of masks per shape.
+
+    impl 'auto' resolves once, here: SDPA on the CPU; flash-attn (when installed, fp16 / bf16) or SDPA on CUDA.
+    On CUDA a fused kernel is trusted only after `verify` (FastBackend calls it once, explicitly)."""
+
+    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device) -> None:
+        if impl not in ATTN_IMPLS:
+            raise SiclError(f"unknown attention implementation {impl!r}; choose one of {ATTN_IMPLS}")
+        self.scale, self.softcap, self.dtype, self.device = scale, softcap, dtype, torch.device(device)
+        self.requested = impl
+        if impl == "auto":
+            # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head
+            # shapes; soft-capped layers still go to the math path
+            half = dtype in (torch.float16, torch.bfloat16)
+            impl = "flash" if self.device.type == "cuda" and _flash_attn_func is not None and half else "sdpa"
+        if impl == "flash" and _flash_attn_func is None:
+            raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
+        self.impl = impl
+        self._masks: dict = {}
+
+    def masks(self, q0: int, T: int, k0: int, N: int, window):
+        """(visibility, bool mask [T, N] or None, additive float32 bias [T, 1, N] or None) on the device, cached."""
+        key = (q0, T, k0, N, window)
+        got = self._masks.get(key)
+        if got is None:
+            vis = visibility(q0, T, k0, N, window)
+            if isinstance(vis, str) and vis == "all":
+                mask = None
+            elif isinstance(vis, str):  # 'causal': square and aligned
+                mask = torch.ones(T, N, dtype=torch.bool).tril()
+            else:
+                mask = vis
+            bias = None
+            if mask is not None:
+                bias = torch.zeros(T, 1, N, dtype=torch.float32).masked_fill_(~mask.view(T, 1, N), -math.inf)
+                mask, bias = mask.to(self.device), bias.to(self.device)
+            if not isinstance(vis, str):
+                vis = mask
+            if len(self._masks) > 256:
+                self._masks.clear()
+            got = self._masks[key] = (vis, mask, bias)
+        return got
+
+    def __call__(self, q, k, v, pos0: int, window, prefix=None, cache_len: int | None = None, impl=None):
+        """q [B, T, H, hd] at positions pos0 ..; k, v [B, N, Hk, hd]: the same rows (N == T) or, with
+        cache_len, a KV cache's keys at positions 0 .. cache_len-1. prefix: (k, v) [1, pos0, Hk, hd] of
+        positions 0 .. pos0-1, shared by every row. impl: another kernel than self.impl (verify's reference).
+        -> o [B, T, H, hd]."""
+        impl = impl or self.impl
+        T = q.shape[1]
+        parts = [(k, v, 0 if cache_len is not None else pos0)]
+        if prefix is not None:
+            parts.insert(0, (prefix[0], prefix[1], 0))
+        need_lse = len(parts) > 1
+        out = None
+        for kk, vv, k0 in parts:
+            vis, mask, bias = self.masks(pos0, T, k0, kk.shape[1], window)
+            res = None
+            if impl == "flash":
+                res = attend_flash(q, kk, vv, vis, pos0, k0, window, self.scale, self.softcap)
+            elif impl == "sdpa" and self.softcap is None:
+                res = attend_sdpa(q, kk, vv, vis, self.scale, need_lse)
+            if res is None:
+                res = attend_math(q, kk, vv, bias, self.scale, self.softcap)
+            out = res if out is None else (merge(out[0], out[1], res[0], res[1]), None)
+        return out[0]
+
+    def max_error(self, H: int, Hk: int, hd: int) -> float:
+        """Largest difference between this kernel and the math path in float32, on small random problems with and
+        without a shared prefix and a window. The kernel's own exceptions propagate."""
+        g = torch.Generator(device="cpu").manual_seed(0)
+        mk = lambda *s: torch.randn(*s, generator=g).to(self.device, self.dtype)  # noqa: E731
+        B, T, a = 3, 37, 21
+        q, k, v = mk(B, T, H, hd), mk(B, T, Hk, hd), mk(B, T, Hk, hd)
+        kp, vp = mk(1, a, Hk, hd), mk(1, a, Hk, hd)
+        f32 = lambda t: t.float()  # noqa: E731
+        err = 0.0
+        for window in (None, 24):
+            for prefix in (None, (kp, vp)):
+                pos0 = a if prefix else 0
+                got = self(q, k, v, pos0, window, prefix)
+                ref = self(f32(q), f32(k), f32(v), pos0, window, None if prefix is None else (f32(kp), f32(vp)),
+                           impl="math")
+                err = max(err, float((got.float() - ref).abs().max()))
+        return err
+
+    def verify(self, H: int, Hk: int, hd: int, fallback: bool) -> None:
+        """Check the chosen kernel against the math path, once. On a mismatch or a kernel error: with fallback
+        (impl 'auto'), warn with the reason and use 'math'; without (a kernel asked for by name), raise."""
+        if self.impl == "math":
+            return
+        tol = 1e-4 if self.dtype == torch.float32 else 5e-2
+        try:
+            err = self.max_error(H, Hk, hd)
+            problem = None if err <= tol else f"differs from the math path by {err:.3g} (tolerance {tol})"
+        except RuntimeError as exc:  # a private kernel missing, or refusing the shapes
+            problem = f"failed ({exc})"
+        if problem is None:
+            return
+        msg = f"fast backend: the {self.impl!r} attention kernel {problem} on this machine"
+        if not fallback:
+            raise SiclError(msg + "; use attn='math'")
+        warnings.warn(msg + "; using 'math'", RuntimeWarning, stacklevel=3)
+        self.impl = "math"
+
+
+__all__ = ["ATTN_IMPLS", "Attention", "visibility", "attend_math", "attend_sdpa", "attend_flash", "merge"]

@@ -1,0 +1,61 @@
+"""The `Ops` protocol: every hot tensor operation that has several implementations, behind one object.
+
+One object is made once, where the engine is built (`sicl_fast.ops.make_ops`, called by make_backend), and
+passed down; nothing below it decides again or reads the environment. Implementations:
+
+    TorchOps   (sicl_fast.ops.torch_ops)    the reference: plain torch, any device; the oracle of the others
+    CppOps     (sicl_fast.ops.cpp_ops)      the C++ extension sicl_fast._C: float32 CPU tensors
+    TritonOps  (sicl_fast.ops.triton_ops)   the Triton kernels sicl_fast.kernels: CUDA (or the CPU interpreter)
+
+An implementation without its own form of an op inherits the reference's (CppOps' span head, TritonOps'
+difference epilogues). Shapes and dtypes:
+
+    perturb(X [L, d] f32, step, spec) -> batch [B, b, d] f32
+    update(X, X0 [L, d] f32, f [B], step, spec) -> (X_new [L, d] f32, fired int32 [1] on X's device)
+    proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
+    span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
+    diff_rows(x [B, T, k] f32) -> [B-1, T, k] bf16                       (difference products, models/diff.py)
+    add_rows(y0 [1, T, o] f32, yd [R, T, o] bf16) -> [R+1, T, o] f32
+    gated_diff(y0 [1, T, 2I] f32, yd [R, T, 2I] bf16, act, act_name) -> (a0 [1, T, I] f32, da [R, T, I] bf16)
+    track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.best)
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..best import BestState
+from ..proxy import ProxyOut
+from ..spec import StepSpec
+
+
+class Ops(Protocol):
+    name: str  # "torch", "cpp" or "triton": what CalibrationResult and benchmark records report
+
+    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor: ...
+
+    def update(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step: int,
+               spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def proxy(self, logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, beta: float = 0.3,
+              gamma: float = 0.1, q: float = 0.1, check_values: bool = True) -> ProxyOut: ...
+
+    def span_head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                  softcap: float | None = None) -> torch.Tensor: ...
+
+    def diff_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def add_rows(self, y0: torch.Tensor, yd: torch.Tensor) -> torch.Tensor: ...
+
+    def gated_diff(self, y0: torch.Tensor, yd: torch.Tensor, act, act_name: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def track_best(self, f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState: ...
+
+
+def fired_tensor(fired: bool, device) -> torch.Tensor:
+    """A projection decision made on the host, as the int32 [1] device tensor every update returns."""
+    return torch.full((1,), int(fired), dtype=torch.int32, device=device)
+
+
+__all__ = ["Ops", "fired_tensor"]

@@ -1,0 +1,159 @@
+"""CppOps: the C++ CPU implementation (extension `sicl_fast._C`, csrc/) of the step ops, the proxy and the
+difference-product epilogues, on float32 (and bf16) CPU tensors; the span head and best tracking are the
+reference's (TorchOps).
+
+Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.models.diff) and the same noise
+as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton kernels,
+on a GPU. The directions U are regenerated inside the ops, never stored. Multithreaded with OpenMP; results do
+not depend on the thread count. Argument checks live in StepSpec / check_proxy_inputs; the extension itself only
+guards its raw buffers.
+
+Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the extension this module still
+imports; `available()` is False and CppOps() raises a SiclError saying how to build it.
+
+    available() -> bool                        the extension is importable
+    randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.rng.directions)
+    CppOps                                     the Ops protocol (sicl_fast.ops.base)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import SiclError
+from ..proxy import ProxyOut, check_proxy_inputs
+from ..rng import check_counter_range, step_seed
+from ..spec import StepSpec, f32
+from .base import fired_tensor
+from .torch_ops import TorchOps
+
+try:  # the extension is optional
+    from .. import _C  # type: ignore[attr-defined]
+
+    _IMPORT_ERROR: Exception | None = None
+except ImportError as exc:  # not built
+    _C = None
+    _IMPORT_ERROR = exc
+
+BUILD_HINT = "build it with `pip install -e .` or `python setup.py build_ext --inplace` (needs a C++17 compiler)"
+# activation codes of csrc/diff.cpp's gated_diff; other activations take the reference
+CPP_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+def available() -> bool:
+    return _C is not None
+
+
+def _ext():
+    if _C is None:
+        raise SiclError(f"the C++ extension sicl_fast._C is not built ({_IMPORT_ERROR}); {BUILD_HINT}")
+    return _C
+
+
+def num_threads() -> int:
+    return int(_ext().num_threads())
+
+
+def set_num_threads(n: int) -> None:
+    _ext().set_num_threads(int(n))
+
+
+def _cpu(t: torch.Tensor, name: str, op: str, dtype=torch.float32) -> torch.Tensor:
+    """t as a contiguous CPU tensor of `dtype` (what the extension's buffers must be)."""
+    if not isinstance(t, torch.Tensor):
+        raise SiclError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise SiclError(f"{op}: the C++ path runs on the CPU; {name} is on {t.device}")
+    if t.dtype != dtype:
+        raise SiclError(f"{op}: {name} must be {str(dtype).replace('torch.', '')}, "
+                        f"got {str(t.dtype).replace('torch.', '')}")
+    return t.detach().contiguous()
+
+
+def _bits(t: torch.Tensor):
+    """A bf16 tensor's bits as an int16 numpy view (no copy)."""
+    return t.view(torch.int16).numpy()
+
+
+def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
+    """U [num, rows, d] float32, bit-identical to sicl_fast.rng.directions(seed, step, num, rows, d)."""
+    check_counter_range(num, rows, d)
+    out = torch.empty(num, rows, d, dtype=torch.float32)
+    if out.numel():
+        _ext().randn(out.view(-1).numpy(), step_seed(seed, step))
+    return out
+
+
+class CppOps(TorchOps):
+    """The Ops protocol on the C++ extension (module docstring)."""
+
+    name = "cpp"
+
+    def __init__(self) -> None:
+        _ext()
+
+    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor:
+        op = "cpp perturb"
+        X = _cpu(X, "X", op)
+        spec.check_X(X, "X", op)
+        out = torch.empty(spec.B, spec.b, spec.d, dtype=torch.float32)
+        _ext().perturb(X.numpy(), out.numpy(), step_seed(spec.seed, step), spec.N, spec.a, spec.b, f32(spec.mu),
+                       spec.central)
+        return out
+
+    def update(self, X, X0, f, step: int, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        op = "cpp update"
+        X, X0 = _cpu(X, "X", op), _cpu(X0, "X0", op)
+        spec.check_X(X, "X", op)
+        spec.check_X(X0, "X0", op)
+        spec.check_f(f, op)
+        f = _cpu(f.reshape(-1).float(), "f", op)
+        out = torch.empty_like(X)
+        fired = _ext().update(
+            X.numpy(), X0.numpy(), f.numpy(), out.numpy(), step_seed(spec.seed, step), spec.N, spec.a, spec.b,
+            f32(spec.mu), f32(spec.eta), float(spec.kappa), spec.central, spec.grad_mode == "normalize",
+            f32(spec.clip_norm), spec.scope == "demos",
+        )
+        return out, fired_tensor(bool(fired), X.device)
+
+    def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
+        op = "cpp proxy"
+        offsets = check_proxy_inputs(logprobs, offsets, q, check_values)
+        lp = _cpu(logprobs.float(), "logprobs", op)
+        B, T = lp.shape[0], offsets.numel() - 1
+        f, C, R, G = (torch.empty(B, dtype=torch.float32) for _ in range(4))
+        c = torch.empty(B, T, dtype=torch.float32)
+        _ext().proxy(lp.numpy(), offsets.contiguous().numpy(), float(alpha), float(beta), float(gamma), float(q),
+                     f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
+        return ProxyOut(f=f, C=C, R=R, G=G, c=c)
+
+    def diff_rows(self, x):
+        x = _cpu(x, "x", "cpp diff_rows")
+        B = x.shape[0]
+        out = torch.empty((B - 1,) + tuple(x.shape[1:]), dtype=torch.bfloat16)
+        _ext().diff_rows(x.view(B, -1).numpy(), _bits(out.view(B - 1, -1)))
+        return out
+
+    def add_rows(self, y0, yd):
+        op = "cpp add_rows"
+        y0, yd = _cpu(y0, "y0", op), _cpu(yd, "yd", op, torch.bfloat16)
+        R = yd.shape[0]
+        out = torch.empty((R + 1,) + tuple(y0.shape[1:]), dtype=torch.float32)
+        _ext().add_rows(y0.view(-1).numpy(), _bits(yd.view(R, -1)), out.view(R + 1, -1).numpy())
+        return out
+
+    def gated_diff(self, y0, yd, act, act_name: str):
+        """The C++ path has its own exp (about 1 ulp from torch's); activations it lacks take the reference."""
+        code = CPP_ACTIVATIONS.get(act_name)
+        if code is None:
+            return super().gated_diff(y0, yd, act, act_name)
+        op = "cpp gated_diff"
+        y0, yd = _cpu(y0, "y0", op), _cpu(yd, "yd", op, torch.bfloat16)
+        _, T, I2 = y0.shape
+        R = yd.shape[0]
+        a0 = torch.empty(1, T, I2 // 2, dtype=torch.float32)
+        da = torch.empty(R, T, I2 // 2, dtype=torch.bfloat16)
+        _ext().gated_diff(y0.view(T, I2).numpy(), _bits(yd), code, a0.view(T, -1).numpy(), _bits(da))
+        return a0, da
+
+
+__all__ = ["available", "num_threads", "set_num_threads", "randn", "CppOps", "BUILD_HINT", "CPP_ACTIVATIONS"]

@@ -1,0 +1,58 @@
+"""TritonOps: the Ops protocol on the Triton kernels (`sicl_fast.kernels`): perturb, update, proxy, span head and
+best tracking with the noise regenerated in the kernels (bit-identical to sicl_fast.rng's); the difference
+epilogues are the reference's (TorchOps).
+
+The kernels run on CUDA, or on the CPU through Triton's interpreter when TRITON_INTERPRET=1 was set before
+triton was first imported (slow: for tests). Nothing here synchronises with the host except the proxy's
+optional value check (check_values=True).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import SiclError
+from ..proxy import ProxyOut
+from ..spec import StepSpec
+from .torch_ops import TorchOps
+
+
+def load_kernels():
+    """The installed `sicl_fast.kernels` package; a SiclError that says what to do when triton is missing."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise SiclError(f"impl 'triton' needs the `triton` package (pip install triton==3.6.0): {exc}") from None
+    from .. import kernels
+
+    return kernels
+
+
+class TritonOps(TorchOps):
+    """The Ops protocol on the Triton kernels (module docstring). device: where the tensors will live."""
+
+    name = "triton"
+
+    def __init__(self, device="cuda") -> None:
+        self.K = load_kernels()
+        dev = torch.device(device)
+        if dev.type != "cuda" and not self.K.interpreting():
+            raise SiclError(f"impl 'triton' runs on CUDA; for {dev} tensors set TRITON_INTERPRET=1 before triton "
+                            "is imported (Triton's interpreter, slow) or use impl 'torch' / 'cpp'")
+
+    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor:
+        return self.K.perturb(X.float(), step, spec)
+
+    def update(self, X, X0, f, step: int, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.K.zo_update(X.float(), X0.float(), f, step, spec)
+
+    def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
+        return self.K.proxy(logprobs, offsets, alpha, beta, gamma, q, check_values=check_values)
+
+    def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
+        return self.K.span_logprobs(hidden, weight, targets, softcap=softcap)
+
+    def track_best(self, f, X, state):
+        return self.K.track_best(f, X, state)
+
+
+__all__ = ["TritonOps", "load_kernels"]

@@ -1,0 +1,307 @@
+"""Every implementation of the Ops protocol (sicl_fast.ops: torch, cpp, triton) against the torch reference
+functions, on odd shapes. An implementation that is not available here skips and says why (the C++ extension not
+built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
+
+Tolerances, stated once (TOL below), and why:
+  perturb, randn, diff_rows, add_rows: bit-identical (the same Philox bits, the same float32 op sequence).
+  update: rtol 1e-5 / atol 1e-6 on X_new (the gradient's sum over directions and the row norms are reduced in
+      another order than torch's einsum / norm); the projection decision must agree.
+  proxy (float32 log-probs): rtol 1e-5 / atol 1e-7 (sums and the quantile's sort in another order).
+  span_head (float32): rtol 1e-5 / atol 1e-5 (online log-sum-exp over vocabulary chunks vs whole rows).
+  gated_diff: a0 to 2e-6 relative + 1e-6 absolute (the C++ exp is ~1 ulp from torch's); the bf16 differences to
+      1 bf16 ulp of the reference's + 4 float32 ulps of |g u| + 1e-6 (a_i - a_0 inherits the values' rounding).
+  track_best: exact (copies and comparisons only).
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sicl_fast import rng, zo
+from sicl_fast.best import BestState
+from sicl_fast.errors import NumericalError, SiclError
+from sicl_fast.logprobs import gather_logprobs_chunked
+from sicl_fast.models import diff
+from sicl_fast.ops import cpp_ops, make_ops
+from sicl_fast.proxy import proxy as ref_proxy
+from sicl_fast.proxy import span_offsets
+from sicl_fast.spec import StepSpec
+from conftest import TRITON_DEVICE
+
+TOL = {
+    "update": dict(rtol=1e-5, atol=1e-6),
+    "proxy": dict(rtol=1e-5, atol=1e-7),
+    "span_head": dict(rtol=1e-5, atol=1e-5),
+    "gated_a0": dict(rtol=2e-6, atol=1e-6),
+}
+GELU_TANH = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+
+
+def why_unavailable(impl: str) -> str | None:
+    if impl == "cpp" and not cpp_ops.available():
+        return f"the C++ extension sicl_fast._C is not built; {cpp_ops.BUILD_HINT}"
+    if impl == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not installed"
+        if TRITON_DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "Triton needs CUDA or TRITON_INTERPRET=1"
+    return None
+
+
+def device_of(impl: str) -> str:
+    return TRITON_DEVICE if impl == "triton" else "cpu"
+
+
+@pytest.fixture(params=["torch", "cpp", "triton"])
+def impl(request):
+    reason = why_unavailable(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture(params=["cpp", "triton"])
+def compiled_impl(request):
+    """The implementations other than the reference."""
+    reason = why_unavailable(request.param)
+    if reason:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture
+def ops(impl):
+    return make_ops(impl, device_of(impl))
+
+
+@pytest.fixture
+def dev(impl):
+    return device_of(impl)
+
+
+def bits(t):
+    return t.detach().cpu().contiguous().view(torch.int32)
+
+
+def mats(L, d, seed=0, drift=0.3):
+    g = torch.Generator().manual_seed(seed)
+    X0 = torch.randn(L, d, generator=g)
+    return X0 + drift * torch.randn(L, d, generator=g), X0
+
+
+def spec(L, d, a, b, N, **kw):
+    return StepSpec(L=L, d=d, a=a, b=b, N=N, mu=kw.pop("mu", 0.037), eta=kw.pop("eta", 0.5),
+                    kappa=kw.pop("kappa", 0.2), seed=kw.pop("seed", 11), **kw)
+
+
+# ------------------------------------------------------------------------------------------------- step ops
+
+
+@pytest.mark.parametrize("estimator", ["forward", "central"])
+@pytest.mark.parametrize("L,d,a,b,N", [(13, 37, 3, 9, 4), (6, 5, 0, 6, 1), (9, 33, 8, 9, 3), (20, 40, 2, 17, 2)])
+def test_perturb_bit_identical(ops, dev, estimator, L, d, a, b, N):
+    X, _ = mats(L, d)
+    s = spec(L, d, a, b, N, estimator=estimator)
+    ref = zo.perturb(X, rng.directions(s.seed, 5, N, b - a, d), s)
+    got = ops.perturb(X.to(dev), 5, s)
+    assert got.shape == ref.shape == (s.B, b, d) and got.dtype == torch.float32
+    assert torch.equal(bits(got), bits(ref))
+
+
+@pytest.mark.parametrize("estimator", ["forward", "central"])
+@pytest.mark.parametrize("grad_mode", ["clip", "normalize"])
+@pytest.mark.parametrize("scope", ["prompt", "demos"])
+@pytest.mark.parametrize("kappa", [0.0, 0.2, 0.999])
+def test_update_matches_reference(ops, dev, estimator, grad_mode, scope, kappa):
+    L, d, a, b, N = 13, 37, 3, 9, 4
+    s = spec(L, d, a, b, N, mu=0.03, eta=0.5, kappa=kappa, seed=7, estimator=estimator, grad_mode=grad_mode,
+             scope=scope)
+    X, X0 = mats(L, d, seed=1)
+    f = torch.rand(s.B, generator=torch.Generator().manual_seed(2))
+    ref, fired_ref = zo.update(X, X0, f, rng.directions(7, 3, N, b - a, d), s)
+    got, fired = ops.update(X.to(dev), X0.to(dev), f.to(dev), 3, s)
+    assert fired.dtype == torch.int32 and fired.shape == (1,) and fired.device == got.device
+    assert bool(fired.item()) == fired_ref
+    torch.testing.assert_close(got.cpu(), ref, **TOL["update"])
+    if not fired_ref:  # rows outside [a, b) are copied exactly
+        assert torch.equal(got[:a].cpu(), X[:a]) and torch.equal(got[b:].cpu(), X[b:])
+    else:
+        rows = slice(a, b) if scope == "demos" else slice(None)
+        assert zo.cosine(got[rows].cpu(), X0[rows]) == pytest.approx(kappa, abs=1e-5)
+
+
+def test_update_antiparallel_and_small_gradients(ops, dev):
+    """cos(X, X0) = -1 (the projection lands on the X0 axis) and gradients below the clip norm (unscaled)."""
+    X0 = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    s = spec(5, 8, 1, 4, 2, mu=0.1, eta=1.0, kappa=0.5, seed=0)
+    f = torch.tensor([0.5, 0.5, 0.5])  # zero differences: g = 0
+    ref, fired_ref = zo.update(-X0, X0, f, rng.directions(0, 0, 2, 3, 8), s)
+    got, fired = ops.update(-X0.to(dev), X0.to(dev), f.to(dev), 0, s)
+    assert fired_ref and bool(fired.item())
+    torch.testing.assert_close(got.cpu(), ref, **TOL["update"])
+    s = spec(5, 8, 1, 4, 2, mu=0.1, eta=1.0, kappa=0.0, seed=0)
+    f = torch.tensor([0.5, 0.5 + 1e-7, 0.5 - 1e-7])
+    X, X0 = mats(5, 8, seed=4)
+    ref, _ = zo.update(X, X0, f, rng.directions(0, 0, 2, 3, 8), s)
+    got, _ = ops.update(X.to(dev), X0.to(dev), f.to(dev), 0, s)
+    torch.testing.assert_close(got.cpu(), ref, **TOL["update"])
+
+
+def test_step_argument_errors_are_clear(ops, dev):
+    X, X0 = mats(6, 4)
+    X, X0 = X.to(dev), X0.to(dev)
+    with pytest.raises(SiclError, match=r"perturbed rows \[a, b\)"):
+        spec(6, 4, 4, 9, 2)
+    with pytest.raises(SiclError, match="N must be >= 1"):
+        spec(6, 4, 1, 3, 0)
+    with pytest.raises(SiclError, match="N must be an int"):
+        spec(6, 4, 1, 3, 2.0)
+    with pytest.raises(SiclError, match="unknown grad_mode 'sign'"):
+        spec(6, 4, 1, 3, 2, grad_mode="sign")
+    with pytest.raises(SiclError, match="int32 Philox counters"):
+        spec(2**12, 2**10, 0, 2**12, 2**10)
+    s = spec(6, 4, 1, 3, 2)
+    with pytest.raises(SiclError, match=r"X must have shape \[6, 4\]"):
+        ops.perturb(X[:5], 0, s)
+    with pytest.raises(SiclError, match=r"X0 must have shape \[6, 4\]"):
+        ops.update(X, X0[:5], torch.zeros(3, device=dev), 0, s)
+    with pytest.raises(SiclError, match="f must have B = 3"):
+        ops.update(X, X0, torch.zeros(5, device=dev), 0, s)
+
+
+def test_compiled_impls_refuse_other_dtypes(compiled_impl):
+    impl, dev = compiled_impl, device_of(compiled_impl)
+    X = mats(6, 4)[0].double().to(dev)
+    perturb = make_ops("cpp").perturb if impl == "cpp" else make_ops(impl, dev).K.perturb
+    with pytest.raises(SiclError, match="X must be float32"):
+        perturb(X, 0, spec(6, 4, 1, 3, 2))
+
+
+@pytest.mark.parametrize("seed,step,shape", [(0, 0, (3, 5, 37)), (2**32 - 1, 7, (2, 3, 129)),
+                                             (12345, 2**31 + 5, (1, 1, 20_000))])
+def test_randn_bit_identical(compiled_impl, seed, step, shape):
+    """The standalone noise op of each compiled impl draws rng.directions' bits."""
+    impl, dev = compiled_impl, device_of(compiled_impl)
+    ref = rng.directions(seed, step, *shape)
+    got = cpp_ops.randn(seed, step, *shape) if impl == "cpp" else make_ops(impl, dev).K.randn(seed, step, *shape,
+                                                                                              device=dev)
+    assert torch.equal(bits(got), bits(ref))
+
+
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+def test_cpp_update_independent_of_thread_count():
+    X, X0 = mats(40, 64, seed=3)
+    f = torch.rand(9)
+    s = spec(40, 64, 5, 30, 8, mu=0.01, eta=0.3, kappa=0.99, seed=1)
+    ops, n = make_ops("cpp"), cpp_ops.num_threads()
+    try:
+        cpp_ops.set_num_threads(1)
+        one = ops.update(X, X0, f, 2, s)
+        cpp_ops.set_num_threads(max(2, n))
+        many = ops.update(X, X0, f, 2, s)
+    finally:
+        cpp_ops.set_num_threads(n)
+    assert torch.equal(one[1], many[1]) and torch.equal(one[0], many[0])
+
+
+# ------------------------------------------------------------------------------------------------- proxy
+
+
+@pytest.mark.parametrize("B,lengths", [(5, [1, 4, 2, 4]), (3, [7]), (4, [1, 1, 1]), (1, [1]),
+                                       (9, [3, 17, 1, 44, 5, 30]), (2, [64] * 8), (3, [100, 200, 300, 424])])
+@pytest.mark.parametrize("q", [0.0, 0.1, 0.37, 1.0])
+def test_proxy_matches_reference(ops, dev, B, lengths, q):
+    g = torch.Generator().manual_seed(len(lengths) * 100 + B)
+    lp = -torch.rand(B, sum(lengths), generator=g) * 6
+    lp[0, 0] = float("-inf")  # probability 0 is legal
+    offs = span_offsets(lengths)
+    got, ref = ops.proxy(lp.to(dev), offs, 0.6, 0.3, 0.1, q), ref_proxy(lp, offs, 0.6, 0.3, 0.1, q)
+    for name in ("f", "C", "R", "G", "c"):
+        torch.testing.assert_close(getattr(got, name).cpu(), getattr(ref, name), **TOL["proxy"])
+
+
+def test_proxy_value_check_and_its_opt_out(ops, dev):
+    lp = torch.tensor([[float("nan"), -1.0, -2.0]], device=dev)
+    with pytest.raises(NumericalError, match="NaN or \\+inf"):
+        ops.proxy(lp, span_offsets([1, 2]))
+    out = ops.proxy(lp, span_offsets([1, 2]), check_values=False)  # no host sync: the NaN flows through
+    assert math.isnan(float(out.f[0]))
+    with pytest.raises(SiclError, match="has no tokens"):
+        ops.proxy(-torch.rand(2, 5, device=dev), torch.tensor([0, 2, 2, 5]))
+    with pytest.raises(SiclError, match="q must be in"):
+        ops.proxy(-torch.rand(2, 5, device=dev), span_offsets([5]), q=1.5)
+
+
+# ------------------------------------------------------------------------------------------------- span head
+
+
+@pytest.mark.parametrize("B,P,d,V", [(1, 1, 8, 5), (3, 7, 33, 130), (2, 19, 64, 1000)])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_span_head_matches_reference(ops, dev, B, P, d, V, softcap):
+    g = torch.Generator().manual_seed(B * P + V)
+    h, w = torch.randn(B, P, d, generator=g), torch.randn(V, d, generator=g) * 0.3
+    t = torch.randint(0, V, (P,), generator=g)
+    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    got = ops.span_head(h.to(dev), w.to(dev), t, softcap=softcap)
+    assert got.shape == (B, P) and got.dtype == torch.float32
+    torch.testing.assert_close(got.cpu(), ref, **TOL["span_head"])
+
+
+# ------------------------------------------------------------------------------------------------- difference epilogues
+
+
+def near(B, T, k, scale=1e-2, seed=0):
+    """[B, T, k] float32 rows: row 0 plus small differences (a perturbation batch's shape)."""
+    g = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(1, T, k, generator=g)
+    return torch.cat([x0, x0 + scale * torch.randn(B - 1, T, k, generator=g)])
+
+
+@pytest.mark.parametrize("B,T,k", [(2, 1, 5), (3, 7, 64), (9, 33, 4099), (5, 2, 8193)])
+def test_diff_and_add_rows_bit_identical(ops, dev, B, T, k):
+    x = near(B, T, k)
+    got = ops.diff_rows(x.to(dev))
+    assert got.dtype == torch.bfloat16 and got.shape == (B - 1, T, k)
+    assert torch.equal(got.cpu(), diff.diff_rows_reference(x))
+    y0, yd = x[:1], (0.01 * x[1:]).to(torch.bfloat16)
+    got = ops.add_rows(y0.to(dev), yd.to(dev))
+    assert got.shape == (B, T, k) and torch.equal(got.cpu(), diff.add_rows_reference(y0, yd))
+
+
+@pytest.mark.parametrize("act_name,act", [("silu", F.silu), ("gelu_pytorch_tanh", GELU_TANH), ("gelu", F.gelu)])
+@pytest.mark.parametrize("R,T,I", [(1, 1, 3), (4, 9, 64), (8, 5, 1537)])
+def test_gated_diff_matches_reference(ops, dev, act_name, act, R, T, I):
+    y = near(R + 1, T, 2 * I, scale=1e-2, seed=I) * 3  # pre-activations over the functions' curved range
+    y0, yd = y[:1], (y[1:] - y[:1]).to(torch.bfloat16)
+    a0, da = ops.gated_diff(y0.to(dev), yd.to(dev), act, act_name)
+    r0, rd = diff.gated_diff_reference(y0, yd, act)
+    assert a0.shape == (1, T, I) and da.shape == (R, T, I) and da.dtype == torch.bfloat16
+    torch.testing.assert_close(a0.cpu(), r0, **TOL["gated_a0"])
+    err = (da.cpu().float() - rd.float()).abs()
+    g0, u0 = y0.chunk(2, dim=-1)
+    bound = rd.float().abs() * 2 ** -7 + 4 * 2 ** -23 * (g0 * u0).abs() + 1e-6
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+# ------------------------------------------------------------------------------------------------- best tracking
+
+
+def test_track_best_matches_algorithm_1(ops, dev):
+    state = BestState(torch.zeros(4, 6, device=dev))
+    history = [0.3, 0.2, 0.5, 0.5, float("nan"), 0.4, 0.7]
+    best, best_step, since = -float("inf"), 0, 0
+    for step, f0 in enumerate(history):
+        ops.track_best(torch.tensor([f0, 9.0], device=dev), torch.full((4, 6), float(step), device=dev), state)
+        if f0 > best:
+            best, best_step, since = f0, step, 0
+        else:
+            since += 1
+        assert (state.since_best, state.best_step, state.steps) == (since, best_step, step + 1)
+        assert float(state.best_f) == pytest.approx(best)
+        assert torch.equal(state.best_X.cpu(), torch.full((4, 6), float(best_step)))
+    with pytest.raises(SiclError, match="X must have shape"):
+        ops.track_best(torch.zeros(2, device=dev), torch.zeros(3, 6, device=dev), state)

@@ -4,7 +4,7 @@ reference). SmolLM2-135M shapes (d 576, V 49152).
 
 Run (pytest-benchmark; not collected by the normal test run):
 
-    PYTHONPATH=. python -m pytest bench/bench_kernels.py --benchmark-only -q \
+    python -m pytest bench/bench_kernels.py --benchmark-only -q \
         --benchmark-columns=min,mean,max,rounds --benchmark-sort=name
 
 Time: pytest-benchmark (wall clock, `rounds` calls after one warm-up). Peak memory: from the torch profiler's
@@ -20,13 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sicl_fast import cpp_ops, zo
-from sicl_fast.ascent import CalibrationConfig
 from sicl_fast.benchmark import peak_mb
 from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
-from sicl_fast.models import diff
-from sicl_fast.proxy import proxy as torch_proxy
+from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.proxy import span_offsets
+from sicl_fast.spec import StepSpec
 
 D, V = 576, 49152  # SmolLM2-135M
 PEAKS: dict[str, float] = {}
@@ -53,8 +51,8 @@ def test_proxy(benchmark, impl, case):
     benchmark.group = f"proxy {case}"
     lp = -torch.rand(B, sum(lengths), generator=torch.Generator().manual_seed(0)) * 5
     offs = span_offsets(lengths)
-    fn = (lambda: torch_proxy(lp, offs)) if impl == "torch" else (lambda: cpp_ops.proxy(lp, offs))
-    run(benchmark, f"proxy {case} {impl}", fn, rounds=50)
+    ops = make_ops(impl)
+    run(benchmark, f"proxy {case} {impl}", lambda: ops.proxy(lp, offs), rounds=50)
 
 
 # ---------------------------------------------------------------- perturb + update
@@ -65,17 +63,17 @@ L, A, B_END = 160, 10, 140  # a prompt of 160 tokens, 130 perturbed rows
 @pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
 @pytest.mark.parametrize("case", list(STEP_CASES))
 def test_perturb_update(benchmark, impl, case):
-    cfg = CalibrationConfig(mu=0.01, eta=0.05, kappa=0.2, seed=1, scale=1.0, **STEP_CASES[case])
+    spec = StepSpec(L=L, d=D, a=A, b=B_END, mu=0.01, eta=0.05, kappa=0.2, seed=1, **STEP_CASES[case])
     benchmark.group = f"perturb+update {case} L{L} R{B_END - A} d{D}"
     g = torch.Generator().manual_seed(0)
     X0 = torch.randn(L, D, generator=g)
     X = X0 + 0.01 * torch.randn(L, D, generator=g)
-    f = torch.rand(cfg.batch, generator=g)
-    ops = zo.TorchOps() if impl == "torch" else cpp_ops.CppOps()
+    f = torch.rand(spec.B, generator=g)
+    ops = make_ops(impl)
 
     def step():
-        ops.perturb(X, 3, cfg, A, B_END)
-        ops.update(X, X0, f, 3, cfg, A, B_END)
+        ops.perturb(X, 3, spec)
+        ops.update(X, X0, f, 3, spec)
 
     run(benchmark, f"perturb+update {case} {impl}", step, rounds=5 if impl == "cpp" else 3)
 
@@ -128,12 +126,10 @@ def gated_inputs():
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
 @pytest.mark.parametrize("op", ["add_rows", "gated_diff"])
-def test_diff_epilogues(benchmark, monkeypatch, gated_inputs, impl, op):
+def test_diff_epilogues(benchmark, gated_inputs, impl, op):
     y0, yd = gated_inputs
-    if impl == "torch":
-        monkeypatch.setenv("SICL_CPP", "0")
-    fn = {"add_rows": lambda: diff.add_rows(y0, yd),
-          "gated_diff": lambda: diff.gated_diff(y0, yd, F.silu, "silu")}[op]
+    ops = make_ops(impl)
+    fn = {"add_rows": lambda: ops.add_rows(y0, yd), "gated_diff": lambda: ops.gated_diff(y0, yd, F.silu, "silu")}[op]
     benchmark.group = f"{op} R{DIFF_R} T{DIFF_T} I{DIFF_I}"
     run(benchmark, f"{op} {impl}", fn, rounds=5)
 

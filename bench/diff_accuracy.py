@@ -14,32 +14,35 @@ import torch
 from sicl_fast.ascent import CalibrationConfig
 from sicl_fast.backends import make_backend
 from sicl_fast.benchmark import synthetic_prompt
-from sicl_fast.fused import proxy
 from sicl_fast.models import load
-from sicl_fast.zo import TorchOps
+from sicl_fast.ops import IMPLS, TorchOps
+from sicl_fast.spec import StepSpec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--length", type=int, nargs="+", default=[128])
     ap.add_argument("--N", type=int, default=8)
+    ap.add_argument("--impl", default="auto", choices=IMPLS, help="implementation of the fast paths' hot ops")
     args = ap.parse_args()
     lm = load()
     lm64 = copy.copy(lm)
     lm64.model = copy.deepcopy(lm.model).double()
-    ref = make_backend("hf", lm64)
-    paths = {"fast-fp32": make_backend("fast-fp32", lm), "fast": make_backend("fast", lm, diff_matmul="bf16")}
+    ref = make_backend("hf", lm64, impl="torch")
+    paths = {"fast-fp32": make_backend("fast-fp32", lm, impl=args.impl),
+             "fast": make_backend("fast", lm, diff_matmul="bf16", impl=args.impl)}
+    print(f"# impl {paths['fast'].ops.name}")
     print("| L | path | abs error of f_0 | rel. error of f_i - f_0 | max abs(f_i - f_0) (float64) |")
     print("|---|---|---|---|---|")
     for length in args.length:
         p = synthetic_prompt(lm, length)
         cfg = CalibrationConfig.for_model(lm, N=args.N)
         X0 = paths["fast-fp32"].embed(p)
-        batch = TorchOps().perturb(X0, 0, cfg, p.demo_start, p.demo_end)
+        batch = TorchOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
 
         def f(backend, x, **kw):
             lp = backend.span_logprobs(x, p, **kw)
-            return proxy(lp.float(), p.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q).f.double()
+            return backend.ops.proxy(lp.float(), p.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q).f.double()
 
         f64 = f(ref, batch.double())
         d64 = f64[1:] - f64[0]

@@ -1,8 +1,10 @@
 """GPU benchmark of the Triton kernels at real model shapes, printed as Markdown tables (triton.testing.do_bench).
 
-    PYTHONPATH=. python bench/gpu_kernels.py                 # checks + full table (a few minutes on an H100)
-    PYTHONPATH=. python bench/gpu_kernels.py --quick         # Llama shapes only, P = 64
-    PYTHONPATH=. python bench/gpu_kernels.py --compile-only  # no GPU needed: registers / spills per kernel (sm_90)
+    python bench/gpu_kernels.py                 # checks + full table (a few minutes on an H100)
+    python bench/gpu_kernels.py --quick         # Llama shapes only, P = 64
+    python bench/gpu_kernels.py --compile-only  # no GPU needed: registers / spills per kernel (sm_90)
+
+(sicl_fast installed: `pip install -e .`; the kernels are its subpackage sicl_fast.kernels.)
 
 Shapes: Llama-3.1-8B (d 4096, V 128256), Qwen3-4B (d 2560, V 151936), Gemma-2-2B (d 2304, V 256000, logit
 soft-cap 30); N in {8, 16} directions (forward estimator: B = N + 1 batch rows); P in {64, 512} span positions.
@@ -26,8 +28,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 MODELS = {
     "Llama-3.1-8B": dict(d=4096, V=128256, softcap=None),
     "Qwen3-4B": dict(d=2560, V=151936, softcap=None),
@@ -50,9 +50,7 @@ def compile_only() -> int:
     import triton
 
     os.environ["TRITON_INTERPRET"] = "0"
-    from sicl_fast import fused
-
-    aot = __import__(fused.kernels().__name__ + "._aot", fromlist=["compile_kernel"])
+    from sicl_fast.kernels import _aot as aot
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     print("| kernel | registers | spill stores (B) | shared (B) | f32 ops (PTX) |")
     print("|---|---|---|---|---|")
@@ -98,13 +96,14 @@ def main() -> int:
     import triton
     from triton.testing import do_bench
 
-    from sicl_fast import fused, rng, zo
-    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast import kernels as K
+    from sicl_fast import rng, zo
     from sicl_fast.logprobs import gather_logprobs_chunked
+    from sicl_fast.ops import TorchOps
     from sicl_fast.proxy import proxy as torch_proxy
     from sicl_fast.proxy import span_offsets
+    from sicl_fast.spec import StepSpec
 
-    K = fused.kernels()
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     peak_t, peak_bw = next((v for k, v in PEAKS.items() if k in name), (None, None))
@@ -120,12 +119,13 @@ def main() -> int:
         X = torch.randn(40, 128, device=dev)
         X0 = X + 0.1 * torch.randn_like(X)
         for est in ("forward", "central"):
-            ref = zo.perturb(X.cpu(), rng.directions(1, 2, 4, 30, 128), 0.05, 5, 35, est)
-            checks.append((f"perturb ({est}) bit-identical to zo.perturb",
-                           torch.equal(K.perturb(X, 1, 2, 4, 0.05, 5, 35, est).cpu(), ref)))
+            s = StepSpec(L=40, d=128, a=5, b=35, N=4, mu=0.05, eta=0.5, kappa=0.99, seed=1, estimator=est)
+            ref = zo.perturb(X.cpu(), rng.directions(1, 2, 4, 30, 128), s)
+            checks.append((f"perturb ({est}) bit-identical to zo.perturb", torch.equal(K.perturb(X, 2, s).cpu(), ref)))
         f = torch.rand(5, device=dev)
-        got, fired = K.zo_update(X, X0, f, 1, 2, 4, 5, 35, 0.05, 0.5, 0.99)
-        ref, fr = zo.update(X.cpu(), X0.cpu(), f.cpu(), rng.directions(1, 2, 4, 30, 128), 5, 35, 0.05, 0.5, 0.99)
+        s = StepSpec(L=40, d=128, a=5, b=35, N=4, mu=0.05, eta=0.5, kappa=0.99, seed=1)
+        got, fired = K.zo_update(X, X0, f, 2, s)
+        ref, fr = zo.update(X.cpu(), X0.cpu(), f.cpu(), rng.directions(1, 2, 4, 30, 128), s)
         checks.append(("zo_update vs zo.update (1e-5)", bool(fired.item()) == fr
                        and torch.allclose(got.cpu(), ref, rtol=1e-5, atol=1e-6)))
         for dt, tol in ((torch.float32, 1e-4), (torch.bfloat16, 1e-3)):
@@ -188,17 +188,17 @@ def main() -> int:
                 X0 = torch.randn(L, d, device=dev) * 0.02
                 X = X0 + 1e-3 * torch.randn_like(X0)
                 f = torch.rand(B, device=dev)
-                cfg = CalibrationConfig(N=N, mu=0.004, eta=0.05, kappa=0.2, seed=1, scale=1.0)
+                spec = StepSpec(L=L, d=d, a=a, b=L, N=N, mu=0.004, eta=0.05, kappa=0.2, seed=1)
                 out = torch.empty(B, L, d, device=dev)
-                ms = do_bench(lambda: K.perturb(X, 1, 3, N, 0.004, a, L, out=out))
+                ms = do_bench(lambda: K.perturb(X, 3, spec, out=out))
                 add(model, "perturb", N, P, B, "triton", ms, None, L * d * 4 + B * L * d * 4)
-                ms = do_bench(lambda: K.zo_update(X, X0, f, 1, 3, N, a, L, 0.004, 0.05, 0.2))
+                ms = do_bench(lambda: K.zo_update(X, X0, f, 3, spec))
                 add(model, "zo_update", N, P, B, "triton", ms, None, 3 * L * d * 4)
                 if not args.no_torch:
-                    ops = zo.TorchOps()
-                    ms = do_bench(lambda: ops.perturb(X, 3, cfg, a, L), rep=20)
+                    ops = TorchOps()
+                    ms = do_bench(lambda: ops.perturb(X, 3, spec), rep=20)
                     add(model, "perturb", N, P, B, "torch (U stored)", ms, None, L * d * 4 + B * L * d * 4)
-                    ms = do_bench(lambda: ops.update(X, X0, f, 3, cfg, a, L), rep=20)
+                    ms = do_bench(lambda: ops.update(X, X0, f, 3, spec), rep=20)
                     add(model, "zo_update", N, P, B, "torch (U stored)", ms, None, 3 * L * d * 4)
                 del out, X, X0
                 torch.cuda.empty_cache()

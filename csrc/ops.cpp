@@ -3,8 +3,10 @@
 // torch reference's (sicl_fast/proxy.py, sicl_fast/zo.py) and the noise is sicl_fast/rng.py's, bit for bit.
 //
 //   randn(out[n], seed64)                                     out[k] = N(0,1) for counter k
-//   perturb(X[L,d], out[B,n,d], seed64, N, a, b, mu, central)  the perturbation batch (layout of zo.py)
-//   update(X, X0, f[B], out[L,d], seed64, N, a, b, mu, eta, kappa, central, normalize, clip_norm, demos_scope)
+//   perturb(X[L,d], out[B,n,d], seed, step[1], N, a, b, mu, central)  the perturbation batch (layout of zo.py)
+//   update(X, X0, f[B], out[L,d], seed, step[1], N, a, b, mu, eta, kappa, central, normalize, clip_norm, demos_scope)
+// The step is an int64 array of one element (read here, so a loop keeps its counter in a tensor); the Philox
+// key is (seed, step), i.e. the 64-bit seed seed + step * 2**32.
 //       -> bool fired                                          one ascent step, U regenerated, never stored
 //   proxy(lp[B,P], offsets[T+1], alpha, beta, gamma, q, f[B], C[B], R[B], G[B], c[B,T])
 //
@@ -55,7 +57,16 @@ void check_block(int64_t N, int64_t a, int64_t b, int64_t L, int64_t d) {
     if (N * (b - a) * d > (int64_t(1) << 31)) throw std::invalid_argument("N * (b - a) * d exceeds 2**31 counters");
 }
 
-void perturb(py::array X, py::array out, uint64_t seed64, int64_t N, int64_t a, int64_t b, float mu, bool central) {
+uint64_t step_key(uint64_t seed, const py::array& step) {
+    check_array(step, "step", 'i', {1}, false);
+    const int64_t s = *static_cast<const int64_t*>(step.data());
+    if (s < 0 || s >= (int64_t(1) << 32)) throw std::invalid_argument("step must be in [0, 2**32)");
+    return seed + (static_cast<uint64_t>(s) << 32);
+}
+
+void perturb(py::array X, py::array out, uint64_t seed, py::array step, int64_t N, int64_t a, int64_t b, float mu,
+             bool central) {
+    const uint64_t seed64 = step_key(seed, step);
     check_array(X, "X", 'f', {-1, -1}, false);
     const int64_t L = X.shape(0), d = X.shape(1);
     check_block(N, a, b, L, d);
@@ -99,8 +110,10 @@ void perturb(py::array X, py::array out, uint64_t seed64, int64_t N, int64_t a, 
     }
 }
 
-bool update(py::array X, py::array X0, py::array f, py::array out, uint64_t seed64, int64_t N, int64_t a, int64_t b,
-            float mu, float eta, double kappa, bool central, bool normalize, float clip_norm, bool demos_scope) {
+bool update(py::array X, py::array X0, py::array f, py::array out, uint64_t seed, py::array step, int64_t N,
+            int64_t a, int64_t b, float mu, float eta, double kappa, bool central, bool normalize, float clip_norm,
+            bool demos_scope) {
+    const uint64_t seed64 = step_key(seed, step);
     check_array(X, "X", 'f', {-1, -1}, false);
     const int64_t L = X.shape(0), d = X.shape(1);
     check_block(N, a, b, L, d);
@@ -293,9 +306,9 @@ PYBIND11_MODULE(_C, m) {
     m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy (sicl_fast.cpp_ops); "
               "diff_rows, add_rows, gated_diff (sicl_fast.models.diff).";
     m.def("randn", &randn, py::arg("out"), py::arg("seed64"), "out[k] = N(0, 1) of Philox counter k under seed64");
-    m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed64"), py::arg("N"), py::arg("a"),
+    m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed"), py::arg("step"), py::arg("N"), py::arg("a"),
           py::arg("b"), py::arg("mu"), py::arg("central"), "the perturbation batch, written into out [B, n, d]");
-    m.def("update", &update, py::arg("X"), py::arg("X0"), py::arg("f"), py::arg("out"), py::arg("seed64"),
+    m.def("update", &update, py::arg("X"), py::arg("X0"), py::arg("f"), py::arg("out"), py::arg("seed"), py::arg("step"),
           py::arg("N"), py::arg("a"), py::arg("b"), py::arg("mu"), py::arg("eta"), py::arg("kappa"),
           py::arg("central"), py::arg("normalize"), py::arg("clip_norm"), py::arg("demos_scope"),
           "one ascent step written into out [L, d]; returns whether the cosine projection fired");

@@ -1,5 +1,5 @@
 """Shared launcher helpers: tensor checks with clear errors, interpreter detection, launch options. (The step's
-arguments are checked once, by sicl_fast.spec.StepSpec; the proxy's by sicl_fast.proxy.check_proxy_inputs.)"""
+arguments are checked once, by sicl_fast.spec.StepSpec; the proxy's by sicl_fast.proxy.ProxyPlan and check_logprobs.)"""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ import torch
 import triton
 
 from sicl_fast.errors import SiclError
+from sicl_fast.rng import step_seed
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,6 +49,24 @@ def check_dtype(t: torch.Tensor, dtypes, name: str, op: str) -> None:
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise SiclError(f"{op}: {name} must be {names}, got {str(t.dtype).replace('torch.', '')}")
+
+
+_DUMMY: dict = {}
+
+
+def step_key(seed: int, step, device, op: str):
+    """(seed64 argument, step pointer, STEP_PTR) for the noise kernels. An int step is folded into the 64-bit
+    seed on the host; an int64 [1] device tensor is passed as a pointer and read in the kernel (a captured CUDA
+    graph replays with the step its state holds)."""
+    if isinstance(step, torch.Tensor):
+        if step.device != torch.device(device) or step.dtype != torch.int64 or step.numel() != 1:
+            raise SiclError(f"{op}: a tensor step must be an int64 [1] tensor on {device}, got {step.dtype} "
+                            f"{list(step.shape)} on {step.device}")
+        return step_seed(seed, 0), step, True
+    dummy = _DUMMY.get(str(device))
+    if dummy is None:
+        dummy = _DUMMY[str(device)] = torch.zeros(1, dtype=torch.int64, device=device)
+    return step_seed(seed, step), dummy, False
 
 
 def next_pow2(n: int) -> int:

@@ -15,10 +15,9 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.rng import step_seed
 from sicl_fast.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting
+from ._utils import EXACT, check_device, check_dtype, interpreting, step_key
 from .randn import randn_f32
 
 
@@ -26,15 +25,19 @@ from .randn import randn_f32
 def _perturb_kernel(
     x_ptr,  # [L, d] float32, contiguous
     out_ptr,  # [B, n, d] float32, contiguous
-    seed64,  # seed + step * 2**32
+    seed64,  # seed + step * 2**32; with STEP_PTR: the seed alone, the step read from step_ptr
+    step_ptr,  # int64 [1] on the device (read when STEP_PTR)
     n,  # rows per batch entry (b)
     d,
     a,
     b,
     mu,  # float32
     CENTRAL: tl.constexpr,
+    STEP_PTR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    if STEP_PTR:
+        seed64 = seed64 + (tl.load(step_ptr).to(tl.int64) << 32)
     j = tl.program_id(0)  # batch row
     pid = tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat index into [n, d]
@@ -64,11 +67,13 @@ def _perturb_kernel(
         tl.store(dst, x, mask=mask)
 
 
-def perturb(X: torch.Tensor, step: int, spec: StepSpec, out: torch.Tensor | None = None,
+def perturb(X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None,
             block: int | None = None) -> torch.Tensor:
     """The perturbation batch [B, b, d] float32 (module docstring). X: [L, d] float32 on CUDA (or the CPU
-    under TRITON_INTERPRET=1). out: optional preallocated [B, b, d] float32 contiguous buffer. block: elements
-    per program (a power of two; default 1024, 4096 in the interpreter)."""
+    under TRITON_INTERPRET=1). step: an int, or an int64 [1] tensor on X's device (read in the kernel: no host
+    value changes between steps, so the launch can be captured in a CUDA graph). out: optional preallocated
+    [B, b, d] float32 contiguous buffer. block: elements per program (a power of two; default 1024, 4096 in the
+    interpreter)."""
     op = "triton perturb"
     check_device(X, op=op)
     check_dtype(X, torch.float32, "X", op)
@@ -82,6 +87,7 @@ def perturb(X: torch.Tensor, step: int, spec: StepSpec, out: torch.Tensor | None
                         f"{out.dtype} {list(out.shape)}")
     BLOCK = block or (4096 if interpreting() else 1024)
     grid = (B, triton.cdiv(b * d, BLOCK))
-    _perturb_kernel[grid](X, out, step_seed(spec.seed, step), b, d, spec.a, b, f32(spec.mu), CENTRAL=spec.central,
-                          BLOCK=BLOCK, **EXACT)
+    seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
+    _perturb_kernel[grid](X, out, seed64, step_ptr, b, d, spec.a, b, f32(spec.mu), CENTRAL=spec.central,
+                          STEP_PTR=from_ptr, BLOCK=BLOCK, **EXACT)
     return out

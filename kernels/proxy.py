@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.proxy import ProxyOut, check_proxy_inputs
+from sicl_fast.proxy import ProxyOut, ProxyPlan, checked_proxy
 from sicl_fast.spec import f32
 
 from ._utils import FLOAT_DTYPES, check_device, check_dtype, next_pow2
@@ -69,29 +69,26 @@ def proxy(logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, bet
     """The proxy of every batch row (module docstring). logprobs on CUDA (or the CPU under TRITON_INTERPRET=1).
 
     check_values: raise NumericalError on NaN / +inf log-probs as the reference does (one host sync);
-    False skips the check (for a loop that must not synchronise; sicl_fast.proxy.check_proxy_inputs).
+    False skips the check (for a loop that must not synchronise; sicl_fast.proxy.check_logprobs).
     """
+    return checked_proxy(proxy_planned, logprobs, offsets, alpha, beta, gamma, q, check_values)
+
+
+def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
+    """The proxy for a checked plan (sicl_fast.proxy.ProxyPlan, on logprobs' device): one launch, no host read."""
     op = "triton proxy"
-    check_device(logprobs, op=op)
+    check_device(logprobs, plan.offsets_dev, op=op)
     check_dtype(logprobs, FLOAT_DTYPES, "logprobs", op)
-    offs_cpu = check_proxy_inputs(logprobs, offsets, q, check_values)
     B, P = logprobs.shape
-    T = offs_cpu.numel() - 1
     dev = logprobs.device
-    on_dev = isinstance(offsets, torch.Tensor) and offsets.device == dev
-    offs = (offsets if on_dev else offs_cpu.to(dev)).to(torch.int64).contiguous()
     if logprobs.stride(1) != 1:
         logprobs = logprobs.contiguous()
     f, C, R, G = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(4))
-    c = torch.empty(B, T, dtype=torch.float32, device=dev)
-    # torch.quantile: rank = q * (P - 1) in float32 (the input dtype), below = floor, above = ceil
-    rank = f32(f32(q) * f32(P - 1))
-    below = int(rank)
-    above = min(below + (1 if rank > below else 0), P - 1)
+    c = torch.empty(B, plan.T, dtype=torch.float32, device=dev)
     BLOCK_P = max(next_pow2(P), 2)
     num_warps = 4 if BLOCK_P <= 1024 else 8
     _proxy_kernel[(B,)](
-        logprobs, logprobs.stride(0), offs, f, C, R, G, c, P, T, f32(alpha), f32(beta), f32(gamma), rank, below,
-        above, BLOCK_P=BLOCK_P, num_warps=num_warps,
+        logprobs, logprobs.stride(0), plan.offsets_dev, f, C, R, G, c, P, plan.T, f32(plan.alpha), f32(plan.beta),
+        f32(plan.gamma), plan.rank, plan.below, plan.above, BLOCK_P=BLOCK_P, num_warps=num_warps,
     )
     return ProxyOut(f=f, C=C, R=R, G=G, c=c)

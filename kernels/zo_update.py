@@ -22,10 +22,9 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.rng import step_seed
 from sicl_fast.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, next_pow2
+from ._utils import EXACT, check_device, check_dtype, interpreting, next_pow2, step_key
 from .randn import randn_f32
 
 
@@ -33,10 +32,14 @@ from .randn import randn_f32
 def _step_kernel(
     x_ptr, x0_ptr, f_ptr, out_ptr,  # X, X0 [L, d]; f [B]; out [L, d]   (float32, contiguous)
     pdot_ptr, pxx_ptr, px0_ptr,  # [L] float64 per-row partial sums for the projection
-    seed64, N, L, d, a, b, lo, hi,  # lo, hi: rows the projection covers
+    seed64, step_ptr,  # as in perturb: seed + step * 2**32, or (STEP_PTR) the seed and the step on the device
+    N, L, d, a, b, lo, hi,  # lo, hi: rows the projection covers
     mu, eta, clip_norm,  # float32
-    CENTRAL: tl.constexpr, NORMALIZE: tl.constexpr, PROJECT: tl.constexpr, BLOCK_D: tl.constexpr,
+    CENTRAL: tl.constexpr, NORMALIZE: tl.constexpr, PROJECT: tl.constexpr, STEP_PTR: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
+    if STEP_PTR:
+        seed64 = seed64 + (tl.load(step_ptr).to(tl.int64) << 32)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     rbase = row.to(tl.int64) * d
@@ -180,10 +183,11 @@ def _consts(kappa: float, device) -> torch.Tensor:
     return t
 
 
-def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step: int, spec: StepSpec,
+def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: StepSpec,
               out: torch.Tensor | None = None, block_d: int | None = None):
     """One ascent step (module docstring). X, X0: [L, d] float32; f: [B] float (B = N+1 or 2N+1), all on one
-    device (CUDA, or the CPU under TRITON_INTERPRET=1). X is not modified.
+    device (CUDA, or the CPU under TRITON_INTERPRET=1). step: an int or an int64 [1] device tensor (as in
+    perturb). X is not modified.
 
     out: optional preallocated [L, d] float32 buffer (not X). block_d: columns per loop step (a power of two;
     default min(next_pow2(d), 1024), 4096 in the interpreter).
@@ -209,10 +213,11 @@ def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step: int, spe
     parts = torch.zeros(3, L, dtype=torch.float64, device=X.device) if spec.project else fired
     pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if spec.project else (fired, fired, fired)
     BLOCK_D = block_d or min(next_pow2(d), 4096 if interpreting() else 1024)
+    seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
     _step_kernel[(L,)](
-        X, X0, f, out, pdot, pxx, px0, step_seed(spec.seed, step), spec.N, L, d, spec.a, spec.b, lo, hi,
+        X, X0, f, out, pdot, pxx, px0, seed64, step_ptr, spec.N, L, d, spec.a, spec.b, lo, hi,
         f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), CENTRAL=spec.central,
-        NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, BLOCK_D=BLOCK_D, **EXACT,
+        NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, STEP_PTR=from_ptr, BLOCK_D=BLOCK_D, **EXACT,
     )
     if spec.project:
         BLOCK_L = min(next_pow2(L), 1024)

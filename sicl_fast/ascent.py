@@ -143,6 +143,16 @@ class Calibrator:
         self.ops = backend.ops
         self.config = config if config.scale is not None else config.replace(scale=backend.lm.embedding_scale)
 
+    def initial_embeddings(self, prompt: Prompt, X0: torch.Tensor | None = None) -> torch.Tensor:
+        """X0 [L, d] float32: the prompt's input embeddings, or the given ones once checked."""
+        X0 = (self.backend.embed(prompt) if X0 is None else X0).float()
+        if X0.shape[0] != prompt.length:
+            raise SiclError(f"request {prompt.id!r}: X0 has {X0.shape[0]} rows, the prompt has {prompt.length} tokens")
+        if not bool(torch.isfinite(X0).all()):
+            row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
+            raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
+        return X0
+
     def step_spec(self, prompt: Prompt, X0: torch.Tensor) -> StepSpec:
         """The step's arguments for this prompt: perturbed rows [a, b) = [first demonstration token, end of the
         last output span), or [a, L) with perturb_query; the forward always reads rows [0, demo_end) only."""
@@ -166,12 +176,7 @@ class Calibrator:
         """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32)."""
         cfg = self.config
         t0 = time.perf_counter()
-        X0 = (self.backend.embed(prompt) if X0 is None else X0).float()
-        if X0.shape[0] != prompt.length:
-            raise SiclError(f"request {prompt.id!r}: X0 has {X0.shape[0]} rows, the prompt has {prompt.length} tokens")
-        if not bool(torch.isfinite(X0).all()):
-            row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
-            raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
+        X0 = self.initial_embeddings(prompt, X0)
         spec = self.step_spec(prompt, X0)
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0

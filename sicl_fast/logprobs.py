@@ -58,7 +58,6 @@ def vocab_chunked_logprobs(
     m = torch.full((B * P,), -math.inf, dtype=torch.float32, device=hidden.device)
     s = torch.zeros(B * P, dtype=torch.float32, device=hidden.device)
     picked = torch.zeros(B * P, dtype=torch.float32, device=hidden.device)
-    rows = torch.arange(B * P, device=hidden.device)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = torch.matmul(h, head_weight[v0:v1].t()).float()  # [B*P, c]
@@ -67,7 +66,7 @@ def vocab_chunked_logprobs(
         m_new = torch.maximum(m, z.amax(dim=-1))
         s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
         m = m_new
+        # the target's logit, where it falls in this chunk: a select, not a data-dependent branch (no host read)
         here = (tgt >= v0) & (tgt < v1)
-        if bool(here.any()):
-            picked[here] = z[rows[here], tgt[here] - v0]
+        picked = torch.where(here, z.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), picked)
     return (picked - (m + torch.log(s))).view(B, P)

@@ -86,8 +86,9 @@ def _mul32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi & _MASK32, lo & _MASK32
 
 
-def philox4x32(counter: torch.Tensor, key_lo: int, key_hi: int, rounds: int = 10):
+def philox4x32(counter: torch.Tensor, key_lo, key_hi, rounds: int = 10):
     """Philox4x32 on counters (c0 = counter, c1 = c2 = c3 = 0). counter: int64 tensor of values in [0, 2**32).
+    key_lo, key_hi: python ints, or int64 0-d tensors on counter's device (a key read from device state).
 
     Returns the four output words as int64 tensors holding uint32 values.
     """
@@ -165,7 +166,12 @@ def randn_counters(counter: torch.Tensor, seed64: int) -> torch.Tensor:
 
     The integers are Triton's tl.randint4x(seed64, counter) words 0 and 1; the transform is `box_muller`.
     """
-    i1, i2, _, _ = philox4x32(counter, seed64 & _MASK32, (seed64 >> 32) & _MASK32)
+    return randn_keyed(counter, seed64 & _MASK32, (seed64 >> 32) & _MASK32)
+
+
+def randn_keyed(counter: torch.Tensor, key_lo, key_hi) -> torch.Tensor:
+    """randn_counters with the Philox key given as its two words (ints, or 0-d int64 tensors on the device)."""
+    i1, i2, _, _ = philox4x32(counter, key_lo, key_hi)
     return box_muller(_uint_to_uniform(i1), _uint_to_uniform(i2))
 
 
@@ -187,8 +193,14 @@ def check_counter_range(num: int, rows: int, d: int) -> None:
         )
 
 
-def directions(seed: int, step: int, num: int, rows: int, d: int, device=None) -> torch.Tensor:
-    """U [num, rows, d] float32: the Gaussian directions of one ascent step (see module docstring)."""
+def directions(seed: int, step, num: int, rows: int, d: int, device=None) -> torch.Tensor:
+    """U [num, rows, d] float32: the Gaussian directions of one ascent step (see module docstring).
+
+    step: an int, or an int64 tensor of one element on `device` (the step counter of a loop that keeps its state
+    on the device: read there, never on the host)."""
     check_counter_range(num, rows, d)
     counter = torch.arange(num * rows * d, dtype=torch.int64, device=device)
+    if isinstance(step, torch.Tensor):
+        step_seed(seed, 0)  # checks the seed
+        return randn_keyed(counter, seed, step.reshape(()).to(torch.int64)).view(num, rows, d)
     return randn_counters(counter, step_seed(seed, step)).view(num, rows, d)

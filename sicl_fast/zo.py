@@ -98,25 +98,42 @@ def project_cosine(X: torch.Tensor, X0: torch.Tensor, kappa: float) -> tuple[tor
     return out.to(X.dtype), True
 
 
-def update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, U: torch.Tensor,
-           spec: StepSpec) -> tuple[torch.Tensor, bool]:
+def project_cosine_on_device(X: torch.Tensor, X0: torch.Tensor, kappa: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """project_cosine with the decision kept on the device: the same float64 operations, then a select, so no
+    host read; returns (X', fired int32 [1]). Bit for bit project_cosine's X' when it fires, X when not."""
+    x, x0 = X.double(), X0.double()
+    xn = x.norm()
+    fire = torch.dot(x.flatten(), x0.flatten()) / (xn * x0.norm()) < kappa
+    x0_hat = x0 / x0.norm()
+    perp = x - (x * x0_hat).sum() * x0_hat
+    pn = perp.norm()
+    axis = pn <= 1e-12
+    on_cone = xn * (kappa * x0_hat + (1.0 - kappa**2) ** 0.5 * perp / torch.where(axis, torch.ones_like(pn), pn))
+    out = torch.where(axis, xn * x0_hat, on_cone)
+    return torch.where(fire, out.to(X.dtype), X), fire.to(torch.int32).reshape(1)
+
+
+def update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, U: torch.Tensor, spec: StepSpec,
+           on_device: bool = False):
     """One ascent step: g from f and U, clip (or normalise) per row, X[a:b] += eta g, cosine projection.
 
-    Returns (X_new [L, d], projection_fired). X is not modified in place.
+    Returns (X_new [L, d], projection_fired): a bool, or with on_device an int32 [1] tensor decided without a
+    host read (project_cosine_on_device). X is not modified in place.
     """
     a, b = spec.a, spec.b
     g = estimate_gradient(f, U, spec.mu, spec.estimator)
     g = clip_rows(g, spec.clip_norm) if spec.grad_mode == "clip" else normalize_rows(g)
     X = X.clone()
     X[a:b] += spec.eta * g
+    project = project_cosine_on_device if on_device else project_cosine
     if not spec.project:
-        return X, False
+        return X, (torch.zeros(1, dtype=torch.int32, device=X.device) if on_device else False)
     if spec.scope == "prompt":
-        return project_cosine(X, X0, spec.kappa)
-    block, fired = project_cosine(X[a:b], X0[a:b], spec.kappa)
+        return project(X, X0, spec.kappa)
+    block, fired = project(X[a:b], X0[a:b], spec.kappa)
     X[a:b] = block
     return X, fired
 
 
 __all__ = ["step_directions", "perturb", "finite_differences", "estimate_gradient", "snr", "clip_rows",
-           "normalize_rows", "cosine", "project_cosine", "update", "batch_size"]
+           "normalize_rows", "cosine", "project_cosine", "project_cosine_on_device", "update", "batch_size"]

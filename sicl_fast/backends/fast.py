@@ -17,6 +17,7 @@ A batch whose prefix rows differ between batch rows takes the full path (no cach
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,6 +25,20 @@ import torch
 from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
 from ..spans import Prompt
 from .base import Backend
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """Where one prompt's span predictions are read, on the device: idx [P] int64, the rows t - 1 of the span
+    tokens t among rows [0, b); idx_suffix = idx - a, the same rows among [a, b) (the prefix path's hidden
+    states, unless from_prefix: a span starts right at row a); targets [P] the span tokens."""
+
+    a: int
+    b: int
+    idx: torch.Tensor
+    idx_suffix: torch.Tensor
+    from_prefix: bool
+    targets: torch.Tensor
 
 
 class FastBackend(Backend):
@@ -66,27 +81,37 @@ class FastBackend(Backend):
         self.stats["prefix_builds"] += 1
         return c
 
+    def span_plan(self, prompt: Prompt) -> SpanPlan:
+        """The prompt's span positions and targets laid out on the device once (see SpanPlan)."""
+        a, idx = prompt.demo_start, prompt.positions - 1  # the hidden state at t-1 predicts token t
+        dev = self.model.device
+        return SpanPlan(a=a, b=prompt.demo_end, idx=idx.to(dev), idx_suffix=(idx - a).to(dev),
+                        from_prefix=a > 0 and int(idx.min()) < a, targets=prompt.targets.to(dev))
+
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         m = self.model
         a, b = prompt.demo_start, prompt.demo_end
         x = embeds[:, :b].to(device=m.device, dtype=m.dtype)  # [B, b, d]
-        B = x.shape[0]
-        idx = prompt.positions - 1  # [P] (CPU): the hidden state at t-1 predicts token t
         with torch.no_grad():
             prefix = self._prefix_for(x, a) if (self.prefix_cache and a > 0) else None
-            if prefix is None:
-                self.stats["full"] += 1
-                hidden = m.forward(x, near_row0=near_row0)  # [B, b, d]
-                h = hidden.index_select(1, idx.to(m.device))  # [B, P, d]
+            self.stats["full"] += prefix is None
+            return self.span_forward(x, self.span_plan(prompt), prefix, near_row0)
+
+    def span_forward(self, x: torch.Tensor, plan: SpanPlan, prefix: PrefixKV | None,
+                     near_row0: bool = False) -> torch.Tensor:
+        """x [B, b, d] in the model dtype -> [B, P] float32 span log-probs, with the prefix K/V of rows [0, a)
+        (or None: the full rows). No checks and no host reads: what a loop without host synchronisation calls."""
+        m = self.model
+        if prefix is None:
+            h = m.forward(x, near_row0=near_row0).index_select(1, plan.idx)  # [B, P, d]
+        else:
+            hidden = m.forward(x[:, plan.a:], plan.a, prefix, near_row0=near_row0)  # [B, b-a, d]
+            if plan.from_prefix:  # a span starts right at row a: its first prediction is the prefix's last row
+                h = torch.cat([prefix.hidden.expand(x.shape[0], -1, -1), hidden], dim=1).index_select(1, plan.idx)
             else:
-                hidden = m.forward(x[:, a:], a, prefix, near_row0=near_row0)  # [B, b-a, d]
-                if int(idx.min()) >= a:
-                    h = hidden.index_select(1, (idx - a).to(m.device))
-                else:  # a span starts right at row a: its first prediction is the prefix's last row
-                    full = torch.cat([prefix.hidden.expand(B, -1, -1), hidden], dim=1)
-                    h = full.index_select(1, idx.to(m.device))
-            return self.ops.span_head(h, m.head, prompt.targets, softcap=m.final_softcap)
+                h = hidden.index_select(1, plan.idx_suffix)
+        return self.ops.span_head(h, m.head, plan.targets, softcap=m.final_softcap)
 
     def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(),
                  stop_fn: Callable[[str], bool] | None = None):

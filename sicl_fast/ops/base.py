@@ -10,9 +10,12 @@ passed down; nothing below it decides again or reads the environment. Implementa
 An implementation without its own form of an op inherits the reference's (CppOps' span head, TritonOps'
 difference epilogues). Shapes and dtypes:
 
-    perturb(X [L, d] f32, step, spec) -> batch [B, b, d] f32
-    update(X, X0 [L, d] f32, f [B], step, spec) -> (X_new [L, d] f32, fired int32 [1] on X's device)
+    perturb(X [L, d] f32, step, spec, out=None) -> batch [B, b, d] f32
+    update(X, X0 [L, d] f32, f [B], step, spec, out=None) -> (X_new [L, d] f32, fired int32 [1] on X's device)
+        step: an int, or an int64 [1] tensor on X's device that the op reads there (device-resident loop state:
+        no host read, so a CUDA graph can replay the step); out: a preallocated result buffer
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
+    proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (sicl_fast.proxy)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
     diff_rows(x [B, T, k] f32) -> [B-1, T, k] bf16                       (difference products, models/diff.py)
     add_rows(y0 [1, T, o] f32, yd [R, T, o] bf16) -> [R+1, T, o] f32
@@ -26,20 +29,22 @@ from typing import Protocol
 import torch
 
 from ..best import BestState
-from ..proxy import ProxyOut
+from ..proxy import ProxyOut, ProxyPlan
 from ..spec import StepSpec
 
 
 class Ops(Protocol):
     name: str  # "torch", "cpp" or "triton": what CalibrationResult and benchmark records report
 
-    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor: ...
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def update(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step: int,
-               spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: StepSpec,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def proxy(self, logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, beta: float = 0.3,
               gamma: float = 0.1, q: float = 0.1, check_values: bool = True) -> ProxyOut: ...
+
+    def proxy_planned(self, logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut: ...
 
     def span_head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                   softcap: float | None = None) -> torch.Tensor: ...

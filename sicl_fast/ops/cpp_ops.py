@@ -5,7 +5,7 @@ reference's (TorchOps).
 Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.models.diff) and the same noise
 as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton kernels,
 on a GPU. The directions U are regenerated inside the ops, never stored. Multithreaded with OpenMP; results do
-not depend on the thread count. Argument checks live in StepSpec / check_proxy_inputs; the extension itself only
+not depend on the thread count. Argument checks live in StepSpec and ProxyPlan / check_logprobs; the extension itself only
 guards its raw buffers.
 
 Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the extension this module still
@@ -17,10 +17,11 @@ imports; `available()` is False and CppOps() raises a SiclError saying how to bu
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import SiclError
-from ..proxy import ProxyOut, check_proxy_inputs
+from ..proxy import ProxyOut, ProxyPlan
 from ..rng import check_counter_range, step_seed
 from ..spec import StepSpec, f32
 from .base import fired_tensor
@@ -74,6 +75,15 @@ def _bits(t: torch.Tensor):
     return t.view(torch.int16).numpy()
 
 
+def _step(step, op: str):
+    """The step as the int64 [1] array the extension reads: a CPU tensor's own buffer (no host read of the
+    value here), or a new array for an int."""
+    if isinstance(step, torch.Tensor):
+        return _cpu(step, "step", op, torch.int64).reshape(1).numpy()
+    step_seed(0, step)  # checks the range
+    return np.array([step], dtype=np.int64)
+
+
 def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
     """U [num, rows, d] float32, bit-identical to sicl_fast.rng.directions(seed, step, num, rows, d)."""
     check_counter_range(num, rows, d)
@@ -91,39 +101,37 @@ class CppOps(TorchOps):
     def __init__(self) -> None:
         _ext()
 
-    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor:
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
         op = "cpp perturb"
         X = _cpu(X, "X", op)
         spec.check_X(X, "X", op)
-        out = torch.empty(spec.B, spec.b, spec.d, dtype=torch.float32)
-        _ext().perturb(X.numpy(), out.numpy(), step_seed(spec.seed, step), spec.N, spec.a, spec.b, f32(spec.mu),
+        out = torch.empty(spec.B, spec.b, spec.d, dtype=torch.float32) if out is None else out
+        _ext().perturb(X.numpy(), out.numpy(), spec.seed, _step(step, op), spec.N, spec.a, spec.b, f32(spec.mu),
                        spec.central)
         return out
 
-    def update(self, X, X0, f, step: int, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         op = "cpp update"
         X, X0 = _cpu(X, "X", op), _cpu(X0, "X0", op)
         spec.check_X(X, "X", op)
         spec.check_X(X0, "X0", op)
         spec.check_f(f, op)
         f = _cpu(f.reshape(-1).float(), "f", op)
-        out = torch.empty_like(X)
+        out = torch.empty_like(X) if out is None else out
         fired = _ext().update(
-            X.numpy(), X0.numpy(), f.numpy(), out.numpy(), step_seed(spec.seed, step), spec.N, spec.a, spec.b,
+            X.numpy(), X0.numpy(), f.numpy(), out.numpy(), spec.seed, _step(step, op), spec.N, spec.a, spec.b,
             f32(spec.mu), f32(spec.eta), float(spec.kappa), spec.central, spec.grad_mode == "normalize",
             f32(spec.clip_norm), spec.scope == "demos",
         )
         return out, fired_tensor(bool(fired), X.device)
 
-    def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
-        op = "cpp proxy"
-        offsets = check_proxy_inputs(logprobs, offsets, q, check_values)
-        lp = _cpu(logprobs.float(), "logprobs", op)
-        B, T = lp.shape[0], offsets.numel() - 1
+    def proxy_planned(self, logprobs, plan: ProxyPlan) -> ProxyOut:
+        lp = _cpu(logprobs.float(), "logprobs", "cpp proxy")
+        B = lp.shape[0]
         f, C, R, G = (torch.empty(B, dtype=torch.float32) for _ in range(4))
-        c = torch.empty(B, T, dtype=torch.float32)
-        _ext().proxy(lp.numpy(), offsets.contiguous().numpy(), float(alpha), float(beta), float(gamma), float(q),
-                     f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
+        c = torch.empty(B, plan.T, dtype=torch.float32)
+        _ext().proxy(lp.numpy(), plan.offsets.numpy(), float(plan.alpha), float(plan.beta), float(plan.gamma),
+                     float(plan.q), f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
         return ProxyOut(f=f, C=C, R=R, G=G, c=c)
 
     def diff_rows(self, x):

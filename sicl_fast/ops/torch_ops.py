@@ -11,8 +11,7 @@ import torch
 from .. import best, zo
 from ..logprobs import vocab_chunked_logprobs
 from ..models import diff
-from ..proxy import ProxyOut
-from ..proxy import proxy as reference_proxy
+from ..proxy import ProxyOut, ProxyPlan, checked_proxy, proxy_planned
 from ..spec import StepSpec
 from .base import fired_tensor
 
@@ -22,20 +21,28 @@ class TorchOps:
 
     name = "torch"
 
-    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor:
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
         spec.check_X(X, "X", f"{self.name} perturb")
-        return zo.perturb(X, zo.step_directions(step, spec, device=X.device), spec)
+        batch = zo.perturb(X, zo.step_directions(step, spec, device=X.device), spec)
+        return batch if out is None else out.copy_(batch)
 
-    def update(self, X, X0, f, step: int, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         op = f"{self.name} update"
         spec.check_X(X, "X", op)
         spec.check_X(X0, "X0", op)
         spec.check_f(f, op)
-        X_new, fired = zo.update(X, X0, f.reshape(-1), zo.step_directions(step, spec, device=X.device), spec)
-        return X_new, fired_tensor(fired, X.device)
+        U = zo.step_directions(step, spec, device=X.device)
+        on_device = isinstance(step, torch.Tensor)  # device-resident state: decide the projection there too
+        X_new, fired = zo.update(X, X0, f.reshape(-1), U, spec, on_device=on_device)
+        if not on_device:
+            fired = fired_tensor(fired, X.device)
+        return (X_new, fired) if out is None else (out.copy_(X_new), fired)
 
     def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
-        return reference_proxy(logprobs, offsets, alpha, beta, gamma, q, check_values=check_values)
+        return checked_proxy(self.proxy_planned, logprobs, offsets, alpha, beta, gamma, q, check_values)
+
+    def proxy_planned(self, logprobs, plan: ProxyPlan) -> ProxyOut:
+        return proxy_planned(logprobs, plan)
 
     def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
         return vocab_chunked_logprobs(hidden, weight, targets, softcap=softcap)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SiclError
-from ..proxy import ProxyOut
+from ..proxy import ProxyOut, ProxyPlan
 from ..spec import StepSpec
 from .torch_ops import TorchOps
 
@@ -39,14 +39,14 @@ class TritonOps(TorchOps):
             raise SiclError(f"impl 'triton' runs on CUDA; for {dev} tensors set TRITON_INTERPRET=1 before triton "
                             "is imported (Triton's interpreter, slow) or use impl 'torch' / 'cpp'")
 
-    def perturb(self, X: torch.Tensor, step: int, spec: StepSpec) -> torch.Tensor:
-        return self.K.perturb(X.float(), step, spec)
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
+        return self.K.perturb(X.float(), step, spec, out=out)
 
-    def update(self, X, X0, f, step: int, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.K.zo_update(X.float(), X0.float(), f, step, spec)
+    def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.K.zo_update(X.float(), X0.float(), f, step, spec, out=out)
 
-    def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
-        return self.K.proxy(logprobs, offsets, alpha, beta, gamma, q, check_values=check_values)
+    def proxy_planned(self, logprobs, plan: ProxyPlan) -> ProxyOut:
+        return self.K.proxy_planned(logprobs, plan)
 
     def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
         return self.K.span_logprobs(hidden, weight, targets, softcap=softcap)

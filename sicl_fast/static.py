@@ -1,0 +1,160 @@
+"""The graph-ready ascent: a static step whose whole state lives in preallocated device tensors, and a driver
+that reads the state back only every k steps. It computes Algorithm 1 exactly as the readable eager loop
+(`Calibrator.run`, the reference) does, and is tested equal to it bit for bit.
+
+    step = StaticStep(backend, config, prompt)      allocates every buffer once
+    step()                                          perturb -> forward -> span log-probs -> proxy ->
+                                                    best / patience / SNR / stop bookkeeping -> update, in place
+    run_static(backend, config, prompt, sync_every=k) -> CalibrationResult
+
+One call of the step reads nothing back to the host: no .item(), no float() / bool() of a tensor, no Python
+branch on a tensor value (tests run it under a guard that fails on any). The step index and the stop flag are
+device tensors; the noise kernels read the step from the device. Every decision of the eager loop (gate,
+patience, SNR skip and stop, max_steps, the projection count, a non-finite proxy) is a masked update of the
+state, and once the run has stopped further calls change nothing, so the driver may run past the stop between
+two reads. The step allocates no persistent buffer after construction; the forward's temporaries come from
+the caching allocator (inside a CUDA graph, from the graph's pool).
+
+Only the fast backend has a sync-free forward (`FastBackend.span_forward`); the prefix K/V of rows [0, a) is
+computed once when nothing can change those rows (projection_scope 'demos', or no projection), and on every
+step otherwise (the eager loop recomputes it when the whole-matrix projection rescaled them).
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .ascent import CalibrationConfig, CalibrationResult, Calibrator
+from .best import BestState
+from .errors import NumericalError, SiclError
+from .proxy import ProxyPlan
+from .spans import Prompt
+from .zo import finite_differences
+
+# stop reasons, as the state stores them
+RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE = range(6)
+REASONS = {GATE: "gate", PATIENCE: "patience", SNR: "snr", MAX_STEPS: "max_steps"}
+
+
+def supports_static(backend) -> bool:
+    """Does the backend have a forward without host reads (FastBackend.span_forward)?"""
+    return hasattr(backend, "span_forward")
+
+
+class StaticStep:
+    """One prompt's calibration state on the device and its step (module docstring). `config` with its scale
+    resolved (Calibrator does it); X0 [L, d] float32 checked by Calibrator.initial_embeddings."""
+
+    def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor) -> None:
+        if not supports_static(backend):
+            raise SiclError(f"the static step needs a forward without host reads, which the {backend.name!r} "
+                            "backend does not have; use the 'fast' or 'fast-fp32' backend, or the eager loop")
+        cal = Calibrator(backend, config)
+        self.backend, self.ops, self.config, self.prompt = backend, backend.ops, cal.config, prompt
+        cfg = self.config
+        dev, m = backend.device, backend.model
+        self.spec = cal.step_spec(prompt, X0)
+        self.span = backend.span_plan(prompt)
+        self.plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta,
+                                    cfg.gamma, cfg.q)
+        self.X0 = X0.to(dev, torch.float32).contiguous().clone()
+        self.X = self.X0.clone()
+        self.X_next = torch.empty_like(self.X)
+        self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
+        self.best = BestState(self.X0)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.step_t = torch.zeros(1, **i64)  # the step index, read by the noise kernels
+        self.steps_run = torch.zeros(1, **i64)
+        self.reason = torch.zeros(1, **i64)  # RUNNING until a stop
+        self.low_snr = torch.zeros(1, **i64)
+        self.projections = torch.zeros(1, **i64)
+        self.history = torch.full((cfg.max_steps,), math.nan, dtype=torch.float32, device=dev)
+        self.minus_inf = torch.full((1,), -math.inf, dtype=torch.float32, device=dev)
+        a = prompt.demo_start
+        self.use_prefix = backend.prefix_cache and a > 0
+        rows_fixed = cfg.projection_scope == "demos" or cfg.kappa <= 0  # nothing rescales rows [0, a)
+        self.prefix = m.prefix_kv(self.X0[:a].to(m.dtype)) if self.use_prefix and rows_fixed else None
+
+    def _prefix(self):
+        if not self.use_prefix:
+            return None
+        if self.prefix is not None:
+            return self.prefix
+        m = self.backend.model
+        return m.prefix_kv(self.X[:self.prompt.demo_start].to(m.dtype))
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        """One step of Algorithm 1 on the device state (module docstring)."""
+        cfg, spec, s = self.config, self.spec, self.step_t
+        m = self.backend.model
+        active = self.reason == RUNNING  # [1] bool
+        self.ops.perturb(self.X, s, spec, out=self.batch)
+        x = self.batch[:, :self.prompt.demo_end].to(m.dtype)
+        lp = self.backend.span_forward(x, self.span, self._prefix(), near_row0=True)
+        f = self.ops.proxy_planned(lp, self.plan).f  # [B]
+        f0 = f[:1]
+        finite = torch.isfinite(f0)
+        ok = active & finite
+        self.steps_run += active.long()
+        self.history.index_copy_(0, s, torch.where(active, f0, self.history.index_select(0, s)))
+        bad = active & ~finite
+        gate = ok & (s == 0) & (f0.double() < cfg.tau)  # float64, as the eager loop compares python floats
+        self.ops.track_best(torch.where(ok, f0, self.minus_inf), self.X, self.best)
+        patience = ok & ~gate & (self.best.counters[:1] >= cfg.patience) if cfg.patience else torch.zeros_like(ok)
+        go = ok & ~gate & ~patience  # the eager loop gets past its stop checks
+        if cfg.snr_threshold > 0:
+            d = finite_differences(f, cfg.mu_eff, cfg.estimator)
+            snr = (d.mean().abs() / (d.std() + 1e-12)).reshape(1) if d.numel() >= 2 else torch.zeros_like(f0)
+            low = go & (snr.double() < cfg.snr_threshold)
+            self.low_snr.copy_(torch.where(low, self.low_snr + 1, torch.where(go, 0, self.low_snr)))
+            snr_stop = low & (self.low_snr >= max(cfg.patience, 1))
+        else:
+            low = snr_stop = torch.zeros_like(ok)
+        last = go & ~snr_stop & (s == cfg.max_steps - 1)
+        update = go & ~low & ~last
+        X_new, fired = self.ops.update(self.X, self.X0, f, s, spec, out=self.X_next)
+        self.X.copy_(torch.where(update.view(1, 1), X_new, self.X))
+        self.projections += (update & (fired != 0)).long()
+        reason = (bad.long() * NONFINITE + gate.long() * GATE + patience.long() * PATIENCE
+                  + snr_stop.long() * SNR + last.long() * MAX_STEPS)  # at most one is set
+        self.reason.copy_(torch.where(active, reason, self.reason))
+        s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
+
+
+def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
+               sync_every: int = 1, on_step=None) -> CalibrationResult:
+    """Calibrate one prompt with the static step, reading its state back every `sync_every` steps. Returns the
+    CalibrationResult the eager loop would (history, best_step, stop_reason, steps, projections, embeddings)."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise SiclError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    t0 = time.perf_counter()
+    cal = Calibrator(backend, config)
+    X0 = cal.initial_embeddings(prompt, X0)
+    st = StaticStep(backend, cal.config, prompt, X0)
+    reported = 0
+    while True:
+        for _ in range(sync_every):
+            st()
+        done, n = int(st.reason) != RUNNING, int(st.steps_run)  # the one read per sync_every steps
+        if on_step is not None and n > reported:
+            for i, v in enumerate(st.history[reported:n].tolist(), start=reported):
+                on_step(i, v)
+            reported = n
+        if done:
+            break
+    reason = int(st.reason)
+    history = st.history[:n].tolist()
+    if reason == NONFINITE:
+        raise NumericalError(f"request {prompt.id!r}: the proxy is {history[-1]} at step {n - 1}")
+    return CalibrationResult(
+        embeddings=st.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(st.best.best_f),
+        steps=n, best_step=st.best.best_step, gated=reason == GATE, stop_reason=REASONS[reason], history=history,
+        seconds=time.perf_counter() - t0, projections=int(st.projections), config=cal.config,
+        impl=backend.ops.name,
+    )
+
+
+__all__ = ["StaticStep", "run_static", "supports_static"]

@@ -1,0 +1,121 @@
+"""The static, sync-free step and its driver (sicl_fast.static) against the eager reference loop
+(Calibrator.run): the same CalibrationResult bit for bit (history, best step, stop reason, steps, projections,
+embeddings), for every estimator, grad mode, projection scope, SNR setting and gate case, whatever the number
+of steps between two reads of the state; and no host read inside a step.
+"""
+import pytest
+import torch
+
+from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.backends import make_backend
+from sicl_fast.errors import SiclError
+from sicl_fast.static import StaticStep, run_static
+from test_fast_backend import make_prompt, models, perturbed  # noqa: F401 (fixture)
+from test_ops import device_of, why_unavailable
+
+BASE = dict(N=3, mu=0.05, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=5, seed=3, scale=1.0)
+CONFIGS = {
+    "forward-clip-prompt": dict(),
+    "central-normalize-demos-projects": dict(estimator="central", grad_mode="normalize", projection_scope="demos",
+                                             kappa=0.999, eta=2.0),
+    "prompt-projection-fires": dict(kappa=0.999, eta=2.0, grad_mode="normalize"),
+    "patience": dict(eta=0.0, patience=2, max_steps=8),
+    "snr-stop": dict(snr_threshold=1e9, patience=2, max_steps=8),
+    "snr-skips": dict(snr_threshold=0.5, patience=4, max_steps=6),
+    "gate": dict(tau=0.99),
+    "perturb-query": dict(perturb_query=True, grad_mode="normalize"),
+    "one-step": dict(max_steps=1),
+}
+
+
+def assert_same_result(got, ref):
+    assert got.history == ref.history  # python floats of the same float32 values: exact
+    for name in ("steps", "best_step", "stop_reason", "gated", "projections", "initial_proxy", "best_proxy",
+                 "impl"):
+        assert getattr(got, name) == getattr(ref, name), name
+    assert torch.equal(got.embeddings.cpu(), ref.embeddings.cpu())
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+@pytest.mark.parametrize("family,a", [("llama", 0), ("gemma2", 6)])
+def test_static_equals_eager(models, family, a, impl, name):
+    if why_unavailable(impl):
+        pytest.skip(why_unavailable(impl))
+    lm = models[family]
+    be = make_backend("fast-fp32", lm, impl=impl)
+    cfg = CalibrationConfig(**{**BASE, **CONFIGS[name]})
+    p = make_prompt(a, seed=a + 1)
+    ref = Calibrator(be, cfg).run(p)
+    expected = {"patience": "patience", "snr-stop": "snr", "gate": "gate"}.get(name, "max_steps")
+    assert ref.stop_reason == expected or name == "snr-skips"
+    if name.endswith("fires") or name.endswith("projects"):
+        assert ref.projections > 0
+    for k in (1, 3, 7):  # reads every k steps; the runs past a stop must not change the result
+        assert_same_result(run_static(be, cfg, p, sync_every=k), ref)
+
+
+def test_static_with_difference_products_equals_eager(models):
+    be = make_backend("fast", models["llama"], diff_matmul="bf16", impl="cpp" if not why_unavailable("cpp") else "torch")
+    cfg = CalibrationConfig(**{**BASE, **CONFIGS["central-normalize-demos-projects"]})
+    p = make_prompt(6)
+    assert_same_result(run_static(be, cfg, p, sync_every=2), Calibrator(be, cfg).run(p))
+
+
+@pytest.mark.parametrize("name", ["forward-clip-prompt", "central-normalize-demos-projects", "snr-skips"])
+def test_static_triton_equals_eager(models, name):
+    if why_unavailable("triton") or device_of("triton") != "cpu":
+        pytest.skip(why_unavailable("triton") or "the tiny model lives on the CPU")
+    be = make_backend("fast-fp32", models["llama"], impl="triton")
+    cfg = CalibrationConfig(**{**BASE, **CONFIGS[name], "max_steps": 3})
+    p = make_prompt(6)
+    assert_same_result(run_static(be, cfg, p, sync_every=2), Calibrator(be, cfg).run(p))
+
+
+class HostReadGuard:
+    """Fails on what would synchronise with a GPU: .item(), .tolist(), float() / int() / bool() of a tensor (the
+    semantics of torch.cuda.set_sync_debug_mode('error'), emulated on the CPU)."""
+
+    NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
+
+    def __init__(self, monkeypatch):
+        self.mp = monkeypatch
+
+    def __enter__(self):
+        for name in self.NAMES:
+            def trip(self_, *a, _name=name, **k):
+                raise AssertionError(f"host read inside the step: Tensor.{_name}")
+            self.mp.setattr(torch.Tensor, name, trip)
+
+    def __exit__(self, *exc):
+        self.mp.undo()
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+def test_no_host_read_inside_the_step(models, monkeypatch, impl):
+    if why_unavailable(impl):
+        pytest.skip(why_unavailable(impl))
+    be = make_backend("fast", models["gemma2"], diff_matmul="bf16", impl=impl)
+    cfg = Calibrator(be, CalibrationConfig(**{**BASE, "snr_threshold": 0.5, "patience": 2, "kappa": 0.9})).config
+    p = make_prompt(6)
+    st = StaticStep(be, cfg, p, be.embed(p))
+    with HostReadGuard(monkeypatch):
+        for _ in range(4):
+            st()
+    assert int(st.steps_run) == 4
+    with HostReadGuard(monkeypatch), pytest.raises(AssertionError, match="host read inside the step"):
+        float(st.steps_run)  # the guard works
+
+
+def test_nonfinite_proxy_and_bad_arguments(models):
+    be = make_backend("fast-fp32", models["llama"], impl="torch")
+    p = make_prompt(0)
+    cfg = CalibrationConfig(**BASE)
+    with pytest.raises(SiclError, match="sync_every must be an int >= 1"):
+        run_static(be, cfg, p, sync_every=0)
+    with pytest.raises(SiclError, match="the static step needs a forward without host reads.*'hf'"):
+        run_static(make_backend("hf", models["llama"], impl="torch"), cfg, p)
+    X0 = be.embed(p)
+    X0[3, 0] = float("nan")
+    with pytest.raises(SiclError, match="NaN or inf .row 3"):
+        run_static(be, cfg, p, X0=X0)

@@ -13,6 +13,7 @@ from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
+from .static import LOOPS
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -59,6 +60,11 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="implementation of the hot ops (perturb, update, proxy, span head, difference epilogues): "
                         "auto (Triton on CUDA, the C++ extension on the CPU when built, else torch), torch, cpp, "
                         "triton")
+    g.add_argument("--loop", default="auto", choices=LOOPS,
+                   help="static: the sync-free step (sicl_fast.static); eager: the reference loop; auto: static where "
+                        "the backend supports it (fast, fast-fp32). Same results.")
+    g.add_argument("--sync-every", type=int, default=None, metavar="K",
+                   help="static loop: read the state back every K steps (default 1 on the CPU, 8 on a GPU)")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
 
@@ -117,7 +123,7 @@ def _engine(args, add_special_tokens=None):
 
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
     return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                  diff_matmul=args.diff_matmul, impl=args.impl)
+                  diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every)
 
 
 def _progress(total: int, desc: str):

@@ -13,16 +13,21 @@ import torch
 
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import make_backend
+from .errors import SiclError
 from .generate import Generation
 from .models import LoadedModel, load
 from .proxy import ProxyOut
 from .requests import Request, parse_request
 from .spans import Prompt, tokenize
+from .spec import check_choice
+from .static import LOOPS, default_sync_every, run_static, supports_static
 
 
 class Engine:
     """lm: a LoadedModel (or None to load `model` with `dtype` / `device`). impl: the implementation of the hot
-    ops, chosen once here ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops)."""
+    ops, chosen once here ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops). loop: how calibrations run:
+    'static' (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the
+    reference loop, Calibrator.run), 'auto' (static where the backend supports it). Both give the same result."""
 
     def __init__(
         self,
@@ -34,9 +39,17 @@ class Engine:
         device: str = "cpu",
         diff_matmul: str = "auto",
         impl: str = "auto",
+        loop: str = "auto",
+        sync_every: int | None = None,
     ) -> None:
+        check_choice(loop, LOOPS, "loop", "Engine")
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
         self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul, impl=impl)
+        if loop == "static" and not supports_static(self.backend):
+            raise SiclError(f"loop 'static' needs the fast backend's sync-free forward; {self.backend.name!r} has "
+                            "none (use loop 'eager' or 'auto')")
+        self.static = loop != "eager" and supports_static(self.backend)
+        self.sync_every = sync_every if sync_every is not None else default_sync_every(self.lm.device)
         self.add_special_tokens = add_special_tokens
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:
@@ -58,7 +71,10 @@ class Engine:
         return cal.proxy_of(X.unsqueeze(0), prompt)
 
     def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, **overrides) -> CalibrationResult:
-        return Calibrator(self.backend, self.config(config, **overrides)).run(prompt, on_step=on_step)
+        cfg = self.config(config, **overrides)
+        if self.static:
+            return run_static(self.backend, cfg, prompt, sync_every=self.sync_every, on_step=on_step)
+        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step)
 
     def generate(
         self,

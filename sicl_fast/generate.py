@@ -61,33 +61,51 @@ def check_inputs(lm, embeds: torch.Tensor, max_new_tokens: int) -> None:
 def greedy_decode(
     lm,
     prefill: Callable[[], torch.Tensor],
-    step: Callable[[int], torch.Tensor],
+    step: Callable[[torch.Tensor], torch.Tensor],
     max_new_tokens: int,
     stop_strings: Sequence[str] = (),
     stop_fn: Callable[[str], bool] | None = None,
+    read_every: int = 1,
 ) -> Generation:
     """The greedy loop and its stop rules, for any forward: prefill() -> next-token logits [V] after the prompt;
-    step(token_id) -> next-token logits [V] after feeding that token."""
+    step(token) -> next-token logits [V] after feeding that token (an int64 [1] tensor on the logits' device).
+
+    The argmax stays on the device; the host reads the new tokens every `read_every` tokens and applies the stop
+    rules to them in order, so the answer is the same for any read_every (tokens computed past a stop are
+    dropped)."""
     out = Generation()
     if max_new_tokens > 0:
         eos = lm.eos_token_ids
         with torch.no_grad():
             logits = prefill()
-            while True:
-                nxt = int(logits.float().argmax())
-                if nxt in eos:
-                    out.stop_reason = "eos"
-                    break
-                out.token_ids.append(nxt)
-                out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                if stop_reached(out.text, stop_strings, stop_fn):
-                    out.stop_reason = "stop_string"
-                    break
-                if len(out.token_ids) == max_new_tokens:
-                    break
-                logits = step(nxt)
+            tokens = torch.empty(max_new_tokens, dtype=torch.int64, device=logits.device)
+            done = read = 0
+            for i in range(max_new_tokens):
+                tokens[i:i + 1] = logits.float().argmax().view(1)
+                if (i + 1) % read_every == 0 or i + 1 == max_new_tokens:
+                    for nxt in tokens[read:i + 1].tolist():
+                        done = _take(lm, out, nxt, eos, stop_strings, stop_fn, max_new_tokens)
+                        if done:
+                            break
+                    read = i + 1
+                    if done:
+                        break
+                logits = step(tokens[i:i + 1])
     out.answer = cut_at_stops(out.text, stop_strings)
     return out
+
+
+def _take(lm, out: Generation, nxt: int, eos, stop_strings, stop_fn, max_new_tokens: int) -> bool:
+    """One greedy token through the stop rules; True when generation ends (out.stop_reason set)."""
+    if nxt in eos:
+        out.stop_reason = "eos"
+        return True
+    out.token_ids.append(nxt)
+    out.text = lm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    if stop_reached(out.text, stop_strings, stop_fn):
+        out.stop_reason = "stop_string"
+        return True
+    return len(out.token_ids) == max_new_tokens
 
 
 def greedy_generate(
@@ -108,9 +126,8 @@ def greedy_generate(
         state["past"] = out.past_key_values
         return out.logits[0, -1]
 
-    def step(token: int):
-        ids = torch.tensor([[token]], device=lm.device)
-        out = model(input_ids=ids, past_key_values=state["past"], use_cache=True)
+    def step(token: torch.Tensor):
+        out = model(input_ids=token.view(1, 1), past_key_values=state["past"], use_cache=True)
         state["past"] = out.past_key_values
         return out.logits[0, -1]
 

@@ -38,6 +38,15 @@ RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE = range(6)
 REASONS = {GATE: "gate", PATIENCE: "patience", SNR: "snr", MAX_STEPS: "max_steps"}
 
 
+LOOPS = ("auto", "static", "eager")
+
+
+def default_sync_every(device) -> int:
+    """Steps between two reads of the state: 1 on the CPU (a read costs nothing there and the progress stays
+    exact); 8 on a GPU (provisional: the GPU engine measures the best k)."""
+    return 1 if torch.device(device).type == "cpu" else 8
+
+
 def supports_static(backend) -> bool:
     """Does the backend have a forward without host reads (FastBackend.span_forward)?"""
     return hasattr(backend, "span_forward")
@@ -157,4 +166,4 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     )
 
 
-__all__ = ["StaticStep", "run_static", "supports_static"]
+__all__ = ["StaticStep", "run_static", "supports_static", "default_sync_every", "LOOPS"]

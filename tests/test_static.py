@@ -119,3 +119,38 @@ def test_nonfinite_proxy_and_bad_arguments(models):
     X0[3, 0] = float("nan")
     with pytest.raises(SiclError, match="NaN or inf .row 3"):
         run_static(be, cfg, p, X0=X0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
+def test_static_cache_decoding_equals_transformers(models, family, monkeypatch):
+    """Greedy ids of the fixed-buffer decoder equal transformers' own generation, whatever the read interval;
+    every decoded token attends over the same buffer shape (no per-length shapes)."""
+    from sicl_fast.generate import greedy_generate
+    from sicl_fast.models import attention
+
+    lm = models[family]
+    be = make_backend("fast-fp32", lm, impl="torch")
+    p = make_prompt(0, seed=5)
+    X = be.embed(p)
+    ref = greedy_generate(lm, X, 12)
+    shapes = []
+    real = attention.attend_math
+    monkeypatch.setattr(attention, "attend_math", lambda q, k, *a: shapes.append(tuple(k.shape)) or real(q, k, *a))
+    for every in (1, 3, 8):
+        be.read_every = every
+        got = be.generate(X, p, 12)
+        assert got.token_ids == ref.token_ids and got.stop_reason == ref.stop_reason
+    decode_shapes = {s for s in shapes if s[1] > X.shape[0]}  # the decode steps' keys: the whole buffer
+    assert len(decode_shapes) == 1
+
+
+def test_decode_step_has_no_host_read(models, monkeypatch):
+    m = make_backend("fast-fp32", models["gemma2"], impl="torch").model
+    cache = m.new_cache(40)
+    m.forward(torch.randn(1, 20, m.d), 0, cache=cache)
+    cache.pos.fill_(20)
+    tok = torch.tensor([3])
+    with HostReadGuard(monkeypatch):
+        for _ in range(5):
+            tok = m.decode_logits(tok, cache).argmax().view(1)
+    assert int(cache.pos) == 25

@@ -60,6 +60,7 @@ class FastBackend(Backend):
         if m.device.type == "cuda":  # trust a fused attention kernel only after comparing it with the math path
             m.attention.verify(m.H, m.Hk, m.hd, fallback=attn == "auto")
         self.prefix_cache = prefix_cache
+        self.read_every = 1 if m.device.type == "cpu" else 8  # decoding: tokens between two host reads
         self._prefix: PrefixKV | None = None
         self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
 
@@ -115,25 +116,25 @@ class FastBackend(Backend):
 
     def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(),
                  stop_fn: Callable[[str], bool] | None = None):
-        """Greedy answer from embeddings [L, d], with a static KV cache; same stop rules and result type
-        (sicl_fast.generate.Generation) as the hf path's greedy_generate."""
+        """Greedy answer from embeddings [L, d] with a static KV cache: fixed buffers, each token written in
+        place at a device-held position and attended over the whole buffer with a mask (no shape changes with
+        the length), the argmax on the device, and the tokens read every `read_every` tokens. Same stop rules
+        and result type (sicl_fast.generate.Generation) as the hf path's greedy_generate."""
         from ..generate import check_inputs, greedy_decode
 
         lm, m = self.lm, self.model
         check_inputs(lm, embeds, max_new_tokens)
         L = embeds.shape[0]
-        embed = lm.model.get_input_embeddings()
         cache = m.new_cache(L + max(max_new_tokens, 1))
 
         def prefill():
             x = embeds.to(device=m.device, dtype=m.dtype).unsqueeze(0)  # [1, L, d]
-            return m.logits(m.forward(x, 0, cache=cache)[:, -1])[0]
+            logits = m.logits(m.forward(x, 0, cache=cache)[:, -1])[0]
+            cache.pos.fill_(L)
+            return logits
 
-        def step(token: int):
-            e = embed(torch.tensor([[token]], device=m.device))  # [1, 1, d], as the model embeds input_ids
-            return m.logits(m.forward(e, cache.length, cache=cache)[:, -1])[0]
-
-        return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn)
+        return greedy_decode(lm, prefill, lambda token: m.decode_logits(token, cache), max_new_tokens,
+                             stop_strings, stop_fn, read_every=self.read_every)
 
 
 __all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]

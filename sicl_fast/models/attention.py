@@ -216,6 +216,16 @@ class Attention:
             out = res if out is None else (merge(out[0], out[1], res[0], res[1]), None)
         return out[0]
 
+    def decode(self, q, k, v, keys: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor:
+        """One query q [1, 1, H, hd] at the position held in pos (int64 [1] device tensor) over a whole KV buffer
+        k, v [1, max_len, Hk, hd] whose key positions are keys [max_len]: the keys after pos (and, with a window,
+        at or before pos - window) are masked on the device. -> o [1, 1, H, hd]."""
+        seen = keys <= pos
+        if window is not None:
+            seen &= keys > pos - window
+        bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill_(~seen, -math.inf)
+        return attend_math(q, k, v, bias.view(1, 1, -1), self.scale, self.softcap)[0]
+
     def max_error(self, H: int, Hk: int, hd: int) -> float:
         """Largest difference between this kernel and the math path in float32, on small random problems with and
         without a shared prefix and a window. The kernel's own exceptions propagate."""

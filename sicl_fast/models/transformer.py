@@ -87,16 +87,24 @@ class Rotary:
         self.dtype = dtype
         self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
 
-    def tables(self, pos0: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, hd] for positions pos0 .. pos0+T-1 (broadcast over heads)."""
-        if pos0 + T > self.cos.shape[0]:
-            n = 1 << max(6, (pos0 + T - 1).bit_length())
+    def reserve(self, n: int) -> None:
+        """Make the tables cover positions 0 .. n-1 (grown to a power of two, at least 64)."""
+        if n > self.cos.shape[0]:
+            n = 1 << max(6, (n - 1).bit_length())
             pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float)
             freqs = pos[:, None] * self.inv_freq[None, :]  # [n, hd/2]; a K=1 product, as transformers' matmul
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
             self.cos = (emb.cos() * self.scaling).to(self.dtype)
             self.sin = (emb.sin() * self.scaling).to(self.dtype)
+
+    def tables(self, pos0: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, hd] for positions pos0 .. pos0+T-1 (broadcast over heads)."""
+        self.reserve(pos0 + T)
         return self.cos[pos0:pos0 + T, None], self.sin[pos0:pos0 + T, None]
+
+    def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, 1, hd] for the position held in the int64 [1] device tensor pos (reserve first)."""
+        return self.cos.index_select(0, pos)[:, None], self.sin.index_select(0, pos)[:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -164,12 +172,16 @@ class PrefixKV:
 
 
 class StaticCache:
-    """K/V buffers [1, max_len, Hk, hd] per layer for greedy decoding; `length` rows are filled."""
+    """K/V buffers [1, max_len, Hk, hd] per layer for greedy decoding; `length` rows are filled. Decoding
+    (Transformer.decode_logits) writes the next position, held on the device in `pos` (int64 [1]), in place and
+    attends over the whole fixed buffer with a mask: every token has the same shapes, whatever its position."""
 
     def __init__(self, n_layers: int, max_len: int, Hk: int, hd: int, dtype, device) -> None:
         self.k = [torch.zeros(1, max_len, Hk, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(1, max_len, Hk, hd, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)
+        self.keys = torch.arange(max_len, device=device)  # key positions, for the mask
 
 
 def _param(module, name):
@@ -310,9 +322,14 @@ class Transformer:
         v = v.view(B, T, self.Hk, self.hd)
         if L.q_norm is not None:
             q, k = self.norm(q, L.q_norm), self.norm(k, L.k_norm)
-        cos, sin = self.rotary[L.rope].tables(pos0, T)
+        decoding = cache is not None and pos0 < 0  # one token at the position cache.pos holds on the device
+        cos, sin = self.rotary[L.rope].at(cache.pos) if decoding else self.rotary[L.rope].tables(pos0, T)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write this step's rows, attend to everything written so far
+        if decoding:
+            cache.k[i].index_copy_(1, cache.pos, k)
+            cache.v[i].index_copy_(1, cache.pos, v)
+            o = self.attention.decode(q, cache.k[i], cache.v[i], cache.keys, cache.pos, L.window)
+        elif cache is not None:  # write this step's rows, attend to everything written so far
             cache.k[i][:, pos0:pos0 + T] = k
             cache.v[i][:, pos0:pos0 + T] = v
             o = self.attention(q, cache.k[i][:, :pos0 + T], cache.v[i][:, :pos0 + T], pos0, L.window,
@@ -339,8 +356,8 @@ class Transformer:
     def forward(self, x: torch.Tensor, pos0: int = 0, prefix: PrefixKV | None = None,
                 cache: StaticCache | None = None, collect: bool = False, near_row0: bool = False):
         """x [B, T, d] (model dtype) at positions pos0 .. -> final-normed hidden [B, T, d]; with collect, also
-        the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: generation KV cache.
-        near_row0: rows 1.. are small perturbations of row 0, so difference products may be used (when
+        the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: generation KV cache
+        (pos0 = -1: one token at the position cache.pos holds, see decode_logits). near_row0: rows 1.. are small perturbations of row 0, so difference products may be used (when
         enabled; see the module docstring)."""
         if prefix is not None and prefix.length != pos0:
             raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {pos0}")
@@ -354,7 +371,7 @@ class Transformer:
                                keep_kv=collect)
             if collect:
                 kvs.append(kv)
-        if cache is not None:
+        if cache is not None and pos0 >= 0:
             cache.length = pos0 + x.shape[1]
         h = self.norm(x, self.final_norm)
         return (h, kvs) if collect else h
@@ -373,7 +390,18 @@ class Transformer:
         return z
 
     def new_cache(self, max_len: int) -> StaticCache:
+        for r in self.rotary.values():
+            r.reserve(max_len)  # decoding reads the tables at device positions: no growth then
         return StaticCache(len(self.layers), max_len, self.Hk, self.hd, self.dtype, self.device)
+
+    @torch.no_grad()
+    def decode_logits(self, token: torch.Tensor, cache: StaticCache) -> torch.Tensor:
+        """Feed one token (int64 [1] device tensor) at position cache.pos, advance it; -> next-token logits [V].
+        Same shapes at every position and no host read: capturable in a CUDA graph."""
+        x = self.embed(token.view(1, 1))  # [1, 1, d], as the model embeds input_ids
+        h = self.forward(x, -1, cache=cache)
+        cache.pos += 1
+        return self.logits(h[:, -1])[0]
 
 
 __all__ = ["SUPPORTED_FAMILIES", "DIFF_MATMUL", "Transformer", "PrefixKV", "StaticCache", "UnsupportedModelError",

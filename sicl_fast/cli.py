@@ -1,4 +1,5 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench`. It only parses and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile`. It only parses and calls
+the API."""
 from __future__ import annotations
 
 import argparse
@@ -109,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--calibration-steps", type=int, default=0,
                     help="also time a whole calibration of this many steps (patience off)")
     _model_flags(bn), _config_flags(bn)
+
+    pr = sub.add_parser("profile", help="where the time of one ascent step goes: per phase ms, share, FLOPs, "
+                                         "FLOP/s against the measured matmul peak; peak memory; ops per step")
+    pr.add_argument("requests", nargs="?", default=None,
+                    help="requests JSONL (the first request is profiled); default: a synthetic prompt of --length")
+    pr.add_argument("--length", type=int, default=512, help="synthetic prompt length in tokens (default 512)")
+    pr.add_argument("--prefix", type=int, default=0, help="synthetic prompt: tokens of instruction before the demos")
+    pr.add_argument("--repeats", type=int, default=5, help="timed calls per phase (the best is kept)")
+    pr.add_argument("--trace", default=None, metavar="OUT.json",
+                    help="also write a torch.profiler Chrome trace (NVTX ranges per phase on CUDA)")
+    pr.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    _model_flags(pr), _config_flags(pr)
+    pr.set_defaults(backend="fast")
 
     add_report_command(sub)
     return p
@@ -236,8 +250,33 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from .benchmark import synthetic_prompt
+    from .profile import profile_step
+    from .requests import read_requests
+
+    if args.repeats < 1 or args.length < 8:
+        raise SiclError("profile: --repeats must be >= 1 and --length >= 8")
+    eng = _engine(args)
+    if args.requests:
+        prompt = eng.prepare(read_requests(args.requests)[0])
+    else:
+        prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
+    prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace)
+    if args.json:
+        print(json.dumps({"info": prof.info, "step_ms": prof.step_ms, "peak_mb": prof.peak_mb, "ops": prof.ops,
+                          "matmul_peak_gflops": prof.peak_gflops, "matmul_peak_shape": prof.peak_shape,
+                          "phases": [dict(zip(("phase", "ms", "share", "gflop", "gflops", "pct_peak"), r))
+                                     for r in prof.rows]}))
+    else:
+        print(prof.markdown())
+    if args.trace:
+        print(f"trace: {args.trace}", file=sys.stderr)
+    return 0
+
+
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report}
+            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "the backend supports it (fast, fast-fp32). Same results.")
     g.add_argument("--sync-every", type=int, default=None, metavar="K",
                    help="static loop: read the state back every K steps (default 1 on the CPU, 8 on a GPU)")
+    g.add_argument("--pack", type=int, default=1, metavar="P",
+                   help="calibrate / icleval: calibrate up to P prompts at once through one batched forward "
+                        "(throughput mode, fast backend; default 1)")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
 
@@ -137,7 +140,8 @@ def _engine(args, add_special_tokens=None):
 
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
     return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                  diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every)
+                  diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
+                  pack=args.pack)
 
 
 def _progress(total: int, desc: str):
@@ -198,8 +202,9 @@ def cmd_calibrate(args) -> int:
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
                   file=sys.stderr)
         bar = _progress(len(todo), "calibrate")
-        for p in todo:
-            res = eng.calibrate(p, cfg)
+
+        def write(i: int, res) -> None:
+            p = todo[i]
             rec = {"id": p.id, **res.summary()}
             if args.generate:
                 rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
@@ -207,6 +212,8 @@ def cmd_calibrate(args) -> int:
                     p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
             out.write(rec)
             bar.update(1)
+
+        eng.calibrate_many(todo, cfg, on_result=write)
         bar.close()
     return 0
 

@@ -20,6 +20,7 @@ from .proxy import ProxyOut
 from .requests import Request, parse_request
 from .spans import Prompt, tokenize
 from .spec import check_choice
+from .packed import run_packed
 from .static import LOOPS, default_sync_every, run_static, supports_static
 
 
@@ -27,7 +28,8 @@ class Engine:
     """lm: a LoadedModel (or None to load `model` with `dtype` / `device`). impl: the implementation of the hot
     ops, chosen once here ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops). loop: how calibrations run:
     'static' (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the
-    reference loop, Calibrator.run), 'auto' (static where the backend supports it). Both give the same result."""
+    reference loop, Calibrator.run), 'auto' (static where the backend supports it). Both give the same result.
+    pack: calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class Engine:
         impl: str = "auto",
         loop: str = "auto",
         sync_every: int | None = None,
+        pack: int = 1,
     ) -> None:
         check_choice(loop, LOOPS, "loop", "Engine")
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
@@ -50,6 +53,12 @@ class Engine:
                             "none (use loop 'eager' or 'auto')")
         self.static = loop != "eager" and supports_static(self.backend)
         self.sync_every = sync_every if sync_every is not None else default_sync_every(self.lm.device)
+        if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
+            raise SiclError(f"pack must be an int >= 1, got {pack!r}")
+        if pack > 1 and not self.static:
+            raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {self.backend.name!r}, "
+                            f"loop {loop!r})")
+        self.pack = pack
         self.add_special_tokens = add_special_tokens
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:
@@ -75,6 +84,23 @@ class Engine:
         if self.static:
             return run_static(self.backend, cfg, prompt, sync_every=self.sync_every, on_step=on_step)
         return Calibrator(self.backend, cfg).run(prompt, on_step=on_step)
+
+    def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,
+                       **overrides) -> list[CalibrationResult]:
+        """Calibrate every prompt, `pack` at once when pack > 1 (sicl_fast.packed), else one by one. With
+        on_result(i, result), each result goes there as it finishes and nothing is kept (a long run's memory
+        stays flat); without, the results come back in the order of `prompts`."""
+        cfg = self.config(config, **overrides)
+        if self.pack > 1:
+            return run_packed(self.backend, [(p, cfg) for p in prompts], self.pack, self.sync_every, on_result)
+        results = []
+        for i, p in enumerate(prompts):
+            res = self.calibrate(p, cfg)
+            if on_result is None:
+                results.append(res)
+            else:
+                on_result(i, res)
+        return results
 
     def generate(
         self,

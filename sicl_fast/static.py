@@ -54,9 +54,11 @@ def supports_static(backend) -> bool:
 
 class StaticStep:
     """One prompt's calibration state on the device and its step (module docstring). `config` with its scale
-    resolved (Calibrator does it); X0 [L, d] float32 checked by Calibrator.initial_embeddings."""
+    resolved (Calibrator does it); X0 [L, d] float32 checked by Calibrator.initial_embeddings. use_prefix=False:
+    always the full rows [0, b) (the packed step, sicl_fast.packed, runs prompts without their prefix K/V)."""
 
-    def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor) -> None:
+    def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
+                 use_prefix: bool = True) -> None:
         if not supports_static(backend):
             raise SiclError(f"the static step needs a forward without host reads, which the {backend.name!r} "
                             "backend does not have; use the 'fast' or 'fast-fp32' backend, or the eager loop")
@@ -82,7 +84,7 @@ class StaticStep:
         self.history = torch.full((cfg.max_steps,), math.nan, dtype=torch.float32, device=dev)
         self.minus_inf = torch.full((1,), -math.inf, dtype=torch.float32, device=dev)
         a = prompt.demo_start
-        self.use_prefix = backend.prefix_cache and a > 0
+        self.use_prefix = use_prefix and backend.prefix_cache and a > 0
         rows_fixed = cfg.projection_scope == "demos" or cfg.kappa <= 0  # nothing rescales rows [0, a)
         self.prefix = m.prefix_kv(self.X0[:a].to(m.dtype)) if self.use_prefix and rows_fixed else None
 
@@ -97,13 +99,25 @@ class StaticStep:
     @torch.no_grad()
     def __call__(self) -> None:
         """One step of Algorithm 1 on the device state (module docstring)."""
-        cfg, spec, s = self.config, self.spec, self.step_t
+        self.perturb()
+        self.advance(self.evaluate())
+
+    def perturb(self) -> None:
+        """The perturbation batch of this step into self.batch [B, b, d]."""
+        self.ops.perturb(self.X, self.step_t, self.spec, out=self.batch)
+
+    def evaluate(self) -> torch.Tensor:
+        """f [B] of self.batch: the forward, the span head and the proxy."""
         m = self.backend.model
-        active = self.reason == RUNNING  # [1] bool
-        self.ops.perturb(self.X, s, spec, out=self.batch)
         x = self.batch[:, :self.prompt.demo_end].to(m.dtype)
         lp = self.backend.span_forward(x, self.span, self._prefix(), near_row0=True)
-        f = self.ops.proxy_planned(lp, self.plan).f  # [B]
+        return self.ops.proxy_planned(lp, self.plan).f
+
+    def advance(self, f: torch.Tensor) -> None:
+        """The bookkeeping of the step whose batch gave f [B] (gate, best X, patience, SNR, stops), then the
+        update of X, all as masked updates of the device state."""
+        cfg, spec, s = self.config, self.spec, self.step_t
+        active = self.reason == RUNNING  # [1] bool
         f0 = f[:1]
         finite = torch.isfinite(f0)
         ok = active & finite
@@ -132,6 +146,19 @@ class StaticStep:
         self.reason.copy_(torch.where(active, reason, self.reason))
         s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
 
+    def result(self, seconds: float) -> CalibrationResult:
+        """The CalibrationResult of a stopped run (reads the state: host syncs)."""
+        reason, n = int(self.reason), int(self.steps_run)
+        history = self.history[:n].tolist()
+        if reason == NONFINITE:
+            raise NumericalError(f"request {self.prompt.id!r}: the proxy is {history[-1]} at step {n - 1}")
+        return CalibrationResult(
+            embeddings=self.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(self.best.best_f),
+            steps=n, best_step=self.best.best_step, gated=reason == GATE, stop_reason=REASONS[reason],
+            history=history, seconds=seconds, projections=int(self.projections), config=self.config,
+            impl=self.ops.name,
+        )
+
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
                sync_every: int = 1, on_step=None) -> CalibrationResult:
@@ -154,16 +181,7 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             reported = n
         if done:
             break
-    reason = int(st.reason)
-    history = st.history[:n].tolist()
-    if reason == NONFINITE:
-        raise NumericalError(f"request {prompt.id!r}: the proxy is {history[-1]} at step {n - 1}")
-    return CalibrationResult(
-        embeddings=st.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(st.best.best_f),
-        steps=n, best_step=st.best.best_step, gated=reason == GATE, stop_reason=REASONS[reason], history=history,
-        seconds=time.perf_counter() - t0, projections=int(st.projections), config=cal.config,
-        impl=backend.ops.name,
-    )
+    return st.result(time.perf_counter() - t0)
 
 
 __all__ = ["StaticStep", "run_static", "supports_static", "default_sync_every", "LOOPS"]

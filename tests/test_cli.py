@@ -108,3 +108,24 @@ def test_icleval_command(tmp_path, capsys):
     # resume: nothing left to do, same records
     assert main(argv) == 0
     assert [json.loads(x) for x in out.read_text().splitlines()] == recs
+
+
+def test_calibrate_packed_and_loops_agree(tmp_path):
+    """--pack 2 (one batched forward for two prompts) and --loop eager give the records of the default run
+    (the static loop); packed to float tolerance (tests/test_packed.py says why), eager exactly."""
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, RAW, {**STRUCT, "id": "digits2", "query": "nine"}])
+    runs = {}
+    for name, extra in (("static", []), ("eager", ["--loop", "eager"]),
+                        ("packed", ["--pack", "2", "--backend", "fast-fp32"]),
+                        ("alone", ["--backend", "fast-fp32"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["calibrate", reqs, "--out", str(out), "--max-steps", "3", "--N", "2", *extra]) == 0
+        runs[name] = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    skip = {"seconds"}
+    strip = lambda rs: {i: {k: v for k, v in r.items() if k not in skip} for i, r in rs.items()}  # noqa: E731
+    assert strip(runs["static"]) == strip(runs["eager"])
+    assert set(runs["packed"]) == {"digits", "raw", "digits2"}
+    for i, r in runs["packed"].items():
+        a = runs["alone"][i]
+        assert r["steps"] == a["steps"] and r["stop_reason"] == a["stop_reason"]
+        assert r["best_proxy"] == pytest.approx(a["best_proxy"], rel=1e-5)

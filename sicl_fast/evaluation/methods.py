@@ -123,6 +123,7 @@ class _Runner:
         self.scorer = LabelScorer(engine.lm, add_special_tokens=True)
         self._base_for: tuple | None = None
         self._base = None
+        self._calibrated: dict = {}  # (variant name, sample key) -> CalibrationResult, from calibrate_packed
 
     def prompt(self, sample: Sample):
         lm = self.engine.lm
@@ -152,7 +153,7 @@ class _Runner:
                         "seconds": round(base_seconds, 3), "history": []})
             return rec
         if variant.method == "sicl":
-            res = self.engine.calibrate(prompt, variant.config)
+            res = self._calibrated.pop((variant.name, sample.key), None) or self.engine.calibrate(prompt, variant.config)
             cal = gen if res.best_step == 0 else self.decode(sample, prompt, res.embeddings)
             rec.update({"answer_calibrated": cal.text, "correct_calibrated": score(sample, cal.text),
                         "initial_proxy": res.initial_proxy, "best_proxy": res.best_proxy, "steps": res.steps,
@@ -167,6 +168,21 @@ class _Runner:
         rec["history"] = []
         rec.update(extra)
         return rec
+
+    def calibrate_packed(self, items, prompts) -> None:
+        """With engine.pack > 1: calibrate the 'sicl' items [(sample, variant)] together, `pack` at once
+        (sicl_fast.packed); record() then takes their results."""
+        work = [(s, v) for s, v in items if v.method == "sicl"]
+        if self.engine.pack <= 1 or not work:
+            return
+        from ..packed import run_packed
+
+        def keep(i: int, res) -> None:
+            s, v = work[i]
+            self._calibrated[(v.name, s.key)] = res
+
+        run_packed(self.engine.backend, [(prompts[s.key], self.engine.config(v.config)) for s, v in work],
+                   self.engine.pack, self.engine.sync_every, on_result=keep)
 
     # -- baselines ----------------------------------------------------------------------------------------------
     def _scored_base(self, sample: Sample, labels, p) -> dict:
@@ -287,10 +303,13 @@ def run_methods(
             print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
         bar = tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True)
-        for s, v in todo:
-            bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
-            out.write(runner.record(s, prompts[s.key], v))
-            bar.update(1)
+        chunk = max(1, getattr(engine, "pack", 1))  # packed: calibrate a chunk together, then record it
+        for c0 in range(0, len(todo), chunk):
+            runner.calibrate_packed(todo[c0:c0 + chunk], prompts)
+            for s, v in todo[c0:c0 + chunk]:
+                bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
+                out.write(runner.record(s, prompts[s.key], v))
+                bar.update(1)
         bar.close()
     wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
     return [r for r in read_records(out_path) if record_key(r) in wanted]

@@ -1,0 +1,74 @@
+"""The packed multi-prompt step (sicl_fast.packed): prompts of different lengths, one that gates at step 0,
+slots refilled from the queue; every result equals its prompt calibrated alone (seeded, float32, plain
+products, no prefix cache: the packed forward's own numerics).
+
+Packed alone (pack=1) the result is bit for bit the prompt's own. Packed with others, the forward's products
+have another row count and torch's CPU kernels (the BLAS, SDPA's blocked softmax over the padded length) may
+round a last bit differently (measured: ~1e-7 relative on f, 1e-6 on hidden states), so there the histories
+agree to rtol 1e-5 and the run takes the same steps, stops, best step and projections."""
+import pytest
+import torch
+
+from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.backends.fast import FastBackend
+from sicl_fast.errors import SiclError
+from sicl_fast.packed import run_packed
+from sicl_fast.requests import Request
+from sicl_fast.spans import Prompt
+from test_fast_backend import V, models  # noqa: F401 (fixture)
+from test_ops import why_unavailable
+from test_static import assert_same_result
+
+
+def prompt_of(L: int, spans, a: int, seed: int) -> Prompt:
+    g = torch.Generator().manual_seed(seed)
+    return Prompt(request=Request(id=f"p{L}", prompt="x" * 100, output_spans=((10, 20),)),
+                  input_ids=torch.randint(0, V, (L,), generator=g), token_spans=tuple(spans), demo_start=a,
+                  demo_end=spans[-1][1])
+
+
+BASE = CalibrationConfig(N=3, mu=0.05, eta=0.5, kappa=0.2, tau=0.0, patience=2, max_steps=5, scale=1.0)
+ITEMS = [
+    (prompt_of(48, ((14, 20), (26, 31)), 0, 1), BASE.replace(seed=1)),
+    (prompt_of(23, ((5, 9), (12, 15), (17, 20)), 2, 2), BASE.replace(seed=2, estimator="central", N=2)),
+    (prompt_of(35, ((8, 12), (20, 33)), 4, 3), BASE.replace(seed=3, tau=0.99)),  # gates at step 0
+    (prompt_of(17, ((3, 6), (9, 12)), 0, 4), BASE.replace(seed=4, grad_mode="normalize", kappa=0.999, eta=2.0,
+                                                          max_steps=4)),
+]
+
+
+def assert_close_result(got, ref):
+    for name in ("steps", "best_step", "stop_reason", "gated", "projections"):
+        assert getattr(got, name) == getattr(ref, name), name
+    torch.testing.assert_close(torch.tensor(got.history), torch.tensor(ref.history), rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(got.embeddings, ref.embeddings, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["math", "sdpa"])
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_equals_one_by_one(models, family, impl, attn):
+    if why_unavailable(impl):
+        pytest.skip(why_unavailable(impl))
+    from sicl_fast.ops import make_ops
+
+    be = FastBackend(models[family], attn=attn, diff_matmul="off", prefix_cache=False, ops=make_ops(impl))
+    refs = [Calibrator(be, cfg).run(p) for p, cfg in ITEMS]
+    for g, r in zip(run_packed(be, ITEMS, pack=1), refs):
+        assert_same_result(g, r)
+    assert refs[2].gated and len({p.length for p, _ in ITEMS}) == 4
+    for pack, k in ((2, 1), (4, 3), (3, 2)):
+        got = [None] * len(ITEMS)
+        assert run_packed(be, ITEMS, pack=pack, sync_every=k, on_result=got.__setitem__) == []
+        for g, r in zip(got, refs):
+            assert_close_result(g, r)
+
+
+def test_packed_arguments(models):
+    be = FastBackend(models["llama"], diff_matmul="off")
+    with pytest.raises(SiclError, match="pack must be an int >= 1"):
+        run_packed(be, ITEMS, pack=0)
+    from sicl_fast.backends.hf import HFBackend
+
+    with pytest.raises(SiclError, match="packed step needs the fast backend"):
+        run_packed(HFBackend(models["llama"]), ITEMS, pack=2)

@@ -154,3 +154,23 @@ def test_decode_step_has_no_host_read(models, monkeypatch):
         for _ in range(5):
             tok = m.decode_logits(tok, cache).argmax().view(1)
     assert int(cache.pos) == 25
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_captured_static_step_equals_eager_on_cuda(models):
+    """Warm-up steps change the state, so the captured step runs on a fresh state whose first steps are the
+    warm-up's: compare the eager loop against warm-up + replays."""
+    from sicl_fast.graphs import CapturedStep
+    from sicl_fast.models import from_transformers
+
+    lm = from_transformers(models["llama"].model.to("cuda"), models["llama"].tokenizer, name="tiny-llama-cuda")
+    be = make_backend("fast-fp32", lm, impl="triton")
+    cfg = Calibrator(be, CalibrationConfig(**{**BASE, "max_steps": 6})).config
+    p = make_prompt(6)
+    ref = Calibrator(be, cfg).run(p)
+    st = StaticStep(be, cfg, p, be.embed(p))
+    g = CapturedStep(st, warmup=2)  # steps 0, 1 (warm-up) and 2 (the capture itself runs the step once)
+    for _ in range(3):
+        g()
+    assert st.result(0.0).history == ref.history

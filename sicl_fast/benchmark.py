@@ -12,6 +12,7 @@ import time
 import torch
 
 from .ascent import CalibrationConfig, Calibrator
+from .errors import SiclError
 from .requests import render_structured
 from .spans import Prompt, tokenize
 
@@ -40,7 +41,7 @@ def synthetic_prompt(lm, length: int, output_fraction: float = 0.15, seed: int =
             demos.pop()
             break
     if not demos:
-        raise ValueError(f"length {length} is too short for one demonstration")
+        raise SiclError(f"synthetic_prompt: length {length} is too short for one demonstration")
     while True:
         query.append(rng.choice(_WORDS))
         if render().length > length:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
 from .fused import default_ops
 from .fused import proxy as fused_proxy
@@ -159,12 +160,7 @@ class Calibrator:
         """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32)."""
         cfg = self.config
         t0 = time.perf_counter()
-        X0 = (self.backend.embed(prompt) if X0 is None else X0).float()
-        if X0.shape[0] != prompt.length:
-            raise SiclError(f"request {prompt.id!r}: X0 has {X0.shape[0]} rows, the prompt has {prompt.length} tokens")
-        if not bool(torch.isfinite(X0).all()):
-            row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
-            raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
+        X0 = calibration_inputs(self.backend, prompt, cfg, X0)  # [L, d] float32, checked
         # perturbed rows [a, b); the forward always reads rows [0, demo_end) only
         a, b = prompt.demo_start, prompt.length if cfg.perturb_query else prompt.demo_end
         check_counter_range(cfg.N, b - a, X0.shape[1])

@@ -23,7 +23,6 @@ from sicl_fast.icleval import (
     ICLEvalDataWarning,
     ICLEvalError,
     Sample,
-    aggregate,
     cut_strings,
     get_task,
     load_dir,
@@ -681,17 +680,3 @@ def test_adjacent_hashes_sharing_a_token_raise_with_span_index(fixtures, tok):
     assert any(sj < boundary < tj for sj, tj in offs)  # one token straddles the two occurrences
     with pytest.raises(RequestError, match=r"copy_natural_language_string:0.*output_spans\[1\].*shares token"):
         tokenize_sample(glued, tok)
-
-
-# ------------------------------------------------------------------------------------------------ aggregation
-
-
-def test_aggregate_micro_macro(fixtures):
-    ds = fixtures["copy_dict_search_string"] + fixtures["copy_dict_search_number"]  # one paper task, two files
-    rel = fixtures["generate_relation_analysis"]
-    results = [(s, True) for s in ds[:4]] + [(s, False) for s in ds[4:]] + [(rel[0], True), (rel[1], False)]
-    out = aggregate(results)
-    assert out["tasks"]["Dict. Search"] == {"correct": 4, "total": 5, "accuracy": 0.8}
-    assert out["tasks"]["Relation Analysis"]["accuracy"] == 0.5
-    assert out["macro"] == pytest.approx(0.65) and out["micro"] == pytest.approx(5 / 7) and out["n"] == 7
-    assert out["subsets"]["copy_dict_search_string/dict_search/hash_string"]["total"] == 2

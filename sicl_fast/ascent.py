@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,6 +28,9 @@ from .fused import proxy as fused_proxy
 from .rng import check_counter_range
 from .spans import Prompt
 from .zo import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, batch_size, cosine, snr
+
+
+MAX_STEP_SIZE = 1e3  # mu, eta: a perturbation or step a thousand times the embedding scale is no longer meaningful
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,18 @@ class CalibrationConfig:
     scale: float | None = None  # None: the model's embedding scale
 
     def __post_init__(self) -> None:
+        for name in ("N", "patience", "max_steps", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise SiclError(f"CalibrationConfig: {name} must be an integer, got {v!r}")
+            object.__setattr__(self, name, int(v))  # numpy integers become Python ints for the C++ / Triton ops
+        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
+                raise SiclError(f"CalibrationConfig: {name} must be a number, got {v!r}")
+        for name in ("estimator", "grad_mode", "projection_scope"):
+            if not isinstance(getattr(self, name), str):
+                raise SiclError(f"CalibrationConfig: {name} must be a string, got {getattr(self, name)!r}")
         checks = [
             (self.mu > 0, "mu must be > 0"),
             (self.N >= 1, "N must be >= 1"),
@@ -68,10 +84,15 @@ class CalibrationConfig:
             (self.projection_scope in PROJECTION_SCOPES, f"projection_scope must be one of {PROJECTION_SCOPES}"),
             (self.clip_norm > 0, "clip_norm must be > 0"),
             (self.scale is None or self.scale > 0, "scale must be > 0"),
+            (min(self.alpha, self.beta, self.gamma) >= 0, "alpha, beta and gamma must be >= 0 (weights of the proxy)"),
+            (self.mu <= MAX_STEP_SIZE and self.eta <= MAX_STEP_SIZE,
+             f"mu and eta must be <= {MAX_STEP_SIZE:g} (in units of the embedding scale; the paper uses 0.004 "
+             "and 0.05)"),
         ]
-        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm"):
-            if not math.isfinite(getattr(self, name)):
-                raise SiclError(f"CalibrationConfig: {name} must be finite, got {getattr(self, name)}")
+        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise SiclError(f"CalibrationConfig: {name} must be finite, got {v}")
         for ok, msg in checks:
             if not ok:
                 raise SiclError(f"CalibrationConfig: {msg}")

@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
+import warnings
 
 from .ascent import CalibrationConfig
-from .errors import SiclError
+from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
@@ -24,6 +26,27 @@ DEMO_REQUEST = {
     ],
     "query": "five",
 }
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low (checked while parsing, before any model is loaded)."""
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    conv.__name__ = f"integer >= {low}"
+    return conv
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (and exit 2), like every other error of the CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
@@ -59,13 +82,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _gen_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=32)
     p.add_argument("--stop", action="append", default=None,
                    help="stop string (repeatable; default: a newline)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
+    p = _Parser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="calibrate a built-in few-shot example and show both answers")
@@ -77,34 +100,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="calibrate each request; one JSON line per request in --out")
     c.add_argument("requests")
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
     _model_flags(c), _config_flags(c), _gen_flags(c)
 
     e = sub.add_parser("icleval", help="base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
     e.add_argument("--tasks", nargs="*", default=None, help="file names without .json (default: all present)")
-    e.add_argument("--limit", type=int, default=None, help="first N samples per task")
+    e.add_argument("--limit", type=_int_at_least(1), default=None, help="first N samples per task")
     e.add_argument("--out", required=True)
     _model_flags(e), _config_flags(e)
     add_icleval_eval_args(e)
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
-    bn.add_argument("--length", type=int, nargs="+", default=[128], help="prompt lengths in tokens")
+    bn.add_argument("--length", type=_int_at_least(1), nargs="+", default=[128], help="prompt lengths in tokens")
     bn.add_argument("--backends", nargs="+", default=["fast", "fast-fp32", "hf", "naive"],
                     help="backends to compare side by side")
-    bn.add_argument("--repeats", type=int, default=3)
-    bn.add_argument("--prefix", type=int, default=0, help="tokens of instruction before the demonstrations")
-    bn.add_argument("--calibration-steps", type=int, default=0,
+    bn.add_argument("--repeats", type=_int_at_least(1), default=3)
+    bn.add_argument("--prefix", type=_int_at_least(0), default=0, help="tokens of instruction before the demonstrations")
+    bn.add_argument("--calibration-steps", type=_int_at_least(0), default=0,
                     help="also time a whole calibration of this many steps (patience off)")
     _model_flags(bn), _config_flags(bn)
 
     add_report_command(sub)
+    for name, sp in sub.choices.items():
+        sp.add_argument("--debug", action="store_true", help="show the full traceback of an unexpected error")
     return p
 
 
 def _overrides(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(CalibrationConfig)}
+
+
+def _check_flags(args) -> None:
+    """Every flag checked before any model is loaded: the calibration values (CalibrationConfig's own checks on the
+    values given) and the optional packages the model asks for."""
+    from .models.loading import GEMMA3_PACKAGE, SHORT_NAMES
+
+    CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
+    if SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m":
+        require(GEMMA3_PACKAGE)
 
 
 def _engine(args, add_special_tokens=None):
@@ -122,6 +157,7 @@ def _progress(total: int, desc: str):
 
 
 def cmd_demo(args) -> int:
+    _check_flags(args)
     eng = _engine(args)
     prompt = eng.prepare(DEMO_REQUEST, reserve=args.max_new_tokens)
     over = _overrides(args)
@@ -147,8 +183,10 @@ def cmd_demo(args) -> int:
 def cmd_proxy(args) -> int:
     from .requests import read_requests
 
+    requests = list(read_requests(args.requests))
+    _check_flags(args)
     eng = _engine(args)
-    prompts = [eng.prepare(r) for r in read_requests(args.requests)]  # validate everything before any output
+    prompts = [eng.prepare(r) for r in requests]  # validate everything before any output
     cfg = eng.config(**_overrides(args))
     for p in prompts:
         out = eng.proxy(p, cfg)
@@ -159,13 +197,16 @@ def cmd_proxy(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .records import ResultWriter
+    from .records import ResultWriter, check_output
     from .requests import read_requests
 
+    requests = list(read_requests(args.requests))
+    check_output(args.out, inputs=[args.requests])
+    _check_flags(args)
     eng = _engine(args)
     stops = args.stop or ["\n"]
     reserve = args.max_new_tokens if args.generate else 0
-    prompts = [eng.prepare(r, reserve=reserve) for r in read_requests(args.requests)]
+    prompts = [eng.prepare(r, reserve=reserve) for r in requests]
     cfg = eng.config(**_overrides(args))
     with ResultWriter(args.out) as out:
         todo = [p for p in prompts if p.id not in out]
@@ -187,8 +228,10 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_icleval(args) -> int:
-    from .evaluation.cli import run_icleval_from_args
+    from .evaluation.cli import check_icleval_args, run_icleval_from_args
 
+    check_icleval_args(args)
+    _check_flags(args)
     eng = _engine(args, add_special_tokens=True)  # ICLEval: the tokenizer's default special tokens
     cfg = eng.config(**_overrides(args))
     return run_icleval_from_args(eng, cfg, args)
@@ -205,6 +248,7 @@ def cmd_bench(args) -> int:
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
     from .engine import Engine
 
+    _check_flags(args)
     eng = Engine(model=args.model, backend="hf", dtype=args.dtype, device=args.device)
     cfg = eng.config(**_overrides(args))
     print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
@@ -229,13 +273,56 @@ COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "i
             "bench": cmd_bench, "report": cmd_report}
 
 
+def _interrupted(cmd: str) -> str:
+    """What an interrupted run leaves behind, and how to go on."""
+    from .records import OPENED
+
+    if not OPENED:
+        return f"sicl-fast {cmd}: interrupted; nothing was written"
+    parts = []
+    for w in OPENED:
+        if w.streaming:
+            parts.append(f"{w.written} record(s) written to {w.path} (streamed output does not resume)")
+        else:
+            parts.append(f"{w.written} record(s) written to {w.path} this run, {len(w.done)} in the file; "
+                         "run the same command again to resume")
+    return f"sicl-fast {cmd}: interrupted; " + "; ".join(parts)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our warnings as one line each; third-party warnings (nothing a user can act on) are dropped."""
+    if issubclass(category, SiclWarning):
+        print(f"sicl-fast: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input or a missing optional package (one line), 130 interrupted (one line),
+    1 an unexpected error (one line; --debug shows the traceback)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers is first imported
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warning from the tokenizers library
     args = build_parser().parse_args(argv)
+    cmd = args.cmd
     try:
-        return COMMANDS[args.cmd](args)
+        with warnings.catch_warnings():
+            if not args.debug:
+                warnings.showwarning = _show_warning
+            return COMMANDS[cmd](args)
     except SiclError as exc:
-        print(f"sicl-fast {args.cmd}: error: {exc}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"sicl-fast {cmd}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(_interrupted(cmd), file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one place that turns a crash into a line
+        if args.debug:
+            raise
+        print(f"sicl-fast {cmd}: internal error: {type(exc).__name__}: {exc} "
+              f"(run again with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

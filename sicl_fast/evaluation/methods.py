@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..errors import SiclError
+from ..errors import ResultsFileError, SiclError
 from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
-from ..records import ResultWriter, read_records
+from ..records import STDOUT, ResultWriter, check_output, read_records
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
 from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_contexts, content_free_query,
@@ -240,8 +240,18 @@ def _norm(v):
 
 
 def select_samples(data_dir, tasks=None, limit: int | None = None) -> list[Sample]:
+    """The first `limit` samples (all when None) of each task file in data_dir (all files present, or `tasks`)."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise SiclError(f"limit: must be an integer >= 1 (samples per task file), got {limit!r}")
     data = load_dir(data_dir, tasks)
     return [s for name in data for s in (data[name][:limit] if limit is not None else data[name])]
+
+
+def check_records_out(out_path) -> None:
+    """The records are read back for the tables: --out must be a regular file (or a new one), not '-' or a pipe."""
+    if str(out_path) == STDOUT or (Path(out_path).exists() and not Path(out_path).is_file()):
+        raise ResultsFileError(f"--out {out_path}: icleval reads its records back for the tables; give a regular file")
+    check_output(out_path)
 
 
 def run_methods(
@@ -263,6 +273,7 @@ def run_methods(
     """
     from tqdm import tqdm
 
+    check_records_out(out_path)
     options = options or BaselineOptions()
     variants = build_variants(methods, engine, config, sicl_variants, options)
     samples = select_samples(data_dir, tasks, limit)
@@ -296,5 +307,5 @@ def run_methods(
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
-__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods",
+__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods", "check_records_out",
            "select_samples", "make_variants"]

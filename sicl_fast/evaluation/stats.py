@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import SiclError
+from ..errors import SiclError, require
 
 EXACT_MAX_N = 8  # 8! = 40320 permutations
 
@@ -87,6 +87,7 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float:
 
 def student_t_sf(t: float, df: int) -> float:
     """P(T > t) for Student's t with df degrees of freedom (regularised incomplete beta)."""
+    require("scipy")
     from scipy.special import betainc
 
     if math.isnan(t):

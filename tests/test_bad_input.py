@@ -376,7 +376,6 @@ def test_ctrl_c_says_what_was_written_and_how_to_resume(tmp_path, capsys, monkey
         return real(self, *a, **k)
 
     monkeypatch.setattr(Engine, "calibrate", interrupt_second)
-    monkeypatch.setattr("sicl_fast.records.OPENED", [])
     assert main(["calibrate", reqs, "--out", str(out), *FAST]) == 130
     err = [x for x in capsys.readouterr().err.splitlines() if "interrupted" in x]
     assert len(err) == 1 and "1 record(s) written to" in err[0] and "run the same command again to resume" in err[0]

@@ -21,7 +21,8 @@ from sicl_fast.icleval import load_dir, score
 TASKS = ["classifier_order", "generate_order"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning")]  # excerpts: not the release sha256
 
 
 @pytest.fixture(scope="module")

@@ -296,13 +296,12 @@ def run_methods(
         done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - len(todo)
         if done_before:
             print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
-        bar = tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True)
-        for s, v in todo:
-            bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
-            out.write(runner.record(s, prompts[s.key], v))
-            bar.update(1)
-        bar.close()
+        with tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
+                  dynamic_ncols=True) as bar:  # closed (its line ended) before any error is printed
+            for s, v in todo:
+                bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
+                out.write(runner.record(s, prompts[s.key], v))
+                bar.update(1)
     wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 

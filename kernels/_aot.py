@@ -8,7 +8,8 @@ not reproduce sicl_fast.rng bit for bit) and by `bench/gpu_kernels.py --compile-
     spec_mismatches() -> list of str: where SPECS disagrees with the kernels' own parameters (tested empty)
     float_ops(ptx) -> Counter of the float32 arithmetic instructions in a PTX listing
 
-Under TRITON_INTERPRET=1 the kernels of this process are interpreted functions, which cannot be compiled, so
+Under TRITON_INTERPRET=1 the kernels of this process are interpreted functions, which cannot be compiled (and
+so are triton.language's own @jit helpers, such as tl.randint4x, made when triton is first imported), so
 compile_ptx runs the compile in a fresh interpreter with TRITON_INTERPRET=0: the same installed package, loaded
 the normal way, whatever this process imported before.
 """
@@ -118,12 +119,14 @@ def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, con
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
-def compile_ptx(name: str, arch: int = 90) -> dict:
-    """{"ptx": the PTX listing, "shared": shared memory bytes} of one kernel of SPECS for sm_<arch>."""
-    if not _utils.interpreting():
+def compile_ptx(name: str, arch: int = 90, cache_dir: str | None = None) -> dict:
+    """{"ptx": the PTX listing, "shared": shared memory bytes} of one kernel of SPECS for sm_<arch>. cache_dir:
+    compile in a separate interpreter with this (empty) Triton cache, so the result depends on nothing an
+    earlier compile left behind."""
+    if not _utils.interpreting() and cache_dir is None:
         k = compile_kernel(name, arch)
         return {"ptx": k.asm["ptx"], "shared": int(k.metadata.shared)}
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env = {**os.environ, "TRITON_INTERPRET": "0", **({"TRITON_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
     r = subprocess.run([sys.executable, "-m", __name__, name, str(arch)], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SiclError(f"compiling {name} for sm_{arch} failed: {r.stderr.strip().splitlines()[-1:]}")

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
 from .spans import Prompt
 from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice
 from .zo import cosine, snr
+
+
+MAX_STEP_SIZE = 1e3  # mu, eta: a perturbation or step a thousand times the embedding scale is no longer meaningful
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,18 @@ class CalibrationConfig:
     scale: float | None = None  # None: the model's embedding scale
 
     def __post_init__(self) -> None:
+        for name in ("N", "patience", "max_steps", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+                raise SiclError(f"CalibrationConfig: {name} must be an integer, got {v!r}")
+            object.__setattr__(self, name, int(v))  # numpy integers become Python ints for the C++ / Triton ops
+        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
+                raise SiclError(f"CalibrationConfig: {name} must be a number, got {v!r}")
+        for name in ("estimator", "grad_mode", "projection_scope"):
+            if not isinstance(getattr(self, name), str):
+                raise SiclError(f"CalibrationConfig: {name} must be a string, got {getattr(self, name)!r}")
         checks = [
             (self.mu > 0, "mu must be > 0"),
             (self.N >= 1, "N must be >= 1"),
@@ -62,10 +79,15 @@ class CalibrationConfig:
             (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
             (self.clip_norm > 0, "clip_norm must be > 0"),
             (self.scale is None or self.scale > 0, "scale must be > 0"),
+            (min(self.alpha, self.beta, self.gamma) >= 0, "alpha, beta and gamma must be >= 0 (weights of the proxy)"),
+            (self.mu <= MAX_STEP_SIZE and self.eta <= MAX_STEP_SIZE,
+             f"mu and eta must be <= {MAX_STEP_SIZE:g} (in units of the embedding scale; the paper uses 0.004 "
+             "and 0.05)"),
         ]
-        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm"):
-            if not math.isfinite(getattr(self, name)):
-                raise SiclError(f"CalibrationConfig: {name} must be finite, got {getattr(self, name)}")
+        for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise SiclError(f"CalibrationConfig: {name} must be finite, got {v}")
         for ok, msg in checks:
             if not ok:
                 raise SiclError(f"CalibrationConfig: {msg}")
@@ -144,14 +166,9 @@ class Calibrator:
         self.config = config if config.scale is not None else config.replace(scale=backend.lm.embedding_scale)
 
     def initial_embeddings(self, prompt: Prompt, X0: torch.Tensor | None = None) -> torch.Tensor:
-        """X0 [L, d] float32: the prompt's input embeddings, or the given ones once checked."""
-        X0 = (self.backend.embed(prompt) if X0 is None else X0).float()
-        if X0.shape[0] != prompt.length:
-            raise SiclError(f"request {prompt.id!r}: X0 has {X0.shape[0]} rows, the prompt has {prompt.length} tokens")
-        if not bool(torch.isfinite(X0).all()):
-            row = int(torch.nonzero(~torch.isfinite(X0))[0, 0])
-            raise NumericalError(f"request {prompt.id!r}: the initial embeddings contain NaN or inf (row {row})")
-        return X0
+        """X0 [L, d] float32: the prompt's input embeddings, or the given ones, checked with the prompt and the
+        memory of one step (sicl_fast.checks.calibration_inputs)."""
+        return calibration_inputs(self.backend, prompt, self.config, X0)
 
     def step_spec(self, prompt: Prompt, X0: torch.Tensor) -> StepSpec:
         """The step's arguments for this prompt: perturbed rows [a, b) = [first demonstration token, end of the

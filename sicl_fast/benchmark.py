@@ -5,13 +5,17 @@ memory events on the CPU).
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import sys
 import statistics
 import time
 
 import torch
 
 from .ascent import CalibrationConfig, Calibrator
+from .errors import SiclError
 from .requests import render_structured
 from .spans import Prompt, tokenize
 
@@ -40,13 +44,29 @@ def synthetic_prompt(lm, length: int, output_fraction: float = 0.15, seed: int =
             demos.pop()
             break
     if not demos:
-        raise ValueError(f"length {length} is too short for one demonstration")
+        raise SiclError(f"synthetic_prompt: length {length} is too short for one demonstration")
     while True:
         query.append(rng.choice(_WORDS))
         if render().length > length:
             query.pop()
             break
     return render()
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """File descriptor 2 goes to /dev/null inside the block. The torch profiler's C++ side (kineto) writes
+    "USDT ... profiler_start / profiler_stop" lines straight to fd 2 whatever the log level; they would land in
+    the middle of `sicl-fast bench`'s table."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class PeakMemory:
@@ -70,7 +90,8 @@ class PeakMemory:
             from torch.profiler import ProfilerActivity, profile
 
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
+            with native_stderr_silenced():
+                self._prof.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -78,7 +99,8 @@ class PeakMemory:
             torch.cuda.synchronize()
             self.peak_mb = (torch.cuda.max_memory_allocated() - self._base) / 2**20
             return
-        self._prof.__exit__(*exc)
+        with native_stderr_silenced():
+            self._prof.__exit__(*exc)
         events = sorted((e for e in self._prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
         cur = peak = 0
         for e in events:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
+import warnings
 
 from .ascent import CalibrationConfig
-from .errors import SiclError
+from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
+from .records import OPENED
 from .static import LOOPS
 
 DEMO_REQUEST = {
@@ -27,6 +30,27 @@ DEMO_REQUEST = {
     ],
     "query": "five",
 }
+
+
+def _int_at_least(low: int):
+    """An argparse type: an integer >= low (checked while parsing, before any model is loaded)."""
+    def conv(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+    conv.__name__ = f"integer >= {low}"
+    return conv
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (and exit 2), like every other error of the CLI."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _config_flags(p: argparse.ArgumentParser) -> None:
@@ -64,9 +88,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loop", default="auto", choices=LOOPS,
                    help="static: the sync-free step (sicl_fast.static); eager: the reference loop; auto: static where "
                         "the backend supports it (fast, fast-fp32). Same results.")
-    g.add_argument("--sync-every", type=int, default=None, metavar="K",
+    g.add_argument("--sync-every", type=_int_at_least(1), default=None, metavar="K",
                    help="static loop: read the state back every K steps (default 1 on the CPU, 8 on a GPU)")
-    g.add_argument("--pack", type=int, default=1, metavar="P",
+    g.add_argument("--pack", type=_int_at_least(1), default=1, metavar="P",
                    help="calibrate / icleval: calibrate up to P prompts at once through one batched forward "
                         "(throughput mode, fast backend; default 1)")
     g.add_argument("--add-special-tokens", action="store_true",
@@ -74,13 +98,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _gen_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=32)
     p.add_argument("--stop", action="append", default=None,
                    help="stop string (repeatable; default: a newline)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
+    p = _Parser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="calibrate a built-in few-shot example and show both answers")
@@ -92,25 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="calibrate each request; one JSON line per request in --out")
     c.add_argument("requests")
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
     _model_flags(c), _config_flags(c), _gen_flags(c)
 
     e = sub.add_parser("icleval", help="base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
     e.add_argument("--tasks", nargs="*", default=None, help="file names without .json (default: all present)")
-    e.add_argument("--limit", type=int, default=None, help="first N samples per task")
+    e.add_argument("--limit", type=_int_at_least(1), default=None, help="first N samples per task")
     e.add_argument("--out", required=True)
     _model_flags(e), _config_flags(e)
     add_icleval_eval_args(e)
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
-    bn.add_argument("--length", type=int, nargs="+", default=[128], help="prompt lengths in tokens")
+    bn.add_argument("--length", type=_int_at_least(1), nargs="+", default=[128], help="prompt lengths in tokens")
     bn.add_argument("--backends", nargs="+", default=["fast", "fast-fp32", "hf", "naive"],
                     help="backends to compare side by side")
-    bn.add_argument("--repeats", type=int, default=3)
-    bn.add_argument("--prefix", type=int, default=0, help="tokens of instruction before the demonstrations")
-    bn.add_argument("--calibration-steps", type=int, default=0,
+    bn.add_argument("--repeats", type=_int_at_least(1), default=3)
+    bn.add_argument("--prefix", type=_int_at_least(0), default=0, help="tokens of instruction before the demonstrations")
+    bn.add_argument("--calibration-steps", type=_int_at_least(0), default=0,
                     help="also time a whole calibration of this many steps (patience off)")
     _model_flags(bn), _config_flags(bn)
 
@@ -118,9 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "FLOP/s against the measured matmul peak; peak memory; ops per step")
     pr.add_argument("requests", nargs="?", default=None,
                     help="requests JSONL (the first request is profiled); default: a synthetic prompt of --length")
-    pr.add_argument("--length", type=int, default=512, help="synthetic prompt length in tokens (default 512)")
-    pr.add_argument("--prefix", type=int, default=0, help="synthetic prompt: tokens of instruction before the demos")
-    pr.add_argument("--repeats", type=int, default=5, help="timed calls per phase (the best is kept)")
+    pr.add_argument("--length", type=_int_at_least(8), default=512,
+                    help="synthetic prompt length in tokens (default 512)")
+    pr.add_argument("--prefix", type=_int_at_least(0), default=0,
+                    help="synthetic prompt: tokens of instruction before the demos")
+    pr.add_argument("--repeats", type=_int_at_least(1), default=5, help="timed calls per phase (the best is kept)")
     pr.add_argument("--trace", default=None, metavar="OUT.json",
                     help="also write a torch.profiler Chrome trace (NVTX ranges per phase on CUDA)")
     pr.add_argument("--json", action="store_true", help="print the figures as one JSON object")
@@ -128,11 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(backend="fast")
 
     add_report_command(sub)
+    for name, sp in sub.choices.items():
+        sp.add_argument("--debug", action="store_true", help="show the full traceback of an unexpected error")
     return p
 
 
 def _overrides(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(CalibrationConfig)}
+
+
+def _check_flags(args) -> None:
+    """Every flag checked before any model is loaded: the calibration values (CalibrationConfig's own checks on the
+    values given) and the optional packages the model asks for."""
+    from .models.loading import GEMMA3_PACKAGE, SHORT_NAMES
+
+    CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
+    if SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m":
+        require(GEMMA3_PACKAGE)
 
 
 def _engine(args, add_special_tokens=None):
@@ -151,6 +189,7 @@ def _progress(total: int, desc: str):
 
 
 def cmd_demo(args) -> int:
+    _check_flags(args)
     eng = _engine(args)
     prompt = eng.prepare(DEMO_REQUEST, reserve=args.max_new_tokens)
     over = _overrides(args)
@@ -159,8 +198,9 @@ def cmd_demo(args) -> int:
     cfg = eng.config(**over)
     stops = args.stop or ["\n"]
     base = eng.generate(prompt, max_new_tokens=args.max_new_tokens, stop_strings=stops)
-    print(f"model: {eng.lm.name}  backend: {eng.backend.name}  impl: {eng.backend.ops.name}  prompt: {prompt.length} tokens, "
-          f"{prompt.num_demos} demonstrations, perturbed rows [{prompt.demo_start}, {prompt.demo_end})")
+    print(f"model: {eng.lm.name}  backend: {eng.backend.name}  impl: {eng.backend.ops.name}  prompt: "
+          f"{prompt.length} tokens, {prompt.num_demos} demonstrations, perturbed rows [{prompt.demo_start}, "
+          f"{prompt.demo_end})")
     print("--- prompt ---")
     print(prompt.request.prompt)
     print("--------------")
@@ -176,8 +216,10 @@ def cmd_demo(args) -> int:
 def cmd_proxy(args) -> int:
     from .requests import read_requests
 
+    requests = list(read_requests(args.requests))
+    _check_flags(args)
     eng = _engine(args)
-    prompts = [eng.prepare(r) for r in read_requests(args.requests)]  # validate everything before any output
+    prompts = [eng.prepare(r) for r in requests]  # validate everything before any output
     cfg = eng.config(**_overrides(args))
     for p in prompts:
         out = eng.proxy(p, cfg)
@@ -188,39 +230,47 @@ def cmd_proxy(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .records import ResultWriter
+    from .checks import check_step_memory
+    from .records import ResultWriter, check_output
     from .requests import read_requests
 
+    requests = list(read_requests(args.requests))
+    check_output(args.out, inputs=[args.requests])
+    _check_flags(args)
     eng = _engine(args)
     stops = args.stop or ["\n"]
     reserve = args.max_new_tokens if args.generate else 0
-    prompts = [eng.prepare(r, reserve=reserve) for r in read_requests(args.requests)]
+    prompts = [eng.prepare(r, reserve=reserve) for r in requests]
     cfg = eng.config(**_overrides(args))
+    for p in prompts:  # a step too big for memory is refused before any work
+        check_step_memory(eng.lm, p, cfg)
     with ResultWriter(args.out) as out:
         todo = [p for p in prompts if p.id not in out]
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
                   file=sys.stderr)
-        bar = _progress(len(todo), "calibrate")
+        with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
 
-        def write(i: int, res) -> None:
-            p = todo[i]
-            rec = {"id": p.id, **res.summary()}
-            if args.generate:
-                rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
-                rec["answer_calibrated"] = eng.generate(
-                    p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
-            out.write(rec)
-            bar.update(1)
+            def write(i: int, res) -> None:
+                p = todo[i]
+                rec = {"id": p.id, **res.summary()}
+                if args.generate:
+                    rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens,
+                                                      stop_strings=stops).answer
+                    rec["answer_calibrated"] = eng.generate(
+                        p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
+                out.write(rec)
+                bar.update(1)
 
-        eng.calibrate_many(todo, cfg, on_result=write)
-        bar.close()
+            eng.calibrate_many(todo, cfg, on_result=write)
     return 0
 
 
 def cmd_icleval(args) -> int:
-    from .evaluation.cli import run_icleval_from_args
+    from .evaluation.cli import check_icleval_args, run_icleval_from_args
 
+    check_icleval_args(args)
+    _check_flags(args)
     eng = _engine(args, add_special_tokens=True)  # ICLEval: the tokenizer's default special tokens
     cfg = eng.config(**_overrides(args))
     return run_icleval_from_args(eng, cfg, args)
@@ -237,6 +287,7 @@ def cmd_bench(args) -> int:
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
     from .engine import Engine
 
+    _check_flags(args)
     eng = Engine(model=args.model, backend="hf", dtype=args.dtype, device=args.device)
     cfg = eng.config(**_overrides(args))
     print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
@@ -262,8 +313,7 @@ def cmd_profile(args) -> int:
     from .profile import profile_step
     from .requests import read_requests
 
-    if args.repeats < 1 or args.length < 8:
-        raise SiclError("profile: --repeats must be >= 1 and --length >= 8")
+    _check_flags(args)
     eng = _engine(args)
     if args.requests:
         prompt = eng.prepare(read_requests(args.requests)[0])
@@ -286,13 +336,55 @@ COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "i
             "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile}
 
 
+def _interrupted(cmd: str) -> str:
+    """What an interrupted run leaves behind, and how to go on."""
+    if not OPENED:
+        return f"sicl-fast {cmd}: interrupted; nothing was written"
+    parts = []
+    for w in OPENED:
+        if w.streaming:
+            parts.append(f"{w.written} record(s) written to {w.path} (streamed output does not resume)")
+        else:
+            parts.append(f"{w.written} record(s) written to {w.path} this run, {len(w.done)} in the file; "
+                         "run the same command again to resume")
+    return f"sicl-fast {cmd}: interrupted; " + "; ".join(parts)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our warnings as one line each; third-party warnings (nothing a user can act on) are dropped."""
+    if issubclass(category, SiclWarning):
+        print(f"sicl-fast: warning: {message}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 2 bad input or a missing optional package (one line), 130 interrupted (one line),
+    1 an unexpected error (one line; --debug shows the traceback)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers is first imported
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warning from the tokenizers library
     args = build_parser().parse_args(argv)
+    cmd = args.cmd
+    OPENED.clear()  # the results files this command opens (for the Ctrl-C summary)
     try:
-        return COMMANDS[args.cmd](args)
+        with warnings.catch_warnings():
+            if not args.debug:
+                warnings.showwarning = _show_warning
+            return COMMANDS[cmd](args)
     except SiclError as exc:
-        print(f"sicl-fast {args.cmd}: error: {exc}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"sicl-fast {cmd}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(_interrupted(cmd), file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one place that turns a crash into a line
+        if args.debug:
+            raise
+        print(f"sicl-fast {cmd}: internal error: {type(exc).__name__}: {exc} "
+              f"(run again with --debug for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

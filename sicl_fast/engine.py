@@ -13,6 +13,7 @@ import torch
 
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import make_backend
+from .checks import check_embeddings, check_prompt
 from .errors import SiclError
 from .generate import Generation
 from .models import LoadedModel, load
@@ -76,7 +77,7 @@ class Engine:
     def proxy(self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None) -> ProxyOut:
         """f(X) and its parts for the prompt's own embeddings (or `embeds` [L, d])."""
         cal = Calibrator(self.backend, self.config(config))
-        X = self.backend.embed(prompt) if embeds is None else embeds
+        X = self.backend.embed(check_prompt(prompt)) if embeds is None else check_embeddings(embeds, prompt, self.lm)
         return cal.proxy_of(X.unsqueeze(0), prompt)
 
     def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, **overrides) -> CalibrationResult:
@@ -111,5 +112,5 @@ class Engine:
         stop_fn=None,
     ) -> Generation:
         """Greedy answer from `embeds` [L, d] (default: the prompt's own embeddings)."""
-        X = self.backend.embed(prompt) if embeds is None else embeds
+        X = self.backend.embed(check_prompt(prompt)) if embeds is None else check_embeddings(embeds, prompt, self.lm)
         return self.backend.generate(X, prompt, max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn)

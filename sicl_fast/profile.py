@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .benchmark import PeakMemory
+from .benchmark import PeakMemory, native_stderr_silenced
 from .static import StaticStep
 
 PHASES = ("perturb", "prefix", "decoder layers", "span head", "proxy", "update", "host overhead")
@@ -262,13 +262,19 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(dev).type == "cuda" else [])
-        with profile(activities=acts, record_shapes=True) as prof:
+        prof = profile(activities=acts, record_shapes=True)
+        with native_stderr_silenced():  # the profiler's own start / stop lines
+            prof.__enter__()
+        try:
             for name, fn in phases.items():
                 if fn is not None:
                     with nvtx(name, dev), torch.profiler.record_function(name):
                         fn()
             with nvtx("whole step", dev), torch.profiler.record_function("whole step"):
                 st()
+        finally:
+            with native_stderr_silenced():
+                prof.__exit__(None, None, None)
         prof.export_chrome_trace(trace)
     return out
 

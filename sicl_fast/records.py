@@ -1,58 +1,189 @@
-"""Result files: JSONL, one whole record a line, resumable.
+"""Result files: JSONL, one whole record a line, resumable, one writer at a time.
 
 A record is written with a single write() of a complete line and flushed, so a crash can leave at most one
-partial last line; on reopening, that partial line is cut off and the ids already done are skipped.
+partial last line. On reopening a regular file, every line that is a complete JSON object with a key is kept
+(the first of several with one key: two runs that once shared the file left duplicates); every other line (a
+torn write, a hand edit) is moved to FILE.bad, and a warning says how many. The file is locked (flock) while a
+writer has it open, so a second run on the same --out stops with one line instead of duplicating the work.
+
+An output that is not a regular file (`-` for stdout, a pipe, /dev/stdout) is streamed: it is never read back,
+so it cannot resume.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import stat
+import sys
+import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
-from .errors import SiclError
+from .errors import ResultsFileError, SiclError, SiclWarning
+
+STDOUT = "-"
+
+# the writers opened by this process, newest last: the CLI reports their counts when a run is interrupted
+OPENED: list["ResultWriter"] = []
+
+
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse an --out that cannot work, before any model is loaded: a directory, one of the `inputs` (same path
+    or same file), or a place that cannot be created or written. Raises ResultsFileError."""
+    if str(path) == STDOUT:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ResultsFileError(f"--out {p}: is a directory; give a file name (e.g. {p / 'results.jsonl'})")
+    for src in inputs:
+        src = Path(src)
+        same = p.resolve() == src.resolve()
+        if not same and p.exists() and src.exists():
+            same = os.path.samefile(p, src)
+        if same:
+            raise ResultsFileError(f"--out {p}: is the input file {src}; the results need a file of their own")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ResultsFileError(f"--out {p}: cannot write to it (permission denied)")
+        return
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ResultsFileError(f"--out {p}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ResultsFileError(f"--out {p}: cannot create it in {parent} (permission denied)")
+
+
+def _parse_line(line: bytes, key: Callable[[dict], object]):
+    """The (key, record) of one complete line, or None when it is not a record."""
+    try:
+        rec = json.loads(line)
+        k = key(rec)
+        hash(k)
+        return k, rec
+    except (ValueError, RecursionError, KeyError, TypeError):  # not UTF-8 / JSON, too deep, not an object
+        return None
 
 
 class ResultWriter:
-    """Append-only JSONL with resume. `key(record)` gives the identity used to skip finished work."""
+    """Append-only JSONL with resume. `key(record)` gives the identity used to skip finished work.
+
+    written: records written by this writer; done: the keys in the file (resumed and written).
+    """
 
     def __init__(self, path: str | os.PathLike, key: Callable[[dict], object] = lambda r: r["id"]) -> None:
-        self.path = Path(path)
         self.key = key
         self.done: set = set()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists():
-            self._recover()
-        self._fh = self.path.open("a", encoding="utf-8")
+        self.written = 0
+        self.resumed = 0
+        self.moved_aside = 0
+        self.streaming = str(path) == STDOUT
+        self._binary = False
+        self.path = Path("<stdout>") if self.streaming else Path(path)
+        if self.streaming:
+            self._fh = sys.stdout
+        else:
+            check_output(self.path)
+            self._fh = self._open()
+        OPENED.append(self)
 
-    def _recover(self) -> None:
-        data = self.path.read_bytes()
-        good = 0  # byte length of the complete, parseable prefix
+    def _open(self):
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            exists = self.path.exists()
+            if exists and not stat.S_ISREG(os.stat(self.path).st_mode):
+                self.streaming = True  # a pipe, a terminal, /dev/stdout: write only, never read back
+                return self.path.open("w", encoding="utf-8")
+            fh = self.path.open("a+b")
+        except OSError as exc:
+            raise ResultsFileError(f"--out {self.path}: cannot open it: {_os_reason(exc)}") from None
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            fh.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ResultsFileError(f"--out {self.path}: another run is writing to it (the file is locked); "
+                                       "wait for it to finish or choose another --out") from None
+            raise ResultsFileError(f"--out {self.path}: cannot lock it: {_os_reason(exc)}") from None
+        self._recover(fh)
+        self._binary = True
+        return fh
+
+    def _recover(self, fh) -> None:
+        fh.seek(0)
+        data = fh.read()
+        keep: list[bytes] = []
+        bad: list[bytes] = []
+        duplicates = 0
         for line in data.splitlines(keepends=True):
+            if not line.strip():
+                continue
             if not line.endswith(b"\n"):
-                break
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            self.done.add(self.key(rec))
-            good += len(line)
-        if good != len(data):
-            with self.path.open("r+b") as fh:  # drop a partial last line left by a crash
-                fh.truncate(good)
+                line += b"\n"  # a last line without its newline: kept if it is a whole record, else moved aside
+            parsed = _parse_line(line, self.key)
+            if parsed is None:
+                bad.append(line)
+            elif parsed[0] in self.done:
+                duplicates += 1
+            else:
+                self.done.add(parsed[0])
+                keep.append(line)
+        self.resumed = len(keep)
+        if not bad and not duplicates and sum(map(len, keep)) == len(data):
+            return
+        if bad:
+            bad_path = self.path.with_name(self.path.name + ".bad")
+            with bad_path.open("ab") as out:  # first put the unreadable lines safely aside
+                out.writelines(bad)
+                out.flush()
+                os.fsync(out.fileno())
+            self.moved_aside = len(bad)
+            warnings.warn(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; "
+                          f"{len(keep)} record(s) kept", SiclWarning, stacklevel=4)
+        if duplicates:
+            warnings.warn(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)",
+                          SiclWarning, stacklevel=4)
+        # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done
+        backup = self.path.with_name(self.path.name + ".resume-tmp")
+        backup.write_bytes(b"".join(keep))
+        fh.seek(0)
+        fh.truncate()
+        fh.writelines(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+        backup.unlink()
 
     def __contains__(self, key) -> bool:
         return key in self.done
 
     def write(self, record: dict) -> None:
         line = json.dumps(record, ensure_ascii=False) + "\n"
-        self._fh.write(line)
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
+        try:
+            if self._binary:
+                self._fh.write(line.encode("utf-8"))
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+            else:
+                self._fh.write(line)
+                self._fh.flush()
+        except OSError as exc:
+            raise ResultsFileError(f"--out {self.path}: cannot write: {_os_reason(exc)}") from None
         self.done.add(self.key(record))
+        self.written += 1
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not sys.stdout:
+            try:
+                self._fh.close()  # also releases the lock
+            except OSError:
+                pass
 
     def __enter__(self) -> "ResultWriter":
         return self
@@ -61,28 +192,42 @@ class ResultWriter:
         self.close()
 
 
-def read_records(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a JSONL results file."""
+def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict]:
+    """All records (JSON objects, one a line) of a JSONL results file. Raises SiclError naming the line of any
+    line that is not one; an empty file is an error unless `allow_empty`."""
     path = Path(path)
+    if path.is_dir():
+        raise SiclError(f"results file {path}: is a directory")
     if not path.is_file():
         raise SiclError(f"results file not found: {path}")
     out = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
+    with path.open("rb") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
+            except UnicodeDecodeError:
+                raise SiclError(f"{path}:{lineno}: not UTF-8 text") from None
             except json.JSONDecodeError as exc:
                 raise SiclError(f"{path}:{lineno}: invalid JSON record: {exc}") from None
+            except RecursionError:
+                raise SiclError(f"{path}:{lineno}: JSON nested too deeply") from None
+            if not isinstance(rec, dict):
+                raise SiclError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
+            out.append(rec)
+    if not out and not allow_empty:
+        raise SiclError(f"results file {path}: holds no records")
     return out
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temp file and rename: readers see the old file or the new one, never half of one."""
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write to a temp file and rename: readers see the old file or the new one, never half of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
-__all__ = ["ResultWriter", "read_records", "write_json_atomic"]
+__all__ = ["ResultWriter", "read_records", "write_text_atomic", "check_output", "STDOUT"]

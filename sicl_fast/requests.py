@@ -10,11 +10,13 @@ Both become a `Request`: the full prompt text, the character span [start, end) o
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import RequestError
+from .errors import RequestError, SiclWarning
 
 DEFAULT_TEMPLATE: dict[str, str] = {
     # one demonstration; {input} and {output} are filled in, the output's characters become its span
@@ -26,6 +28,11 @@ DEFAULT_TEMPLATE: dict[str, str] = {
     # between the instruction (if any) and the first demonstration
     "instruction_separator": "\n\n",
 }
+
+# the placeholders each template entry fills in; any other {name} is left in the text as it is
+_PLACEHOLDERS = {"demo": {"{input}", "{output}"}, "query": {"{query}"}, "separator": set(),
+                 "instruction_separator": set()}
+_PLACEHOLDER = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}")
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,9 @@ def validate(req: Request) -> None:
         if e <= a:
             raise _fail(rid, f"output_spans[{i}]", f"span [{a}, {e}) is empty")
         if a < prev_end:
-            what = "starts before demos_start" if i == 0 else f"overlaps or precedes output_spans[{i - 1}]"
-            raise _fail(rid, f"output_spans[{i}]", f"span [{a}, {e}) {what} (which ends at {prev_end})")
+            what = (f"starts before demos_start ({prev_end}), where the demonstrations begin" if i == 0
+                    else f"overlaps or precedes output_spans[{i - 1}] (which ends at {prev_end})")
+            raise _fail(rid, f"output_spans[{i}]", f"span [{a}, {e}) {what}")
         prev_end = e
 
 
@@ -91,7 +99,15 @@ def render_structured(
         unknown = set(template) - set(DEFAULT_TEMPLATE)
         if unknown:
             raise _fail(rid, "template", f"unknown keys {sorted(unknown)}; allowed: {sorted(DEFAULT_TEMPLATE)}")
+        for k, v in template.items():
+            if not isinstance(v, str):
+                raise _fail(rid, f"template.{k}", f"must be a string, got {type(v).__name__}")
         tpl.update(template)
+    for k, v in tpl.items():
+        stray = sorted(set(_PLACEHOLDER.findall(v)) - _PLACEHOLDERS[k])
+        if stray:
+            warnings.warn(f"request {rid!r}: field 'template.{k}': {', '.join(stray)} is not a placeholder here "
+                          f"and stays in the prompt as literal text", SiclWarning, stacklevel=3)
     demo_tpl = tpl["demo"]
     if demo_tpl.count("{output}") != 1 or demo_tpl.count("{input}") != 1:
         raise _fail(rid, "template.demo", "must contain {input} and {output} exactly once each")
@@ -106,9 +122,9 @@ def render_structured(
     before_out, after_out = demo_tpl.split("{output}")
     parts: list[str] = []
     pos = 0
+    if instruction is not None and not isinstance(instruction, str):
+        raise _fail(rid, "instruction", f"must be a string, got {type(instruction).__name__}")
     if instruction:
-        if not isinstance(instruction, str):
-            raise _fail(rid, "instruction", "must be a string")
         parts.append(instruction + tpl["instruction_separator"])
         pos = len(parts[0])
     demos_start = pos
@@ -116,6 +132,9 @@ def render_structured(
     for i, demo in enumerate(demos):
         if not isinstance(demo, dict) or not isinstance(demo.get("input"), str) or not isinstance(demo.get("output"), str):
             raise _fail(rid, f"demos[{i}]", "must be an object with string fields 'input' and 'output'")
+        if set(demo) - {"input", "output"}:
+            raise _fail(rid, f"demos[{i}]", f"unknown key(s) {sorted(set(demo) - {'input', 'output'})}; "
+                                            "a demonstration has only 'input' and 'output'")
         if not demo["output"]:
             raise _fail(rid, f"demos[{i}].output", "is empty: every demonstration needs a non-empty output")
         head = before_out.replace("{input}", demo["input"])
@@ -158,20 +177,30 @@ def parse_request(obj: Any, where: str = "request") -> Request:
 def read_requests(path: str | Path) -> Iterator[Request]:
     """Yield the requests of a JSONL file; blank lines are skipped; duplicate ids are an error."""
     path = Path(path)
+    if path.is_dir():
+        raise RequestError(f"requests file {path}: is a directory; give a JSONL file, one request a line")
     if not path.is_file():
         raise RequestError(f"requests file not found: {path}")
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RequestError(f"{where}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise RequestError(f"{where}: invalid JSON: {exc}") from None
+            except RecursionError:
+                raise RequestError(f"{where}: JSON nested too deeply") from None
             req = parse_request(obj, where)
             if req.id in seen:
                 raise RequestError(f"{where}: duplicate request id {req.id!r}")
             seen.add(req.id)
             yield req
+    if not seen:
+        raise RequestError(f"requests file {path}: holds no requests (it is empty or blank)")

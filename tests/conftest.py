@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+# ICLEval data. The clone ships excerpts (a few unmodified samples of three files, tests/data/icleval, with the
+# ICLEval license); tests that need the complete files take them from SICL_ICLEVAL_DIR and skip when it is unset.
+ICLEVAL_EXCERPTS = Path(__file__).resolve().parent / "data" / "icleval"
+ICLEVAL_FULL = Path(os.environ["SICL_ICLEVAL_DIR"]) if os.environ.get("SICL_ICLEVAL_DIR") else None
+needs_icleval_full = pytest.mark.skipif(
+    ICLEVAL_FULL is None, reason="needs the complete ICLEval task files: set SICL_ICLEVAL_DIR to ICLEval's "
+                                 "data/tasks_data folder (https://github.com/RUCBM/ICLEval)")
 
 from sicl_fast.models import from_transformers, load
 from sicl_fast.requests import Request

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ICLEVAL_EXCERPTS
 from sicl_fast import Engine
 from sicl_fast.cli import main
 
@@ -17,8 +18,6 @@ STRUCT = {"id": "digits", "demos": [{"input": "one", "output": "1"}, {"input": "
 RAW = {"id": "raw", "prompt": "Colours.\ngrass: green\nsky: blue\nsnow:", "output_spans": [[16, 21], [27, 31]],
        "demos_start": 9}
 FAST = ["--max-steps", "2", "--N", "2"]
-# ../shared beside the checkout (CI clones the repo with shared/ beside it)
-ICLEVAL_DIR = Path(__file__).resolve().parents[2] / "shared" / "icleval" / "data"
 
 
 def write_jsonl(path, objs):
@@ -91,7 +90,7 @@ def test_console_script_demo():
 
 def test_icleval_command(tmp_path, capsys):
     out = tmp_path / "icl.jsonl"
-    argv = ["icleval", str(ICLEVAL_DIR), "--tasks", "classifier_order",
+    argv = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order",
             "generate_order", "--limit", "1", "--out", str(out), "--max-steps", "1", "--N", "2"]
     assert main(argv) == 0
     table = capsys.readouterr().out

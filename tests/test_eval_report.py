@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from scipy import stats as sps
 
+from conftest import ICLEVAL_EXCERPTS
 from sicl_fast.ascent import CalibrationConfig
 from sicl_fast.evaluation import icleval_cls as C
 from sicl_fast.evaluation import stats
@@ -18,7 +19,6 @@ from sicl_fast.evaluation.report import Run, build_report, load_runs, write_repo
 from sicl_fast.icleval import load_dir, render
 
 FIXTURES = Path(__file__).parent / "fixtures" / "icleval" / "data"
-SHARED = Path("/work/shared/icleval/data")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -252,8 +252,7 @@ def test_ablation_variants():
 
 def _cls_samples():
     data = load_dir(FIXTURES, ["classifier_duplication", "classifier_format"], check_sha256=False)
-    if SHARED.is_dir():
-        data.update(load_dir(SHARED, ["classifier_order"]))
+    data.update(load_dir(ICLEVAL_EXCERPTS, ["classifier_order"], check_sha256=False))
     return data
 
 

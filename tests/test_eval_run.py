@@ -1,4 +1,4 @@
-"""End to end on the real SmolLM2 and the shipped ICLEval files: records of base and sicl (and an ablation), resume,
+"""End to end on the real SmolLM2 and the ICLEval excerpts (tests/data/icleval): records of base and sicl (and an ablation), resume,
 and the report's numbers checked against the records and scipy; the CLI glue (icleval flags, report command)."""
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 from scipy import stats as sps
 
+from conftest import ICLEVAL_EXCERPTS
 from sicl_fast.engine import Engine
 from sicl_fast.evaluation.cli import add_icleval_eval_args, add_report_command, report_from_args, run_icleval_from_args
 from sicl_fast.evaluation.methods import run_methods
 from sicl_fast.evaluation.report import Run, write_report
 from sicl_fast.icleval import load_dir, score
 
-SHARED = Path("/work/shared/icleval/data")
 TASKS = ["classifier_order", "generate_order"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
-              pytest.mark.skipif(not SHARED.is_dir(), reason="the shipped ICLEval files are not on this machine")]
+              pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning")]  # excerpts: not the release sha256
 
 
 @pytest.fixture(scope="module")
@@ -45,18 +45,18 @@ def run(engine, tmp_path_factory):
     d = tmp_path_factory.mktemp("evalrun")
     out = d / "results.jsonl"
     cfg = engine.config(max_steps=2, N=2)
-    first = run_methods(engine, SHARED, out, methods=["base", "sicl"], config=cfg, tasks=TASKS, limit=1,
+    first = run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=cfg, tasks=TASKS, limit=1,
                         progress=False)
     head = out.read_text(encoding="utf-8")
     n_first = len(engine.calls)
-    second = run_methods(engine, SHARED, out, methods=["base", "sicl"], config=cfg, tasks=TASKS, limit=2,
+    second = run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=cfg, tasks=TASKS, limit=2,
                          progress=False)
     return {"dir": d, "out": out, "cfg": cfg, "first": first, "second": second, "head": head,
             "calls": (n_first, len(engine.calls))}
 
 
 def _samples():
-    data = load_dir(SHARED, TASKS)
+    data = load_dir(ICLEVAL_EXCERPTS, TASKS)
     return {s.key: s for name in data for s in data[name][:2]}
 
 
@@ -89,13 +89,13 @@ def test_resume(run, engine):
     before = out.read_text(encoding="utf-8")
     with out.open("a", encoding="utf-8") as fh:
         fh.write('{"task": "classifier_order", "uid": 1, "varia')
-    again = run_methods(engine, SHARED, out, methods=["base", "sicl"], config=run["cfg"], tasks=TASKS, limit=2,
+    again = run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=run["cfg"], tasks=TASKS, limit=2,
                         progress=False)
     assert len(engine.calls) == n_second and out.read_text(encoding="utf-8") == before
     assert sorted(json.dumps(r, sort_keys=True) for r in again) == sorted(json.dumps(r, sort_keys=True)
                                                                            for r in run["second"])
     with pytest.raises(ValueError, match="other settings"):  # same variant name, other settings
-        run_methods(engine, SHARED, out, methods=["sicl"], config=run["cfg"].replace(max_steps=3), tasks=TASKS,
+        run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["sicl"], config=run["cfg"].replace(max_steps=3), tasks=TASKS,
                     limit=2, progress=False)
 
 
@@ -158,7 +158,7 @@ def _parser():
 
 def test_cli_ablation_and_report_command(run, engine, capsys):
     d = run["dir"]
-    args = _parser().parse_args(["icleval", str(SHARED), "--tasks", "classifier_order", "--limit", "1",
+    args = _parser().parse_args(["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1",
                                  "--out", str(run["out"]), "--method", "base", "sicl", "--ablate", "gamma",
                                  "--report", str(d / "RUN2"), "--quiet"])
     n = len(engine.calls)

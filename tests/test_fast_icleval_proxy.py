@@ -1,4 +1,4 @@
-"""`sicl-fast proxy --backend fast` equals `--backend hf` on the shipped ICLEval files (first samples of each),
+"""`sicl-fast proxy --backend fast` equals `--backend hf` on the ICLEval excerpts (tests/data/icleval) (first samples of each),
 within 2e-6 + 1e-4 |value|, on the embedded SmolLM2 and on Gemma 3 270M (its BOS as the fixed prefix)."""
 import importlib.util
 import json
@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ICLEVAL_EXCERPTS
 from sicl_fast.cli import main
 from sicl_fast.icleval import load_task, to_request
 
 pytestmark = pytest.mark.slow
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "icleval" / "data"
 FILES = ["classifier_order", "generate_order", "generate_list_number"]
 PER_FILE = 2
 
@@ -21,7 +21,7 @@ def requests_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("icl") / "requests.jsonl"
     lines = []
     for name in FILES:
-        for s in load_task(DATA / f"{name}.json")[:PER_FILE]:
+        for s in load_task(ICLEVAL_EXCERPTS / f"{name}.json", check_sha256=False)[:PER_FILE]:
             r = to_request(s)
             lines.append(json.dumps({"id": r.id, "prompt": r.prompt, "output_spans": [list(x) for x in r.output_spans]}))
     path.write_text("\n".join(lines) + "\n")

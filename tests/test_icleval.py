@@ -1,7 +1,8 @@
-"""ICLEval support (sicl_fast.icleval) against /work/shared/icleval/SPEC.md.
+"""ICLEval support (sicl_fast.icleval) against the ICLEval spec (SPEC.md of the project's ICLEval notes).
 
-Shipped dev files (classifier_order, generate_order, generate_list_number): SPEC 9 golden values, invariants on
-every sample, scorer self-test. The ten held-out formats: fixtures written from the spec (tests/fixtures/icleval,
+The three dev files (classifier_order, generate_order, generate_list_number): SPEC 9 golden values, invariants,
+scorer self-test on the excerpts shipped in tests/data/icleval (unmodified samples); the checks that need every
+sample (sha256, subset counts, span totals) run on the complete files when SICL_ICLEVAL_DIR names them. The ten held-out formats: fixtures written from the spec (tests/fixtures/icleval,
 made by make_fixtures.py). Token spans use the real default tokenizer (SmolLM2-135M).
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ICLEVAL_EXCERPTS, ICLEVAL_FULL, needs_icleval_full
 from sicl_fast.errors import ContextLengthError, RequestError, SiclError
 from sicl_fast.icleval import (
     SHA256,
@@ -21,7 +23,6 @@ from sicl_fast.icleval import (
     ICLEvalDataWarning,
     ICLEvalError,
     Sample,
-    aggregate,
     cut_strings,
     get_task,
     load_dir,
@@ -37,9 +38,8 @@ from sicl_fast.icleval.render import spans_delim
 from sicl_fast.icleval.scoring import option_candidates, prediction
 from sicl_fast.spans import tokenize
 
-SHIPPED_DIR = Path("/work/shared/icleval/data")
 FIX_DIR = Path(__file__).parent / "fixtures" / "icleval"
-needs_shipped = pytest.mark.skipif(not SHIPPED_DIR.is_dir(), reason="ICLEval dev files not present")
+DEV_FILES = ["classifier_order", "generate_order", "generate_list_number"]
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -47,9 +47,16 @@ needs_shipped = pytest.mark.skipif(not SHIPPED_DIR.is_dir(), reason="ICLEval dev
 
 @pytest.fixture(scope="module")
 def shipped():
+    """The excerpts of the three dev files: a few samples of each, unmodified (their sha256 is not the release's)."""
+    return load_dir(ICLEVAL_EXCERPTS, check_sha256=False)
+
+
+@pytest.fixture(scope="module")
+def full():
+    """The complete dev files from SICL_ICLEVAL_DIR (tests using it carry @needs_icleval_full)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ICLEvalDataWarning)  # the shipped files must match the sha256 table
-        return load_dir(SHIPPED_DIR)
+        warnings.simplefilter("error", ICLEvalDataWarning)  # the released files must match the sha256 table
+        return load_dir(ICLEVAL_FULL, DEV_FILES)
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +141,10 @@ def test_unknown_file_name_is_refused(tmp_path):
 # ------------------------------------------------------------------------------------------------ shipped files
 
 
-@needs_shipped
-def test_shipped_files_load_with_matching_sha_and_subsets(shipped):
-    assert list(shipped) == ["classifier_order", "generate_order", "generate_list_number"]  # TASK_FILES order
+@needs_icleval_full
+def test_full_files_load_with_matching_sha_and_subsets(full):
+    shipped = full
+    assert list(shipped) == DEV_FILES  # TASK_FILES order
     for name, samples in shipped.items():
         spec = TASKS[name]
         assert len(samples) == spec.n
@@ -148,6 +156,19 @@ def test_shipped_files_load_with_matching_sha_and_subsets(shipped):
     assert sum(s.label is True for s in shipped["classifier_order"]) == 53  # SPEC 8
 
 
+@needs_icleval_full
+def test_excerpts_are_unmodified_samples_of_the_full_files(shipped, full):
+    assert list(shipped) == DEV_FILES
+    for name, samples in shipped.items():
+        for s in samples:
+            assert s.raw == by_uid(full[name], s.uid).raw, (name, s.uid)
+
+
+def test_excerpts_carry_the_icleval_license():
+    note = (ICLEVAL_EXCERPTS / "LICENSE-NOTE.md").read_text(encoding="utf-8")
+    assert "MIT License" in note and "Copyright (c) 2024 yiye3" in note and "RUCBM/ICLEval" in note
+
+
 GOLDEN = [  # SPEC 9: (file, uid, len(P), Q, n spans, first span, first text, last span, last text)
     ("classifier_order", 0, 607, 546, 8, (62, 66), "True", (539, 544), "False"),
     ("generate_order", 0, 401, 370, 5, (32, 48), "h, l, v, Y, 5, b", (340, 368), None),
@@ -156,7 +177,6 @@ GOLDEN = [  # SPEC 9: (file, uid, len(P), Q, n spans, first span, first text, la
 ]
 
 
-@needs_shipped
 @pytest.mark.parametrize("name,uid,plen,q,n,first,first_text,last,last_text", GOLDEN)
 def test_golden_values(shipped, name, uid, plen, q, n, first, first_text, last, last_text):
     s = by_uid(shipped[name], uid)
@@ -172,16 +192,25 @@ def test_golden_values(shipped, name, uid, plen, q, n, first, first_text, last, 
         assert r.span_texts()[-1] == last_text
 
 
-@needs_shipped
 def test_generate_order_first_sentence_sample_is_uid_60(shipped):
     first = next(s for s in shipped["generate_order"] if s.task_type == "sentence")
     assert first.uid == 60 and max_gen_len(first) == 256 and cut_strings(first) == ("\nInput:",)
 
 
-@needs_shipped
-def test_shipped_invariants_span_totals_and_independent_parse(shipped):
-    totals = {"classifier_order": 800, "generate_order": 1200, "generate_list_number": 7750}
-    for name, samples in shipped.items():
+def test_shipped_invariants_and_independent_parse(shipped):
+    check_invariants(shipped)
+
+
+@needs_icleval_full
+def test_full_invariants_span_totals_and_independent_parse(full):
+    totals = check_invariants(full)
+    assert totals == {"classifier_order": 800, "generate_order": 1200, "generate_list_number": 7750}
+
+
+def check_invariants(data: dict) -> dict:
+    """Render every sample (SPEC 4 invariants), compare with an independent parse; the span total per file."""
+    totals = {}
+    for name, samples in data.items():
         total = 0
         for s in samples:
             r = render(s)  # raises on any SPEC 4 invariant violation
@@ -193,7 +222,8 @@ def test_shipped_invariants_span_totals_and_independent_parse(shipped):
             parsed = [b.split("\nOutput:", 1)[1].strip() for b in blocks[:-1]]
             assert r.span_texts() == parsed, (name, s.uid)
             total += len(r.spans)
-        assert total == totals[name], name
+        totals[name] = total
+    return totals
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -291,7 +321,6 @@ def _order_sample(shipped, **changes) -> Sample:
     return Sample(s.task_file, s.uid, raw["task"], raw["task_type"], raw["prompt"], raw["label"], raw)
 
 
-@needs_shipped
 def test_invariant_violations_name_file_uid_and_span(shipped):
     s = by_uid(shipped["generate_order"], 0)
     empty = s.raw["examples"].replace("Output: 2, 1, 5, D, E, W, c, y, Z, C, j\n", "Output: \n", 1)
@@ -310,7 +339,6 @@ def test_invariant_violations_name_file_uid_and_span(shipped):
 # ------------------------------------------------------------------------------------------------ loader errors
 
 
-@needs_shipped
 def test_loader_errors_name_file_uid_and_field(tmp_path, shipped):
     items = [dict(s.raw) for s in shipped["classifier_order"][:5]]
     del items[3]["prompt"]
@@ -388,9 +416,9 @@ def wrong_response(s: Sample) -> str:
     return " " + lab[:-1] + ("X" if lab[-1] != "X" else "Y") + "\n\nInput: x"  # off by one character
 
 
-@needs_shipped
-def test_scorer_self_test_on_shipped_files(shipped):
-    for samples in shipped.values():
+@pytest.mark.parametrize("which", ["shipped", pytest.param("full", marks=needs_icleval_full)])
+def test_scorer_self_test_on_dev_files(which, request):
+    for samples in request.getfixturevalue(which).values():
         for s in samples:
             assert score(s, gold_response(s)), (s.task_file, s.uid)
             assert not score(s, wrong_response(s)), (s.task_file, s.uid)
@@ -403,11 +431,19 @@ def test_scorer_self_test_on_fixtures(fixtures):
             assert not score(s, wrong_response(s)), (s.task_file, s.uid)
 
 
-@needs_shipped
-def test_bool_garbage_counts_as_false(shipped, fixtures):
-    order = shipped["classifier_order"]
+@needs_icleval_full
+def test_bool_garbage_counts_as_false_full(full):
+    order = full["classifier_order"]
     for garbage in ("", "   ", " maybe", " yes\n", " 1"):
         assert sum(score(s, garbage) for s in order) == 47  # the number of False labels (SPEC 6.4)
+
+
+def test_bool_garbage_counts_as_false(shipped, fixtures):
+    order = shipped["classifier_order"]
+    falses = sum(s.label is False for s in order)
+    assert 0 < falses < len(order)
+    for garbage in ("", "   ", " maybe", " yes\n", " 1"):
+        assert sum(score(s, garbage) for s in order) == falses  # garbage counts as False (SPEC 6.4)
     t = next(s for s in order if s.label is True)
     f = next(s for s in order if s.label is False)
     assert score(t, " TRUE\nOutput: False") and score(t, "\n true \n") and not score(t, " true.")
@@ -504,9 +540,9 @@ def first_stop(s: Sample, pieces: list[str]) -> int | None:
     return None
 
 
-def test_early_stop_equivalence_on_recorded_responses(fixtures, tok):
+def test_early_stop_equivalence_on_recorded_responses(fixtures, shipped, tok):
     rec = json.loads((FIX_DIR / "recorded_responses.json").read_text(encoding="utf-8"))
-    pool = {**fixtures, **(load_dir(SHIPPED_DIR) if SHIPPED_DIR.is_dir() else {})}
+    pool = {**fixtures, **shipped}
     saved = checked = 0
     for r in rec["records"]:
         if r["task_file"] not in pool:
@@ -556,7 +592,6 @@ def test_early_stop_equivalence_on_synthetic_responses(fixtures):
 # ------------------------------------------------------------------------------------------------ requests, tokens
 
 
-@needs_shipped
 def test_to_request(shipped, fixtures):
     s = by_uid(shipped["classifier_order"], 7)
     req = to_request(s)
@@ -598,7 +633,6 @@ def check_token_spans(s: Sample, tok, hash_suffix_only: bool = False) -> list[st
     return effects
 
 
-@needs_shipped
 def test_token_spans_real_tokenizer_shipped(shipped, tok):
     effects = []
     for name, uids in {"classifier_order": [0, 50, 99], "generate_order": [0, 30, 60, 239],
@@ -646,17 +680,3 @@ def test_adjacent_hashes_sharing_a_token_raise_with_span_index(fixtures, tok):
     assert any(sj < boundary < tj for sj, tj in offs)  # one token straddles the two occurrences
     with pytest.raises(RequestError, match=r"copy_natural_language_string:0.*output_spans\[1\].*shares token"):
         tokenize_sample(glued, tok)
-
-
-# ------------------------------------------------------------------------------------------------ aggregation
-
-
-def test_aggregate_micro_macro(fixtures):
-    ds = fixtures["copy_dict_search_string"] + fixtures["copy_dict_search_number"]  # one paper task, two files
-    rel = fixtures["generate_relation_analysis"]
-    results = [(s, True) for s in ds[:4]] + [(s, False) for s in ds[4:]] + [(rel[0], True), (rel[1], False)]
-    out = aggregate(results)
-    assert out["tasks"]["Dict. Search"] == {"correct": 4, "total": 5, "accuracy": 0.8}
-    assert out["tasks"]["Relation Analysis"]["accuracy"] == 0.5
-    assert out["macro"] == pytest.approx(0.65) and out["micro"] == pytest.approx(5 / 7) and out["n"] == 7
-    assert out["subsets"]["copy_dict_search_string/dict_search/hash_string"]["total"] == 2

@@ -94,24 +94,35 @@ def test_counter_range_checked(K):
         K.randn(0, 0, 2**16, 2**10, 2**6, device=DEV)
 
 
+AOT_KERNELS = ["randn", "perturb", "zo_step"]
+
+
 @pytest.fixture(scope="module")
-def aot():
+def aot_ptx(tmp_path_factory):
+    """{kernel: PTX} compiled for sm_90 (no GPU needed) by _aot.compile_ptx in a child process with the interpreter
+    off and an empty Triton cache (see its docstring): the result depends neither on earlier tests nor on what an
+    earlier run left in ~/.triton."""
     pytest.importorskip("triton.backends.nvidia")
     from sicl_fast.kernels import _aot
 
-    return _aot
+    cache = tmp_path_factory.mktemp("triton_cache")
+    return {name: _aot.compile_ptx(name, cache_dir=str(cache))["ptx"] for name in AOT_KERNELS}
 
 
-def test_aot_specs_match_the_kernels(aot):
+def test_aot_specs_match_the_kernels():
     """A changed kernel parameter must show up here, not as a broken ahead-of-time compile."""
-    assert aot.spec_mismatches() == []
+    pytest.importorskip("triton.backends.nvidia")
+    from sicl_fast.kernels import _aot
+
+    assert _aot.spec_mismatches() == []
 
 
-@pytest.mark.parametrize("name", ["randn", "perturb", "zo_step"])
-def test_gpu_code_has_no_fma_or_approximate_math(aot, name):
-    """Compiled for sm_90 (no GPU needed): only correctly rounded f32 ops, so the GPU reproduces the bits."""
-    ptx = aot.compile_ptx(name)["ptx"]
-    ops = aot.float_ops(ptx)
+@pytest.mark.parametrize("name", AOT_KERNELS)
+def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
+    """Compiled for sm_90: only correctly rounded f32 ops, so the GPU reproduces the bits."""
+    from sicl_fast.kernels._aot import float_ops
+
+    ops = float_ops(aot_ptx[name])
     assert ops["mul.rn.f32"] > 0 and ops["div.rn.f32"] > 0 and ops["sqrt.rn.f32"] > 0
     bad = {k: v for k, v in ops.items() if k.startswith(("fma", "rcp", "rsqrt", "ex2", "lg2")) or "approx" in k
            or "full" in k or "ftz" in k}

@@ -10,7 +10,7 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.static import StaticStep, run_static
-from test_fast_backend import make_prompt, models, perturbed  # noqa: F401 (fixture)
+from test_fast_backend import make_prompt, models  # noqa: F401 (fixture)
 from test_ops import device_of, why_unavailable
 
 BASE = dict(N=3, mu=0.05, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=5, seed=3, scale=1.0)

@@ -33,6 +33,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..errors import SiclError
+
 from .label_scoring import LabelScorer, normalise
 
 
@@ -73,7 +75,7 @@ def calibrate_probs(p: np.ndarray, p_cf: np.ndarray) -> np.ndarray:
 
 def content_free_distribution(scorer: LabelScorer, cf_contexts: Sequence[str], continuations: Sequence[str]) -> np.ndarray:
     if not cf_contexts:
-        raise ValueError("contextual calibration needs at least one content-free input")
+        raise SiclError("contextual calibration needs at least one content-free input")
     return np.mean([scorer.distribution(c, continuations) for c in cf_contexts], axis=0)
 
 
@@ -132,7 +134,7 @@ class DEmOResult:
 def candidate_orders(n: int, num_orders: int, seed: int | str = 0) -> list[tuple[int, ...]]:
     """All n! orders when n! <= num_orders; else the original order and num_orders-1 distinct random ones."""
     if n < 1 or num_orders < 1:
-        raise ValueError(f"need n >= 1 demonstrations and num_orders >= 1, got {n}, {num_orders}")
+        raise SiclError(f"need n >= 1 demonstrations and num_orders >= 1, got {n}, {num_orders}")
     ident = tuple(range(n))
     if math.factorial(n) <= num_orders:
         perms = list(itertools.permutations(range(n)))
@@ -168,7 +170,7 @@ def demo_select(
     influence when influence_reference="zeroshot").
     """
     if influence_reference not in ("zeroshot", "content_free"):
-        raise ValueError(f"influence_reference must be 'zeroshot' or 'content_free', got {influence_reference!r}")
+        raise SiclError(f"influence_reference must be 'zeroshot' or 'content_free', got {influence_reference!r}")
     orders = candidate_orders(n_demos, num_orders, seed)
     fairness, p_cf, p_x = [], [], []
     for order in orders:

@@ -52,6 +52,19 @@ def options_from_args(args) -> BaselineOptions:
                            demo_influence=args.demo_influence, demo_predict=args.demo_predict)
 
 
+def check_icleval_args(args) -> None:
+    """Everything `sicl-fast icleval` can check before a model is loaded: --out, the data folder, --tasks and
+    --limit (the samples are selected once here), and the optional packages of the tables and plots."""
+    from ..errors import require
+    from .methods import check_records_out, select_samples
+
+    require("scipy")
+    if args.report:
+        require("matplotlib")
+    check_records_out(args.out)
+    select_samples(args.dir, args.tasks, args.limit)
+
+
 def run_icleval_from_args(engine, config, args, file=None) -> int:
     """`sicl-fast icleval`: run the methods, print the report's tables, write the report when --report is given."""
     from .report import Run, build_report, render_markdown, write_report
@@ -80,8 +93,12 @@ def add_report_command(subparsers) -> argparse.ArgumentParser:
 
 
 def report_from_args(args, file=None) -> int:
+    from ..errors import require
     from .report import load_runs, write_report
 
+    require("scipy")
+    if not args.no_plots:
+        require("matplotlib")
     runs = load_runs(args.results, args.names)
     write_report(args.report, runs, plots=not args.no_plots)
     with open(f"{args.report}/report.md", encoding="utf-8") as fh:
@@ -89,5 +106,5 @@ def report_from_args(args, file=None) -> int:
     return 0
 
 
-__all__ = ["add_icleval_eval_args", "run_icleval_from_args", "add_report_command", "report_from_args",
+__all__ = ["add_icleval_eval_args", "check_icleval_args", "run_icleval_from_args", "add_report_command", "report_from_args",
            "options_from_args"]

@@ -16,6 +16,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..errors import SiclError
+
 
 class LabelScorer:
     """log p(continuation | context) for a LoadedModel; `tokens_run` counts the positions actually computed."""
@@ -35,13 +37,13 @@ class LabelScorer:
     def encode_context(self, text: str) -> list[int]:
         ids = list(self.lm.tokenizer(text, add_special_tokens=self.add_special_tokens)["input_ids"])
         if not ids:
-            raise ValueError("the context encodes to no token; a label needs at least one token before it")
+            raise SiclError("the context encodes to no token; a label needs at least one token before it")
         return ids
 
     def encode_continuation(self, text: str) -> list[int]:
         ids = list(self.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
-            raise ValueError(f"continuation {text!r} encodes to no token")
+            raise SiclError(f"continuation {text!r} encodes to no token")
         return ids
 
     def _forward(self, ids: list[int], cache, last_only: bool = False):

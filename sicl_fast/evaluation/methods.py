@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..errors import SiclError
+from ..errors import ResultsFileError, SiclError
 from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
-from ..records import ResultWriter, read_records
+from ..records import STDOUT, ResultWriter, check_output, read_records
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
 from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_contexts, content_free_query,
@@ -153,7 +153,8 @@ class _Runner:
                         "seconds": round(base_seconds, 3), "history": []})
             return rec
         if variant.method == "sicl":
-            res = self._calibrated.pop((variant.name, sample.key), None) or self.engine.calibrate(prompt, variant.config)
+            res = self._calibrated.pop((variant.name, sample.key), None)
+            res = res if res is not None else self.engine.calibrate(prompt, variant.config)
             cal = gen if res.best_step == 0 else self.decode(sample, prompt, res.embeddings)
             rec.update({"answer_calibrated": cal.text, "correct_calibrated": score(sample, cal.text),
                         "initial_proxy": res.initial_proxy, "best_proxy": res.best_proxy, "steps": res.steps,
@@ -256,8 +257,18 @@ def _norm(v):
 
 
 def select_samples(data_dir, tasks=None, limit: int | None = None) -> list[Sample]:
+    """The first `limit` samples (all when None) of each task file in data_dir (all files present, or `tasks`)."""
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+        raise SiclError(f"limit: must be an integer >= 1 (samples per task file), got {limit!r}")
     data = load_dir(data_dir, tasks)
     return [s for name in data for s in (data[name][:limit] if limit is not None else data[name])]
+
+
+def check_records_out(out_path) -> None:
+    """The records are read back for the tables: --out must be a regular file (or a new one), not '-' or a pipe."""
+    if str(out_path) == STDOUT or (Path(out_path).exists() and not Path(out_path).is_file()):
+        raise ResultsFileError(f"--out {out_path}: icleval reads its records back for the tables; give a regular file")
+    check_output(out_path)
 
 
 def run_methods(
@@ -279,6 +290,7 @@ def run_methods(
     """
     from tqdm import tqdm
 
+    check_records_out(out_path)
     options = options or BaselineOptions()
     variants = build_variants(methods, engine, config, sicl_variants, options)
     samples = select_samples(data_dir, tasks, limit)
@@ -301,19 +313,18 @@ def run_methods(
         done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - len(todo)
         if done_before:
             print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
-        bar = tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
-                   dynamic_ncols=True)
-        chunk = max(1, getattr(engine, "pack", 1))  # packed: calibrate a chunk together, then record it
-        for c0 in range(0, len(todo), chunk):
-            runner.calibrate_packed(todo[c0:c0 + chunk], prompts)
-            for s, v in todo[c0:c0 + chunk]:
-                bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
-                out.write(runner.record(s, prompts[s.key], v))
-                bar.update(1)
-        bar.close()
+        with tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
+                  dynamic_ncols=True) as bar:  # closed (its line ended) before any error is printed
+            chunk = engine.pack  # packed: calibrate a chunk of samples together, then record them
+            for c0 in range(0, len(todo), chunk):
+                runner.calibrate_packed(todo[c0:c0 + chunk], prompts)
+                for s, v in todo[c0:c0 + chunk]:
+                    bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
+                    out.write(runner.record(s, prompts[s.key], v))
+                    bar.update(1)
     wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
-__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods",
+__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods", "check_records_out",
            "select_samples", "make_variants"]

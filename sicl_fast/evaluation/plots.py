@@ -9,12 +9,15 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from ..errors import require
+
 _COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf"]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 
 
 def _figure(w: float = 6.4, h: float = 4.4):
+    require("matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 from ..errors import SiclError
 from ..icleval.tasks import TASK_FILES
-from ..records import read_records, write_json_atomic
+from ..records import read_records, write_text_atomic
 from . import stats
 
 METHOD_ORDER = ("base", "sicl", "cc", "dcpmi", "demo")
@@ -51,7 +51,7 @@ def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = 
     runs: list[Run] = []
     used: set[str] = set()
     for i, p in enumerate(paths):
-        recs = read_records(p)
+        recs = read_records(p, allow_empty=False)
         if names is not None:
             name = names[i]
         else:
@@ -401,13 +401,6 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", s).strip("_") or "x"
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def make_plots(report: dict, runs: Sequence[Run], out_dir: Path) -> None:
     """Draw the figures into out_dir/plots and list them (relative paths) in the report."""
     from . import plots
@@ -464,9 +457,9 @@ def write_report(out_dir: str | os.PathLike, runs: Sequence[Run], plots: bool = 
     if plots:
         make_plots(report, runs, out_dir)
     safe = _json_safe(report)
-    json.dumps(safe, allow_nan=False)  # strict JSON, checked before anything is replaced
-    write_json_atomic(out_dir / "report.json", safe)
-    _write_text_atomic(out_dir / "report.md", render_markdown(report))
+    text = json.dumps(safe, indent=2, ensure_ascii=False, allow_nan=False)  # strict JSON, before anything is replaced
+    write_text_atomic(out_dir / "report.json", text)
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
     return safe
 
 

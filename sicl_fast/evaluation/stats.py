@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..errors import SiclError, require
+
 EXACT_MAX_N = 8  # 8! = 40320 permutations
 
 
@@ -38,7 +40,7 @@ class McNemar:
 def binom_upper_tail(k: int, n: int) -> float:
     """P(X >= k) for X ~ Binomial(n, 1/2), exactly (rational arithmetic, then one rounding)."""
     if n < 0 or k > n + 1:
-        raise ValueError(f"bad binomial tail arguments k={k}, n={n}")
+        raise SiclError(f"bad binomial tail arguments k={k}, n={n}")
     if k <= 0:
         return 1.0
     total = sum(math.comb(n, i) for i in range(k, n + 1))
@@ -47,7 +49,7 @@ def binom_upper_tail(k: int, n: int) -> float:
 
 def discordant(base: Sequence[bool], method: Sequence[bool]) -> tuple[int, int]:
     if len(base) != len(method):
-        raise ValueError(f"paired outcomes of different lengths: {len(base)} and {len(method)}")
+        raise SiclError(f"paired outcomes of different lengths: {len(base)} and {len(method)}")
     b = sum(1 for x, y in zip(base, method) if not x and y)
     c = sum(1 for x, y in zip(base, method) if x and not y)
     return b, c
@@ -85,6 +87,7 @@ def _pearson(x: np.ndarray, y: np.ndarray) -> float:
 
 def student_t_sf(t: float, df: int) -> float:
     """P(T > t) for Student's t with df degrees of freedom (regularised incomplete beta)."""
+    require("scipy")
     from scipy.special import betainc
 
     if math.isnan(t):
@@ -109,7 +112,7 @@ class Spearman:
 def spearman_one_sided(x: Sequence[float], y: Sequence[float]) -> Spearman:
     """Spearman's rho of (x, y) and one-sided p-values for H1: positive association."""
     if len(x) != len(y):
-        raise ValueError(f"x and y differ in length: {len(x)} and {len(y)}")
+        raise SiclError(f"x and y differ in length: {len(x)} and {len(y)}")
     n = len(x)
     if n < 2:
         return Spearman(n=n, rho=math.nan, p=math.nan, p_exact=None)
@@ -147,7 +150,7 @@ class Fisher:
 def chi2_sf_even(x: float, dof: int) -> float:
     """P(X > x) for chi^2 with an even number of degrees of freedom 2k: exp(-x/2) sum_{i<k} (x/2)^i / i!."""
     if dof <= 0 or dof % 2:
-        raise ValueError(f"dof must be a positive even number, got {dof}")
+        raise SiclError(f"dof must be a positive even number, got {dof}")
     if math.isinf(x):
         return 0.0
     h = x / 2.0
@@ -164,7 +167,7 @@ def fisher_combined(pvalues: Sequence[float]) -> Fisher:
     if not ps:
         return Fisher(k=0, statistic=math.nan, p=math.nan)
     if any(not 0.0 <= p <= 1.0 for p in ps):
-        raise ValueError(f"p-values must lie in [0, 1], got {ps}")
+        raise SiclError(f"p-values must lie in [0, 1], got {ps}")
     stat = -2.0 * sum(math.log(p) if p > 0 else -math.inf for p in ps)
     return Fisher(k=len(ps), statistic=stat, p=chi2_sf_even(stat, 2 * len(ps)))
 

@@ -1,14 +1,14 @@
 """Errors and warnings of the ICLEval support. Every message names the file, the uid and the field or span."""
 from __future__ import annotations
 
-from ..errors import SiclError
+from ..errors import SiclError, SiclWarning
 
 
 class ICLEvalError(SiclError):
     """An ICLEval file or sample is malformed, unknown, or breaks a rendering/span invariant."""
 
 
-class ICLEvalDataWarning(UserWarning):
+class ICLEvalDataWarning(SiclWarning):
     """A task file differs from the released ICLEval data (sha256 mismatch); it is still loaded."""
 
 

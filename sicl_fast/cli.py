@@ -238,6 +238,10 @@ def cmd_serve(args) -> int:
 
     require()  # the extra first, then the bind rule, then the model: fail fast
     settings = settings_from_args(args)
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
     from .serve.server import serve
 
     return serve(_engine(args), settings)

@@ -447,3 +447,39 @@ def test_without_the_extra_package_imports_and_serve_says_what_to_install():
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and 'pip install "sicl-fast[serve]"' in lines[0]
+
+
+@pytest.mark.slow
+def test_cli_serve_end_to_end(tmp_path):
+    """`sicl-fast serve` itself: the embedded SmolLM2, the key from the environment, a clean exit on SIGTERM."""
+    import os
+    import signal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SICL_FAST_API_KEY": "k3y"}
+    proc = subprocess.Popen([sys.executable, "-m", "sicl_fast.cli", "serve", "--port", str(port), "--threads", "1",
+                             "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < end, "server did not start"
+                time.sleep(0.3)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        with Client(url, api_key="k3y") as c:
+            assert c.models()[0]["family"] == "llama"
+            r = c.calibrate(REQ, max_steps=1, tau=0.0)
+            assert r["summary"]["steps"] == 1 and r["model"] == c.models()[0]["id"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    assert rc == 0
+    banner = proc.stderr.read()
+    assert f"http://127.0.0.1:{port} (API key required" in banner

@@ -30,6 +30,7 @@ class ServeSettings:
     max_new_tokens: int = 256  # the largest max_new_tokens a request may ask for
     max_connections: int = 256  # open HTTP connections; uvicorn answers 503 beyond it
     log_level: str = "info"
+    threads: int | None = None  # torch intra-op threads of the engine (None: torch's default)
 
     def __post_init__(self) -> None:
         for name in ("max_queue",):
@@ -40,6 +41,8 @@ class ServeSettings:
                 raise SiclError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_new_tokens < 0:
             raise SiclError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise SiclError(f"--threads must be >= 1, got {self.threads}")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise SiclError(f"--max-tokens must be >= 2, got {self.max_tokens}")
         if not 0 <= self.port < 65536:
@@ -79,6 +82,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--insecure-public", action="store_true",
                    help="allow a non-loopback --host without an API key")
     g.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the engine (default: torch's; on a CPU shared with other work, fewer "
+                        "threads than cores can be much faster)")
     lim = p.add_argument_group("limits (a request over a limit gets a 4xx naming the field)")
     lim.add_argument("--max-queue", type=int, default=d.max_queue,
                      help="requests waiting for the engine besides the running one; beyond it: 429 + Retry-After")
@@ -98,6 +104,6 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     s = ServeSettings(host=args.host, port=args.port, api_key=key, insecure_public=args.insecure_public,
                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                       max_steps=args.max_steps, max_n=args.max_n, max_new_tokens=args.max_new_tokens,
-                      max_connections=args.max_connections, log_level=args.log_level)
+                      max_connections=args.max_connections, log_level=args.log_level, threads=args.threads)
     check_bind(s)
     return s

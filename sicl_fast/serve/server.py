@@ -20,13 +20,18 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str | None = None) -
 
 
 def serve(engine, settings: ServeSettings) -> int:
-    """Serve until interrupted (Ctrl-C / SIGTERM). The bind rule is checked before anything listens."""
+    """Serve until interrupted. Ctrl-C (SIGINT) returns 0 after a graceful shutdown; on SIGTERM uvicorn shuts
+    down gracefully and then lets the signal end the process (exit status -15 / 143). The bind rule is checked
+    before anything listens."""
     check_bind(settings)
     app = create_app(engine, settings)
     auth = "API key required" if settings.api_key else "no API key"
     print(f"sicl-fast serve: model {engine.lm.name} ({engine.backend.name} backend), http://{settings.host}:"
           f"{settings.port} ({auth}; docs at /docs)", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn_config(app, settings)).run()
+    try:
+        uvicorn.Server(uvicorn_config(app, settings)).run()
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises Ctrl-C: exit quietly
+        pass
     return 0
 
 

@@ -7,6 +7,7 @@ keeps running after it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -71,30 +72,30 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=metrics)
 
     # --- errors ---
-    def error_reply(request: Request, status: int, kind: str, message: str, headers=None) -> JSONResponse:
+    def error_reply(status: int, kind: str, message: str, headers=None) -> JSONResponse:
         metrics.errors.labels(kind).inc()
         return JSONResponse({"error": {"kind": kind, "message": message, "status": status}}, status_code=status,
                             headers=headers)
 
     @app.exception_handler(ServeHTTPError)
     async def _serve_error(request: Request, exc: ServeHTTPError):
-        return error_reply(request, exc.status, exc.kind, exc.message, exc.headers)
+        return error_reply(exc.status, exc.kind, exc.message, exc.headers)
 
     @app.exception_handler(SiclError)
     async def _sicl_error(request: Request, exc: SiclError):
         kind = next(k for cls, k in ERROR_KINDS if isinstance(exc, cls))
-        return error_reply(request, 422, kind, str(exc))
+        return error_reply(422, kind, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http")
-        return error_reply(request, exc.status_code, kind, f"{request.method} {request.url.path}: {exc.detail}",
+        return error_reply(exc.status_code, kind, f"{request.method} {request.url.path}: {exc.detail}",
                            getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.error("internal error in %s %s", request.method, request.url.path, exc_info=exc)
-        return error_reply(request, 500, "internal", internal_message(request, exc))
+        return error_reply(500, "internal", internal_message(request, exc))
 
     def internal_message(request: Request, exc: BaseException) -> str:
         return (f"internal error ({type(exc).__name__}); the server is still running; the server log has the "
@@ -188,8 +189,6 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
     @app.get("/v1/models", tags=["server"], dependencies=guarded)
     async def models() -> dict:
         """The loaded model, its backend and the calibration preset this server starts from."""
-        import dataclasses
-
         info = {"id": engine.lm.name, **describe(engine.lm), "backend": engine.backend.name,
                 "preset": dataclasses.asdict(validator.preset)}
         return {"object": "list", "data": [info]}

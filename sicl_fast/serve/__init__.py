@@ -3,14 +3,14 @@
 Importing this package needs nothing beyond sicl_fast itself; `require()` says what to install when the extra is
 missing. The server's parts, one job a module:
 
-    settings.py   ServeSettings (limits, auth, bind address) and the loopback-only bind rule
-    schema.py     request / response bodies (pydantic: validation and the OpenAPI schema)
+    settings.py   ServeSettings (caps, auth, bind address, the `serve` flags) and the loopback-only bind rule
+    schema.py     request bodies (pydantic, strict: their types and the OpenAPI schema)
+    validate.py   bodies -> engine calls (parse, tokenize, caps) before anything is queued
     queue.py      EngineQueue: one worker thread runs jobs on the engine one at a time; bounded; cancellation
-    jobs.py       what a job does on the engine: proxy, calibrate (deadline / cancel hook), generate, embeddings
-    metrics.py    Prometheus counters, gauges and histograms
-    limits.py     ASGI middleware: request body size cap
-    app.py        create_app(engine, settings): routes, auth, error mapping
-    server.py     run(engine, settings): uvicorn on a socket; start_in_thread() for tests and benchmarks
+    jobs.py       what a job does on the engine: proxy, calibrate (deadline / cancel hook), answers, embeddings
+    metrics.py    Prometheus metrics and the ASGI middleware that counts and times every request
+    app.py        create_app(engine, settings): routes, auth, body reading, error replies
+    server.py     serve(engine, settings) on uvicorn (the CLI); ServerThread for tests, benchmarks, embedding
 """
 from __future__ import annotations
 

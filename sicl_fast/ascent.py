@@ -143,7 +143,7 @@ class CalibrationResult:
     steps: int  # batched forwards run
     best_step: int  # 0-based step whose X is returned
     gated: bool
-    stop_reason: str  # "gate", "patience", "max_steps", "snr"
+    stop_reason: str  # "gate", "patience", "max_steps", "snr", or what `should_stop` returned (e.g. "deadline")
     history: list[float] = field(default_factory=list)  # f0 at every step
     seconds: float = 0.0
     projections: int = 0  # how often the cosine projection fired
@@ -189,8 +189,11 @@ class Calibrator:
         prompt: Prompt,
         X0: torch.Tensor | None = None,
         on_step: Callable[[int, float], None] | None = None,
+        should_stop: Callable[[], str | None] | None = None,
     ) -> CalibrationResult:
-        """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32)."""
+        """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32).
+        should_stop: checked once per step after the best X is updated; a returned string (e.g. "deadline")
+        ends the run with that stop_reason and the best X so far."""
         cfg = self.config
         t0 = time.perf_counter()
         X0 = self.initial_embeddings(prompt, X0)
@@ -224,6 +227,9 @@ class Calibrator:
                 since_best += 1
             if cfg.patience and since_best >= cfg.patience:
                 stop = "patience"
+                break
+            if should_stop is not None and (reason := should_stop()):
+                stop = reason
                 break
             if cfg.snr_threshold > 0 and snr(f, cfg.mu_eff, cfg.estimator) < cfg.snr_threshold:
                 # noise-dominated estimate: skip the update; give up after `patience` such steps in a row

@@ -1,5 +1,5 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile`. It only parses and calls
-the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | serve`. It only parses
+and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -154,9 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(backend="fast")
 
     add_report_command(sub)
+    _serve_command(sub)
     for name, sp in sub.choices.items():
         sp.add_argument("--debug", action="store_true", help="show the full traceback of an unexpected error")
     return p
+
+
+def _serve_command(sub) -> None:
+    from .serve.settings import add_serve_flags
+
+    s = sub.add_parser("serve", help="HTTP/JSON calibration server (needs the extra: pip install \"sicl-fast[serve]\")")
+    _model_flags(s)
+    add_serve_flags(s)
 
 
 def _overrides(args) -> dict:
@@ -214,6 +223,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_proxy(args) -> int:
+    from .records import proxy_record
     from .requests import read_requests
 
     requests = list(read_requests(args.requests))
@@ -222,10 +232,7 @@ def cmd_proxy(args) -> int:
     prompts = [eng.prepare(r) for r in requests]  # validate everything before any output
     cfg = eng.config(**_overrides(args))
     for p in prompts:
-        out = eng.proxy(p, cfg)
-        rec = {"id": p.id, "proxy": float(out.f[0]), "C": float(out.C[0]), "R": float(out.R[0]),
-               "G": float(out.G[0]), "num_demos": p.num_demos, "token_spans": [list(s) for s in p.token_spans]}
-        print(json.dumps(rec), flush=True)
+        print(json.dumps(proxy_record(p, eng.proxy(p, cfg))), flush=True)
     return 0
 
 
@@ -332,8 +339,23 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .serve import require
+    from .serve.settings import settings_from_args
+
+    require()  # the extra first, then the bind rule, then the model: fail fast
+    settings = settings_from_args(args)
+    if settings.threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.threads)
+    from .serve.server import serve
+
+    return serve(_engine(args), settings)
+
+
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile}
+            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve}
 
 
 def _interrupted(cmd: str) -> str:

@@ -230,4 +230,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["ResultWriter", "read_records", "write_text_atomic", "check_output", "STDOUT"]
+def proxy_record(prompt, out) -> dict:
+    """The proxy of a prompt's own embeddings (`ProxyOut` of one row) as one JSON record: the `proxy` command's
+    lines and the server's POST /v1/proxy reply."""
+    return {"id": prompt.id, "proxy": float(out.f[0]), "C": float(out.C[0]), "R": float(out.R[0]),
+            "G": float(out.G[0]), "num_demos": prompt.num_demos, "token_spans": [list(s) for s in prompt.token_spans]}
+
+
+__all__ = ["ResultWriter", "read_records", "write_text_atomic", "check_output", "STDOUT", "proxy_record"]

@@ -146,24 +146,27 @@ class StaticStep:
         self.reason.copy_(torch.where(active, reason, self.reason))
         s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
 
-    def result(self, seconds: float) -> CalibrationResult:
-        """The CalibrationResult of a stopped run (reads the state: host syncs)."""
+    def result(self, seconds: float, stop_reason: str | None = None) -> CalibrationResult:
+        """The CalibrationResult of a stopped run (reads the state: host syncs). stop_reason: a run ended from
+        outside (should_stop), with the best X so far."""
         reason, n = int(self.reason), int(self.steps_run)
         history = self.history[:n].tolist()
         if reason == NONFINITE:
             raise NumericalError(f"request {self.prompt.id!r}: the proxy is {history[-1]} at step {n - 1}")
         return CalibrationResult(
             embeddings=self.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(self.best.best_f),
-            steps=n, best_step=self.best.best_step, gated=reason == GATE, stop_reason=REASONS[reason],
+            steps=n, best_step=self.best.best_step, gated=reason == GATE, stop_reason=stop_reason or REASONS[reason],
             history=history, seconds=seconds, projections=int(self.projections), config=self.config,
             impl=self.ops.name,
         )
 
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
-               sync_every: int = 1, on_step=None) -> CalibrationResult:
+               sync_every: int = 1, on_step=None, should_stop=None) -> CalibrationResult:
     """Calibrate one prompt with the static step, reading its state back every `sync_every` steps. Returns the
-    CalibrationResult the eager loop would (history, best_step, stop_reason, steps, projections, embeddings)."""
+    CalibrationResult the eager loop would (history, best_step, stop_reason, steps, projections, embeddings).
+    should_stop: as Calibrator.run's, checked at each read; a returned string ends the run with that stop_reason
+    and the best X so far."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise SiclError(f"sync_every must be an int >= 1, got {sync_every!r}")
     t0 = time.perf_counter()
@@ -181,6 +184,9 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             reported = n
         if done:
             break
+        reason = should_stop() if should_stop is not None else None
+        if reason:
+            return st.result(time.perf_counter() - t0, stop_reason=reason)
     return st.result(time.perf_counter() - t0)
 
 

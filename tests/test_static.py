@@ -174,3 +174,16 @@ def test_captured_static_step_equals_eager_on_cuda(models):
     for _ in range(4):  # steps 2 .. 5: max_steps
         g()
     assert st.result(0.0).history == ref.history
+
+
+def test_should_stop_ends_a_static_run_with_its_reason(models):
+    """A deadline from outside (the server's hook): the run ends at the next read with the best X so far."""
+    be = make_backend("fast-fp32", models["llama"], impl="torch")
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 20})
+    p = make_prompt(0)
+    ticks = []
+    res = run_static(be, cfg, p, sync_every=2, should_stop=lambda: ticks.append(1) or ("deadline" if len(ticks) == 2
+                                                                                        else None))
+    assert res.stop_reason == "deadline" and res.steps == 4 and len(res.history) == 4
+    ref = Calibrator(be, cfg.replace(max_steps=4)).run(p)
+    assert res.history == ref.history and res.best_step == ref.best_step

@@ -1,0 +1,91 @@
+"""Request bodies: their types (pydantic, strict: "8" is not an int) and their OpenAPI schema.
+
+The prompt itself (`request`) is an object in either JSON form of sicl_fast.requests; it is checked by
+`parse_request` and the tokenizer, so the server answers bad spans with the CLI's own messages. The config knobs
+are the fields of CalibrationConfig, read from the dataclass so the two never drift apart; their values are
+checked by CalibrationConfig itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from ..ascent import CalibrationConfig
+from ..export import ROW_CHOICES, WIRE_DTYPES
+from ..requests import DEFAULT_TEMPLATE
+
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+# The two request forms, for the OpenAPI page only (parse_request is what checks them).
+REQUEST_SCHEMA = {
+    "description": "One prompt, in either JSON form of a requests JSONL line. 'id' defaults to the server's "
+                   "request id.",
+    "oneOf": [
+        {"title": "raw", "type": "object", "required": ["prompt", "output_spans"], "additionalProperties": False,
+         "properties": {"id": {"type": "string"}, "prompt": {"type": "string"},
+                        "output_spans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"},
+                                                                    "minItems": 2, "maxItems": 2},
+                                         "description": "[char_start, char_end) of each demonstrated output"},
+                        "demos_start": {"type": "integer", "description": "where the demonstrations begin"}}},
+        {"title": "structured", "type": "object", "required": ["demos", "query"], "additionalProperties": False,
+         "properties": {"id": {"type": "string"}, "instruction": {"type": "string"}, "query": {"type": "string"},
+                        "demos": {"type": "array", "items": {
+                            "type": "object", "properties": {"input": {"type": "string"}, "output": {"type": "string"}},
+                            "required": ["input", "output"]}},
+                        "template": {"type": "object", "properties": {k: {"type": "string", "default": v}
+                                                                      for k, v in DEFAULT_TEMPLATE.items()}}}},
+    ],
+    "example": {"id": "q1", "instruction": "Write each number word as a digit.",
+                "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}], "query": "five"},
+}
+
+
+def _knobs_model() -> type[BaseModel]:
+    """Every CalibrationConfig field, optional (unset: the model family's preset, capped by the server)."""
+    hints = typing.get_type_hints(CalibrationConfig)
+    fields = {f.name: (Optional[hints[f.name]], Field(None, description=f"preset: {f.default}"))
+              for f in dataclasses.fields(CalibrationConfig)}
+    return create_model("CalibrationKnobs", __config__=_STRICT, **fields)
+
+
+CalibrationKnobs = _knobs_model()
+
+
+class ProxyBody(BaseModel):
+    """POST /v1/proxy: f, C, R, G (and c per demonstration) of the prompt's own embeddings."""
+
+    model_config = _STRICT
+    request: dict[str, Any] = Field(json_schema_extra=REQUEST_SCHEMA)
+    config: Optional[CalibrationKnobs] = Field(None, description="knobs of CalibrationConfig (alpha, beta, gamma, "
+                                                                 "q matter here)")
+
+
+class CalibrateBody(ProxyBody):
+    """POST /v1/calibrate: the ascent on one prompt; optionally both greedy answers and the calibrated rows."""
+
+    generate: bool = Field(False, description="also decode the greedy answers before and after calibration")
+    max_new_tokens: int = Field(32, ge=0)
+    stop: Optional[list[str]] = Field(None, description="stop strings (default: a newline)")
+    return_embeddings: bool = Field(False, description="return the calibrated rows as base64")
+    embeddings_dtype: Literal[tuple(WIRE_DTYPES)] = "float32"  # type: ignore[valid-type]
+    embeddings_rows: Literal[ROW_CHOICES] = Field(  # type: ignore[valid-type]
+        "demos", description="'demos': the perturbed rows [a, b); 'all': every row of the prompt")
+    timeout_s: Optional[float] = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
+                                                               "so far is returned with stop_reason 'deadline'")
+
+
+def validation_message(exc: ValidationError, body: Any) -> str:
+    """One line in the CLI's style: request id, the field's dotted path, what is wrong."""
+    errs = exc.errors()
+    first = errs[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "body"
+    rid = body.get("request", {}).get("id") if isinstance(body, dict) and isinstance(body.get("request"), dict) else None
+    head = f"request {str(rid)!r}: " if rid is not None else ""
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{head}field {loc!r}: {first['msg']}{more}"
+
+
+__all__ = ["CalibrationKnobs", "ProxyBody", "CalibrateBody", "validation_message", "REQUEST_SCHEMA"]

@@ -1,0 +1,109 @@
+"""Server settings: the bind address, the API key and every cap a request is held to; their CLI flags.
+
+No server package is imported here, so `sicl-fast serve --help` and the bind check work without the extra.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from dataclasses import dataclass
+
+from ..errors import SiclError
+
+API_KEY_ENV = "SICL_FAST_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What the server allows. Every cap is checked before a request reaches the engine's queue."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # None: no auth, and only a loopback bind (unless insecure_public)
+    insecure_public: bool = False
+    max_queue: int = 16  # requests waiting for the engine besides the one running; more get 429
+    max_body_bytes: int = 1 << 20
+    max_tokens: int | None = None  # prompt tokens (+ tokens to generate); None: the model's context only
+    max_steps: int = 250  # the largest max_steps a request may ask for (also the default when lower than the preset)
+    max_n: int = 64  # the largest N a request may ask for
+    max_new_tokens: int = 256  # the largest max_new_tokens a request may ask for
+    max_connections: int = 256  # open HTTP connections; uvicorn answers 503 beyond it
+    log_level: str = "info"
+    threads: int | None = None  # torch intra-op threads of the engine (None: torch's default)
+
+    def __post_init__(self) -> None:
+        for name in ("max_queue",):
+            if getattr(self, name) < 0:
+                raise SiclError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_body_bytes", "max_steps", "max_n", "max_connections"):
+            if getattr(self, name) < 1:
+                raise SiclError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 0:
+            raise SiclError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise SiclError(f"--threads must be >= 1, got {self.threads}")
+        if self.max_tokens is not None and self.max_tokens < 2:
+            raise SiclError(f"--max-tokens must be >= 2, got {self.max_tokens}")
+        if not 0 <= self.port < 65536:
+            raise SiclError(f"--port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SiclError(f"the API key is empty (--api-key / {API_KEY_ENV})")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 'localhost' and loopback addresses (127.0.0.0/8, ::1); False for names, 0.0.0.0, '' and the rest."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(settings: ServeSettings) -> None:
+    """Without an API key the server listens on loopback only, unless the operator insists (insecure_public)."""
+    if settings.api_key is None and not settings.insecure_public and not is_loopback(settings.host):
+        raise SiclError(
+            f"refusing to listen on {settings.host!r} without an API key: set {API_KEY_ENV} (or --api-key), "
+            "bind to 127.0.0.1, or pass --insecure-public"
+        )
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """The `serve` subcommand's own flags (the model flags come from the CLI's shared group)."""
+    d = ServeSettings()
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default=d.host, help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the variable: "
+                        "flags show up in the process list)")
+    g.add_argument("--insecure-public", action="store_true",
+                   help="allow a non-loopback --host without an API key")
+    g.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the engine (default: torch's; on a CPU shared with other work, fewer "
+                        "threads than cores can be much faster)")
+    lim = p.add_argument_group("limits (a request over a limit gets a 4xx naming the field)")
+    lim.add_argument("--max-queue", type=int, default=d.max_queue,
+                     help="requests waiting for the engine besides the running one; beyond it: 429 + Retry-After")
+    lim.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    lim.add_argument("--max-tokens", type=int, default=None,
+                     help="prompt tokens plus tokens to generate (default: the model's context)")
+    lim.add_argument("--max-steps", type=int, default=d.max_steps, help="largest max_steps a request may ask for")
+    lim.add_argument("--max-n", type=int, default=d.max_n, help="largest N a request may ask for")
+    lim.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                     help="largest max_new_tokens a request may ask for")
+    lim.add_argument("--max-connections", type=int, default=d.max_connections)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """ServeSettings from parsed flags (the API key falls back to $SICL_FAST_API_KEY), bind rule checked."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    s = ServeSettings(host=args.host, port=args.port, api_key=key, insecure_public=args.insecure_public,
+                      max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
+                      max_steps=args.max_steps, max_n=args.max_n, max_new_tokens=args.max_new_tokens,
+                      max_connections=args.max_connections, log_level=args.log_level, threads=args.threads)
+    check_bind(s)
+    return s

@@ -1,0 +1,85 @@
+"""Bodies -> engine calls, with the server's caps. Runs before a request is queued, so bad input costs no wait.
+
+Every error is a SiclError whose message names the request id and the field, as the CLI's do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ascent import CalibrationConfig
+from ..errors import RequestError, SiclError
+from ..spans import Prompt
+from .schema import CalibrateBody, ProxyBody
+from .settings import ServeSettings
+
+
+class LimitError(RequestError):
+    """A request asks for more than this server allows (a --max-* flag)."""
+
+
+@dataclass(frozen=True)
+class ProxyCall:
+    prompt: Prompt
+    config: CalibrationConfig
+
+
+@dataclass(frozen=True)
+class CalibrateCall:
+    prompt: Prompt
+    config: CalibrationConfig
+    generate: bool
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    return_embeddings: bool
+    embeddings_dtype: str
+    embeddings_rows: str
+    timeout_s: float | None
+
+
+class Validator:
+    """Holds the engine, the settings and the model's preset with the server's caps applied to its defaults."""
+
+    def __init__(self, engine, settings: ServeSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        preset = engine.config()
+        self.preset = preset.replace(max_steps=min(preset.max_steps, settings.max_steps),
+                                     N=min(preset.N, settings.max_n))
+
+    def prompt(self, request: dict, reserve: int) -> Prompt:
+        """Parse and tokenize; the prompt plus `reserve` tokens must fit the model and --max-tokens."""
+        prompt = self.engine.prepare(request, reserve=reserve)
+        cap = self.settings.max_tokens
+        if cap is not None and prompt.length + reserve > cap:
+            extra = f" plus {reserve} tokens to generate" if reserve else ""
+            raise LimitError(f"request {prompt.id!r}: field 'prompt': {prompt.length} tokens{extra} exceed this "
+                             f"server's limit of {cap} tokens (--max-tokens)")
+        return prompt
+
+    def config(self, knobs, rid: str) -> CalibrationConfig:
+        over = knobs.model_dump(exclude_none=True) if knobs is not None else {}
+        for name, cap, flag in (("max_steps", self.settings.max_steps, "--max-steps"),
+                                ("N", self.settings.max_n, "--max-n")):
+            if name in over and over[name] > cap:
+                raise LimitError(f"request {rid!r}: field 'config.{name}': {over[name]} exceeds this server's "
+                                 f"limit of {cap} ({flag})")
+        try:
+            return self.engine.config(self.preset, **over)
+        except SiclError as exc:
+            raise RequestError(f"request {rid!r}: field 'config': {exc}") from None
+
+    def proxy(self, body: ProxyBody) -> ProxyCall:
+        prompt = self.prompt(body.request, reserve=0)
+        return ProxyCall(prompt, self.config(body.config, prompt.id))
+
+    def calibrate(self, body: CalibrateBody) -> CalibrateCall:
+        rid = str(body.request.get("id"))
+        if body.generate and body.max_new_tokens > self.settings.max_new_tokens:
+            raise LimitError(f"request {rid!r}: field 'max_new_tokens': {body.max_new_tokens} exceeds this server's "
+                             f"limit of {self.settings.max_new_tokens} (--max-new-tokens)")
+        prompt = self.prompt(body.request, reserve=body.max_new_tokens if body.generate else 0)
+        return CalibrateCall(
+            prompt=prompt, config=self.config(body.config, prompt.id), generate=body.generate,
+            max_new_tokens=body.max_new_tokens, stop=tuple(body.stop) if body.stop is not None else ("\n",),
+            return_embeddings=body.return_embeddings, embeddings_dtype=body.embeddings_dtype,
+            embeddings_rows=body.embeddings_rows, timeout_s=body.timeout_s)

@@ -1,0 +1,485 @@
+"""`sicl-fast serve`: the real server (uvicorn on a free loopback port, in a thread) with a tiny random-weight model.
+
+Every endpoint, the auth, every limit, 429 under a full queue, deadline, cancellation (queued and running), bad
+JSON, bad spans, an oversized body, a crash inside a job, and the embeddings round trip bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from sicl_fast import Calibrator, Engine  # noqa: E402
+from sicl_fast.cli import main  # noqa: E402
+from sicl_fast.client import Client, QueueFullError, ServerError  # noqa: E402
+from sicl_fast.errors import RequestError, SiclError  # noqa: E402
+from sicl_fast.requests import parse_request  # noqa: E402
+from sicl_fast.serve.server import ServerThread  # noqa: E402
+from sicl_fast.serve.settings import ServeSettings, check_bind, is_loopback  # noqa: E402
+
+REQ = {"id": "q1", "instruction": "Write each number word as a digit.",
+       "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}], "query": "five"}
+# runs until its deadline (or cancellation): no gate, no patience, a huge step budget
+LONG = {"max_steps": 100_000, "patience": 0, "tau": 0.0}
+LIMITS = dict(max_queue=1, max_body_bytes=64 * 1024, max_tokens=300, max_steps=100_000, max_n=16, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, one_thread):
+    return Engine(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(engine, ServeSettings(port=0, **LIMITS)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.url) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def idle(request):
+    """Each test starts with the engine idle (a previous test's long jobs have ended)."""
+    if "server" in request.fixturenames:
+        srv = request.getfixturevalue("server")
+        wait_for(lambda: not srv.app.state.queue.busy and srv.app.state.queue.depth == 0, 30)
+
+
+def wait_for(cond, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def metric(client: Client, name: str, **labels) -> float:
+    """One sample of the server's /metrics (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pat = re.compile(rf"^{re.escape(name)}(?:\{{{re.escape(want)}\}})? (\S+)$" if want else rf"^{re.escape(name)} (\S+)$",
+                     re.M)
+    m = pat.search(client.metrics())
+    return float(m.group(1)) if m else 0.0
+
+
+def post(server, path: str, body=None, content: bytes | None = None, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, content=content, timeout=60, **kw)
+
+
+def error_of(r: httpx.Response) -> dict:
+    err = r.json()["error"]
+    assert err["status"] == r.status_code and "Traceback" not in err["message"]
+    return err
+
+
+def raw_http(server, head: str, body: bytes = b"", close_after: float | None = None) -> bytes:
+    """Send a hand-made HTTP/1.1 request on a raw socket. close_after: hang up after that many seconds without
+    reading (a client going away); else read the reply."""
+    host, port = server.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(head.encode() + body)
+    if close_after is not None:
+        time.sleep(close_after)
+        s.close()
+        return b""
+    s.settimeout(30)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    return data
+
+
+def calibrate_head(server, body: bytes) -> str:
+    return (f"POST /v1/calibrate HTTP/1.1\r\nHost: {server.url[7:]}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+
+
+# ---------------------------------------------------------------- endpoints
+
+
+def test_health_models_openapi(server, client, engine):
+    assert client.health() == {"status": "ok", "model": "tiny-llama", "queue_depth": 0, "busy": False}
+    (m,) = client.models()
+    assert m["id"] == "tiny-llama" and m["family"] == "llama" and m["context"] == 512 and m["d"] == 32
+    assert m["preset"]["N"] == 8 and m["preset"]["max_steps"] == 250
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/health", "/v1/models", "/metrics", "/v1/proxy", "/v1/calibrate"} <= set(spec["paths"])
+    ref = spec["paths"]["/v1/calibrate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    body_schema = spec["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"request", "config", "generate", "return_embeddings", "timeout_s"} <= set(body_schema["properties"])
+    assert "max_steps" in spec["components"]["schemas"]["CalibrationKnobs"]["properties"]
+    assert httpx.get(server.url + "/docs").status_code == 200
+
+
+def test_proxy_matches_the_engine(client, engine):
+    r = client.proxy(REQ)
+    prompt = engine.prepare(REQ)
+    out = engine.proxy(prompt)
+    assert r["id"] == "q1" and r["num_demos"] == 2
+    assert (r["proxy"], r["C"], r["R"], r["G"]) == (float(out.f[0]), float(out.C[0]), float(out.R[0]), float(out.G[0]))
+    assert r["c"] == [float(x) for x in out.c[0]]
+    assert r["token_spans"] == [list(s) for s in prompt.token_spans]
+    assert r["prompt"]["demo_start"] == prompt.demo_start and r["prompt"]["length"] == prompt.length
+    # the weights of the proxy are knobs too
+    r2 = client.proxy(REQ, alpha=1.0, beta=0.0, gamma=0.0)
+    assert r2["proxy"] == pytest.approx(r2["C"], rel=1e-6)
+
+
+def test_calibrate_answers_and_embeddings_bit_for_bit(client, engine):
+    knobs = dict(max_steps=4, tau=0.0, seed=3, N=4)
+    r = client.calibrate(REQ, generate=True, max_new_tokens=6, stop=[], return_embeddings=True,
+                         embeddings_rows="all", **knobs)
+    prompt = engine.prepare(REQ)
+    cfg = engine.config(**knobs)
+    ref = Calibrator(engine.backend, cfg).run(prompt)
+    s = r["summary"]
+    assert (s["steps"], s["best_step"], s["stop_reason"], s["gated"]) == (ref.steps, ref.best_step, "max_steps", False)
+    assert s["best_proxy"] == ref.best_proxy and r["history"] == ref.history
+    assert r["config"]["N"] == 4 and r["config"]["seed"] == 3
+    emb = r["embeddings"]
+    assert (emb.row_start, emb.row_end, emb.model, emb.id) == (0, prompt.length, "tiny-llama", "q1")
+    assert emb.rows.dtype == torch.float32 and torch.equal(emb.rows, ref.embeddings)
+    assert torch.equal(emb.input_ids, prompt.input_ids)
+    base = engine.generate(prompt, max_new_tokens=6, stop_strings=())
+    cal = engine.generate(prompt, ref.embeddings, max_new_tokens=6, stop_strings=())
+    assert r["answers"] == {"base": base.answer, "calibrated": cal.answer}
+    assert r["timing"]["engine_s"] > 0
+    # the default rows [a, b), in bf16: the same values rounded once
+    r16 = client.calibrate(REQ, return_embeddings=True, embeddings_dtype="bfloat16", **knobs)["embeddings"]
+    a, b = prompt.demo_start, prompt.demo_end
+    assert (r16.row_start, r16.row_end) == (a, b) and r16.rows.dtype == torch.bfloat16
+    assert torch.equal(r16.rows, ref.embeddings[a:b].to(torch.bfloat16))
+
+
+def test_calibrate_raw_request_and_default_id(server, engine):
+    text = "Input: one\nOutput: 1\n\nInput: two\nOutput: 2\n\nInput: six\nOutput:"
+    raw = {"prompt": text, "output_spans": [[19, 20], [40, 41]]}
+    r = post(server, "/v1/calibrate", {"request": raw, "config": {"max_steps": 1}})
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == r.headers["x-request-id"]  # no id given: the server's request id
+    assert r.json()["prompt"]["token_spans"] == [list(s) for s in engine.prepare({**raw, "id": "x"}).token_spans]
+
+
+def test_metrics(client):
+    client.calibrate(REQ, max_steps=2, tau=0.0)
+    text = client.metrics()
+    for name in ("sicl_fast_requests_total", "sicl_fast_errors_total", "sicl_fast_request_seconds_bucket",
+                 "sicl_fast_queue_depth", "sicl_fast_engine_busy", "sicl_fast_queue_wait_seconds_bucket",
+                 "sicl_fast_engine_seconds_bucket", "sicl_fast_calibration_steps_total", "sicl_fast_steps_per_second"):
+        assert name in text, name
+    assert metric(client, "sicl_fast_requests_total", endpoint="/v1/calibrate", status="200") >= 1
+    assert metric(client, "sicl_fast_calibration_steps_total") >= 2
+    assert metric(client, "sicl_fast_steps_per_second") > 0
+
+
+# ---------------------------------------------------------------- bad input: 4xx, one line, never a 500
+
+
+def test_bad_json_and_bad_bodies(server, client):
+    before = metric(client, "sicl_fast_errors_total", kind="bad_json")
+    r = post(server, "/v1/calibrate", content=b'{"request": ')
+    assert r.status_code == 400 and error_of(r)["kind"] == "bad_json"
+    r = post(server, "/v1/proxy", content=b'{"request": {"id": "x"}, "config": {"mu": NaN}}')
+    assert r.status_code == 400 and "NaN is not valid JSON" in error_of(r)["message"]
+    assert metric(client, "sicl_fast_errors_total", kind="bad_json") == before + 2
+    cases = [
+        ([1, 2], "field 'body'"),
+        ({"config": {}}, "field 'request': Field required"),
+        ({"request": REQ, "bogus": 1}, "request 'q1': field 'bogus': Extra inputs are not permitted"),
+        ({"request": REQ, "config": {"N": "8"}}, "request 'q1': field 'config.N': Input should be a valid integer"),
+        ({"request": REQ, "config": {"nope": 1}}, "field 'config.nope': Extra inputs"),
+        ({"request": REQ, "config": {"mu": -1.0}}, "request 'q1': field 'config': CalibrationConfig: mu must be > 0"),
+        ({"request": REQ, "timeout_s": 0}, "field 'timeout_s'"),
+        ({"request": REQ, "embeddings_dtype": "float16"}, "field 'embeddings_dtype'"),
+        ({"request": {**REQ, "demos": []}}, "request 'q1': field 'demos': no demonstrations"),
+    ]
+    for body, msg in cases:
+        r = post(server, "/v1/calibrate", body)
+        assert r.status_code == 422, (body, r.text)
+        assert msg in error_of(r)["message"], (msg, r.text)
+
+
+@pytest.mark.parametrize("raw", [
+    {"id": "s1", "prompt": "Input: a\nOutput: b", "output_spans": [[17, 30]]},              # outside the prompt
+    {"id": "s2", "prompt": "Input: a\nOutput: b", "output_spans": [[5, 5]]},                # empty
+    {"id": "s3", "prompt": "Input: a\nOutput: bc", "output_spans": [[17, 19], [18, 19]]},   # overlapping
+    {"id": "s4", "prompt": "Input: a\nOutput: b", "output_spans": [[17, "x"]]},             # not integers
+    {"id": "s5", "prompt": "Input: a\nOutput: b", "output_spans": [[17, 18]], "demos_start": -1},
+])
+def test_bad_spans_get_the_cli_message(server, raw):
+    with pytest.raises(RequestError) as cli:
+        parse_request(raw)
+    for path in ("/v1/proxy", "/v1/calibrate"):
+        r = post(server, path, {"request": raw})
+        assert r.status_code == 422 and error_of(r) == {"kind": "invalid_request", "message": str(cli.value),
+                                                        "status": 422}
+
+
+def test_span_sharing_a_token_gets_the_tokenizer_message(server, engine):
+    raw = {"id": "t1", "prompt": "Input: a\nOutput: seventeen", "output_spans": [[17, 20], [20, 26]]}
+    with pytest.raises(SiclError) as cli:
+        engine.prepare(raw)
+    r = post(server, "/v1/calibrate", {"request": raw})
+    assert r.status_code == 422 and error_of(r)["message"] == str(cli.value)
+
+
+def test_not_found_and_wrong_method(server):
+    r = httpx.get(server.url + "/v2/nothing")
+    assert r.status_code == 404 and error_of(r)["kind"] == "not_found"
+    r = httpx.get(server.url + "/v1/calibrate")
+    assert r.status_code == 405 and error_of(r)["kind"] == "method_not_allowed"
+
+
+# ---------------------------------------------------------------- limits
+
+
+def test_caps_on_steps_n_new_tokens(server):
+    for body, field, flag in [
+        ({"request": REQ, "config": {"max_steps": 100_001}}, "config.max_steps", "--max-steps"),
+        ({"request": REQ, "config": {"N": 17}}, "config.N", "--max-n"),
+        ({"request": REQ, "generate": True, "max_new_tokens": 17}, "max_new_tokens", "--max-new-tokens"),
+    ]:
+        r = post(server, "/v1/calibrate", body)
+        err = error_of(r)
+        assert r.status_code == 422 and err["kind"] == "limit"
+        assert f"request 'q1': field '{field}'" in err["message"] and flag in err["message"]
+
+
+def raw_of_length(engine, n: int, rid: str) -> dict:
+    """A raw request of exactly n tokens (one demonstration, then filler words)."""
+    def length(text):
+        return len(engine.lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    head = "Input: a\nOutput: b"
+    raw = {"id": rid, "prompt": head + " a" * (n - length(head)), "output_spans": [[17, 18]]}
+    assert length(raw["prompt"]) == n
+    return raw
+
+
+def test_prompt_token_limits(server, engine):
+    r = post(server, "/v1/proxy", {"request": raw_of_length(engine, 301, "big")})  # > --max-tokens 300
+    err = error_of(r)
+    assert r.status_code == 422 and err["kind"] == "limit"
+    assert "request 'big': field 'prompt': 301 tokens" in err["message"] and "--max-tokens" in err["message"]
+    assert post(server, "/v1/proxy", {"request": raw_of_length(engine, 300, "fits")}).status_code == 200
+    r = post(server, "/v1/proxy", {"request": raw_of_length(engine, 513, "huge")})  # > the model's 512 context
+    err = error_of(r)
+    assert r.status_code == 422 and err["kind"] == "context_length" and "context of 512" in err["message"]
+    # the tokens to generate count too
+    body = {"request": raw_of_length(engine, 290, "gen"), "generate": True, "max_new_tokens": 11,
+            "config": {"max_steps": 1}}
+    r = post(server, "/v1/calibrate", body)
+    assert r.status_code == 422 and "290 tokens plus 11 tokens to generate" in error_of(r)["message"]
+    assert post(server, "/v1/calibrate", {**body, "max_new_tokens": 10}).status_code == 200
+
+
+def test_oversized_body(server, client):
+    before = metric(client, "sicl_fast_errors_total", kind="body_too_large")
+    big = json.dumps({"request": {**REQ, "query": "x" * 70_000}}).encode()
+    r = post(server, "/v1/calibrate", content=big)  # declared by Content-Length
+    assert r.status_code == 413 and "--max-body-bytes" in error_of(r)["message"]
+    # streamed without a Content-Length (chunked): cut off while reading
+    r = httpx.post(server.url + "/v1/calibrate", content=iter([big[i:i + 8192] for i in range(0, len(big), 8192)]),
+                   timeout=30)
+    assert r.status_code == 413
+    # a huge declared length is refused before anything is read
+    reply = raw_http(server, calibrate_head(server, b"x" * 10).replace("Content-Length: 10", "Content-Length: 999999999"))
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert metric(client, "sicl_fast_errors_total", kind="body_too_large") == before + 3
+
+
+# ---------------------------------------------------------------- concurrency
+
+
+def test_queue_full_gives_429_with_retry_after(server, client):
+    results = {}
+
+    def run(name):
+        try:
+            results[name] = client.calibrate(REQ, timeout_s=1.5, **LONG)["summary"]["stop_reason"]
+        except ServerError as exc:
+            results[name] = exc
+
+    t1 = threading.Thread(target=run, args=("running",))
+    t1.start()
+    wait_for(lambda: server.app.state.queue.busy, 10)
+    t2 = threading.Thread(target=run, args=("waiting",))
+    t2.start()
+    wait_for(lambda: server.app.state.queue.depth == 1, 10)
+    assert client.health()["queue_depth"] == 1 and metric(client, "sicl_fast_queue_depth") == 1
+    t0 = time.monotonic()
+    with pytest.raises(QueueFullError) as exc:
+        client.calibrate(REQ, max_steps=1)
+    assert time.monotonic() - t0 < 1.0  # immediate, not after the queue drains
+    assert exc.value.status == 429 and exc.value.retry_after >= 1 and "--max-queue 1" in exc.value.message
+    r = post(server, "/v1/proxy", {"request": REQ})
+    assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    t1.join(30), t2.join(30)
+    assert results == {"running": "deadline", "waiting": "deadline"}
+
+
+def test_deadline_returns_the_best_so_far(client, engine):
+    t0 = time.monotonic()
+    r = client.calibrate(REQ, timeout_s=0.4, return_embeddings=True, embeddings_rows="all", seed=5, **LONG)
+    elapsed = time.monotonic() - t0
+    s = r["summary"]
+    assert s["stop_reason"] == "deadline" and 1 <= s["steps"] < 100_000 and elapsed < 10
+    assert s["best_proxy"] == max(r["history"])
+    # the X returned is the best of the steps run: the same run with max_steps = steps gives it bit for bit
+    ref = Calibrator(engine.backend, engine.config(seed=5, **{**LONG, "max_steps": s["steps"]})).run(engine.prepare(REQ))
+    assert ref.history == r["history"] and torch.equal(r["embeddings"].rows, ref.embeddings)
+
+
+def test_should_stop_hook(engine):
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return "deadline" if len(asked) == 3 else None
+
+    res = Calibrator(engine.backend, engine.config(max_steps=50, patience=0, tau=0.0)).run(engine.prepare(REQ),
+                                                                                         should_stop=stop)
+    assert res.stop_reason == "deadline" and res.steps == 3 and len(res.history) == 3
+    assert res.best_proxy == max(res.history)
+
+
+def test_client_disconnect_cancels_running_job(server, client):
+    before = metric(client, "sicl_fast_errors_total", kind="cancelled")
+    body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
+    raw_http(server, calibrate_head(server, body), body, close_after=0.5)  # starts the job, then hangs up
+    wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == before + 1, 10)
+    wait_for(lambda: not server.app.state.queue.busy, 10)
+    steps = metric(client, "sicl_fast_calibration_steps_total")
+    time.sleep(0.3)
+    assert metric(client, "sicl_fast_calibration_steps_total") == steps  # the engine really stopped
+    assert client.calibrate(REQ, max_steps=1)["summary"]["steps"] == 1
+
+
+def test_client_disconnect_cancels_queued_job(server, client):
+    done = metric(client, "sicl_fast_engine_seconds_count", job="calibrate")
+    cancelled = metric(client, "sicl_fast_errors_total", kind="cancelled")
+    t = threading.Thread(target=lambda: client.calibrate(REQ, timeout_s=1.5, **LONG))
+    t.start()
+    wait_for(lambda: server.app.state.queue.busy, 10)
+    body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
+    raw_http(server, calibrate_head(server, body), body, close_after=0.4)  # queued behind it, then gone
+    t.join(30)
+    wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == cancelled + 1, 10)
+    wait_for(lambda: not server.app.state.queue.busy and server.app.state.queue.depth == 0, 10)
+    # only the first job ever held the engine
+    assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
+
+
+def test_crash_inside_a_job_leaves_the_server_up(server, client, engine, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("simulated failure inside the engine")
+
+    monkeypatch.setattr(engine, "proxy", boom)
+    r = post(server, "/v1/proxy", {"request": REQ})
+    err = error_of(r)
+    assert r.status_code == 500 and err["kind"] == "internal" and r.headers["x-request-id"] in err["message"]
+    assert "simulated" not in err["message"]  # details stay in the server log
+    monkeypatch.undo()
+    assert client.proxy(REQ)["id"] == "q1" and client.health()["status"] == "ok"
+
+
+# ---------------------------------------------------------------- auth and bind rule
+
+
+def test_api_key(engine):
+    with ServerThread(engine, ServeSettings(port=0, api_key="s3cret")) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200  # liveness needs no key
+        for method, path in [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/proxy"),
+                             ("POST", "/v1/calibrate")]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+                r = httpx.request(method, srv.url + path, headers=headers, content=b"not even json")
+                assert r.status_code == 401 and error_of(r)["kind"] == "unauthorized", (path, headers)
+                assert r.headers["www-authenticate"] == "Bearer"
+        with Client(srv.url, api_key="s3cret") as c:
+            assert c.models()[0]["id"] == "tiny-llama"
+            assert c.proxy(REQ)["num_demos"] == 2
+            assert "sicl_fast_errors_total" in c.metrics()
+        with Client(srv.url, api_key="nope") as c, pytest.raises(ServerError) as exc:
+            c.proxy(REQ)
+        assert exc.value.status == 401
+
+
+def test_bind_rule():
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1") and is_loopback("127.8.0.1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.1.2.3") and not is_loopback("h")
+    with pytest.raises(SiclError, match="refusing to listen on '0.0.0.0' without an API key"):
+        check_bind(ServeSettings(host="0.0.0.0"))
+    check_bind(ServeSettings(host="0.0.0.0", api_key="k"))
+    check_bind(ServeSettings(host="0.0.0.0", insecure_public=True))
+    for bad in (dict(max_queue=-1), dict(max_body_bytes=0), dict(max_n=0), dict(api_key=" "), dict(port=70000)):
+        with pytest.raises(SiclError):
+            ServeSettings(**bad)
+
+
+def test_cli_serve_refuses_public_bind_without_key(capsys, monkeypatch):
+    monkeypatch.delenv("SICL_FAST_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refusing to listen" in err[0] and "--insecure-public" in err[0]
+
+
+def test_without_the_extra_package_imports_and_serve_says_what_to_install():
+    blocked = "fastapi uvicorn starlette pydantic httpx prometheus_client".split()
+    code = ("import sys\n"
+            f"for m in {blocked!r}: sys.modules[m] = None\n"
+            "import sicl_fast, sicl_fast.cli, sicl_fast.export, sicl_fast.serve\n"
+            "sys.exit(sicl_fast.cli.main(['serve']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install "sicl-fast[serve]"' in lines[0]
+
+
+@pytest.mark.slow
+def test_cli_serve_end_to_end(tmp_path):
+    """`sicl-fast serve` itself: the embedded SmolLM2, the key from the environment, a clean exit on Ctrl-C."""
+    import os
+    import signal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "SICL_FAST_API_KEY": "k3y"}
+    proc = subprocess.Popen([sys.executable, "-m", "sicl_fast.cli", "serve", "--port", str(port), "--threads", "1",
+                             "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        end = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < end, "server did not start"
+                time.sleep(0.3)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        with Client(url, api_key="k3y") as c:
+            assert c.models()[0]["family"] == "llama"
+            r = c.calibrate(REQ, max_steps=1, tau=0.0)
+            assert r["summary"]["steps"] == 1 and r["model"] == c.models()[0]["id"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(60)
+    log = proc.stderr.read()
+    assert rc == 0 and "Traceback" not in log, log
+    assert f"http://127.0.0.1:{port} (API key required" in log

@@ -1,0 +1,82 @@
+"""A / B: one ascent step of this checkout against another checkout of sicl_fast (an older commit), side by side
+in one run, rounds interleaved so both see the same machine load.
+
+    git worktree add /tmp/old 893a76d && (cd /tmp/old && python setup.py build_ext --inplace)
+    python bench/ab_step.py --other /tmp/old --length 128 512 --backends fast hf --rounds 3
+
+Each side runs in its own interpreter (`python -c`, with the checkout first on sys.path and this environment's
+editable install of sicl_fast hidden, so the other checkout's own code is what runs), loads the embedded
+SmolLM2-135M, builds the backend with its default (auto) choice of hot-op implementation, and times one step
+(`sicl_fast.benchmark.one_step` on the prompt's own embeddings, N = 8) `--rounds` times after one warm-up;
+rounds alternate A, B, A, B. Prints the mean and min s/step of each side and their ratio B / A.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = r"""
+import json, sys, time
+root = sys.argv[1]
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
+                    and "editable" not in getattr(f, "__name__", "").lower()]
+sys.path.insert(0, root)
+import torch
+import sicl_fast
+assert sicl_fast.__file__.startswith(root), sicl_fast.__file__
+from sicl_fast import CalibrationConfig
+from sicl_fast.ascent import Calibrator
+from sicl_fast.backends import make_backend
+from sicl_fast.benchmark import one_step, synthetic_prompt
+from sicl_fast.models import load
+lm = load()
+be = make_backend(sys.argv[2], lm)
+p = synthetic_prompt(lm, int(sys.argv[3]))
+cal = Calibrator(be, CalibrationConfig(N=8, tau=0.0))
+X0 = be.embed(p)
+with torch.no_grad():
+    one_step(cal, p, X0, X0)
+    t = time.perf_counter()
+    one_step(cal, p, X0, X0, 1)
+    dt = time.perf_counter() - t
+impl = getattr(getattr(be, "ops", None), "name", "auto (env)")
+print(json.dumps({"s": dt, "impl": impl, "L": p.length}))
+"""
+
+
+def run(root: Path, backend: str, length: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(root), backend, str(length)], capture_output=True,
+                         text=True, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(f"{root}: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--other", required=True, help="the other checkout (B); A is this one")
+    ap.add_argument("--length", type=int, nargs="+", default=[128, 512])
+    ap.add_argument("--backends", nargs="+", default=["fast", "hf"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    here, other = Path(__file__).resolve().parent.parent, Path(args.other).resolve()
+    print("| backend | L | A impl | A s/step (mean, min) | B s/step (mean, min) | B / A (mean) |")
+    print("|---|---|---|---|---|---|")
+    for backend in args.backends:
+        for length in args.length:
+            a, b = [], []
+            for _ in range(args.rounds):
+                a.append(run(here, backend, length))
+                b.append(run(other, backend, length))
+            ma, mb = statistics.mean(r["s"] for r in a), statistics.mean(r["s"] for r in b)
+            print(f"| {backend} | {a[0]['L']} | {a[0]['impl']} | {ma:.2f}, {min(r['s'] for r in a):.2f} | "
+                  f"{mb:.2f}, {min(r['s'] for r in b):.2f} | {mb / ma:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

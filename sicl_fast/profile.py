@@ -77,56 +77,41 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _counted(fn, counter: list):
+    def call(*a, **k):
+        counter[0] += 1
+        return fn(*a, **k)
+    return call
+
+
 @contextlib.contextmanager
 def count_compiled_calls(counter: list):
     """Counts Triton launches and C++ extension calls (they bypass torch's dispatcher) into counter[0]."""
     from .ops import cpp_ops
 
-    patches = []
+    patches = []  # (object, attribute, original value)
     ext = cpp_ops._C
     if ext is not None:
         class Counted:
             def __getattr__(self, name):
-                fn = getattr(ext, name)
-
-                def call(*a, **k):
-                    counter[0] += 1
-                    return fn(*a, **k)
-                return call
+                return _counted(getattr(ext, name), counter)
         patches.append((cpp_ops, "_C", ext))
         cpp_ops._C = Counted()
-    try:
+    try:  # a kernel launch is kernel[grid](...): count the calls of what __getitem__ returns
+        import triton.runtime.interpreter as interpreter
         import triton.runtime.jit as jit
-        orig = jit.KernelInterface.__getitem__
 
-        def getitem(self, grid):
-            launcher = orig(self, grid)
-
-            def launch(*a, **k):
-                counter[0] += 1
-                return launcher(*a, **k)
-            return launch
-        patches.append((jit.KernelInterface, "__getitem__", orig))
-        jit.KernelInterface.__getitem__ = getitem
-        from triton.runtime import interpreter
-        if hasattr(interpreter, "InterpretedFunction"):
-            iorig = interpreter.InterpretedFunction.__getitem__
-
-            def igetitem(self, grid):
-                launcher = iorig(self, grid)
-
-                def launch(*a, **k):
-                    counter[0] += 1
-                    return launcher(*a, **k)
-                return launch
-            patches.append((interpreter.InterpretedFunction, "__getitem__", iorig))
-            interpreter.InterpretedFunction.__getitem__ = igetitem
+        for cls in (jit.KernelInterface, getattr(interpreter, "InterpretedFunction", None)):
+            if cls is not None and "__getitem__" in vars(cls):
+                orig = vars(cls)["__getitem__"]
+                patches.append((cls, "__getitem__", orig))
+                setattr(cls, "__getitem__", lambda self, grid, _o=orig: _counted(_o(self, grid), counter))
     except ImportError:
         pass
     try:
         yield
     finally:
-        for obj, name, value in patches:
+        for obj, name, value in reversed(patches):
             setattr(obj, name, value)
 
 

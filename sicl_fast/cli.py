@@ -80,7 +80,8 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (fast when the family is supported, else hf), fast, fast-fp32, hf, naive")
     g.add_argument("--diff-matmul", default="auto", choices=DIFF_MATMUL,
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
-                        "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+)")
+                        "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+) or in FP8 e4m3 "
+                        "(fp8: tensor cores on sm_89+, emulated elsewhere; never chosen by auto yet)")
     g.add_argument("--impl", default="auto", choices=IMPLS,
                    help="implementation of the hot ops (perturb, update, proxy, span head, difference epilogues): "
                         "auto (Triton on CUDA, the C++ extension on the CPU when built, else torch), torch, cpp, "

@@ -7,6 +7,8 @@ In the ascent's batch row 0 is X and rows 1.. are X + mu U_i, so at every projec
     y_0 = x_0 W^T + b                              (float32: row 0 is exact)
     y_i = y_0 + bf16(x_i - x_0) bf16(W)^T          (a bf16 product, 4x the float32 rate on AVX512-BF16 / AMX
                                                     CPUs and on tensor cores, added to y_0 in float32)
+    or  y_0 + fp8(x_i - x_0) fp8(W)^T              (diff_matmul 'fp8': e4m3 with a scale per row; emulated on
+                                                    machines without FP8 tensor cores, for its accuracy)
 
 Equal to x_i W^T + b in exact arithmetic; the bf16 rounding (about 2^-8 relative) applies to the difference term
 only, never to the value. Norms, rotary, attention and the activations stay float32 on every row.
@@ -29,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 DIFF_DTYPE = torch.bfloat16
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
 
 
 def diff_rows_reference(x: torch.Tensor) -> torch.Tensor:
@@ -50,18 +54,58 @@ def gated_diff_reference(y0: torch.Tensor, yd: torch.Tensor, act) -> tuple[torch
     return a0, (act(g) * u - a0).to(DIFF_DTYPE)
 
 
-def product(x0: torch.Tensor, dx: torch.Tensor, ws, bs, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., k] -> (q [..., k] float8 e4m3, scale [..., 1] float32) with x ~ q * scale, one scale per row (its
+    largest magnitude maps to 448): 3 mantissa bits, so each element within 2^-4 relative of x's."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).to(FP8), scale
+
+
+class Bf16Weight:
+    """The stacked weights of one difference product in bf16: yd = dx [R, T, k] bf16 @ w.T -> [R, T, o] bf16."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w.to(DIFF_DTYPE)
+
+    def linear(self, dx: torch.Tensor) -> torch.Tensor:
+        return F.linear(dx, self.w)
+
+
+class Fp8Weight:
+    """The stacked weights in FP8 e4m3 with a scale per output row; the differences are quantised the same way
+    per token row. On CUDA with FP8 tensor cores (sm_89+) the product is torch._scaled_mm; elsewhere it is
+    emulated: the quantised values dequantised and multiplied in float32 (the same rounding of the inputs, an
+    exact product), for measuring what FP8 does to the ascent on a machine without FP8 hardware."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.q, self.scale = fp8_rows(w)  # [o, k], [o, 1]
+        self._deq = None
+
+    def linear(self, dx: torch.Tensor) -> torch.Tensor:
+        qx, sx = fp8_rows(dx)
+        k, o = dx.shape[-1], self.q.shape[0]
+        if dx.is_cuda and torch.cuda.get_device_capability(dx.device) >= (8, 9):
+            y = torch._scaled_mm(qx.reshape(-1, k), self.q.t(), scale_a=sx.reshape(-1, 1),
+                                 scale_b=self.scale.view(1, -1), out_dtype=DIFF_DTYPE)
+            return y.view(*dx.shape[:-1], o)
+        if self._deq is None:
+            self._deq = self.q.float() * self.scale
+        return F.linear(qx.float() * sx, self._deq).to(DIFF_DTYPE)
+
+
+def product(x0: torch.Tensor, dx: torch.Tensor, ws, bs, low) -> tuple[torch.Tensor, torch.Tensor]:
     """Row 0 x0 [1, T, k] times each weight ws[j] [o_j, k] (+ bs[j]) in float32, concatenated: y0 [1, T, o];
-    the differences dx [R, T, k] bf16 times low = bf16(stacked ws) [o, k]: yd [R, T, o] bf16."""
+    the differences dx [R, T, k] bf16 times low (a Bf16Weight or Fp8Weight of the stacked ws): yd [R, T, o] bf16."""
     y0 = F.linear(x0, ws[0], bs[0]) if len(ws) == 1 else torch.cat([F.linear(x0, w, b) for w, b in zip(ws, bs)], -1)
-    return y0, F.linear(dx, low)
+    return y0, low.linear(dx)
 
 
-def linear(ops, x: torch.Tensor, ws, bs, low: torch.Tensor) -> torch.Tensor:
-    """x [B, T, k] float32 (rows 1.. near row 0) times the stacked weights ws (biases bs; low = their bf16
-    stack) -> [B, T, sum o_j] float32: row 0's float32 product, the others' through their bf16 differences.
+def linear(ops, x: torch.Tensor, ws, bs, low) -> torch.Tensor:
+    """x [B, T, k] float32 (rows 1.. near row 0) times the stacked weights ws (biases bs; low = their Bf16Weight
+    or Fp8Weight) -> [B, T, sum o_j] float32: row 0's float32 product, the others' through their differences.
     ops: the Ops object whose epilogues run."""
     return ops.add_rows(*product(x[:1], ops.diff_rows(x), ws, bs, low))
 
 
-__all__ = ["DIFF_DTYPE", "product", "linear", "diff_rows_reference", "add_rows_reference", "gated_diff_reference"]
+__all__ = ["DIFF_DTYPE", "FP8", "fp8_rows", "Bf16Weight", "Fp8Weight", "product", "linear", "diff_rows_reference", "add_rows_reference", "gated_diff_reference"]

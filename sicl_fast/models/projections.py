@@ -21,17 +21,20 @@ from . import diff
 
 @dataclass
 class LowWeights:
-    """One layer's projection weights, concatenated per product and cast once to the difference dtype."""
+    """One layer's projection weights, concatenated per product and stored once in the difference format
+    (diff.Bf16Weight or diff.Fp8Weight)."""
 
-    qkv: torch.Tensor  # [(H + 2 Hk) hd, d]: q, k, v stacked
-    o: torch.Tensor  # [d, H hd]
-    gate_up: torch.Tensor  # [2 I, d]: gate, up stacked
-    down: torch.Tensor  # [d, I]
+    qkv: object  # [(H + 2 Hk) hd, d]: q, k, v stacked
+    o: object  # [d, H hd]
+    gate_up: object  # [2 I, d]: gate, up stacked
+    down: object  # [d, I]
 
     @classmethod
-    def of(cls, L, dtype) -> "LowWeights":
-        return cls(qkv=torch.cat([L.wq, L.wk, L.wv]).to(dtype), o=L.wo.to(dtype),
-                   gate_up=torch.cat([L.w_gate, L.w_up]).to(dtype), down=L.w_down.to(dtype))
+    def of(cls, L, fmt: str) -> "LowWeights":
+        """fmt: 'bf16' or 'fp8'."""
+        W = diff.Fp8Weight if fmt == "fp8" else diff.Bf16Weight
+        return cls(qkv=W(torch.cat([L.wq, L.wk, L.wv])), o=W(L.wo), gate_up=W(torch.cat([L.w_gate, L.w_up])),
+                   down=W(L.w_down))
 
 
 class Dense:

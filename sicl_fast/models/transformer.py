@@ -34,7 +34,7 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
-DIFF_MATMUL = ("auto", "off", "bf16")
+DIFF_MATMUL = ("auto", "off", "bf16", "fp8")
 
 
 class UnsupportedModelError(SiclError):
@@ -199,8 +199,8 @@ class Transformer:
             raise unsupported(family)
         if diff_matmul not in DIFF_MATMUL:
             raise SiclError(f"unknown diff_matmul {diff_matmul!r}; choose one of {DIFF_MATMUL}")
-        if diff_matmul == "bf16" and lm.dtype != torch.float32:
-            raise SiclError(f"diff_matmul='bf16' is for float32 models; this one is {lm.dtype} (use 'off')")
+        if diff_matmul in ("bf16", "fp8") and lm.dtype != torch.float32:
+            raise SiclError(f"diff_matmul={diff_matmul!r} is for float32 models; this one is {lm.dtype} (use 'off')")
         cfg = lm.text_config
         dec = lm.decoder
         if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
@@ -274,7 +274,9 @@ class Transformer:
         # bf16 difference products (module docstring): 'auto' where bf16 products are much faster than float32
         use_diff = diff_matmul == "bf16" or (diff_matmul == "auto" and self.dtype == torch.float32
                                               and fast_low_precision(self.device))
-        self.diff_dtype = torch.bfloat16 if use_diff else None
+        # 'fp8' is never chosen by 'auto': its accuracy is measured (bench/diff_accuracy.py) but its speed is not yet
+        self.diff_dtype = torch.bfloat16 if use_diff or diff_matmul == "fp8" else None
+        self.diff_weights = "fp8" if diff_matmul == "fp8" else "bf16"
         if ops is None:
             from ..ops import TorchOps
 
@@ -304,7 +306,7 @@ class Transformer:
         """Per layer, the difference-product projections, with the stacked weights in the difference dtype (made
         once: half the float32 weights' memory in bf16)."""
         if self._diff is None:
-            self._diff = [DiffDense(L, self.act, self.act_name, LowWeights.of(L, self.diff_dtype), self.ops)
+            self._diff = [DiffDense(L, self.act, self.act_name, LowWeights.of(L, self.diff_weights), self.ops)
                           for L in self.layers]
         return self._diff
 

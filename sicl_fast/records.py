@@ -112,7 +112,11 @@ class ResultWriter:
                 raise ResultsFileError(f"--out {self.path}: another run is writing to it (the file is locked); "
                                        "wait for it to finish or choose another --out") from None
             raise ResultsFileError(f"--out {self.path}: cannot lock it: {_os_reason(exc)}") from None
-        self._recover(fh)
+        try:
+            self._recover(fh)
+        except OSError as exc:
+            fh.close()
+            raise ResultsFileError(f"--out {self.path}: cannot repair it for resuming: {_os_reason(exc)}") from None
         self._binary = True
         return fh
 

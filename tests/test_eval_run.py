@@ -13,6 +13,7 @@ from scipy import stats as sps
 
 from conftest import ICLEVAL_EXCERPTS
 from sicl_fast.engine import Engine
+from sicl_fast.errors import SiclWarning
 from sicl_fast.evaluation.cli import add_icleval_eval_args, add_report_command, report_from_args, run_icleval_from_args
 from sicl_fast.evaluation.methods import run_methods
 from sicl_fast.evaluation.report import Run, write_report
@@ -85,13 +86,15 @@ def test_resume(run, engine):
     n_first, n_second = run["calls"]
     assert n_first == 2 and n_second - n_first == 2  # the second run calibrated only the two new samples
     assert out.read_text(encoding="utf-8").startswith(run["head"])  # records written before are untouched
-    # a crash mid-line: the partial line is cut off, nothing done is redone
+    # a crash mid-line: the partial line is moved to results.jsonl.bad, nothing done is redone
     before = out.read_text(encoding="utf-8")
     with out.open("a", encoding="utf-8") as fh:
         fh.write('{"task": "classifier_order", "uid": 1, "varia')
-    again = run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=run["cfg"], tasks=TASKS, limit=2,
-                        progress=False)
+    with pytest.warns(SiclWarning, match="1 unreadable line"):
+        again = run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=run["cfg"], tasks=TASKS,
+                            limit=2, progress=False)
     assert len(engine.calls) == n_second and out.read_text(encoding="utf-8") == before
+    assert out.with_name(out.name + ".bad").read_text(encoding="utf-8") == '{"task": "classifier_order", "uid": 1, "varia\n'
     assert sorted(json.dumps(r, sort_keys=True) for r in again) == sorted(json.dumps(r, sort_keys=True)
                                                                            for r in run["second"])
     with pytest.raises(ValueError, match="other settings"):  # same variant name, other settings

@@ -32,6 +32,7 @@ from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
 from ..records import ResultWriter, read_records
+from ..workers import as_workers, write_all
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
 from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_contexts, content_free_query,
@@ -215,6 +216,31 @@ class _Runner:
         return out
 
 
+def check_samples(engine, samples: Sequence[Sample]) -> int:
+    """Tokenize every sample (the first one that does not fit is an error) before any work; returns the count."""
+    lm = engine.lm
+    for s in samples:
+        tokenize_sample(s, lm.tokenizer, lm.max_context)
+    return len(samples)
+
+
+def sample_records(engine, item: tuple[Sample, Sequence[Variant]], options: BaselineOptions) -> list[dict]:
+    """The work function of one sample: the records of its variants (base answer decoded once, shared).
+
+    A fresh runner per sample, so a record depends on its sample alone, not on what the engine ran before it (the
+    label scorer's prefix cache): any worker, any number of workers, gives the same records."""
+    sample, variants = item
+    runner = _Runner(engine, options)
+    prompt = runner.prompt(sample)
+    return [runner.record(sample, prompt, v) for v in variants]
+
+
+def lost_records(item: tuple[Sample, Sequence[Variant]], message: str, model: str) -> list[dict]:
+    """The error records of a sample whose worker died too often: one per variant, with the message."""
+    sample, variants = item
+    return [{**_common(sample, v, model), "config": v.config_dict(), "error": message} for v in variants]
+
+
 def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path) -> None:
     """A resumed file must hold records of this model, and each variant with the settings asked for now."""
     want = {v.name: v.config_dict() for v in variants}
@@ -258,16 +284,19 @@ def run_methods(
 ) -> list[dict]:
     """Run every variant on the selected samples; returns their records (those already in out_path included).
 
-    engine: an Engine built with add_special_tokens=True (ICLEval's tokenization). config: the CalibrationConfig
-    of method 'sicl' (or give `sicl_variants`, e.g. from `ablations.make_variants`).
+    engine: an Engine built with add_special_tokens=True (ICLEval's tokenization), or Workers over such engines
+    (sicl_fast.workers; e.g. a Ray pool: the samples are dealt out to it one at a time). config: the
+    CalibrationConfig of method 'sicl' (or give `sicl_variants`, e.g. from `ablations.make_variants`).
     """
+    import functools
+
     from tqdm import tqdm
 
     options = options or BaselineOptions()
-    variants = build_variants(methods, engine, config, sicl_variants, options)
+    workers = as_workers(engine)
+    variants = build_variants(methods, workers, config, sicl_variants, options)
     samples = select_samples(data_dir, tasks, limit)
-    runner = _Runner(engine, options)
-    prompts = {s.key: runner.prompt(s) for s in samples}  # every tokenization error before any work
+    workers.call(check_samples, samples)  # every tokenization error before any work
     for v in variants:
         if v.method in BASELINES:
             for s in samples:
@@ -277,24 +306,24 @@ def run_methods(
             if not any(is_classification(s.task_file) for s in samples):
                 print(f"note: method {v.method!r} applies to classification files only "
                       f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
-    model = engine.lm.name
+    model = workers.model_name
     with ResultWriter(out_path, key=record_key) as out:
         _check_existing(read_records(out_path), variants, model, out_path)
-        todo = [(s, v) for s in samples for v in variants
-                if _applies(v, s) and (v.name, s.task_file, s.uid) not in out]
-        done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - len(todo)
+        todo = [(s, [v for v in variants if _applies(v, s) and (v.name, s.task_file, s.uid) not in out])
+                for s in samples]
+        todo = [(s, vs) for s, vs in todo if vs]
+        n_todo = sum(len(vs) for _, vs in todo)
+        done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - n_todo
         if done_before:
             print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
-        bar = tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
+        bar = tqdm(total=n_todo, desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
                    dynamic_ncols=True)
-        for s, v in todo:
-            bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
-            out.write(runner.record(s, prompts[s.key], v))
-            bar.update(1)
+        write_all(workers, functools.partial(sample_records, options=options), todo, out,
+                  functools.partial(lost_records, model=model), bar)
         bar.close()
     wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
 __all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods",
-           "select_samples", "make_variants"]
+           "select_samples", "make_variants", "sample_records", "check_samples"]

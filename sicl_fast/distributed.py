@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 from typing import Callable, Iterable, Iterator
 
 from .errors import SiclError
@@ -25,6 +26,7 @@ from .workers import Done, Lost, Outcome, Workers
 
 RAY_MISSING = 'Ray is not installed; --ray needs the extra: pip install "sicl-fast[ray]"'
 LOCAL = "local"  # the address meaning "start a local Ray" (what `--ray` without an address gives)
+WAIT_NOTE_S = 120.0  # say so when nothing has come back for this long (e.g. an actor Ray cannot place)
 
 
 def require_ray():
@@ -161,7 +163,11 @@ class RayPool(Workers):
                 slot, i = idle.popleft(), pending.popleft()
                 args = items[i] if star else (items[i],)
                 inflight[self.actors[slot].run.remote(fn, *args)] = (slot, i)
-            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WAIT_NOTE_S)
+            if not ready:
+                print(f"note: nothing back from {len(self.actors)} Ray workers for {WAIT_NOTE_S:.0f} s; still "
+                      "waiting (an actor that Ray cannot place, for lack of free CPUs or GPUs, waits forever: "
+                      "`ray status` shows the demands)", file=sys.stderr, flush=True)
             for ref in ready:
                 slot, i = inflight.pop(ref)
                 status, value = self._result(ref)

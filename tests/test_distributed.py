@@ -81,14 +81,12 @@ def reference(tiny_dir, tmp_path_factory):
     return {"reqs": reqs, "args": args, "records": by_key(records(out))}
 
 
-def test_ray_calibrate_equals_single_process(ray_cluster, reference, tmp_path, capsys):
+def test_ray_calibrate_equals_single_process(ray_cluster, reference, tmp_path):
     out = tmp_path / "ray.jsonl"
     assert main([*reference["args"], "--out", str(out), "--ray", "--workers", "2"]) == 0
     got = by_key(records(out))
     assert got == reference["records"]
     assert len(got) == 8 and all(r["steps"] == 30 and "error" not in r for r in got.values())
-    assert main([*reference["args"], "--out", str(out), "--ray", "--workers", "2"]) == 0  # all done: skipped
-    assert "resuming: 8 of 8" in capsys.readouterr().err and len(records(out)) == 8
 
 
 def test_ray_icleval_equals_single_process(ray_cluster, tiny_dir, tmp_path):
@@ -104,7 +102,7 @@ def test_ray_icleval_equals_single_process(ray_cluster, tiny_dir, tmp_path):
     assert all(len(r["history"]) == 3 for k, r in want.items() if k[0] != "base" and k[0] != "cc")
 
 
-def test_driver_killed_mid_run_resumes(ray_cluster, tiny_dir, reference, tmp_path):
+def test_driver_killed_mid_run_resumes(ray_cluster, tiny_dir, reference, tmp_path, capsys):
     """A driver SIGKILLed mid-run (in a subprocess that joins this cluster) leaves whole lines; the rerun finishes
     the rest, and the file holds every request once, equal to the single-process run."""
     out = tmp_path / "killed.jsonl"
@@ -126,61 +124,8 @@ def test_driver_killed_mid_run_resumes(ray_cluster, tiny_dir, reference, tmp_pat
     partial = records(out)  # whole lines only: every line parses
     assert 2 <= len(partial) < 8
     assert main([*reference["args"], "--out", str(out), "--ray", "--workers", "2"]) == 0
+    assert "resuming: " in capsys.readouterr().err
     assert by_key(records(out)) == reference["records"]
-
-
-def _pool(ray_cluster, tiny_dir, **kw):
-    from sicl_fast.distributed import RayPool
-
-    return RayPool({"model": tiny_dir}, workers=2, **kw)
-
-
-def test_worker_killed_mid_request_is_retried(ray_cluster, tiny_dir, reference):
-    """ray.kill of a busy actor: its request is retried on a fresh actor; every record comes back exactly once."""
-    import functools
-
-    from sicl_fast.jobs import calibrate_request
-    from sicl_fast.requests import read_requests
-    from sicl_fast.workers import Done
-
-    reqs = list(read_requests(reference["reqs"]))
-    with _pool(ray_cluster, tiny_dir) as pool:
-        cfg = pool.config(tau=0.0, patience=0, N=2, max_steps=30)
-        work = functools.partial(calibrate_request, config=cfg, max_new_tokens=3, generate=True)
-        got, killed = [], None
-        for res in pool.imap(work, reqs):
-            assert isinstance(res, Done)
-            got += res.value
-            if killed is None:
-                busy = pool.busy()
-                assert busy, "no request in flight to kill"
-                killed = busy[0]
-                ray_cluster.kill(killed[0], no_restart=True)
-        assert pool.restarts == 1 and killed[0] not in pool.actors
-    assert by_key(got) == reference["records"]
-
-
-def _kill_self_on(engine, item):
-    """A work function whose worker process dies on item 'boom' (as an out-of-memory kill would end it)."""
-    if item == "boom":
-        os._exit(1)
-    return [{"id": item, "model": engine.lm.name}]
-
-
-def test_retries_are_bounded_then_lost(ray_cluster, tiny_dir):
-    import ray.cloudpickle
-
-    from sicl_fast.workers import Done, Lost
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
-    with _pool(ray_cluster, tiny_dir, max_retries=1) as pool:
-        items = ["a", "boom", "b", "c"]
-        out = list(pool.imap(_kill_self_on, items))
-        assert pool.restarts == 2  # the first try and one retry, each on a fresh actor
-    lost = [o for o in out if isinstance(o, Lost)]
-    assert len(lost) == 1 and lost[0].index == 1 and "worker failed 2 times" in lost[0].message
-    done = sorted(o.value[0]["id"] for o in out if isinstance(o, Done))
-    assert done == ["a", "b", "c"]
 
 
 def test_errors_are_one_line(ray_cluster, tiny_dir, reference, tmp_path, capsys):
@@ -189,11 +134,12 @@ def test_errors_are_one_line(ray_cluster, tiny_dir, reference, tmp_path, capsys)
     assert "3 workers x 1 CPU each need 3 CPUs; the Ray cluster has 2" in capsys.readouterr().err
     assert main([*reference["args"], "--out", str(out), "--workers", "2"]) == 2
     assert "--workers 2 needs --ray" in capsys.readouterr().err
+    # found by the worker's tokenizer (the driver holds no model): the same one-line error, nothing written
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"id": "oops", "prompt": "a: b", "output_spans": [[3, 90]]}) + "\n")
-    assert main(["calibrate", str(bad), "--model", tiny_dir, "--out", str(out), "--ray"]) == 2
-    err = capsys.readouterr().err
-    assert "'oops'" in err and "outside the prompt" in err and not out.exists()
+    bad.write_text(json.dumps({"id": "long", "demos": [{"input": "a", "output": "b"}], "query": "word " * 3000}) + "\n")
+    assert main(["calibrate", str(bad), "--model", tiny_dir, "--out", str(out), "--ray", "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'long'" in err[0] and "context" in err[0] and not out.exists()
 
 
 def test_missing_extra_is_one_clear_line(monkeypatch, tmp_path, capsys):
@@ -215,3 +161,60 @@ def test_smollm2_ray_run_equals_single_process(ray_cluster, tmp_path):
     want = by_key(records(tmp_path / "single.jsonl"))
     assert by_key(records(tmp_path / "ray.jsonl")) == want
     assert all(r["steps"] == 2 and r["answer_base"] for r in want.values())
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_dir):
+    """Two actors of the tiny model, shared by the tests that drive a pool directly. They hold both CPUs of the
+    cluster until the module ends, so these tests come last in the file (others' actors could not be placed)."""
+    from sicl_fast.distributed import RayPool
+
+    with RayPool({"model": tiny_dir}, workers=2, max_retries=2) as p:
+        yield p
+
+
+def test_worker_killed_mid_request_is_retried(ray_cluster, pool, reference):
+    """ray.kill of a busy actor: its request is retried on a fresh actor; every record comes back exactly once."""
+    import functools
+
+    from sicl_fast.jobs import calibrate_request
+    from sicl_fast.requests import read_requests
+    from sicl_fast.workers import Done
+
+    reqs = list(read_requests(reference["reqs"]))
+    restarts = pool.restarts
+    cfg = pool.config(tau=0.0, patience=0, N=2, max_steps=30)
+    work = functools.partial(calibrate_request, config=cfg, max_new_tokens=3, generate=True)
+    got, killed = [], None
+    for res in pool.imap(work, reqs):
+        assert isinstance(res, Done)
+        got += res.value
+        if killed is None:
+            busy = pool.busy()
+            assert busy, "no request in flight to kill"
+            killed = busy[0]
+            ray_cluster.kill(killed[0], no_restart=True)
+    assert pool.restarts == restarts + 1 and killed[0] not in pool.actors
+    assert by_key(got) == reference["records"]
+
+
+def _kill_self_on(engine, item):
+    """A work function whose worker process dies on item 'boom' (as an out-of-memory kill would end it)."""
+    if item == "boom":
+        os._exit(1)
+    return [{"id": item, "model": engine.lm.name}]
+
+
+def test_retries_are_bounded_then_lost(ray_cluster, pool):
+    import ray.cloudpickle
+
+    from sicl_fast.workers import Done, Lost
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    restarts = pool.restarts
+    out = list(pool.imap(_kill_self_on, ["a", "boom", "b", "c"]))
+    assert pool.restarts == restarts + 3  # the first try and two retries (max_retries=2), each actor replaced
+    lost = [o for o in out if isinstance(o, Lost)]
+    assert len(lost) == 1 and lost[0].index == 1 and "worker failed 3 times" in lost[0].message
+    done = sorted(o.value[0]["id"] for o in out if isinstance(o, Done))
+    assert done == ["a", "b", "c"] and len(out) == 4

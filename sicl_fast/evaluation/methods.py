@@ -126,8 +126,7 @@ class _Runner:
         self._base = None
 
     def prompt(self, sample: Sample):
-        lm = self.engine.lm
-        return tokenize_sample(sample, lm.tokenizer, lm.max_context)
+        return sample_prompt(self.engine, sample)
 
     def decode(self, sample: Sample, prompt, embeds=None):
         stop = lambda text, s=sample: should_stop(s, text)  # noqa: E731 - ICLEval's allowed early stop
@@ -216,11 +215,15 @@ class _Runner:
         return out
 
 
+def sample_prompt(engine, sample: Sample):
+    """The sample's Prompt (ICLEval's tokenization; a prompt that does not fit the model is an error)."""
+    return tokenize_sample(sample, engine.lm.tokenizer, engine.lm.max_context)
+
+
 def check_samples(engine, samples: Sequence[Sample]) -> int:
-    """Tokenize every sample (the first one that does not fit is an error) before any work; returns the count."""
-    lm = engine.lm
+    """Tokenize every sample before any work, so a bad one stops the run before anything is written."""
     for s in samples:
-        tokenize_sample(s, lm.tokenizer, lm.max_context)
+        sample_prompt(engine, s)
     return len(samples)
 
 

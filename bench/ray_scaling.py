@@ -3,8 +3,8 @@ with --ray --workers 1 and --workers 2 (and, with --local, in one process withou
 
     python bench/ray_scaling.py [--data ../shared/icleval/data] [--out bench/ray_runs] [--local]
 
-The prompts: the first 8 samples of classifier_order and of generate_order, the two shortest task files
-(about 220-330 tokens; the others run 550-2150).
+The prompts: the first 16 samples of classifier_order (about 320-330 tokens; answers of at most 5 tokens): the
+shortest prompts with the shortest answers of the ICLEval files (the others run 220-2150 tokens, answers up to 256).
 
 Each configuration is a fresh `sicl-fast` process (its wall time includes starting Ray and loading the model in
 every actor), writing its own records; the records of the three runs are then compared (all fields but `seconds`).
@@ -20,8 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-TASKS = ["classifier_order", "generate_order"]
-PER_TASK = 8  # 2 tasks x 8 samples = 16 prompts
+TASKS = ["classifier_order"]
+PER_TASK = 16
 KNOBS = ["--method", "sicl", "--max-steps", "5", "--patience", "0", "--tau", "0", "--quiet"]
 RAY = [("--ray --workers 1", ["--ray", "--workers", "1"]), ("--ray --workers 2", ["--ray", "--workers", "2"])]
 LOCAL = ("one process (no Ray)", [])

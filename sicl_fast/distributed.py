@@ -26,7 +26,7 @@ from .workers import Done, Lost, Outcome, Workers
 
 RAY_MISSING = 'Ray is not installed; --ray needs the extra: pip install "sicl-fast[ray]"'
 LOCAL = "local"  # the address meaning "start a local Ray" (what `--ray` without an address gives)
-WAIT_NOTE_S = 120.0  # say so when nothing has come back for this long (e.g. an actor Ray cannot place)
+WAIT_NOTE_S = 300.0  # say so (once) when nothing has come back for this long: maybe an actor Ray cannot place
 
 
 def require_ray():
@@ -83,11 +83,15 @@ class RayPool(Workers):
             raise SiclError(f"--workers must be >= 1, got {workers}")
         if max_retries < 0:
             raise SiclError(f"--max-retries must be >= 0, got {max_retries}")
+        if (cpus_per_worker is not None and cpus_per_worker < 1) or \
+                (gpus_per_worker is not None and gpus_per_worker < 0):
+            raise SiclError("--cpus-per-worker must be >= 1 and --gpus-per-worker >= 0")
         ray = require_ray()
         self._ray = ray
         self.engine_kwargs = dict(engine_kwargs)
         self.max_retries = max_retries
         self.restarts = 0  # actors started to replace dead ones
+        self._noted = False  # the waiting note was printed
         self._started_ray = False
         if not ray.is_initialized():
             addr = None if address in (None, LOCAL) else address
@@ -102,8 +106,6 @@ class RayPool(Workers):
             gpus_per_worker = 1 if str(self.engine_kwargs.get("device", "cpu")).startswith("cuda") else 0
         if cpus_per_worker is None:
             cpus_per_worker = max(1, cpus // workers)
-        if cpus_per_worker < 1 or gpus_per_worker < 0:
-            raise SiclError("--cpus-per-worker must be >= 1 and --gpus-per-worker >= 0")
         for what, per, have in (("CPU", cpus_per_worker, cpus), ("GPU", gpus_per_worker, gpus)):
             if workers * per > have:
                 self.close()
@@ -164,10 +166,11 @@ class RayPool(Workers):
                 args = items[i] if star else (items[i],)
                 inflight[self.actors[slot].run.remote(fn, *args)] = (slot, i)
             ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WAIT_NOTE_S)
-            if not ready:
-                print(f"note: nothing back from {len(self.actors)} Ray workers for {WAIT_NOTE_S:.0f} s; still "
-                      "waiting (an actor that Ray cannot place, for lack of free CPUs or GPUs, waits forever: "
-                      "`ray status` shows the demands)", file=sys.stderr, flush=True)
+            if not ready and not self._noted:
+                self._noted = True
+                print(f"note: nothing back from the {len(self.actors)} Ray workers for {WAIT_NOTE_S:.0f} s: long "
+                      "requests, or an actor that Ray cannot place for lack of free CPUs or GPUs (it would wait "
+                      "forever; `ray status` shows pending demands)", file=sys.stderr, flush=True)
             for ref in ready:
                 slot, i = inflight.pop(ref)
                 status, value = self._result(ref)

@@ -107,7 +107,8 @@ def test_driver_killed_mid_run_resumes(ray_cluster, tiny_dir, reference, tmp_pat
     the rest, and the file holds every request once, equal to the single-process run."""
     out = tmp_path / "killed.jsonl"
     address = ray_cluster.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "sicl_fast.cli", *reference["args"], "--out", str(out), "--ray", address, "--workers", "2"]
+    cmd = [sys.executable, "-m", "sicl_fast.cli", *reference["args"], "--out", str(out), "--ray", address,
+           "--workers", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     try:

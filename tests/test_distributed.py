@@ -153,6 +153,24 @@ def test_missing_extra_is_one_clear_line(monkeypatch, tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_lost_sample_records_stay_out_of_the_report(tmp_path, capsys):
+    """A sample whose worker died too often gets one error record per variant; the report leaves them out."""
+    from sicl_fast.evaluation.ablations import Variant
+    from sicl_fast.evaluation.methods import lost_records, record_key
+    from sicl_fast.evaluation.report import load_runs
+    from sicl_fast.icleval import load_dir
+
+    s0, s1 = load_dir(FIXTURES, ["classifier_format"], check_sha256=False)["classifier_format"][:2]
+    lost = lost_records((s0, [Variant("base", "base")]), "worker failed 3 times on this item; last: killed", "m")
+    assert len(lost) == 1 and record_key(lost[0]) == ("base", s0.task_file, s0.uid) and "killed" in lost[0]["error"]
+    good = {"task": s1.task_file, "uid": s1.uid, "method": "base", "variant": "base", "model": "m",
+            "correct_base": True, "correct_calibrated": True}
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*lost, good]))
+    (run,) = load_runs([path])
+    assert run.records == [good] and "1 error record(s) left out" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_smollm2_ray_run_equals_single_process(ray_cluster, tmp_path):
     reqs = requests_file(tmp_path / "r.jsonl", 2)

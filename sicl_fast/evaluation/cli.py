@@ -66,16 +66,19 @@ def check_icleval_args(args) -> None:
 
 
 def run_icleval_from_args(engine, config, args, file=None) -> int:
-    """`sicl-fast icleval`: run the methods, print the report's tables, write the report when --report is given."""
-    from .report import Run, build_report, render_markdown, write_report
+    """`sicl-fast icleval`: run the methods, print the report's tables, write the report when --report is given.
+    engine: an Engine or Workers (sicl_fast.workers: a Ray pool with --ray)."""
+    from ..workers import as_workers
+    from .report import Run, build_report, drop_failed, render_markdown, write_report
 
     file = file or sys.stdout
-    variants = make_variants(config, engine.config(), ablate=args.ablate, sweep_N=args.sweep_N,
+    workers = as_workers(engine)
+    variants = make_variants(config, workers.config(), ablate=args.ablate, sweep_N=args.sweep_N,
                              sweep_mu=args.sweep_mu, reference=not args.no_reference)
-    records = run_methods(engine, args.dir, args.out, methods=args.method, config=config, tasks=args.tasks,
+    records = run_methods(workers, args.dir, args.out, methods=args.method, config=config, tasks=args.tasks,
                           limit=args.limit, sicl_variants=variants, options=options_from_args(args),
-                          progress=not args.quiet)
-    runs = [Run(name=engine.lm.name, records=records, source=str(args.out))]
+                          progress=not args.quiet, pack=getattr(args, "pack", 1))
+    runs = [Run(name=workers.model_name, records=drop_failed(records, str(args.out)), source=str(args.out))]
     if args.report:
         write_report(args.report, runs)
         print(f"report: {args.report}/report.md", file=sys.stderr)

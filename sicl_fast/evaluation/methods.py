@@ -32,6 +32,7 @@ from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
 from ..records import STDOUT, ResultWriter, check_output, read_records
+from ..workers import as_workers, write_all
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
 from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_contexts, content_free_query,
@@ -126,8 +127,7 @@ class _Runner:
         self._calibrated: dict = {}  # (variant name, sample key) -> CalibrationResult, from calibrate_packed
 
     def prompt(self, sample: Sample):
-        lm = self.engine.lm
-        return tokenize_sample(sample, lm.tokenizer, lm.max_context)
+        return sample_prompt(self.engine, sample)
 
     def decode(self, sample: Sample, prompt, embeds=None):
         stop = lambda text, s=sample: should_stop(s, text)  # noqa: E731 - ICLEval's allowed early stop
@@ -170,10 +170,10 @@ class _Runner:
         rec.update(extra)
         return rec
 
-    def calibrate_packed(self, items, prompts) -> None:
-        """With engine.pack > 1: calibrate the 'sicl' items [(sample, variant)] together, `pack` at once
-        (sicl_fast.packed); record() then takes their results."""
-        work = [(s, v) for s, v in items if v.method == "sicl"]
+    def calibrate_packed(self, chunk) -> None:
+        """With engine.pack > 1: calibrate the 'sicl' variants of a chunk of samples [(sample, variants)]
+        together, `pack` at once (sicl_fast.packed); record() then takes their results."""
+        work = [(s, v) for s, vs in chunk for v in vs if v.method == "sicl"]
         if self.engine.pack <= 1 or not work:
             return
         from ..packed import run_packed
@@ -182,7 +182,7 @@ class _Runner:
             s, v = work[i]
             self._calibrated[(v.name, s.key)] = res
 
-        run_packed(self.engine.backend, [(prompts[s.key], self.engine.config(v.config)) for s, v in work],
+        run_packed(self.engine.backend, [(self.prompt(s), self.engine.config(v.config)) for s, v in work],
                    self.engine.pack, self.engine.sync_every, on_result=keep)
 
     # -- baselines ----------------------------------------------------------------------------------------------
@@ -230,6 +230,42 @@ class _Runner:
                     "fairness": r.fairness[r.chosen], "influence": r.influence[r.chosen],
                     "candidates": [list(r.orders[i]) for i in r.candidates], "probs": list(map(float, r.p))})
         return out
+
+
+def sample_prompt(engine, sample: Sample):
+    """The sample's Prompt (ICLEval's tokenization; a prompt that does not fit the model is an error)."""
+    return tokenize_sample(sample, engine.lm.tokenizer, engine.lm.max_context)
+
+
+def check_samples(engine, samples: Sequence[Sample]) -> int:
+    """Tokenize every sample before any work, so a bad one stops the run before anything is written."""
+    for s in samples:
+        sample_prompt(engine, s)
+    return len(samples)
+
+
+def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], options: BaselineOptions) -> list[dict]:
+    """The work function of a chunk of samples (one, or engine.pack of them): the records of each sample's
+    variants (its base answer decoded once, shared). With engine.pack > 1 the chunk's calibrations run packed.
+
+    A fresh runner per sample, so a record depends on its sample alone, not on what the engine ran before it (the
+    label scorer's prefix cache): any worker, any number of workers, gives the same records (packed calibrations
+    to float rounding, see sicl_fast.packed)."""
+    packed = _Runner(engine, options)
+    packed.calibrate_packed(chunk)
+    out = []
+    for sample, variants in chunk:
+        runner = _Runner(engine, options)
+        runner._calibrated = packed._calibrated
+        prompt = runner.prompt(sample)
+        out += [runner.record(sample, prompt, v) for v in variants]
+    return out
+
+
+def lost_records(chunk: Sequence[tuple[Sample, Sequence[Variant]]], message: str, model: str) -> list[dict]:
+    """The error records of samples whose worker died too often: one per variant, with the message."""
+    return [{**_common(sample, v, model), "config": v.config_dict(), "error": message}
+            for sample, variants in chunk for v in variants]
 
 
 def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path) -> None:
@@ -282,20 +318,25 @@ def run_methods(
     sicl_variants: Sequence[Variant] | None = None,
     options: BaselineOptions | None = None,
     progress: bool = True,
+    pack: int = 1,
 ) -> list[dict]:
     """Run every variant on the selected samples; returns their records (those already in out_path included).
+    pack: samples handed to a worker together, whose calibrations run packed when its engine has pack > 1.
 
-    engine: an Engine built with add_special_tokens=True (ICLEval's tokenization). config: the CalibrationConfig
-    of method 'sicl' (or give `sicl_variants`, e.g. from `ablations.make_variants`).
+    engine: an Engine built with add_special_tokens=True (ICLEval's tokenization), or Workers over such engines
+    (sicl_fast.workers; e.g. a Ray pool: the samples are dealt out to it one at a time). config: the
+    CalibrationConfig of method 'sicl' (or give `sicl_variants`, e.g. from `ablations.make_variants`).
     """
+    import functools
+
     from tqdm import tqdm
 
     check_records_out(out_path)
     options = options or BaselineOptions()
-    variants = build_variants(methods, engine, config, sicl_variants, options)
+    workers = as_workers(engine)
+    variants = build_variants(methods, workers, config, sicl_variants, options)
     samples = select_samples(data_dir, tasks, limit)
-    runner = _Runner(engine, options)
-    prompts = {s.key: runner.prompt(s) for s in samples}  # every tokenization error before any work
+    workers.call(check_samples, samples)  # every tokenization error before any work
     for v in variants:
         if v.method in BASELINES:
             for s in samples:
@@ -305,26 +346,24 @@ def run_methods(
             if not any(is_classification(s.task_file) for s in samples):
                 print(f"note: method {v.method!r} applies to classification files only "
                       f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
-    model = engine.lm.name
+    model = workers.model_name
     with ResultWriter(out_path, key=record_key) as out:
         _check_existing(read_records(out_path), variants, model, out_path)
-        todo = [(s, v) for s in samples for v in variants
-                if _applies(v, s) and (v.name, s.task_file, s.uid) not in out]
-        done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - len(todo)
+        todo = [(s, [v for v in variants if _applies(v, s) and (v.name, s.task_file, s.uid) not in out])
+                for s in samples]
+        todo = [(s, vs) for s, vs in todo if vs]
+        n_todo = sum(len(vs) for _, vs in todo)
+        done_before = sum(1 for s in samples for v in variants if _applies(v, s)) - n_todo
         if done_before:
             print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
-        with tqdm(total=len(todo), desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
+        chunks = [todo[i:i + pack] for i in range(0, len(todo), pack)]  # pack > 1: packed calibrations
+        with tqdm(total=n_todo, desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
                   dynamic_ncols=True) as bar:  # closed (its line ended) before any error is printed
-            chunk = engine.pack  # packed: calibrate a chunk of samples together, then record them
-            for c0 in range(0, len(todo), chunk):
-                runner.calibrate_packed(todo[c0:c0 + chunk], prompts)
-                for s, v in todo[c0:c0 + chunk]:
-                    bar.set_postfix_str(f"{v.name} {s.task_file}:{s.uid}", refresh=False)
-                    out.write(runner.record(s, prompts[s.key], v))
-                    bar.update(1)
+            write_all(workers, functools.partial(sample_records, options=options), chunks, out,
+                      functools.partial(lost_records, model=model), bar)
     wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
-__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods", "check_records_out",
-           "select_samples", "make_variants"]
+__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods",
+           "check_records_out", "select_samples", "make_variants", "sample_records", "check_samples"]

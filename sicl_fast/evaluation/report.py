@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = 
     runs: list[Run] = []
     used: set[str] = set()
     for i, p in enumerate(paths):
-        recs = read_records(p, allow_empty=False)
+        recs = drop_failed(read_records(p, allow_empty=False), str(p))
         if names is not None:
             name = names[i]
         else:
@@ -105,6 +106,15 @@ def group_variants(records: Sequence[dict]) -> "OrderedDict[str, list[dict]]":
         return (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), name != m, name)
 
     return OrderedDict((k, groups[k]) for k in sorted(groups, key=rank))
+
+
+def drop_failed(records: Sequence[dict], where: str = "") -> list[dict]:
+    """The records without an "error" (samples whose worker died too often in a Ray run), saying how many left."""
+    ok = [r for r in records if "error" not in r]
+    if len(ok) < len(records):
+        print(f"note: {where}: {len(records) - len(ok)} error record(s) left out of the report (rerun them with a "
+              f"new --out, or delete those lines and resume)", file=sys.stderr)
+    return ok
 
 
 def check_records(records: Sequence[dict], where: str = "") -> None:

@@ -1,0 +1,46 @@
+"""The `calibrate` command's work functions, run by sicl_fast.workers in this process or on a Ray actor.
+
+Each takes the worker's Engine first and returns plain records, so the driver alone writes the results file.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .ascent import CalibrationConfig
+from .checks import check_step_memory
+from .requests import Request
+
+
+def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config: CalibrationConfig | None = None) -> int:
+    """Tokenize every request (a RequestError names the first bad one) and, with `config`, refuse a step too big for
+    memory, before anything is written; returns the count."""
+    for r in requests:
+        prompt = engine.prepare(r, reserve=reserve)
+        if config is not None:
+            check_step_memory(engine.lm, prompt, engine.config(config))
+    return len(requests)
+
+
+def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
+                       stop_strings: Sequence[str] | None = None, generate: bool = False) -> list[dict]:
+    """The records of a chunk of requests (one, or engine.pack of them, calibrated packed): id and the calibration
+    summary; with `generate`, answer_base and answer_calibrated (greedy, at most max_new_tokens, stopping at
+    stop_strings). In the order of `requests`."""
+    prompts = [engine.prepare(r, reserve=max_new_tokens if generate else 0) for r in requests]
+    records: list = [None] * len(prompts)
+    stops = list(stop_strings or ["\n"])
+
+    def record(i: int, res) -> None:
+        p = prompts[i]
+        rec = {"id": p.id, **res.summary()}
+        if generate:
+            rec["answer_base"] = engine.generate(p, max_new_tokens=max_new_tokens, stop_strings=stops).answer
+            rec["answer_calibrated"] = engine.generate(p, res.embeddings, max_new_tokens=max_new_tokens,
+                                                       stop_strings=stops).answer
+        records[i] = rec
+
+    engine.calibrate_many(prompts, config, on_result=record)
+    return records
+
+
+__all__ = ["check_requests", "calibrate_requests"]

@@ -197,6 +197,8 @@ def _check_flags(args) -> None:
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
     if SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m":
         require(GEMMA3_PACKAGE)
+    if getattr(args, "ray", None) is not None:
+        require("ray")
 
 
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
@@ -282,8 +284,8 @@ def cmd_calibrate(args) -> int:
     from .workers import write_all
 
     requests = list(read_requests(args.requests))
-    check_output(args.out, inputs=[args.requests])
     _check_flags(args)
+    check_output(args.out, inputs=[args.requests])
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
@@ -305,8 +307,8 @@ def cmd_calibrate(args) -> int:
 def cmd_icleval(args) -> int:
     from .evaluation.cli import check_icleval_args, run_icleval_from_args
 
-    check_icleval_args(args)
     _check_flags(args)
+    check_icleval_args(args)
     with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
         cfg = workers.config(**_overrides(args))
         return run_icleval_from_args(workers, cfg, args)

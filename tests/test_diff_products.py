@@ -44,8 +44,7 @@ def test_difference_product_equals_plain_product_up_to_bf16_on_the_difference(bi
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(40, 96, generator=g) * 0.1, torch.randn(24, 96, generator=g) * 0.1]
     bs = [torch.randn(40, generator=g), torch.randn(24, generator=g)] if bias else [None, None]
-    low = torch.cat(ws).to(torch.bfloat16)
-    y = diff.linear(TorchOps(), x, ws, bs, low)
+    y = diff.linear(TorchOps(), x, ws, bs, diff.Bf16Weight(torch.cat(ws)))
     ref = torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
     # row 0 is a float32 product (of one row: the BLAS blocking, hence the last bits, may differ from the batch's)
     torch.testing.assert_close(y[0], ref[0], rtol=1e-6, atol=1e-6)

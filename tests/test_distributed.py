@@ -149,7 +149,7 @@ def test_missing_extra_is_one_clear_line(monkeypatch, tmp_path, capsys):
     assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--ray"]) == 2
     assert main(["icleval", str(FIXTURES), "--out", str(tmp_path / "e.jsonl"), "--ray", "auto"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and all('--ray needs the extra: pip install "sicl-fast[ray]"' in x for x in lines)
+    assert len(lines) == 2 and all('--ray (a Ray cluster)' in x and 'pip install "sicl-fast[ray]"' in x for x in lines)
     assert not (tmp_path / "o.jsonl").exists()
 
 
@@ -161,7 +161,7 @@ def test_lost_sample_records_stay_out_of_the_report(tmp_path, capsys):
     from sicl_fast.icleval import load_dir
 
     s0, s1 = load_dir(FIXTURES, ["classifier_format"], check_sha256=False)["classifier_format"][:2]
-    lost = lost_records((s0, [Variant("base", "base")]), "worker failed 3 times on this item; last: killed", "m")
+    lost = lost_records([(s0, [Variant("base", "base")])], "worker failed 3 times on this item; last: killed", "m")
     assert len(lost) == 1 and record_key(lost[0]) == ("base", s0.task_file, s0.uid) and "killed" in lost[0]["error"]
     good = {"task": s1.task_file, "uid": s1.uid, "method": "base", "variant": "base", "model": "m",
             "correct_base": True, "correct_calibrated": True}

@@ -14,18 +14,12 @@ missing. The server's parts, one job a module:
 """
 from __future__ import annotations
 
-from ..errors import SiclError
+from ..errors import require as require_module
 
-INSTALL_HINT = 'pip install "sicl-fast[serve]"'
 _NEEDED = ("fastapi", "uvicorn", "prometheus_client", "httpx", "safetensors")
 
 
 def require() -> None:
-    """Raise SiclError naming the install command when a package of the `serve` extra is missing."""
-    import importlib
-
+    """Raise MissingExtraError naming the install command when a package of the `serve` extra is missing."""
     for name in _NEEDED:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            raise SiclError(f"the server needs the 'serve' extra ({name} is missing): {INSTALL_HINT}") from None
+        require_module(name)

@@ -2,13 +2,14 @@
 in one run, rounds interleaved so both see the same machine load.
 
     git worktree add /tmp/old 893a76d && (cd /tmp/old && python setup.py build_ext --inplace)
-    python bench/ab_step.py --other /tmp/old --length 128 512 --backends fast hf --rounds 3
+    python bench/ab_step.py --other /tmp/old --length 128 512 --backends fast hf --rounds 2 --steps 3
 
 Each side runs in its own interpreter (`python -c`, with the checkout first on sys.path and this environment's
 editable install of sicl_fast hidden, so the other checkout's own code is what runs), loads the embedded
 SmolLM2-135M, builds the backend with its default (auto) choice of hot-op implementation, and times one step
-(`sicl_fast.benchmark.one_step` on the prompt's own embeddings, N = 8) `--rounds` times after one warm-up;
-rounds alternate A, B, A, B. Prints the mean and min s/step of each side and their ratio B / A.
+(`sicl_fast.benchmark.one_step` on the prompt's own embeddings, N = 8) `--steps` times after one warm-up and
+keeps the best, in `--rounds` fresh processes per side; the order alternates (A B, B A, A B, ...). Prints the
+mean and min over the processes of each side and their ratio B / A.
 """
 from __future__ import annotations
 
@@ -38,19 +39,22 @@ be = make_backend(sys.argv[2], lm)
 p = synthetic_prompt(lm, int(sys.argv[3]))
 cal = Calibrator(be, CalibrationConfig(N=8, tau=0.0))
 X0 = be.embed(p)
+times = []
 with torch.no_grad():
     one_step(cal, p, X0, X0)
-    t = time.perf_counter()
-    one_step(cal, p, X0, X0, 1)
-    dt = time.perf_counter() - t
+    for step in range(1, 1 + int(sys.argv[4])):
+        t = time.perf_counter()
+        one_step(cal, p, X0, X0, step)
+        times.append(time.perf_counter() - t)
+dt = min(times)
 impl = getattr(getattr(be, "ops", None), "name", "auto (env)")
 print(json.dumps({"s": dt, "impl": impl, "L": p.length}))
 """
 
 
-def run(root: Path, backend: str, length: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(root), backend, str(length)], capture_output=True,
-                         text=True, timeout=900)
+def run(root: Path, backend: str, length: int, steps: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(root), backend, str(length), str(steps)],
+                         capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"{root}: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -62,6 +66,7 @@ def main() -> int:
     ap.add_argument("--length", type=int, nargs="+", default=[128, 512])
     ap.add_argument("--backends", nargs="+", default=["fast", "hf"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per process (its best is kept)")
     args = ap.parse_args()
     here, other = Path(__file__).resolve().parent.parent, Path(args.other).resolve()
     print("| backend | L | A impl | A s/step (mean, min) | B s/step (mean, min) | B / A (mean) |")
@@ -69,9 +74,9 @@ def main() -> int:
     for backend in args.backends:
         for length in args.length:
             a, b = [], []
-            for _ in range(args.rounds):
-                a.append(run(here, backend, length))
-                b.append(run(other, backend, length))
+            for r in range(args.rounds):  # A first in even rounds, B first in odd ones
+                for side in ((here, a), (other, b)) if r % 2 == 0 else ((other, b), (here, a)):
+                    side[1].append(run(side[0], backend, length, args.steps))
             ma, mb = statistics.mean(r["s"] for r in a), statistics.mean(r["s"] for r in b)
             print(f"| {backend} | {a[0]['L']} | {a[0]['impl']} | {ma:.2f}, {min(r['s'] for r in a):.2f} | "
                   f"{mb:.2f}, {min(r['s'] for r in b):.2f} | {mb / ma:.2f} |", flush=True)

@@ -10,8 +10,9 @@ Layout: the slots' batches [B_j, b_j, d] are stacked along the batch and right-p
 b_j. Causal attention never lets a position see a later one, so the padding changes nothing of a prompt's own
 rows and needs no mask; each slot reads its span positions from its own rows. The packed forward runs the full
 rows [0, b_j) with plain products (no prefix K/V, no difference products: rows of different prompts are not
-near one row 0), so a slot gives the same result as its prompt calibrated alone on a fast-fp32 backend without
-the prefix cache (tested). Between two reads a stopped slot's state no longer changes (StaticStep), so its
+near one row 0), so a slot computes what its prompt computes alone on a fast-fp32 backend without the prefix
+cache: bit for bit when it is packed alone, to float32 rounding beside others (torch's CPU kernels may round a
+last bit differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and stops). Between two reads a stopped slot's state no longer changes (StaticStep), so its
 result is exact whatever the read interval.
 """
 from __future__ import annotations

@@ -23,15 +23,8 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.spec import f32
 
+from ._math import tanh
 from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, next_pow2
-
-
-@triton.jit
-def _tanh(x):
-    # tanh from exp, stable for any |x|: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|)
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -74,7 +67,7 @@ def _lse_partial_kernel(
             h_blk = tl.advance(h_blk, (0, BLOCK_K))
             w_blk = tl.advance(w_blk, (0, BLOCK_K))
         if HAS_SOFTCAP:
-            acc = softcap * _tanh(acc / softcap)
+            acc = softcap * tanh(acc / softcap)
         z = tl.where(vmask[None, :], acc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(z, axis=1))
         s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
@@ -128,13 +121,16 @@ def _num_splits(M: int, V: int, block_m: int, block_v: int, device: torch.device
 
 
 def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float | None = None,
-                  splits: int | None = None, allow_tf32: bool = False, config: dict | None = None) -> torch.Tensor:
+                  splits: int | None = None, allow_tf32: bool = False, config: dict | None = None,
+                  check_targets: bool = True) -> torch.Tensor:
     """[B, P] float32 log p(targets[p] | hidden[b, p]) (module docstring).
 
     hidden [B, P, d] and weight [V, d]: float32 / bfloat16 / float16, same dtype, same device (CUDA, or the CPU
     under TRITON_INTERPRET=1). targets [P] integer ids in [0, V). softcap: Gemma-2's final_logit_softcapping.
     splits: vocabulary splits (default: enough programs for the GPU). allow_tf32: float32 products on tensor
     cores (about 1e-3 relative error) instead of IEEE float32. config: override the tile sizes (tests, tuning).
+    check_targets: check the range of host (CPU) targets here, a host read; False where the caller checked them
+    once (a prompt's tokens: sicl_fast.checks.check_tokens). Device targets are never read back.
     """
     op = "triton span_logprobs"
     if targets.device.type == "cpu":  # checked here, then copied to the device
@@ -155,7 +151,7 @@ def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         raise SiclError(f"{op}: softcap must be > 0 (or None), got {softcap}")
     if V < 1 or d < 1:
         raise SiclError(f"{op}: empty weight {list(weight.shape)}")
-    if targets.device.type == "cpu" and P and (int(targets.min()) < 0 or int(targets.max()) >= V):
+    if check_targets and targets.device.type == "cpu" and P and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise SiclError(f"{op}: targets must be in [0, V={V}), got {int(targets.min())}..{int(targets.max())}")
     dev = hidden.device
     targets = targets.to(dev).contiguous()

@@ -2,6 +2,7 @@
 checked once here, before any work, and refused with a SiclError naming the argument.
 
     check_prompt(prompt)                               a Prompt from Engine.prepare
+    check_tokens(prompt, lm)                           token ids inside the model's vocabulary
     check_embeddings(X, prompt, lm, "embeds")          [L, d] floating, finite, this prompt's length, the model's width
     check_step_memory(lm, prompt, config)              refuse a step whose estimated memory exceeds what is free
 """
@@ -81,10 +82,22 @@ def step_memory(lm, prompt: Prompt, config) -> int:
     return 4 * B * n * per_row
 
 
+def check_tokens(prompt: Prompt, lm) -> None:
+    """The prompt's token ids (the span targets among them) lie in the model's vocabulary [0, V): the kernels
+    that read targets on the device rely on it and never check again."""
+    ids, V = prompt.input_ids, int(lm.head_weight.shape[0])
+    bad = torch.nonzero((ids < 0) | (ids >= V))
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise SiclError(f"request {prompt.id!r}: token {int(ids[t])} at position {t} is outside the model's "
+                        f"vocabulary [0, {V}) (a prompt tokenized for another model?)")
+
+
 def calibration_inputs(backend, prompt: Prompt, config, X0=None) -> torch.Tensor:
-    """Calibrator.run's entry checks: the prompt, X0 (default: the prompt's own embeddings; returned as float32)
-    and the memory of one step."""
+    """Calibrator.run's entry checks: the prompt and its tokens, X0 (default: the prompt's own embeddings;
+    returned as float32) and the memory of one step."""
     check_prompt(prompt)
+    check_tokens(prompt, backend.lm)
     X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
     check_step_memory(backend.lm, prompt, config)
     return X0.float()
@@ -99,4 +112,4 @@ def check_step_memory(lm, prompt: Prompt, config) -> None:
             f"{config.batch} rows of {rows} tokens), more than the {free / GiB:.1f} GiB of memory free; lower N")
 
 
-__all__ = ["check_prompt", "check_embeddings", "calibration_inputs", "check_step_memory", "step_memory", "available_memory"]
+__all__ = ["check_prompt", "check_tokens", "check_embeddings", "calibration_inputs", "check_step_memory", "step_memory", "available_memory"]

@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(bn), _config_flags(bn)
 
     pr = sub.add_parser("profile", help="where the time of one ascent step goes: per phase ms, share, FLOPs, "
-                                         "FLOP/s against the measured matmul peak; peak memory; ops per step")
+                                         "FLOP/s against the measured matmul peak; peak memory; kernels per step")
     pr.add_argument("requests", nargs="?", default=None,
                     help="requests JSONL (the first request is profiled); default: a synthetic prompt of --length")
     pr.add_argument("--length", type=_int_at_least(8), default=512,
@@ -359,7 +359,9 @@ def cmd_profile(args) -> int:
         prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
     prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace)
     if args.json:
-        print(json.dumps({"info": prof.info, "step_ms": prof.step_ms, "peak_mb": prof.peak_mb, "ops": prof.ops,
+        print(json.dumps({"info": prof.info, "step_ms": prof.step_ms, "peak_mb": prof.peak_mb,
+                          "kernels": {"total": prof.kernels.total, "per_layer": prof.kernels.per_layer,
+                                      "rest": prof.kernels.rest},
                           "matmul_peak_gflops": prof.peak_gflops, "matmul_peak_shape": prof.peak_shape,
                           "phases": [dict(zip(("phase", "ms", "share", "gflop", "gflops", "pct_peak"), r))
                                      for r in prof.rows]}))

@@ -13,9 +13,11 @@ Each phase of the static step (sicl_fast.static) is run on its own, on the step'
 
 FLOPs are counted from the shapes (2 per multiply-add of every product; attention's QK^T and PV over the keys
 each query sees; the elementwise work is not counted). Achieved FLOP/s is compared with the machine's measured
-product rate at the step's largest product shape in the model dtype. `ops per step` counts the step's
-dispatched torch operations that are not views, plus every Triton launch and C++ extension call (on a GPU the
-profiler's kernel events are the count that matters; this is the CPU-side proxy for it).
+product rate at the step's largest product shape in the model dtype. `kernels per step` counts the step's
+dispatched torch operations that launch a kernel (not views, not allocations), plus every Triton launch and C++
+extension call, in all and in the decoder's layers (on a GPU the profiler's kernel events are the count that
+matters; this count, the same on any device, is its proxy). The fast backend's budget with impl 'triton' and
+difference products off: at most 14 per decoder layer plus 40 for the rest (tests/test_fused_decoder.py).
 """
 from __future__ import annotations
 
@@ -64,23 +66,41 @@ def nvtx(name: str, device):
             torch.cuda.nvtx.range_pop()
 
 
+# ops that launch no kernel: allocations from the caching allocator, and aliases the dispatcher does not flag
+NO_KERNEL = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+                       "aten.new_empty.default", "aten.new_empty_strided.default", "aten._unsafe_view.default",
+                       "aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"})
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts dispatched torch operations that are not views (a CPU-side count of what would be launched)."""
+    """Counts the dispatched torch operations that launch a kernel: not views, not allocations (NO_KERNEL); a
+    CPU-side count of what a GPU would launch. Ops a compiled call makes inside itself (the Triton
+    interpreter's own tensor traffic) are not counted: the call is one launch, counted by
+    count_compiled_calls. names: the count per op, for finding what to fuse."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.names: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not getattr(func, "is_view", False):
+        if not getattr(func, "is_view", False) and not _inside[0] and str(func) not in NO_KERNEL:
             self.count += 1
+            self.names[str(func)] = self.names.get(str(func), 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+_inside = [0]  # > 0 while a counted compiled call runs
 
 
 def _counted(fn, counter: list):
     def call(*a, **k):
         counter[0] += 1
-        return fn(*a, **k)
+        _inside[0] += 1
+        try:
+            return fn(*a, **k)
+        finally:
+            _inside[0] -= 1
     return call
 
 
@@ -115,12 +135,46 @@ def count_compiled_calls(counter: list):
             setattr(obj, name, value)
 
 
-def ops_per_step(step) -> int:
-    """Dispatched non-view torch ops + Triton launches + C++ calls of one step() call."""
+def count_kernels(fn) -> int:
+    """Kernels one fn() call launches, counted on any device: dispatched torch ops that launch one (OpCounter) +
+    Triton launches + C++ calls."""
     compiled = [0]
     with count_compiled_calls(compiled), OpCounter() as c:
-        step()
+        fn()
     return c.count + compiled[0]
+
+
+@dataclass(frozen=True)
+class KernelCount:
+    """Kernels of one step: in all, in the decoder's forward over the batch (its layers), and per layer."""
+
+    total: int
+    layers: int
+    n_layers: int
+
+    @property
+    def per_layer(self) -> float:
+        return self.layers / self.n_layers
+
+    @property
+    def rest(self) -> int:  # embedding rows, perturbation, span head, proxy, update, bookkeeping
+        return self.total - self.layers
+
+    def line(self) -> str:
+        return (f"kernels per step: {self.total} ({self.per_layer:.1f} per decoder layer x {self.n_layers} layers "
+                f"+ {self.rest} for the rest; dispatched torch ops that launch a kernel + Triton launches + C++ "
+                "calls)")
+
+
+def kernels_per_step(st: StaticStep) -> KernelCount:
+    """The KernelCount of one call of the static step `st` (a step, then the decoder's forward of its batch on
+    its own: the step's state moves on, the count is the same every step)."""
+    total = count_kernels(st)
+    m, p = st.backend.model, st.prompt
+    a, x, prefix = p.demo_start, st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
+    layers = count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None
+                           else m.forward(x, near_row0=True))
+    return KernelCount(total=total, layers=layers, n_layers=len(m.layers))
 
 
 def step_flops(st: StaticStep) -> dict[str, float]:
@@ -168,7 +222,7 @@ class Profile:
     peak_mb: float = 0.0
     peak_gflops: float = 0.0
     peak_shape: str = ""
-    ops: int = 0
+    kernels: KernelCount | None = None
     info: dict = field(default_factory=dict)
 
     def markdown(self) -> str:
@@ -186,7 +240,7 @@ class Profile:
                       f"of the matmul peak)",
                   f"matmul peak (measured here): {self.peak_gflops:.1f} GFLOP/s at {self.peak_shape}",
                   f"peak extra memory of one step: {self.peak_mb:.1f} MiB",
-                  f"ops per step: {self.ops} (dispatched non-view torch ops + Triton launches + C++ calls)"]
+                  self.kernels.line()]
         return "\n".join(lines)
 
 
@@ -239,7 +293,7 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     with PeakMemory(dev) as mem:
         st()
     out.peak_mb = mem.peak_mb
-    out.ops = ops_per_step(st)
+    out.kernels = kernels_per_step(st)
     out.info = dict(model=backend.lm.name, backend=backend.name, impl=ops.name,
                     dtype=str(m.dtype).replace("torch.", ""), device=str(dev), L=prompt.length, a=a,
                     b=prompt.demo_end, P=int(prompt.positions.numel()), N=spec.N, B=spec.B)
@@ -264,4 +318,4 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     return out
 
 
-__all__ = ["Profile", "profile_step", "ops_per_step", "step_flops", "PHASES"]
+__all__ = ["Profile", "profile_step", "count_kernels", "kernels_per_step", "KernelCount", "step_flops", "PHASES"]

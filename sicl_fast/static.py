@@ -114,37 +114,10 @@ class StaticStep:
         return self.ops.proxy_planned(lp, self.plan).f
 
     def advance(self, f: torch.Tensor) -> None:
-        """The bookkeeping of the step whose batch gave f [B] (gate, best X, patience, SNR, stops), then the
-        update of X, all as masked updates of the device state."""
-        cfg, spec, s = self.config, self.spec, self.step_t
-        active = self.reason == RUNNING  # [1] bool
-        f0 = f[:1]
-        finite = torch.isfinite(f0)
-        ok = active & finite
-        self.steps_run += active.long()
-        self.history.index_copy_(0, s, torch.where(active, f0, self.history.index_select(0, s)))
-        bad = active & ~finite
-        gate = ok & (s == 0) & (f0.double() < cfg.tau)  # float64, as the eager loop compares python floats
-        self.ops.track_best(torch.where(ok, f0, self.minus_inf), self.X, self.best)
-        patience = ok & ~gate & (self.best.counters[:1] >= cfg.patience) if cfg.patience else torch.zeros_like(ok)
-        go = ok & ~gate & ~patience  # the eager loop gets past its stop checks
-        if cfg.snr_threshold > 0:
-            d = finite_differences(f, cfg.mu_eff, cfg.estimator)
-            snr = (d.mean().abs() / (d.std() + 1e-12)).reshape(1) if d.numel() >= 2 else torch.zeros_like(f0)
-            low = go & (snr.double() < cfg.snr_threshold)
-            self.low_snr.copy_(torch.where(low, self.low_snr + 1, torch.where(go, 0, self.low_snr)))
-            snr_stop = low & (self.low_snr >= max(cfg.patience, 1))
-        else:
-            low = snr_stop = torch.zeros_like(ok)
-        last = go & ~snr_stop & (s == cfg.max_steps - 1)
-        update = go & ~low & ~last
-        X_new, fired = self.ops.update(self.X, self.X0, f, s, spec, out=self.X_next)
-        self.X.copy_(torch.where(update.view(1, 1), X_new, self.X))
-        self.projections += (update & (fired != 0)).long()
-        reason = (bad.long() * NONFINITE + gate.long() * GATE + patience.long() * PATIENCE
-                  + snr_stop.long() * SNR + last.long() * MAX_STEPS)  # at most one is set
-        self.reason.copy_(torch.where(active, reason, self.reason))
-        s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
+        """The update of X (into X_next) and the bookkeeping of the step whose batch gave f [B] (gate, best X,
+        patience, SNR, stops), all as masked updates of the device state (advance_reference)."""
+        _, fired = self.ops.update(self.X, self.X0, f, self.step_t, self.spec, out=self.X_next)
+        self.ops.advance(self, f, fired, self.config)
 
     def result(self, seconds: float, stop_reason: str | None = None) -> CalibrationResult:
         """The CalibrationResult of a stopped run (reads the state: host syncs). stop_reason: a run ended from
@@ -159,6 +132,40 @@ class StaticStep:
             history=history, seconds=seconds, projections=int(self.projections), config=self.config,
             impl=self.ops.name,
         )
+
+
+def advance_reference(st: StaticStep, f: torch.Tensor, fired: torch.Tensor, cfg: CalibrationConfig) -> None:
+    """The bookkeeping of one step on the state of `st` (a StaticStep), after ops.update wrote st.X_next with
+    its projection flag `fired` (int32 [1]): the eager loop's decisions as masked updates, in torch (TorchOps
+    runs it; kernels/advance.py fuses it)."""
+    s = st.step_t
+    active = st.reason == RUNNING  # [1] bool
+    f0 = f[:1]
+    finite = torch.isfinite(f0)
+    ok = active & finite
+    st.steps_run += active.long()
+    st.history.index_copy_(0, s, torch.where(active, f0, st.history.index_select(0, s)))
+    bad = active & ~finite
+    gate = ok & (s == 0) & (f0.double() < cfg.tau)  # float64, as the eager loop compares python floats
+    st.ops.track_best(torch.where(ok, f0, st.minus_inf), st.X, st.best)
+    patience = ok & ~gate & (st.best.counters[:1] >= cfg.patience) if cfg.patience else torch.zeros_like(ok)
+    go = ok & ~gate & ~patience  # the eager loop gets past its stop checks
+    if cfg.snr_threshold > 0:
+        d = finite_differences(f, cfg.mu_eff, cfg.estimator)
+        snr = (d.mean().abs() / (d.std() + 1e-12)).reshape(1) if d.numel() >= 2 else torch.zeros_like(f0)
+        low = go & (snr.double() < cfg.snr_threshold)
+        st.low_snr.copy_(torch.where(low, st.low_snr + 1, torch.where(go, 0, st.low_snr)))
+        snr_stop = low & (st.low_snr >= max(cfg.patience, 1))
+    else:
+        low = snr_stop = torch.zeros_like(ok)
+    last = go & ~snr_stop & (s == cfg.max_steps - 1)
+    update = go & ~low & ~last
+    st.X.copy_(torch.where(update.view(1, 1), st.X_next, st.X))
+    st.projections += (update & (fired != 0)).long()
+    reason = (bad.long() * NONFINITE + gate.long() * GATE + patience.long() * PATIENCE
+              + snr_stop.long() * SNR + last.long() * MAX_STEPS)  # at most one is set
+    st.reason.copy_(torch.where(active, reason, st.reason))
+    s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
 
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
@@ -190,4 +197,4 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     return st.result(time.perf_counter() - t0)
 
 
-__all__ = ["StaticStep", "run_static", "supports_static", "default_sync_every", "LOOPS"]
+__all__ = ["StaticStep", "advance_reference", "run_static", "supports_static", "default_sync_every", "LOOPS"]

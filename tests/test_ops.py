@@ -10,7 +10,15 @@ Tolerances, stated once (TOL below), and why:
   span_head (float32): rtol 1e-5 / atol 1e-5 (online log-sum-exp over vocabulary chunks vs whole rows).
   gated_diff: a0 to 2e-6 relative + 1e-6 absolute (the C++ exp is ~1 ulp from torch's); the bf16 differences to
       1 bf16 ulp of the reference's + 4 float32 ulps of |g u| + 1e-6 (a_i - a_0 inherits the values' rounding).
-  track_best: exact (copies and comparisons only).
+  track_best, advance: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
+      another order, which can only matter within an ulp of the threshold: the scripted SNRs are far from it).
+  decoder elementwise ops (residual_norm, qk_rope, gated, softcap_), float32: rtol 1e-5 / atol 1e-5 (the
+      norms' sums in another order, rsqrt / exp / tanh within an ulp or two of torch's).
+  the same in bf16: rtol 2^-6 and atol 2^-6 times the largest |reference| value (at least 1), four bf16 ulps
+      of the largest term: up to three roundings, each of which Triton's CPU interpreter does by truncation (its
+      float32 -> bf16 cast does not round to nearest; CUDA's does), and rotary's sum may cancel its terms.
+  attention (triton vs the math path over the prefix and the rows), float32: 1e-5; bf16: atol 3e-2 (outputs
+      ~1; the kernel rounds the probabilities to bf16 before the product with v, as flash attention does).
 """
 import math
 import os
@@ -35,6 +43,8 @@ TOL = {
     "proxy": dict(rtol=1e-5, atol=1e-7),
     "span_head": dict(rtol=1e-5, atol=1e-5),
     "gated_a0": dict(rtol=2e-6, atol=1e-6),
+    "elementwise": {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=2 ** -6)},
+    "attention": {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.0, atol=3e-2)},
 }
 GELU_TANH = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
 
@@ -305,3 +315,184 @@ def test_track_best_matches_algorithm_1(ops, dev):
         assert torch.equal(state.best_X.cpu(), torch.full((4, 6), float(best_step)))
     with pytest.raises(SiclError, match="X must have shape"):
         ops.track_best(torch.zeros(2, device=dev), torch.zeros(3, 6, device=dev), state)
+
+
+# ------------------------------------------------------------------------------------------------- advance
+
+
+class ScriptedState:
+    """The fields of a StaticStep that the bookkeeping reads and writes, on `dev`."""
+
+    def __init__(self, ops, L, d, max_steps, dev):
+        from sicl_fast.static import RUNNING  # noqa: F401 (the state starts RUNNING: zeros)
+
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.ops = ops
+        g = torch.Generator().manual_seed(5)
+        self.X = torch.randn(L, d, generator=g).to(dev)
+        self.X_next = torch.empty_like(self.X)
+        self.best = BestState(self.X)
+        self.step_t, self.steps_run, self.reason = (torch.zeros(1, **i64) for _ in range(3))
+        self.low_snr, self.projections = torch.zeros(1, **i64), torch.zeros(1, **i64)
+        self.history = torch.full((max_steps,), math.nan, device=dev)
+        self.minus_inf = torch.full((1,), -math.inf, device=dev)
+
+    def tensors(self):
+        return [self.X, self.best.best_X, self.best.best_f, self.best.counters, self.step_t, self.steps_run,
+                self.reason, self.low_snr, self.projections, self.history]
+
+
+ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
+    "gate": (dict(tau=0.5), [0.3, 0.6]),
+    "patience": (dict(patience=2), [0.5, 0.4, 0.45, 0.6, 0.3, 0.2, 0.1]),
+    "snr-stop": (dict(snr_threshold=1e9, patience=2), [0.5, 0.5, 0.5, 0.5]),
+    "snr-skips-central": (dict(snr_threshold=0.5, estimator="central", patience=3, max_steps=5), [0.5, 0.55, 0.52, 0.6, 0.7]),
+    "nonfinite": (dict(), [0.5, 0.6, math.nan, 0.7]),
+    "max-steps": (dict(max_steps=3), [0.5, 0.6, 0.7, 0.8, 0.9]),
+}
+
+
+@pytest.mark.parametrize("name", list(ADVANCE_SCRIPTS))
+def test_advance_matches_the_reference(ops, dev, name):
+    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast.ops import TorchOps
+    from sicl_fast.static import RUNNING, advance_reference
+
+    kw, f0s = ADVANCE_SCRIPTS[name]
+    cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
+    B = cfg.batch
+    ref, got = ScriptedState(TorchOps(), 7, 5, cfg.max_steps, "cpu"), ScriptedState(ops, 7, 5, cfg.max_steps, dev)
+    g = torch.Generator().manual_seed(1)
+    stopped_at = None
+    for step, f0 in enumerate(f0s + [0.9, 0.95]):  # two more calls after the stop must change nothing
+        f = f0 + 0.01 * torch.randn(B, generator=g)
+        f[0] = f0
+        fired = torch.tensor([step % 2], dtype=torch.int32)
+        X_next = torch.randn(7, 5, generator=g)
+        ref.X_next.copy_(X_next)
+        got.X_next.copy_(X_next.to(dev))
+        advance_reference(ref, f, fired, cfg)
+        ops.advance(got, f.to(dev), fired.to(dev), cfg)
+        for r, o in zip(ref.tensors(), got.tensors()):
+            assert torch.equal(r, o.cpu()) or torch.allclose(r, o.cpu(), rtol=0, atol=0, equal_nan=True), (step, r, o)
+        if stopped_at is None and int(ref.reason) != RUNNING:
+            stopped_at = step
+    assert stopped_at is not None and stopped_at < len(f0s)  # each script ends in its stop
+
+
+# ------------------------------------------------------------------------------------- decoder elementwise work
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(dtype)
+
+
+def close(got, ref, tol):
+    ref = ref.float()
+    if got.dtype == torch.bfloat16:  # absolute error in ulps of the largest term (TOL in the module docstring)
+        tol = dict(tol, atol=tol["atol"] * max(1.0, float(ref.abs().max())))
+    torch.testing.assert_close(got.float().cpu(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [37, 64])
+@pytest.mark.parametrize("gemma", [False, True])
+def test_residual_norm(ops, dev, dtype, d, gemma):
+    from sicl_fast.models import elementwise as ew
+
+    wd = torch.float32 if gemma else dtype  # Gemma's (1 + w) is float32
+    x, y = rand(2, 5, d, dtype=dtype, seed=1), rand(2, 5, d, dtype=dtype, seed=2, scale=3.0)
+    w, pw = 1 + rand(d, dtype=wd, seed=3, scale=0.2), 1 + rand(d, dtype=wd, seed=4, scale=0.2)
+    tol = TOL["elementwise"][dtype]
+    for post in (None, pw):
+        x1, h = ops.residual_norm(x.to(dev), y.to(dev), None if post is None else post.to(dev), w.to(dev), 1e-6, gemma)
+        rx, rh = ew.residual_norm(x, y, post, w, 1e-6, gemma)
+        close(x1, rx, tol)
+        close(h, rh, tol)
+        assert x1.dtype == h.dtype == dtype
+    x1, h = ops.residual_norm(x.to(dev), None, None, w.to(dev), 1e-6, gemma)
+    assert x1 is not None and torch.equal(x1.cpu(), x)
+    close(h, ew.rms_norm(x, w, 1e-6, gemma), tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd", [6, 18])
+@pytest.mark.parametrize("qk_norm,gemma", [(False, False), (True, False), (True, True)])
+def test_qk_rope_writes_the_buffers(ops, dev, dtype, hd, qk_norm, gemma):
+    """q, k, v as views of one fused product (the difference products' layout), k / v into buffers."""
+    from sicl_fast.models import elementwise as ew
+
+    B, T, H, Hk = 2, 7, 4, 2
+    qkv = rand(B, T, (H + 2 * Hk) * hd, dtype=dtype, seed=5)
+    q, k, v = (t.view(B, T, -1, hd) for t in qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1))
+    cos, sin = rand(T, 1, hd, dtype=dtype, seed=6), rand(T, 1, hd, dtype=dtype, seed=7)
+    wd = torch.float32 if gemma else dtype
+    qn = 1 + rand(hd, dtype=wd, seed=8, scale=0.2) if qk_norm else None
+    kn = 1 + rand(hd, dtype=wd, seed=9, scale=0.2) if qk_norm else None
+    rq, rk = ew.qk_rope(q, k, cos, sin, qn, kn, 1e-6, gemma)
+    kb = torch.zeros(B, T, Hk, hd, dtype=dtype, device=dev)
+    vb = torch.zeros_like(kb)
+    qkv_d = qkv.clone().to(dev)  # the op may rotate q in place
+    qd, kd, vd = (t.view(B, T, -1, hd) for t in qkv_d.split([H * hd, Hk * hd, Hk * hd], dim=-1))
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    gq, gk, gv = ops.qk_rope(qd, kd, vd, cos.to(dev), sin.to(dev), to(qn), to(kn), 1e-6, gemma, kb, vb)
+    assert gk is kb and gv is vb
+    tol = TOL["elementwise"][dtype]
+    close(gq, rq, tol)
+    close(kb, rk, tol)
+    assert torch.equal(vb.cpu(), v)
+    gq, gk, gv = ops.qk_rope(qkv.view(B, T, -1, hd)[:, :, :H].contiguous().to(dev), k.contiguous().to(dev),
+                             v.contiguous().to(dev), cos.to(dev), sin.to(dev), to(qn), to(kn), 1e-6, gemma)
+    close(gq, rq, tol)  # fresh outputs without buffers
+    close(gk, rk, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
+def test_gated(ops, dev, dtype, act_name):
+    from sicl_fast.models import elementwise as ew
+
+    gu = rand(3, 4, 2 * 50, dtype=dtype, seed=10, scale=2.0)
+    gate, up = gu.chunk(2, dim=-1)  # halves of one product: rows with a stride of 100
+    got = ops.gated(gate.to(dev), up.to(dev), act_name)
+    close(got, ew.gated(gate, up, act_name), TOL["elementwise"][dtype])
+    assert got.shape == gate.shape and got.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap(ops, dev, dtype):
+    from sicl_fast.models import elementwise as ew
+
+    z = rand(5, 33, dtype=dtype, seed=11, scale=20.0)
+    close(ops.softcap_(z.clone().to(dev), 5.0), ew.softcap(z, 5.0), TOL["elementwise"][dtype])
+
+
+ATTN_CASES = [  # B, T, a (prefix), H, Hk, hd, window, softcap
+    (3, 21, 13, 4, 2, 16, None, None),
+    (3, 21, 13, 4, 2, 16, 9, 2.0),
+    (2, 37, 0, 2, 2, 8, 9, None),
+    (1, 5, 40, 6, 3, 24, None, 2.0),
+    (2, 17, 19, 4, 1, 16, 24, None),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ATTN_CASES, ids=[f"B{c[0]}T{c[1]}a{c[2]}w{c[6]}cap{c[7]}" for c in ATTN_CASES])
+def test_triton_attention_matches_the_math_path(dtype, case):
+    """The fused attention (prefix and rows in one launch) against the reference: the math path over the two
+    key sets, merged by log-sum-exp, in float32."""
+    if why_unavailable("triton"):
+        pytest.skip(why_unavailable("triton"))
+    from sicl_fast.models.attention import Attention
+
+    B, T, a, H, Hk, hd, window, cap = case
+    dev = device_of("triton")
+    q, k, v = rand(B, T, H, hd, seed=12), rand(B, T, Hk, hd, seed=13), rand(B, T, Hk, hd, seed=14)
+    kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
+    ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, window, (kp, vp) if a else None)
+    att = Attention("triton", 0.3, cap, dtype, dev)
+    to = lambda t: t.to(dev, dtype)  # noqa: E731
+    got = att(to(q), to(k), to(v), a, window, (to(kp), to(vp)) if a else None)
+    assert got.dtype == dtype
+    close(got, ref, TOL["attention"][dtype])

@@ -6,7 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.profile import PHASES, ops_per_step, profile_step, step_flops
+from sicl_fast.profile import PHASES, kernels_per_step, profile_step, step_flops
 from sicl_fast.static import StaticStep
 from test_fast_backend import make_prompt, models  # noqa: F401 (fixture)
 
@@ -41,11 +41,12 @@ def test_profile_table_and_counts(models):
     assert all(r[1] >= 0 for r in prof.rows) and prof.step_ms > 0 and prof.peak_mb > 0 and prof.peak_gflops > 0
     assert abs(sum(r[2] for r in prof.rows) - 1.0) < 1e-9 or sum(r[1] for r in prof.rows[:-1]) > prof.step_ms
     st = StaticStep(be, Calibrator(be, CFG).config, p, be.embed(p))
-    assert prof.ops == ops_per_step(st) > 10 * len(be.model.layers)  # deterministic: the same ops every step
+    again = kernels_per_step(st)  # deterministic: the same kernels every step
+    assert prof.kernels == again and again.layers > 10 * len(be.model.layers) and again.rest > 0
     text = prof.markdown()
     for phase in PHASES:
         assert f"| {phase} |" in text
-    assert "ops per step" in text and "matmul peak (measured here)" in text
+    assert "kernels per step" in text and "matmul peak (measured here)" in text
 
 
 @pytest.mark.slow
@@ -56,6 +57,6 @@ def test_profile_command_on_smollm2(tmp_path, capsys):
     assert main(["profile", "--length", "48", "--repeats", "1", "--json", "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["info"]["model"].startswith("smollm2") and out["info"]["backend"] == "fast"
-    assert [ph["phase"] for ph in out["phases"]] == list(PHASES) and out["ops"] > 0
+    assert [ph["phase"] for ph in out["phases"]] == list(PHASES) and out["kernels"]["total"] > out["kernels"]["rest"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"decoder layers", "whole step"} <= names

@@ -5,6 +5,8 @@ being copied) and the rows themselves (or a KV cache's keys). Kernels:
   math   explicit scores, float32 softmax; handles soft-capping, sliding windows, any mask (the reference)
   sdpa   torch's scaled_dot_product_attention (no soft-capping; falls back to math for what it cannot do exactly)
   flash  flash-attn's flash_attn_func (CUDA, fp16/bf16, optional: `pip install "sicl-fast[flash]"`)
+  triton the fused kernel kernels/attention.py: prefix and rows in one launch, soft-cap and window included
+         (CUDA, or the CPU under TRITON_INTERPRET=1; the decoder of TritonOps uses it)
 
 Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
 o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from ..errors import SiclError
 
-ATTN_IMPLS = ("auto", "math", "sdpa", "flash")
+ATTN_IMPLS = ("auto", "math", "sdpa", "flash", "triton")
 
 try:  # optional; never needed on the CPU
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -151,10 +153,11 @@ def merge(o1, lse1, o2, lse2):
 class Attention:
     """The attention of one model: its kernel (`impl`), scale, soft-cap, and a cache of masks per shape.
 
-    impl 'auto' resolves once, here: SDPA on the CPU; flash-attn (when installed, fp16 / bf16) or SDPA on CUDA.
-    On CUDA a fused kernel is trusted only after `verify` (FastBackend calls it once, explicitly)."""
+    impl 'auto' resolves once, here: the Triton kernel when the model's ops are Triton's (`triton_ops`);
+    otherwise SDPA on the CPU, flash-attn (when installed, fp16 / bf16) or SDPA on CUDA. On CUDA a fused kernel
+    is trusted only after `verify` (FastBackend calls it once, explicitly)."""
 
-    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device) -> None:
+    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device, triton_ops: bool = False) -> None:
         if impl not in ATTN_IMPLS:
             raise SiclError(f"unknown attention implementation {impl!r}; choose one of {ATTN_IMPLS}")
         self.scale, self.softcap, self.dtype, self.device = scale, softcap, dtype, torch.device(device)
@@ -164,6 +167,14 @@ class Attention:
             # shapes; soft-capped layers still go to the math path
             half = dtype in (torch.float16, torch.bfloat16)
             impl = "flash" if self.device.type == "cuda" and _flash_attn_func is not None and half else "sdpa"
+            impl = "triton" if triton_ops else impl
+        if impl == "triton":
+            from ..ops.triton_ops import load_kernels
+
+            self._kernels = load_kernels()  # a SiclError that says what to do when triton is missing
+            if self.device.type != "cuda" and not self._kernels.interpreting():
+                raise SiclError(f"attention implementation 'triton' runs on CUDA; for {self.device} set "
+                                "TRITON_INTERPRET=1 before triton is imported, or use 'sdpa' / 'math'")
         if impl == "flash" and _flash_attn_func is None:
             raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
         self.impl = impl
@@ -199,6 +210,8 @@ class Attention:
         -> o [B, T, H, hd]."""
         impl = impl or self.impl
         T = q.shape[1]
+        if impl == "triton" and (cache_len is None or (pos0 == 0 and cache_len == T)):
+            return self._kernels.prefix_attention(q, k, v, prefix, pos0, window, self.scale, self.softcap)
         parts = [(k, v, 0 if cache_len is not None else pos0)]
         if prefix is not None:
             parts.insert(0, (prefix[0], prefix[1], 0))

@@ -38,10 +38,10 @@ class LowWeights:
 
 
 class Dense:
-    """Plain products of one layer `L` (a transformer.Layer); act: the MLP's activation function."""
+    """Plain products of one layer `L` (a transformer.Layer); the MLP's activation (act_name) by ops.gated."""
 
-    def __init__(self, L, act) -> None:
-        self.L, self.act = L, act
+    def __init__(self, L, act_name: str, ops) -> None:
+        self.L, self.act_name, self.ops = L, act_name, ops
 
     def qkv(self, h):
         L = self.L
@@ -52,15 +52,16 @@ class Dense:
 
     def mlp(self, h):
         L = self.L
-        return F.linear(self.act(F.linear(h, L.w_gate, L.b_gate)) * F.linear(h, L.w_up, L.b_up), L.w_down, L.b_down)
+        a = self.ops.gated(F.linear(h, L.w_gate, L.b_gate), F.linear(h, L.w_up, L.b_up), self.act_name)
+        return F.linear(a, L.w_down, L.b_down)
 
 
 class DiffDense(Dense):
     """Difference products of one layer (module docstring): low = its LowWeights, ops = the model's Ops."""
 
     def __init__(self, L, act, act_name: str, low: LowWeights, ops) -> None:
-        super().__init__(L, act)
-        self.act_name, self.low, self.ops = act_name, low, ops
+        super().__init__(L, act_name, ops)
+        self.act, self.low = act, low
 
     def qkv(self, h):
         L = self.L

@@ -23,17 +23,11 @@ import torch.nn.functional as F
 
 from ..errors import SiclError
 from .attention import Attention
+from .elementwise import ACTIVATIONS
 from .projections import Dense, DiffDense, LowWeights
 
 SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text")
 _GEMMA = ("gemma2", "gemma3_text")
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
 DIFF_MATMUL = ("auto", "off", "bf16", "fp8")
 
 
@@ -105,16 +99,6 @@ class Rotary:
     def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, 1, hd] for the position held in the int64 [1] device tensor pos (reserve first)."""
         return self.cos.index_select(0, pos)[:, None], self.sin.index_select(0, pos)[:, None]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, hd], cos / sin [T, 1, hd]."""
-    return x * cos + rotate_half(x) * sin
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -222,9 +206,9 @@ class Transformer:
         self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if family == "gemma2" else None
         self.final_softcap = lm.final_softcap
         act_name = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
-        if act_name not in _ACTIVATIONS:
+        if act_name not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {act_name!r} is not supported by the fast backend")
-        self.act = _ACTIVATIONS[act_name]
+        self.act = ACTIVATIONS[act_name]
         self.act_name = act_name
         self.embed = lm.model.get_input_embeddings()
         # transformers 5 Gemma embedding modules scale themselves (X is scaled); older Gemma 2 code scaled
@@ -281,10 +265,12 @@ class Transformer:
             from ..ops import TorchOps
 
             ops = TorchOps()
-        self.ops = ops  # the epilogues of the difference products
-        self.dense = [Dense(L, self.act) for L in self.layers]
+        self.ops = ops  # the elementwise work and the epilogues of the difference products
+        self.dense = [Dense(L, act_name, ops) for L in self.layers]
         self._diff: list[DiffDense] | None = None  # built on the first difference forward
-        self.attention = Attention(attn, self.scale, self.attn_softcap, self.dtype, self.device)
+        self.attention = Attention(attn, self.scale, self.attn_softcap, self.dtype, self.device,
+                                   triton_ops=ops.name == "triton")
+        self._rows_kv: tuple = ((), [])  # ((B, T), per layer (k, v) [B, T, Hk, hd]): see rows_kv
 
     # ----------------------------------------------------------------------------------------- pieces
 
@@ -295,12 +281,19 @@ class Transformer:
         w = module.weight.detach()
         return (1.0 + w.float()) if self.gemma else w
 
-    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.gemma:  # (x * (1 + w)) in float32, then the model dtype
-            return (xf * w).type_as(x)
-        return w * xf.to(x.dtype)  # Llama / Qwen: cast, then multiply
+    def residual_norm(self, x: torch.Tensor, y: torch.Tensor | None, post_w, w) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y', rms_norm(x + y', w)), y' = rms_norm(y, post_w) or y; y None: (x, rms_norm(x, w)). One op."""
+        return self.ops.residual_norm(x, y, post_w, w, self.eps, self.gemma)
+
+    def rows_kv(self, B: int, T: int) -> list:
+        """Per layer, the K/V buffers [B, T, Hk, hd] of a batch's rows, allocated once per shape and written in
+        place by the rotary op every step (the prefix K/V stays in its PrefixKV, read by attention without a
+        copy: one buffer holding both would cost (B - 1) unused copies of the prefix)."""
+        if self._rows_kv[0] != (B, T):
+            self._rows_kv = ((), [])  # free the old shape's buffers first
+            mk = lambda: torch.empty(B, T, self.Hk, self.hd, dtype=self.dtype, device=self.device)  # noqa: E731
+            self._rows_kv = ((B, T), [(mk(), mk()) for _ in self.layers])
+        return self._rows_kv[1]
 
     def diff_projections(self) -> list[DiffDense]:
         """Per layer, the difference-product projections, with the stacked weights in the difference dtype (made
@@ -310,47 +303,42 @@ class Transformer:
                           for L in self.layers]
         return self._diff
 
-    def block(self, L: Layer, proj: Dense, x: torch.Tensor, pos0: int, prefix=None,
-              cache: StaticCache | None = None, i: int = 0, keep_kv: bool = False):
-        """One decoder layer on x [B, T, d] at positions pos0 .. pos0+T-1, with the layer's products `proj`.
-        Returns (x, (k, v) of these rows if keep_kv, else None). Temporaries are dropped as soon as they are used
-        (`del`): the peak memory is that of one sub-block, as in transformers' own layers."""
+    def block(self, L: Layer, proj: Dense, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, pos0: int,
+              prefix=None, cache: StaticCache | None = None, i: int = 0, kv_out=None):
+        """One decoder layer on x [B, T, d] at positions pos0 .. pos0+T-1, whose input norm h = rms_norm(x,
+        L.attn_norm) the previous op made, with the layer's products `proj`. Returns (x, rms_norm(x, next_norm),
+        (k, v)): the next layer's input norm (or the final norm) is fused with this layer's last residual add.
+        kv_out: buffers [B, T, Hk, hd] the rotary op writes k / v into (else fresh tensors). Temporaries are
+        dropped as soon as they are used (`del`): the peak memory is that of one sub-block."""
         B, T, _ = x.shape
-        h = self.norm(x, L.attn_norm)
         q, k, v = proj.qkv(h)
         del h
         q = q.view(B, T, self.H, self.hd)
         k = k.view(B, T, self.Hk, self.hd)
         v = v.view(B, T, self.Hk, self.hd)
-        if L.q_norm is not None:
-            q, k = self.norm(q, L.q_norm), self.norm(k, L.k_norm)
         decoding = cache is not None and pos0 < 0  # one token at the position cache.pos holds on the device
         cos, sin = self.rotary[L.rope].at(cache.pos) if decoding else self.rotary[L.rope].tables(pos0, T)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None and not decoding:  # prefill: k / v go straight into the cache
+            kv_out = (cache.k[i][:, pos0:pos0 + T], cache.v[i][:, pos0:pos0 + T])
+        q, k, v = self.ops.qk_rope(q, k, v, cos, sin, L.q_norm, L.k_norm, self.eps, self.gemma,
+                                   *(kv_out or (None, None)))
         if decoding:
             cache.k[i].index_copy_(1, cache.pos, k)
             cache.v[i].index_copy_(1, cache.pos, v)
             o = self.attention.decode(q, cache.k[i], cache.v[i], cache.keys, cache.pos, L.window)
-        elif cache is not None:  # write this step's rows, attend to everything written so far
-            cache.k[i][:, pos0:pos0 + T] = k
-            cache.v[i][:, pos0:pos0 + T] = v
+        elif cache is not None:  # attend to everything written so far
             o = self.attention(q, cache.k[i][:, :pos0 + T], cache.v[i][:, :pos0 + T], pos0, L.window,
                                cache_len=pos0 + T)
         else:
             o = self.attention(q, k, v, pos0, L.window, prefix)
-        kv = (k, v) if keep_kv else None
-        del q, k, v
+        del q
         o = proj.out(o.reshape(B, T, self.H * self.hd))
-        if L.post_attn_norm is not None:
-            o = self.norm(o, L.post_attn_norm)
-        x = x + o
+        x, h = self.residual_norm(x, o, L.post_attn_norm, L.mlp_norm)
         del o
-        h = self.norm(x, L.mlp_norm)
         m = proj.mlp(h)
         del h
-        if L.post_mlp_norm is not None:
-            m = self.norm(m, L.post_mlp_norm)
-        return x + m, kv
+        x, h = self.residual_norm(x, m, L.post_mlp_norm, next_norm)
+        return x, h, (k, v)
 
     # ----------------------------------------------------------------------------------------- forwards
 
@@ -367,15 +355,20 @@ class Transformer:
             x = x * self.embed_mult
         use_diff = near_row0 and self.diff_dtype is not None and x.shape[0] > 1 and cache is None
         projs = self.diff_projections() if use_diff else self.dense
+        # the rows' K/V go to the preallocated buffers, unless they are kept (collect) or autograd records
+        bufs = (self.rows_kv(*x.shape[:2]) if cache is None and not collect and not torch.is_grad_enabled()
+                else None)
         kvs = []
+        n = len(self.layers)
+        _, h = self.residual_norm(x, None, None, self.layers[0].attn_norm)
         for i, L in enumerate(self.layers):
-            x, kv = self.block(L, projs[i], x, pos0, None if prefix is None else prefix.kv[i], cache, i,
-                               keep_kv=collect)
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < n else self.final_norm
+            x, h, kv = self.block(L, projs[i], x, h, next_norm, pos0, None if prefix is None else prefix.kv[i],
+                                  cache, i, None if bufs is None else bufs[i])
             if collect:
                 kvs.append(kv)
         if cache is not None and pos0 >= 0:
             cache.length = pos0 + x.shape[1]
-        h = self.norm(x, self.final_norm)
         return (h, kvs) if collect else h
 
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:
@@ -388,7 +381,7 @@ class Transformer:
         """h [..., d] -> logits [..., V] in the model dtype, soft-capped as transformers' LM head does."""
         z = F.linear(h, self.head)
         if self.final_softcap is not None:
-            z = torch.tanh(z / self.final_softcap) * self.final_softcap
+            z = self.ops.softcap_(z, self.final_softcap)
         return z
 
     def new_cache(self, max_len: int) -> StaticCache:

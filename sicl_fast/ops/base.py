@@ -21,6 +21,17 @@ difference epilogues). Shapes and dtypes:
     add_rows(y0 [1, T, o] f32, yd [R, T, o] bf16) -> [R+1, T, o] f32
     gated_diff(y0 [1, T, 2I] f32, yd [R, T, 2I] bf16, act, act_name) -> (a0 [1, T, I] f32, da [R, T, I] bf16)
     track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.best)
+    advance(st: StaticStep, f [B], fired int32 [1], cfg) -> None          the static step's bookkeeping, in place
+                                                                          (sicl_fast.static.advance_reference)
+
+The decoder's elementwise work (sicl_fast.models.elementwise is the reference; activations in the model dtype):
+    residual_norm(x [.., d], y [.., d] or None, post_w [d] or None, w [d], eps, gemma) -> (x', h)
+        x' = x + (rms_norm(y, post_w) or y), h = rms_norm(x', w); y None: (x, rms_norm(x, w))
+    qk_rope(q [B, T, H, hd], k, v [B, T, Hk, hd], cos, sin [T, 1, hd], q_norm, k_norm, eps, gemma,
+            k_out=None, v_out=None) -> (q', k', v')   k' / v' are k_out / v_out when given (written in place);
+            a fused implementation may overwrite q
+    gated(gate [.., I], up [.., I], act_name) -> act(gate) * up
+    softcap_(x, cap) -> cap tanh(x / cap)                 a fused implementation overwrites x
 """
 from __future__ import annotations
 
@@ -56,6 +67,17 @@ class Ops(Protocol):
     def gated_diff(self, y0: torch.Tensor, yd: torch.Tensor, act, act_name: str) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def track_best(self, f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState: ...
+
+    def advance(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None: ...
+
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None,
+                v_out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor, act_name: str) -> torch.Tensor: ...
+
+    def softcap_(self, x: torch.Tensor, cap: float) -> torch.Tensor: ...
 
 
 def fired_tensor(fired: bool, device) -> torch.Tensor:

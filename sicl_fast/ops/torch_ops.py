@@ -2,7 +2,8 @@
 
 It materialises the directions U with the counter-based RNG (sicl_fast.rng) and calls the reference functions:
 sicl_fast.zo (step), sicl_fast.proxy, sicl_fast.logprobs (span head), sicl_fast.models.diff (difference
-epilogues), sicl_fast.best (best-X tracking). It never calls C++ or Triton code.
+epilogues), sicl_fast.best (best-X tracking), sicl_fast.models.elementwise (the decoder's norms, rotary,
+activation, soft-cap). It never calls C++ or Triton code.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from .. import best, zo
 from ..logprobs import vocab_chunked_logprobs
 from ..models import diff
+from ..models import elementwise as ew
 from ..proxy import ProxyOut, ProxyPlan, checked_proxy, proxy_planned
 from ..spec import StepSpec
 from .base import fired_tensor
@@ -58,6 +60,30 @@ class TorchOps:
 
     def track_best(self, f, X, state: best.BestState) -> best.BestState:
         return best.track_best(f, X, state)
+
+    def advance(self, st, f, fired, cfg) -> None:
+        from ..static import advance_reference  # static builds on the ops: imported when first used
+
+        advance_reference(st, f, fired, cfg)
+
+    # the decoder's elementwise work (sicl_fast.models.elementwise): out of place, differentiable
+
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
+        if y is None:
+            return x, ew.rms_norm(x, w, eps, gemma)
+        return ew.residual_norm(x, y, post_w, w, eps, gemma)
+
+    def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
+        q, k = ew.qk_rope(q, k, cos, sin, q_norm, k_norm, eps, gemma)
+        if k_out is not None:
+            k, v = k_out.copy_(k), v_out.copy_(v)
+        return q, k, v
+
+    def gated(self, gate, up, act_name: str):
+        return ew.gated(gate, up, act_name)
+
+    def softcap_(self, x, cap: float):
+        return ew.softcap(x, cap)
 
 
 __all__ = ["TorchOps"]

@@ -1,6 +1,7 @@
 """TritonOps: the Ops protocol on the Triton kernels (`sicl_fast.kernels`): perturb, update, proxy, span head and
-best tracking with the noise regenerated in the kernels (bit-identical to sicl_fast.rng's); the difference
-epilogues are the reference's (TorchOps).
+best tracking with the noise regenerated in the kernels (bit-identical to sicl_fast.rng's), and the decoder's
+fused elementwise kernels (norm + residual, rotary, gated activation, soft-cap); the difference epilogues are the
+reference's (TorchOps). The fused attention kernel is chosen by the decoder's Attention (impl 'triton').
 
 The kernels run on CUDA, or on the CPU through Triton's interpreter when TRITON_INTERPRET=1 was set before
 triton was first imported (slow: for tests). Nothing here synchronises with the host except the proxy's
@@ -49,10 +50,26 @@ class TritonOps(TorchOps):
         return self.K.proxy_planned(logprobs, plan)
 
     def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
-        return self.K.span_logprobs(hidden, weight, targets, softcap=softcap)
+        # a prompt's targets: checked once by sicl_fast.checks.check_tokens, never read back per step
+        return self.K.span_logprobs(hidden, weight, targets, softcap=softcap, check_targets=False)
 
     def track_best(self, f, X, state):
         return self.K.track_best(f, X, state)
+
+    def advance(self, st, f, fired, cfg) -> None:
+        self.K.advance(st, f, fired, cfg)
+
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
+        return self.K.residual_norm(x, y, post_w, w, eps, gemma)
+
+    def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
+        return self.K.qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps, gemma, k_out, v_out)
+
+    def gated(self, gate, up, act_name: str):
+        return self.K.gated(gate, up, act_name)
+
+    def softcap_(self, x, cap: float):
+        return self.K.softcap_(x, cap)
 
 
 __all__ = ["TritonOps", "load_kernels"]

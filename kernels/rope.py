@@ -1,0 +1,99 @@
+"""Rotary embedding of q and k (with the per-head q / k norms of Qwen3 and Gemma 3), written where attention
+reads them: q in place, k and v into the given buffers (the per-layer K/V buffers of the fast decoder).
+
+    qk_rope(q [B, T, H, hd], k [B, T, Hk, hd], v [B, T, Hk, hd], cos, sin [T, 1, hd] (or [T, hd]),
+            q_norm [hd] or None, k_norm, eps, gemma, k_out=None, v_out=None) -> (q, k_out, v_out)
+
+q, k, v: the same float dtype; the last two dimensions contiguous (views of one fused product are fine); q is
+overwritten. k_out / v_out: [B, T, Hk, hd] (fresh contiguous tensors when None). One launch: program (row,
+head) rotates one head of q or k; the k programs also copy v. Every intermediate is rounded to the model dtype
+where the reference (sicl_fast.models.elementwise.qk_rope) rounds it; no FMA contraction, so float32 results are
+the reference's but for the norm's reduction order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sicl_fast.errors import SiclError
+
+from ._utils import EXACT, next_pow2
+
+
+@triton.jit
+def _rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, hd, eps,
+               HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+    DT = src.dtype.element_ty
+    i = tl.arange(0, BLOCK)
+    m = i < hd
+    half = hd // 2
+    j = tl.where(i < half, i + half, i - half)  # rotate_half's source of element i
+    x = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
+    xr = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / hd + eps)  # one statistic for both loads
+        wi = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + j, mask=m, other=0.0).to(tl.float32)
+        if GEMMA:
+            x = (x * r * wi).to(DT).to(tl.float32)
+            xr = (xr * r * wj).to(DT).to(tl.float32)
+        else:
+            x = (wi * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+            xr = (wj * (xr * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    xr = tl.where(i < half, -xr, xr)
+    c = tl.load(cos_ptr + i, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + i, mask=m, other=0.0).to(tl.float32)
+    out = (x * c).to(DT).to(tl.float32) + (xr * s).to(DT).to(tl.float32)
+    tl.store(dst + i, out.to(DT), mask=m)
+
+
+@triton.jit
+def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, k_out_ptr, v_out_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
+                    stride_q, stride_k, stride_v, stride_ko, stride_vo, stride_cs, T, H, hd, eps,
+                    HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # b * T + t
+    head = tl.program_id(1)
+    t = row % T
+    cos_row = cos_ptr + t * stride_cs
+    sin_row = sin_ptr + t * stride_cs
+    if head < H:
+        p = q_ptr + row * stride_q + head * hd
+        _rope_head(p, p, qn_ptr, cos_row, sin_row, hd, eps, HAS_NORM, GEMMA, BLOCK)
+    else:
+        kh = head - H
+        _rope_head(k_ptr + row * stride_k + kh * hd, k_out_ptr + row * stride_ko + kh * hd, kn_ptr, cos_row,
+                   sin_row, hd, eps, HAS_NORM, GEMMA, BLOCK)
+        i = tl.arange(0, BLOCK)
+        vv = tl.load(v_ptr + row * stride_v + kh * hd + i, mask=i < hd)
+        tl.store(v_out_ptr + row * stride_vo + kh * hd + i, vv, mask=i < hd)
+
+
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t [B, T, heads, hd] -> (t or a contiguous copy, the stride between consecutive (b, t) rows)."""
+    B, T, n, hd = t.shape
+    if t.stride(3) != 1 or t.stride(2) != hd or (B > 1 and t.stride(0) != T * t.stride(1)):
+        t = t.contiguous()
+    return t, t.stride(1)
+
+
+def qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
+    """(q rotated in place, k_out, v_out) as the module docstring says. One launch."""
+    B, T, H, hd = q.shape
+    Hk = k.shape[2]
+    q, sq = _rows(q)
+    k, sk = _rows(k)
+    v, sv = _rows(v)
+    k_out = torch.empty(B, T, Hk, hd, dtype=k.dtype, device=k.device) if k_out is None else k_out
+    v_out = torch.empty(B, T, Hk, hd, dtype=v.dtype, device=v.device) if v_out is None else v_out
+    for name, t in (("k_out", k_out), ("v_out", v_out)):  # written in place: they must have the row layout
+        if _rows(t)[0] is not t:
+            raise SiclError(f"triton qk_rope: {name} must have contiguous heads and rows, got strides {t.stride()}")
+    sko, svo = k_out.stride(1), v_out.stride(1)
+    cos2, sin2 = cos.reshape(-1, hd), sin.reshape(-1, hd)
+    w = q_norm if q_norm is not None else cos2
+    _qk_rope_kernel[(B * T, H + Hk)](
+        q, k, v, k_out, v_out, cos2, sin2, w, k_norm if k_norm is not None else w, sq, sk, sv, sko, svo,
+        cos2.stride(0), T, H, hd, float(eps), HAS_NORM=q_norm is not None, GEMMA=bool(gemma),
+        BLOCK=next_pow2(hd), **EXACT)
+    return q, k_out, v_out  # q: the input itself, or its rotated contiguous copy when it had another layout

@@ -1,0 +1,71 @@
+"""The decoder's elementwise work, as plain torch: the reference of the fused kernels (kernels/rms_norm.py,
+rope.py, gated.py, softcap.py) and what TorchOps runs. Out of place and differentiable. Numerics follow
+transformers 5.17 step by step: norm statistics in float32, every other intermediate rounded to the model dtype
+where transformers rounds it.
+
+    rms_norm(x [..., d], w [d], eps, gemma) -> [..., d] in x's dtype
+        gemma: (x / rms(x)) * w in float32 (w = 1 + weight, float32), then the model dtype;
+        else:  w * (x / rms(x) in the model dtype)
+    residual_norm(x [..., d], y [..., d], post_w, w, eps, gemma) -> (x + y', rms_norm(x + y', w))
+        y' = rms_norm(y, post_w) (Gemma's post-attention / post-MLP norms) or y; the sum in the model dtype
+    rope(x [B, T, heads, hd], cos, sin [T, 1, hd]) -> x cos + rotate_half(x) sin
+    qk_rope(q [B, T, H, hd], k [B, T, Hk, hd], cos, sin, q_norm, k_norm, eps, gemma) -> (q', k')
+        q' = rope(rms_norm(q, q_norm)) (Qwen3 / Gemma 3 per-head norms; no norm when q_norm is None)
+    gated(gate [..., I], up [..., I], act_name) -> act(gate) * up          (SwiGLU / GeGLU)
+    softcap(x, cap) -> cap * tanh(x / cap)                                  (Gemma 2 logit soft-caps)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:  # (x * (1 + w)) in float32, then the model dtype
+        return (xf * w).type_as(x)
+    return w * xf.to(x.dtype)  # Llama / Qwen: cast, then multiply
+
+
+def residual_norm(x: torch.Tensor, y: torch.Tensor, post_w: torch.Tensor | None, w: torch.Tensor, eps: float,
+                  gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if post_w is not None:
+        y = rms_norm(y, post_w, eps, gemma)
+    x = x + y
+    return x, rms_norm(x, w, eps, gemma)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+            k_norm: torch.Tensor | None, eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps, gemma), rms_norm(k, k_norm, eps, gemma)
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, act_name: str) -> torch.Tensor:
+    return ACTIVATIONS[act_name](gate) * up
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+__all__ = ["ACTIVATIONS", "rms_norm", "residual_norm", "rotate_half", "rope", "qk_rope", "gated", "softcap"]

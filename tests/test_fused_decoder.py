@@ -1,0 +1,87 @@
+"""The fused decoder (impl 'triton': kernels/rms_norm, rope, gated, softcap, attention, advance; under Triton's
+interpreter on the CPU) against the unfused one (impl 'torch', the reference) on the tiny models of all four
+families and on SmolLM2, and its launch budget.
+
+Tolerances: float32, the proxy f of every batch row to rtol 1e-5 (the issue's bar) and the span log-probs to
+1e-4 absolute; bf16 models, f to 2e-2 absolute (bf16 activations through three layers, with the interpreter's
+truncating bf16 casts; see tests/test_ops.py).
+"""
+import pytest
+import torch
+
+from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.backends import make_backend
+from sicl_fast.profile import kernels_per_step
+from sicl_fast.static import StaticStep
+from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, models  # noqa: F401 (fixture)
+from test_ops import device_of, why_unavailable
+
+CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0, projection_scope="demos")
+BUDGET_PER_LAYER, BUDGET_REST = 14, 40
+
+
+@pytest.fixture(autouse=True)
+def need_triton_on_the_cpu():
+    if why_unavailable("triton") or device_of("triton") != "cpu":
+        pytest.skip(why_unavailable("triton") or "the tiny models live on the CPU")
+
+
+def step_of(be, prompt, cfg=CFG):
+    return StaticStep(be, Calibrator(be, cfg).config, prompt, be.embed(prompt))
+
+
+def batch_f(be, prompt):
+    """f [B] and the span log-probs of one perturbation batch (the static step's first evaluation)."""
+    st = step_of(be, prompt)
+    st.perturb()
+    m = be.model
+    x = st.batch[:, :prompt.demo_end].to(m.dtype)
+    lp = be.span_forward(x, st.span, st._prefix(), near_row0=True)
+    return st.ops.proxy_planned(lp, st.plan).f, lp
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("a", [0, 6])
+def test_fused_decoder_equals_unfused_float32(models, family, a):
+    lm, p = models[family], make_prompt(a, seed=a + 2)
+    fused = make_backend("fast-fp32", lm, impl="triton")
+    assert fused.model.attention.impl == "triton"
+    f, lp = batch_f(fused, p)
+    f_ref, lp_ref = batch_f(make_backend("fast-fp32", lm, impl="torch"), p)
+    torch.testing.assert_close(lp, lp_ref, rtol=0, atol=1e-4)
+    torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_fused_decoder_equals_unfused_bf16(family):
+    lm, p = build(family, torch.bfloat16), make_prompt(6, seed=3)
+    f, _ = batch_f(make_backend("fast", lm, impl="triton"), p)
+    f_ref, _ = batch_f(make_backend("fast", lm, impl="torch"), p)
+    assert torch.isfinite(f).all()
+    torch.testing.assert_close(f, f_ref, rtol=0, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_fused_decoder_equals_unfused_on_smollm2(smol):
+    from sicl_fast.benchmark import synthetic_prompt
+
+    p = synthetic_prompt(smol, 40, seed=1, prefix=8)
+    assert p.demo_start > 0  # the prefix path
+    cfg = dict(diff_matmul="off")
+    f, _ = batch_f(make_backend("fast", smol, impl="triton", **cfg), p)
+    f_ref, _ = batch_f(make_backend("fast", smol, impl="torch", **cfg), p)
+    torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
+def test_launch_budget(models, family):
+    """At most 14 kernels per decoder layer plus 40 for the rest, difference products off, the prefix fixed
+    (projection_scope 'demos'); with the prefix recomputed every step its forward is one more batch-1 pass."""
+    be = make_backend("fast", models[family], impl="triton", diff_matmul="off")
+    st = step_of(be, make_prompt(6))
+    st()
+    n = kernels_per_step(st)
+    assert n.n_layers == 3 and 0 < n.per_layer <= BUDGET_PER_LAYER and 0 < n.rest <= BUDGET_REST, n
+    unfused = kernels_per_step(step_of(make_backend("fast", models[family], impl="torch", diff_matmul="off"),
+                                       make_prompt(6)))
+    assert unfused.per_layer > 2 * n.per_layer  # the count can tell fused from unfused

@@ -103,8 +103,9 @@ def _prefix_attention_kernel(
 
 
 def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: float,
-                     softcap: float | None) -> torch.Tensor:
-    """o [B, T, H, hd] (module docstring). One launch."""
+                     softcap: float | None, block: int | None = None) -> torch.Tensor:
+    """o [B, T, H, hd] (module docstring). One launch. block: the query and key tile (default 64; the tests
+    use 16 to cover the multi-block paths)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if prefix is not None:
         prefix = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in prefix)
@@ -114,7 +115,7 @@ def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: floa
     kp, vp = prefix if prefix is not None else (k, v)
     a = kp.shape[1] if prefix is not None else 0
     interp = interpreting()
-    BM = BN = 16 if interp else 64
+    BM = BN = block or 64
     _prefix_attention_kernel[(triton.cdiv(T, BM), B * H)](
         q, k, v, kp, vp, o,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

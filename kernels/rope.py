@@ -5,8 +5,9 @@ reads them: q in place, k and v into the given buffers (the per-layer K/V buffer
             q_norm [hd] or None, k_norm, eps, gemma, k_out=None, v_out=None) -> (q, k_out, v_out)
 
 q, k, v: the same float dtype; the last two dimensions contiguous (views of one fused product are fine); q is
-overwritten. k_out / v_out: [B, T, Hk, hd] (fresh contiguous tensors when None). One launch: program (row,
-head) rotates one head of q or k; the k programs also copy v. Every intermediate is rounded to the model dtype
+overwritten. k_out / v_out: [B, T, Hk, hd] (fresh contiguous tensors when None). One launch: a program rotates
+all the q and k heads of its (b, t) rows as [rows, heads, hd] tiles (one row on a GPU, 64 under the
+interpreter, which pays per program) and copies their v. Every intermediate is rounded to the model dtype
 where the reference (sicl_fast.models.elementwise.qk_rope) rounds it; no FMA contraction, so float32 results are
 the reference's but for the norm's reduction order.
 """
@@ -18,23 +19,26 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 
-from ._utils import EXACT, next_pow2
+from ._utils import EXACT, interpreting, next_pow2
 
 
 @triton.jit
-def _rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, hd, eps,
-               HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_heads(src, dst, rows, rmask, stride_src, stride_dst, n_heads, w_ptr, cs_off, cos_ptr, sin_ptr, hd, eps,
+                HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate the n_heads heads (head h at + h * hd) of the rows `rows` [R, 1, 1] (row r at src + r * stride_src)
+    into dst: an [R, BLOCK_H, BLOCK_D] tile; cs_off [R, 1, 1]: each row's offset into the cos / sin tables."""
     DT = src.dtype.element_ty
-    i = tl.arange(0, BLOCK)
-    m = i < hd
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    m = rmask & (h < n_heads) & (i < hd)
     half = hd // 2
     j = tl.where(i < half, i + half, i - half)  # rotate_half's source of element i
-    x = tl.load(src + i, mask=m, other=0.0).to(tl.float32)
-    xr = tl.load(src + j, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(src + rows * stride_src + h * hd + i, mask=m, other=0.0).to(tl.float32)
+    xr = tl.load(src + rows * stride_src + h * hd + j, mask=m, other=0.0).to(tl.float32)
     if HAS_NORM:
-        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / hd + eps)  # one statistic for both loads
-        wi = tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
-        wj = tl.load(w_ptr + j, mask=m, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
+        wi = tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
+        wj = tl.load(w_ptr + j, mask=i < hd, other=0.0).to(tl.float32)
         if GEMMA:
             x = (x * r * wi).to(DT).to(tl.float32)
             xr = (xr * r * wj).to(DT).to(tl.float32)
@@ -42,31 +46,31 @@ def _rope_head(src, dst, w_ptr, cos_ptr, sin_ptr, hd, eps,
             x = (wi * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
             xr = (wj * (xr * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     xr = tl.where(i < half, -xr, xr)
-    c = tl.load(cos_ptr + i, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + i, mask=m, other=0.0).to(tl.float32)
+    cm = rmask & (i < hd)
+    c = tl.load(cos_ptr + cs_off + i, mask=cm, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs_off + i, mask=cm, other=0.0).to(tl.float32)
     out = (x * c).to(DT).to(tl.float32) + (xr * s).to(DT).to(tl.float32)
-    tl.store(dst + i, out.to(DT), mask=m)
+    tl.store(dst + rows * stride_dst + h * hd + i, out.to(DT), mask=m)
 
 
 @triton.jit
 def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, k_out_ptr, v_out_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                    stride_q, stride_k, stride_v, stride_ko, stride_vo, stride_cs, T, H, hd, eps,
-                    HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # b * T + t
-    head = tl.program_id(1)
-    t = row % T
-    cos_row = cos_ptr + t * stride_cs
-    sin_row = sin_ptr + t * stride_cs
-    if head < H:
-        p = q_ptr + row * stride_q + head * hd
-        _rope_head(p, p, qn_ptr, cos_row, sin_row, hd, eps, HAS_NORM, GEMMA, BLOCK)
-    else:
-        kh = head - H
-        _rope_head(k_ptr + row * stride_k + kh * hd, k_out_ptr + row * stride_ko + kh * hd, kn_ptr, cos_row,
-                   sin_row, hd, eps, HAS_NORM, GEMMA, BLOCK)
-        i = tl.arange(0, BLOCK)
-        vv = tl.load(v_ptr + row * stride_v + kh * hd + i, mask=i < hd)
-        tl.store(v_out_ptr + row * stride_vo + kh * hd + i, vv, mask=i < hd)
+                    stride_q, stride_k, stride_v, stride_ko, stride_vo, stride_cs, n_rows, T, H, Hk, hd, eps,
+                    HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # BLOCK_R (b, t) rows per program, every q and k head of each; the k part also copies v
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None, None]
+    rmask = rows < n_rows
+    cs_off = (rows % T) * stride_cs
+    _rope_heads(q_ptr, q_ptr, rows, rmask, stride_q, stride_q, H, qn_ptr, cs_off, cos_ptr, sin_ptr, hd, eps,
+                HAS_NORM, GEMMA, BLOCK_H, BLOCK_D)
+    _rope_heads(k_ptr, k_out_ptr, rows, rmask, stride_k, stride_ko, Hk, kn_ptr, cs_off, cos_ptr, sin_ptr, hd, eps,
+                HAS_NORM, GEMMA, BLOCK_HK, BLOCK_D)
+    h = tl.arange(0, BLOCK_HK)[None, :, None]
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    m = rmask & (h < Hk) & (i < hd)
+    tl.store(v_out_ptr + rows * stride_vo + h * hd + i, tl.load(v_ptr + rows * stride_v + h * hd + i, mask=m),
+             mask=m)
 
 
 def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -92,8 +96,9 @@ def qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=No
     sko, svo = k_out.stride(1), v_out.stride(1)
     cos2, sin2 = cos.reshape(-1, hd), sin.reshape(-1, hd)
     w = q_norm if q_norm is not None else cos2
-    _qk_rope_kernel[(B * T, H + Hk)](
+    R = 64 if interpreting() else 1  # the interpreter pays per program: many rows each
+    _qk_rope_kernel[(triton.cdiv(B * T, R),)](
         q, k, v, k_out, v_out, cos2, sin2, w, k_norm if k_norm is not None else w, sq, sk, sv, sko, svo,
-        cos2.stride(0), T, H, hd, float(eps), HAS_NORM=q_norm is not None, GEMMA=bool(gemma),
-        BLOCK=next_pow2(hd), **EXACT)
+        cos2.stride(0), B * T, T, H, Hk, hd, float(eps), HAS_NORM=q_norm is not None, GEMMA=bool(gemma),
+        BLOCK_R=R, BLOCK_H=next_pow2(H), BLOCK_HK=next_pow2(Hk), BLOCK_D=next_pow2(hd), **EXACT)
     return q, k_out, v_out  # q: the input itself, or its rotated contiguous copy when it had another layout

@@ -26,9 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from .benchmark import PeakMemory, native_stderr_silenced
+from .kernel_count import count_kernels, cuda_kernel_events
 from .static import StaticStep
 
 PHASES = ("perturb", "prefix", "decoder layers", "span head", "proxy", "update", "host overhead")
@@ -66,84 +65,6 @@ def nvtx(name: str, device):
             torch.cuda.nvtx.range_pop()
 
 
-# ops that launch no kernel: allocations from the caching allocator, and aliases the dispatcher does not flag
-NO_KERNEL = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
-                       "aten.new_empty.default", "aten.new_empty_strided.default", "aten._unsafe_view.default",
-                       "aten.detach.default", "aten.alias.default", "aten.lift_fresh.default"})
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the dispatched torch operations that launch a kernel: not views, not allocations (NO_KERNEL); a
-    CPU-side count of what a GPU would launch. Ops a compiled call makes inside itself (the Triton
-    interpreter's own tensor traffic) are not counted: the call is one launch, counted by
-    count_compiled_calls. names: the count per op, for finding what to fuse."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.names: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not getattr(func, "is_view", False) and not _inside[0] and str(func) not in NO_KERNEL:
-            self.count += 1
-            self.names[str(func)] = self.names.get(str(func), 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-_inside = [0]  # > 0 while a counted compiled call runs
-
-
-def _counted(fn, counter: list):
-    def call(*a, **k):
-        counter[0] += 1
-        _inside[0] += 1
-        try:
-            return fn(*a, **k)
-        finally:
-            _inside[0] -= 1
-    return call
-
-
-@contextlib.contextmanager
-def count_compiled_calls(counter: list):
-    """Counts Triton launches and C++ extension calls (they bypass torch's dispatcher) into counter[0]."""
-    from .ops import cpp_ops
-
-    patches = []  # (object, attribute, original value)
-    ext = cpp_ops._C
-    if ext is not None:
-        class Counted:
-            def __getattr__(self, name):
-                return _counted(getattr(ext, name), counter)
-        patches.append((cpp_ops, "_C", ext))
-        cpp_ops._C = Counted()
-    try:  # a kernel launch is kernel[grid](...): count the calls of what __getitem__ returns
-        import triton.runtime.interpreter as interpreter
-        import triton.runtime.jit as jit
-
-        for cls in (jit.KernelInterface, getattr(interpreter, "InterpretedFunction", None)):
-            if cls is not None and "__getitem__" in vars(cls):
-                orig = vars(cls)["__getitem__"]
-                patches.append((cls, "__getitem__", orig))
-                setattr(cls, "__getitem__", lambda self, grid, _o=orig: _counted(_o(self, grid), counter))
-    except ImportError:
-        pass
-    try:
-        yield
-    finally:
-        for obj, name, value in reversed(patches):
-            setattr(obj, name, value)
-
-
-def count_kernels(fn) -> int:
-    """Kernels one fn() call launches, counted on any device: dispatched torch ops that launch one (OpCounter) +
-    Triton launches + C++ calls."""
-    compiled = [0]
-    with count_compiled_calls(compiled), OpCounter() as c:
-        fn()
-    return c.count + compiled[0]
-
-
 @dataclass(frozen=True)
 class KernelCount:
     """Kernels of one step: in all, in the decoder's forward over the batch (its layers), and per layer."""
@@ -151,6 +72,7 @@ class KernelCount:
     total: int
     layers: int
     n_layers: int
+    cuda_events: int | None = None  # on CUDA: the profiler's kernel events of one step
 
     @property
     def per_layer(self) -> float:
@@ -161,9 +83,10 @@ class KernelCount:
         return self.total - self.layers
 
     def line(self) -> str:
+        cuda = "" if self.cuda_events is None else f"; CUDA kernel events: {self.cuda_events}"
         return (f"kernels per step: {self.total} ({self.per_layer:.1f} per decoder layer x {self.n_layers} layers "
                 f"+ {self.rest} for the rest; dispatched torch ops that launch a kernel + Triton launches + C++ "
-                "calls)")
+                f"calls{cuda})")
 
 
 def kernels_per_step(st: StaticStep) -> KernelCount:
@@ -174,7 +97,8 @@ def kernels_per_step(st: StaticStep) -> KernelCount:
     a, x, prefix = p.demo_start, st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
     layers = count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None
                            else m.forward(x, near_row0=True))
-    return KernelCount(total=total, layers=layers, n_layers=len(m.layers))
+    events = cuda_kernel_events(st) if torch.device(st.backend.device).type == "cuda" else None
+    return KernelCount(total=total, layers=layers, n_layers=len(m.layers), cuda_events=events)
 
 
 def step_flops(st: StaticStep) -> dict[str, float]:

@@ -6,6 +6,8 @@ Tolerances: float32, the proxy f of every batch row to rtol 1e-5 (the issue's ba
 1e-4 absolute; bf16 models, f to 2e-2 absolute (bf16 activations through three layers, with the interpreter's
 truncating bf16 casts; see tests/test_ops.py).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -30,9 +32,9 @@ def step_of(be, prompt, cfg=CFG):
     return StaticStep(be, Calibrator(be, cfg).config, prompt, be.embed(prompt))
 
 
-def batch_f(be, prompt):
+def batch_f(be, prompt, cfg=CFG):
     """f [B] and the span log-probs of one perturbation batch (the static step's first evaluation)."""
-    st = step_of(be, prompt)
+    st = step_of(be, prompt, cfg)
     st.perturb()
     m = be.model
     x = st.batch[:, :prompt.demo_end].to(m.dtype)
@@ -65,15 +67,15 @@ def test_fused_decoder_equals_unfused_bf16(family):
 def test_fused_decoder_equals_unfused_on_smollm2(smol):
     from sicl_fast.benchmark import synthetic_prompt
 
-    p = synthetic_prompt(smol, 40, seed=1, prefix=8)
+    p = synthetic_prompt(smol, 36, seed=1, prefix=6)
     assert p.demo_start > 0  # the prefix path
-    cfg = dict(diff_matmul="off")
-    f, _ = batch_f(make_backend("fast", smol, impl="triton", **cfg), p)
-    f_ref, _ = batch_f(make_backend("fast", smol, impl="torch", **cfg), p)
+    cfg = dataclasses.replace(CFG, N=1)  # B = 2: the interpreter runs 30 layers of programs
+    f, _ = batch_f(make_backend("fast", smol, impl="triton", diff_matmul="off"), p, cfg)
+    f_ref, _ = batch_f(make_backend("fast", smol, impl="torch", diff_matmul="off"), p, cfg)
     torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_launch_budget(models, family):
     """At most 14 kernels per decoder layer plus 40 for the rest, difference products off, the prefix fixed
     (projection_scope 'demos'); with the prefix recomputed every step its forward is one more batch-1 pass."""

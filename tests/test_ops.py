@@ -496,3 +496,7 @@ def test_triton_attention_matches_the_math_path(dtype, case):
     got = att(to(q), to(k), to(v), a, window, (to(kp), to(vp)) if a else None)
     assert got.dtype == dtype
     close(got, ref, TOL["attention"][dtype])
+    from sicl_fast.kernels import prefix_attention  # small tiles: several query and key blocks, window bounds
+
+    got = prefix_attention(to(q), to(k), to(v), (to(kp), to(vp)) if a else None, a, window, 0.3, cap, block=16)
+    close(got, ref, TOL["attention"][dtype])

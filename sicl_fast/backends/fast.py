@@ -4,8 +4,9 @@ Per ascent step the batch is [X, X + mu U_1, ..., X + mu U_N] over rows [0, b); 
 demonstration-free prefix) are the same in every batch row and usually from step to step. So:
 
     prefix rows [0, a):  run once, batch 1, keep every layer's K/V  (reused while the rows are unchanged)
-    rows [a, b):         run per batch row; attention = (prefix keys, shared) + (own keys, causal),
-                         merged by log-sum-exp; the prefix K/V is never copied per row
+    rows [a, b):         run per batch row; attention = (prefix keys, shared) + (own keys, causal): one
+                         Triton launch with impl 'triton', else two parts merged by log-sum-exp; the prefix
+                         K/V is never copied per row
     span positions:      hidden states at positions - 1 only go through the LM head (ops.span_head)
     near_row0 batches:   with a float32 model and diff_matmul on, every projection multiplies row 0 in float32
                          and the other rows' differences from it in bf16 (sicl_fast.models.diff)

@@ -4,14 +4,19 @@ Weights are the loaded transformers model's own tensors (no copies); numerics fo
 files step by step (same dtype casts, same norm forms, rope tables computed in float32 and cast to the model dtype).
 
     x [B, T, d] (what the input-embedding module returns; rows at positions pos0 .. pos0+T-1)
-      -> per layer: norm -> q, k, v -> (q/k norm) -> rope -> attention (causal, sliding window, soft-cap)
-                    -> o_proj -> (post-norm) -> residual -> norm -> gated MLP -> (post-norm) -> residual
-      -> final norm -> hidden [B, T, d]
+      -> norm -> per layer: q, k, v products -> rotary (q / k norms) writing K / V in place -> attention
+                            -> o product -> residual + norm -> gated MLP -> residual + next layer's norm
+      -> hidden [B, T, d] (the last layer's residual add is fused with the final norm)
 
-Attention (sicl_fast.models.attention) reads the demonstration-free prefix's K/V once for every batch row; the
-products of each layer are a swappable object (sicl_fast.models.projections): plain, or the difference products
-of a perturbation batch (`forward(near_row0=True)` on a float32 model with `diff_matmul` on: row 0 in float32,
-the other rows' differences in bf16; norms, rotary, attention and the activations stay float32 on every row).
+The elementwise work goes through the model's Ops object (sicl_fast.ops): TorchOps runs the reference
+(sicl_fast.models.elementwise), TritonOps the fused kernels, so a layer is 12 launches with impl 'triton' (3 + 1 + 3
+products, rotary, attention, two residual norms, the gated activation; tests/test_fused_decoder.py holds the
+budget). Attention (sicl_fast.models.attention) reads the demonstration-free prefix's K/V from its PrefixKV for
+every batch row without copying it (the Triton kernel in the same launch as the rows' own keys); the rows' K/V go
+to per-layer buffers allocated once per batch shape (rows_kv). The products of each layer are a swappable object
+(sicl_fast.models.projections): plain, or the difference products of a perturbation batch
+(`forward(near_row0=True)` on a float32 model with `diff_matmul` on: row 0 in float32, the other rows'
+differences in bf16; norms, rotary, attention and the activations stay float32 on every row).
 """
 from __future__ import annotations
 
@@ -355,9 +360,10 @@ class Transformer:
             x = x * self.embed_mult
         use_diff = near_row0 and self.diff_dtype is not None and x.shape[0] > 1 and cache is None
         projs = self.diff_projections() if use_diff else self.dense
-        # the rows' K/V go to the preallocated buffers, unless they are kept (collect) or autograd records
-        bufs = (self.rows_kv(*x.shape[:2]) if cache is None and not collect and not torch.is_grad_enabled()
-                else None)
+        # the rows' K/V go to the preallocated buffers where the rotary op writes them as it goes, unless they
+        # are kept (collect) or autograd records
+        bufs = (self.rows_kv(*x.shape[:2]) if self.ops.kv_in_place and cache is None and not collect
+                and not torch.is_grad_enabled() else None)
         kvs = []
         n = len(self.layers)
         _, h = self.residual_norm(x, None, None, self.layers[0].attn_norm)

@@ -46,6 +46,7 @@ from ..spec import StepSpec
 
 class Ops(Protocol):
     name: str  # "torch", "cpp" or "triton": what CalibrationResult and benchmark records report
+    kv_in_place: bool  # qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None) -> torch.Tensor: ...
 

@@ -22,6 +22,7 @@ class TorchOps:
     """The reference ops (module docstring). CppOps and TritonOps subclass it for the ops they lack."""
 
     name = "torch"
+    kv_in_place = False  # qk_rope's k_out / v_out cost a copy here: the decoder passes none
 
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
         spec.check_X(X, "X", f"{self.name} perturb")

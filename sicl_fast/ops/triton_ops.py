@@ -32,6 +32,7 @@ class TritonOps(TorchOps):
     """The Ops protocol on the Triton kernels (module docstring). device: where the tensors will live."""
 
     name = "triton"
+    kv_in_place = True  # qk_rope writes K / V straight into the decoder's buffers
 
     def __init__(self, device="cuda") -> None:
         self.K = load_kernels()

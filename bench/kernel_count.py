@@ -1,0 +1,89 @@
+"""Kernels per ascent step of the fast backend, this checkout against another (an older commit), counted by the
+same rules on both sides: this checkout's sicl_fast/kernel_count.py, loaded by its path into each side's process.
+
+    git worktree add /tmp/old ccb8e43
+    python bench/kernel_count.py --other /tmp/old --length 64 --impl triton torch
+
+Each side runs in its own interpreter with its checkout first on sys.path (the editable install hidden, its
+kernels/ folder mapped to sicl_fast.kernels as the install does), TRITON_INTERPRET=1 (Triton's CPU interpreter:
+the count is the same as on a GPU), loads the embedded SmolLM2-135M in float32, builds the fast backend with
+difference products off and the given impl, and counts one static step (N = 8, the prefix fixed:
+projection_scope 'demos') in all and in the decoder's forward over the batch. Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+WORKER = r"""
+import importlib.util, json, os, sys
+root, counter_file = sys.argv[1], sys.argv[2]
+os.environ["TRITON_INTERPRET"] = "1"
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
+                    and "editable" not in getattr(f, "__name__", "").lower()]
+sys.path.insert(0, root)
+import torch
+import sicl_fast
+assert sicl_fast.__file__.startswith(root), sicl_fast.__file__
+spec = importlib.util.spec_from_file_location("sicl_fast.kernels", os.path.join(root, "kernels", "__init__.py"),
+                                              submodule_search_locations=[os.path.join(root, "kernels")])
+kernels = importlib.util.module_from_spec(spec)
+sys.modules["sicl_fast.kernels"] = kernels
+spec.loader.exec_module(kernels)
+spec = importlib.util.spec_from_file_location("kernel_count_rules", counter_file)
+rules = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rules)
+from sicl_fast import CalibrationConfig
+from sicl_fast.ascent import Calibrator
+from sicl_fast.backends import make_backend
+from sicl_fast.benchmark import synthetic_prompt
+from sicl_fast.models import load
+from sicl_fast.static import StaticStep
+lm = load()
+be = make_backend("fast", lm, impl=sys.argv[3], diff_matmul=sys.argv[6])
+p = synthetic_prompt(lm, int(sys.argv[4]), prefix=8)
+cal = Calibrator(be, CalibrationConfig(N=int(sys.argv[5]), tau=0.0, projection_scope="demos"))
+st = StaticStep(be, cal.config, p, cal.initial_embeddings(p))
+st()
+total = rules.count_kernels(st)
+m, a = be.model, p.demo_start
+x, prefix = st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
+with torch.no_grad():
+    layers = rules.count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True))
+print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "L": p.length, "a": a}))
+"""
+
+
+def count(root: Path, impl: str, length: int, N: int, diff: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(HERE / "sicl_fast" / "kernel_count.py"),
+                          impl, str(length), str(N), diff], capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"{root} ({impl}): {out.stderr.strip().splitlines()[-3:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--other", type=Path, required=True, help="the other checkout (before)")
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--N", type=int, default=8)
+    ap.add_argument("--impl", nargs="+", default=["triton", "torch"])
+    ap.add_argument("--diff-matmul", default="off")
+    args = ap.parse_args(argv)
+    print("| checkout | impl | kernels per step | per decoder layer | rest | L (prefix) |")
+    print("|---|---|---|---|---|---|")
+    for impl in args.impl:
+        for name, root in (("before", args.other.resolve()), ("after", HERE)):
+            r = count(root, impl, args.length, args.N, args.diff_matmul)
+            print(f"| {name} ({root.name}) | {impl} | {r['total']} | {r['layers'] / r['n_layers']:.1f} | "
+                  f"{r['total'] - r['layers']} | {r['L']} ({r['a']}) |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

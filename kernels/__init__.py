@@ -19,6 +19,7 @@ The decoder's fused kernels (references in sicl_fast.models.elementwise and sicl
     gated(gate, up, act_name) -> act(gate) * up                                    SwiGLU / GeGLU
     softcap_(x, cap)                                                               logit soft-cap in place
     prefix_attention(q, k, v, prefix, pos0, window, scale, softcap) -> o           shared-prefix attention
+    diff_rows, add_rows, gated_diff                      the difference products' epilogues (models/diff.py)
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -31,10 +32,11 @@ from .span_logprobs import span_logprobs
 from .zo_update import zo_update
 from .advance import advance
 from .attention import prefix_attention
+from .diff_epilogues import add_rows, diff_rows, gated_diff
 from .gated import gated
 from .rms_norm import residual_norm
 from .rope import qk_rope
 from .softcap import softcap_
 
 __all__ = ["span_logprobs", "proxy", "proxy_planned", "perturb", "zo_update", "track_best", "BestState", "randn", "interpreting",
-           "advance", "residual_norm", "qk_rope", "gated", "softcap_", "prefix_attention"]
+           "advance", "diff_rows", "add_rows", "gated_diff", "residual_norm", "qk_rope", "gated", "softcap_", "prefix_attention"]

@@ -9,3 +9,13 @@ def tanh(x):
     e = tl.exp(-2.0 * tl.abs(x))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def to_bf16(x):
+    """float32 -> bfloat16, rounded to nearest even by integer arithmetic: the same bits on a GPU and in Triton's
+    CPU interpreter (whose own cast truncates). NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    r = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, x.to(tl.bfloat16), r)

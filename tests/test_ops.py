@@ -3,12 +3,14 @@ functions, on odd shapes. An implementation that is not available here skips and
 built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
 
 Tolerances, stated once (TOL below), and why:
-  perturb, randn, diff_rows, add_rows: bit-identical (the same Philox bits, the same float32 op sequence).
+  perturb, randn, diff_rows, add_rows: bit-identical (the same Philox bits, the same float32 op sequence, bf16
+      rounded to nearest even: Triton by integer arithmetic, since its CPU interpreter's own cast truncates).
   update: rtol 1e-5 / atol 1e-6 on X_new (the gradient's sum over directions and the row norms are reduced in
       another order than torch's einsum / norm); the projection decision must agree.
   proxy (float32 log-probs): rtol 1e-5 / atol 1e-7 (sums and the quantile's sort in another order).
   span_head (float32): rtol 1e-5 / atol 1e-5 (online log-sum-exp over vocabulary chunks vs whole rows).
-  gated_diff: a0 to 2e-6 relative + 1e-6 absolute (the C++ exp is ~1 ulp from torch's); the bf16 differences to
+  gated_diff: a0 to 2e-6 relative + 1e-6 + 4 float32 ulps of max |g u| absolute (the C++ exp is ~1 ulp from
+      torch's; Triton's GELU-tanh builds tanh from exp, and 1 + tanh cancels to an ulp of 1); the bf16 differences to
       1 bf16 ulp of the reference's + 4 float32 ulps of |g u| + 1e-6 (a_i - a_0 inherits the values' rounding).
   track_best, advance: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
       another order, which can only matter within an ulp of the threshold: the scripted SNRs are far from it).
@@ -290,9 +292,10 @@ def test_gated_diff_matches_reference(ops, dev, act_name, act, R, T, I):
     a0, da = ops.gated_diff(y0.to(dev), yd.to(dev), act, act_name)
     r0, rd = diff.gated_diff_reference(y0, yd, act)
     assert a0.shape == (1, T, I) and da.shape == (R, T, I) and da.dtype == torch.bfloat16
-    torch.testing.assert_close(a0.cpu(), r0, **TOL["gated_a0"])
-    err = (da.cpu().float() - rd.float()).abs()
     g0, u0 = y0.chunk(2, dim=-1)
+    torch.testing.assert_close(a0.cpu(), r0, rtol=TOL["gated_a0"]["rtol"],
+                               atol=TOL["gated_a0"]["atol"] + float((4 * 2 ** -23 * (g0 * u0).abs()).max()))
+    err = (da.cpu().float() - rd.float()).abs()
     bound = rd.float().abs() * 2 ** -7 + 4 * 2 ** -23 * (g0 * u0).abs() + 1e-6
     assert bool((err <= bound).all()), float((err - bound).max())
 

@@ -7,8 +7,8 @@ passed down; nothing below it decides again or reads the environment. Implementa
     CppOps     (sicl_fast.ops.cpp_ops)      the C++ extension sicl_fast._C: float32 CPU tensors
     TritonOps  (sicl_fast.ops.triton_ops)   the Triton kernels sicl_fast.kernels: CUDA (or the CPU interpreter)
 
-An implementation without its own form of an op inherits the reference's (CppOps' span head, TritonOps'
-difference epilogues). Shapes and dtypes:
+An implementation without its own form of an op inherits the reference's (CppOps' span head and the decoder's
+elementwise work). Shapes and dtypes:
 
     perturb(X [L, d] f32, step, spec, out=None) -> batch [B, b, d] f32
     update(X, X0 [L, d] f32, f [B], step, spec, out=None) -> (X_new [L, d] f32, fired int32 [1] on X's device)

@@ -1,7 +1,7 @@
 """TritonOps: the Ops protocol on the Triton kernels (`sicl_fast.kernels`): perturb, update, proxy, span head and
-best tracking with the noise regenerated in the kernels (bit-identical to sicl_fast.rng's), and the decoder's
-fused elementwise kernels (norm + residual, rotary, gated activation, soft-cap); the difference epilogues are the
-reference's (TorchOps). The fused attention kernel is chosen by the decoder's Attention (impl 'triton').
+best tracking with the noise regenerated in the kernels (bit-identical to sicl_fast.rng's), the decoder's fused
+elementwise kernels (norm + residual, rotary, gated activation, soft-cap) and the difference products'
+epilogues. The fused attention kernel is chosen by the decoder's Attention (impl 'triton').
 
 The kernels run on CUDA, or on the CPU through Triton's interpreter when TRITON_INTERPRET=1 was set before
 triton was first imported (slow: for tests). Nothing here synchronises with the host except the proxy's
@@ -56,6 +56,15 @@ class TritonOps(TorchOps):
 
     def track_best(self, f, X, state):
         return self.K.track_best(f, X, state)
+
+    def diff_rows(self, x):
+        return self.K.diff_rows(x)
+
+    def add_rows(self, y0, yd):
+        return self.K.add_rows(y0, yd)
+
+    def gated_diff(self, y0, yd, act, act_name: str):
+        return self.K.gated_diff(y0, yd, act_name)
 
     def advance(self, st, f, fired, cfg) -> None:
         self.K.advance(st, f, fired, cfg)

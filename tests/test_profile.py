@@ -60,3 +60,25 @@ def test_profile_command_on_smollm2(tmp_path, capsys):
     assert [ph["phase"] for ph in out["phases"]] == list(PHASES) and out["kernels"]["total"] > out["kernels"]["rest"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"decoder layers", "whole step"} <= names
+
+
+def test_kernel_count_rules():
+    """Views and allocations launch nothing; an elementwise op is one kernel; a Triton launch is one kernel,
+    whatever tensor traffic Triton's CPU interpreter makes inside it."""
+    import torch
+
+    from sicl_fast.kernel_count import count_kernels
+
+    x = torch.randn(4, 6)
+    assert count_kernels(lambda: (x.view(6, 4), x.t(), x[1:], torch.empty(3), torch.empty_like(x))) == 0
+    assert count_kernels(lambda: x + 1) == 1
+    assert count_kernels(lambda: (x * 2).sum()) == 2
+    from test_ops import device_of, why_unavailable
+
+    if why_unavailable("triton"):
+        pytest.skip(why_unavailable("triton"))
+    from sicl_fast.kernels import residual_norm
+
+    xd = x.to(device_of("triton"))
+    w = torch.ones(6, device=xd.device)
+    assert count_kernels(lambda: residual_norm(xd, None, None, w, 1e-6, False)) == 1

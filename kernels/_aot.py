@@ -5,6 +5,7 @@ not reproduce sicl_fast.rng bit for bit) and by `bench/gpu_kernels.py --compile-
 
     compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions)
     compile_ptx(name, arch=90) -> {"ptx": str, "shared": int}            (works under TRITON_INTERPRET=1 too)
+    compile_many(names, arch=90) -> {name: that dict}                    several, in one separate interpreter
     spec_mismatches() -> list of str: where SPECS disagrees with the kernels' own parameters (tested empty)
     float_ops(ptx) -> Counter of the float32 arithmetic instructions in a PTX listing
 
@@ -32,7 +33,7 @@ from sicl_fast.errors import SiclError
 
 from . import _utils
 
-_F, _D, _I = "*fp32", "*fp64", "*i32"
+_F, _D, _I, _H = "*fp32", "*fp64", "*i32", "*bf16"
 
 # name -> ((module, kernel), signature, constexprs, options)
 SPECS = {
@@ -79,6 +80,49 @@ SPECS = {
                   {"num_warps": 4}),
     "best_state": (("best", "_best_state_kernel"), {"f_ptr": _F, "best_f_ptr": _F, "counters_ptr": _I}, {},
                    {"num_warps": 1}),
+    # the decoder's fused kernels, at bf16 and Gemma-like settings (the most code: every branch on)
+    "residual_norm": (("rms_norm", "_residual_norm_kernel"),
+                      {"x_ptr": _H, "y_ptr": _H, "post_w_ptr": _F, "w_ptr": _F, "x_out_ptr": _H, "h_ptr": _H,
+                       "d": "i32", "eps": "fp32"},
+                      {"HAS_Y": True, "HAS_POST": True, "GEMMA": True, "BLOCK": 4096}, {"num_warps": 8}),
+    "qk_rope": (("rope", "_qk_rope_kernel"),
+                {"q_ptr": _H, "k_ptr": _H, "v_ptr": _H, "k_out_ptr": _H, "v_out_ptr": _H, "cos_ptr": _H,
+                 "sin_ptr": _H, "qn_ptr": _F, "kn_ptr": _F, "stride_q": "i32", "stride_k": "i32", "stride_v": "i32",
+                 "stride_ko": "i32", "stride_vo": "i32", "stride_cs": "i32", "n_rows": "i32", "T": "i32", "H": "i32",
+                 "Hk": "i32", "hd": "i32", "eps": "fp32"},
+                {"HAS_NORM": True, "GEMMA": True, "BLOCK_R": 1, "BLOCK_H": 8, "BLOCK_HK": 4, "BLOCK_D": 256},
+                {"num_warps": 4, "enable_fp_fusion": False}),
+    "gated": (("gated", "_gated_kernel"),
+              {"gate_ptr": _H, "up_ptr": _H, "out_ptr": _H, "n_cols": "i32", "stride_g": "i32", "stride_u": "i32"},
+              {"ACT": 1, "BLOCK": 1024}, {"num_warps": 4}),
+    "softcap": (("softcap", "_softcap_kernel"), {"x_ptr": _F, "n": "i32", "cap": "fp32"}, {"BLOCK": 1024},
+                {"num_warps": 4}),
+    "attention": (("attention", "_prefix_attention_kernel"),
+                  {**{p: _H for p in ("q_ptr", "k_ptr", "v_ptr", "kp_ptr", "vp_ptr", "o_ptr")},
+                   **{p: "i32" for p in ("sq_b", "sq_t", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h",
+                                         "skp_t", "skp_h", "svp_t", "svp_h", "so_b", "so_t", "so_h", "T", "a", "H",
+                                         "G", "hd", "pos0", "window")},
+                   "scale": "fp32", "cap": "fp32"},
+                  {"HAS_PREFIX": True, "HAS_SOFTCAP": True, "HAS_WINDOW": True, "UPCAST": False,
+                   "PRECISION": "ieee", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 256},
+                  {"num_warps": 4, "num_stages": 2}),
+    "advance_state": (("advance", "_advance_state_kernel"),
+                      {"f_ptr": _F, "params_ptr": _D, "s_ptr": "*i64", "steps_run_ptr": "*i64", "reason_ptr": "*i64",
+                       "low_snr_ptr": "*i64", "proj_ptr": "*i64", "hist_ptr": _F, "best_f_ptr": _F,
+                       "counters_ptr": _I, "fired_ptr": _I, "flags_ptr": _I, "N": "i32", "mu": "fp32",
+                       "patience": "i32", "max_steps": "i32"},
+                      {"CENTRAL": True, "HAS_SNR": True, "HAS_PATIENCE": True, "BLOCK_N": 64}, {"num_warps": 1}),
+    "advance_copy": (("advance", "_advance_copy_kernel"),
+                     {"flags_ptr": _I, "x_ptr": _F, "x_next_ptr": _F, "best_x_ptr": _F, "n": "i32"}, {"BLOCK": 2048},
+                     {"num_warps": 4}),
+    "diff_rows": (("diff_epilogues", "_diff_rows_kernel"), {"x_ptr": _F, "out_ptr": _H, "n": "i32", "row": "i32"},
+                  {"BLOCK": 1024}, {"num_warps": 4}),
+    "add_rows": (("diff_epilogues", "_add_rows_kernel"),
+                 {"y0_ptr": _F, "yd_ptr": _H, "out_ptr": _F, "n": "i32", "row": "i32"}, {"BLOCK": 1024},
+                 {"num_warps": 4}),
+    "gated_diff": (("diff_epilogues", "_gated_diff_kernel"),
+                   {"y0_ptr": _F, "yd_ptr": _H, "a0_ptr": _F, "da_ptr": _H, "n": "i32", "TI": "i32", "I": "i32"},
+                   {"ACT": 0, "BLOCK": 1024}, {"num_warps": 4}),
 }
 
 
@@ -119,6 +163,16 @@ def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, con
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
+def compile_many(names, arch: int = 90, cache_dir: str | None = None) -> dict:
+    """{name: compile_ptx's dict} for several kernels, compiled in one separate interpreter (one start-up)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", **({"TRITON_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
+    r = subprocess.run([sys.executable, "-m", __name__, ",".join(names), str(arch)], env=env, capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        raise SiclError(f"compiling {', '.join(names)} for sm_{arch} failed: {r.stderr.strip().splitlines()[-3:]}")
+    return json.loads(r.stdout)
+
+
 def compile_ptx(name: str, arch: int = 90, cache_dir: str | None = None) -> dict:
     """{"ptx": the PTX listing, "shared": shared memory bytes} of one kernel of SPECS for sm_<arch>. cache_dir:
     compile in a separate interpreter with this (empty) Triton cache, so the result depends on nothing an
@@ -138,5 +192,7 @@ def float_ops(ptx: str) -> Counter:
     return Counter(re.findall(r"\b(?:add|sub|mul|fma|div|sqrt|rsqrt|rcp|ex2|lg2)(?:\.[a-z0-9]+)*\.f32\b", ptx))
 
 
-if __name__ == "__main__":  # python -m sicl_fast.kernels._aot NAME ARCH: compile_ptx's separate interpreter
-    print(json.dumps(compile_ptx(sys.argv[1], int(sys.argv[2]))))
+if __name__ == "__main__":  # python -m sicl_fast.kernels._aot NAME[,NAME..] ARCH: the separate interpreter
+    names = sys.argv[1].split(",")
+    got = {n: compile_ptx(n, int(sys.argv[2])) for n in names}
+    print(json.dumps(got[names[0]] if len(names) == 1 else got))

@@ -127,3 +127,20 @@ def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
     bad = {k: v for k, v in ops.items() if k.startswith(("fma", "rcp", "rsqrt", "ex2", "lg2")) or "approx" in k
            or "full" in k or "ftz" in k}
     assert not bad, bad
+
+
+DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "advance_state", "advance_copy",
+                   "diff_rows", "add_rows", "gated_diff"]
+
+
+def test_decoder_kernels_compile_for_sm90(tmp_path):
+    """The fused decoder's kernels are tested in Triton's CPU interpreter, which accepts code the GPU compiler may
+    not: each must also compile to sm_90 PTX (bf16, every branch on), with no shared memory beyond the H100's
+    227 KiB per block."""
+    pytest.importorskip("triton.backends.nvidia")
+    from sicl_fast.kernels import _aot
+
+    got = _aot.compile_many(DECODER_KERNELS, cache_dir=str(tmp_path))
+    assert set(got) == set(DECODER_KERNELS)
+    for name, k in got.items():
+        assert ".entry" in k["ptx"] and k["shared"] <= 227 * 1024, name

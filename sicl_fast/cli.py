@@ -201,12 +201,19 @@ def _check_flags(args) -> None:
         require("ray")
 
 
+def _wants_grad(args) -> bool:
+    """Will this command run the exact-gradient ascent (--estimator grad, the icleval method sicl-grad, gradstudy)?
+    Then the engine is built for it (differentiable ops; sicl_fast.ops.make_ops)."""
+    return (getattr(args, "estimator", None) == "grad" or "sicl-grad" in (getattr(args, "method", None) or ())
+            or args.cmd == "gradstudy")
+
+
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
     return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
                 diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-                pack=getattr(args, "pack", 1))
+                pack=getattr(args, "pack", 1), grad=_wants_grad(args))
 
 
 def _engine(args, add_special_tokens=None):
@@ -335,7 +342,8 @@ def cmd_bench(args) -> int:
     for length in args.length:
         prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
         for name in args.backends:
-            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl)
+            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl,
+                                   grad=cfg.estimator == "grad")
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
             cal = ""
             if args.calibration_steps:

@@ -102,7 +102,8 @@ def check_step_memory(lm, prompt: Prompt, config) -> None:
         raise SiclError(
             f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (" + (
                 f"the exact gradient of {rows} tokens), more than the {free / GiB:.1f} GiB of memory free; "
-                "use checkpoint (--checkpoint)" if config.estimator == "grad" else
+                + ("shorten the prompt" if config.checkpoint else "use checkpoint (--checkpoint)")
+                if config.estimator == "grad" else
                 f"N={config.N}: {config.batch} rows of {rows} tokens), more than the {free / GiB:.1f} GiB of memory "
                 "free; lower N"))
 

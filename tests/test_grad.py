@@ -240,3 +240,44 @@ def test_cli_refuses_before_loading(tmp_path, capsys):
     assert main(["calibrate", str(reqs), "--out", out, "--estimator", "grad", "--impl", "cpp",
                  "--model", "no-such-model"]) == 2
     assert "impl 'cpp' is forward-only" in capsys.readouterr().err
+
+
+def test_memory_check_names_the_gradient(monkeypatch, llama):
+    """A grad step too big for memory is refused before any work, with what to do (checkpoint, then a shorter
+    prompt); the estimate counts every layer's activations without checkpoint, one layer's with it."""
+    import sicl_fast.checks as checks
+
+    p = _prompt()
+    full = checks.step_memory(llama, p, CalibrationConfig(estimator="grad"))
+    one = checks.step_memory(llama, p, CalibrationConfig(estimator="grad", checkpoint=True))
+    assert full > one > 0
+    monkeypatch.setattr(checks, "available_memory", lambda device: one)
+    be = make_backend("hf", llama, grad=True)
+    with pytest.raises(SiclError, match=r"the exact gradient of 14 tokens.*use checkpoint \(--checkpoint\)"):
+        Calibrator(be, CalibrationConfig(estimator="grad")).run(p)
+    assert Calibrator(be, CalibrationConfig(estimator="grad", checkpoint=True, max_steps=1)).run(p).steps == 1
+
+
+@pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning")  # excerpts: not the release sha256
+def test_icleval_sicl_grad_method(tiny_llama, tmp_path):
+    """run_methods with base, sicl and sicl-grad on an ICLEval excerpt: the sicl-grad record carries its config
+    (estimator grad, rows normalised, the sicl settings otherwise), and the report's proxy gain per second and
+    answers changed follow from the records."""
+    from conftest import ICLEVAL_EXCERPTS
+    from sicl_fast.evaluation.methods import run_methods
+    from sicl_fast.evaluation.report import proxy_analysis
+
+    eng = Engine(tiny_llama, add_special_tokens=True, grad=True)
+    cfg = eng.config(max_steps=2, N=2, tau=0.0)
+    recs = run_methods(eng, ICLEVAL_EXCERPTS, tmp_path / "r.jsonl", methods=["base", "sicl", "sicl-grad"], config=cfg,
+                       tasks=["classifier_order"], limit=1, progress=False)
+    by = {r["method"]: r for r in recs}
+    assert set(by) == {"base", "sicl", "sicl-grad"}
+    g = by["sicl-grad"]
+    assert g["method"] == "sicl-grad" and g["config"]["estimator"] == "grad"
+    assert g["config"]["grad_mode"] == "normalize" and g["config"]["eta"] == cfg.eta and g["steps"] == 2
+    assert by["sicl"]["config"]["estimator"] == "forward"
+    assert g["initial_proxy"] == pytest.approx(by["sicl"]["initial_proxy"], rel=1e-5)  # the same f(X0)
+    row = proxy_analysis([g])["tasks"][0]
+    assert row["proxy_gain_per_second"] == pytest.approx((g["best_proxy"] - g["initial_proxy"]) / g["seconds"])
+    assert row["answers_changed"] == int(g["answer_calibrated"] != g["answer_base"])

@@ -7,6 +7,9 @@
         stop when the counter reaches `patience`
         X <- X + eta * clip(g(f, U));  cosine projection onto cos(X, X0) >= kappa
 
+estimator "grad" replaces the batched forward and g(f, U) by one forward of X and one backward (the exact
+gradient, sicl_fast.grad); the gate, best X, patience, clip / normalise, eta and projection are the same.
+
 mu and eta are given in units of the model's embedding scale s = mean row norm / sqrt(d) (the paper scales its
 grids per model this way); `scale` overrides s (scale=1 gives absolute units).
 """
@@ -23,6 +26,7 @@ import torch
 
 from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
+from .grad import check_differentiable, proxy_gradient
 from .spans import Prompt
 from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice
 from .zo import cosine, snr
@@ -47,13 +51,14 @@ class CalibrationConfig:
     gamma: float = 0.1
     q: float = 0.1
     seed: int = 0
-    estimator: str = "forward"  # or "central" (pairs X +/- mu U)
+    estimator: str = "forward"  # or "central" (pairs X +/- mu U), or "grad" (the exact gradient; N, mu unused)
     grad_mode: str = "clip"  # or "normalize" (per-token unit norm)
     clip_norm: float = 1.0
     snr_threshold: float = 0.0  # > 0: skip the update when |mean|/std of the differences is below it
     projection_scope: str = "prompt"  # "prompt": the whole matrix, as the reference; "demos": rows [a, b) only
     perturb_query: bool = False  # ablation: perturb rows [a, L) (the query too) instead of [a, b)
     scale: float | None = None  # None: the model's embedding scale
+    checkpoint: bool = False  # estimator "grad": recompute each layer in the backward (memory of one layer)
 
     def __post_init__(self) -> None:
         for name in ("N", "patience", "max_steps", "seed"):
@@ -65,6 +70,9 @@ class CalibrationConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
                 raise SiclError(f"CalibrationConfig: {name} must be a number, got {v!r}")
+        for name in ("perturb_query", "checkpoint"):
+            if not isinstance(getattr(self, name), bool):
+                raise SiclError(f"CalibrationConfig: {name} must be true or false, got {getattr(self, name)!r}")
         for name in ("estimator", "grad_mode", "projection_scope"):
             if not isinstance(getattr(self, name), str):
                 raise SiclError(f"CalibrationConfig: {name} must be a string, got {getattr(self, name)!r}")
@@ -88,10 +96,16 @@ class CalibrationConfig:
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
                 raise SiclError(f"CalibrationConfig: {name} must be finite, got {v}")
+        check_choice(self.estimator, ESTIMATORS, "estimator", "CalibrationConfig")
+        checks += [
+            (not self.checkpoint or self.estimator == "grad",
+             "checkpoint applies to estimator 'grad' only (the zeroth-order forwards keep no activations)"),
+            (self.snr_threshold <= 0 or self.estimator != "grad",
+             "snr_threshold gates the zeroth-order estimate's finite differences; estimator 'grad' has none"),
+        ]
         for ok, msg in checks:
             if not ok:
                 raise SiclError(f"CalibrationConfig: {msg}")
-        check_choice(self.estimator, ESTIMATORS, "estimator", "CalibrationConfig")
         check_choice(self.grad_mode, GRAD_MODES, "grad_mode", "CalibrationConfig")
         check_choice(self.projection_scope, PROJECTION_SCOPES, "projection_scope", "CalibrationConfig")
 
@@ -177,6 +191,23 @@ class Calibrator:
         b = prompt.length if cfg.perturb_query else prompt.demo_end
         return StepSpec.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, b)
 
+    def evaluate(self, X: torch.Tensor, prompt: Prompt, spec: StepSpec, step: int):
+        """The measuring half of a step at X [L, d]: (f [B], g). Zeroth order: f of the perturbation batch
+        (row 0 = X), g None (the update estimates it from f); grad: f [1] of X and its exact gradient g [R, d]."""
+        if spec.grad:
+            out, g = proxy_gradient(self.backend, prompt, X, self.config, spec)
+            return out.f, g
+        batch = self.ops.perturb(X, step, spec)  # [B, b, d]
+        return self.proxy_of(batch, prompt, near_row0=True).f, None
+
+    def advance(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, g: torch.Tensor | None, spec: StepSpec,
+                step: int):
+        """The moving half: (X_new [L, d], fired int32 [1]). One rule after the gradient for every estimator
+        (zo.ascend): clip or normalise, eta, cosine projection."""
+        if spec.grad:
+            return self.ops.ascend(X, X0, g, spec)
+        return self.ops.update(X, X0, f, step, spec)
+
     def proxy_of(self, batch: torch.Tensor, prompt: Prompt, near_row0: bool = False):
         """f and its parts for a batch [B, n, d] of embeddings. near_row0: rows 1.. are perturbations of row 0
         (the perturbation batch; lets the backend use difference products)."""
@@ -198,6 +229,8 @@ class Calibrator:
         t0 = time.perf_counter()
         X0 = self.initial_embeddings(prompt, X0)
         spec = self.step_spec(prompt, X0)
+        if spec.grad:
+            check_differentiable(self.backend)
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0
         history: list[float] = []
@@ -206,8 +239,7 @@ class Calibrator:
         stop = "max_steps"
         steps = 0
         for step in range(cfg.max_steps):
-            batch = self.ops.perturb(X, step, spec)  # [B, b, d]
-            f = self.proxy_of(batch, prompt, near_row0=True).f  # [B]
+            f, g = self.evaluate(X, prompt, spec, step)  # f [B]; g: the exact gradient (grad) or None
             steps += 1
             f0 = float(f[0])
             if not math.isfinite(f0):
@@ -241,7 +273,7 @@ class Calibrator:
             low_snr = 0
             if step == cfg.max_steps - 1:
                 break  # the next X would never be evaluated
-            X, fired = self.ops.update(X, X0, f, step, spec)
+            X, fired = self.advance(X, X0, f, g, spec, step)
             projections += int(fired)
         return CalibrationResult(
             embeddings=best_X.clone(),

@@ -122,11 +122,11 @@ def _sync(device) -> None:
 
 
 def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor, step: int = 0):
-    """One ascent step: perturbation batch -> forward -> proxy -> gradient, clip, update, projection."""
+    """One ascent step: perturbation batch -> forward -> proxy -> gradient estimate (or: forward and backward of
+    row 0 -> exact gradient), then clip, update, projection (Calibrator.evaluate / advance)."""
     spec = cal.step_spec(prompt, X0)
-    batch = cal.ops.perturb(X, step, spec)
-    f = cal.proxy_of(batch, prompt, near_row0=True).f
-    return cal.ops.update(X, X0, f, step, spec)[0]
+    f, g = cal.evaluate(X, prompt, spec, step)
+    return cal.advance(X, X0, f, g, spec, step)[0]
 
 
 def bench_step(backend, prompt: Prompt, config: CalibrationConfig, repeats: int = 3, warmup: int = 1) -> dict:

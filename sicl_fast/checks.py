@@ -71,7 +71,9 @@ def available_memory(device: torch.device) -> int:
 def step_memory(lm, prompt: Prompt, config) -> int:
     """Estimated peak bytes of one ascent step: the [B, n, d] float32 batch and its directions, plus one layer's
     activations for B x n rows (the forward runs layer by layer, without autograd): residual, norm, q / k / v /
-    attention output, the MLP's gate / up / product, and the attention scores, at 4 bytes an element."""
+    attention output, the MLP's gate / up / product, and the attention scores, at 4 bytes an element. The exact
+    gradient (estimator "grad") runs one row, but autograd keeps every layer's activations for the backward (one
+    layer's with checkpoint), about twice over (forward values and their gradients)."""
     cfg = lm.text_config
     B = config.batch
     n = prompt.length if config.perturb_query else prompt.demo_end
@@ -79,6 +81,9 @@ def step_memory(lm, prompt: Prompt, config) -> int:
     d_ff = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
     heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
     per_row = 2 * d + 6 * d + 3 * d_ff + heads * n
+    if config.estimator == "grad":
+        layers = 1 if config.checkpoint else int(getattr(cfg, "num_hidden_layers", 1) or 1)
+        return 4 * 2 * (layers + 1) * n * per_row
     return 4 * B * n * per_row
 
 
@@ -100,7 +105,7 @@ def calibration_inputs(backend, prompt: Prompt, config, X0=None) -> torch.Tensor
     check_tokens(prompt, backend.lm)
     X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
     check_step_memory(backend.lm, prompt, config)
-    return X0.float()
+    return X0.detach().float()  # the ascent moves X itself; no autograd history of the caller's tensor comes along
 
 
 def check_step_memory(lm, prompt: Prompt, config) -> None:
@@ -108,8 +113,12 @@ def check_step_memory(lm, prompt: Prompt, config) -> None:
     if need > free:
         rows = prompt.length if config.perturb_query else prompt.demo_end
         raise SiclError(
-            f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (N={config.N}: "
-            f"{config.batch} rows of {rows} tokens), more than the {free / GiB:.1f} GiB of memory free; lower N")
+            f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (" + (
+                f"the exact gradient of {rows} tokens), more than the {free / GiB:.1f} GiB of memory free; "
+                + ("shorten the prompt" if config.checkpoint else "use checkpoint (--checkpoint)")
+                if config.estimator == "grad" else
+                f"N={config.N}: {config.batch} rows of {rows} tokens), more than the {free / GiB:.1f} GiB of memory "
+                "free; lower N"))
 
 
 __all__ = ["check_prompt", "check_tokens", "check_embeddings", "calibration_inputs", "check_step_memory", "step_memory", "available_memory"]

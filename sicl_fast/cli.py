@@ -1,5 +1,5 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | serve`. It only parses
-and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | serve | gradstudy`. It
+only parses and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ import warnings
 from .ascent import CalibrationConfig
 from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
+from .gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
@@ -170,6 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(pr), _config_flags(pr)
     pr.set_defaults(backend="fast")
 
+    gs = sub.add_parser("gradstudy", help="how close the zeroth-order estimate comes to the exact gradient, per N "
+                                          "and mu (sicl_fast.gradstudy); one JSON line per request in --out")
+    gs.add_argument("requests")
+    gs.add_argument("--out", required=True, help="records JSONL (resumed when it exists; a regular file)")
+    gs.add_argument("--report", default=None, metavar="DIR", help="also write DIR/study.md, study.json and "
+                                                                  "plots/cosine_vs_N.png")
+    gs.add_argument("--study-N", dest="study_N", type=_int_at_least(1), nargs="+", default=list(STUDY_NS),
+                    metavar="N", help=f"numbers of directions (default {' '.join(map(str, STUDY_NS))})")
+    gs.add_argument("--study-mu", dest="study_mu", type=float, nargs="+", default=list(STUDY_MUS), metavar="MU",
+                    help=f"smoothing radii, embedding-scale units (default {' '.join(map(str, STUDY_MUS))})")
+    gs.add_argument("--study-estimators", dest="study_estimators", nargs="+", default=list(STUDY_ESTIMATORS),
+                    choices=STUDY_ESTIMATORS, metavar="EST", help="forward and / or central (default both)")
+    gs.add_argument("--seeds", type=_int_at_least(1), default=8, help="seeds per cell (default 8)")
+    gs.add_argument("--points", type=_int_at_least(0), nargs="+", default=[0, 5, 10], metavar="STEP",
+                    help="exact-gradient calibration steps at which to measure (default 0 5 10)")
+    gs.add_argument("--chunk", type=_int_at_least(1), default=16, help="forward rows per batch (memory)")
+    _model_flags(gs), _config_flags(gs)
+
     add_report_command(sub)
     _serve_command(sub)
     for name, sp in sub.choices.items():
@@ -195,10 +214,21 @@ def _check_flags(args) -> None:
     from .models.loading import GEMMA3_PACKAGE, SHORT_NAMES
 
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
+    if _wants_grad(args) and hasattr(args, "impl"):
+        from .ops import resolve_impl
+
+        resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
     if SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m":
         require(GEMMA3_PACKAGE)
     if getattr(args, "ray", None) is not None:
         require("ray")
+
+
+def _wants_grad(args) -> bool:
+    """Will this command run the exact-gradient ascent (--estimator grad, the icleval method sicl-grad, gradstudy)?
+    Then the engine is built for it (differentiable ops; sicl_fast.ops.make_ops)."""
+    return (getattr(args, "estimator", None) == "grad" or "sicl-grad" in (getattr(args, "method", None) or ())
+            or args.cmd == "gradstudy")
 
 
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
@@ -206,7 +236,7 @@ def _engine_kwargs(args, add_special_tokens=None) -> dict:
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
     return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
                 diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-                pack=getattr(args, "pack", 1))
+                pack=getattr(args, "pack", 1), grad=_wants_grad(args))
 
 
 def _engine(args, add_special_tokens=None):
@@ -335,7 +365,8 @@ def cmd_bench(args) -> int:
     for length in args.length:
         prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
         for name in args.backends:
-            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl)
+            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl,
+                                   grad=cfg.estimator == "grad")
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
             cal = ""
             if args.calibration_steps:
@@ -372,6 +403,42 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_gradstudy(args) -> int:
+    from .gradstudy import StudySettings, markdown, study_prompt, summarize, write_report
+    from .records import ResultWriter, check_output, read_records
+    from .requests import read_requests
+
+    requests = list(read_requests(args.requests))
+    _check_flags(args)
+    settings = StudySettings(Ns=tuple(args.study_N), mus=tuple(args.study_mu), estimators=tuple(args.study_estimators),
+                             seeds=args.seeds, points=tuple(args.points), chunk=args.chunk)
+    if args.out == "-":
+        raise SiclError("--out -: gradstudy reads its records back for the table; give a regular file")
+    check_output(args.out, inputs=[args.requests])
+    if args.report:
+        require("matplotlib")
+    eng = _engine(args)
+    cfg = eng.config(**_overrides(args))
+    prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written
+    with ResultWriter(args.out) as out:
+        todo = [p for p in prompts if p.id not in out]
+        if len(todo) < len(prompts):
+            print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
+                  file=sys.stderr)
+        with _progress(len(todo) * len(settings.points), "gradstudy") as bar:
+            bar.unit = "point"
+            for p in todo:
+                out.write(study_prompt(eng.backend, p, cfg, settings, on_point=lambda k: bar.update(1)))
+    ids = {p.id for p in prompts}
+    records = [r for r in read_records(args.out) if r.get("id") in ids]
+    rows = summarize(records)
+    print(markdown(rows))
+    if args.report:
+        for path in write_report(args.report, rows, records, settings, title=eng.lm.name):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args) -> int:
     from .serve import require
     from .serve.settings import settings_from_args
@@ -388,7 +455,8 @@ def cmd_serve(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve}
+            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve,
+            "gradstudy": cmd_gradstudy}
 
 
 def _interrupted(cmd: str) -> str:

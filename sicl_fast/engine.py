@@ -30,7 +30,10 @@ class Engine:
     ops, chosen once here ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops). loop: how calibrations run:
     'static' (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the
     reference loop, Calibrator.run), 'auto' (static where the backend supports it). Both give the same result.
-    pack: calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed)."""
+    pack: calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed).
+    grad: this engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the
+    differentiable torch ops, and a backend, impl or model that cannot be differentiated is refused here. Its
+    calibrations run on the eager loop (the static and packed steps are zeroth-order only)."""
 
     def __init__(
         self,
@@ -45,10 +48,12 @@ class Engine:
         loop: str = "auto",
         sync_every: int | None = None,
         pack: int = 1,
+        grad: bool = False,
     ) -> None:
         check_choice(loop, LOOPS, "loop", "Engine")
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
-        self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul, impl=impl)
+        self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul, impl=impl, grad=grad)
+        self.loop = loop
         if loop == "static" and not supports_static(self.backend):
             raise SiclError(f"loop 'static' needs the fast backend's sync-free forward; {self.backend.name!r} has "
                             "none (use loop 'eager' or 'auto')")
@@ -82,7 +87,7 @@ class Engine:
 
     def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, **overrides) -> CalibrationResult:
         cfg = self.config(config, **overrides)
-        if self.static:
+        if self.static and not (cfg.estimator == "grad" and self.loop == "auto"):  # static + grad: refused there
             return run_static(self.backend, cfg, prompt, sync_every=self.sync_every, on_step=on_step)
         return Calibrator(self.backend, cfg).run(prompt, on_step=on_step)
 
@@ -92,6 +97,9 @@ class Engine:
         on_result(i, result), each result goes there as it finishes and nothing is kept (a long run's memory
         stays flat); without, the results come back in the order of `prompts`."""
         cfg = self.config(config, **overrides)
+        if self.pack > 1 and cfg.estimator == "grad":
+            raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
+                            "time (pack 1)")
         if self.pack > 1:
             return run_packed(self.backend, [(p, cfg) for p in prompts], self.pack, self.sync_every, on_result)
         results = []

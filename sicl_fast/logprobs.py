@@ -12,6 +12,12 @@ import math
 import torch
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for every model dtype but float64, which stays float64 (so a float64 model's proxy and its exact
+    gradient can be checked against finite differences without a float32 rounding in the way)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def gather_logprobs_chunked(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -48,19 +54,20 @@ def vocab_chunked_logprobs(
     max_elems: int = 1 << 22,
 ) -> torch.Tensor:
     """Same result as gather_logprobs_chunked: hidden [B, P, d], head_weight [V, d], targets [P] -> [B, P]
-    float32. Walks the vocabulary in chunks (256 to 8192 rows, B*P*chunk <= max_elems when it can) with a
+    float32 (float64 from a float64 model: the exact-gradient checks). Walks the vocabulary in chunks (256 to 8192 rows, B*P*chunk <= max_elems when it can) with a
     running max and rescaled sum, so only [B*P, chunk] float32 logits exist and the weight is read once."""
     B, P, d = hidden.shape
     V = head_weight.shape[0]
     chunk = min(8192, max(256, max_elems // max(1, B * P)))
     h = hidden.reshape(B * P, d)
     tgt = targets.to(hidden.device).repeat(B)  # [B*P]
-    m = torch.full((B * P,), -math.inf, dtype=torch.float32, device=hidden.device)
-    s = torch.zeros(B * P, dtype=torch.float32, device=hidden.device)
-    picked = torch.zeros(B * P, dtype=torch.float32, device=hidden.device)
+    acc = accumulation_dtype(hidden.dtype)
+    m = torch.full((B * P,), -math.inf, dtype=acc, device=hidden.device)
+    s = torch.zeros(B * P, dtype=acc, device=hidden.device)
+    picked = torch.zeros(B * P, dtype=acc, device=hidden.device)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
-        z = torch.matmul(h, head_weight[v0:v1].t()).float()  # [B*P, c]
+        z = torch.matmul(h, head_weight[v0:v1].t()).to(acc)  # [B*P, c]
         if softcap is not None:
             z = torch.tanh(z / softcap) * softcap
         m_new = torch.maximum(m, z.amax(dim=-1))

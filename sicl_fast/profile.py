@@ -95,8 +95,9 @@ def kernels_per_step(st: StaticStep) -> KernelCount:
     total = count_kernels(st)
     m, p = st.backend.model, st.prompt
     a, x, prefix = p.demo_start, st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
-    layers = count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None
-                           else m.forward(x, near_row0=True))
+    with torch.no_grad():  # as the step runs it
+        layers = count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None
+                               else m.forward(x, near_row0=True))
     events = cuda_kernel_events(st) if torch.device(st.backend.device).type == "cuda" else None
     return KernelCount(total=total, layers=layers, n_layers=len(m.layers), cuda_events=events)
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .errors import NumericalError, SiclError
+from .logprobs import accumulation_dtype
 
 
 @dataclass
@@ -107,18 +108,18 @@ class ProxyPlan:
 
 
 def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
-    """The reference proxy of logprobs [B, P] (any float dtype; computed in float32) for a checked plan: no
-    checks, no host reads (what a loop without host synchronisation calls)."""
+    """The reference proxy of logprobs [B, P] (any float dtype; computed in float32, float64 kept as float64) for a
+    checked plan: no checks, no host reads (what a loop without host synchronisation calls)."""
     B = logprobs.shape[0]
-    lp = logprobs.float()
-    sums = torch.zeros(B, plan.T, dtype=torch.float32, device=lp.device).index_add_(1, plan.seg, lp)
-    c = torch.exp(sums / plan.lengths)  # [B, T]
+    lp = logprobs.to(accumulation_dtype(logprobs.dtype))  # float32 (float64 stays float64)
+    sums = torch.zeros(B, plan.T, dtype=lp.dtype, device=lp.device).index_add_(1, plan.seg, lp)
+    c = torch.exp(sums / plan.lengths.to(lp.dtype))  # [B, T]
     C = c.mean(dim=1)
     R = torch.quantile(torch.exp(lp), plan.q, dim=1, interpolation="linear")
     if plan.T >= 2:
         G = torch.clamp(c[:, 1:] - c[:, :-1], min=0.0).mean(dim=1)
     else:
-        G = torch.zeros(B, dtype=torch.float32, device=lp.device)
+        G = torch.zeros(B, dtype=lp.dtype, device=lp.device)
     f = plan.alpha * C + plan.beta * R + plan.gamma * G
     return ProxyOut(f=f, C=C, R=R, G=G, c=c)
 

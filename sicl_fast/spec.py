@@ -5,7 +5,8 @@ same place, `perturb(X, step, spec)` and `update(X, X0, f, step, spec)`, and tru
 only ones (the C++ extension keeps its own buffer-bounds guards, which protect raw pointers, not users).
 
 Shapes: X, X0 [L, d] float32; rows [a, b) are perturbed (R = b - a); the batch has B rows of the first b
-prompt rows (B = N + 1 forward, 2N + 1 central; layout in sicl_fast.zo).
+prompt rows (B = N + 1 forward, 2N + 1 central; layout in sicl_fast.zo). The "grad" estimator runs no perturbation
+batch: one forward and one backward of row 0 (B = 1) give the exact gradient (sicl_fast.grad); N is unused then.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from .errors import SiclError
 from .rng import check_counter_range
 
-ESTIMATORS = ("forward", "central")
+ESTIMATORS = ("forward", "central", "grad")  # grad: the exact gradient by autograd (sicl_fast.grad)
 GRAD_MODES = ("clip", "normalize")
 PROJECTION_SCOPES = ("prompt", "demos")
 
@@ -28,8 +29,10 @@ def check_choice(value, choices: tuple, name: str, where: str) -> None:
 
 
 def batch_size(N: int, estimator: str) -> int:
-    """Rows of the perturbation batch: N + 1 (forward) or 2N + 1 (central)."""
+    """Rows of one step's forward: N + 1 (forward), 2N + 1 (central) or 1 (grad: row 0 only, then a backward)."""
     check_choice(estimator, ESTIMATORS, "estimator", "batch_size")
+    if estimator == "grad":
+        return 1
     return 2 * N + 1 if estimator == "central" else N + 1
 
 
@@ -95,6 +98,11 @@ class StepSpec:
     @property
     def central(self) -> bool:
         return self.estimator == "central"
+
+    @property
+    def grad(self) -> bool:
+        """The exact-gradient step (no directions, no perturbation batch)."""
+        return self.estimator == "grad"
 
     @property
     def project(self) -> bool:

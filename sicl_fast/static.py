@@ -62,6 +62,9 @@ class StaticStep:
         if not supports_static(backend):
             raise SiclError(f"the static step needs a forward without host reads, which the {backend.name!r} "
                             "backend does not have; use the 'fast' or 'fast-fp32' backend, or the eager loop")
+        if config.estimator == "grad":
+            raise SiclError("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on "
+                            "the eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
         cal = Calibrator(backend, config)
         self.backend, self.ops, self.config, self.prompt = backend, backend.ops, cal.config, prompt
         cfg = self.config

@@ -115,16 +115,25 @@ def project_cosine_on_device(X: torch.Tensor, X0: torch.Tensor, kappa: float) ->
 
 def update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, U: torch.Tensor, spec: StepSpec,
            on_device: bool = False):
-    """One ascent step: g from f and U, clip (or normalise) per row, X[a:b] += eta g, cosine projection.
+    """One zeroth-order ascent step: g from f and U (estimate_gradient), then `ascend`.
+
+    Returns (X_new [L, d], projection_fired) as `ascend` does. X is not modified in place.
+    """
+    return ascend(X, X0, estimate_gradient(f, U, spec.mu, spec.estimator), spec, on_device)
+
+
+def ascend(X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor, spec: StepSpec, on_device: bool = False):
+    """The step shared by every estimator: clip (or normalise) g [R, d] per row, X[a:b] += eta g, cosine projection.
+    g is a zeroth-order estimate (`update`) or the exact gradient (sicl_fast.grad); both go through this one function
+    so the two ascents are comparable step for step.
 
     Returns (X_new [L, d], projection_fired): a bool, or with on_device an int32 [1] tensor decided without a
     host read (project_cosine_on_device). X is not modified in place.
     """
     a, b = spec.a, spec.b
-    g = estimate_gradient(f, U, spec.mu, spec.estimator)
     g = clip_rows(g, spec.clip_norm) if spec.grad_mode == "clip" else normalize_rows(g)
     X = X.clone()
-    X[a:b] += spec.eta * g
+    X[a:b] += spec.eta * g.to(X.dtype)
     project = project_cosine_on_device if on_device else project_cosine
     if not spec.project:
         return X, (torch.zeros(1, dtype=torch.int32, device=X.device) if on_device else False)
@@ -136,4 +145,4 @@ def update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, U: torch.Tensor, 
 
 
 __all__ = ["step_directions", "perturb", "finite_differences", "estimate_gradient", "snr", "clip_rows",
-           "normalize_rows", "cosine", "project_cosine", "project_cosine_on_device", "update", "batch_size"]
+           "normalize_rows", "cosine", "project_cosine", "project_cosine_on_device", "update", "ascend", "batch_size"]

@@ -44,6 +44,16 @@ class Backend(abc.ABC):
         near_row0: a promise that rows 1.. are small perturbations of row 0 (the ascent's batch); a backend may
         use it to compute the rows' differences more cheaply (the fast backend's difference products)."""
 
+    differentiable = False  # has a forward autograd can run through (estimator "grad", sicl_fast.grad)
+
+    def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
+        """embeds [1, n, d] (float32 or float64; may require grad) -> [1, P] log-probs (float32, or float64 from
+        a float64 model) with autograd recording, so that the proxy's gradient in the embeddings can be taken
+        (sicl_fast.grad). checkpoint: recompute each layer in the backward instead of keeping its activations.
+        Backends without a differentiable forward refuse (sicl_fast.grad.check_differentiable says so first)."""
+        raise SiclError(f"the {self.name!r} backend has no differentiable forward; estimator 'grad' runs on the "
+                        "'hf', 'fast' and 'fast-fp32' backends")
+
     def check_embeds(self, embeds: torch.Tensor, prompt: Prompt) -> None:
         """Shape and value checks shared by every backend; raise with what is wrong."""
         if embeds.dim() != 3:

@@ -51,6 +51,7 @@ class FastBackend(Backend):
     implementation of the hot ops (sicl_fast.ops; make_backend passes it)."""
 
     name = "fast"
+    differentiable = True
 
     def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True, diff_matmul: str = "auto",
                  ops=None) -> None:
@@ -100,6 +101,16 @@ class FastBackend(Backend):
             self.stats["full"] += prefix is None
             return self.span_forward(x, self.span_plan(prompt), prefix, near_row0)
 
+    def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
+        """The full rows [0, b) (no prefix cache: its attention merge has no backward) through plain products (the
+        difference products are for perturbation batches), with autograd recording; see Backend."""
+        self.check_embeds(embeds, prompt)
+        m, plan = self.model, self.span_plan(prompt)
+        x = embeds[:, :prompt.demo_end].to(device=m.device, dtype=m.dtype)  # [1, b, d]
+        with torch.enable_grad():
+            h = m.forward(x, checkpoint=checkpoint).index_select(1, plan.idx)  # [1, P, d]
+            return self.ops.span_head(h, m.head, plan.targets, softcap=m.final_softcap)
+
     def span_forward(self, x: torch.Tensor, plan: SpanPlan, prefix: PrefixKV | None,
                      near_row0: bool = False) -> torch.Tensor:
         """x [B, b, d] in the model dtype -> [B, P] float32 span log-probs, with the prefix K/V of rows [0, a)
@@ -128,6 +139,7 @@ class FastBackend(Backend):
         L = embeds.shape[0]
         cache = m.new_cache(L + max(max_new_tokens, 1))
 
+        @torch.no_grad()  # the forward records autograd for inputs that require grad; decoding never needs it
         def prefill():
             x = embeds.to(device=m.device, dtype=m.dtype).unsqueeze(0)  # [1, L, d]
             logits = m.logits(m.forward(x, 0, cache=cache)[:, -1])[0]

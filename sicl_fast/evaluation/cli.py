@@ -21,8 +21,9 @@ def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--report", default=None, metavar="RUN_DIR",
                    help="also write RUN_DIR/report.md, report.json and plots/*.png from the records")
     g.add_argument("--method", nargs="+", default=["sicl"], choices=METHODS, metavar="METHOD",
-                   help=f"one or more of {', '.join(METHODS)} (default: sicl); cc, dcpmi and demo run on the "
-                        "classification files only")
+                   help=f"one or more of {', '.join(METHODS)} (default: sicl); sicl-grad: the same calibration "
+                        "with the exact gradient (estimator grad, every row normalised to step eta); cc, dcpmi and "
+                        "demo run on the classification files only")
     g.add_argument("--ablate", nargs="+", default=[], choices=ABLATIONS, metavar="WHAT",
                    help="extra calibration variants: alpha, beta or gamma off (the others rescaled), perturb-query")
     g.add_argument("--sweep-N", dest="sweep_N", nargs="+", type=int, default=[], metavar="N",

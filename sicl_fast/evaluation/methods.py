@@ -9,6 +9,9 @@ each method with the base:
 * base:  the greedy answer itself (answer_calibrated = answer_base);
 * sicl:  calibration with the variant's CalibrationConfig, then greedy decoding from the calibrated embeddings
          ; one variant per ablation (see `ablations`);
+* sicl-grad: the same with the exact gradient (`grad_config`: estimator "grad" and every row normalised to step
+         eta, the step length the zeroth-order step takes when its clip fires on every row, which it does at
+         N << R d); the engine must be built with grad=True (the CLI does it when the method is asked for);
 * cc, dcpmi, demo (classification files only, see `icleval_cls`): the label chosen by the baseline, scored by
          ICLEval's scorer. These records also carry answer_scored_base / correct_scored_base: the label with the
          highest probability after the original prompt (uncalibrated label scoring), and the label probabilities.
@@ -40,8 +43,15 @@ from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_cont
                           scoring_context, with_query, zero_shot_context)
 from .label_scoring import LabelScorer
 
-METHODS = ("base", "sicl", "cc", "dcpmi", "demo")
+METHODS = ("base", "sicl", "sicl-grad", "cc", "dcpmi", "demo")
 BASELINES = ("cc", "dcpmi", "demo")
+CALIBRATIONS = ("sicl", "sicl-grad")  # methods whose answer decodes from calibrated embeddings
+
+
+def grad_config(config):
+    """The CalibrationConfig of method 'sicl-grad': `config` (the sicl settings: eta, kappa, tau, steps, ...) with
+    the exact gradient, each row normalised to move eta (module docstring), and no SNR gate (it has no noise)."""
+    return config.replace(estimator="grad", grad_mode="normalize", snr_threshold=0.0, checkpoint=False)
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,10 @@ def build_variants(methods: Sequence[str], engine=None, config=None, sicl_varian
                 preset = engine.config() if engine is not None else None
                 sicl_variants = [Variant(variant_name(config, preset), "sicl", config)]
             out += list(sicl_variants)
+        elif m == "sicl-grad":
+            if config is None:
+                raise SiclError("method 'sicl-grad' needs a CalibrationConfig")
+            out.append(Variant("sicl-grad", "sicl-grad", grad_config(config)))
         elif m == "base":
             out.append(Variant("base", "base"))
         else:
@@ -152,7 +166,7 @@ class _Runner:
                         "initial_proxy": None, "best_proxy": None, "steps": 0, "gated": None,
                         "seconds": round(base_seconds, 3), "history": []})
             return rec
-        if variant.method == "sicl":
+        if variant.method in CALIBRATIONS:
             res = self._calibrated.pop((variant.name, sample.key), None)
             res = res if res is not None else self.engine.calibrate(prompt, variant.config)
             cal = gen if res.best_step == 0 else self.decode(sample, prompt, res.embeddings)
@@ -365,5 +379,5 @@ def run_methods(
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
-__all__ = ["METHODS", "BASELINES", "BaselineOptions", "build_variants", "record_key", "run_methods",
+__all__ = ["METHODS", "BASELINES", "CALIBRATIONS", "grad_config", "BaselineOptions", "build_variants", "record_key", "run_methods",
            "check_records_out", "select_samples", "make_variants", "sample_records", "check_samples"]

@@ -112,4 +112,27 @@ def accuracy_bars(path, tasks: Sequence[str], columns: dict[str, Sequence[float 
     return _save(fig, path)
 
 
-__all__ = ["proxy_vs_accuracy", "proxy_histories", "accuracy_bars"]
+def estimator_cosines(path, rows: Sequence[dict], title: str = "") -> Path:
+    """The estimator study (sicl_fast.gradstudy): cos(g, g*) against N (log scale), one line per mu, one panel per
+    estimator. rows: gradstudy.summarize's rows (estimator, mu, N, cosine)."""
+    estimators = list(dict.fromkeys(r["estimator"] for r in rows))
+    fig = _figure(4.2 * max(1, len(estimators)), 4.0)
+    for j, est in enumerate(estimators):
+        ax = fig.add_subplot(1, len(estimators), j + 1)
+        mus = sorted({r["mu"] for r in rows if r["estimator"] == est})
+        for i, mu in enumerate(mus):
+            pts = sorted((r["N"], r["cosine"]) for r in rows if r["estimator"] == est and r["mu"] == mu
+                         and _finite(r["cosine"]))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=_COLORS[i % len(_COLORS)],
+                    marker=_MARKERS[i % len(_MARKERS)], label=f"mu = {mu:g}")
+        ax.set_xscale("log", base=2)
+        ax.axhline(0.0, color="#999999", linewidth=0.8)
+        ax.set_xlabel("N (directions)")
+        ax.set_ylabel("cos(ZO estimate, exact gradient)")
+        ax.set_title(f"{est}" if not title else f"{title} - {est}", fontsize=9)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+__all__ = ["proxy_vs_accuracy", "proxy_histories", "accuracy_bars", "estimator_cosines"]

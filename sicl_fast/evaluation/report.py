@@ -10,7 +10,9 @@ dcpmi, demo). For every variant:
   variant right), c = #(base right, variant wrong), p = P(X >= b | X ~ Bin(b + c, 1/2));
 * for calibration variants: per task the mean proxy improvement (best_proxy - initial_proxy, gated samples count
   as 0) against the accuracy change (points), the one-sided Spearman test over tasks (H1: rho > 0) and the
-  least-squares line.
+  least-squares line; the proxy gain per second (the task's summed improvement over its summed seconds) and how
+  many answers the calibration changed (answer_calibrated != answer_base), to compare estimators (sicl vs
+  sicl-grad) at their own cost.
 
 Across runs (several models given together), Fisher's method combines each calibration variant's one-sided
 Spearman p-values. With more than one variant, a table compares the methods' accuracies per task, as in the
@@ -34,7 +36,7 @@ from ..icleval.tasks import TASK_FILES
 from ..records import read_records, write_text_atomic
 from . import stats
 
-METHOD_ORDER = ("base", "sicl", "cc", "dcpmi", "demo")
+METHOD_ORDER = ("base", "sicl", "sicl-grad", "cc", "dcpmi", "demo")
 
 
 @dataclass
@@ -88,6 +90,10 @@ def _task_order(tasks) -> list[str]:
 def _mean(xs) -> float:
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.nan
 
 
 def _rel(base: float, cal: float) -> float:
@@ -191,6 +197,9 @@ def proxy_analysis(records: Sequence[dict]) -> dict | None:
                      "mean_initial_proxy": sum(r["initial_proxy"] for r in rs) / n,
                      "mean_best_proxy": sum(r["best_proxy"] for r in rs) / n,
                      "gated": sum(bool(r.get("gated")) for r in rs),
+                     "proxy_gain_per_second": _ratio(sum(r["best_proxy"] - r["initial_proxy"] for r in rs),
+                                                     sum(float(r.get("seconds") or 0.0) for r in rs)),
+                     "answers_changed": sum(r.get("answer_calibrated") != r.get("answer_base") for r in rs),
                      "accuracy_change": 100.0 * (sum(bool(r["correct_calibrated"]) for r in rs)
                                                  - sum(bool(r["correct_base"]) for r in rs)) / n})
     x = [r["mean_proxy_improvement"] for r in rows]
@@ -306,7 +315,8 @@ def _fmt(v) -> str:
 def _config_line(cfg) -> str:
     if not cfg:
         return ""
-    keys = ("N", "mu", "eta", "kappa", "tau", "max_steps", "patience", "alpha", "beta", "gamma", "perturb_query")
+    keys = ("estimator", "grad_mode", "N", "mu", "eta", "kappa", "tau", "max_steps", "patience", "alpha", "beta",
+            "gamma", "perturb_query")
     if all(k in cfg for k in ("N", "mu")):
         return ", ".join(f"{k}={_fmt(cfg[k])}" for k in keys if k in cfg)
     return ", ".join(f"{k}={_fmt(v)}" for k, v in cfg.items())
@@ -353,11 +363,13 @@ def render_markdown(report: dict) -> str:
             L.append("")
             px = v.get("proxy")
             if px:
-                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | accuracy change (points) |")
-                L.append("|---|---|---|---|---|---|")
+                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | proxy gain / s | "
+                         "answers changed | accuracy change (points) |")
+                L.append("|---|---|---|---|---|---|---|---|")
                 for row in px["tasks"]:
                     L.append(f"| {row['task']} | {row['n']} | {_num(row['mean_proxy_improvement'], '{:.4f}', True)} | "
                              f"{_num(row['mean_initial_proxy'], '{:.4f}')} | {row['gated']} | "
+                             f"{_num(row.get('proxy_gain_per_second'), '{:.5f}')} | {row.get('answers_changed', 'n/a')} | "
                              f"{_num(row['accuracy_change'], '{:.1f}', True)} |")
                 sp = px["spearman"]
                 fit = px.get("fit")
@@ -389,6 +401,8 @@ def render_markdown(report: dict) -> str:
           "* proxy improvement = best_proxy - initial_proxy per sample (0 when gated), averaged per task; "
           "Spearman p from the t approximation with n - 2 degrees of freedom (as scipy.stats.spearmanr), "
           "exact permutation p for up to 8 tasks.",
+          "* proxy gain / s = summed proxy improvement over summed seconds (calibration and decoding) of the task's "
+          "samples; answers changed = samples whose calibrated answer differs from the base answer.",
           "* Fisher: X = -2 sum ln p over runs, chi-squared with 2k degrees of freedom.", ""]
     return "\n".join(L)
 

@@ -55,32 +55,47 @@ def attend_math(q, k, v, bias, scale: float, softcap: float | None):
     """Explicit attention. q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch
     row shares (the batch is folded into the query rows: no copy of k / v per row); bias: None (all visible)
     or float32 [T, 1, N], 0 / -inf. Returns o [B, T, H, hd] (q's dtype) and lse [B, T, H] float32 (-inf where
-    a query sees no key; its o is 0 then)."""
+    a query sees no key; its o is 0 then). In place on its own temporaries, except while autograd records
+    (the exact-gradient ascent): in-place ops would overwrite what the backward needs, so the same operations
+    run out of place then."""
     B, T, H, hd = q.shape
     Bk, N, Hk, _ = k.shape
     G = H // Hk
     Bq, X = (1, B) if (Bk == 1 and B > 1) else (B, 1)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     qq = q.view(Bq, X, T, Hk, G, hd).permute(0, 3, 1, 2, 4, 5).reshape(Bq, Hk, X * T * G, hd)
     s = torch.matmul(qq, k.permute(0, 2, 3, 1))  # [Bq, Hk, X*T*G, N]
     s = s.float() if s.dtype != torch.float32 else s
-    s.mul_(scale)
-    if softcap is not None:
-        s.div_(softcap).tanh_().mul_(softcap)
-    if bias is not None:
-        s.view(Bq, Hk, X, T, G, N).add_(bias)
+    if grad:
+        s = s * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        if bias is not None:
+            s = (s.view(Bq, Hk, X, T, G, N) + bias).view(s.shape)
+    else:
+        s.mul_(scale)
+        if softcap is not None:
+            s.div_(softcap).tanh_().mul_(softcap)
+        if bias is not None:
+            s.view(Bq, Hk, X, T, G, N).add_(bias)
     m = s.amax(dim=-1, keepdim=True)
     if bias is not None:
-        m.masked_fill_(m == -math.inf, 0.0)  # a row that sees nothing: e = 0, l = 0, lse = -inf, o = 0
-    e = s.sub_(m).exp_()  # unnormalised probabilities, in place of the scores
+        m = m.masked_fill(m == -math.inf, 0.0)  # a row that sees nothing: e = 0, l = 0, lse = -inf, o = 0
+    if grad:
+        m = m.detach()  # any shift gives the same softmax; a constant one keeps amax's ties out of the backward
+        e = torch.exp(s - m)
+    else:
+        e = s.sub_(m).exp_()  # unnormalised probabilities, in place of the scores
     l = e.sum(dim=-1, keepdim=True)
     lse = m + l.log()
     if bias is not None:
-        l.clamp_(min=torch.finfo(torch.float32).tiny)
+        l = l.clamp(min=torch.finfo(torch.float32).tiny)
     vv = v.transpose(1, 2)  # [Bk, Hk, N, hd]
     if v.dtype == torch.float32:
-        o = torch.matmul(e, vv).div_(l)  # [Bq, Hk, X*T*G, hd]
+        o = torch.matmul(e, vv)
+        o = o / l if grad else o.div_(l)  # [Bq, Hk, X*T*G, hd]
     else:  # normalise in float32 before the cast, as transformers' eager attention
-        o = torch.matmul(e.div_(l).to(v.dtype), vv)
+        o = torch.matmul((e / l if grad else e.div_(l)).to(v.dtype), vv)
     o = o.view(Bq, Hk, X, T, G, hd).permute(0, 2, 3, 1, 4, 5).reshape(B, T, H, hd)
     lse = lse.view(Bq, Hk, X, T, G).permute(0, 2, 3, 1, 4).reshape(B, T, H)
     return o, lse

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from ..errors import SiclError
 from .attention import Attention
@@ -347,13 +348,17 @@ class Transformer:
 
     # ----------------------------------------------------------------------------------------- forwards
 
-    @torch.no_grad()
     def forward(self, x: torch.Tensor, pos0: int = 0, prefix: PrefixKV | None = None,
-                cache: StaticCache | None = None, collect: bool = False, near_row0: bool = False):
+                cache: StaticCache | None = None, collect: bool = False, near_row0: bool = False,
+                checkpoint: bool = False):
         """x [B, T, d] (model dtype) at positions pos0 .. -> final-normed hidden [B, T, d]; with collect, also
         the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: generation KV cache
         (pos0 = -1: one token at the position cache.pos holds, see decode_logits). near_row0: rows 1.. are small perturbations of row 0, so difference products may be used (when
-        enabled; see the module docstring)."""
+        enabled; see the module docstring).
+        Differentiable in x (the exact-gradient ascent, sicl_fast.grad): autograd records only when x requires
+        grad (the weights are detached), so the callers that never differentiate run it under no_grad or with
+        inputs that need none. checkpoint: with autograd recording, recompute each layer in the backward instead
+        of keeping its activations (torch.utils.checkpoint): one layer's activations at a time."""
         if prefix is not None and prefix.length != pos0:
             raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {pos0}")
         if self.embed_mult is not None:
@@ -366,17 +371,24 @@ class Transformer:
                 and not torch.is_grad_enabled() else None)
         kvs = []
         n = len(self.layers)
+        remat = checkpoint and torch.is_grad_enabled()
         _, h = self.residual_norm(x, None, None, self.layers[0].attn_norm)
         for i, L in enumerate(self.layers):
             next_norm = self.layers[i + 1].attn_norm if i + 1 < n else self.final_norm
-            x, h, kv = self.block(L, projs[i], x, h, next_norm, pos0, None if prefix is None else prefix.kv[i],
-                                  cache, i, None if bufs is None else bufs[i])
+            pkv = None if prefix is None else prefix.kv[i]
+            kv_out = None if bufs is None else bufs[i]
+            if remat:
+                x, h, kv = torch.utils.checkpoint.checkpoint(self.block, L, projs[i], x, h, next_norm, pos0, pkv,
+                                                             cache, i, kv_out, use_reentrant=False)
+            else:
+                x, h, kv = self.block(L, projs[i], x, h, next_norm, pos0, pkv, cache, i, kv_out)
             if collect:
                 kvs.append(kv)
         if cache is not None and pos0 >= 0:
             cache.length = pos0 + x.shape[1]
         return (h, kvs) if collect else h
 
+    @torch.no_grad()  # a cache of constants: never differentiated
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:
         """Run the prefix rows [a, d] (model dtype) once, batch 1, keeping every layer's K/V."""
         h, kvs = self.forward(rows.unsqueeze(0), 0, collect=True)

@@ -3,8 +3,10 @@
     ops = make_ops(impl="auto" | "torch" | "cpp" | "triton", device)
 
 `auto` follows the device of the model's tensors: Triton on CUDA, the C++ extension on the CPU when it is built,
-torch otherwise. make_backend (and so Engine and Calibrator) calls this once and passes the object down; nothing
-below decides again, and no environment variable is read. The protocol and the shapes: sicl_fast.ops.base.
+torch otherwise. With grad=True (the engine will run the exact-gradient ascent, estimator "grad") only a
+differentiable implementation will do: the C++ and Triton ops are forward-only (no backward), so `auto` picks
+torch and an explicit 'cpp' or 'triton' is refused. make_backend (and so Engine and Calibrator) calls this once and
+passes the object down; nothing below decides again, and no environment variable is read. The protocol and the shapes: sicl_fast.ops.base.
 """
 from __future__ import annotations
 
@@ -17,11 +19,23 @@ from .base import Ops
 from .torch_ops import TorchOps
 
 IMPLS = ("auto", "torch", "cpp", "triton")
+DIFFERENTIABLE_IMPLS = ("torch",)  # autograd can run through these (the others have no backward)
 
 
-def resolve_impl(impl: str, device) -> str:
+def check_differentiable_impl(name: str) -> None:
+    """The one check that an implementation can carry a backward (estimator 'grad')."""
+    if name not in DIFFERENTIABLE_IMPLS:
+        raise SiclError(f"estimator 'grad' needs differentiable ops, and impl {name!r} is forward-only (the C++ and "
+                        f"Triton ops have no backward); use impl 'torch' or 'auto' (--impl torch)")
+
+
+def resolve_impl(impl: str, device, grad: bool = False) -> str:
     """The concrete implementation `impl` names on `device` ('auto' resolved; see module docstring)."""
     check_choice(impl, IMPLS, "impl", "ops")
+    if grad:
+        if impl != "auto":
+            check_differentiable_impl(impl)
+        return "torch"
     if impl != "auto":
         return impl
     dev = torch.device(device)
@@ -30,9 +44,10 @@ def resolve_impl(impl: str, device) -> str:
     return "cpp" if dev.type == "cpu" and cpp_ops.available() else "torch"
 
 
-def make_ops(impl: str = "auto", device="cpu") -> Ops:
-    """The Ops object for tensors on `device` (module docstring). A SiclError says why an impl cannot run."""
-    name = resolve_impl(impl, device)
+def make_ops(impl: str = "auto", device="cpu", grad: bool = False) -> Ops:
+    """The Ops object for tensors on `device` (module docstring); grad: it must be differentiable. A SiclError says
+    why an impl cannot run."""
+    name = resolve_impl(impl, device, grad)
     if name == "torch":
         return TorchOps()
     if name == "cpp":
@@ -44,4 +59,4 @@ def make_ops(impl: str = "auto", device="cpu") -> Ops:
     return TritonOps(device)
 
 
-__all__ = ["IMPLS", "Ops", "TorchOps", "make_ops", "resolve_impl"]
+__all__ = ["IMPLS", "DIFFERENTIABLE_IMPLS", "Ops", "TorchOps", "check_differentiable_impl", "make_ops", "resolve_impl"]

@@ -14,6 +14,7 @@ elementwise work). Shapes and dtypes:
     update(X, X0 [L, d] f32, f [B], step, spec, out=None) -> (X_new [L, d] f32, fired int32 [1] on X's device)
         step: an int, or an int64 [1] tensor on X's device that the op reads there (device-resident loop state:
         no host read, so a CUDA graph can replay the step); out: a preallocated result buffer
+    ascend(X, X0 [L, d] f32, g [R, d] f32, spec) -> (X_new, fired)      the step from a given (exact) gradient
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (sicl_fast.proxy)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
@@ -52,6 +53,9 @@ class Ops(Protocol):
 
     def update(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: StepSpec,
                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def ascend(self, X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor,
+               spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def proxy(self, logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, beta: float = 0.3,
               gamma: float = 0.1, q: float = 0.1, check_values: bool = True) -> ProxyOut: ...

@@ -41,6 +41,15 @@ class TorchOps:
             fired = fired_tensor(fired, X.device)
         return (X_new, fired) if out is None else (out.copy_(X_new), fired)
 
+    def ascend(self, X, X0, g, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step from a given gradient g [R, d] (the exact one, sicl_fast.grad): clip / normalise, eta,
+        projection (zo.ascend, the same function the zeroth-order update ends in)."""
+        op = f"{self.name} ascend"
+        spec.check_X(X, "X", op)
+        spec.check_X(X0, "X0", op)
+        X_new, fired = zo.ascend(X, X0, g, spec)
+        return X_new, fired_tensor(fired, X.device)
+
     def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
         return checked_proxy(self.proxy_planned, logprobs, offsets, alpha, beta, gamma, q, check_values)
 

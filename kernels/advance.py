@@ -8,7 +8,7 @@
     2. over X: best_X <- X where better, then X <- X_next where update
 
 st: a StaticStep (its device tensors: X, X_next, best, step_t, steps_run, reason, low_snr, projections,
-history). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold are in float64, as the
+history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold are in float64, as the
 reference's; the SNR's mean and standard deviation are float32 reductions in another order than torch's
 (differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
 """
@@ -107,18 +107,13 @@ def _advance_copy_kernel(flags_ptr, x_ptr, x_next_ptr, best_x_ptr, n, BLOCK: tl.
 
 def advance(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     """The bookkeeping of one step on the device (module docstring); two launches, no host read."""
-    params = getattr(st, "_advance_params", None)
-    if params is None:  # float64 on the device, made once: tau and the SNR threshold compared as the reference
-        params = st._advance_params = torch.tensor([cfg.tau, cfg.snr_threshold], dtype=torch.float64,
-                                                   device=f.device)
-        st._advance_flags = torch.zeros(2, dtype=torch.int32, device=f.device)
     N = (f.numel() - 1) // 2 if cfg.estimator == "central" else f.numel() - 1
     _advance_state_kernel[(1,)](
-        f, params, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history, st.best.best_f,
-        st.best.counters, fired, st._advance_flags, N, float(cfg.mu_eff), int(cfg.patience), int(cfg.max_steps),
+        f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history, st.best.best_f,
+        st.best.counters, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience), int(cfg.max_steps),
         CENTRAL=cfg.estimator == "central", HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience),
         BLOCK_N=next_pow2(N))
     n = st.X.numel()
     BLOCK = 1 << 16 if interpreting() else 2048
-    _advance_copy_kernel[(triton.cdiv(n, BLOCK),)](st._advance_flags, st.X, st.X_next, st.best.best_X, n,
+    _advance_copy_kernel[(triton.cdiv(n, BLOCK),)](st.flags, st.X, st.X_next, st.best.best_X, n,
                                                    BLOCK=BLOCK)

@@ -86,6 +86,10 @@ class StaticStep:
         self.projections = torch.zeros(1, **i64)
         self.history = torch.full((cfg.max_steps,), math.nan, dtype=torch.float32, device=dev)
         self.minus_inf = torch.full((1,), -math.inf, dtype=torch.float32, device=dev)
+        # for the fused bookkeeping (kernels/advance.py): tau and the SNR threshold in float64, as the reference
+        # compares them, and its two flags (f0 beat the best, X takes X_next)
+        self.thresholds = torch.tensor([cfg.tau, cfg.snr_threshold], dtype=torch.float64, device=dev)
+        self.flags = torch.zeros(2, dtype=torch.int32, device=dev)
         a = prompt.demo_start
         self.use_prefix = use_prefix and backend.prefix_cache and a > 0
         rows_fixed = cfg.projection_scope == "demos" or cfg.kappa <= 0  # nothing rescales rows [0, a)

@@ -326,9 +326,7 @@ def test_track_best_matches_algorithm_1(ops, dev):
 class ScriptedState:
     """The fields of a StaticStep that the bookkeeping reads and writes, on `dev`."""
 
-    def __init__(self, ops, L, d, max_steps, dev):
-        from sicl_fast.static import RUNNING  # noqa: F401 (the state starts RUNNING: zeros)
-
+    def __init__(self, ops, L, d, cfg, dev):
         i64 = dict(dtype=torch.int64, device=dev)
         self.ops = ops
         g = torch.Generator().manual_seed(5)
@@ -337,8 +335,10 @@ class ScriptedState:
         self.best = BestState(self.X)
         self.step_t, self.steps_run, self.reason = (torch.zeros(1, **i64) for _ in range(3))
         self.low_snr, self.projections = torch.zeros(1, **i64), torch.zeros(1, **i64)
-        self.history = torch.full((max_steps,), math.nan, device=dev)
+        self.history = torch.full((cfg.max_steps,), math.nan, device=dev)
         self.minus_inf = torch.full((1,), -math.inf, device=dev)
+        self.thresholds = torch.tensor([cfg.tau, cfg.snr_threshold], dtype=torch.float64, device=dev)
+        self.flags = torch.zeros(2, dtype=torch.int32, device=dev)
 
     def tensors(self):
         return [self.X, self.best.best_X, self.best.best_f, self.best.counters, self.step_t, self.steps_run,
@@ -364,7 +364,7 @@ def test_advance_matches_the_reference(ops, dev, name):
     kw, f0s = ADVANCE_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
     B = cfg.batch
-    ref, got = ScriptedState(TorchOps(), 7, 5, cfg.max_steps, "cpu"), ScriptedState(ops, 7, 5, cfg.max_steps, dev)
+    ref, got = ScriptedState(TorchOps(), 7, 5, cfg, "cpu"), ScriptedState(ops, 7, 5, cfg, dev)
     g = torch.Generator().manual_seed(1)
     stopped_at = None
     for step, f0 in enumerate(f0s + [0.9, 0.95]):  # two more calls after the stop must change nothing

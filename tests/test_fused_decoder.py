@@ -1,4 +1,4 @@
-"""The fused decoder (impl 'triton': kernels/rms_norm, rope, gated, softcap, attention, advance; under Triton's
+"""The fused decoder (impl 'triton': kernels/rms_norm, rope, gated, softcap, attention, advance, diff_epilogues;
 interpreter on the CPU) against the unfused one (impl 'torch', the reference) on the tiny models of all four
 families and on SmolLM2, and its launch budget.
 

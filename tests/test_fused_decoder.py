@@ -1,6 +1,6 @@
 """The fused decoder (impl 'triton': kernels/rms_norm, rope, gated, softcap, attention, advance, diff_epilogues;
-under Triton's interpreter on the CPU) against the unfused one (impl 'torch', the reference) on the tiny models of all four
-families and on SmolLM2, and its launch budget.
+under Triton's interpreter on the CPU) against the unfused one (impl 'torch', the reference) on the tiny models
+of all four families and on SmolLM2, and its launch budget.
 
 Tolerances: float32, the proxy f of every batch row to rtol 1e-5 (the issue's bar) and the span log-probs to
 1e-4 absolute; bf16 models, f to 2e-2 absolute (bf16 activations through three layers, with the interpreter's

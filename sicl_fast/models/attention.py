@@ -186,10 +186,7 @@ class Attention:
         if impl == "triton":
             from ..ops.triton_ops import load_kernels
 
-            self._kernels = load_kernels()  # a SiclError that says what to do when triton is missing
-            if self.device.type != "cuda" and not self._kernels.interpreting():
-                raise SiclError(f"attention implementation 'triton' runs on CUDA; for {self.device} set "
-                                "TRITON_INTERPRET=1 before triton is imported, or use 'sdpa' / 'math'")
+            self._kernels = load_kernels(self.device, "attention implementation 'triton'", "'sdpa' / 'math'")
         if impl == "flash" and _flash_attn_func is None:
             raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
         self.impl = impl

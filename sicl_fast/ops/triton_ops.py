@@ -17,14 +17,19 @@ from ..spec import StepSpec
 from .torch_ops import TorchOps
 
 
-def load_kernels():
-    """The installed `sicl_fast.kernels` package; a SiclError that says what to do when triton is missing."""
+def load_kernels(device=None, what: str = "impl 'triton'", instead: str = "impl 'torch' / 'cpp'"):
+    """The installed `sicl_fast.kernels` package; a SiclError that says what to do when triton is missing, or
+    when `device` (if given) is neither CUDA nor the CPU under Triton's interpreter (`what` needs the kernels;
+    `instead` names what to use otherwise)."""
     try:
         import triton  # noqa: F401
     except ImportError as exc:
-        raise SiclError(f"impl 'triton' needs the `triton` package (pip install triton==3.6.0): {exc}") from None
+        raise SiclError(f"{what} needs the `triton` package (pip install triton==3.6.0): {exc}") from None
     from .. import kernels
 
+    if device is not None and torch.device(device).type != "cuda" and not kernels.interpreting():
+        raise SiclError(f"{what} runs on CUDA; for {torch.device(device)} tensors set TRITON_INTERPRET=1 before "
+                        f"triton is imported (Triton's interpreter, slow) or use {instead}")
     return kernels
 
 
@@ -35,11 +40,7 @@ class TritonOps(TorchOps):
     kv_in_place = True  # qk_rope writes K / V straight into the decoder's buffers
 
     def __init__(self, device="cuda") -> None:
-        self.K = load_kernels()
-        dev = torch.device(device)
-        if dev.type != "cuda" and not self.K.interpreting():
-            raise SiclError(f"impl 'triton' runs on CUDA; for {dev} tensors set TRITON_INTERPRET=1 before triton "
-                            "is imported (Triton's interpreter, slow) or use impl 'torch' / 'cpp'")
+        self.K = load_kernels(device)
 
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
         return self.K.perturb(X.float(), step, spec, out=out)

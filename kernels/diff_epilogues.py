@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._math import tanh, to_bf16
+from ._math import gated_act, to_bf16
 from .gated import ACT_CODES
 
 BLOCK = 1024
@@ -41,17 +41,6 @@ def _add_rows_kernel(y0_ptr, yd_ptr, out_ptr, n, row, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _act(g, ACT: tl.constexpr):
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:
-        a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
-    else:
-        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    return a
-
-
-@triton.jit
 def _gated_diff_kernel(y0_ptr, yd_ptr, a0_ptr, da_ptr, n, TI, I, ACT: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # over (R+1) * T * I outputs
     m = offs < n
@@ -60,14 +49,14 @@ def _gated_diff_kernel(y0_ptr, yd_ptr, a0_ptr, da_ptr, n, TI, I, ACT: tl.constex
     i = offs % I
     g0 = tl.load(y0_ptr + t * 2 * I + i, mask=m)
     u0 = tl.load(y0_ptr + t * 2 * I + I + i, mask=m)
-    a0 = _act(g0, ACT) * u0
+    a0 = gated_act(g0, ACT) * u0
     first = r == 0
     dm = m & (first == 0)
     base = (r - 1) * TI * 2 + t * 2 * I + i
     g = g0 + tl.load(yd_ptr + base, mask=dm, other=0.0).to(tl.float32)
     u = u0 + tl.load(yd_ptr + base + I, mask=dm, other=0.0).to(tl.float32)
     tl.store(a0_ptr + offs, a0, mask=m & first)
-    tl.store(da_ptr + offs - TI, to_bf16(_act(g, ACT) * u - a0), mask=dm)
+    tl.store(da_ptr + offs - TI, to_bf16(gated_act(g, ACT) * u - a0), mask=dm)
 
 
 def diff_rows(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._math import tanh
+from ._math import gated_act
 
 ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
 
@@ -27,13 +27,7 @@ def _gated_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, ACT: tl
     DT = out_ptr.dtype.element_ty
     g = tl.load(gate_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-        a = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
-    else:
-        a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    out = a.to(DT).to(tl.float32) * u
+    out = gated_act(g, ACT).to(DT).to(tl.float32) * u
     tl.store(out_ptr + row * n_cols + cols, out.to(DT), mask=m)
 
 

@@ -39,16 +39,28 @@ def gpt2_f64(smol):
     return from_transformers(GPT2LMHeadModel(cfg).double(), smol.tokenizer, name="tiny-gpt2-f64")
 
 
-@pytest.fixture(scope="module")
-def llama(smol):
-    """A tiny Llama (float32), random weights large enough that the proxy moves."""
+def tiny_llama16(tokenizer, layers: int, name: str):
+    """A tiny Llama (float32, vocabulary 16), random weights large enough that the proxy moves."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       tie_word_embeddings=False, initializer_range=0.5)
-    return from_transformers(LlamaForCausalLM(cfg), smol.tokenizer, name="tiny-llama-v16")
+    return from_transformers(LlamaForCausalLM(cfg), tokenizer, name=name)
+
+
+@pytest.fixture(scope="module")
+def llama(smol):
+    return tiny_llama16(smol.tokenizer, 2, "tiny-llama-v16")
+
+
+def central_difference(cal, prompt, X, spec, v, h: float) -> float:
+    """(f(X + h v) - f(X - h v)) / 2h, v [rows, d] on the perturbed rows [a, b)."""
+    Xp, Xm = X.clone(), X.clone()
+    Xp[spec.a:spec.b] += h * v
+    Xm[spec.a:spec.b] -= h * v
+    return float((cal.proxy_of(Xp[None], prompt).f - cal.proxy_of(Xm[None], prompt).f)[0]) / (2 * h)
 
 
 def _grad(backend, prompt, X, **kw):
@@ -72,10 +84,7 @@ def test_gradient_matches_central_differences_in_float64(gpt2_f64):
     for _ in range(6):
         v = torch.randn(spec.rows, spec.d, generator=gen, dtype=torch.float64)
         v /= v.norm()
-        Xp, Xm = X.clone(), X.clone()
-        Xp[spec.a:spec.b] += h * v
-        Xm[spec.a:spec.b] -= h * v
-        fd = float((cal.proxy_of(Xp[None], p).f - cal.proxy_of(Xm[None], p).f)[0]) / (2 * h)
+        fd = central_difference(cal, p, X, spec, v, h)
         exact = float((g * v).sum())
         assert abs(fd - exact) <= 1e-6 * abs(exact), (fd, exact)
     # and f itself is the forward-only proxy, bit for bit
@@ -99,10 +108,7 @@ def test_float32_backends_agree_with_each_other_and_with_differences(llama, name
     v = torch.randn(spec.rows, spec.d, generator=gen)
     v /= v.norm()
     h = 1e-3
-    Xp, Xm = X.clone(), X.clone()
-    Xp[spec.a:spec.b] += h * v
-    Xm[spec.a:spec.b] -= h * v
-    fd = float((cal.proxy_of(Xp[None], p).f - cal.proxy_of(Xm[None], p).f)[0]) / (2 * h)
+    fd = central_difference(cal, p, X, spec, v, h)
     exact = float((g * v).sum())
     assert abs(fd - exact) <= 1e-2 * abs(exact), (fd, exact)
 

@@ -14,23 +14,15 @@ from sicl_fast import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.gradstudy import StudySettings, markdown, study_point, study_prompt, summarize
-from sicl_fast.models import from_transformers
 from sicl_fast.rng import directions
+from test_grad import VOCAB, tiny_llama16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-VOCAB = 16
 
 
 @pytest.fixture(scope="module")
 def llama(smol):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=False, initializer_range=0.5)
-    return from_transformers(LlamaForCausalLM(cfg), smol.tokenizer, name="tiny-llama-study")
+    return tiny_llama16(smol.tokenizer, 1, "tiny-llama-study")
 
 
 def test_first_n_directions_do_not_depend_on_n():

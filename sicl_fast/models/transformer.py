@@ -310,12 +310,13 @@ class Transformer:
         return self._diff
 
     def block(self, L: Layer, proj: Dense, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, pos0: int,
-              prefix=None, cache: StaticCache | None = None, i: int = 0, kv_out=None):
+              prefix=None, cache: StaticCache | None = None, i: int = 0, kv_out=None, keep_kv: bool = False):
         """One decoder layer on x [B, T, d] at positions pos0 .. pos0+T-1, whose input norm h = rms_norm(x,
         L.attn_norm) the previous op made, with the layer's products `proj`. Returns (x, rms_norm(x, next_norm),
-        (k, v)): the next layer's input norm (or the final norm) is fused with this layer's last residual add.
-        kv_out: buffers [B, T, Hk, hd] the rotary op writes k / v into (else fresh tensors). Temporaries are
-        dropped as soon as they are used (`del`): the peak memory is that of one sub-block."""
+        (k, v) if keep_kv else None): the next layer's input norm (or the final norm) is fused with this layer's
+        last residual add. kv_out: buffers [B, T, Hk, hd] the rotary op writes k / v into (else fresh tensors).
+        Temporaries are dropped as soon as they are used (`del`): the peak memory is that of one sub-block (v is a
+        view of the fused q / k / v product, so keeping it would keep that whole product through the MLP)."""
         B, T, _ = x.shape
         q, k, v = proj.qkv(h)
         del h
@@ -337,14 +338,15 @@ class Transformer:
                                cache_len=pos0 + T)
         else:
             o = self.attention(q, k, v, pos0, L.window, prefix)
-        del q
+        kv = (k, v) if keep_kv else None
+        del q, k, v
         o = proj.out(o.reshape(B, T, self.H * self.hd))
         x, h = self.residual_norm(x, o, L.post_attn_norm, L.mlp_norm)
         del o
         m = proj.mlp(h)
         del h
         x, h = self.residual_norm(x, m, L.post_mlp_norm, next_norm)
-        return x, h, (k, v)
+        return x, h, kv
 
     # ----------------------------------------------------------------------------------------- forwards
 
@@ -379,9 +381,9 @@ class Transformer:
             kv_out = None if bufs is None else bufs[i]
             if remat:
                 x, h, kv = torch.utils.checkpoint.checkpoint(self.block, L, projs[i], x, h, next_norm, pos0, pkv,
-                                                             cache, i, kv_out, use_reentrant=False)
+                                                             cache, i, kv_out, collect, use_reentrant=False)
             else:
-                x, h, kv = self.block(L, projs[i], x, h, next_norm, pos0, pkv, cache, i, kv_out)
+                x, h, kv = self.block(L, projs[i], x, h, next_norm, pos0, pkv, cache, i, kv_out, collect)
             if collect:
                 kvs.append(kv)
         if cache is not None and pos0 >= 0:

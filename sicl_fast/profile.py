@@ -89,17 +89,26 @@ class KernelCount:
                 f"calls{cuda})")
 
 
+def decoder_call(st: StaticStep, prefix):
+    """The decoder's forward over the batch of the static step `st`, as the step runs it (rows [a, b) on the
+    prefix K/V `prefix` = st._prefix() when there is one, without autograd): a callable returning the hidden
+    states [B, T, d]."""
+    m, p = st.backend.model, st.prompt
+    a, x = p.demo_start, st.batch[:, :p.demo_end].to(m.dtype)
+
+    @torch.no_grad()
+    def forward() -> torch.Tensor:
+        return m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None else m.forward(x, near_row0=True)
+    return forward
+
+
 def kernels_per_step(st: StaticStep) -> KernelCount:
     """The KernelCount of one call of the static step `st` (a step, then the decoder's forward of its batch on
     its own: the step's state moves on, the count is the same every step)."""
     total = count_kernels(st)
-    m, p = st.backend.model, st.prompt
-    a, x, prefix = p.demo_start, st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
-    with torch.no_grad():  # as the step runs it
-        layers = count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None
-                               else m.forward(x, near_row0=True))
+    layers = count_kernels(decoder_call(st, st._prefix()))
     events = cuda_kernel_events(st) if torch.device(st.backend.device).type == "cuda" else None
-    return KernelCount(total=total, layers=layers, n_layers=len(m.layers), cuda_events=events)
+    return KernelCount(total=total, layers=layers, n_layers=len(st.backend.model.layers), cuda_events=events)
 
 
 def step_flops(st: StaticStep) -> dict[str, float]:
@@ -180,20 +189,13 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     st = StaticStep(backend, cal.config, prompt, X0)
     dev, m, ops, spec = backend.device, backend.model, backend.ops, st.spec
     a = prompt.demo_start
-    x = st.batch[:, :prompt.demo_end].to(m.dtype)
     prefix = st._prefix()
-    hidden = {}
-
-    def layers():
-        hidden["h"] = (m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None
-                       else m.forward(x, near_row0=True))
-
-    layers()
-    h = hidden["h"]
+    layers = decoder_call(st, prefix)
+    h = layers()
     span = st.span
     idx = span.idx_suffix if prefix is not None and not span.from_prefix else span.idx
     hs = h.index_select(1, idx) if not (prefix is not None and span.from_prefix) else torch.cat(
-        [prefix.hidden.expand(x.shape[0], -1, -1), h], 1).index_select(1, idx)
+        [prefix.hidden.expand(h.shape[0], -1, -1), h], 1).index_select(1, idx)
     lp = ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap)
     f = ops.proxy_planned(lp, st.plan).f
     phases = {

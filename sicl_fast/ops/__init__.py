@@ -6,7 +6,8 @@
 torch otherwise. With grad=True (the engine will run the exact-gradient ascent, estimator "grad") only a
 differentiable implementation will do: the C++ and Triton ops are forward-only (no backward), so `auto` picks
 torch and an explicit 'cpp' or 'triton' is refused. make_backend (and so Engine and Calibrator) calls this once and
-passes the object down; nothing below decides again, and no environment variable is read. The protocol and the shapes: sicl_fast.ops.base.
+passes the object down; nothing below decides again, and no environment variable is read. The protocol and the
+shapes: sicl_fast.ops.base.
 """
 from __future__ import annotations
 

@@ -20,15 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-WORKER = r"""
-import json, sys, time
-root = sys.argv[1]
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
-                    and "editable" not in getattr(f, "__name__", "").lower()]
-sys.path.insert(0, root)
+from other_checkout import PRELUDE  # bench/, first on sys.path when run as a script
+
+WORKER = PRELUDE + r"""
+import json, time
 import torch
-import sicl_fast
-assert sicl_fast.__file__.startswith(root), sicl_fast.__file__
 from sicl_fast import CalibrationConfig
 from sicl_fast.ascent import Calibrator
 from sicl_fast.backends import make_backend

@@ -14,27 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from other_checkout import PRELUDE  # bench/, first on sys.path when run as a script
+
 HERE = Path(__file__).resolve().parents[1]
 
-WORKER = r"""
-import importlib.util, json, os, sys
-root, counter_file = sys.argv[1], sys.argv[2]
-os.environ["TRITON_INTERPRET"] = "1"
-sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()
-                    and "editable" not in getattr(f, "__name__", "").lower()]
-sys.path.insert(0, root)
+WORKER = PRELUDE + r"""
+import json
 import torch
-import sicl_fast
-assert sicl_fast.__file__.startswith(root), sicl_fast.__file__
-spec = importlib.util.spec_from_file_location("sicl_fast.kernels", os.path.join(root, "kernels", "__init__.py"),
-                                              submodule_search_locations=[os.path.join(root, "kernels")])
-kernels = importlib.util.module_from_spec(spec)
-sys.modules["sicl_fast.kernels"] = kernels
-spec.loader.exec_module(kernels)
+counter_file = sys.argv[2]
 spec = importlib.util.spec_from_file_location("kernel_count_rules", counter_file)
 rules = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rules)
@@ -61,7 +53,8 @@ print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "
 
 def count(root: Path, impl: str, length: int, N: int, diff: str) -> dict:
     out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(HERE / "sicl_fast" / "kernel_count.py"),
-                          impl, str(length), str(N), diff], capture_output=True, text=True, timeout=3600)
+                          impl, str(length), str(N), diff], capture_output=True, text=True, timeout=3600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})  # set before the checkout imports triton
     if out.returncode != 0:
         raise SystemExit(f"{root} ({impl}): {out.stderr.strip().splitlines()[-3:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

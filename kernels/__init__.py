@@ -11,6 +11,7 @@ One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dt
     track_best(f, X, BestState) -> BestState            best-so-far X / f / patience on the device
     advance(st, f, fired, cfg)                          the static step's bookkeeping (sicl_fast.static)
     randn(seed, step, num, rows, d) -> [num, rows, d]   the directions U (= sicl_fast.rng.directions, bitwise)
+    cached_tensors() -> list                            device constants the launchers cache (a graph keeps them)
 
 The decoder's fused kernels (references in sicl_fast.models.elementwise and sicl_fast.models.attention):
 
@@ -29,7 +30,7 @@ from .perturb import perturb
 from .proxy import proxy, proxy_planned
 from .randn import randn
 from .span_logprobs import span_logprobs
-from .zo_update import zo_update
+from .zo_update import cached_tensors, zo_update
 from .advance import advance
 from .attention import prefix_attention
 from .diff_epilogues import add_rows, diff_rows, gated_diff
@@ -38,5 +39,5 @@ from .rms_norm import residual_norm
 from .rope import qk_rope
 from .softcap import softcap_
 
-__all__ = ["span_logprobs", "proxy", "proxy_planned", "perturb", "zo_update", "track_best", "BestState", "randn", "interpreting",
+__all__ = ["span_logprobs", "proxy", "proxy_planned", "perturb", "zo_update", "track_best", "BestState", "randn", "interpreting", "cached_tensors",
            "advance", "diff_rows", "add_rows", "gated_diff", "residual_norm", "qk_rope", "gated", "softcap_", "prefix_attention"]

@@ -183,6 +183,11 @@ def _consts(kappa: float, device) -> torch.Tensor:
     return t
 
 
+def cached_tensors() -> list:
+    """The device constants _consts has made: a captured CUDA graph reads them by address, so it keeps them."""
+    return list(_CONSTS.values())
+
+
 def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: StepSpec,
               out: torch.Tensor | None = None, block_d: int | None = None):
     """One ascent step (module docstring). X, X0: [L, d] float32; f: [B] float (B = N+1 or 2N+1), all on one

@@ -13,6 +13,7 @@ import warnings
 from .ascent import CalibrationConfig
 from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
+from .graphs import GRAPH_MODES
 from .gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
@@ -92,6 +93,9 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                         "the backend supports it (fast, fast-fp32). Same results.")
     g.add_argument("--sync-every", type=_int_at_least(1), default=None, metavar="K",
                    help="static loop: read the state back every K steps (default 1 on the CPU, 8 on a GPU)")
+    g.add_argument("--graphs", default="auto", choices=GRAPH_MODES,
+                   help="CUDA graphs: the static step captured once per prompt shape and replayed, and the decode "
+                        "step captured per cache length; auto: on for CUDA with the static loop. Same results.")
     g.add_argument("--pack", type=_int_at_least(1), default=1, metavar="P",
                    help="calibrate / icleval: calibrate up to P prompts at once through one batched forward "
                         "(throughput mode, fast backend; default 1)")
@@ -236,7 +240,7 @@ def _engine_kwargs(args, add_special_tokens=None) -> dict:
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
     return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
                 diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-                pack=getattr(args, "pack", 1), grad=_wants_grad(args))
+                pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=args.graphs)
 
 
 def _engine(args, add_special_tokens=None):

@@ -22,7 +22,8 @@ from .requests import Request, parse_request
 from .spans import Prompt, tokenize
 from .spec import check_choice
 from .packed import run_packed
-from .static import LOOPS, default_sync_every, run_static, supports_static
+from .static import LOOPS, StepCache, default_sync_every, run_static, supports_static
+from .graphs import DEFAULT_CAPACITY, resolve_graphs
 
 
 class Engine:
@@ -33,7 +34,11 @@ class Engine:
     pack: calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed).
     grad: this engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the
     differentiable torch ops, and a backend, impl or model that cannot be differentiated is refused here. Its
-    calibrations run on the eager loop (the static and packed steps are zeroth-order only)."""
+    calibrations run on the eager loop (the static and packed steps are zeroth-order only).
+    graphs: 'auto' (on for CUDA), 'on', 'off': static-loop calibrations replay a CUDA graph of the step, captured
+    once per prompt shape, and the fast backend decodes through captured graphs (sicl_fast.graphs); at most
+    `graph_cache` graphs of each kind are kept. Results equal the uncaptured path's. The packed step (pack > 1)
+    runs uncaptured."""
 
     def __init__(
         self,
@@ -49,6 +54,8 @@ class Engine:
         sync_every: int | None = None,
         pack: int = 1,
         grad: bool = False,
+        graphs: str = "auto",
+        graph_cache: int = DEFAULT_CAPACITY,
     ) -> None:
         check_choice(loop, LOOPS, "loop", "Engine")
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
@@ -66,6 +73,15 @@ class Engine:
                             f"loop {loop!r})")
         self.pack = pack
         self.add_special_tokens = add_special_tokens
+        # 'auto' captures where there is a static step to capture; 'on' without one is refused below
+        self.graphs = resolve_graphs(graphs, self.lm.device) and (self.static or graphs == "on")
+        self.steps = None  # the static steps and their graphs, per prompt shape
+        if self.graphs:
+            if not self.static:
+                raise SiclError(f"graphs 'on' captures the static step; backend {self.backend.name!r} with loop "
+                                f"{loop!r} has none (use graphs 'auto' or 'off')")
+            self.steps = StepCache(self.lm.device, graph_cache)
+            self.backend.use_graphs(graph_cache)
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:
         """Tokenize a request (either JSON form or a Request); `reserve` tokens must fit after it."""
@@ -88,7 +104,7 @@ class Engine:
     def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, **overrides) -> CalibrationResult:
         cfg = self.config(config, **overrides)
         if self.static and not (cfg.estimator == "grad" and self.loop == "auto"):  # static + grad: refused there
-            return run_static(self.backend, cfg, prompt, sync_every=self.sync_every, on_step=on_step)
+            return run_static(self.backend, cfg, prompt, sync_every=self.sync_every, on_step=on_step, steps=self.steps)
         return Calibrator(self.backend, cfg).run(prompt, on_step=on_step)
 
     def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,

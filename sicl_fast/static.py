@@ -29,6 +29,7 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .best import BestState
 from .errors import NumericalError, SiclError
+from .graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs
 from .proxy import ProxyPlan
 from .spans import Prompt
 from .zo import finite_differences
@@ -85,6 +86,7 @@ class StaticStep:
         self.low_snr = torch.zeros(1, **i64)
         self.projections = torch.zeros(1, **i64)
         self.history = torch.full((cfg.max_steps,), math.nan, dtype=torch.float32, device=dev)
+        self.counters = (self.step_t, self.steps_run, self.reason, self.low_snr, self.projections)
         self.minus_inf = torch.full((1,), -math.inf, dtype=torch.float32, device=dev)
         # for the fused bookkeeping (kernels/advance.py): tau and the SNR threshold in float64, as the reference
         # compares them, and its two flags (f0 beat the best, X takes X_next)
@@ -94,6 +96,45 @@ class StaticStep:
         self.use_prefix = use_prefix and backend.prefix_cache and a > 0
         rows_fixed = cfg.projection_scope == "demos" or cfg.kappa <= 0  # nothing rescales rows [0, a)
         self.prefix = m.prefix_kv(self.X0[:a].to(m.dtype)) if self.use_prefix and rows_fixed else None
+
+    @staticmethod
+    def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor) -> tuple:
+        """What a step's buffers and kernel launches depend on (config resolved, X0 [L, d]). Prompts of one shape
+        can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
+        count or length, and their texts in everything."""
+        spec = Calibrator(backend, config).step_spec(prompt, X0)
+        return (config, spec, int(prompt.positions.numel()), len(prompt.token_spans),
+                backend.span_plan(prompt).from_prefix)
+
+    def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
+        """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
+        overwritten in place, so a graph captured on this step replays the new prompt, and the state starts as a
+        new StaticStep's would."""
+        m, cfg, dev = self.backend.model, self.config, self.backend.device
+        span = self.backend.span_plan(prompt)
+        plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta, cfg.gamma,
+                               cfg.q)
+        for mine, new in ((self.span.idx, span.idx), (self.span.idx_suffix, span.idx_suffix),
+                          (self.span.targets, span.targets), (self.plan.offsets, plan.offsets),
+                          (self.plan.offsets_dev, plan.offsets_dev), (self.plan.seg, plan.seg),
+                          (self.plan.lengths, plan.lengths)):
+            mine.copy_(new)
+        self.prompt = prompt
+        self.X0.copy_(X0)
+        self.X.copy_(X0)
+        self.best.best_X.copy_(X0)
+        self.best.best_f.fill_(-math.inf)
+        self.best.counters.zero_()
+        for t in self.counters:
+            t.zero_()
+        self.history.fill_(math.nan)
+        if self.prefix is not None:
+            new = m.prefix_kv(self.X0[:prompt.demo_start].to(m.dtype))
+            self.prefix.rows.copy_(new.rows)
+            self.prefix.hidden.copy_(new.hidden)
+            for (k, v), (k_new, v_new) in zip(self.prefix.kv, new.kv):
+                k.copy_(k_new)
+                v.copy_(v_new)
 
     def _prefix(self):
         if not self.use_prefix:
@@ -175,22 +216,48 @@ def advance_reference(st: StaticStep, f: torch.Tensor, fired: torch.Tensor, cfg:
     s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
 
 
+class StepCache:
+    """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA (the step
+    itself elsewhere), at most `capacity` of them (least recently used dropped). get() re-arms the step of the
+    prompt's shape for that prompt (StaticStep.load), building and capturing it on the first prompt of a shape."""
+
+    def __init__(self, device, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.device = torch.device(device)
+        self.cache = ShapeCache(capacity)
+
+    def get(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor):
+        """(step, run): the StaticStep armed for prompt from X0 [L, d] (config resolved), and the callable that
+        runs one step of it (its graph's replay on CUDA)."""
+        def build():
+            st = StaticStep(backend, config, prompt, X0)
+            return st, captured(st, self.device, keep=model_refs(backend.model, backend.ops))
+
+        (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0), build)
+        if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
+            st.load(prompt, X0)
+        return st, run
+
+
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
-               sync_every: int = 1, on_step=None, should_stop=None) -> CalibrationResult:
+               sync_every: int = 1, on_step=None, should_stop=None, steps: StepCache | None = None
+               ) -> CalibrationResult:
     """Calibrate one prompt with the static step, reading its state back every `sync_every` steps. Returns the
     CalibrationResult the eager loop would (history, best_step, stop_reason, steps, projections, embeddings).
     should_stop: as Calibrator.run's, checked at each read; a returned string ends the run with that stop_reason
-    and the best X so far."""
+    and the best X so far. steps: a StepCache to take the step (and its graph) from; None: a new step."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise SiclError(f"sync_every must be an int >= 1, got {sync_every!r}")
     t0 = time.perf_counter()
     cal = Calibrator(backend, config)
     X0 = cal.initial_embeddings(prompt, X0)
-    st = StaticStep(backend, cal.config, prompt, X0)
+    if steps is None:
+        st = run = StaticStep(backend, cal.config, prompt, X0)
+    else:
+        st, run = steps.get(backend, cal.config, prompt, X0)
     reported = 0
     while True:
         for _ in range(sync_every):
-            st()
+            run()
         done, n = int(st.reason) != RUNNING, int(st.steps_run)  # the one read per sync_every steps
         if on_step is not None and n > reported:
             for i, v in enumerate(st.history[reported:n].tolist(), start=reported):
@@ -204,4 +271,4 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     return st.result(time.perf_counter() - t0)
 
 
-__all__ = ["StaticStep", "advance_reference", "run_static", "supports_static", "default_sync_every", "LOOPS"]
+__all__ = ["StaticStep", "StepCache", "advance_reference", "run_static", "supports_static", "default_sync_every", "LOOPS"]

@@ -9,6 +9,9 @@ from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
 from sicl_fast.models import from_transformers
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# SmolLM2's 30 float32 layers: the intra-op thread count changes the reduction order of the products (the first
+# GPU machine's 16 threads missed 1e-5 by 2.6e-5); log-probs of magnitude ~1-10, so 1e-4 is still 1e-5 relative
+SMOL_TOL = dict(rtol=1e-5, atol=1e-4)
 
 
 def full_logits_reference(lm, X, prompt):
@@ -54,7 +57,7 @@ def test_smollm2_matches_full_logits(smol):
     X = perturbed_batch(hf.embed(p), 3, p.demo_start, p.demo_end, scale=0.005)
     with torch.no_grad():
         ref = full_logits_reference(smol, X, p)
-    torch.testing.assert_close(hf.span_logprobs(X, p), ref, **TOL)
+    torch.testing.assert_close(hf.span_logprobs(X, p), ref, **SMOL_TOL)
 
 
 def test_gemma2_softcap_matches_full_logits():

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
 from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
 from ..spans import Prompt
 from .base import Backend
@@ -65,6 +66,12 @@ class FastBackend(Backend):
         self.read_every = 1 if m.device.type == "cpu" else 8  # decoding: tokens between two host reads
         self._prefix: PrefixKV | None = None
         self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
+        self.decoders: ShapeCache | None = None  # captured decode steps per cache length (use_graphs)
+
+    def use_graphs(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        """Decode through captured CUDA graphs from now on: one static KV cache and graph per cache length
+        (cache_rows buckets), at most `capacity` kept. The engine calls it once when graphs are on."""
+        self.decoders = ShapeCache(capacity)
 
     def clear_cache(self) -> None:
         self._prefix = None
@@ -137,7 +144,16 @@ class FastBackend(Backend):
         lm, m = self.lm, self.model
         check_inputs(lm, embeds, max_new_tokens)
         L = embeds.shape[0]
-        cache = m.new_cache(L + max(max_new_tokens, 1))
+        rows = L + max(max_new_tokens, 1)
+        if self.decoders is None:
+            cache = m.new_cache(rows)
+            step = lambda token: m.decode_logits(token, cache)  # noqa: E731
+        else:  # graphs: a bucketed cache length, so a new prompt length mostly finds its graph captured
+            n = cache_rows(rows)
+            if lm.max_context is not None:
+                n = max(min(n, lm.max_context), rows)
+            dec, _ = self.decoders.get(n, lambda: DecodeGraph(m, n, self.ops, m.device))
+            cache, step = dec.cache, dec.step
 
         @torch.no_grad()  # the forward records autograd for inputs that require grad; decoding never needs it
         def prefill():
@@ -146,8 +162,7 @@ class FastBackend(Backend):
             cache.pos.fill_(L)
             return logits
 
-        return greedy_decode(lm, prefill, lambda token: m.decode_logits(token, cache), max_new_tokens,
-                             stop_strings, stop_fn, read_every=self.read_every)
+        return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn, read_every=self.read_every)
 
 
 __all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]

@@ -301,6 +301,15 @@ class Transformer:
             self._rows_kv = ((B, T), [(mk(), mk()) for _ in self.layers])
         return self._rows_kv[1]
 
+    def cached_tensors(self) -> list:
+        """The device tensors this model caches between forwards (rotary tables, the rows' K/V buffers, attention
+        masks) and may later replace or drop: a captured CUDA graph reads them by address, so it keeps these
+        references (sicl_fast.graphs)."""
+        out = [t for r in self.rotary.values() for t in (r.cos, r.sin)]
+        out += [t for kv in self._rows_kv[1] for t in kv]
+        out += [t for got in self.attention._masks.values() for t in got if isinstance(t, torch.Tensor)]
+        return out
+
     def diff_projections(self) -> list[DiffDense]:
         """Per layer, the difference-product projections, with the stacked weights in the difference dtype (made
         once: half the float32 weights' memory in bf16)."""

@@ -33,6 +33,9 @@ The decoder's elementwise work (sicl_fast.models.elementwise is the reference; a
             a fused implementation may overwrite q
     gated(gate [.., I], up [.., I], act_name) -> act(gate) * up
     softcap_(x, cap) -> cap tanh(x / cap)                 a fused implementation overwrites x
+
+    cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
+                                address, so it holds these references (sicl_fast.graphs)
 """
 from __future__ import annotations
 
@@ -83,6 +86,8 @@ class Ops(Protocol):
     def gated(self, gate: torch.Tensor, up: torch.Tensor, act_name: str) -> torch.Tensor: ...
 
     def softcap_(self, x: torch.Tensor, cap: float) -> torch.Tensor: ...
+
+    def cached_tensors(self) -> list: ...
 
 
 def fired_tensor(fired: bool, device) -> torch.Tensor:

@@ -24,6 +24,9 @@ class TorchOps:
     name = "torch"
     kv_in_place = False  # qk_rope's k_out / v_out cost a copy here: the decoder passes none
 
+    def cached_tensors(self) -> list:
+        return []  # the reference caches nothing on the device
+
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
         spec.check_X(X, "X", f"{self.name} perturb")
         batch = zo.perturb(X, zo.step_directions(step, spec, device=X.device), spec)

@@ -42,6 +42,9 @@ class TritonOps(TorchOps):
     def __init__(self, device="cuda") -> None:
         self.K = load_kernels(device)
 
+    def cached_tensors(self) -> list:
+        return self.K.cached_tensors()
+
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
         return self.K.perturb(X.float(), step, spec, out=out)
 

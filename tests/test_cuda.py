@@ -1,0 +1,130 @@
+"""The engine on a CUDA GPU against the same engine on the CPU (every test here is marked `cuda` and skipped
+without one; the kernel modules' own tests also run on the GPU there, through conftest.TRITON_DEVICE).
+
+    fast backend span log-probs      CUDA (float32 / bfloat16) vs the CPU's float32, every supported family
+    Philox directions                the torch reference on CUDA == on the CPU, bit for bit
+    kernels in three dtypes          span_logprobs and proxy on CUDA vs the torch reference, fp32 / fp16 / bf16
+    seeded calibration               Triton ops + static loop on CUDA vs torch ops on the CPU (same steps, stop,
+                                     best step; history and embeddings to float32 tolerance)
+    CUDA graphs                      captured step and decode == the uncaptured path on CUDA, bit for bit,
+                                     across prompts of one shape, a new shape and a new prompt length
+    decoding                         greedy answer on CUDA == on the CPU (float32)
+
+Tolerances: float32 on CUDA vs the CPU 2e-4 absolute on log-probs (TF32 is off; the difference is reduction
+order); bfloat16 0.1 (8 mantissa bits through 3 layers of a random model, log-probs of magnitude ~5).
+"""
+import pytest
+import torch
+
+from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.backends import make_backend
+from sicl_fast.engine import Engine
+from sicl_fast.models import from_transformers
+from sicl_fast.models.transformer import SUPPORTED_FAMILIES
+from test_fast_backend import CharTokenizer, build, make_prompt, perturbed
+from test_graphs import moved
+from test_static import BASE, assert_same_result
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_tf32():
+    """float32 products in float32 (TF32 would make the CUDA float32 path a 10-bit one)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def on_cuda(lm_cpu, dtype=torch.float32):
+    """The same random-weight model, copied to CUDA in `dtype`."""
+    import copy
+
+    model = copy.deepcopy(lm_cpu.model).to("cuda", dtype)
+    return from_transformers(model, CharTokenizer(), name=f"{lm_cpu.name}-cuda-{dtype}")
+
+
+@pytest.fixture(scope="module")
+def cpu_models():
+    return {f: build(f) for f in SUPPORTED_FAMILIES}
+
+
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-4), (torch.bfloat16, 0.1)])
+def test_fast_span_logprobs_on_cuda_match_the_cpu(cpu_models, family, dtype, atol):
+    ref_be = make_backend("fast-fp32", cpu_models[family], impl="torch")
+    # fast-fp32: float32 products throughout (the 'fast' backend's bf16 difference products are another test's)
+    be = make_backend("fast-fp32" if dtype == torch.float32 else "fast", on_cuda(cpu_models[family], dtype))
+    assert be.ops.name == "triton"
+    for a in (0, 6, 14):  # no prefix; a prefix; a span starting right at the prefix's end
+        p = make_prompt(a, seed=a)
+        X = perturbed(ref_be.embed(p), a)
+        want = ref_be.span_logprobs(X, p, near_row0=True)
+        got = be.span_logprobs(X.cuda(), p, near_row0=True)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=atol)
+
+
+def test_philox_directions_on_cuda_equal_the_cpu_bit_for_bit():
+    from sicl_fast import rng
+
+    for seed, step, shape in ((0, 0, (3, 5, 37)), (2**32 - 1, 7, (2, 3, 129)), (12345, 2**31 + 5, (1, 1, 1000))):
+        cpu = rng.directions(seed, step, *shape)
+        gpu = rng.directions(seed, step, *shape, device="cuda")
+        assert torch.equal(cpu.view(torch.int32), gpu.cpu().view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 0.05)])
+def test_span_head_and_proxy_kernels_in_each_dtype(K, dtype, atol):
+    from sicl_fast.logprobs import gather_logprobs_chunked
+    from sicl_fast.proxy import proxy
+
+    g = torch.Generator().manual_seed(0)
+    B, P, d, V = 9, 37, 96, 1000
+    h = (torch.randn(B, P, d, generator=g) * 0.5).to("cuda", dtype)
+    w = (torch.randn(V, d, generator=g) * 0.1).to("cuda", dtype)
+    t = torch.randint(0, V, (P,), generator=g).cuda()
+    want = gather_logprobs_chunked(h.float(), w.float(), t)
+    got = K.span_logprobs(h, w, t)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    offsets = torch.tensor([0, 5, 6, 20, 37])
+    lp = want.to(dtype)
+    ref, out = proxy(lp.float().cpu(), offsets), K.proxy(lp, offsets.cuda())
+    torch.testing.assert_close(out.f.cpu(), ref.f, rtol=1e-5, atol=1e-6)
+
+
+def test_seeded_calibration_on_cuda_matches_the_cpu(cpu_models):
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 6})
+    p = make_prompt(6, seed=1)
+    ref = Calibrator(make_backend("fast-fp32", cpu_models["llama"], impl="torch"), cfg).run(p)
+    eng = Engine(on_cuda(cpu_models["llama"]), backend="fast-fp32", graphs="off")
+    got = eng.calibrate(p, cfg)
+    assert (got.steps, got.stop_reason, got.best_step, got.projections) == (ref.steps, ref.stop_reason,
+                                                                             ref.best_step, ref.projections)
+    torch.testing.assert_close(torch.tensor(got.history), torch.tensor(ref.history), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.embeddings.cpu(), ref.embeddings, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphs_equal_the_uncaptured_path_on_cuda(cpu_models, dtype):
+    lm = on_cuda(cpu_models["gemma2"], dtype)
+    eager = Engine(lm, backend="fast", graphs="off", sync_every=3)
+    graphed = Engine(lm, backend="fast", graphs="on", sync_every=3, graph_cache=2)
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 7})
+    prompts = [make_prompt(6, seed=1), moved(6, seed=2), make_prompt(0, seed=3), make_prompt(6, seed=1)]
+    for p in prompts:  # a shape, the same shape again, a new shape, the first shape
+        assert_same_result(graphed.calibrate(p, cfg), eager.calibrate(p, cfg))
+    assert graphed.steps.cache.stats == {"builds": 2, "hits": 2}
+    for n, tokens in ((48, 12), (30, 6), (20, 9)):  # three prompt lengths, one decode graph
+        X = eager.backend.embed(make_prompt(6, seed=n))[:n]
+        assert graphed.backend.generate(X, None, tokens).token_ids == eager.backend.generate(X, None, tokens).token_ids
+    assert graphed.backend.decoders.stats == {"builds": 1, "hits": 2}
+
+
+def test_decoding_on_cuda_matches_the_cpu(cpu_models):
+    cpu = make_backend("fast-fp32", cpu_models["qwen3"], impl="torch")
+    gpu = Engine(on_cuda(cpu_models["qwen3"]), backend="fast-fp32", graphs="on").backend
+    X = cpu.embed(make_prompt(6, seed=4))
+    assert gpu.generate(X.cuda(), None, 16).token_ids == cpu.generate(X, None, 16).token_ids

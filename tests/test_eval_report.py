@@ -170,6 +170,68 @@ def test_report_numbers_match_the_records(tmp_path):
     assert len(r1["plots"]) == 3 and len(rep["figures"]) == 2  # accuracy + 2 histories; 1 scatter per variant
 
 
+def test_stops_rates_and_verdicts_match_the_records(tmp_path):
+    recs = synthetic_records(5)
+    reasons = ["patience", "max_steps", "gate"]
+    for i, r in enumerate(recs):
+        r["stop_reason"] = reasons[i % 3]
+    (v,) = write_report(tmp_path / "RUN", [Run(name="m", records=recs, source="r.jsonl")], plots=False)["runs"][0][
+        "variants"]
+    for row, prow in zip(v["table"]["tasks"], v["proxy"]["tasks"]):
+        rs = [r for r in recs if r["task"] == row["task"]]
+        assert row["samples_per_second"] == pytest.approx(len(rs) / sum(r["seconds"] for r in rs))
+        assert prow["stop_reasons"] == {k: sum(r["stop_reason"] == k for r in rs) for k in reasons}
+    assert v["table"]["micro"]["samples_per_second"] == pytest.approx(len(recs) / sum(r["seconds"] for r in recs))
+    md = (tmp_path / "RUN" / "report.md").read_text()
+    assert "samples / s" in md and "Verdict: **" in md
+    b, c = v["mcnemar"]["b"], v["mcnemar"]["c"]
+    assert v["mcnemar"]["p_worse"] == pytest.approx(sps.binomtest(c, b + c, 0.5, alternative="greater").pvalue)
+
+
+@pytest.mark.parametrize("b,c,want", [(8, 0, "helped"), (0, 8, "hurt"), (3, 2, "no significant change"),
+                                      (0, 0, "no change")])
+def test_verdict(b, c, want):
+    base = [False] * b + [True] * c + [True, False]
+    cal = [True] * b + [False] * c + [True, False]
+    recs = [{"correct_base": x, "correct_calibrated": y} for x, y in zip(base, cal)]
+    from sicl_fast.evaluation.report import mcnemar
+
+    assert mcnemar(recs)["verdict"] == want
+
+
+def test_report_summary_into_a_markdown_file(tmp_path, capsys):
+    from sicl_fast.cli import main
+
+    res = [_write_jsonl(tmp_path / f"r{i}.jsonl", synthetic_records(i) + synthetic_records(i, variant="base",
+                                                                                            method="base"))
+           for i in (6, 7)]
+    readme = tmp_path / "README.md"
+    plain = "# title\n\ntext\n"
+    readme.write_text(plain)
+    assert main(["report", *map(str, res), "--report", str(tmp_path / "RUN"), "--no-plots",
+                 "--summary-into", str(readme), "--summary-name", "gpu"]) == 2
+    assert "<!-- sicl-report:gpu:begin -->" in capsys.readouterr().err
+    assert readme.read_text() == plain and not (tmp_path / "RUN").exists()  # refused before writing anything
+    readme.write_text("# title\n\n<!-- sicl-report:gpu:begin -->\nold table\n<!-- sicl-report:gpu:end -->\nafter\n")
+    for _ in range(2):  # a second run replaces the table, it does not add one
+        assert main(["report", *map(str, res), "--report", str(tmp_path / "RUN"), "--no-plots",
+                     "--summary-into", str(readme), "--summary-name", "gpu"]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and text.endswith("<!-- sicl-report:gpu:end -->\nafter\n")
+    rep = _strict_json(tmp_path / "RUN" / "report.json")
+    rows = [line for line in text.splitlines() if line.startswith("| model-")]
+    assert len(rows) == 2 and text.count("| model |") == 1  # one row per run's calibration variant, no base row
+    for line, run in zip(rows, rep["runs"]):
+        (v,) = [v for v in run["variants"] if v["method"] != "base"]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        micro, mc = v["table"]["micro"], v["mcnemar"]
+        assert cells[:4] == [run["name"], "sicl", str(v["n"]), "4"]
+        assert float(cells[4]) == pytest.approx(100 * micro["base"], abs=0.05)
+        assert float(cells[5]) == pytest.approx(100 * micro["calibrated"], abs=0.05)
+        assert cells[7] == f"{mc['b']} / {mc['c']}" and cells[10] == mc["verdict"]
+        assert cells[12] == str(sum(row["gated"] for row in v["proxy"]["tasks"]))
+
+
 def test_fisher_across_runs_from_files(tmp_path):
     paths = [_write_jsonl(tmp_path / f"r{i}.jsonl", synthetic_records(i)) for i in (2, 3, 4)]
     runs = load_runs(paths)
@@ -198,7 +260,8 @@ def test_report_with_baselines_and_nan(tmp_path):
     _strict_json(tmp_path / "RUN" / "report.json")
     va = {v["variant"]: v for v in rep["runs"][0]["variants"]}
     assert list(va) == ["base", "cc"] and va["cc"]["proxy"] is None
-    assert va["base"]["mcnemar"] == {"b": 0, "c": 0, "n": 0, "p": 1.0, "samples": len(recs) // 2}
+    assert va["base"]["mcnemar"] == {"b": 0, "c": 0, "n": 0, "p": 1.0, "p_worse": 1.0, "samples": len(recs) // 2,
+                                     "verdict": "no change"}
     mt = rep["runs"][0]["methods"]
     assert mt["columns"] == ["base", "base (label scoring)", "cc"] and mt["same_samples"] and mt["n"] == 40
     row = mt["rows"][0]

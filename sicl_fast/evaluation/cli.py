@@ -93,18 +93,26 @@ def add_report_command(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--report", required=True, metavar="RUN_DIR", help="folder for report.md, report.json, plots/")
     r.add_argument("--names", nargs="+", default=None, help="run names (default: the records' model, or file stem)")
     r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--summary-into", default=None, metavar="FILE.md",
+                   help="also put the one-row-per-variant summary table into FILE.md, between the lines "
+                        "<!-- sicl-report:NAME:begin --> and <!-- sicl-report:NAME:end --> (README, RESULTS)")
+    r.add_argument("--summary-name", default="icleval", metavar="NAME", help="the markers' NAME (default: icleval)")
     return r
 
 
 def report_from_args(args, file=None) -> int:
     from ..errors import require
-    from .report import load_runs, write_report
+    from .report import check_summary_target, load_runs, write_report, write_summary_into
 
     require("scipy")
     if not args.no_plots:
         require("matplotlib")
     runs = load_runs(args.results, args.names)
-    write_report(args.report, runs, plots=not args.no_plots)
+    if args.summary_into:  # refused before anything is written when the file or its markers are missing
+        check_summary_target(args.summary_into, args.summary_name)
+    rep = write_report(args.report, runs, plots=not args.no_plots)
+    if args.summary_into:
+        write_summary_into(args.summary_into, args.summary_name, rep, source=", ".join(map(str, args.results)))
     with open(f"{args.report}/report.md", encoding="utf-8") as fh:
         print(fh.read(), file=file or sys.stdout)
     return 0

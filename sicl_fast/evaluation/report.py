@@ -26,7 +26,7 @@ import math
 import os
 import re
 import sys
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -154,26 +154,53 @@ def task_table(records: Sequence[dict]) -> dict:
         cal = sum(bool(r["correct_calibrated"]) for r in rs) / n
         rows.append({"task": t, "n": n, "base": base, "calibrated": cal, "relative_change": _rel(base, cal),
                      "change_points": 100.0 * (cal - base), "mean_steps": _mean(r.get("steps") for r in rs),
-                     "mean_seconds": _mean(r.get("seconds") for r in rs)})
+                     "mean_seconds": _mean(r.get("seconds") for r in rs), "samples_per_second": _rate(rs)})
     if not rows:
         return {"tasks": [], "mean": None, "micro": None}
     mb, mc = _mean(x["base"] for x in rows), _mean(x["calibrated"] for x in rows)
     mean = {"task": "mean", "n": sum(x["n"] for x in rows), "base": mb, "calibrated": mc,
             "relative_change": _rel(mb, mc), "change_points": 100.0 * (mc - mb),
-            "mean_steps": _mean(x["mean_steps"] for x in rows), "mean_seconds": _mean(x["mean_seconds"] for x in rows)}
+            "mean_steps": _mean(x["mean_steps"] for x in rows), "mean_seconds": _mean(x["mean_seconds"] for x in rows),
+            "samples_per_second": None}
     n = len(records)
     ub = sum(bool(r["correct_base"]) for r in records) / n
     uc = sum(bool(r["correct_calibrated"]) for r in records) / n
     micro = {"task": "all (micro)", "n": n, "base": ub, "calibrated": uc, "relative_change": _rel(ub, uc),
              "change_points": 100.0 * (uc - ub), "mean_steps": _mean(r.get("steps") for r in records),
-             "mean_seconds": _mean(r.get("seconds") for r in records)}
+             "mean_seconds": _mean(r.get("seconds") for r in records), "samples_per_second": _rate(records)}
     return {"tasks": rows, "mean": mean, "micro": micro}
 
 
+def _rate(records: Sequence[dict]) -> float | None:
+    """Samples per second of wall time spent on them (their `seconds` summed); None without timings."""
+    total = sum(float(r.get("seconds") or 0.0) for r in records)
+    return len(records) / total if total > 0 else None
+
+
+VERDICT_ALPHA = 0.05
+
+
+def verdict(b: int, c: int, p_better: float, p_worse: float) -> str:
+    """What calibration did to the answers, in words: 'helped' / 'hurt' when the one-sided exact McNemar test of
+    that direction has p < VERDICT_ALPHA; otherwise 'no significant change', or 'no change' when no sample went
+    from wrong to right or back (b = c = 0)."""
+    if b == c == 0:
+        return "no change"
+    if p_better < VERDICT_ALPHA:
+        return "helped"
+    if p_worse < VERDICT_ALPHA:
+        return "hurt"
+    return "no significant change"
+
+
 def mcnemar(records: Sequence[dict]) -> dict:
-    res = stats.mcnemar_exact([bool(r["correct_base"]) for r in records],
-                              [bool(r["correct_calibrated"]) for r in records])
-    return {**res.to_dict(), "samples": len(records)}
+    """The exact McNemar test both ways (p: H1 calibrated better; p_worse: H1 calibrated worse) and the verdict."""
+    base = [bool(r["correct_base"]) for r in records]
+    cal = [bool(r["correct_calibrated"]) for r in records]
+    res = stats.mcnemar_exact(base, cal)
+    p_worse = stats.mcnemar_exact(cal, base).p
+    return {**res.to_dict(), "p_worse": p_worse, "samples": len(records),
+            "verdict": verdict(res.b, res.c, res.p, p_worse)}
 
 
 def has_proxy(records: Sequence[dict]) -> bool:
@@ -200,6 +227,7 @@ def proxy_analysis(records: Sequence[dict]) -> dict | None:
                      "proxy_gain_per_second": _ratio(sum(r["best_proxy"] - r["initial_proxy"] for r in rs),
                                                      sum(float(r.get("seconds") or 0.0) for r in rs)),
                      "answers_changed": sum(r.get("answer_calibrated") != r.get("answer_base") for r in rs),
+                     "stop_reasons": dict(Counter(str(r.get("stop_reason")) for r in rs if r.get("stop_reason"))),
                      "accuracy_change": 100.0 * (sum(bool(r["correct_calibrated"]) for r in rs)
                                                  - sum(bool(r["correct_base"]) for r in rs)) / n})
     x = [r["mean_proxy_improvement"] for r in rows]
@@ -308,6 +336,13 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def _stops(reasons: dict | None) -> str:
+    """{'patience': 7, 'max_steps': 1} -> 'patience 7, max_steps 1' (most frequent first)."""
+    if not reasons:
+        return "n/a"
+    return ", ".join(f"{k} {n}" for k, n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def _fmt(v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
@@ -346,29 +381,32 @@ def render_markdown(report: dict) -> str:
             if _config_line(v.get("config")):
                 L += [f"Settings: {_config_line(v['config'])}", ""]
             L.append("| task | n | base acc (%) | calibrated acc (%) | relative change (%) | change (points) | "
-                     "mean steps | mean seconds |")
-            L.append("|---|---|---|---|---|---|---|---|")
+                     "mean steps | mean seconds | samples / s |")
+            L.append("|---|---|---|---|---|---|---|---|---|")
             tbl = v["table"]
             for row in tbl["tasks"] + [x for x in (tbl["mean"], tbl["micro"]) if x]:
                 L.append(f"| {row['task']} | {row['n']} | {_pct(row['base'])} | {_pct(row['calibrated'])} | "
                          f"{_num(row['relative_change'], '{:.1f}', True)} | {_num(row['change_points'], '{:.1f}', True)} | "
-                         f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], '{:.2f}')} |")
+                         f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], '{:.2f}')} | "
+                         f"{_num(row.get('samples_per_second'), '{:.2f}')} |")
             if "label_scoring_base_accuracy" in v:
                 L.append(f"\nUncalibrated label scoring on the same samples: {_pct(v['label_scoring_base_accuracy'])}%.")
             mc = v["mcnemar"]
             if v["method"] != "base":
                 L += ["", f"McNemar (exact, one-sided, H1: {v['variant']} > base): b = {mc['b']} (base wrong, "
                       f"{v['variant']} right), c = {mc['c']} (base right, {v['variant']} wrong), n = {mc['n']}, "
-                      f"p = {_p(mc['p'])}."]
+                      f"p = {_p(mc['p'])}; the other way (H1: {v['variant']} < base) p = {_p(mc.get('p_worse'))}. "
+                      f"Verdict: **{mc.get('verdict', 'n/a')}**."]
             L.append("")
             px = v.get("proxy")
             if px:
-                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | proxy gain / s | "
+                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | stops | proxy gain / s | "
                          "answers changed | accuracy change (points) |")
-                L.append("|---|---|---|---|---|---|---|---|")
+                L.append("|---|---|---|---|---|---|---|---|---|")
                 for row in px["tasks"]:
                     L.append(f"| {row['task']} | {row['n']} | {_num(row['mean_proxy_improvement'], '{:.4f}', True)} | "
                              f"{_num(row['mean_initial_proxy'], '{:.4f}')} | {row['gated']} | "
+                             f"{_stops(row.get('stop_reasons'))} | "
                              f"{_num(row.get('proxy_gain_per_second'), '{:.5f}')} | {row.get('answers_changed', 'n/a')} | "
                              f"{_num(row['accuracy_change'], '{:.1f}', True)} |")
                 sp = px["spearman"]
@@ -397,7 +435,10 @@ def render_markdown(report: dict) -> str:
     L += ["## Definitions", "",
           "* calibrated = the variant's answers; base = greedy decoding from the original prompt (ICLEval's protocol).",
           "* relative change = 100 (calibrated - base) / base; mean row = unweighted mean over tasks.",
-          "* McNemar: p = P(X >= b), X ~ Binomial(b + c, 1/2).",
+          "* McNemar: p = P(X >= b), X ~ Binomial(b + c, 1/2); the other way P(X >= c). Verdict: helped / hurt "
+          f"when that one-sided p < {VERDICT_ALPHA}, no change when b = c = 0, else no significant change.",
+          "* stops: the calibrations' stop reasons (gate, patience, max_steps, snr); samples / s = samples over "
+          "their summed seconds.",
           "* proxy improvement = best_proxy - initial_proxy per sample (0 when gated), averaged per task; "
           "Spearman p from the t approximation with n - 2 degrees of freedom (as scipy.stats.spearmanr), "
           "exact permutation p for up to 8 tasks.",
@@ -405,6 +446,61 @@ def render_markdown(report: dict) -> str:
           "samples; answers changed = samples whose calibrated answer differs from the base answer.",
           "* Fisher: X = -2 sum ln p over runs, chi-squared with 2k degrees of freedom.", ""]
     return "\n".join(L)
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# the summary table another document carries (README, RESULTS), generated from the records
+
+
+def summary_markdown(report: dict) -> str:
+    """One row per run and calibration variant (all its samples pooled): accuracy base vs calibrated, the McNemar
+    test both ways and its verdict, the tasks calibration helped / hurt / left alone (by the sign of the change),
+    how often the gate fired, mean steps and samples per second."""
+    L = ["| model | variant | samples | tasks | base acc (%) | calibrated acc (%) | change (points) | b / c | "
+         "p better | p worse | verdict | tasks helped / hurt / same | gated | mean steps | samples / s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        for v in run["variants"]:
+            if v["method"] == "base":
+                continue
+            tasks, micro, mc = v["table"]["tasks"], v["table"]["micro"], v["mcnemar"]
+            signs = [(row["change_points"] > 0) - (row["change_points"] < 0) for row in tasks]
+            gated = sum(row["gated"] for row in v["proxy"]["tasks"]) if v.get("proxy") else "n/a"
+            L.append(f"| {run['name']} | {v['variant']} | {v['n']} | {len(tasks)} | {_pct(micro['base'])} | "
+                     f"{_pct(micro['calibrated'])} | {_num(micro['change_points'], '{:.1f}', True)} | "
+                     f"{mc['b']} / {mc['c']} | {_p(mc['p'])} | {_p(mc.get('p_worse'))} | {mc.get('verdict', 'n/a')} | "
+                     f"{signs.count(1)} / {signs.count(-1)} / {signs.count(0)} | {gated} | "
+                     f"{_num(micro['mean_steps'], '{:.1f}')} | {_num(micro.get('samples_per_second'), '{:.2f}')} |")
+    return "\n".join(L)
+
+
+def summary_markers(name: str) -> tuple[str, str]:
+    """The two lines between which write_summary_into puts the summary called `name`."""
+    return f"<!-- sicl-report:{name}:begin -->", f"<!-- sicl-report:{name}:end -->"
+
+
+def check_summary_target(path: str | os.PathLike, name: str) -> tuple[str, int, int]:
+    """(text, start of the begin marker, start of the end marker) of the Markdown file `path`; a missing file or
+    markers (both, in order) is a SiclError that says which lines to add."""
+    begin, end = summary_markers(name)
+    path = Path(path)
+    if not path.is_file():
+        raise SiclError(f"--summary-into: no file {path}")
+    text = path.read_text(encoding="utf-8")
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < i:
+        raise SiclError(f"--summary-into: {path} lacks the markers; put these two lines where the table goes:\n"
+                        f"{begin}\n{end}")
+    return text, i, j
+
+
+def write_summary_into(path: str | os.PathLike, name: str, report: dict, source: str = "") -> None:
+    """Replace what lies between the summary's markers in the Markdown file `path` with summary_markdown(report)
+    (and a line naming its source), written atomically (check_summary_target's checks first)."""
+    begin, _ = summary_markers(name)
+    text, i, j = check_summary_target(path, name)
+    lines = [begin, ""] + ([f"Generated by `sicl-fast report` from {source}.", ""] if source else [])
+    write_text_atomic(path, text[:i] + "\n".join(lines + [summary_markdown(report), "", ""]) + text[j:])
 
 
 # -----------------------------------------------------------------------------------------------------------------

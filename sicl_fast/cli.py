@@ -215,14 +215,15 @@ def _overrides(args) -> dict:
 def _check_flags(args) -> None:
     """Every flag checked before any model is loaded: the calibration values (CalibrationConfig's own checks on the
     values given) and the optional packages the model asks for."""
-    from .models.loading import GEMMA3_PACKAGE, SHORT_NAMES
+    from .models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
 
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
     if _wants_grad(args) and hasattr(args, "impl"):
         from .ops import resolve_impl
 
         resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
-    if SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m":
+    if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
+            and from_models_dir(GEMMA3_FILE) is None):
         require(GEMMA3_PACKAGE)
     if getattr(args, "ray", None) is not None:
         require("ray")

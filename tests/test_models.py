@@ -32,6 +32,22 @@ def test_bad_dtype_and_device():
             load(None, device="cuda")
 
 
+def test_models_folder_stands_in_for_the_packages(tmp_path, monkeypatch):
+    """SICL_FAST_MODELS (a machine without the model packages): the short names resolve to its files, under their
+    usual names; a folder without the file falls back to the package."""
+    from sicl_fast.models.loading import GEMMA3_FILE, SMOLLM2_FILE, gemma3_gguf
+
+    packaged = smollm2_gguf()
+    monkeypatch.setenv("SICL_FAST_MODELS", str(tmp_path))
+    assert smollm2_gguf() == packaged  # not in the folder yet
+    (tmp_path / SMOLLM2_FILE).symlink_to(packaged)
+    (tmp_path / GEMMA3_FILE).write_bytes(b"GGUF")  # found by name; its contents are the loader's business
+    assert resolve(None) == ("smollm2-135m", tmp_path / SMOLLM2_FILE, "gguf")
+    assert resolve("smollm2") == ("smollm2-135m", tmp_path / SMOLLM2_FILE, "gguf")
+    assert gemma3_gguf() == tmp_path / GEMMA3_FILE and resolve("gemma3-270m")[:2] == ("gemma3-270m",
+                                                                                         tmp_path / GEMMA3_FILE)
+
+
 def test_directory_without_config_is_rejected(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="unknown model"):

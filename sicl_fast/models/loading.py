@@ -59,7 +59,20 @@ def _package_dir(name: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def from_models_dir(filename: str) -> Path | None:
+    """SICL_FAST_MODELS/filename when that variable names a folder holding the file: the real models' GGUF files
+    by their own names, for a machine without the model packages (no network; scripts/model_parts.py joins and
+    checks them there). The short names and the default then load from it, under their usual names."""
+    d = os.environ.get("SICL_FAST_MODELS")
+    if d and (Path(d).expanduser() / filename).is_file():
+        return Path(d).expanduser() / filename
+    return None
+
+
 def smollm2_gguf() -> Path:
+    found = from_models_dir(SMOLLM2_FILE)
+    if found is not None:
+        return found
     pkg = _package_dir(SMOLLM2_PACKAGE)
     if pkg is None or not (pkg / SMOLLM2_FILE).is_file():
         raise ModelLoadError(
@@ -77,7 +90,11 @@ def _sha256(path: Path) -> str:
 
 
 def gemma3_gguf() -> Path:
-    """Concatenate the four chunk packages in order into one GGUF file (once), checked against the stated sha256."""
+    """Concatenate the four chunk packages in order into one GGUF file (once), checked against the stated sha256
+    (or the file in SICL_FAST_MODELS, from_models_dir)."""
+    found = from_models_dir(GEMMA3_FILE)
+    if found is not None:
+        return found
     require(GEMMA3_PACKAGE)
     pkg = _package_dir(GEMMA3_PACKAGE)
     sums = (pkg / "data" / "SHA256SUMS").read_text().split()

@@ -38,7 +38,7 @@ FORMAT = "sicl_fast-model-parts/1"
 MANIFEST_SUFFIX = ".manifest.json"
 PLAN_FILE = "carry_plan.json"
 REPO = Path(__file__).resolve().parents[1]
-GPU_PYTHON = "3.12"  # the GPU machine's python3 (see /work/.library/device/KINDS.md); the wheel must install there
+GPU_PYTHON = "3.12"  # the GPU machine image's python3: the wheel must install there
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 

@@ -82,6 +82,50 @@ def test_decode_through_reused_caches_equals_a_fresh_cache(models):
     assert cache_rows(1) == cache_rows(256) == 256 and cache_rows(257) == 512
 
 
+class HostDataGuard:
+    """Fails when a tensor is made from host data (torch.tensor / as_tensor / from_numpy): on CUDA that is a copy
+    from pageable host memory, which a CUDA graph capture refuses. A warmed-up step and decode step make none (the
+    launchers cache their device constants on the first call)."""
+
+    NAMES = ("tensor", "as_tensor", "from_numpy")
+
+    def __init__(self, monkeypatch):
+        self.mp = monkeypatch
+
+    def __enter__(self):
+        for name in self.NAMES:
+            def trip(*a, _name=name, **k):
+                raise AssertionError(f"a tensor made from host data inside a captured call: torch.{_name}")
+            self.mp.setattr(torch, name, trip)
+
+    def __exit__(self, *exc):
+        self.mp.undo()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_warm_step_and_decode_make_no_tensor_from_host_data(models, monkeypatch, impl):
+    from test_ops import device_of, why_unavailable
+
+    if why_unavailable(impl) or device_of(impl) != "cpu":
+        pytest.skip(why_unavailable(impl) or "the tiny model lives on the CPU; tests/test_cuda.py captures on CUDA")
+    be = make_backend("fast", models["gemma2"], diff_matmul="bf16", impl=impl)
+    cfg = Calibrator(be, CalibrationConfig(**{**BASE, "snr_threshold": 0.5, "patience": 2, "kappa": 0.9})).config
+    p = make_prompt(6)
+    st = StaticStep(be, cfg, p, be.embed(p))
+    be.use_graphs()
+    X = be.embed(p)
+    for _ in range(2):  # the warm-up a capture does
+        st()
+    be.generate(X, None, 3)
+    dec = next(iter(be.decoders.entries.values()))
+    with HostDataGuard(monkeypatch):
+        st()
+        dec.step(dec.token.clone())  # one decode step at the cache's position
+    with HostDataGuard(monkeypatch), pytest.raises(AssertionError, match="host data"):
+        torch.tensor([1.0])  # the guard works
+    assert int(st.steps_run) == 3
+
+
 def test_engine_graph_modes_on_the_cpu(models):
     lm = models["llama"]
     assert not resolve_graphs("auto", "cpu") and not resolve_graphs("off", "cpu")

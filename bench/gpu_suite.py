@@ -611,6 +611,19 @@ class Suite:
         Returns (engine, which)."""
         return fast_engine(lm, self.clock.cuda, **kw), "graphs on" if self.clock.cuda else "no graphs (CPU)"
 
+    def guarded(self, what: str, row: dict, body) -> None:
+        """body(row) fills one result row: skipped (and listed) when the budget is spent, its exception recorded
+        in the row, and what it built (an engine, its graphs and buffers) freed before the next row."""
+        if self.over_budget(what):
+            row.update(status="skipped")
+            return
+        try:
+            body(row)
+        except Exception as exc:  # noqa: BLE001 (this row only)
+            row.update(status="error", note=self.failed(what, exc))
+        finally:
+            self.clock.clean()
+
     def first_call(self, name: str, L: int, N: int) -> None:
         """Seconds of the first calibrate call (1 step) at a new prompt length L + delta, on an engine already warm
         at L: with graphs (CUDA) and without."""
@@ -622,11 +635,8 @@ class Suite:
             if graphs and not self.clock.cuda:
                 row.update(status="n/a", note="CUDA only")
                 continue
-            if self.over_budget(what):
-                row.update(status="skipped")
-                continue
-            eng = None
-            try:
+
+            def body(row, graphs=graphs, what=what):
                 lm = self.model(name)
                 V = int(lm.head_weight.shape[0])
                 eng = fast_engine(lm, graphs)
@@ -636,11 +646,8 @@ class Suite:
                 res, s = self.clock.seconds(lambda: eng.calibrate(new, one))
                 row.update(status="ok", seconds=s, steps=res.steps)
                 self.log(f"{what}: {s:.3f} s")
-            except Exception as exc:  # noqa: BLE001
-                row.update(status="error", note=self.failed(what, exc))
-            finally:
-                eng = None  # the engine, its graphs and buffers go before the next row
-                self.clock.clean()
+
+            self.guarded(what, row, body)
 
     def whole_run(self, name: str, L: int, N: int) -> None:
         """A whole calibration (plan.cal_steps steps, every one run) + a plan.answer_tokens-token answer: the first
@@ -648,11 +655,8 @@ class Suite:
         what = f"whole run {name} L={L} N={N}"
         row = dict(model=name, L=L, N=N, steps_asked=self.plan.cal_steps, tokens_asked=self.plan.answer_tokens)
         self.out.whole_run.append(row)
-        if self.over_budget(what):
-            row.update(status="skipped")
-            return
-        eng = None
-        try:
+
+        def body(row):
             lm = self.model(name)
             eng, which = self.graphs_engine(lm)
             prompt = span_prompt(L, int(lm.head_weight.shape[0]), seed=3)
@@ -675,11 +679,8 @@ class Suite:
                 row["sync_every_s"][k] = min(self.clock.seconds(lambda: eng.calibrate(prompt, cfg))[1]
                                              for _ in range(2))
             self.log(f"{what}: calibration seconds by sync_every {row['sync_every_s']}")
-        except Exception as exc:  # noqa: BLE001
-            row.update(status="error", note=self.failed(what, exc))
-        finally:
-            eng = None  # the engine, its graphs and buffers go before the next row
-            self.clock.clean()
+
+        self.guarded(what, row, body)
 
     def decode(self, name: str, L: int) -> None:
         """Greedy decoding ms per token: warm, (T(n) - T(1)) / (n - 1) with T(k) the best time of a k-token
@@ -690,11 +691,8 @@ class Suite:
         what = f"decode {name} L={L}"
         row = dict(model=name, L=L, new_L=L2, tokens_asked=n)
         self.out.decode.append(row)
-        if self.over_budget(what):
-            row.update(status="skipped")
-            return
-        eng = None
-        try:
+
+        def body(row):
             lm = self.model(name)
             eng, which = self.graphs_engine(lm)
             V = int(lm.head_weight.shape[0])
@@ -714,11 +712,8 @@ class Suite:
                        new_ms_per_token=1e3 * (first2 - t2_1) / (n - 1), new_first_s=first2)
             self.log(f"{what}: {row['warm_ms_per_token']:.3f} ms/token warm, {row['new_ms_per_token']:.3f} ms/token "
                      f"on the new length {L2} ({which})")
-        except Exception as exc:  # noqa: BLE001
-            row.update(status="error", note=self.failed(what, exc))
-        finally:
-            eng = None  # the engine, its graphs and buffers go before the next row
-            self.clock.clean()
+
+        self.guarded(what, row, body)
 
     def packed(self, name: str) -> None:
         """Prompts per second of Engine(pack=k).calibrate_many against one by one (pack 1), the same prompts

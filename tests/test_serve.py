@@ -71,6 +71,14 @@ def wait_for(cond, timeout: float) -> None:
         time.sleep(0.02)
 
 
+def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    """Run fn(*args) on a thread; the dict gets its result under 'r'."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=fn(*args)))
+    t.start()
+    return t, out
+
+
 def metric(client: Client, name: str, **labels) -> float:
     """One sample of the server's /metrics (0 when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
@@ -463,6 +471,21 @@ def test_client_disconnect_cancels_queued_job(server, client):
     assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
 
 
+def test_requests_beyond_max_connections_get_the_json_503(engine):
+    with ServerThread(engine, ServeSettings(port=0, max_connections=2, max_steps=100_000)) as srv:
+        body = {"request": REQ, "timeout_s": 1.5, "config": LONG}
+        waiting = [in_thread(post, srv, "/v1/calibrate", body) for _ in range(2)]  # one runs, one waits: 2 in progress
+        wait_for(lambda: srv.app.state.serve.queue.depth == 1, 10)
+        for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
+            err = error_of(r)
+            assert r.status_code == 503 and err["kind"] == "overloaded" and "--max-connections 2" in err["message"]
+            assert r.headers["retry-after"] == "1"
+        for t, out in waiting:
+            t.join(30)
+            assert out["r"].status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
 @pytest.mark.parametrize("how", ["grace period over", "second signal"])
 def test_a_job_running_past_the_grace_period_gets_a_503(engine, monkeypatch, how):
     """A job that cannot stop (a proxy forward) is answered 503 when the grace period ends, or at once on a second
@@ -598,14 +621,6 @@ class CliServer:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
-    """Run fn(*args) on a thread; the dict gets its result under 'r'."""
-    out: dict = {}
-    t = threading.Thread(target=lambda: out.update(r=fn(*args)))
-    t.start()
-    return t, out
 
 
 def calibrate_on(url: str, body: dict) -> httpx.Response:

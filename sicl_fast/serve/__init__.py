@@ -17,6 +17,7 @@ missing. The server's parts, one job a module:
     errors.py     the JSON error replies, their handlers, and CatchAll (no exception reaches uvicorn)
     auth.py       the API key
     shutdown.py   the drain on SIGTERM / SIGINT (503s, grace period, exit 0)
+    overload.py   at most --max-connections requests in progress (the JSON 503 beyond)
     openapi.py    the bodies in the OpenAPI document
     server.py     serve(engine, settings) on uvicorn with the drain (the CLI); ServerThread for tests, embedding
 """

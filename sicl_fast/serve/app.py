@@ -1,7 +1,8 @@
 """create_app(engine, settings): the FastAPI application, put together from its parts.
 
 A request passes, outermost first: RequestMetrics (request id, counts, latency, its log line), CatchAll (no
-exception reaches uvicorn), RefuseWhileDraining (503 at shutdown), the key check of guarded routers (auth.py), the
+exception reaches uvicorn), LimitConcurrency (503 beyond --max-connections), RefuseWhileDraining (503 at
+shutdown), the key check of guarded routers (auth.py), the
 exception handlers (errors.py), then its route (routes/). A new concern is a module under routes/ listed in ROUTES.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .. import __version__
 from . import errors, openapi
 from .auth import key_dependencies
 from .metrics import RequestMetrics
+from .overload import LimitConcurrency
 from .routes import calibration, info
 from .settings import ServeSettings
 from .shutdown import RefuseWhileDraining
@@ -49,6 +51,7 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
     errors.install(app)
     # add_middleware puts each one outside those added before it
     app.add_middleware(RefuseWhileDraining)
+    app.add_middleware(LimitConcurrency, limit=state.settings.max_connections)
     app.add_middleware(errors.CatchAll)
     paths = frozenset(r.path for r in iter_route_contexts(app.routes))
     app.add_middleware(RequestMetrics, metrics=state.metrics, endpoints=paths)

@@ -31,10 +31,10 @@ def log_config(level: str) -> dict:
 
 def uvicorn_config(app, settings: ServeSettings, log_level: str | None = None) -> uvicorn.Config:
     level = log_level or settings.log_level
+    # no access log: RequestMetrics logs every request, with more in its line; no limit_concurrency: uvicorn answers
+    # it in plain text, overload.py in JSON
     return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=level, log_config=log_config(level),
-                          access_log=False,  # RequestMetrics logs every request, with more in its line
-                          limit_concurrency=settings.max_connections, timeout_graceful_shutdown=WRITE_WAIT_S,
-                          server_header=False)
+                          access_log=False, timeout_graceful_shutdown=WRITE_WAIT_S, server_header=False)
 
 
 class Server(uvicorn.Server):

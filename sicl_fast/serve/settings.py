@@ -29,7 +29,7 @@ class ServeSettings:
     max_steps: int = 250  # the largest max_steps a request may ask for (also the default when lower than the preset)
     max_n: int = 64  # the largest N a request may ask for
     max_new_tokens: int = 256  # the largest max_new_tokens a request may ask for
-    max_connections: int = 256  # open HTTP connections; uvicorn answers 503 beyond it
+    max_connections: int = 256  # HTTP requests in progress at once; the JSON 503 beyond it
     grace_s: float = 20.0  # on SIGTERM / SIGINT: the longest the running job may go on before the server exits
     log_level: str = "info"
     threads: int | None = None  # torch intra-op threads of the engine (None: torch's default)
@@ -104,7 +104,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-n", type=int, default=d.max_n, help="largest N a request may ask for")
     lim.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                      help="largest max_new_tokens a request may ask for")
-    lim.add_argument("--max-connections", type=int, default=d.max_connections)
+    lim.add_argument("--max-connections", type=int, default=d.max_connections,
+                     help="HTTP requests in progress at once (waiting for the engine included); beyond it: 503")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:

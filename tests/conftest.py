@@ -62,6 +62,15 @@ def tiny_llama(smol):
     return from_transformers(LlamaForCausalLM(cfg), smol.tokenizer, name="tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_llama, smol, tmp_path_factory) -> str:
+    """tiny_llama saved as a model directory (`--model DIR`), for tests that start a `sicl-fast` process."""
+    d = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tiny_llama.model.save_pretrained(d)
+    smol.tokenizer.save_pretrained(d)
+    return str(d)
+
+
 def synthetic_prompt(L: int, spans, a: int, vocab: int, seed: int = 0) -> Prompt:
     """A Prompt with random token ids and the given token spans (no tokenizer involved)."""
     g = torch.Generator().manual_seed(seed)

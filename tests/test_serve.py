@@ -1,12 +1,17 @@
 """`sicl-fast serve`: the real server (uvicorn on a free loopback port, in a thread) with a tiny random-weight model.
 
 Every endpoint, the auth, every limit, 429 under a full queue, deadline, cancellation (queued and running), bad
-JSON, bad spans, an oversized body, a crash inside a job, and the embeddings round trip bit for bit.
+JSON, bad spans, deep nesting, non-JSON bodies, an oversized body, a crash inside a job, one connection surviving
+every error reply, and the embeddings round trip bit for bit; the drain on SIGTERM / SIGINT of a `sicl-fast serve`
+process (real signals, real sockets).
 """
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +36,7 @@ REQ = {"id": "q1", "instruction": "Write each number word as a digit.",
        "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}], "query": "five"}
 # runs until its deadline (or cancellation): no gate, no patience, a huge step budget
 LONG = {"max_steps": 100_000, "patience": 0, "tau": 0.0}
-LIMITS = dict(max_queue=1, max_body_bytes=64 * 1024, max_tokens=300, max_steps=100_000, max_n=16, max_new_tokens=16)
+LIMITS = dict(max_queue=1, max_body_bytes=256 * 1024, max_tokens=300, max_steps=100_000, max_n=16, max_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +61,7 @@ def idle(request):
     """Each test starts with the engine idle (a previous test's long jobs have ended)."""
     if "server" in request.fixturenames:
         srv = request.getfixturevalue("server")
-        wait_for(lambda: not srv.app.state.queue.busy and srv.app.state.queue.depth == 0, 30)
+        wait_for(lambda: not srv.app.state.serve.queue.busy and srv.app.state.serve.queue.depth == 0, 30)
 
 
 def wait_for(cond, timeout: float) -> None:
@@ -64,6 +69,14 @@ def wait_for(cond, timeout: float) -> None:
     while not cond():
         assert time.monotonic() < end, "condition not reached in time"
         time.sleep(0.02)
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    """Run fn(*args) on a thread; the dict gets its result under 'r'."""
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=fn(*args)))
+    t.start()
+    return t, out
 
 
 def metric(client: Client, name: str, **labels) -> float:
@@ -75,8 +88,11 @@ def metric(client: Client, name: str, **labels) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def post(server, path: str, body=None, content: bytes | None = None, **kw) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, content=content, timeout=60, **kw)
+JSON = {"Content-Type": "application/json"}
+
+
+def post(server, path: str, body=None, content: bytes | None = None, headers=JSON, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, content=content, headers=headers, timeout=60, **kw)
 
 
 def error_of(r: httpx.Response) -> dict:
@@ -244,6 +260,77 @@ def test_not_found_and_wrong_method(server):
     assert r.status_code == 405 and error_of(r)["kind"] == "method_not_allowed"
 
 
+def nested(levels: int) -> bytes:
+    """A body nested exactly `levels` deep (its 'stop' is a list in a list ...; the schema refuses it: 422)."""
+    inner = levels - 1  # the outer object is one level
+    return json.dumps({"request": REQ, "stop": "?"}).replace('"?"', "[" * inner + "]" * inner).encode()
+
+
+def test_deep_nesting_is_a_400_before_parsing(server):
+    r = post(server, "/v1/calibrate", content=b"[" * 200_000)  # a RecursionError inside json.loads before
+    assert r.status_code == 400 and error_of(r) == {
+        "kind": "bad_json", "status": 400, "message": "body: JSON nested too deeply (200000 levels; at most 64)"}
+    assert post(server, "/v1/calibrate", content=nested(64)).status_code == 422  # parsed, then refused by the schema
+    r = post(server, "/v1/calibrate", content=nested(65))
+    assert r.status_code == 400 and "(65 levels; at most 64)" in error_of(r)["message"]
+    # brackets inside strings are text, escaped quotes included
+    r = post(server, "/v1/proxy", {"request": {**REQ, "id": '[[\\"[[', "query": "[" * 80 + '\\"' + "{" * 80}})
+    assert r.status_code == 200, r.text
+
+
+def test_only_json_bodies(server):
+    """A web page can POST text/plain, form and typeless (Blob) bodies to a loopback server without a CORS preflight:
+    all are refused before any work; JSON (which needs the preflight) is accepted."""
+    body = json.dumps({"request": REQ}).encode()
+    for ctype in (None, "text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x", "application/json; charset=latin-1", "application/jsonl"):
+        r = post(server, "/v1/proxy", content=body, headers={"Content-Type": ctype} if ctype else {})
+        err = error_of(r)
+        assert r.status_code == 415 and err["kind"] == "unsupported_media_type", (ctype, r.text)
+        assert "send JSON with 'Content-Type: application/json'" in err["message"]
+        assert (f"Content-Type {ctype!r} is not accepted" if ctype else "no Content-Type given") in err["message"]
+    for ctype in ("application/json", "Application/JSON; charset=UTF-8"):
+        assert post(server, "/v1/proxy", content=body, headers={"Content-Type": ctype}).status_code == 200, ctype
+
+
+def test_one_connection_survives_every_error_reply(server, engine, monkeypatch):
+    """After a 4xx and after a 500 (a bug outside a job, and inside one) the same keep-alive connection serves the
+    next request: no exception reaches uvicorn, which would drop the connection."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    ends = set()
+
+    def ask(method: str, path: str, body: bytes = b"", ctype: str | None = "application/json") -> tuple[int, dict]:
+        conn.request(method, path, body=body, headers={"Content-Type": ctype} if ctype else {})
+        r = conn.getresponse()
+        data = json.loads(r.read())
+        ends.add(conn.sock.getsockname())  # a second address: the client had to reconnect
+        return r.status, data
+
+    good = json.dumps({"request": REQ}).encode()
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated bug")
+
+    for method, path, body, ctype, status in [
+        ("POST", "/v1/proxy", good, "text/plain", 415),
+        ("POST", "/v1/proxy", b"{", "application/json", 400),
+        ("POST", "/v1/proxy", b"[" * 200_000, "application/json", 400),
+        ("POST", "/v1/proxy", b'{"request": {}}', "application/json", 422),
+        ("GET", "/v2/nothing", b"", None, 404),
+    ]:
+        assert ask(method, path, body, ctype)[0] == status, (path, body[:20])
+    for where in ("prepare", "proxy"):  # before the queue (tokenizing), and inside the job
+        monkeypatch.setattr(engine, where, boom)
+        status, data = ask("POST", "/v1/proxy", good)
+        assert status == 500 and data["error"]["kind"] == "internal" and "simulated" not in data["error"]["message"]
+        monkeypatch.undo()
+    status, data = ask("POST", "/v1/proxy", good)
+    assert status == 200 and data["id"] == "q1"
+    assert len(ends) == 1  # one connection all along
+    conn.close()
+
+
 # ---------------------------------------------------------------- limits
 
 
@@ -289,12 +376,12 @@ def test_prompt_token_limits(server, engine):
 
 def test_oversized_body(server, client):
     before = metric(client, "sicl_fast_errors_total", kind="body_too_large")
-    big = json.dumps({"request": {**REQ, "query": "x" * 70_000}}).encode()
+    big = json.dumps({"request": {**REQ, "query": "x" * 270_000}}).encode()
     r = post(server, "/v1/calibrate", content=big)  # declared by Content-Length
     assert r.status_code == 413 and "--max-body-bytes" in error_of(r)["message"]
     # streamed without a Content-Length (chunked): cut off while reading
     r = httpx.post(server.url + "/v1/calibrate", content=iter([big[i:i + 8192] for i in range(0, len(big), 8192)]),
-                   timeout=30)
+                   headers=JSON, timeout=30)
     assert r.status_code == 413
     # a huge declared length is refused before anything is read
     reply = raw_http(server, calibrate_head(server, b"x" * 10).replace("Content-Length: 10", "Content-Length: 999999999"))
@@ -316,10 +403,10 @@ def test_queue_full_gives_429_with_retry_after(server, client):
 
     t1 = threading.Thread(target=run, args=("running",))
     t1.start()
-    wait_for(lambda: server.app.state.queue.busy, 10)
+    wait_for(lambda: server.app.state.serve.queue.busy, 10)
     t2 = threading.Thread(target=run, args=("waiting",))
     t2.start()
-    wait_for(lambda: server.app.state.queue.depth == 1, 10)
+    wait_for(lambda: server.app.state.serve.queue.depth == 1, 10)
     assert client.health()["queue_depth"] == 1 and metric(client, "sicl_fast_queue_depth") == 1
     t0 = time.monotonic()
     with pytest.raises(QueueFullError) as exc:
@@ -362,7 +449,7 @@ def test_client_disconnect_cancels_running_job(server, client):
     body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
     raw_http(server, calibrate_head(server, body), body, close_after=0.5)  # starts the job, then hangs up
     wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == before + 1, 10)
-    wait_for(lambda: not server.app.state.queue.busy, 10)
+    wait_for(lambda: not server.app.state.serve.queue.busy, 10)
     steps = metric(client, "sicl_fast_calibration_steps_total")
     time.sleep(0.3)
     assert metric(client, "sicl_fast_calibration_steps_total") == steps  # the engine really stopped
@@ -374,14 +461,48 @@ def test_client_disconnect_cancels_queued_job(server, client):
     cancelled = metric(client, "sicl_fast_errors_total", kind="cancelled")
     t = threading.Thread(target=lambda: client.calibrate(REQ, timeout_s=1.5, **LONG))
     t.start()
-    wait_for(lambda: server.app.state.queue.busy, 10)
+    wait_for(lambda: server.app.state.serve.queue.busy, 10)
     body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
     raw_http(server, calibrate_head(server, body), body, close_after=0.4)  # queued behind it, then gone
     t.join(30)
     wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == cancelled + 1, 10)
-    wait_for(lambda: not server.app.state.queue.busy and server.app.state.queue.depth == 0, 10)
+    wait_for(lambda: not server.app.state.serve.queue.busy and server.app.state.serve.queue.depth == 0, 10)
     # only the first job ever held the engine
     assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
+
+
+def test_requests_beyond_max_connections_get_the_json_503(engine):
+    with ServerThread(engine, ServeSettings(port=0, max_connections=2, max_steps=100_000)) as srv:
+        body = {"request": REQ, "timeout_s": 1.5, "config": LONG}
+        waiting = [in_thread(post, srv, "/v1/calibrate", body) for _ in range(2)]  # one runs, one waits: 2 in progress
+        wait_for(lambda: srv.app.state.serve.queue.depth == 1, 10)
+        for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
+            err = error_of(r)
+            assert r.status_code == 503 and err["kind"] == "overloaded" and "--max-connections 2" in err["message"]
+            assert r.headers["retry-after"] == "1"
+        for t, out in waiting:
+            t.join(30)
+            assert out["r"].status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("how", ["grace period over", "second signal"])
+def test_a_job_running_past_the_grace_period_gets_a_503(engine, monkeypatch, how):
+    """A job that cannot stop (a proxy forward) is answered 503 when the grace period ends, or at once on a second
+    signal; then the server exits."""
+    monkeypatch.setattr(engine, "proxy", lambda *a, **k: time.sleep(3))
+    srv = ServerThread(engine, ServeSettings(port=0, grace_s=0.3 if how == "grace period over" else 60)).start()
+    t, out = in_thread(post, srv, "/v1/proxy", {"request": REQ})
+    wait_for(lambda: srv.app.state.serve.queue.busy, 10)
+    if how == "second signal":
+        srv.server.drain.request()
+    srv.shutdown(timeout=30)  # (another) SIGTERM
+    t.join(30)
+    assert not srv.thread.is_alive()
+    r = out["r"]
+    err = error_of(r)
+    assert r.status_code == 503 and err["kind"] == "shutting_down" and "before this job finished" in err["message"]
+    assert r.headers["connection"] == "close"
 
 
 def test_crash_inside_a_job_leaves_the_server_up(server, client, engine, monkeypatch):
@@ -425,7 +546,8 @@ def test_bind_rule():
         check_bind(ServeSettings(host="0.0.0.0"))
     check_bind(ServeSettings(host="0.0.0.0", api_key="k"))
     check_bind(ServeSettings(host="0.0.0.0", insecure_public=True))
-    for bad in (dict(max_queue=-1), dict(max_body_bytes=0), dict(max_n=0), dict(api_key=" "), dict(port=70000)):
+    for bad in (dict(max_queue=-1), dict(max_body_bytes=0), dict(max_n=0), dict(api_key=" "), dict(port=70000),
+                dict(grace_s=-1.0), dict(grace_s=float("nan"))):
         with pytest.raises(SiclError):
             ServeSettings(**bad)
 
@@ -449,37 +571,134 @@ def test_without_the_extra_package_imports_and_serve_says_what_to_install():
     assert len(lines) == 1 and 'pip install "sicl-fast[serve]"' in lines[0]
 
 
-@pytest.mark.slow
-def test_cli_serve_end_to_end(tmp_path):
-    """`sicl-fast serve` itself: the embedded SmolLM2, the key from the environment, a clean exit on Ctrl-C."""
-    import os
-    import signal
+class CliServer:
+    """`sicl-fast serve ARGS` in a process of its own on a free loopback port; its stderr collected line by line."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "SICL_FAST_API_KEY": "k3y"}
-    proc = subprocess.Popen([sys.executable, "-m", "sicl_fast.cli", "serve", "--port", str(port), "--threads", "1",
-                             "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        end = time.monotonic() + 120
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: list[str] = []
+        cmd = [sys.executable, "-m", "sicl_fast.cli", "serve", "--port", str(self.port), "--threads", "1", *args]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                     stderr=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_ready(self, timeout: float = 120) -> "CliServer":
+        end = time.monotonic() + timeout
         while True:
-            assert proc.poll() is None, proc.stderr.read()
+            assert self.proc.poll() is None, self.log
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
             except httpx.HTTPError:
                 assert time.monotonic() < end, "server did not start"
                 time.sleep(0.3)
-        assert httpx.get(url + "/v1/models").status_code == 401
-        with Client(url, api_key="k3y") as c:
+
+    def wait(self) -> int:
+        """The exit status (the log is complete afterwards)."""
+        rc = self.proc.wait(60)
+        self.reader.join(10)
+        return rc
+
+    def __enter__(self) -> "CliServer":
+        return self.wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def calibrate_on(url: str, body: dict) -> httpx.Response:
+    return httpx.post(url + "/v1/calibrate", json=body, timeout=60)
+
+
+def assert_clean(log: str) -> None:
+    for bad in ("Traceback", "CancelledError", "Exception in ASGI", "timeout graceful shutdown"):
+        assert bad not in log, log
+
+
+def test_sigterm_drains_and_exits_0(tiny_llama_dir):
+    """SIGTERM with a running and a queued request: new requests get the JSON 503 with Retry-After, the queued job
+    the JSON 503 without running, the running one finishes (here at its own deadline); the process exits 0. Each
+    request has its log line."""
+    with CliServer("--model", tiny_llama_dir, "--max-steps", "100000", "--grace-s", "30", "--log-level",
+                   "info") as srv:
+        running, out_run = in_thread(calibrate_on, srv.url, {"request": {**REQ, "id": "run"}, "timeout_s": 6,
+                                                             "config": LONG})
+        wait_for(lambda: srv.health()["busy"], 30)
+        queued, out_queued = in_thread(calibrate_on, srv.url, {"request": {**REQ, "id": "wait"},
+                                                               "config": {"max_steps": 1}})
+        wait_for(lambda: srv.health()["queue_depth"] == 1, 30)
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "shutting down" in srv.log, 10)
+        late = [httpx.post(srv.url + "/v1/proxy", json={"request": REQ}, timeout=30), httpx.get(srv.url + "/health")]
+        running.join(60), queued.join(60)
+        rc = srv.wait()
+    assert rc == 0, srv.log
+    for r in late:
+        err = error_of(r)
+        assert r.status_code == 503 and err["kind"] == "shutting_down" and "takes no new work" in err["message"]
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["connection"] == "close"
+    r = out_queued["r"]
+    assert r.status_code == 503 and "still queued and did not run" in error_of(r)["message"]
+    r = out_run["r"]
+    assert r.status_code == 200, r.text
+    s = r.json()["summary"]
+    assert s["stop_reason"] == "deadline" and s["steps"] >= 1
+    assert_clean(srv.log)
+    assert "1 queued job(s) answered 503" in srv.log
+    line = re.search(r"request \w+ 127\.0\.0\.1:\d+ POST /v1/calibrate 200 (\S+)s id='run' steps=(\d+) "
+                     r"proxy=(\S+)->(\S+) stop='deadline'", srv.log)
+    assert line, srv.log
+    assert int(line[2]) == s["steps"] and float(line[3]) == pytest.approx(s["initial_proxy"], abs=1e-4)
+    assert float(line[4]) == pytest.approx(s["best_proxy"], abs=1e-4) and float(line[1]) > 0
+    assert re.search(r"POST /v1/calibrate 503 \S+s id='wait' error='shutting_down'", srv.log), srv.log
+    assert len(re.findall(r"GET /health 503 \S+s error='shutting_down'", srv.log)) == 1, srv.log
+
+
+def test_sigint_stops_the_running_calibration_in_the_grace_period(tiny_llama_dir):
+    """SIGINT does what SIGTERM does; a calibration that would run on is stopped at 0.8 x --grace-s and answers with
+    its best X so far (stop_reason 'shutdown'); the process exits 0."""
+    with CliServer("--model", tiny_llama_dir, "--max-steps", "100000", "--grace-s", "2", "--log-level",
+                   "warning") as srv:
+        running, out = in_thread(calibrate_on, srv.url, {"request": REQ, "config": LONG})  # 100k steps, no deadline
+        wait_for(lambda: srv.health()["busy"], 30)
+        srv.proc.send_signal(signal.SIGINT)
+        rc = srv.wait()
+        running.join(60)
+    assert rc == 0, srv.log
+    r = out["r"]
+    assert r.status_code == 200, r.text
+    s = r.json()["summary"]
+    assert s["stop_reason"] == "shutdown" and 1 <= s["steps"] < LONG["max_steps"]
+    assert_clean(srv.log)
+
+
+@pytest.mark.slow
+def test_cli_serve_end_to_end():
+    """`sicl-fast serve` itself: the embedded SmolLM2, the key from the environment, a clean exit on Ctrl-C."""
+    with CliServer("--log-level", "warning", env={"SICL_FAST_API_KEY": "k3y"}) as srv:
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        with Client(srv.url, api_key="k3y") as c:
             assert c.models()[0]["family"] == "llama"
             r = c.calibrate(REQ, max_steps=1, tau=0.0)
             assert r["summary"]["steps"] == 1 and r["model"] == c.models()[0]["id"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(60)
-    log = proc.stderr.read()
-    assert rc == 0 and "Traceback" not in log, log
-    assert f"http://127.0.0.1:{port} (API key required" in log
+        srv.proc.send_signal(signal.SIGINT)
+        rc = srv.wait()
+    assert rc == 0 and "Traceback" not in srv.log, srv.log
+    assert f"http://127.0.0.1:{srv.port} (API key required" in srv.log

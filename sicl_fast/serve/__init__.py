@@ -6,11 +6,20 @@ missing. The server's parts, one job a module:
     settings.py   ServeSettings (caps, auth, bind address, the `serve` flags) and the loopback-only bind rule
     schema.py     request bodies (pydantic, strict: their types and the OpenAPI schema)
     validate.py   bodies -> engine calls (parse, tokenize, caps) before anything is queued
-    queue.py      EngineQueue: one worker thread runs jobs on the engine one at a time; bounded; cancellation
+    queue.py      EngineQueue: one worker thread runs jobs on the engine one at a time; bounded; cancellation; drain
     jobs.py       what a job does on the engine: proxy, calibrate (deadline / cancel hook), answers, embeddings
-    metrics.py    Prometheus metrics and the ASGI middleware that counts and times every request
-    app.py        create_app(engine, settings): routes, auth, body reading, error replies
-    server.py     serve(engine, settings) on uvicorn (the CLI); ServerThread for tests, benchmarks, embedding
+    metrics.py    Prometheus metrics; the ASGI middleware that counts, times and logs (one line) every request
+    app.py        create_app(engine, settings): the application put together from the parts below
+    state.py      ServeState: the engine, settings, queue, metrics, validator and shutdown of one server
+    routes/       one module per concern (info: health, models, metrics; calibration: proxy, calibrate)
+    dispatch.py   route -> engine: admission, body -> call, the job and waiting for it (disconnect, shutdown)
+    body.py       reading a body: JSON only (415), size (413), depth and syntax (400), schema (422)
+    errors.py     the JSON error replies, their handlers, and CatchAll (no exception reaches uvicorn)
+    auth.py       the API key
+    shutdown.py   the drain on SIGTERM / SIGINT (503s, grace period, exit 0)
+    overload.py   at most --max-connections requests in progress (the JSON 503 beyond)
+    openapi.py    the bodies in the OpenAPI document
+    server.py     serve(engine, settings) on uvicorn with the drain (the CLI); ServerThread for tests, embedding
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Prometheus metrics of one server (its own registry, so several servers can live in one process), and the ASGI
-middleware that counts every HTTP request, times it and tags it with an X-Request-ID.
+middleware that counts every HTTP request, times it, tags it with an X-Request-ID and logs one line for it.
 
     sicl_fast_requests_total{endpoint, status}         HTTP requests answered
     sicl_fast_errors_total{kind}                        error replies by kind (bad_json, invalid_request, limit, ...)
@@ -11,6 +11,7 @@ middleware that counts every HTTP request, times it and tags it with an X-Reques
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -18,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from .queue import EngineQueue, Job
 
-ENDPOINTS = ("/v1/proxy", "/v1/calibrate", "/health", "/v1/models", "/metrics", "/docs", "/openapi.json")
+log = logging.getLogger("sicl_fast.serve")
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -54,13 +56,33 @@ class ServeMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def note(request, **fields) -> None:
+    """Add fields to the request's log line (e.g. id, steps, proxy=(before, after)); RequestMetrics writes it."""
+    request.scope.setdefault("state", {}).setdefault("log", {}).update(fields)
+
+
+def log_line(scope, rid: str, status: int, seconds: float) -> str:
+    """'request RID CLIENT METHOD PATH STATUS SECONDSs k=v ...': strings quoted, floats to 4 digits, pairs a->b."""
+    def show(v) -> str:
+        if isinstance(v, tuple):
+            return "->".join(show(x) for x in v)
+        return f"{v:.4f}" if isinstance(v, float) else repr(v) if isinstance(v, str) else str(v)
+
+    client = ":".join(str(x) for x in scope.get("client") or ("-",))
+    path = scope["path"] if scope["path"].isprintable() else repr(scope["path"])  # a %0A is no new log line
+    fields = "".join(f" {k}={show(v)}" for k, v in scope["state"].get("log", {}).items())
+    return f"request {rid} {client} {scope['method']} {path} {status} {seconds:.3f}s{fields}"
+
+
 class RequestMetrics:
     """ASGI middleware: a request id per HTTP request (scope['state']['request_id'], X-Request-ID header), the
-    request counter and the latency histogram. Unknown paths are counted as 'other' (bounded label values)."""
+    request counter, the latency histogram and one log line per request (INFO, logger sicl_fast.serve). Paths
+    outside `endpoints` are counted as 'other' (bounded label values)."""
 
-    def __init__(self, app, metrics: ServeMetrics) -> None:
+    def __init__(self, app, metrics: ServeMetrics, endpoints: frozenset[str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.endpoints = endpoints
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -68,7 +90,7 @@ class RequestMetrics:
             return
         rid = uuid.uuid4().hex[:16]
         scope.setdefault("state", {})["request_id"] = rid
-        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        endpoint = scope["path"] if scope["path"] in self.endpoints else "other"
         t0 = time.perf_counter()
         status = [500]
 
@@ -82,5 +104,7 @@ class RequestMetrics:
         try:
             await self.app(scope, receive, send_tagged)
         finally:
+            seconds = time.perf_counter() - t0
             self.metrics.requests.labels(endpoint, str(status[0])).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+            self.metrics.latency.labels(endpoint).observe(seconds)
+            log.info("%s", log_line(scope, rid, status[0], seconds))

@@ -4,7 +4,9 @@ The engine holds one model and its caches and is not safe to call from two threa
 uses every core, so jobs run one at a time (a packed multi-prompt step would let a GPU batch them). The queue is
 bounded: `submit` refuses work beyond `max_queue` waiting jobs at once (QueueFull, with a Retry-After estimate)
 instead of letting memory grow. A job can be cancelled (its client went away) or carry a deadline; the job's
-function polls `job.stop_reason()` (the Calibrator's should_stop hook) and stops at the next step.
+function polls `job.stop_reason()` (the Calibrator's should_stop hook) and stops at the next step. `drain` (the
+server's shutdown) refuses new jobs, fails the waiting ones with ShuttingDown and gives the running one a time
+to stop by.
 """
 from __future__ import annotations
 
@@ -32,11 +34,16 @@ class Cancelled(Exception):
     """The job was cancelled (its client disconnected) before or while it ran."""
 
 
+class ShuttingDown(Exception):
+    """The queue is draining (the server is shutting down): no new jobs; a job still waiting never runs."""
+
+
 class Job:
     """One unit of engine work. fn(job) runs on the worker thread; its result or exception lands in `future`.
 
     deadline: time.monotonic() value after which stop_reason() says "deadline" (None: no deadline).
     kind: a label for metrics ("proxy", "calibrate").
+    shutdown_at: set by EngineQueue.drain; after it, stop_reason() says "shutdown".
     """
 
     def __init__(self, fn: Callable[["Job"], Any], deadline: float | None = None, kind: str = "job") -> None:
@@ -46,6 +53,7 @@ class Job:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self._cancelled = threading.Event()
         self.enqueued = time.monotonic()
+        self.shutdown_at: float | None = None
         self.started: float | None = None
         self.finished: float | None = None
 
@@ -57,12 +65,21 @@ class Job:
         return self._cancelled.is_set()
 
     def stop_reason(self) -> str | None:
-        """'cancelled', 'deadline' or None: what should stop this job's work now."""
+        """'cancelled', 'deadline', 'shutdown' (the earlier of the two times that passed) or None: what should stop
+        this job's work now."""
         if self._cancelled.is_set():
             return "cancelled"
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            return "deadline"
-        return None
+        now = time.monotonic()
+        due = [(t, why) for t, why in ((self.deadline, "deadline"), (self.shutdown_at, "shutdown"))
+               if t is not None and now >= t]
+        return min(due)[1] if due else None
+
+    def fail(self, exc: BaseException) -> None:
+        """End a job that will never run with exc."""
+        try:
+            self.future.set_exception(exc)
+        except concurrent.futures.InvalidStateError:  # its waiter already gave up on it (cancelled the future)
+            pass
 
     @property
     def queue_seconds(self) -> float:
@@ -82,7 +99,8 @@ class EngineQueue:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
-        self._closed = False
+        self._draining = False  # no new jobs (drain or close)
+        self._closed = False  # the worker ends once the queue is empty
         self._mean_seconds = 1.0  # running mean of job time, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="sicl-fast-engine", daemon=True)
         self._thread.start()
@@ -97,17 +115,18 @@ class EngineQueue:
         return self._running is not None
 
     def admit(self) -> None:
-        """Raise QueueFull when max_queue jobs already wait behind a running one (submit checks it again)."""
+        """Raise ShuttingDown while draining, QueueFull when max_queue jobs already wait behind a running one (submit
+        checks both again)."""
+        if self._draining:
+            raise ShuttingDown()
         if len(self._waiting) + (self._running is not None) > self.max_queue:
             retry = max(1, math.ceil(self._mean_seconds * (len(self._waiting) + 1)))
             raise QueueFull(len(self._waiting), self.max_queue, retry)
 
     def submit(self, fn: Callable[[Job], Any], deadline: float | None = None, kind: str = "job") -> Job:
-        """Queue fn; raises QueueFull (see admit)."""
+        """Queue fn; raises QueueFull or ShuttingDown (see admit)."""
         job = Job(fn, deadline, kind)
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine queue is closed")
             self.admit()
             self._waiting.append(job)
             self._cond.notify()
@@ -131,8 +150,7 @@ class EngineQueue:
     def _run(self, job: Job) -> None:
         # set_running_or_notify_cancel: False when the awaiting side already gave up on the future
         if job.cancelled or not job.future.set_running_or_notify_cancel():
-            if not job.future.done():
-                job.future.set_exception(Cancelled())
+            job.fail(Cancelled())
             return
         job.started = time.monotonic()
         result, error = None, None
@@ -152,12 +170,23 @@ class EngineQueue:
             except Exception:  # noqa: BLE001
                 log.exception("metrics hook failed")
 
+    def drain(self, stop_at: float) -> int:
+        """Take no new jobs; fail the waiting ones with ShuttingDown; the running one may go on until stop_at (a
+        time.monotonic() value), when its stop_reason() becomes 'shutdown'. -> the number of jobs failed."""
+        with self._cond:
+            self._draining = True
+            waiting, self._waiting = list(self._waiting), deque()
+            if self._running is not None:
+                self._running.shutdown_at = stop_at
+        for job in waiting:
+            job.fail(ShuttingDown())
+        return len(waiting)
+
     def close(self, timeout: float = 30.0) -> None:
-        """Cancel the waiting jobs, ask the running one to stop, and join the worker."""
+        """Drain, cancel the running job (it stops at its next step), and join the worker for at most timeout s."""
+        self.drain(time.monotonic())
         with self._cond:
             self._closed = True
-            for job in self._waiting:
-                job.cancel()
             if self._running is not None:
                 self._running.cancel()
             self._cond.notify_all()

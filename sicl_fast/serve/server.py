@@ -1,37 +1,69 @@
-"""Running the app on uvicorn: `serve` (the CLI, blocking) and `ServerThread` (tests, benchmarks, embedding)."""
+"""Running the app on uvicorn: `serve` (the CLI, blocking) and `ServerThread` (tests, benchmarks, embedding).
+
+`Server` is uvicorn's server with the drain of shutdown.py on SIGTERM and SIGINT in place of uvicorn's own
+shutdown (which cancels requests still running after a few seconds and answers them in plain text): it exits with
+status 0 once no job runs or the grace period is over.
+"""
 from __future__ import annotations
 
+import copy
 import socket
 import sys
 import threading
 import time
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from ..errors import SiclError
 from .app import create_app
 from .settings import ServeSettings, check_bind
 
+WRITE_WAIT_S = 2.0  # once the drain is over: how long uvicorn waits for the last replies to be written
+
+
+def log_config(level: str) -> dict:
+    """uvicorn's logging, plus the server's own logger (one line per request, errors, shutdown) at `level`."""
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["loggers"]["sicl_fast.serve"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return cfg
+
 
 def uvicorn_config(app, settings: ServeSettings, log_level: str | None = None) -> uvicorn.Config:
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level or settings.log_level,
-                          limit_concurrency=settings.max_connections, timeout_graceful_shutdown=5,
-                          server_header=False)
+    level = log_level or settings.log_level
+    # no access log: RequestMetrics logs every request, with more in its line; no limit_concurrency: uvicorn answers
+    # it in plain text, overload.py in JSON
+    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level=level, log_config=log_config(level),
+                          access_log=False, timeout_graceful_shutdown=WRITE_WAIT_S, server_header=False)
+
+
+class Server(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM / SIGINT start the app's drain (shutdown.py); it exits when the drain ends."""
+
+    def __init__(self, app, log_level: str | None = None) -> None:
+        super().__init__(uvicorn_config(app, app.state.serve.settings, log_level))
+        self.drain = app.state.serve.shutdown
+
+    def handle_exit(self, sig, frame) -> None:  # a signal handler: note it, act on the next tick
+        if self.should_exit:
+            self.force_exit = True  # a signal while the last replies are written: stop waiting for them
+        self.drain.request()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.tick():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 def serve(engine, settings: ServeSettings) -> int:
-    """Serve until interrupted. Ctrl-C (SIGINT) returns 0 after a graceful shutdown; on SIGTERM uvicorn shuts
-    down gracefully and then lets the signal end the process (exit status -15 / 143). The bind rule is checked
-    before anything listens."""
+    """Serve until SIGTERM or SIGINT, then drain (shutdown.py) and return 0. The bind rule is checked before
+    anything listens."""
     check_bind(settings)
     app = create_app(engine, settings)
     auth = "API key required" if settings.api_key else "no API key"
     print(f"sicl-fast serve: model {engine.lm.name} ({engine.backend.name} backend), http://{settings.host}:"
           f"{settings.port} ({auth}; docs at /docs)", file=sys.stderr, flush=True)
-    try:
-        uvicorn.Server(uvicorn_config(app, settings)).run()
-    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises Ctrl-C: exit quietly
-        pass
+    Server(app).run()
     return 0
 
 
@@ -40,6 +72,8 @@ class ServerThread:
 
         with ServerThread(engine, ServeSettings(port=0)) as srv:
             httpx.get(srv.url + "/health")
+
+    `shutdown()` drains as SIGTERM does; leaving the block stops it at once (the running job is cancelled).
     """
 
     def __init__(self, engine, settings: ServeSettings | None = None, log_level: str = "warning") -> None:
@@ -50,7 +84,7 @@ class ServerThread:
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((self.settings.host, self.settings.port))
-        self.server = uvicorn.Server(uvicorn_config(self.app, self.settings, log_level))
+        self.server = Server(self.app, log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="sicl-fast-serve")
 
@@ -67,6 +101,12 @@ class ServerThread:
                 raise SiclError("the server thread did not start")
             time.sleep(0.01)
         return self
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """What SIGTERM does to `sicl-fast serve` (shutdown.py); returns once the server has exited."""
+        self.server.drain.request()
+        self.thread.join(timeout)
+        self.sock.close()
 
     def stop(self, timeout: float = 30.0) -> None:
         self.server.should_exit = True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 from dataclasses import dataclass
 
@@ -28,7 +29,8 @@ class ServeSettings:
     max_steps: int = 250  # the largest max_steps a request may ask for (also the default when lower than the preset)
     max_n: int = 64  # the largest N a request may ask for
     max_new_tokens: int = 256  # the largest max_new_tokens a request may ask for
-    max_connections: int = 256  # open HTTP connections; uvicorn answers 503 beyond it
+    max_connections: int = 256  # HTTP requests in progress at once; the JSON 503 beyond it
+    grace_s: float = 20.0  # on SIGTERM / SIGINT: the longest the running job may go on before the server exits
     log_level: str = "info"
     threads: int | None = None  # torch intra-op threads of the engine (None: torch's default)
 
@@ -43,6 +45,8 @@ class ServeSettings:
             raise SiclError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.threads is not None and self.threads < 1:
             raise SiclError(f"--threads must be >= 1, got {self.threads}")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise SiclError(f"--grace-s must be a finite number >= 0, got {self.grace_s}")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise SiclError(f"--max-tokens must be >= 2, got {self.max_tokens}")
         if not 0 <= self.port < 65536:
@@ -82,6 +86,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--insecure-public", action="store_true",
                    help="allow a non-loopback --host without an API key")
     g.add_argument("--log-level", default=d.log_level, choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--grace-s", type=float, default=d.grace_s, metavar="S",
+                   help="on SIGTERM / SIGINT: new requests and queued jobs get 503; the running job may go on for "
+                        "S seconds (a calibration is stopped at 0.8 S and answers with its best so far), then the "
+                        f"server exits with status 0 (default {d.grace_s:g}; keep it below your orchestrator's kill "
+                        "timeout)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads for the engine (default: torch's; on a CPU shared with other work, fewer "
                         "threads than cores can be much faster)")
@@ -95,7 +104,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-n", type=int, default=d.max_n, help="largest N a request may ask for")
     lim.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                      help="largest max_new_tokens a request may ask for")
-    lim.add_argument("--max-connections", type=int, default=d.max_connections)
+    lim.add_argument("--max-connections", type=int, default=d.max_connections,
+                     help="HTTP requests in progress at once (waiting for the engine included); beyond it: 503")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -104,6 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     s = ServeSettings(host=args.host, port=args.port, api_key=key, insecure_public=args.insecure_public,
                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                       max_steps=args.max_steps, max_n=args.max_n, max_new_tokens=args.max_new_tokens,
-                      max_connections=args.max_connections, log_level=args.log_level, threads=args.threads)
+                      max_connections=args.max_connections, log_level=args.log_level, threads=args.threads,
+                      grace_s=args.grace_s)
     check_bind(s)
     return s

@@ -1,0 +1,46 @@
+"""The calibration endpoints: the proxy of a prompt, and the ascent (with answers and calibrated rows)."""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+
+from ..dispatch import read_call, run_job, timing
+from ..jobs import run_calibrate, run_proxy
+from ..metrics import note
+from ..openapi import body_doc
+from ..queue import Job
+from ..schema import CalibrateBody, ProxyBody
+from ..state import ServeState, serve_state
+
+router = APIRouter(tags=["calibration"])
+BODIES = (ProxyBody, CalibrateBody)
+
+
+@router.post("/v1/proxy", openapi_extra=body_doc(ProxyBody))
+async def proxy(request: Request, state: ServeState = Depends(serve_state)) -> dict:
+    """f, C, R, G, the per-demonstration c and the token spans of a prompt's own embeddings."""
+    call = await read_call(request, ProxyBody, state.validator.proxy)
+    note(request, id=call.prompt.id)
+    out, job = await run_job(request, "proxy", lambda job: run_proxy(state.engine, call, job))
+    note(request, proxy=out["proxy"])
+    return {**out, "timing": timing(job)}
+
+
+@router.post("/v1/calibrate", openapi_extra=body_doc(CalibrateBody))
+async def calibrate(request: Request, state: ServeState = Depends(serve_state)) -> dict:
+    """The ascent on one prompt: summary, history, effective config; with `generate` both greedy answers;
+    with `return_embeddings` the calibrated rows (base64). `timeout_s`: return the best X by then."""
+    call = await read_call(request, CalibrateBody, state.validator.calibrate)
+    note(request, id=call.prompt.id)
+    deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
+
+    def work(job: Job) -> dict:
+        out = run_calibrate(state.engine, call, job, on_step=lambda step, f: state.metrics.steps.inc())
+        state.metrics.calibration_done(out["summary"]["steps"], out["summary"]["seconds"])
+        return out
+
+    out, job = await run_job(request, "calibrate", work, deadline)
+    s = out["summary"]
+    note(request, steps=s["steps"], proxy=(s["initial_proxy"], s["best_proxy"]), stop=s["stop_reason"])
+    return {**out, "timing": timing(job)}

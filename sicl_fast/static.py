@@ -239,12 +239,13 @@ class StepCache:
 
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
-               sync_every: int = 1, on_step=None, should_stop=None, steps: StepCache | None = None
-               ) -> CalibrationResult:
+               sync_every: int = 1, on_step=None, should_stop=None, steps: StepCache | None = None,
+               on_update=None) -> CalibrationResult:
     """Calibrate one prompt with the static step, reading its state back every `sync_every` steps. Returns the
     CalibrationResult the eager loop would (history, best_step, stop_reason, steps, projections, embeddings).
     should_stop: as Calibrator.run's, checked at each read; a returned string ends the run with that stop_reason
-    and the best X so far. steps: a StepCache to take the step (and its graph) from; None: a new step."""
+    and the best X so far. steps: a StepCache to take the step (and its graph) from; None: a new step.
+    on_update(X): called with the state's X [L, d] after every step (device work only, no host read)."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise SiclError(f"sync_every must be an int >= 1, got {sync_every!r}")
     t0 = time.perf_counter()
@@ -258,6 +259,8 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     while True:
         for _ in range(sync_every):
             run()
+            if on_update is not None:
+                on_update(st.X)
         done, n = int(st.reason) != RUNNING, int(st.steps_run)  # the one read per sync_every steps
         if on_step is not None and n > reported:
             for i, v in enumerate(st.history[reported:n].tolist(), start=reported):

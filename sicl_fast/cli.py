@@ -125,6 +125,35 @@ def add_ray_flags(p: argparse.ArgumentParser) -> None:
                    help="times a request is retried after its worker died before it is recorded as an error")
 
 
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    """The calibration store (sicl_fast.store, sicl_fast.reuse): --reuse, --store, --store-mib."""
+    from .reuse import REUSE_MODES
+    from .store import DEFAULT_MAX_BYTES
+
+    g = p.add_argument_group("calibration store (docs/store.md)")
+    g.add_argument("--reuse", default=None, choices=REUSE_MODES,
+                   help="auto (default): requests sharing their instruction and demonstrations are calibrated once "
+                        "and reused where that is exact, calibrated per query where it is not; on: reuse always "
+                        "(records say when it is approximate); off: calibrate every request (the default with "
+                        "--pack > 1, which calibrates packed, without the store)")
+    g.add_argument("--store", default=None, metavar="DIR",
+                   help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
+                        "memory only)")
+    g.add_argument("--store-mib", type=_int_at_least(0), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
+                   help=f"memory the store may hold, in MiB (default {DEFAULT_MAX_BYTES >> 20})")
+
+
+def reuse_mode(args) -> str:
+    """--reuse resolved: auto unless packing (--pack > 1 calibrates packed, without the store)."""
+    pack = getattr(args, "pack", 1)
+    if args.reuse is None:
+        return "auto" if pack == 1 else "off"
+    if args.reuse != "off" and pack > 1:
+        raise SiclError(f"--reuse {args.reuse} with --pack {pack}: packed calibration does not use the store; "
+                        "use --reuse off, or --pack 1")
+    return args.reuse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -140,14 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("requests")
     c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
-    _model_flags(c), _config_flags(c), _gen_flags(c), add_ray_flags(c)
+    _model_flags(c), _config_flags(c), _gen_flags(c), add_ray_flags(c), _store_flags(c)
 
     e = sub.add_parser("icleval", help="base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
     e.add_argument("--tasks", nargs="*", default=None, help="file names without .json (default: all present)")
     e.add_argument("--limit", type=_int_at_least(1), default=None, help="first N samples per task")
     e.add_argument("--out", required=True)
-    _model_flags(e), _config_flags(e), add_ray_flags(e)
+    _model_flags(e), _config_flags(e), add_ray_flags(e), _store_flags(e)
     add_icleval_eval_args(e)
 
     bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
@@ -205,6 +234,7 @@ def _serve_command(sub) -> None:
 
     s = sub.add_parser("serve", help="HTTP/JSON calibration server (needs the extra: pip install \"sicl-fast[serve]\")")
     _model_flags(s)
+    _store_flags(s)
     add_serve_flags(s)
 
 
@@ -218,6 +248,10 @@ def _check_flags(args) -> None:
     from .models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
 
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
+    if hasattr(args, "reuse"):
+        reuse_mode(args)
+        if args.store is not None:
+            require("safetensors")
     if _wants_grad(args) and hasattr(args, "impl"):
         from .ops import resolve_impl
 
@@ -239,9 +273,12 @@ def _wants_grad(args) -> bool:
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
-    return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-                pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=args.graphs)
+    kw = dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
+              diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
+              pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=args.graphs)
+    if hasattr(args, "reuse"):  # the commands with the store's flags
+        kw.update(reuse=reuse_mode(args), store_dir=args.store, store_bytes=args.store_mib << 20)
+    return kw
 
 
 def _engine(args, add_special_tokens=None):
@@ -313,7 +350,7 @@ def cmd_proxy(args) -> int:
 def cmd_calibrate(args) -> int:
     import functools
 
-    from .jobs import calibrate_requests, check_requests
+    from .jobs import calibrate_requests, check_requests, group_requests
     from .records import ResultWriter, check_output
     from .requests import read_requests
     from .workers import write_all
@@ -332,7 +369,10 @@ def cmd_calibrate(args) -> int:
             if len(todo) < len(requests):
                 print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {args.out}",
                       file=sys.stderr)
-            chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
+            if reuse_mode(args) != "off":  # one chunk per calibration key: each group calibrated once
+                chunks = [[todo[i] for i in g] for g in workers.call(group_requests, todo, cfg)]
+            else:
+                chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
             with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
                 write_all(workers, work, chunks, out, lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk],
                           bar)

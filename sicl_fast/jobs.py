@@ -21,6 +21,18 @@ def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config
     return len(requests)
 
 
+def group_requests(engine, requests: Sequence[Request], config: CalibrationConfig) -> list[list[int]]:
+    """The requests' indices grouped by the key of their calibration (sicl_fast.reuse: the same instruction,
+    demonstrations and config), groups in order of first appearance. A request that cannot share its calibration
+    (its query is perturbed) is a group of its own."""
+    cfg = engine.reuser.resolve(engine.config(config))
+    groups: dict = {}
+    for i, r in enumerate(requests):
+        key = i if cfg.perturb_query else engine.reuser.key(engine.prepare(r), cfg)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
                        stop_strings: Sequence[str] | None = None, generate: bool = False) -> list[dict]:
     """The records of a chunk of requests (one, or engine.pack of them, calibrated packed): id and the calibration
@@ -43,4 +55,4 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
     return records
 
 
-__all__ = ["check_requests", "calibrate_requests"]
+__all__ = ["check_requests", "group_requests", "calibrate_requests"]

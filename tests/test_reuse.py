@@ -192,3 +192,73 @@ def test_bad_reuse_mode(tiny_llama, engine):
     with pytest.raises(SiclError, match="reuse"):
         engine.calibrate(engine.prepare(request("five")), reuse="yes", **BASE)
     assert math.isfinite(EXACT_MARGIN)
+
+
+def read_jsonl(path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def write_jsonl(path, objs) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
+
+
+CLI_FAST = ["--max-steps", "3", "--N", "4", "--tau", "0", "--patience", "0", "--seed", "3"]
+
+
+def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_llama_dir, tmp_path, capsys):
+    from sicl_fast.cli import main
+
+    other = {"id": "o", "demos": [{"input": "red", "output": "rot"}], "query": "blue"}
+    reqs = [request("five", "a"), {**other, "id": "o1"}, request("nine", "b"), {**other, "id": "o2",
+                                                                                "query": "green"},
+            request("twelve", "c")]
+    path = write_jsonl(tmp_path / "r.jsonl", reqs)
+    model = ["--model", tiny_llama_dir]
+    out, off = tmp_path / "auto.jsonl", tmp_path / "off.jsonl"
+    assert main(["calibrate", path, "--out", str(out), "--generate", "--max-new-tokens", "3", *model, *CLI_FAST]) == 0
+    assert main(["calibrate", path, "--out", str(off), "--generate", "--max-new-tokens", "3", "--reuse", "off",
+                 *model, *CLI_FAST]) == 0
+    got = {r["id"]: r for r in read_jsonl(out)}
+    ref = {r["id"]: r for r in read_jsonl(off)}
+    assert [r["id"] for r in read_jsonl(out)] == ["a", "b", "c", "o1", "o2"]  # one group after the other
+    assert [got[i]["reuse"] for i in "abc"] == ["fresh", "hit", "hit"] and got["o2"]["reuse"] == "hit"
+    assert len({got[i]["key"] for i in "abc"}) == 1 and got["o1"]["key"] != got["a"]["key"]
+    assert all(r["exact"] for r in got.values()) and "reuse" not in ref["a"]
+    for i, r in got.items():  # the same numbers and answers as calibrating every request
+        for k in ("initial_proxy", "best_proxy", "steps", "best_step", "stop_reason", "answer_calibrated"):
+            assert r[k] == ref[i][k], (i, k)
+    capsys.readouterr()
+    assert main(["calibrate", path, "--out", str(tmp_path / "x.jsonl"), "--pack", "2", "--reuse", "on", *model]) == 2
+    assert "--reuse on with --pack 2" in capsys.readouterr().err
+
+
+def test_cli_store_directory_serves_a_rerun(tiny_llama_dir, tmp_path):
+    from sicl_fast.cli import main
+
+    path = write_jsonl(tmp_path / "r.jsonl", [request("five", "a"), request("nine", "b")])
+    store = ["--store", str(tmp_path / "store"), "--model", tiny_llama_dir, *CLI_FAST]
+    assert main(["calibrate", path, "--out", str(tmp_path / "1.jsonl"), *store]) == 0
+    assert main(["calibrate", path, "--out", str(tmp_path / "2.jsonl"), *store]) == 0
+    first, second = read_jsonl(tmp_path / "1.jsonl"), read_jsonl(tmp_path / "2.jsonl")
+    assert [r["reuse"] for r in first] == ["fresh", "hit"] and [r["reuse"] for r in second] == ["hit", "hit"]
+    assert [r["best_proxy"] for r in first] == [r["best_proxy"] for r in second]
+
+
+@pytest.mark.slow
+def test_cli_on_smollm2_reuses_with_the_same_answers(tmp_path):
+    """End to end on the real model: three queries on one few-shot prompt, calibrated once."""
+    from sicl_fast.cli import main
+
+    path = write_jsonl(tmp_path / "r.jsonl", [request(q, q) for q in ("five", "nine", "two")])
+    flags = ["--generate", "--max-new-tokens", "3", "--max-steps", "2", "--N", "2", "--tau", "0"]
+    assert main(["calibrate", path, "--out", str(tmp_path / "auto.jsonl"), *flags]) == 0
+    assert main(["calibrate", path, "--out", str(tmp_path / "off.jsonl"), "--reuse", "off", *flags]) == 0
+    got, ref = read_jsonl(tmp_path / "auto.jsonl"), read_jsonl(tmp_path / "off.jsonl")
+    assert [r["reuse"] for r in got] == ["fresh", "hit", "hit"] and all(r["exact"] for r in got)
+    assert [r["answer_calibrated"] for r in got] == [r["answer_calibrated"] for r in ref] == ["5", "9", "2"]
+    assert [r["best_proxy"] for r in got] == [r["best_proxy"] for r in ref]

@@ -42,4 +42,11 @@ def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_st
     return [answer_one(engine, cal, q, max_new_tokens, stop_strings) for q in queries]
 
 
-__all__ = ["answer_one", "answer_batch", "calibration_of", "query_prompt"]
+def answer_result(engine, res, prompt: Prompt, max_new_tokens: int = 32, stop_strings=("\n",),
+                  stop_fn=None) -> Generation:
+    """The greedy answer for `prompt` after its calibration `res` (Engine.calibrate's result, reused or not)."""
+    return engine.generate(prompt, res.embeddings, max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                           stop_fn=stop_fn)
+
+
+__all__ = ["answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt"]

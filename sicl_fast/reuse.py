@@ -113,9 +113,11 @@ class ReusedResult(CalibrationResult):
     key: str | None = None
     exact: bool = True
 
+    def reuse_info(self) -> dict:
+        return {"reused": self.reused, "reuse": self.reuse, "key": self.key, "exact": self.exact}
+
     def summary(self) -> dict:
-        return {**super().summary(), "reused": self.reused, "reuse": self.reuse, "key": self.key,
-                "exact": self.exact}
+        return {**super().summary(), **self.reuse_info()}
 
 
 class Reuser:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..ascent import Calibrator
+from ..ascent import CalibrationResult
+from ..reuse import ReusedResult
 from ..export import CalibratedEmbeddings
 from ..records import proxy_record
 from .queue import Cancelled, Job
@@ -25,11 +26,13 @@ def run_proxy(engine, call: ProxyCall, job: Job) -> dict:
 def run_calibrate(engine, call: CalibrateCall, job: Job, on_step: Callable[[int, float], None] | None = None) -> dict:
     """The ascent (stopped early by the job's deadline or cancellation), then the optional answers and rows."""
     prompt = call.prompt
-    res = Calibrator(engine.backend, call.config).run(prompt, on_step=on_step, should_stop=job.stop_reason)
+    res = engine.calibrate(prompt, call.config, on_step=on_step, reuse=call.reuse, should_stop=job.stop_reason)
     if res.stop_reason == "cancelled":
         raise Cancelled()
-    body = {"id": prompt.id, "model": engine.lm.name, "summary": res.summary(), "history": res.history,
+    body = {"id": prompt.id, "model": engine.lm.name, "summary": CalibrationResult.summary(res), "history": res.history,
             "config": dataclasses.asdict(res.config), "prompt": prompt_info(prompt)}
+    if isinstance(res, ReusedResult):
+        body["reuse"] = res.reuse_info()
     if call.generate:
         # a cancellation mid-decoding stops it at the next token (the reply is dropped anyway)
         def gen(embeds):

@@ -154,6 +154,17 @@ def reuse_mode(args) -> str:
     return args.reuse
 
 
+def _store_line(workers, args) -> None:
+    """One stderr line on what the store did (this process's engine; a Ray pool's workers keep their own)."""
+    from .jobs import store_counts
+
+    if reuse_mode(args) == "off" or getattr(args, "ray", None) is not None:
+        return
+    n = workers.call(store_counts)
+    where = f" (memory and {args.store})" if args.store else " (memory)"
+    print(f"store: {n['reused']} calibration(s) reused, {n['calibrated']} run{where}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -376,6 +387,7 @@ def cmd_calibrate(args) -> int:
             with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
                 write_all(workers, work, chunks, out, lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk],
                           bar)
+        _store_line(workers, args)
     return 0
 
 
@@ -386,7 +398,9 @@ def cmd_icleval(args) -> int:
     check_icleval_args(args)
     with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
         cfg = workers.config(**_overrides(args))
-        return run_icleval_from_args(workers, cfg, args)
+        rc = run_icleval_from_args(workers, cfg, args)
+        _store_line(workers, args)
+        return rc
 
 
 def cmd_report(args) -> int:

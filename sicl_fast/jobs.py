@@ -33,6 +33,11 @@ def group_requests(engine, requests: Sequence[Request], config: CalibrationConfi
     return list(groups.values())
 
 
+def store_counts(engine) -> dict:
+    """How many of the engine's calibrations came from its store, and how many ran."""
+    return dict(engine.reuser.counts)
+
+
 def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
                        stop_strings: Sequence[str] | None = None, generate: bool = False) -> list[dict]:
     """The records of a chunk of requests (one, or engine.pack of them, calibrated packed): id and the calibration
@@ -55,4 +60,4 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
     return records
 
 
-__all__ = ["check_requests", "group_requests", "calibrate_requests"]
+__all__ = ["check_requests", "group_requests", "store_counts", "calibrate_requests"]

@@ -127,6 +127,7 @@ class Reuser:
         self.engine = engine
         self.store = store
         self._fingerprint: dict | None = None
+        self.counts = {"reused": 0, "calibrated": 0}  # this engine's calibrations, by whether they came from the store
 
     @property
     def fingerprint(self) -> dict:
@@ -187,6 +188,12 @@ class Reuser:
     def calibrate(self, prompt: Prompt, config: CalibrationConfig, mode: str, on_step=None, should_stop=None
                   ) -> ReusedResult:
         """Engine.calibrate with reuse `mode` ('auto' or 'on'; module docstring)."""
+        res = self.route(prompt, config, mode, on_step, should_stop)
+        self.counts["reused" if res.reused else "calibrated"] += 1
+        return res
+
+    def route(self, prompt: Prompt, config: CalibrationConfig, mode: str, on_step=None, should_stop=None
+              ) -> ReusedResult:
         check_choice(mode, REUSE_MODES, "reuse", "Engine.calibrate")
         check_prompt(prompt)
         t0 = time.perf_counter()

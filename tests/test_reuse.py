@@ -262,3 +262,24 @@ def test_cli_on_smollm2_reuses_with_the_same_answers(tmp_path):
     assert [r["reuse"] for r in got] == ["fresh", "hit", "hit"] and all(r["exact"] for r in got)
     assert [r["answer_calibrated"] for r in got] == [r["answer_calibrated"] for r in ref] == ["5", "9", "2"]
     assert [r["best_proxy"] for r in got] == [r["best_proxy"] for r in ref]
+
+
+def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_llama_dir, tmp_path, capsys):
+    """ICLEval gives every sample its own demonstrations: the numbers are those of calibrating each, and a rerun
+    with the same --store reads every calibration back."""
+    from conftest import ICLEVAL_EXCERPTS
+    from sicl_fast.cli import main
+
+    base = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "generate_order", "--limit", "1",
+            "--model", tiny_llama_dir, "--max-steps", "2", "--N", "2", "--tau", "0"]
+    runs = {}
+    for name, extra in (("off", ["--reuse", "off"]), ("first", ["--store", str(tmp_path / "s")]),
+                        ("rerun", ["--store", str(tmp_path / "s")])):
+        out = tmp_path / f"{name}.jsonl"
+        capsys.readouterr()
+        assert main([*base, "--out", str(out), *extra]) == 0
+        runs[name] = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(out)]
+        runs[name + "_err"] = capsys.readouterr().err
+    assert runs["off"] == runs["first"] == runs["rerun"]
+    assert "store: 0 calibration(s) reused, 2 run" in runs["first_err"]
+    assert "store: 2 calibration(s) reused, 0 run" in runs["rerun_err"]

@@ -66,6 +66,22 @@ def test_render_marks_the_assistant_turns_as_output_spans(smol):
     assert render(smol, dev, "d").prompt == req.prompt
 
 
+def test_the_template_comes_from_the_tokenizer_or_the_gguf_file(smol):
+    import copy
+
+    from sicl_fast.chat import chat_template, gguf_chat_template
+    from sicl_fast.models import LoadedModel
+
+    assert gguf_chat_template(smol.extra["path"]) == smol.tokenizer.chat_template  # SmolLM2's GGUF carries it
+    bare = copy.deepcopy(smol.tokenizer)
+    bare.chat_template = None
+    from_file = LoadedModel(model=smol.model, tokenizer=bare, name="m", extra={"path": smol.extra["path"]})
+    assert chat_template(from_file) == smol.tokenizer.chat_template
+    none = LoadedModel(model=smol.model, tokenizer=bare, name="m", extra={})
+    with pytest.raises(RequestError, match="has no chat template"):
+        render(none, conversation("five"), "r")
+
+
 @pytest.mark.parametrize("roles", [["user"], ["system", "user", "assistant"], ["user", "user"],
                                    ["assistant", "user"], ["user", "assistant", "assistant", "user"],
                                    ["system", "system", "user", "assistant", "user"], ["user", "tool", "user"]])

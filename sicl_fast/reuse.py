@@ -169,12 +169,11 @@ class Reuser:
     def for_prompt(self, cal: Calibration, prompt: Prompt, t0: float, reuse: str, key: str | None,
                    reused: bool = True) -> ReusedResult:
         """The result for `prompt` from a stored calibration: its rows [0, n), then the prompt's own rows."""
-        s = cal
-        return ReusedResult(embeddings=full_embeddings(self.engine, cal, prompt), initial_proxy=s.initial_proxy, best_proxy=s.best_proxy, steps=s.steps,
-                            best_step=s.best_step, gated=s.gated, stop_reason=s.stop_reason, history=list(s.history),
-                            seconds=time.perf_counter() - t0, projections=s.projections, config=s.config,
-                            impl=s.impl, calibration=cal, reused=reused, reuse=reuse, key=key,
-                            exact=cal.exact or cal.scope == "prompt")
+        same = {f: getattr(cal, f) for f in ("initial_proxy", "best_proxy", "steps", "best_step", "gated",
+                                             "stop_reason", "projections", "config", "impl")}
+        return ReusedResult(embeddings=full_embeddings(self.engine, cal, prompt), history=list(cal.history),
+                            seconds=time.perf_counter() - t0, calibration=cal, reused=reused, reuse=reuse, key=key,
+                            exact=cal.exact or cal.scope == "prompt", **same)
 
     @staticmethod
     def wrap(res: CalibrationResult, t0: float, cal: Calibration | None, reuse: str, key: str | None,

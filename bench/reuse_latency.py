@@ -121,11 +121,11 @@ def main(argv=None) -> int:
     r_secs, r_answers, r_results = per_query(eng, prompts, cfg, mode, args.max_new_tokens)
     r_wall = time.perf_counter() - t0
     cal = next((r.calibration for r in r_results if r.calibration is not None and r.calibration.scope == "stem"), None)
-    entry_bytes = cal.nbytes if cal is not None else None
     t0 = time.perf_counter()
     batch = eng.answer_many(cal, prompts, max_new_tokens=args.max_new_tokens) if cal is not None else None
     batch_s = time.perf_counter() - t0 if batch is not None else None
-    entry_bytes_kv = cal.nbytes if cal is not None else None
+    entry_bytes_kv = cal.nbytes if cal is not None else None  # the K/V is attached by the first answer
+    entry_bytes = cal.nbytes - (cal.kv.nbytes if cal.kv is not None else 0) if cal is not None else None
 
     fresh_n = args.fresh_limit or len(prompts)
     eng_off = Engine(base.lm)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -190,8 +191,7 @@ async def chat_completions(request: Request, state: ServeState = Depends(serve_s
 
 
 def sse(obj) -> bytes:
-    import json
-
+    """One server-sent event holding a JSON object."""
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 

@@ -24,21 +24,18 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..errors import ContextLengthError, NumericalError, SiclError
+from ..errors import SiclError
 from ..models.loading import describe
 from .jobs import run_calibrate, run_proxy
 from .metrics import RequestMetrics, ServeMetrics
 from .queue import Cancelled, EngineQueue, Job, QueueFull
 from .schema import CalibrateBody, ProxyBody, validation_message
 from .settings import ServeSettings
-from .validate import LimitError, Validator
+from .validate import Validator, error_status
 
 log = logging.getLogger("sicl_fast.serve")
 
 DISCONNECT_POLL_S = 0.1  # how often a waiting request checks whether its client is still there
-# SiclError subclass -> error kind (first match wins); all are the client's input, answered 422
-ERROR_KINDS: tuple[tuple[type, str], ...] = ((LimitError, "limit"), (ContextLengthError, "context_length"),
-                                              (NumericalError, "numerical"), (SiclError, "invalid_request"))
 
 
 class ServeHTTPError(Exception):
@@ -83,8 +80,7 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
 
     @app.exception_handler(SiclError)
     async def _sicl_error(request: Request, exc: SiclError):
-        kind = next(k for cls, k in ERROR_KINDS if isinstance(exc, cls))
-        return error_reply(422, kind, str(exc))
+        return error_reply(*error_status(exc), str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -27,6 +27,7 @@ import torch
 from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
 from .grad import check_differentiable, proxy_gradient
+from .knobs import F32_EPS, F32_MAX, F32_TINY, MIN_MU, check_range
 from .spans import Prompt
 from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice
 from .zo import cosine, snr
@@ -61,10 +62,8 @@ class CalibrationConfig:
     checkpoint: bool = False  # estimator "grad": recompute each layer in the backward (memory of one layer)
 
     def __post_init__(self) -> None:
-        for name in ("N", "patience", "max_steps", "seed"):
-            v = getattr(self, name)
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool):
-                raise SiclError(f"CalibrationConfig: {name} must be an integer, got {v!r}")
+        for name in ("N", "patience", "max_steps", "seed"):  # their ranges: sicl_fast.knobs, one table
+            v = check_range(name, getattr(self, name), "CalibrationConfig")
             object.__setattr__(self, name, int(v))  # numpy integers become Python ints for the C++ / Triton ops
         for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
             v = getattr(self, name)
@@ -76,26 +75,34 @@ class CalibrationConfig:
         for name in ("estimator", "grad_mode", "projection_scope"):
             if not isinstance(getattr(self, name), str):
                 raise SiclError(f"CalibrationConfig: {name} must be a string, got {getattr(self, name)!r}")
-        checks = [
-            (self.mu > 0, "mu must be > 0"),
-            (self.N >= 1, "N must be >= 1"),
-            (self.eta >= 0, "eta must be >= 0"),
-            (self.kappa < 1, "kappa must be < 1"),
-            (self.patience >= 0, "patience must be >= 0"),
-            (self.max_steps >= 1, "max_steps must be >= 1"),
-            (0.0 <= self.q <= 1.0, "q must be in [0, 1]"),
-            (0 <= self.seed < 2**32, "seed must be in [0, 2**32)"),
-            (self.clip_norm > 0, "clip_norm must be > 0"),
-            (self.scale is None or self.scale > 0, "scale must be > 0"),
-            (min(self.alpha, self.beta, self.gamma) >= 0, "alpha, beta and gamma must be >= 0 (weights of the proxy)"),
-            (self.mu <= MAX_STEP_SIZE and self.eta <= MAX_STEP_SIZE,
-             f"mu and eta must be <= {MAX_STEP_SIZE:g} (in units of the embedding scale; the paper uses 0.004 "
-             "and 0.05)"),
-        ]
         for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
                 raise SiclError(f"CalibrationConfig: {name} must be finite, got {v}")
+        checks = [
+            (self.mu > 0, "mu must be > 0"),
+            (self.mu >= MIN_MU,
+             f"mu must be >= {MIN_MU:g} (in units of the embedding scale): a smaller perturbation is lost to the "
+             f"float32 rounding of the embeddings (relative precision {F32_EPS:.1e})"),
+            (self.eta >= 0, "eta must be >= 0"),
+            (self.kappa < 1, "kappa must be < 1"),
+            (0.0 <= self.q <= 1.0, "q must be in [0, 1]"),
+            (self.clip_norm > 0, "clip_norm must be > 0"),
+            (self.scale is None or self.scale > 0, "scale must be > 0"),
+            (min(self.alpha, self.beta, self.gamma) >= 0, "alpha, beta and gamma must be >= 0 (weights of the proxy)"),
+            (self.alpha + self.beta + self.gamma > 0,
+             "alpha, beta and gamma sum to 0: the proxy would be 0 for every X, with nothing to climb"),
+            (self.mu <= MAX_STEP_SIZE and self.eta <= MAX_STEP_SIZE,
+             f"mu and eta must be <= {MAX_STEP_SIZE:g} (in units of the embedding scale; the paper uses 0.004 "
+             "and 0.05)"),
+        ]
+        if self.scale is not None and self.mu > 0:  # the effective mu and eta are float32 numbers
+            checks += [(self.mu * self.scale >= F32_TINY,
+                        f"mu * scale = {self.mu * self.scale:.3g} is below float32's smallest normal number "
+                        f"({F32_TINY:.3g}): the perturbation would be 0 or denormal (scale is the embedding scale mu "
+                        "is measured in; 1.0 gives absolute units)"),
+                       (max(self.mu, self.eta) * self.scale <= F32_MAX,
+                        f"mu * scale and eta * scale must be <= {F32_MAX:.3g}, the largest float32 number")]
         check_choice(self.estimator, ESTIMATORS, "estimator", "CalibrationConfig")
         checks += [
             (not self.checkpoint or self.estimator == "grad",

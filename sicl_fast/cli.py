@@ -6,16 +6,21 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import signal
 import sys
+import threading
 import typing
 import warnings
 
-from .ascent import CalibrationConfig
+from .ascent import PRESETS, CalibrationConfig
+from .backends import BACKENDS
 from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .graphs import GRAPH_MODES
 from .gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
-from .models.loading import DTYPES, HOW_TO_POINT
+from .knobs import RANGES, arg_type
+from .models.loading import DTYPES
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
 from .records import OPENED
@@ -34,52 +39,104 @@ DEMO_REQUEST = {
 }
 
 
-def _int_at_least(low: int):
-    """An argparse type: an integer >= low (checked while parsing, before any model is loaded)."""
-    def conv(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if v < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
-        return v
-    conv.__name__ = f"integer >= {low}"
-    return conv
-
-
 class _Parser(argparse.ArgumentParser):
-    """Usage errors in one line (and exit 2), like every other error of the CLI."""
+    """Usage errors in one line (and exit 2), like every other error of the CLI. Negative numbers in any notation
+    (-1e308, -.5, -inf) are values, not flags (argparse alone reads only -1 and -1.5 so)."""
+
+    def __init__(self, *a, **k) -> None:
+        super().__init__(*a, **k)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
+                                                   re.IGNORECASE)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per CalibrationConfig field, same name with dashes; unset flags keep the model's preset."""
-    g = p.add_argument_group("calibration (defaults: the model family's preset, see README)")
+# what each knob does, for its --help (the ranges are sicl_fast.knobs'; the defaults the presets')
+KNOB_HELP = {
+    "mu": "smoothing radius, in units of the model's embedding scale",
+    "N": "Gaussian directions per step",
+    "eta": "step size, in units of the model's embedding scale",
+    "kappa": "cosine floor to the original embeddings; <= 0 turns the projection off",
+    "tau": "gate: no ascent when the proxy of the original prompt is below it",
+    "patience": "steps without a better proxy before stopping; 0 turns early stopping off",
+    "max_steps": "at most this many steps (K)",
+    "alpha": "weight of C (mean per-demonstration confidence) in the proxy",
+    "beta": "weight of R (low quantile of the token probabilities) in the proxy",
+    "gamma": "weight of G (confidence growth over the demonstrations) in the proxy",
+    "q": "the quantile of R",
+    "seed": "noise seed; the same seed gives the same run",
+    "estimator": "forward, central (pairs X +/- mu U) or grad (the exact gradient)",
+    "grad_mode": "clip (each row's gradient to --clip-norm) or normalize (each row to unit norm)",
+    "clip_norm": "the per-row gradient norm limit",
+    "snr_threshold": "> 0: skip the update when |mean| / std of the finite differences is below it",
+    "projection_scope": "prompt (the cosine projection on the whole matrix, as the reference) or demos",
+    "perturb_query": "ablation: perturb the query rows too",
+    "scale": "the unit of mu and eta; 1.0 gives absolute units",
+    "checkpoint": "estimator grad: recompute each layer in the backward (memory of one layer)",
+}
+PROXY_KNOBS = ("alpha", "beta", "gamma", "q")  # what the proxy alone reads
+RUN_KNOBS = ("tau", "patience", "max_steps")  # what a whole run reads beyond its steps (bench and profile time steps)
+
+
+def _default_help(name: str, default) -> str:
+    """The default a knob takes, as it is: the model's preset where the presets set it (every family's preset holds
+    the paper's numbers; N is 8 for models under 1B parameters), the dataclass default otherwise."""
+    if name == "N":
+        return "default: the model's preset: 8 for models under 1B parameters, as the embedded SmolLM2-135M, else 16"
+    if all(name in preset for preset in PRESETS.values()):
+        values = {preset[name] for preset in PRESETS.values()}
+        return f"default: the model's preset, {values.pop()} for every family" if len(values) == 1 else \
+            "default: the model's preset"
+    if name == "scale":
+        return "default: the model's embedding scale"
+    return "default: off" if default is False else f"default: {default}"
+
+
+def _knob_flags(g, names) -> None:
+    """One flag per CalibrationConfig field in `names`, same name with dashes; unset flags keep the preset."""
     hints = typing.get_type_hints(CalibrationConfig)
     for f in dataclasses.fields(CalibrationConfig):
-        typ = hints[f.name]
-        if typ is bool:
-            g.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_const", const=True,
-                           default=None, help=f"(preset: {f.default})")
+        if f.name not in names:
             continue
-        conv = float if typ in (float, typing.Optional[float]) else int if typ is int else str
-        names = [f"--{f.name.replace('_', '-')}"]
-        if f.name == "N":
-            names.append("--num-directions")
-        g.add_argument(*names, dest=f.name, type=conv, default=None, metavar=f.name.upper(),
-                       help=f"(preset: {f.default})")
+        flag, typ = f"--{f.name.replace('_', '-')}", hints[f.name]
+        rng = RANGES.get(f.name)
+        limits = f"{rng.lo} to {rng.hi}; " if rng is not None else ""
+        text = f"{KNOB_HELP[f.name]} ({limits}{_default_help(f.name, f.default)})"
+        if typ is bool:
+            g.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=text)
+            continue
+        conv = float if typ in (float, typing.Optional[float]) else arg_type(f.name) if typ is int else str
+        names_ = [flag, "--num-directions"] if f.name == "N" else [flag]
+        g.add_argument(*names_, dest=f.name, type=conv, default=None, metavar=f.name.upper(), help=text)
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help=f"default: the embedded SmolLM2-135M. Also: {HOW_TO_POINT}")
+def _group(title: str, build) -> argparse.ArgumentParser:
+    """A parent parser holding one argument group (argparse `parents=`): each command takes the groups it uses."""
+    p = argparse.ArgumentParser(add_help=False)
+    build(p.add_argument_group(title))
+    return p
+
+
+def _model(g) -> None:
+    g.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M; also 'gemma3-270m', a "
+                                                 "transformers model folder (with config.json) or a .gguf file")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    g.add_argument("--backend", default="auto",
-                   help="auto (fast when the family is supported, else hf), fast, fast-fp32, hf, naive")
+
+
+def _tokens(g) -> None:
+    g.add_argument("--add-special-tokens", action="store_true",
+                   help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
+
+
+def _backend(g, default: str = "auto") -> None:
+    text = ("auto (fast when the family is supported, else hf), fast, fast-fp32, hf, naive" if default == "auto" else
+            f"default {default}: the static step it times needs the fast backend's forward (fast or fast-fp32)")
+    g.add_argument("--backend", default=default, choices=("auto", *BACKENDS), help=text)
+
+
+def _ops(g) -> None:
     g.add_argument("--diff-matmul", default="auto", choices=DIFF_MATMUL,
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
                         "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+) or in FP8 e4m3 "
@@ -88,49 +145,89 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="implementation of the hot ops (perturb, update, proxy, span head, difference epilogues): "
                         "auto (Triton on CUDA, the C++ extension on the CPU when built, else torch), torch, cpp, "
                         "triton")
+
+
+def _loop(g) -> None:
     g.add_argument("--loop", default="auto", choices=LOOPS,
-                   help="static: the sync-free step (sicl_fast.static); eager: the reference loop; auto: static where "
-                        "the backend supports it (fast, fast-fp32). Same results.")
-    g.add_argument("--sync-every", type=_int_at_least(1), default=None, metavar="K",
+                   help="static: the step without host reads, checked every --sync-every steps; eager: the readable "
+                        "reference loop; auto: static where the backend supports it (fast, fast-fp32). Same results.")
+    g.add_argument("--sync-every", type=arg_type("sync_every"), default=None, metavar="K",
                    help="static loop: read the state back every K steps (default 1 on the CPU, 8 on a GPU)")
     g.add_argument("--graphs", default="auto", choices=GRAPH_MODES,
                    help="CUDA graphs: the static step captured once per prompt shape and replayed, and the decode "
                         "step captured per cache length; auto: on for CUDA with the static loop. Same results.")
-    g.add_argument("--pack", type=_int_at_least(1), default=1, metavar="P",
-                   help="calibrate / icleval: calibrate up to P prompts at once through one batched forward "
-                        "(throughput mode, fast backend; default 1)")
-    g.add_argument("--add-special-tokens", action="store_true",
-                   help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
 
 
-def _gen_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=32)
-    p.add_argument("--stop", action="append", default=None,
-                   help="stop string (repeatable; default: a newline)")
+def _pack(g) -> None:
+    g.add_argument("--pack", type=arg_type("pack"), default=1, metavar="P",
+                   help="calibrate up to P prompts at once through one batched forward (throughput mode, fast "
+                        "backend; default 1)")
 
 
-def add_ray_flags(p: argparse.ArgumentParser) -> None:
-    """--ray [ADDRESS] and the pool's shape (sicl_fast.distributed); Ray is the optional `ray` extra."""
+def _generate(g) -> None:
+    g.add_argument("--max-new-tokens", type=arg_type("max_new_tokens"), default=32,
+                   help="at most this many tokens per answer (default 32)")
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop string, at least one character (repeatable; default: a newline)")
+
+
+def _ray(g) -> None:
+    """--ray [ADDRESS] and the pool's shape (sicl_fast.distributed); Ray is the optional `ray` extra. The values are
+    checked while parsing, with or without --ray."""
     from .distributed import LOCAL
 
-    g = p.add_argument_group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")')
     g.add_argument("--ray", nargs="?", const=LOCAL, default=None, metavar="ADDRESS",
                    help="run on a pool of Ray actors: no ADDRESS starts a local Ray, 'auto' or 'ray://host:port' "
                         "joins a cluster")
-    g.add_argument("--workers", type=int, default=1, help="engine actors, one model each (default 1)")
-    g.add_argument("--cpus-per-worker", type=int, default=None,
+    g.add_argument("--workers", type=arg_type("workers"), default=1, help="engine actors, one model each (default 1)")
+    g.add_argument("--cpus-per-worker", type=arg_type("cpus_per_worker"), default=None,
                    help="default: the cluster's CPUs // --workers (torch threads in each actor match it)")
-    g.add_argument("--gpus-per-worker", type=float, default=None, help="default: 1 with --device cuda, else 0")
-    g.add_argument("--max-retries", type=int, default=2,
-                   help="times a request is retried after its worker died before it is recorded as an error")
+    g.add_argument("--gpus-per-worker", type=arg_type("gpus_per_worker"), default=None,
+                   help="default: 1 with --device cuda, else 0")
+    g.add_argument("--max-retries", type=arg_type("max_retries"), default=2,
+                   help="times a request is retried after its worker died before it is recorded as an error "
+                        "(default 2)")
 
 
-def _store_flags(p: argparse.ArgumentParser) -> None:
+def _parents() -> dict[str, argparse.ArgumentParser]:
+    """The flag groups, each a parent parser (a command takes the ones it uses, #26)."""
+    ascent = [f.name for f in dataclasses.fields(CalibrationConfig) if f.name not in PROXY_KNOBS]
+    step = [name for name in ascent if name not in RUN_KNOBS]
+    return {
+        "model": _group("model", _model), "tokens": _group("tokens", _tokens),
+        "backend": _group("backend", _backend), "ops": _group("hot ops", _ops),
+        "backend_fast": _group("backend", lambda g: _backend(g, "fast")),
+        "loop": _group("loop", _loop), "pack": _group("packing", _pack),
+        "proxy": _group("proxy weights", lambda g: _knob_flags(g, PROXY_KNOBS)),
+        "ascent": _group("ascent", lambda g: _knob_flags(g, ascent)),
+        "step": _group("ascent step", lambda g: _knob_flags(g, step)),
+        "generate": _group("answers", _generate),
+        "store": _group("calibration store (docs/store.md)", _store),
+        "ray": _group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")', _ray),
+        "debug": _group("errors", lambda g: g.add_argument(
+            "--debug", action="store_true", help="show the full traceback of an unexpected error")),
+    }
+
+
+# the flag groups of each command: only the flags it uses
+COMMAND_GROUPS = {
+    "demo": ("model", "tokens", "backend", "ops", "loop", "proxy", "ascent", "generate"),
+    "proxy": ("model", "tokens", "backend", "ops", "proxy"),
+    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "generate", "ray", "store"),
+    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "ray", "store"),
+    "bench": ("model", "ops", "loop", "pack", "proxy", "step"),
+    "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
+    "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
+    "serve": ("model", "tokens", "backend", "ops", "loop", "store"),
+    "report": (),
+}
+
+
+def _store(g) -> None:
     """The calibration store (sicl_fast.store, sicl_fast.reuse): --reuse, --store, --store-mib."""
     from .reuse import REUSE_MODES
     from .store import DEFAULT_MAX_BYTES
 
-    g = p.add_argument_group("calibration store (docs/store.md)")
     g.add_argument("--reuse", default=None, choices=REUSE_MODES,
                    help="auto (default): requests sharing their instruction and demonstrations are calibrated once "
                         "and reused where that is exact, calibrated per query where it is not; on: reuse always "
@@ -139,7 +236,7 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--store", default=None, metavar="DIR",
                    help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
                         "memory only)")
-    g.add_argument("--store-mib", type=_int_at_least(0), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
+    g.add_argument("--store-mib", type=arg_type("store_mib"), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
                    help=f"memory the store may hold, in MiB (default {DEFAULT_MAX_BYTES >> 20})")
 
 
@@ -168,97 +265,119 @@ def _store_line(workers, args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sicl-fast", description="Self-improving in-context learning, fast.")
     sub = p.add_subparsers(dest="cmd", required=True)
+    groups = _parents()
 
-    d = sub.add_parser("demo", help="calibrate a built-in few-shot example and show both answers")
-    _model_flags(d), _config_flags(d), _gen_flags(d)
+    def command(name: str, help: str, **kw) -> argparse.ArgumentParser:
+        parents = [groups[g] for g in COMMAND_GROUPS[name]] + [groups["debug"]]
+        return sub.add_parser(name, help=help, parents=parents, **kw)
 
-    x = sub.add_parser("proxy", help="proxy f(X0) and its parts for each request; JSON lines on stdout")
-    x.add_argument("requests")
-    _model_flags(x), _config_flags(x)
+    command("demo", "calibrate a built-in few-shot example and show both answers",
+            description="Calibrate a built-in few-shot example (at most 15 steps unless --max-steps) and show the "
+                        "prompt, the proxy at every step and both answers.")
 
-    c = sub.add_parser("calibrate", help="calibrate each request; one JSON line per request in --out")
-    c.add_argument("requests")
+    x = command("proxy", "proxy f(X0) and its parts for each request; JSON lines on stdout")
+    x.add_argument("requests", help="requests JSONL ('-': standard input)")
+
+    c = command("calibrate", "calibrate each request; one JSON line per request in --out")
+    c.add_argument("requests", help="requests JSONL ('-': standard input)")
     c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
-    _model_flags(c), _config_flags(c), _gen_flags(c), add_ray_flags(c), _store_flags(c)
 
-    e = sub.add_parser("icleval", help="base vs calibrated accuracy on ICLEval task files")
+    e = command("icleval", "base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
     e.add_argument("--tasks", nargs="*", default=None, help="file names without .json (default: all present)")
-    e.add_argument("--limit", type=_int_at_least(1), default=None, help="first N samples per task")
+    e.add_argument("--limit", type=arg_type("limit"), default=None, help="first N samples per task")
     e.add_argument("--out", required=True)
-    _model_flags(e), _config_flags(e), add_ray_flags(e), _store_flags(e)
     add_icleval_eval_args(e)
 
-    bn = sub.add_parser("bench", help="ms per ascent step and per calibration, with peak memory")
-    bn.add_argument("--length", type=_int_at_least(1), nargs="+", default=[128], help="prompt lengths in tokens")
-    bn.add_argument("--backends", nargs="+", default=["fast", "fast-fp32", "hf", "naive"],
-                    help="backends to compare side by side")
-    bn.add_argument("--repeats", type=_int_at_least(1), default=3)
-    bn.add_argument("--prefix", type=_int_at_least(0), default=0, help="tokens of instruction before the demonstrations")
-    bn.add_argument("--calibration-steps", type=_int_at_least(0), default=0,
-                    help="also time a whole calibration of this many steps (patience off)")
-    _model_flags(bn), _config_flags(bn)
+    bn = command("bench", "ms per ascent step and per calibration, with peak memory")
+    bn.add_argument("--length", type=arg_type("length"), nargs="+", default=[128], help="prompt lengths in tokens")
+    bn.add_argument("--backends", nargs="+", default=["fast", "fast-fp32", "hf", "naive"], choices=tuple(BACKENDS),
+                    metavar="BACKEND", help="backends to compare side by side (default: fast fast-fp32 hf naive)")
+    bn.add_argument("--repeats", type=arg_type("repeats"), default=3, help="timed steps per cell (default 3)")
+    bn.add_argument("--prefix", type=arg_type("prefix"), default=0,
+                    help="tokens of instruction before the demonstrations")
+    bn.add_argument("--calibration-steps", type=arg_type("calibration_steps"), default=0,
+                    help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
+                         "column")
 
-    pr = sub.add_parser("profile", help="where the time of one ascent step goes: per phase ms, share, FLOPs, "
-                                         "FLOP/s against the measured matmul peak; peak memory; kernels per step")
+    pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s against the "
+                            "measured matmul peak; peak memory; kernels per step")
     pr.add_argument("requests", nargs="?", default=None,
                     help="requests JSONL (the first request is profiled); default: a synthetic prompt of --length")
-    pr.add_argument("--length", type=_int_at_least(8), default=512,
+    pr.add_argument("--length", type=arg_type("profile_length"), default=512,
                     help="synthetic prompt length in tokens (default 512)")
-    pr.add_argument("--prefix", type=_int_at_least(0), default=0,
+    pr.add_argument("--prefix", type=arg_type("prefix"), default=0,
                     help="synthetic prompt: tokens of instruction before the demos")
-    pr.add_argument("--repeats", type=_int_at_least(1), default=5, help="timed calls per phase (the best is kept)")
+    pr.add_argument("--repeats", type=arg_type("repeats"), default=5,
+                    help="timed calls per phase (the best is kept; default 5)")
     pr.add_argument("--trace", default=None, metavar="OUT.json",
                     help="also write a torch.profiler Chrome trace (NVTX ranges per phase on CUDA)")
     pr.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    _model_flags(pr), _config_flags(pr)
-    pr.set_defaults(backend="fast")
 
-    gs = sub.add_parser("gradstudy", help="how close the zeroth-order estimate comes to the exact gradient, per N "
-                                          "and mu (sicl_fast.gradstudy); one JSON line per request in --out")
-    gs.add_argument("requests")
+    gs = command("gradstudy", "how close the zeroth-order estimate comes to the exact gradient, per N and mu; one "
+                              "JSON line per request in --out")
+    gs.add_argument("requests", help="requests JSONL ('-': standard input)")
     gs.add_argument("--out", required=True, help="records JSONL (resumed when it exists; a regular file)")
     gs.add_argument("--report", default=None, metavar="DIR", help="also write DIR/study.md, study.json and "
                                                                   "plots/cosine_vs_N.png")
-    gs.add_argument("--study-N", dest="study_N", type=_int_at_least(1), nargs="+", default=list(STUDY_NS),
+    gs.add_argument("--study-N", dest="study_N", type=arg_type("N"), nargs="+", default=list(STUDY_NS),
                     metavar="N", help=f"numbers of directions (default {' '.join(map(str, STUDY_NS))})")
     gs.add_argument("--study-mu", dest="study_mu", type=float, nargs="+", default=list(STUDY_MUS), metavar="MU",
                     help=f"smoothing radii, embedding-scale units (default {' '.join(map(str, STUDY_MUS))})")
     gs.add_argument("--study-estimators", dest="study_estimators", nargs="+", default=list(STUDY_ESTIMATORS),
                     choices=STUDY_ESTIMATORS, metavar="EST", help="forward and / or central (default both)")
-    gs.add_argument("--seeds", type=_int_at_least(1), default=8, help="seeds per cell (default 8)")
-    gs.add_argument("--points", type=_int_at_least(0), nargs="+", default=[0, 5, 10], metavar="STEP",
+    gs.add_argument("--seeds", type=arg_type("seeds"), default=8, help="seeds per cell (default 8)")
+    gs.add_argument("--points", type=arg_type("points"), nargs="+", default=[0, 5, 10], metavar="STEP",
                     help="exact-gradient calibration steps at which to measure (default 0 5 10)")
-    gs.add_argument("--chunk", type=_int_at_least(1), default=16, help="forward rows per batch (memory)")
-    _model_flags(gs), _config_flags(gs)
+    gs.add_argument("--chunk", type=arg_type("chunk"), default=16, help="forward rows per batch (memory; default 16)")
 
-    add_report_command(sub)
-    _serve_command(sub)
-    for name, sp in sub.choices.items():
-        sp.add_argument("--debug", action="store_true", help="show the full traceback of an unexpected error")
+    add_report_command(sub, parents=[groups["debug"]])
+    _serve_command(command("serve", "HTTP/JSON calibration server (needs the extra: pip install "
+                                    "\"sicl-fast[serve]\")"))
+    _cache_command(sub, groups["debug"])
     return p
 
 
-def _serve_command(sub) -> None:
+def _serve_command(s) -> None:
     from .serve.settings import add_serve_flags
 
-    s = sub.add_parser("serve", help="HTTP/JSON calibration server (needs the extra: pip install \"sicl-fast[serve]\")")
-    _model_flags(s)
-    _store_flags(s)
     add_serve_flags(s)
 
 
+def _cache_command(sub, debug) -> None:
+    cc = sub.add_parser("cache", help="the converted-model cache (GGUF files de-quantized into transformers "
+                                      "folders): list, verify, clear, path")
+    acts = cc.add_subparsers(dest="action", required=True, metavar="{list,verify,clear,path}")
+    model_help = "a model as --model takes it (default: the embedded SmolLM2-135M)"
+    acts.add_parser("list", parents=[debug], help="every entry: its size, source and state")
+    v = acts.add_parser("verify", parents=[debug], help="check every byte of every entry (or MODEL's) against the "
+                                                        "checksums written with it; damaged entries are moved aside "
+                                                        "(the next load converts again); exit 1 when any was")
+    v.add_argument("model", nargs="?", default=None, help="only this model's entry")
+    v.add_argument("--quick", action="store_true", help="the sampled check a load does, not every byte")
+    c = acts.add_parser("clear", parents=[debug], help="remove every entry (or only MODEL's converted folder)")
+    c.add_argument("model", nargs="?", default=None, help="only this model's entry")
+    pth = acts.add_parser("path", parents=[debug], help="print MODEL's transformers folder, converting it first when "
+                                                        "needed (transformers loads it as any model folder)")
+    pth.add_argument("model", nargs="?", default=None, help=model_help)
+
+
 def _overrides(args) -> dict:
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(CalibrationConfig)}
+    """The knobs given on the command line (a command without a knob's flag leaves it to the preset)."""
+    return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(CalibrationConfig)}
 
 
 def _check_flags(args) -> None:
     """Every flag checked before any model is loaded: the calibration values (CalibrationConfig's own checks on the
-    values given) and the optional packages the model asks for."""
+    values given; the integer ranges were checked while parsing, sicl_fast.knobs), the stop strings and the
+    optional packages the model asks for."""
+    from .generate import check_stops
     from .models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
 
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
+    if getattr(args, "stop", None) is not None:
+        check_stops(args.stop, "--stop")
     if hasattr(args, "reuse"):
         reuse_mode(args)
         if args.store is not None:
@@ -283,10 +402,11 @@ def _wants_grad(args) -> bool:
 
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
-    ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
+    ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
     kw = dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-              diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-              pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=args.graphs)
+              diff_matmul=args.diff_matmul, impl=args.impl, loop=getattr(args, "loop", "auto"),
+              sync_every=getattr(args, "sync_every", None), pack=getattr(args, "pack", 1), grad=_wants_grad(args),
+              graphs=getattr(args, "graphs", "auto"))
     if hasattr(args, "reuse"):  # the commands with the store's flags
         kw.update(reuse=reuse_mode(args), store_dir=args.store, store_bytes=args.store_mib << 20)
     return kw
@@ -419,20 +539,23 @@ def cmd_bench(args) -> int:
     cfg = eng.config(**_overrides(args))
     print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
-    print("| backend | impl | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
+    print("| backend | impl | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
+          + (" calib s |" if calib else ""))
+    print("|---" * (9 if calib else 8) + "|")
     for length in args.length:
         prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
         for name in args.backends:
             backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl,
                                    grad=cfg.estimator == "grad")
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
-            cal = ""
-            if args.calibration_steps:
-                c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0, tau=0.0))
-                cal = f"{c['seconds']:.2f}"
-            print(f"| {name} | {r['impl']} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
-                  flush=True)
+            row = (f"| {name} | {r['impl']} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | "
+                   f"{r['ms_min']:.1f} | {r['peak_mb']:.0f} |")
+            if calib:
+                c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0,
+                                                                   tau=0.0))
+                row += f" {c['seconds']:.2f} |"
+            print(row, flush=True)
     return 0
 
 
@@ -441,10 +564,11 @@ def cmd_profile(args) -> int:
     from .profile import profile_step
     from .requests import read_requests
 
+    first = next(iter(read_requests(args.requests))) if args.requests else None  # checked before the model loads
     _check_flags(args)
     eng = _engine(args)
-    if args.requests:
-        prompt = eng.prepare(read_requests(args.requests)[0])
+    if first is not None:
+        prompt = eng.prepare(first)
     else:
         prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
     prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace)
@@ -513,15 +637,70 @@ def cmd_serve(args) -> int:
     return serve(_engine(args), settings)
 
 
+def cmd_cache(args) -> int:
+    """`sicl-fast cache list|verify|clear|path [MODEL]` (sicl_fast.models.cache)."""
+    from .models import cache
+    from .models.loading import model_folder, resolve
+
+    def entry_of(model):
+        """The converted entry of MODEL (None: every entry); a model that is a folder has none."""
+        if model is None and args.action != "path":
+            return None
+        _, path, kind = resolve(model)
+        if kind == "dir":
+            raise SiclError(f"{path} is a transformers model folder, loaded as it is: it has no cache entry")
+        entry = cache.find_entry(cache.content_key(path))
+        if entry is None:
+            raise SiclError(f"{path.name} has no cache entry yet (the first load converts it)")
+        return entry
+
+    if args.action == "path":
+        print(model_folder(args.model))
+        return 0
+    if args.action == "list":
+        found = cache.entries()
+        print(f"# {cache.cache_dir()}: {len(found)} item(s), {sum(e.size for e in found) / 2**20:.1f} MiB")
+        for e in found:
+            print(f"{e.size / 2**20:10.1f} MiB  {e.state:12s}  {e.source or '-':40s}  {e.path}")
+        return 0
+    if args.action == "verify":
+        results = cache.verify_entries(entry_of(args.model), full=not args.quick)
+        damaged = 0
+        for path, problem, dest in results:
+            if problem is None:
+                print(f"ok       {path}")
+            elif dest is None:
+                print(f"unused   {path}: {problem}")
+            else:
+                damaged += 1
+                print(f"damaged  {path}: {problem}; moved to {dest} (the next load converts again)")
+        if not results:
+            print(f"# {cache.converted_dir()}: no converted models")
+        return 1 if damaged else 0
+    removed, freed, skipped = cache.clear(entry_of(args.model))
+    for p in skipped:
+        print(f"skipped  {p}: a conversion is writing it", file=sys.stderr)
+    print(f"removed {len(removed)} item(s), {freed / 2**20:.1f} MiB, from {cache.cache_dir()}")
+    return 0
+
+
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
             "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve,
-            "gradstudy": cmd_gradstudy}
+            "gradstudy": cmd_gradstudy, "cache": cmd_cache}
 
 
-def _interrupted(cmd: str) -> str:
-    """What an interrupted run leaves behind, and how to go on."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is (as Ctrl-C raises KeyboardInterrupt), so both end the same way."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def _interrupted(cmd: str, how: str = "interrupted") -> str:
+    """What an interrupted (or terminated) run leaves behind, and how to go on."""
     if not OPENED:
-        return f"sicl-fast {cmd}: interrupted; nothing was written"
+        return f"sicl-fast {cmd}: {how}; nothing was written"
     parts = []
     for w in OPENED:
         if w.streaming:
@@ -529,7 +708,7 @@ def _interrupted(cmd: str) -> str:
         else:
             parts.append(f"{w.written} record(s) written to {w.path} this run, {len(w.done)} in the file; "
                          "run the same command again to resume")
-    return f"sicl-fast {cmd}: interrupted; " + "; ".join(parts)
+    return f"sicl-fast {cmd}: {how}; " + "; ".join(parts)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
@@ -538,14 +717,25 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         print(f"sicl-fast: warning: {message}", file=sys.stderr)
 
 
+def _quiet_stdout() -> None:
+    """After the reader of stdout went away (`| head`): point stdout at /dev/null, so that the flush at exit does
+    not fail again (the Python documentation's recipe for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 2 bad input or a missing optional package (one line), 130 interrupted (one line),
-    1 an unexpected error (one line; --debug shows the traceback)."""
+    """Exit codes: 0 done, 2 bad input or a missing optional package (one line), 130 interrupted (Ctrl-C) and 143
+    terminated (SIGTERM) (one line each), 141 the reader of stdout went away (no line), 1 an unexpected error (one
+    line; --debug shows the traceback)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # read when transformers is first imported
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warning from the tokenizers library
     args = build_parser().parse_args(argv)
     cmd = args.cmd
     OPENED.clear()  # the results files this command opens (for the Ctrl-C summary)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         with warnings.catch_warnings():
             if not args.debug:
@@ -556,17 +746,24 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"sicl-fast {cmd}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141
+    except KeyboardInterrupt as exc:
         if args.debug:
             raise
-        print(_interrupted(cmd), file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        print(_interrupted(cmd, "terminated" if terminated else "interrupted"), file=sys.stderr)
+        return 143 if terminated else 130
     except Exception as exc:  # noqa: BLE001 - the one place that turns a crash into a line
         if args.debug:
             raise
         print(f"sicl-fast {cmd}: internal error: {type(exc).__name__}: {exc} "
               f"(run again with --debug for the traceback)", file=sys.stderr)
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import sys
 from typing import Callable, Iterable, Iterator
 
 from .errors import SiclError, require
+from .knobs import check_range
 from .workers import Done, Lost, Outcome, Workers
 
 LOCAL = "local"  # the address meaning "start a local Ray" (what `--ray` without an address gives)
@@ -77,13 +78,10 @@ class RayPool(Workers):
     def __init__(self, engine_kwargs: dict, workers: int = 1, address: str | None = None,
                  cpus_per_worker: int | None = None, gpus_per_worker: float | None = None,
                  max_retries: int = 2) -> None:
-        if workers < 1:
-            raise SiclError(f"--workers must be >= 1, got {workers}")
-        if max_retries < 0:
-            raise SiclError(f"--max-retries must be >= 0, got {max_retries}")
-        if (cpus_per_worker is not None and cpus_per_worker < 1) or \
-                (gpus_per_worker is not None and gpus_per_worker < 0):
-            raise SiclError("--cpus-per-worker must be >= 1 and --gpus-per-worker >= 0")
+        for name, v in (("workers", workers), ("max_retries", max_retries), ("cpus_per_worker", cpus_per_worker),
+                        ("gpus_per_worker", gpus_per_worker)):
+            if v is not None:
+                check_range(name, v, "RayPool")
         ray = require_ray()
         self._ray = ray
         self.engine_kwargs = dict(engine_kwargs)

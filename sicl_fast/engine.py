@@ -16,6 +16,7 @@ from .backends import make_backend
 from .checks import check_embeddings, check_prompt
 from .errors import SiclError
 from .generate import Generation
+from .knobs import check_range
 from .models import LoadedModel, load
 from .proxy import ProxyOut
 from .requests import Request, parse_request
@@ -72,6 +73,9 @@ class Engine:
         self.reuse = check_reuse(reuse)
         self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
         self._reuser = None
+        check_range("pack", pack, "Engine")
+        if sync_every is not None:
+            check_range("sync_every", sync_every, "Engine")
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
         self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul, impl=impl, grad=grad)
         self.loop = loop
@@ -80,8 +84,6 @@ class Engine:
                             "none (use loop 'eager' or 'auto')")
         self.static = loop != "eager" and supports_static(self.backend)
         self.sync_every = sync_every if sync_every is not None else default_sync_every(self.lm.device)
-        if isinstance(pack, bool) or not isinstance(pack, int) or pack < 1:
-            raise SiclError(f"pack must be an int >= 1, got {pack!r}")
         if pack > 1 and not self.static:
             raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {self.backend.name!r}, "
                             f"loop {loop!r})")
@@ -112,8 +114,12 @@ class Engine:
     def proxy(self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None) -> ProxyOut:
         """f(X) and its parts for the prompt's own embeddings (or `embeds` [L, d])."""
         cal = Calibrator(self.backend, self.config(config))
-        X = self.backend.embed(check_prompt(prompt)) if embeds is None else check_embeddings(embeds, prompt, self.lm)
-        return cal.proxy_of(X.unsqueeze(0), prompt)
+        return cal.proxy_of(self._embeddings(prompt, embeds).unsqueeze(0), prompt)
+
+    def _embeddings(self, prompt: Prompt, embeds: torch.Tensor | None) -> torch.Tensor:
+        """X [L, d] for a prompt of this model: its own embeddings, or `embeds` checked against it."""
+        check_prompt(prompt, self.lm)
+        return self.backend.embed(prompt) if embeds is None else check_embeddings(embeds, prompt, self.lm)
 
     def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, reuse: str | None = None,
                   should_stop=None, **overrides) -> CalibrationResult:
@@ -178,5 +184,5 @@ class Engine:
         stop_fn=None,
     ) -> Generation:
         """Greedy answer from `embeds` [L, d] (default: the prompt's own embeddings)."""
-        X = self.backend.embed(check_prompt(prompt)) if embeds is None else check_embeddings(embeds, prompt, self.lm)
+        X = self._embeddings(prompt, embeds)
         return self.backend.generate(X, prompt, max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn)

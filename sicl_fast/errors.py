@@ -9,6 +9,10 @@ class RequestError(SiclError):
     """A request (prompt, spans, demos) is malformed. The message names the request id and field."""
 
 
+class TextError(RequestError):
+    """A string that is not valid Unicode (a lone surrogate). The message names the field."""
+
+
 class ModelLoadError(SiclError):
     """A model could not be found or loaded."""
 

@@ -11,6 +11,8 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import NumericalError, SiclError
+from .knobs import check_range
+from .requests import check_text
 
 
 @dataclass
@@ -24,13 +26,29 @@ class Generation:
     answer: str = ""
 
 
+def check_stops(stop_strings, where: str = "stop_strings") -> tuple[str, ...]:
+    """Stop strings: a list of non-empty, valid text (an empty one would end every answer before its first
+    character, or, as it did before, silently turn stopping off). The one check, run by generation and before any
+    model is loaded by the CLI (--stop) and the server (field 'stop'). Returns them as a tuple."""
+    if isinstance(stop_strings, str) or not isinstance(stop_strings, Sequence):
+        raise SiclError(f"{where}: must be a list of strings, got {type(stop_strings).__name__}")
+    for i, s in enumerate(stop_strings):
+        if not isinstance(s, str):
+            raise SiclError(f"{where}[{i}]: must be a string, got {type(s).__name__}")
+        if not s:
+            raise SiclError(f"{where}[{i}]: an empty stop string would end every answer before it begins; give at "
+                            "least one character (the default is a newline)")
+        check_text(s, f"{where}[{i}]")
+    return tuple(stop_strings)
+
+
 def cut_at_stops(text: str, stop_strings: Sequence[str]) -> str:
     """text up to the earliest stop string (searched after leading whitespace), stripped."""
     body = text.lstrip()
     cut = len(body)
     for s in stop_strings:
         i = body.find(s)
-        if s and i != -1:
+        if i != -1:
             cut = min(cut, i)
     return body[:cut].strip()
 
@@ -38,15 +56,14 @@ def cut_at_stops(text: str, stop_strings: Sequence[str]) -> str:
 def stop_reached(text: str, stop_strings: Sequence[str], stop_fn) -> bool:
     """True when the decoded text (leading whitespace removed) holds a stop string, or stop_fn(text) says so."""
     body = text.lstrip()
-    if any(s and s in body for s in stop_strings):
+    if any(s in body for s in stop_strings):
         return True
     return bool(stop_fn is not None and stop_fn(text))
 
 
 def check_inputs(lm, embeds: torch.Tensor, max_new_tokens: int) -> None:
     """Shape, value and context checks shared by every backend's generation."""
-    if max_new_tokens < 0:
-        raise SiclError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_range("max_new_tokens", max_new_tokens, "generate")
     if embeds.dim() != 2 or embeds.shape[1] != lm.hidden_size:
         raise SiclError(f"embeddings must be [L, {lm.hidden_size}], got shape {tuple(embeds.shape)}")
     if not bool(torch.isfinite(embeds).all()):
@@ -73,6 +90,7 @@ def greedy_decode(
     The argmax stays on the device; the host reads the new tokens every `read_every` tokens and applies the stop
     rules to them in order, so the answer is the same for any read_every (tokens computed past a stop are
     dropped)."""
+    stop_strings = check_stops(stop_strings)
     out = Generation()
     if max_new_tokens > 0:
         eos = lm.eos_token_ids

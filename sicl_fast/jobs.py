@@ -13,11 +13,11 @@ from .requests import Request
 
 def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config: CalibrationConfig | None = None) -> int:
     """Tokenize every request (a RequestError names the first bad one) and, with `config`, refuse a step too big for
-    memory, before anything is written; returns the count."""
+    memory (with --pack P, P such steps at once), before anything is written; returns the count."""
     for r in requests:
         prompt = engine.prepare(r, reserve=reserve)
         if config is not None:
-            check_step_memory(engine.lm, prompt, engine.config(config))
+            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.pack)
     return len(requests)
 
 

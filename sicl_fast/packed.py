@@ -24,6 +24,7 @@ import torch
 
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .errors import SiclError
+from .knobs import check_range
 from .spans import Prompt
 from .static import RUNNING, StaticStep, supports_static
 
@@ -62,13 +63,13 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     on_result(i, res), each result goes there as it finishes (in completion order) and is not kept; without, the
     results come back in the order of `items`."""
     for name, v in (("pack", pack), ("sync_every", sync_every)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise SiclError(f"{name} must be an int >= 1, got {v!r}")
+        check_range(name, v, "run_packed")
     if not supports_static(backend):
         raise SiclError(f"the packed step needs the fast backend's sync-free forward; {backend.name!r} has none")
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
     active: list[tuple[int, StaticStep, float]] = []  # (item index, state, start time)
+    calls: dict[int, int] = {}  # steps called on each active slot (it stops by its max_steps at the latest)
 
     def admit() -> None:
         while queue and len(active) < pack:
@@ -76,12 +77,16 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
             cal = Calibrator(backend, config)
             st = StaticStep(backend, cal.config, prompt, cal.initial_embeddings(prompt), use_prefix=False)
             active.append((i, st, time.perf_counter()))
+            calls[i] = 0
 
     admit()
     while active:
         step = PackedStep(backend, [st for _, st, _ in active])  # a new layout whenever the slots change
-        for _ in range(sync_every):
+        k = min(sync_every, max(st.config.max_steps - calls[i] for i, st, _ in active))
+        for _ in range(k):
             step()
+        for i, _, _ in active:
+            calls[i] += k
         reasons = torch.cat([st.reason for _, st, _ in active]).tolist()  # the one read per sync_every steps
         still = []
         for (i, st, t0), reason in zip(active, reasons):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from .errors import ResultsFileError, SiclError, SiclWarning
+from .inputs import open_input
 
 STDOUT = "-"
 
@@ -177,6 +178,8 @@ class ResultWriter:
             else:
                 self._fh.write(line)
                 self._fh.flush()
+        except BrokenPipeError:
+            raise  # the reader of a streamed output went away (`--out - | head`): the CLI ends quietly
         except OSError as exc:
             raise ResultsFileError(f"--out {self.path}: cannot write: {_os_reason(exc)}") from None
         self.done.add(self.key(record))
@@ -199,13 +202,8 @@ class ResultWriter:
 def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict]:
     """All records (JSON objects, one a line) of a JSONL results file. Raises SiclError naming the line of any
     line that is not one; an empty file is an error unless `allow_empty`."""
-    path = Path(path)
-    if path.is_dir():
-        raise SiclError(f"results file {path}: is a directory")
-    if not path.is_file():
-        raise SiclError(f"results file not found: {path}")
     out = []
-    with path.open("rb") as fh:
+    with open_input(path, "results file") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue

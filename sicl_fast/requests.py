@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import RequestError, SiclWarning
+from .errors import RequestError, SiclWarning, TextError
+from .inputs import open_input
 
 DEFAULT_TEMPLATE: dict[str, str] = {
     # one demonstration; {input} and {output} are filled in, the output's characters become its span
@@ -58,9 +59,41 @@ def _fail(rid: Any, fld: str, msg: str) -> RequestError:
     return RequestError(f"request {rid!r}: field {fld!r}: {msg}")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(value: Any, where: str, field: str = "") -> None:
+    """Every string in `value` (a JSON-like tree: dicts, their keys, lists, strings) is valid Unicode: no lone
+    surrogate (U+D800..U+DFFF, what a JSON escape such as \\ud800 without its pair decodes to, or an undecodable
+    byte of a command-line argument), which no encoder can write and no tokenizer can read. The one check of every
+    text that comes in, run before any work (the request parser, the stop strings, the server's bodies). Raises
+    TextError "{where}: field 'demos[0].input': ..." naming the first bad string."""
+    stack = [(field, value)]
+    while stack:  # iterative: a deeply nested tree must not overflow the stack
+        path, v = stack.pop()
+        if isinstance(v, str):
+            bad = _SURROGATE.search(v)
+            if bad is not None:
+                name = f"field {path!r}: " if path else ""
+                raise TextError(f"{where}: {name}is not valid Unicode: a lone surrogate "
+                                f"U+{ord(bad.group()):04X} at character {bad.start()} (an unpaired \\u escape, or "
+                                "bytes that are not UTF-8)")
+        elif isinstance(v, dict):
+            for k, item in reversed(list(v.items())):
+                sub = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and _SURROGATE.search(k):
+                    stack.append((f"{path} (a key)" if path else "(a key)", k))
+                else:
+                    stack.append((sub, item))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{path}[{i}]", item) for i, item in reversed(list(enumerate(v))))
+
+
 def validate(req: Request) -> None:
-    """Check spans against the prompt. Raises RequestError naming the request id and field."""
+    """Check the text and the spans against the prompt. Raises RequestError naming the request id and field."""
+    check_text(req.id, "request", "id")
     rid = req.id
+    check_text(req.prompt, f"request {rid!r}", "prompt")
     if not isinstance(req.prompt, str) or not req.prompt:
         raise _fail(rid, "prompt", "must be a non-empty string")
     if not req.output_spans:
@@ -151,6 +184,7 @@ def parse_request(obj: Any, where: str = "request") -> Request:
     """A JSON object (either form) -> Request. `where` names the source (file:line) in errors."""
     if not isinstance(obj, dict):
         raise RequestError(f"{where}: must be a JSON object, got {type(obj).__name__}")
+    check_text(obj, where)
     rid = obj.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
         raise RequestError(f"{where}: field 'id': must be a non-empty string")
@@ -175,14 +209,10 @@ def parse_request(obj: Any, where: str = "request") -> Request:
 
 
 def read_requests(path: str | Path) -> Iterator[Request]:
-    """Yield the requests of a JSONL file; blank lines are skipped; duplicate ids are an error."""
-    path = Path(path)
-    if path.is_dir():
-        raise RequestError(f"requests file {path}: is a directory; give a JSONL file, one request a line")
-    if not path.is_file():
-        raise RequestError(f"requests file not found: {path}")
+    """Yield the requests of a JSONL file (or a stream: a pipe, `-` for standard input; sicl_fast.inputs); blank
+    lines are skipped; duplicate ids are an error."""
     seen: set[str] = set()
-    with path.open("rb") as fh:
+    with open_input(path, "requests file", "give a JSONL file, one request a line", RequestError) as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
             try:

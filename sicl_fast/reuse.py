@@ -194,7 +194,7 @@ class Reuser:
     def route(self, prompt: Prompt, config: CalibrationConfig, mode: str, on_step=None, should_stop=None
               ) -> ReusedResult:
         check_choice(mode, REUSE_MODES, "reuse", "Engine.calibrate")
-        check_prompt(prompt)
+        check_prompt(prompt, self.engine.lm)
         t0 = time.perf_counter()
         cfg = self.resolve(config)
         if mode == "off":

@@ -9,7 +9,9 @@ Rules (as the reference implementation, and ICLEval SPEC section 5):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import weakref
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -27,6 +29,8 @@ class Prompt:
     token_spans: ((start, end), ...) per demonstration, half-open token positions, each >= 1 token, start >= 1
     demo_start:  a, first perturbed row (first demonstration token)
     demo_end:    b, one past the last output token: rows >= b (the query) never change the proxy
+    vocabulary:  vocabulary_key of the tokenizer that made input_ids (None: unknown), so that an engine refuses a
+                 prompt of another model's vocabulary (sicl_fast.checks.check_prompt)
     """
 
     request: Request
@@ -34,6 +38,7 @@ class Prompt:
     token_spans: tuple[tuple[int, int], ...]
     demo_start: int
     demo_end: int
+    vocabulary: str | None = field(default=None, compare=False)
 
     @property
     def id(self) -> str:
@@ -61,6 +66,34 @@ class Prompt:
     def offsets(self) -> torch.Tensor:
         """[T+1] int64 offsets of each span into the pooled [P] axis."""
         return span_offsets([e - s for s, e in self.token_spans])
+
+
+_VOCABULARY_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VOCABULARY_SAMPLE = 512  # token ids whose strings go into the key, spread over the vocabulary
+
+
+def vocabulary_key(tokenizer) -> str:
+    """A short digest of a tokenizer's vocabulary: its size and the strings of ids spread evenly over it (computed
+    once per tokenizer object). Two tokenizers of one model give the same key; another model's vocabulary (another
+    size, or other tokens at the same ids) gives another."""
+    try:
+        return _VOCABULARY_KEYS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    n = len(tokenizer)
+    ids = list(range(0, n, max(1, n // _VOCABULARY_SAMPLE)))
+    toks = tokenizer.convert_ids_to_tokens(ids)
+    key = f"{n}:" + hashlib.sha256("\x00".join(map(str, toks)).encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    try:
+        _VOCABULARY_KEYS[tokenizer] = key
+    except TypeError:  # not weakly referenceable: computed again next time
+        pass
+    return key
+
+
+def vocabulary_size(key: str) -> int:
+    """The vocabulary size a vocabulary_key was made from."""
+    return int(key.split(":", 1)[0])
 
 
 def token_spans_from_offsets(
@@ -138,4 +171,5 @@ def tokenize(
         token_spans=tuple(spans),
         demo_start=demo_start,
         demo_end=spans[-1][1],
+        vocabulary=vocabulary_key(tokenizer),
     )

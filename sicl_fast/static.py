@@ -30,6 +30,7 @@ from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .best import BestState
 from .errors import NumericalError, SiclError
 from .graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs
+from .knobs import check_range
 from .proxy import ProxyPlan
 from .spans import Prompt
 from .zo import finite_differences
@@ -246,8 +247,7 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     should_stop: as Calibrator.run's, checked at each read; a returned string ends the run with that stop_reason
     and the best X so far. steps: a StepCache to take the step (and its graph) from; None: a new step.
     on_update(X): called with the state's X [L, d] after every step (device work only, no host read)."""
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise SiclError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    check_range("sync_every", sync_every, "run_static")
     t0 = time.perf_counter()
     cal = Calibrator(backend, config)
     X0 = cal.initial_embeddings(prompt, X0)
@@ -255,9 +255,9 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
         st = run = StaticStep(backend, cal.config, prompt, X0)
     else:
         st, run = steps.get(backend, cal.config, prompt, X0)
-    reported = 0
+    reported = n = 0
     while True:
-        for _ in range(sync_every):
+        for _ in range(min(sync_every, cal.config.max_steps - n)):  # no calls past the last step the run can take
             run()
             if on_update is not None:
                 on_update(st.X)

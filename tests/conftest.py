@@ -71,6 +71,29 @@ def tiny_llama_dir(tiny_llama, smol, tmp_path_factory) -> str:
     return str(d)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama as a transformers model folder (`--model DIR`; loads in well under a second): the
+    1-layer model of tests/tiny_gguf.py, converted once through the model cache into a cache of its own."""
+    from tiny_gguf import write_tiny_gguf
+
+    from sicl_fast.models.loading import converted_path
+
+    root = tmp_path_factory.mktemp("tiny_model")
+    gguf, _ = write_tiny_gguf(root / "tiny.gguf", weights=True)
+    before = os.environ.get("SICL_FAST_CACHE")
+    os.environ["SICL_FAST_CACHE"] = str(root / "cache")
+    try:
+        load(gguf)
+        folder = converted_path(gguf)
+    finally:
+        if before is None:
+            del os.environ["SICL_FAST_CACHE"]
+        else:
+            os.environ["SICL_FAST_CACHE"] = before
+    return folder
+
+
 def synthetic_prompt(L: int, spans, a: int, vocab: int, seed: int = 0) -> Prompt:
     """A Prompt with random token ids and the given token spans (no tokenizer involved)."""
     g = torch.Generator().manual_seed(seed)

@@ -3,6 +3,7 @@ SiclError, exit code 2), a warning, or exit code 130 for Ctrl-C; never a traceba
 wrong answer. CLI cases that must fail before a model is loaded run with model loading disabled."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -217,10 +218,12 @@ def test_api_misuse_names_the_argument(eng, prompt):
 # --------------------------------------------------------------------------------------- 6: memory guard
 
 
-def test_memory_guard_refuses_a_step_that_cannot_fit(eng, prompt):
-    cfg = eng.config(N=10**7, max_steps=1)
-    assert step_memory(eng.lm, prompt, cfg) > 100 * 2**30
-    with pytest.raises(SiclError, match=r"one ascent step needs about [\d.]+ GiB \(N=10000000: .*GiB of memory free; lower N"):
+def test_memory_guard_refuses_a_step_that_cannot_fit(eng, prompt, monkeypatch):
+    cfg = eng.config(N=65536, max_steps=1)
+    need = step_memory(eng.lm, prompt, cfg)
+    monkeypatch.setattr("sicl_fast.checks.available_memory", lambda device: need // 2)
+    with pytest.raises(SiclError, match=r"one ascent step needs about [\d.]+ GiB \(N=65536: .*GiB of memory free; "
+                                        r"lower N"):
         eng.calibrate(prompt, cfg)
     small = step_memory(eng.lm, prompt, eng.config(N=2))
     assert 0 < small < 2**30 and step_memory(eng.lm, prompt, eng.config(N=4)) > small
@@ -260,10 +263,33 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--mu", "1e30"], "mu and eta must be <= 1000"),
     (["--eta", "1e30"], "mu and eta must be <= 1000"),
     (["--kappa", "nan"], "kappa must be finite"),
+    # issue 29: before, --mu 1e-45 failed after the model loaded as "the proxy is nan at step 1", the zero weights
+    # ran with a proxy of 0 everywhere, and an empty --stop= silently turned stopping off
+    (["--mu", "1e-45"], "mu must be >= 1e-06 (in units of the embedding scale): a smaller perturbation is lost"),
+    (["--scale", "1e-300"], "mu * scale = 4e-303 is below float32's smallest normal number"),
+    (["--scale", "1e300"], "mu * scale and eta * scale must be <= 3.4e+38"),
+    (["--alpha", "0", "--beta", "0", "--gamma", "0"], "alpha, beta and gamma sum to 0"),
+    (["--stop="], "--stop[0]: an empty stop string would end every answer"),
+    # issue 29: every knob has a range (sicl_fast.knobs), checked while parsing
+    (["--max-steps", "1000001"], "--max-steps: must be <= 1000000"),
+    (["--max-steps", "1e30"], "--max-steps: must be an integer, got '1e30'"),
+    (["--patience", "100000000000000000000000"], "--patience: must be <= 1000000"),
+    (["--sync-every", "99999999999999999999"], "--sync-every: must be <= 1000000"),
+    (["--N", "65537"], "--N/--num-directions: must be <= 65536"),
+    (["--seed", str(2**32)], "--seed: must be <= 4294967295"),
+    (["--pack", "0"], "--pack: must be >= 1, got 0"),
+    (["--max-new-tokens", str(2**21)], "--max-new-tokens: must be <= 1048576"),
+    (["--max-retries", "-1"], "--max-retries: must be >= 0, got -1"),  # checked without --ray too
+    (["--cpus-per-worker", "0"], "--cpus-per-worker: must be >= 1, got 0"),
+    (["--workers", "0"], "--workers: must be >= 1, got 0"),
 ])
 def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
-    assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), *flags]) == 2
+    try:
+        code = main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), *flags])
+    except SystemExit as exc:  # refused by argparse while parsing
+        code = exc.code
+    assert code == 2
     one_line_error(capsys, needle)
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -406,3 +432,218 @@ def test_our_warnings_are_one_line_in_the_cli(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "sicl-fast: warning: " in err and "1 unreadable line(s) moved to" in err and "Traceback" not in err
     assert "warnings.warn" not in err
+
+
+# --------------------------------------------------------------------------------------- issue 29: text
+
+
+@pytest.mark.parametrize("obj,field", [
+    (dict(STRUCT, id="q\ud800"), "'id'"),
+    (dict(STRUCT, demos=[{"input": "o\ud800ne", "output": "1"}]), "'demos[0].input'"),
+    (dict(STRUCT, template={"demo": "Q: {input}\nA: {output}\udc80"}), "'template.demo'"),
+    (dict(STRUCT, instruction="\udfff"), "'instruction'"),
+    ({"id": "r", "prompt": "ab \ud83d cd", "output_spans": [[3, 5]]}, "'prompt'"),
+])
+def test_a_lone_surrogate_anywhere_in_a_request_is_one_line_before_the_model(tmp_path, capsys, no_model, obj, field):
+    """Before: it ran the whole calibration, then failed writing the record (a 0-byte results file), or was an
+    internal TypeError from the tokenizer."""
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(obj) + "\n")  # json escapes it: "\ud800", valid JSON, not valid Unicode
+    out = tmp_path / "o.jsonl"
+    assert main(["calibrate", str(path), "--out", str(out)]) == 2
+    one_line_error(capsys, "r.jsonl:1", field, "not valid Unicode", "lone surrogate")
+    assert not out.exists()
+    with pytest.raises(RequestError, match="not valid Unicode"):
+        parse_request(obj)
+
+
+def test_a_lone_surrogate_in_the_api_and_the_stop_strings(eng, tmp_path, capsys, no_model):
+    from sicl_fast import Request
+    from sicl_fast.errors import TextError
+
+    with pytest.raises(TextError, match=r"request 'q': field 'prompt': is not valid Unicode"):
+        Request(id="q", prompt="a\ud800b", output_spans=((0, 1),))
+    with pytest.raises(TextError, match=r"request: field 'demos\[2\].output'"):
+        eng.prepare(dict(STRUCT, demos=[*STRUCT["demos"], {"input": "x", "output": "\udc00"}]))
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--stop", "\udcff"]) == 2  # an undecodable
+    one_line_error(capsys, "--stop[0]", "not valid Unicode")  # byte of an argument arrives as a lone surrogate
+
+
+# --------------------------------------------------------------------------------------- issue 29: knob ranges
+
+
+def test_the_same_ranges_in_the_api(eng, prompt):
+    from sicl_fast.knobs import RANGES
+
+    for name in ("N", "max_steps", "patience", "seed"):
+        with pytest.raises(SiclError, match=rf"CalibrationConfig: {name} must be <= {RANGES[name].hi}"):
+            CalibrationConfig(**{name: RANGES[name].hi + 1})
+    with pytest.raises(SiclError, match=r"Engine: pack must be >= 1"):
+        Engine(eng.lm, pack=0)
+    with pytest.raises(SiclError, match=r"Engine: sync_every must be <= 1000000"):
+        Engine(eng.lm, sync_every=10**20)
+    with pytest.raises(SiclError, match=r"stop_strings\[0\]: an empty stop string"):
+        eng.generate(prompt, max_new_tokens=2, stop_strings=[""])
+    # mu * scale is fine for float32 alone, but a millionth of this model's embedding scale: refused before a step
+    with pytest.raises(SiclError, match=r"of this model's embedding scale .* lost to float32 rounding"):
+        eng.calibrate(prompt, scale=eng.lm.embedding_scale * 1e-5, mu=0.01)
+
+
+def test_kappa_in_exponent_notation_parses():
+    from sicl_fast.cli import build_parser
+
+    args = build_parser().parse_args(["calibrate", "r.jsonl", "--out", "o", "--kappa", "-1e308", "--alpha", "-.5"])
+    assert args.kappa == -1e308 and args.alpha == -0.5
+    assert CalibrationConfig(kappa=-1e308).kappa == -1e308  # a projection that never fires
+
+
+def test_the_memory_estimate_counts_the_history_and_the_packed_prompts(eng, prompt, monkeypatch):
+    """--max-steps 1000000000 peaked at 5.16 GB on a gated run: the history buffer grows with max_steps. --pack P
+    runs P prompts' steps in one forward."""
+    from sicl_fast.jobs import check_requests
+
+    small, big = (step_memory(eng.lm, prompt, eng.config(max_steps=k)) for k in (1, 1_000_000))
+    assert big - small == 4 * (1_000_000 - 1)
+    cfg = eng.config(N=64)
+    monkeypatch.setattr("sicl_fast.checks.available_memory", lambda device: int(1.5 * step_memory(eng.lm, prompt, cfg)))
+    assert check_requests(eng, [prompt.request], 0, cfg) == 1
+    with pytest.raises(SiclError, match=r"\(N=64: 65 rows of \d+ tokens, 2 prompts packed \(--pack\)\), .* lower N or "
+                                        r"--pack"):
+        check_requests(Engine(eng.lm, pack=2), [prompt.request], 0, cfg)
+
+
+def test_sync_every_beyond_max_steps_runs_no_extra_steps(eng, prompt, monkeypatch):
+    """Before: the static loop called its step sync_every times between two checks, whatever max_steps was
+    (--sync-every 99999999999999999999 never returned)."""
+    from sicl_fast.static import StaticStep
+
+    calls = []
+    real = StaticStep.__call__
+    monkeypatch.setattr(StaticStep, "__call__", lambda self: (calls.append(1), real(self))[1])
+    res = Engine(eng.lm, sync_every=1_000_000).calibrate(prompt, max_steps=3, tau=0.0, patience=0, N=2)
+    assert res.steps == 3 and len(calls) == 3
+
+
+# --------------------------------------------------------------------------------------- issue 29: input files
+
+
+def test_a_fifo_a_pipe_and_stdin_are_read_as_streams(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Before: a FIFO, /dev/stdin or <(cat f) said "not found"."""
+    import io
+    import threading
+
+    line = json.dumps(STRUCT) + "\n"
+    model = ["--model", str(tiny_model_dir)]
+    assert main(["proxy", write_jsonl(tmp_path / "r.jsonl", [STRUCT]), *model]) == 0
+    expected = capsys.readouterr().out
+    fifo = tmp_path / "requests.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text(line))
+    writer.start()
+    assert main(["proxy", str(fifo), *model]) == 0
+    writer.join()
+    assert capsys.readouterr().out == expected
+    r, w = os.pipe()  # what bash passes for <(cat r.jsonl): /dev/fd/N, a pipe
+    os.write(w, line.encode())
+    os.close(w)
+    try:
+        assert main(["proxy", f"/dev/fd/{r}", *model]) == 0
+    finally:
+        os.close(r)
+    assert capsys.readouterr().out == expected
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(line.encode())))
+    assert main(["proxy", "-", *model]) == 0
+    assert capsys.readouterr().out == expected
+
+
+def test_links_and_special_files_say_what_they_are(tmp_path, capsys, no_model):
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.jsonl")
+    for name, needle in (("loop1", "is a symbolic link loop"),
+                         ("dangling", f"is a symbolic link to {tmp_path / 'gone.jsonl'}, which does not exist"),
+                         ("missing.jsonl", "requests file not found")):
+        assert main(["proxy", str(tmp_path / name)]) == 2
+        one_line_error(capsys, needle)
+    if os.path.exists("/dev/null"):
+        assert main(["proxy", "/dev/null"]) == 2
+        one_line_error(capsys, "/dev/null: is a character device, not a file")
+    assert main(["report", str(tmp_path / "dangling"), "--report", str(tmp_path / "rep"), "--no-plots"]) == 2
+    one_line_error(capsys, "results file", "a dangling link")
+
+
+# --------------------------------------------------------------------------------------- issue 29: signals, pipes
+
+
+def test_sigterm_does_what_ctrl_c_does(tiny_model_dir, tmp_path):
+    """Before: SIGTERM of calibrate exited 143 with no message; now the summary line of Ctrl-C, and 143."""
+    import signal
+    import time
+
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    out = tmp_path / "o.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "sicl_fast.cli", "calibrate", reqs, "--out", str(out), "--model",
+                             str(tiny_model_dir), "--tau", "0", "--patience", "0", "--max-steps", "1000000"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = ""
+    end = time.monotonic() + 120
+    while "calibrate:" not in err:  # the progress bar: the calibration has begun
+        assert proc.poll() is None and time.monotonic() < end, err
+        err += proc.stderr.read(1)
+    proc.send_signal(signal.SIGTERM)
+    err += proc.stderr.read()
+    assert proc.wait(60) == 143
+    lines = [x for x in err.replace("\r", "\n").splitlines() if "sicl-fast" in x]
+    assert lines == [f"sicl-fast calibrate: terminated; 0 record(s) written to {out} this run, 0 in the file; run "
+                     "the same command again to resume"], err
+
+
+def test_output_to_a_closed_pipe_ends_quietly(tmp_path):
+    """`sicl-fast report FILE --report DIR | head` ended in a BrokenPipeError traceback (exit 1)."""
+    res = tmp_path / "res.jsonl"
+    res.write_text("".join(json.dumps({"task": "classifier_order", "uid": i, "correct_base": True,
+                                       "correct_calibrated": i % 2 == 0}) + "\n" for i in range(3)))
+    cmd = (f"{sys.executable} -m sicl_fast.cli report {res} --report {tmp_path / 'rep'} --no-plots | true; "
+           "echo status ${PIPESTATUS[0]}")
+    run = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "status 141" and run.stderr == "", run.stderr
+
+
+# --------------------------------------------------------------------------------------- issue 29: the API
+
+
+@pytest.fixture(scope="module")
+def tiny_eng(tiny_model_dir):
+    from sicl_fast import load
+
+    return Engine(load(tiny_model_dir))
+
+
+def test_a_prompt_or_embeddings_of_another_model_are_refused_by_every_method(eng, prompt, tiny_eng):
+    """Before: Engine.proxy raised a raw IndexError (ids beyond the vocabulary) and Engine.generate answered with
+    garbage (ids inside it)."""
+    theirs = tiny_eng.prepare(STRUCT)  # a 280-token vocabulary and width 16; eng: SmolLM2's 49152 and width 32
+    calls = {"proxy": lambda e, p: e.proxy(p), "calibrate": lambda e, p: e.calibrate(p, max_steps=1, N=2),
+             "calibrate_many": lambda e, p: e.calibrate_many([p], max_steps=1, N=2),
+             "generate": lambda e, p: e.generate(p, max_new_tokens=1)}
+    for name, call in calls.items():
+        for engine, other in ((eng, theirs), (tiny_eng, prompt)):
+            with pytest.raises(SiclError, match=r"request 'digits': prompt: was tokenized for another model's "
+                                                r"vocabulary \(\d+ tokens; this model's has \d+\)"):
+                call(engine, other)
+    X = tiny_eng.backend.embed(theirs)  # width 16
+    for call in (lambda: eng.proxy(prompt, embeds=X), lambda: eng.generate(prompt, X, max_new_tokens=1)):
+        with pytest.raises(SiclError, match=r"embeds: must have shape \[L, 32\].*embeddings of another model"):
+            call()
+
+
+def test_tensors_on_another_device_are_refused(eng, prompt):
+    X = eng.backend.embed(prompt)
+    for bad in (X.to("meta"),):
+        for call in (lambda: eng.proxy(prompt, embeds=bad), lambda: eng.generate(prompt, bad, max_new_tokens=1)):
+            with pytest.raises(SiclError, match=r"request 'digits': embeds: is on device meta, the model is on cpu"):
+                call()
+    moved = dataclasses.replace(prompt, input_ids=prompt.input_ids.to("meta"))
+    with pytest.raises(SiclError, match=r"prompt.input_ids: must be an int64 tensor on the CPU"):
+        eng.proxy(moved)

@@ -73,8 +73,8 @@ def test_unknown_model_and_bad_knob(tmp_path, capsys):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
     assert main(["proxy", reqs, "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
-    assert main(["proxy", reqs, "--kappa", "1.5"]) == 2
-    assert "kappa must be < 1" in capsys.readouterr().err
+    assert main(["proxy", reqs, "--q", "1.5"]) == 2
+    assert "q must be in [0, 1]" in capsys.readouterr().err
 
 
 # the console script installed beside this interpreter (CI runs .venv/bin/python without activating the venv)

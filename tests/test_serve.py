@@ -704,3 +704,30 @@ def test_cli_serve_end_to_end():
         rc = srv.wait()
     assert rc == 0 and "Traceback" not in srv.log, srv.log
     assert f"http://127.0.0.1:{srv.port} (API key required" in srv.log
+
+
+def test_text_that_is_not_unicode_is_a_400_and_out_of_range_knobs_a_422(server, client):
+    """A lone surrogate (a JSON escape such as \\ud800 without its pair) in any field is a 400 naming the field,
+    before any work (before: a 500 after the calibration); a knob beyond its range (sicl_fast.knobs) a 422."""
+    steps = metric(client, "sicl_fast_calibration_steps_total")
+    cases = [({"request": {**REQ, "id": "q\ud800"}}, "field 'request.id'"),
+             ({"request": {**REQ, "demos": [{"input": "one", "output": "1\udc00"}]}},
+              "field 'request.demos[0].output'"),
+             ({"request": REQ, "generate": True, "stop": ["\ud800"]}, "field 'stop[0]'"),
+             ({"request": REQ, "config": {"estimator": "\udfff"}}, "field 'config.estimator'")]
+    for body, field in cases:
+        r = post(server, "/v1/calibrate", content=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = error_of(r)
+        assert err["kind"] == "bad_text" and field in err["message"] and "not valid Unicode" in err["message"], err
+    r = post(server, "/v1/proxy", content=json.dumps({"request": {**REQ, "query": "\ud800"}}).encode(),
+             headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "field 'request.query'" in error_of(r)["message"]
+    for knobs, msg in (({"patience": 10**23}, "patience must be <= 1000000"), ({"seed": 2**32}, "seed must be <="),
+                       ({"alpha": 0.0, "beta": 0.0, "gamma": 0.0}, "sum to 0")):
+        r = post(server, "/v1/calibrate", {"request": REQ, "config": knobs})
+        assert r.status_code == 422 and msg in error_of(r)["message"], r.text
+    r = post(server, "/v1/calibrate", {"request": REQ, "generate": True, "stop": [""]})
+    assert r.status_code == 422 and "an empty stop string" in error_of(r)["message"]
+    assert metric(client, "sicl_fast_calibration_steps_total") == steps  # nothing ran

@@ -111,7 +111,7 @@ def test_nonfinite_proxy_and_bad_arguments(models):
     be = make_backend("fast-fp32", models["llama"], impl="torch")
     p = make_prompt(0)
     cfg = CalibrationConfig(**BASE)
-    with pytest.raises(SiclError, match="sync_every must be an int >= 1"):
+    with pytest.raises(SiclError, match="sync_every must be >= 1, got 0"):
         run_static(be, cfg, p, sync_every=0)
     with pytest.raises(SiclError, match="the static step needs a forward without host reads.*'hf'"):
         run_static(make_backend("hf", models["llama"], impl="torch"), cfg, p)

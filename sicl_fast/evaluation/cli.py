@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..knobs import arg_type
 from .ablations import ABLATIONS, make_variants
 from .icleval_cls import CONTENT_FREE_INPUTS, DCPMI_PREMISES
 from .methods import METHODS, BaselineOptions, run_methods
@@ -26,7 +27,7 @@ def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
                         "demo run on the classification files only")
     g.add_argument("--ablate", nargs="+", default=[], choices=ABLATIONS, metavar="WHAT",
                    help="extra calibration variants: alpha, beta or gamma off (the others rescaled), perturb-query")
-    g.add_argument("--sweep-N", dest="sweep_N", nargs="+", type=int, default=[], metavar="N",
+    g.add_argument("--sweep-N", dest="sweep_N", nargs="+", type=arg_type("N"), default=[], metavar="N",
                    help="extra calibration variants, one per number of directions")
     g.add_argument("--sweep-mu", dest="sweep_mu", nargs="+", type=float, default=[], metavar="MU",
                    help="extra calibration variants, one per smoothing radius")
@@ -37,9 +38,11 @@ def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dcpmi-premise", default="delimiter", choices=DCPMI_PREMISES,
                    help="DC-PMI domain premise: the answer delimiter 'Output:' alone (default) or the "
                         "demonstrations followed by it")
-    g.add_argument("--demo-orders", type=int, default=24, help="DEmO: candidate orders (all of them if n! is smaller)")
-    g.add_argument("--demo-top-k", type=int, default=4, help="DEmO: orders kept by the label-fairness stage")
-    g.add_argument("--demo-seed", type=int, default=0)
+    g.add_argument("--demo-orders", type=arg_type("demo_orders"), default=24,
+                   help="DEmO: candidate orders (all of them if n! is smaller)")
+    g.add_argument("--demo-top-k", type=arg_type("demo_top_k"), default=4,
+                   help="DEmO: orders kept by the label-fairness stage")
+    g.add_argument("--demo-seed", type=arg_type("seed"), default=0)
     g.add_argument("--demo-influence", default="zeroshot", choices=("zeroshot", "content_free"),
                    help="DEmO: reference distribution of the influence KL")
     g.add_argument("--demo-predict", default="score", choices=("score", "generate"),
@@ -87,8 +90,9 @@ def run_icleval_from_args(engine, config, args, file=None) -> int:
     return 0
 
 
-def add_report_command(subparsers) -> argparse.ArgumentParser:
-    r = subparsers.add_parser("report", help="the analysis (tables, tests, plots) of one or more results files")
+def add_report_command(subparsers, parents=()) -> argparse.ArgumentParser:
+    r = subparsers.add_parser("report", help="the analysis (tables, tests, plots) of one or more results files",
+                              parents=list(parents))
     r.add_argument("results", nargs="+", help="results JSONL files, one per run (model)")
     r.add_argument("--report", required=True, metavar="RUN_DIR", help="folder for report.md, report.json, plots/")
     r.add_argument("--names", nargs="+", default=None, help="run names (default: the records' model, or file stem)")

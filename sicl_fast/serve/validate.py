@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from ..ascent import CalibrationConfig
 from ..errors import RequestError, SiclError
+from ..generate import check_stops
+from ..requests import check_text
 from ..spans import Prompt
 from .schema import CalibrateBody, ProxyBody
 from .settings import ServeSettings
@@ -70,17 +72,20 @@ class Validator:
             raise RequestError(f"request {rid!r}: field 'config': {exc}") from None
 
     def proxy(self, body: ProxyBody) -> ProxyCall:
+        check_text(body.model_dump(), "body")  # every string, before any work (requests.check_text)
         prompt = self.prompt(body.request, reserve=0)
         return ProxyCall(prompt, self.config(body.config, prompt.id))
 
     def calibrate(self, body: CalibrateBody) -> CalibrateCall:
+        check_text(body.model_dump(), "body")
         rid = str(body.request.get("id"))
+        stop = check_stops(body.stop, f"request {rid!r}: stop") if body.stop is not None else ("\n",)
         if body.generate and body.max_new_tokens > self.settings.max_new_tokens:
             raise LimitError(f"request {rid!r}: field 'max_new_tokens': {body.max_new_tokens} exceeds this server's "
                              f"limit of {self.settings.max_new_tokens} (--max-new-tokens)")
         prompt = self.prompt(body.request, reserve=body.max_new_tokens if body.generate else 0)
         return CalibrateCall(
             prompt=prompt, config=self.config(body.config, prompt.id), generate=body.generate,
-            max_new_tokens=body.max_new_tokens, stop=tuple(body.stop) if body.stop is not None else ("\n",),
+            max_new_tokens=body.max_new_tokens, stop=stop,
             return_embeddings=body.return_embeddings, embeddings_dtype=body.embeddings_dtype,
             embeddings_rows=body.embeddings_rows, timeout_s=body.timeout_s, reuse=body.reuse)

@@ -1,0 +1,370 @@
+"""The converted-model cache: a GGUF file de-quantized once into an ordinary transformers folder, checked on every
+load, moved aside and rebuilt when it is damaged, written whole or not at all, safe for processes converting at
+once.
+
+    cache_dir()                             SICL_FAST_CACHE, default ~/.cache/sicl_fast
+        sources.json                        the sha256 of each source GGUF, remembered against (path, size, mtime)
+        converted/<stem>-<key>/             config.json, model.safetensors, tokenizer files, MANIFEST
+        converted/.<key>.lock               the conversion lock of one source (flock)
+        converted/.tmp-<key>-XXXX/          a conversion being written (renamed into place when whole)
+        converted/.bad/<entry>-<time>/      entries found damaged, moved aside (`sicl-fast cache clear` frees them)
+
+key: a digest of the source's content and CACHE_VERSION, not of its path, so every checkout, virtual environment
+and copy of one file shares one entry. MANIFEST records, for every file written, its size, its sha256 and a
+sample digest. A load checks sizes and sample digests (files under FULL_BELOW bytes whole; larger ones the first
+and last SAMPLE_HEAD bytes and SAMPLE_BLOCK bytes of every SAMPLE_STRIDE, so any damage of SAMPLE_STRIDE bytes or
+more in a row, and any change of size, is found in ~1/16 of the reading); `verify(entry, full=True)` (`sicl-fast
+cache verify`) checks every byte against the sha256.
+
+Concurrency: a conversion holds the source's lock; a process that waited for it finds the winner's entry, checks
+it and uses it. Temporary folders are removed whatever happens (and, under the lock, any left by a killed run).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, TypeVar
+
+from ..errors import SiclWarning
+
+CACHE_VERSION = 3  # bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder; v3: content key)
+MANIFEST = ".sicl_fast_manifest.json"
+SOURCES = "sources.json"
+FULL_BELOW = 16 << 20  # files smaller than this are hashed whole on every load (config, tokenizer, small models)
+SAMPLE_HEAD = 64 << 10  # the safetensors header and the first tensors, and the file's end
+SAMPLE_BLOCK = 4 << 10
+SAMPLE_STRIDE = 64 << 10
+
+T = TypeVar("T")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SICL_FAST_CACHE", Path.home() / ".cache" / "sicl_fast"))
+
+
+def converted_dir() -> Path:
+    return cache_dir() / "converted"
+
+
+def _bad_dir() -> Path:
+    return converted_dir() / ".bad"
+
+
+# ------------------------------------------------------------------------------------------------ digests
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sample_digest(path: Path) -> str:
+    """The load-time digest of a file: its sha256 when smaller than FULL_BELOW, else a digest of its first and last
+    SAMPLE_HEAD bytes and SAMPLE_BLOCK bytes at every SAMPLE_STRIDE between (module docstring)."""
+    size = path.stat().st_size
+    if size < max(FULL_BELOW, 2 * SAMPLE_HEAD):
+        return file_sha256(path)
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as fh:
+        fd = fh.fileno()
+        h.update(os.pread(fd, SAMPLE_HEAD, 0))
+        for off in range(SAMPLE_HEAD, size - SAMPLE_HEAD, SAMPLE_STRIDE):
+            h.update(os.pread(fd, SAMPLE_BLOCK, off))
+        h.update(os.pread(fd, SAMPLE_HEAD, size - SAMPLE_HEAD))
+    return "sample:" + h.hexdigest()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def source_digest(path: Path) -> str:
+    """sha256 of a source file, computed once and remembered in sources.json against its resolved path, size and
+    mtime (a changed file is hashed again). A cache that cannot be written only costs the next call a rehash."""
+    st = path.stat()
+    memo_path = cache_dir() / SOURCES
+    memo = _read_json(memo_path)
+    key = str(path.resolve())
+    rec = memo.get(key)
+    if isinstance(rec, dict) and rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns \
+            and isinstance(rec.get("sha256"), str):
+        return rec["sha256"]
+    digest = file_sha256(path)
+    memo = _read_json(memo_path)  # another process may have added its own since
+    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    with contextlib.suppress(OSError):
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(memo_path, memo)
+    return digest
+
+
+def content_key(source: Path) -> str:
+    """The cache key of a source file: its content and CACHE_VERSION."""
+    return hashlib.sha256(f"{source_digest(source)}|{CACHE_VERSION}".encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ entries
+
+
+def find_entry(key: str) -> Path | None:
+    """The entry of a key (whatever the source file was called when it was converted), or None."""
+    d = converted_dir()
+    found = sorted(p for p in d.glob(f"*-{key}") if p.is_dir() and not p.name.startswith(".")) if d.is_dir() else []
+    return found[0] if found else None
+
+
+def _write_manifest(folder: Path, source: Path) -> None:
+    files = {}
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            files[f.relative_to(folder).as_posix()] = {"size": f.stat().st_size, "sha256": file_sha256(f),
+                                                       "sample": sample_digest(f)}
+    manifest = {"version": CACHE_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "source": {"name": source.name, "sha256": source_digest(source), "size": source.stat().st_size},
+                "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+
+
+def manifest(entry: Path) -> dict | None:
+    """An entry's manifest, or None when it has none or it cannot be read."""
+    m = _read_json(entry / MANIFEST)
+    return m if isinstance(m.get("files"), dict) else None
+
+
+def verify(entry: Path, full: bool = False) -> str | None:
+    """What is wrong with an entry (a phrase completing "ENTRY ..."), or None when every file the manifest lists
+    is there with its size and digest (the sample digest; with full, the sha256 of every byte)."""
+    m = manifest(entry)
+    if m is None:
+        what = "is unreadable" if (entry / MANIFEST).exists() else "is missing"
+        return f"has no usable manifest (it {what}: an unfinished conversion, or one by an older sicl_fast)"
+    files = m["files"]
+    if "config.json" not in files or not any(n.endswith(".safetensors") for n in files):
+        return "has a manifest without config.json or weights"
+    for name, rec in files.items():
+        f = entry / name
+        try:
+            size = f.stat().st_size
+        except OSError:
+            return f"is missing {name}"
+        if size != rec.get("size"):
+            return f"has a {name} of {size} bytes where {rec.get('size')} were written (truncated or overwritten)"
+        got = file_sha256(f) if full else sample_digest(f)
+        if got != rec.get("sha256" if full else "sample"):
+            return f"has a {name} that differs from what was written (checksum mismatch)"
+    return None
+
+
+def _move_aside(entry: Path) -> Path:
+    """Move a damaged entry to converted/.bad/ (kept for inspection; `sicl-fast cache clear` frees it)."""
+    bad = _bad_dir()
+    bad.mkdir(parents=True, exist_ok=True)
+    dest = bad / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    os.rename(entry, dest)
+    return dest
+
+
+@contextlib.contextmanager
+def _lock(key: str, wait: bool = True) -> Iterator[bool]:
+    """Hold the conversion lock of a key; yields False when the cache cannot be written (or, without wait, when
+    another process holds the lock)."""
+    try:
+        converted_dir().mkdir(parents=True, exist_ok=True)
+        fh = open(converted_dir() / f".{key}.lock", "a+b")
+    except OSError:
+        yield False
+        return
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            yield False
+            return
+        yield True
+
+
+def _remove_unfinished(key: str) -> None:
+    """Temporary folders of this key left by a killed conversion (only called with the key's lock held, so none
+    of them is being written)."""
+    for d in converted_dir().glob(f".tmp-{key}-*"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path], None],
+                open_folder: Callable[[Path], T]) -> T:
+    """What `convert()` makes of `source`, through the cache: open_folder(entry) when a verified entry exists, else
+    convert() and save(result, folder) into a new entry (module docstring). A damaged entry is moved aside with one
+    warning and rebuilt; a cache that cannot be written costs the next load its speed, with one warning."""
+    key = content_key(source)
+    entry = find_entry(key)
+    if entry is not None and verify(entry) is None:
+        with contextlib.suppress(Exception):  # any failure is looked at again under the lock below
+            return open_folder(entry)
+    with _lock(key) as locked:
+        if not locked:
+            warnings.warn(f"model cache: cannot write to {converted_dir()}; converting {source.name} without caching "
+                          "it (every load converts again)", SiclWarning, stacklevel=3)
+            return convert()
+        _remove_unfinished(key)
+        entry = find_entry(key)  # a process that held the lock before us may have made it
+        if entry is not None:
+            problem = verify(entry)
+            if problem is None:
+                try:
+                    return open_folder(entry)
+                except Exception as exc:  # noqa: BLE001 - transformers raises many types on a bad folder
+                    problem = f"does not load ({_first_line(exc)})"
+            dest = _move_aside(entry)
+            warnings.warn(f"model cache: {entry} {problem}; moved it to {dest} and converting {source.name} again",
+                          SiclWarning, stacklevel=3)
+        result = convert()
+        _publish(converted_dir() / f"{source.stem}-{key}", key, source, lambda folder: save(result, folder))
+        return result
+
+
+def _publish(target: Path, key: str, source: Path, write: Callable[[Path], None]) -> None:
+    """Write an entry into a temporary folder, add its manifest and rename it into place (whole or not at all);
+    the temporary folder is removed in every case."""
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=converted_dir()))
+        write(tmp)
+        _write_manifest(tmp, source)
+        os.rename(tmp, target)
+    except Exception as exc:  # noqa: BLE001 - a full disk or a save error: the converted model is still returned
+        warnings.warn(f"model cache: could not store {source.name} converted in {converted_dir()} "
+                      f"({_first_line(exc)}); the next load converts it again", SiclWarning, stacklevel=4)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
+
+
+# ------------------------------------------------------------------------------------------------ for users
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One thing in the cache: path, bytes on disk, the source it was made from (None: unknown) and its state:
+    'converted', 'no manifest' (an older version's or unfinished), 'unfinished' (a killed conversion's temporary
+    folder), 'moved aside' (found damaged), 'source' (a GGUF assembled from packages)."""
+
+    path: Path
+    size: int
+    source: str | None
+    state: str
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def entries() -> list[Entry]:
+    """Everything in the cache, converted entries first."""
+    out: list[Entry] = []
+    d = converted_dir()
+    if d.is_dir():
+        for p in sorted(d.iterdir()):
+            if not p.is_dir() or p.name == _bad_dir().name:
+                continue
+            if p.name.startswith(".tmp-"):
+                out.append(Entry(p, _size(p), None, "unfinished"))
+                continue
+            m = manifest(p)
+            out.append(Entry(p, _size(p), m["source"].get("name") if m else None,
+                             "converted" if m else "no manifest"))
+        if _bad_dir().is_dir():
+            out += [Entry(p, _size(p), None, "moved aside") for p in sorted(_bad_dir().iterdir())]
+    root = cache_dir()
+    if root.is_dir():
+        out += [Entry(p, _size(p), p.name, "source") for p in sorted(root.glob("*.gguf")) if p.is_file()]
+    return out
+
+
+def key_of_entry(entry: Path) -> str:
+    """The key in an entry's name (<stem>-<key>) or a temporary folder's (.tmp-<key>-XXXX)."""
+    if entry.name.startswith(".tmp-"):
+        return entry.name[len(".tmp-"):].split("-", 1)[0]
+    return entry.name.rsplit("-", 1)[-1]
+
+
+def verify_entries(only: Path | None = None, full: bool = True) -> list[tuple[Path, str | None, Path | None]]:
+    """Check every converted entry (or the one at `only`) and move the damaged ones aside: (entry, problem or
+    None, where it went or None). Entries without a manifest (made by an older version) are reported, not moved:
+    nothing loads them."""
+    results = []
+    for e in entries():
+        if e.state not in ("converted", "no manifest") or (only is not None and e.path != only):
+            continue
+        problem = verify(e.path, full=full)
+        dest = None
+        if problem is not None and e.state == "converted":
+            with _lock(key_of_entry(e.path)) as locked:
+                if locked and e.path.exists() and verify(e.path, full=full) is not None:
+                    dest = _move_aside(e.path)
+        results.append((e.path, problem, dest))
+    return results
+
+
+def clear(only: Path | None = None) -> tuple[list[Path], int, list[Path]]:
+    """Remove everything in the cache (or only the entry `only`): (removed, bytes freed, skipped because a
+    conversion holds their lock)."""
+    removed, skipped, freed = [], [], 0
+    for e in entries():
+        if only is not None and e.path != only:
+            continue
+        if e.state in ("converted", "no manifest", "unfinished"):
+            with _lock(key_of_entry(e.path), wait=False) as locked:
+                if not locked:
+                    skipped.append(e.path)
+                    continue
+                shutil.rmtree(e.path, ignore_errors=True)
+        elif e.state == "moved aside":
+            shutil.rmtree(e.path, ignore_errors=True)
+        else:
+            e.path.unlink(missing_ok=True)
+        removed.append(e.path)
+        freed += e.size
+    if only is None:
+        (cache_dir() / SOURCES).unlink(missing_ok=True)
+    return removed, freed, skipped
+
+
+__all__ = ["cache_dir", "converted_dir", "content_key", "source_digest", "find_entry", "verify", "load_cached",
+           "entries", "Entry", "verify_entries", "clear", "file_sha256", "sample_digest", "CACHE_VERSION", "MANIFEST"]

@@ -1,0 +1,90 @@
+"""Every CLI command end to end, with a requests file where it takes one, on a tiny random-weight model folder
+(`--model DIR`, tests/tiny_gguf.py): the commands' plumbing in seconds. The real model runs them in test_cli.py,
+test_profile.py, test_gradstudy.py and test_serve.py; `cache` is tested in test_model_cache.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ICLEVAL_EXCERPTS
+from sicl_fast.cli import COMMANDS, build_parser, main
+
+REQS = [{"id": "a", "demos": [{"input": "hello", "output": "world"}, {"input": "he", "output": "wor"}],
+         "query": "hello"},
+        {"id": "b", "prompt": "Colours.\ngrass: green\nsky: blue\nsnow:", "output_spans": [[16, 21], [27, 31]],
+         "demos_start": 9}]
+# where each command runs end to end (a new command without a test fails test_every_command_is_run)
+TESTED = {"demo": "here", "proxy": "here", "calibrate": "here", "icleval": "here", "report": "here", "bench": "here",
+          "profile": "here", "gradstudy": "here", "serve": "test_serve.py::test_cli_serve_end_to_end",
+          "cache": "test_model_cache.py::test_cache_command"}
+
+
+@pytest.fixture
+def reqs(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in REQS))
+    return str(path)
+
+
+def test_every_command_is_run():
+    assert set(COMMANDS) == set(TESTED)
+
+
+def test_proxy_and_calibrate(tiny_model_dir, reqs, tmp_path, capsys):
+    model = ["--model", str(tiny_model_dir)]
+    assert main(["proxy", reqs, *model]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["id"] for r in lines] == ["a", "b"] and all(0 < r["proxy"] < 1 for r in lines)
+    out = tmp_path / "out.jsonl"
+    argv = ["calibrate", reqs, "--out", str(out), *model, "--max-steps", "3", "--tau", "0", "--N", "2",
+            "--generate", "--max-new-tokens", "2", "--stop", "x"]
+    assert main(argv) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["a", "b"] and all(r["steps"] == 3 and "answer_calibrated" in r for r in recs)
+    assert main(argv) == 0 and "resuming: 2 of 2" in capsys.readouterr().err
+
+
+def test_demo(tiny_model_dir, capsys):
+    argv = ["demo", "--model", str(tiny_model_dir), "--max-steps", "2", "--tau", "0", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "proxy before:" in out and "answer after:" in out and "(2 steps, stopped by max_steps" in out
+
+
+def test_bench_has_one_backends_flag_and_no_empty_column(tiny_model_dir, capsys):
+    base = ["bench", "--model", str(tiny_model_dir), "--length", "400", "--backends", "fast", "hf", "--repeats", "1",
+            "--N", "2"]
+    assert main(base) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("|")]
+    assert "calib s" not in lines[0] and len(lines) == 4
+    assert all(cell.strip() for row in lines for cell in row.strip("|").split("|"))  # every cell filled
+    assert main([*base, "--calibration-steps", "2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("|")]
+    assert "calib s" in lines[0] and all(cell.strip() for row in lines for cell in row.strip("|").split("|"))
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert [o for a in bench._actions for o in a.option_strings if "backend" in o] == ["--backends"]
+
+
+def test_profile_a_requests_file(tiny_model_dir, reqs, capsys):
+    """`sicl-fast profile REQUESTS.jsonl` (its first request) failed with a TypeError: read_requests became a
+    generator."""
+    assert main(["profile", reqs, "--model", str(tiny_model_dir), "--repeats", "1", "--N", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["info"]["backend"] == "fast" and out["step_ms"] > 0
+
+
+def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys):
+    out = tmp_path / "study.jsonl"
+    assert main(["gradstudy", reqs, "--out", str(out), "--model", str(tiny_model_dir), "--study-N", "2",
+                 "--study-mu", "0.004", "--seeds", "1", "--points", "0", "--tau", "0"]) == 0
+    assert len(out.read_text().splitlines()) == 2 and "| forward |" in capsys.readouterr().out
+
+
+def test_icleval_then_report(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "icl.jsonl"
+    assert main(["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out", str(out),
+                 "--model", str(tiny_model_dir), "--max-steps", "1", "--N", "2", "--quiet"]) == 0
+    assert "| classifier_order | 1 |" in capsys.readouterr().out
+    assert main(["report", str(out), "--report", str(tmp_path / "rep"), "--no-plots"]) == 0
+    assert "classifier_order" in capsys.readouterr().out and (tmp_path / "rep" / "report.md").is_file()

@@ -1,0 +1,218 @@
+"""The converted-model cache (sicl_fast.models.cache), on tiny GGUF files written here: keyed by content, checked on
+load, a damaged entry moved aside with one warning and rebuilt (plausible floats, NaN bytes, a truncated file, a
+broken config.json, a lost manifest), two real processes converting at once, and `sicl-fast cache`."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+
+from sicl_fast import Engine, load
+from sicl_fast.cli import main
+from sicl_fast.errors import SiclWarning
+from sicl_fast.models import cache
+from sicl_fast.models.loading import converted_path
+from tiny_gguf import write_tiny_gguf
+
+pytest.importorskip("gguf")
+
+REQ = {"id": "q", "demos": [{"input": "hello", "output": "world"}, {"input": "he", "output": "wor"}],
+       "query": "hello"}
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SICL_FAST_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def gguf(tmp_path):
+    return write_tiny_gguf(tmp_path / "tiny.gguf", weights=True)[0]
+
+
+def proxy_of(lm) -> float:
+    eng = Engine(lm)
+    return float(eng.proxy(eng.prepare(REQ)).f[0])
+
+
+def load_quietly(path):
+    """load(path) and the SiclWarnings it gave."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        lm = load(path)
+    return lm, [str(w.message) for w in got if issubclass(w.category, SiclWarning)]
+
+
+def leftovers(root) -> list[str]:
+    """Temporary folders and files of conversions still in the cache."""
+    return [p.name for p in (root / "converted").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_entry_is_keyed_by_content_and_checked(cache_root, gguf, tmp_path, monkeypatch):
+    lm, warned = load_quietly(gguf)
+    assert warned == []
+    entry = converted_path(gguf)
+    assert entry is not None and (entry / cache.MANIFEST).is_file() and leftovers(cache_root) == []
+    man = json.loads((entry / cache.MANIFEST).read_text())
+    assert {"config.json", "model.safetensors"} <= set(man["files"]) and man["source"]["name"] == "tiny.gguf"
+    # a copy under another name, elsewhere, with another mtime (another checkout or virtual environment): the same
+    # entry, no conversion
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copy(gguf, copy)
+    os.utime(copy, (1e9, 1e9))
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr("sicl_fast.models.loading._convert_gguf", no_conversion)
+    assert proxy_of(load(copy)) == proxy_of(lm)
+    assert converted_path(copy) == entry and len(list((cache_root / "converted").glob("*-*"))) == 1
+    # the source's hash is remembered against its path, size and mtime: not computed again
+    monkeypatch.setattr(cache, "file_sha256", no_conversion)
+    assert cache.content_key(gguf) == cache.content_key(copy)
+
+
+def _floats(entry, count, value=None) -> bytes:
+    """`count` float32 values as bytes: plausible random weights, or `value`."""
+    if value is None:
+        return (np.random.default_rng(7).standard_normal(count) * 0.2).astype(np.float32).tobytes()
+    return np.full(count, value, dtype=np.float32).tobytes()
+
+
+def _overwrite_tail(path, data: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-len(data):] = data  # the last tensor's values (the file keeps its size)
+    path.write_bytes(bytes(raw))
+
+
+DAMAGES = {
+    "plausible floats": lambda e: _overwrite_tail(e / "model.safetensors", _floats(e, 512)),
+    "NaN bytes": lambda e: _overwrite_tail(e / "model.safetensors", _floats(e, 512, np.nan)),
+    "truncated weights": lambda e: os.truncate(e / "model.safetensors", (e / "model.safetensors").stat().st_size // 2),
+    "broken config.json": lambda e: (e / "config.json").write_text("{"),
+    "manifest lost": lambda e: (e / cache.MANIFEST).unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_entry_is_moved_aside_and_rebuilt(cache_root, gguf, damage):
+    good = proxy_of(load(gguf))
+    entry = converted_path(gguf)
+    DAMAGES[damage](entry)
+    assert converted_path(gguf) is None  # the load-time check sees it
+    lm, warned = load_quietly(gguf)
+    assert len(warned) == 1 and str(entry) in warned[0] and "moved it to" in warned[0], warned
+    assert proxy_of(lm) == good  # the rebuilt entry, not the damaged one
+    assert converted_path(gguf) == entry and cache.verify(entry, full=True) is None
+    assert len(list((cache_root / "converted" / ".bad").iterdir())) == 1 and leftovers(cache_root) == []
+    assert proxy_of(load(gguf)) == good  # and later loads use it without a word
+    assert load_quietly(gguf)[1] == []
+
+
+def test_the_load_check_samples_large_files_and_verify_reads_every_byte(tmp_path, monkeypatch):
+    """A file of FULL_BELOW bytes or more is checked on load by sampling: any damage SAMPLE_STRIDE bytes long (or
+    a change of size) is found; a one-byte change between samples only by the full check."""
+    for name, value in (("FULL_BELOW", 0), ("SAMPLE_HEAD", 4096), ("SAMPLE_BLOCK", 1024), ("SAMPLE_STRIDE", 16384)):
+        monkeypatch.setattr(cache, name, value)
+    f = tmp_path / "w.bin"
+    data = np.random.default_rng(0).bytes(1 << 20)
+    f.write_bytes(data)
+    sample, full = cache.sample_digest(f), cache.file_sha256(f)
+    assert sample.startswith("sample:")
+    block = bytearray(data)
+    block[500_000:500_000 + 16384] = bytes(16384)
+    f.write_bytes(bytes(block))
+    assert cache.sample_digest(f) != sample
+    one = bytearray(data)
+    one[4096 + 16384 * 10 + 2000] ^= 0xFF  # between two sampled blocks
+    f.write_bytes(bytes(one))
+    assert cache.sample_digest(f) == sample and cache.file_sha256(f) != full
+
+
+def test_two_processes_converting_at_once(cache_root, gguf):
+    """Both start on an empty cache; one converts, the other waits for the lock and uses the winner's entry; no
+    temporary folder is left (before: the loser's rename failed silently and left its copy behind)."""
+    code = textwrap.dedent(f"""
+        import time, sys
+        from sicl_fast.models import loading
+        real = loading._convert_gguf
+        def slow(path):
+            print("converted", flush=True)
+            time.sleep(1.5)  # both processes are inside load() meanwhile
+            return real(path)
+        loading._convert_gguf = slow
+        from sicl_fast import Engine, load
+        eng = Engine(load({str(gguf)!r}))
+        print("entry", loading.converted_path(loading.Path({str(gguf)!r})))
+        print("proxy", float(eng.proxy(eng.prepare({REQ!r})).f[0]))
+    """)
+    env = {**os.environ, "SICL_FAST_CACHE": str(cache_root), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    lines = [out.splitlines() for out, _ in outs]
+    assert sum("converted" in ls for ls in lines) == 1, lines  # exactly one conversion
+    assert len({tuple(ls[-2:]) for ls in lines}) == 1  # the same entry and the same proxy
+    assert leftovers(cache_root) == [] and len(list((cache_root / "converted").glob("*-*"))) == 1
+
+
+def test_a_killed_conversion_leaves_nothing_behind(cache_root, gguf):
+    key = cache.content_key(gguf)
+    stale = cache_root / "converted" / f".tmp-{key}-x1y2"  # what a SIGKILL during a conversion leaves
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    load(gguf)
+    assert leftovers(cache_root) == [] and converted_path(gguf) is not None
+
+
+def test_a_cache_that_cannot_be_written_costs_only_speed(tmp_path, gguf, monkeypatch):
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("SICL_FAST_CACHE", str(tmp_path / "a-file" / "cache"))  # under a file: never creatable
+    lm, warned = load_quietly(gguf)
+    assert len(warned) == 1 and "cannot write to" in warned[0] and "without caching" in warned[0]
+    assert lm.hidden_size == 16
+
+
+def test_cache_command(cache_root, gguf, tmp_path, capsys):
+    assert main(["cache", "path", str(gguf)]) == 0  # converts first
+    folder = capsys.readouterr().out.strip()
+    assert folder == str(converted_path(gguf))
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(folder).config.hidden_size == 16  # an ordinary transformers folder
+    assert main(["cache", "path", folder]) == 0  # a model folder is its own
+    assert capsys.readouterr().out.strip() == folder
+    legacy = cache_root / "converted" / "old-0123456789abcdef"  # made by an older version: no manifest
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "converted" in out and "tiny.gguf" in out and folder in out and "no manifest" in out
+    assert main(["cache", "verify"]) == 0
+    out = capsys.readouterr().out
+    assert f"ok       {folder}" in out and "unused" in out
+    DAMAGES["plausible floats"](converted_path(gguf))
+    assert main(["cache", "verify", str(gguf), "--quick"]) == 1
+    out = capsys.readouterr().out
+    assert "damaged" in out and "checksum mismatch" in out and "moved to" in out
+    assert cache.find_entry(cache.content_key(gguf)) is None
+    assert main(["cache", "verify", str(gguf)]) == 2  # nothing left to verify
+    assert "no cache entry yet" in capsys.readouterr().err
+    assert main(["cache", "path", str(gguf)]) == 0 and capsys.readouterr().out.strip() == folder  # rebuilt
+    items = cache.entries()
+    assert {e.state for e in items} == {"converted", "no manifest", "moved aside"}
+    assert main(["cache", "clear"]) == 0
+    assert f"removed {len(items)} item(s)" in capsys.readouterr().out
+    assert cache.entries() == [] and not (cache_root / cache.SOURCES).exists()

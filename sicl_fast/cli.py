@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("requests", help="requests JSONL ('-': standard input)")
     c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
+    c.add_argument("--export", default=None, metavar="DIR",
+                   help="also save each request's calibrated embeddings (every row; safetensors, as sicl_fast.export "
+                        "writes them) to DIR/<id>.safetensors; the record holds the path under \"embeddings\"")
 
     e = command("icleval", "base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
@@ -434,6 +437,7 @@ def cmd_proxy(args) -> int:
 def cmd_calibrate(args) -> int:
     import functools
 
+    from .export import ExportingWriter, check_export_dir
     from .jobs import calibrate_requests, check_requests
     from .records import ResultWriter, check_output
     from .requests import read_requests
@@ -442,12 +446,14 @@ def cmd_calibrate(args) -> int:
     requests = list(read_requests(args.requests))
     _check_flags(args)
     check_output(args.out, inputs=[args.requests])
+    if args.export:
+        check_export_dir(args.export)
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
         workers.call(check_requests, requests, args.max_new_tokens if args.generate else 0, cfg)
         work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=args.max_new_tokens,
-                                 stop_strings=args.stop, generate=args.generate)
+                                 stop_strings=args.stop, generate=args.generate, export=bool(args.export))
         with ResultWriter(args.out) as out:
             todo = [r for r in requests if r.id not in out]
             if len(todo) < len(requests):
@@ -455,8 +461,8 @@ def cmd_calibrate(args) -> int:
                       file=sys.stderr)
             chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
             with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
-                write_all(workers, work, chunks, out, lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk],
-                          bar)
+                write_all(workers, work, chunks, ExportingWriter(out, args.export) if args.export else out,
+                          lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar)
     return 0
 
 

@@ -632,11 +632,11 @@ def assert_clean(log: str) -> None:
         assert bad not in log, log
 
 
-def test_sigterm_drains_and_exits_0(tiny_llama_dir):
+def test_sigterm_drains_and_exits_0(tiny_dir):
     """SIGTERM with a running and a queued request: new requests get the JSON 503 with Retry-After, the queued job
     the JSON 503 without running, the running one finishes (here at its own deadline); the process exits 0. Each
     request has its log line."""
-    with CliServer("--model", tiny_llama_dir, "--max-steps", "100000", "--grace-s", "30", "--log-level",
+    with CliServer("--model", tiny_dir, "--max-steps", "100000", "--grace-s", "30", "--log-level",
                    "info") as srv:
         running, out_run = in_thread(calibrate_on, srv.url, {"request": {**REQ, "id": "run"}, "timeout_s": 6,
                                                              "config": LONG})
@@ -671,10 +671,10 @@ def test_sigterm_drains_and_exits_0(tiny_llama_dir):
     assert len(re.findall(r"GET /health 503 \S+s error='shutting_down'", srv.log)) == 1, srv.log
 
 
-def test_sigint_stops_the_running_calibration_in_the_grace_period(tiny_llama_dir):
+def test_sigint_stops_the_running_calibration_in_the_grace_period(tiny_dir):
     """SIGINT does what SIGTERM does; a calibration that would run on is stopped at 0.8 x --grace-s and answers with
     its best X so far (stop_reason 'shutdown'); the process exits 0."""
-    with CliServer("--model", tiny_llama_dir, "--max-steps", "100000", "--grace-s", "2", "--log-level",
+    with CliServer("--model", tiny_dir, "--max-steps", "100000", "--grace-s", "2", "--log-level",
                    "warning") as srv:
         running, out = in_thread(calibrate_on, srv.url, {"request": REQ, "config": LONG})  # 100k steps, no deadline
         wait_for(lambda: srv.health()["busy"], 30)

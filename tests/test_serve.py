@@ -471,15 +471,20 @@ def test_client_disconnect_cancels_queued_job(server, client):
     assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
 
 
-def test_requests_beyond_max_connections_get_the_json_503(engine):
-    with ServerThread(engine, ServeSettings(port=0, max_connections=2, max_steps=100_000)) as srv:
-        body = {"request": REQ, "timeout_s": 1.5, "config": LONG}
-        waiting = [in_thread(post, srv, "/v1/calibrate", body) for _ in range(2)]  # one runs, one waits: 2 in progress
+def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
+    release = threading.Event()  # the engine is held until the over-limit requests have been answered
+    proxy = engine.proxy
+    monkeypatch.setattr(engine, "proxy", lambda *a, **k: (release.wait(30), proxy(*a, **k))[1])
+    with ServerThread(engine, ServeSettings(port=0, max_connections=2)) as srv:
+        waiting = [in_thread(post, srv, "/v1/proxy", {"request": REQ}) for _ in range(2)]  # one runs, one waits
         wait_for(lambda: srv.app.state.serve.queue.depth == 1, 10)
-        for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
-            err = error_of(r)
-            assert r.status_code == 503 and err["kind"] == "overloaded" and "--max-connections 2" in err["message"]
-            assert r.headers["retry-after"] == "1"
+        try:
+            for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
+                err = error_of(r)
+                assert r.status_code == 503 and err["kind"] == "overloaded" and "--max-connections 2" in err["message"]
+                assert r.headers["retry-after"] == "1"
+        finally:
+            release.set()
         for t, out in waiting:
             t.join(30)
             assert out["r"].status_code == 200

@@ -143,10 +143,9 @@ def test_handoff_example_answers_as_the_project(smol, tmp_path, capsys):
     (transformers and safetensors only) on the converted model folder prints each record's answer_calibrated.
     A file of the demonstration rows only (the projection off: kappa 0, so the other rows are the model's own)
     decodes to what our generator decodes, 8 tokens without a stop string."""
-    from sicl_fast.models.loading import _gguf_cache_path, smollm2_gguf
-
     ex = example_module()
-    folder = _gguf_cache_path(smollm2_gguf())  # what `sicl-fast cache path` prints
+    assert main(["cache", "path"]) == 0  # the embedded model's converted transformers folder
+    folder = capsys.readouterr().out.strip()
     reqs = write_requests(tmp_path / "r.jsonl", [REQ, {**REQ, "id": "e2", "query": "nine"}])
     out, emb_dir = tmp_path / "out.jsonl", tmp_path / "emb"
     assert main(["calibrate", reqs, "--out", str(out), "--generate", "--export", str(emb_dir), "--max-steps", "3",

@@ -1,4 +1,4 @@
-"""The static step's bookkeeping (sicl_fast.static.advance_reference) in two launches instead of ~45 small ops:
+"""The static step's bookkeeping (sicl_fast.step_state.advance_reference) in two launches instead of ~45 small ops:
 
     advance(st, f [B] float32, fired int32 [1], cfg)   after ops.update wrote st.X_next
 
@@ -7,8 +7,8 @@
        the stop reason and the step index; it leaves two flags: better (f0 beat best_f) and update (take X_next)
     2. over X: best_X <- X where better, then X <- X_next where update
 
-st: a StaticStep (its device tensors: X, X_next, best, step_t, steps_run, reason, low_snr, projections,
-history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold are in float64, as the
+st: a sicl_fast.step_state.StepState (its tensors X, X_next, best, step_t, steps_run, reason, low_snr,
+projections, history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold are in float64, as the
 reference's; the SNR's mean and standard deviation are float32 reductions in another order than torch's
 (differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
 """
@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.static import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
+from sicl_fast.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
 from ._utils import interpreting, next_pow2
 
-# the stop reasons as the state stores them (sicl_fast.static), as compile-time constants of the kernel
+# the stop reasons as the state stores them (sicl_fast.step_state), as compile-time constants of the kernel
 NONFINITE_C = tl.constexpr(NONFINITE)
 GATE_C = tl.constexpr(GATE)
 PATIENCE_C = tl.constexpr(PATIENCE)

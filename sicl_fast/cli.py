@@ -18,8 +18,8 @@ from .gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
 from .models.loading import DTYPES, HOW_TO_POINT
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
+from .plan import LOOPS
 from .records import OPENED
-from .static import LOOPS
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -219,7 +219,7 @@ def _check_flags(args) -> None:
 
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
     if _wants_grad(args) and hasattr(args, "impl"):
-        from .ops import resolve_impl
+        from .plan import resolve_impl
 
         resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"

@@ -21,20 +21,9 @@ from typing import Callable
 import torch
 
 from .errors import SiclError
-from .spec import check_choice
 
-GRAPH_MODES = ("auto", "on", "off")
+GRAPH_MODES = ("auto", "on", "off")  # the run plan's choices (sicl_fast.plan.resolve_graphs)
 DEFAULT_CAPACITY = 4  # graphs kept per cache: each holds its own pool of forward temporaries
-
-
-def resolve_graphs(mode: str, device) -> bool:
-    """'on' / 'off' / 'auto' (on for CUDA) -> whether the engine captures. 'on' off CUDA is refused."""
-    check_choice(mode, GRAPH_MODES, "graphs", "Engine")
-    cuda = torch.device(device).type == "cuda"
-    if mode == "on" and not cuda:
-        raise SiclError(f"graphs 'on' needs a CUDA device; the model is on {torch.device(device)} (use 'auto' or "
-                        "'off')")
-    return cuda and mode != "off"
 
 
 class CapturedStep:
@@ -126,5 +115,5 @@ class DecodeGraph:
         return self.logits
 
 
-__all__ = ["CapturedStep", "captured", "model_refs", "ShapeCache", "DecodeGraph", "cache_rows", "resolve_graphs",
-           "GRAPH_MODES", "DEFAULT_CAPACITY"]
+__all__ = ["CapturedStep", "captured", "model_refs", "ShapeCache", "DecodeGraph", "cache_rows", "GRAPH_MODES",
+           "DEFAULT_CAPACITY"]

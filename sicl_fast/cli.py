@@ -1,5 +1,5 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | serve | gradstudy`. It
-only parses and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | plan | serve |
+gradstudy`. It only parses and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -97,7 +97,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
                    help="CUDA graphs: the static step captured once per prompt shape and replayed, and the decode "
                         "step captured per cache length; auto: on for CUDA with the static loop. Same results.")
     g.add_argument("--pack", type=_int_at_least(1), default=1, metavar="P",
-                   help="calibrate / icleval: calibrate up to P prompts at once through one batched forward "
+                   help="calibrate / icleval / bench: calibrate up to P prompts at once through one batched forward "
                         "(throughput mode, fast backend; default 1)")
     g.add_argument("--add-special-tokens", action="store_true",
                    help="let the tokenizer add its special tokens (e.g. BOS); they join the fixed prefix")
@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--calibration-steps", type=_int_at_least(0), default=0,
                     help="also time a whole calibration of this many steps (patience off)")
     _model_flags(bn), _config_flags(bn)
+
+    pl = sub.add_parser("plan", help="the run plan the engine flags resolve to on the model (backend, impl, "
+                                     "attention, difference products, loop, graphs, pack, estimator) and why")
+    _model_flags(pl), _config_flags(pl)
 
     pr = sub.add_parser("profile", help="where the time of one ascent step goes: per phase ms, share, FLOPs, "
                                          "FLOP/s against the measured matmul peak; peak memory; kernels per step")
@@ -236,12 +240,17 @@ def _wants_grad(args) -> bool:
             or args.cmd == "gradstudy")
 
 
+def _plan_choices(args, **over) -> dict:
+    """The run plan's choices from the flags (sicl_fast.plan.Choices; `over` replaces some)."""
+    return {**dict(backend=args.backend, diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop,
+                   sync_every=args.sync_every, pack=getattr(args, "pack", 1), grad=_wants_grad(args),
+                   graphs=args.graphs), **over}
+
+
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = args.add_special_tokens if add_special_tokens is None else add_special_tokens
-    return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                diff_matmul=args.diff_matmul, impl=args.impl, loop=args.loop, sync_every=args.sync_every,
-                pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=args.graphs)
+    return dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
 
 
 def _engine(args, add_special_tokens=None):
@@ -356,29 +365,42 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .backends import make_backend
+    from .backends import build_backend
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
-    from .engine import Engine
+    from .models import load
+    from .plan import Choices, make_plan
 
     _check_flags(args)
-    eng = Engine(model=args.model, backend="hf", dtype=args.dtype, device=args.device)
-    cfg = eng.config(**_overrides(args))
-    print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
+    choices = [Choices(**_plan_choices(args, backend=name)) for name in args.backends]
+    lm = load(args.model, dtype=args.dtype, device=args.device)
+    cfg = CalibrationConfig.for_model(lm, **_overrides(args))
+    plans = [make_plan(lm, c) for c in choices]  # every backend's plan (and refusal) before any timing
+    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
-    print("| backend | impl | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | calib s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for length in args.length:
-        prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
-        for name in args.backends:
-            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl,
-                                   grad=cfg.estimator == "grad")
+        prompt = synthetic_prompt(lm, length, seed=cfg.seed, prefix=args.prefix)
+        for plan in plans:
+            backend = build_backend(plan, lm)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
             cal = ""
             if args.calibration_steps:
-                c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0, tau=0.0))
+                c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0,
+                                                                   tau=0.0))
                 cal = f"{c['seconds']:.2f}"
-            print(f"| {name} | {r['impl']} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |",
-                  flush=True)
+            print(f"| {plan.backend} | {r['impl']} | {r['loop']} | {r['L']} | {prompt.demo_start} | {r['P']} | "
+                  f"{r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | {cal} |", flush=True)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .models import load
+    from .plan import Choices, make_plan
+
+    _check_flags(args)
+    choices = Choices(**_plan_choices(args))  # checked before the model loads
+    print(make_plan(load(args.model, dtype=args.dtype, device=args.device), choices).explain())
     return 0
 
 
@@ -460,7 +482,7 @@ def cmd_serve(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve,
+            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "plan": cmd_plan, "serve": cmd_serve,
             "gradstudy": cmd_gradstudy}
 
 

@@ -320,7 +320,7 @@ class RunPlan:
                  f"{self.device})"]
         width = max(len(axis) for axis, _, _ in self.why)
         for axis, value, reason in self.why:
-            lines.append(f"  {axis:<{width}}  {value!s:<12}  {reason}")
+            lines.append(f"  {axis:<{width}}  {value!s:<13}  {reason}")
         return "\n".join(lines)
 
 
@@ -345,15 +345,15 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     if c.grad and refusal:
         raise SiclError(refusal)
     if c.grad:
-        why_grad = "the run takes the exact gradient (eager loop, differentiable ops)"
+        why_grad = "the run takes the exact gradient: differentiable ops, the eager loop"
     else:
-        why_grad = "zeroth order" + (f"; estimator 'grad' refused: {refusal}" if refusal else
-                                     "; estimator 'grad' would run on the eager loop")
+        why_grad = f"forward / central on the {loop} loop; " + (f"'grad' refused: {refusal}" if refusal else
+                                                                "'grad' would run on the eager loop")
     why = (("backend", backend, why_backend), ("impl", impl, why_impl),
            ("attention", attention or "-", why_attention), ("diff_matmul", diff, why_diff),
            ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("graphs", "on" if graphs else "off", why_graphs), ("pack", c.pack, why_pack),
-           ("estimator", "grad" if c.grad else "forward/central", why_grad))
+           ("estimator", "grad" if c.grad else "zeroth-order", why_grad))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
                    attention=attention, attention_fallback=c.attn == "auto", diff_matmul=diff, decoder=decoder,
                    loop=loop, loop_asked=c.loop, sync_every=sync_every, graphs=graphs, graph_cache=c.graph_cache,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from sicl_fast.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
-from ._utils import interpreting, next_pow2
+from ._utils import interpreting, launch, next_pow2
 
 # the stop reasons as the state stores them (sicl_fast.step_state), as compile-time constants of the kernel
 NONFINITE_C = tl.constexpr(NONFINITE)
@@ -108,12 +108,13 @@ def _advance_copy_kernel(flags_ptr, x_ptr, x_next_ptr, best_x_ptr, n, BLOCK: tl.
 def advance(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     """The bookkeeping of one step on the device (module docstring); two launches, no host read."""
     N = (f.numel() - 1) // 2 if cfg.estimator == "central" else f.numel() - 1
-    _advance_state_kernel[(1,)](
-        f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history, st.best.best_f,
-        st.best.counters, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience), int(cfg.max_steps),
-        CENTRAL=cfg.estimator == "central", HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience),
-        BLOCK_N=next_pow2(N))
+    dev = st.X.device
+    launch(_advance_state_kernel, (1,),
+           f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history,
+           st.best.best_f, st.best.counters, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience),
+           int(cfg.max_steps), device=dev, block=next_pow2(N), CENTRAL=cfg.estimator == "central",
+           HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience), BLOCK_N=next_pow2(N))
     n = st.X.numel()
     BLOCK = 1 << 16 if interpreting() else 2048
-    _advance_copy_kernel[(triton.cdiv(n, BLOCK),)](st.flags, st.X, st.X_next, st.best.best_X, n,
-                                                   BLOCK=BLOCK)
+    launch(_advance_copy_kernel, (triton.cdiv(n, BLOCK),), st.flags, st.X, st.X_next, st.best.best_X, n, device=dev,
+           block=BLOCK, BLOCK=BLOCK)

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from other_checkout import PRELUDE  # bench/, first on sys.path when run as a script
+from other_checkout import PRELUDE, run_worker  # bench/, first on sys.path when run as a script
 
 WORKER = PRELUDE + r"""
 import hashlib, json
@@ -54,12 +53,9 @@ def tiny(family):
         model = Gemma2ForCausalLM(Gemma2Config(**common, sliding_window=8, query_pre_attn_scalar=24,
                                                final_logit_softcapping=5.0, attn_logit_softcapping=2.0))
         model.config._attn_implementation = "eager"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
+    with torch.no_grad():  # norm weights away from 1 (so (1 + w) vs w matters), biases away from 0
+        for p in (p for name, p in model.named_parameters() if "norm" in name or name.endswith("bias")):
+            p.uniform_(-0.3, 0.3) if p.abs().max() == 0 else p.mul_(torch.empty_like(p).uniform_(0.7, 1.3))
     return from_transformers(model, Tok(), name="tiny-" + family)
 
 
@@ -131,11 +127,7 @@ print(json.dumps(out))
 
 def run(root: Path, smollm2: bool) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", WORKER, str(root), "1" if smollm2 else "0"], capture_output=True,
-                         text=True, timeout=3600, env=env)
-    if out.returncode != 0:
-        raise SystemExit(f"{root}:\n{out.stderr.strip()[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER, root, int(smollm2), timeout=3600, env=env)
 
 
 def main() -> int:

@@ -6,7 +6,7 @@
 
 The forward is the backend's own (`Backend.differentiable_logprobs`: `hf`, or the `fast` decoder's float32 plain
 products without the prefix cache), the proxy is the torch reference (sicl_fast.proxy, through the backend's
-TorchOps; torch.quantile's gradient included: the linear interpolation between two order statistics passes its
+TorchStepOps; torch.quantile's gradient included: the linear interpolation between two order statistics passes its
 weights to those two), and the backward is autograd's. The model's weights stay detached: only X gets a gradient.
 
 Where this cannot run is said once, up front, by the run plan (sicl_fast.plan.grad_refusal, checked by

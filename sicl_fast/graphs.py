@@ -11,7 +11,7 @@ A captured callable must keep its inputs and outputs in fixed tensors and read n
 rotary tables, the rows' K/V buffers, the noise kernels' step pointers) before the capture. A graph reads those
 buffers by address, and the model and ops replace some of them later (a longer rotary table, another shape's
 K/V buffers, a cleared mask cache): `keep` holds references to every one of them for as long as the graph lives
-(Transformer.cached_tensors, Ops.cached_tensors), so a later replacement never frees memory a graph reads.
+(Transformer.cached_tensors, StepOps.cached_tensors), so a later replacement never frees memory a graph reads.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The implementation layer end to end: `impl` is chosen once (make_backend / Engine), every calibration on that
-backend runs on that one Ops object, and a seeded calibration through the C++ and Triton implementations
+backend runs on that one StepOps object, and a seeded calibration through the C++ and Triton implementations
 matches the torch reference step for step.
 
 Tolerance: the proxy history f0(step) to rtol 1e-5 / atol 1e-7, the returned embeddings to atol 1e-5 (1e-4 on

@@ -186,3 +186,20 @@ def test_engine_backends_and_loops_read_the_plan(models):
         StaticStep(make_backend("hf", lm, impl="torch"), CFG, p, lm.model.get_input_embeddings()(p.input_ids))
     with pytest.raises(SiclError, match="packed step needs the fast backend"):
         run_packed(make_backend("hf", lm, impl="torch"), [(p, CFG)], pack=2)
+
+
+def test_decoder_config_holds_the_family_quirks(models):
+    """DecoderConfig.from_hf, made once per model (the plan holds it): sizes and quirks as fields."""
+    from sicl_fast.models.decoder_config import DecoderConfig
+
+    cfgs = {f: DecoderConfig.from_hf(lm.text_config) for f, lm in models.items()}
+    assert {f: (c.gemma, c.attn_softcap, c.final_softcap, c.scales_inputs) for f, c in cfgs.items()} == {
+        "llama": (False, None, None, False), "qwen3": (False, None, None, False),
+        "gemma2": (True, 2.0, 5.0, True), "gemma3_text": (True, None, None, False)}
+    assert cfgs["llama"].attn_scale == 16 ** -0.5 and cfgs["gemma2"].attn_scale == 24 ** -0.5
+    assert cfgs["gemma2"].windows == (8, None, 8) and cfgs["llama"].windows == (None, None, None)
+    assert cfgs["gemma3_text"].rope_of_layer == ("sliding_attention", "full_attention", "sliding_attention")
+    assert set(cfgs["gemma3_text"].rope) == {"sliding_attention", "full_attention"} and cfgs["llama"].rope_of_layer == (
+        "all",) * 3
+    assert make_plan(models["qwen3"], backend="fast").decoder == cfgs["qwen3"]
+    assert make_plan(models["qwen3"], backend="hf").decoder is None

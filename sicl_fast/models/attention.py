@@ -6,7 +6,7 @@ being copied) and the rows themselves (or a KV cache's keys). Kernels:
   sdpa   torch's scaled_dot_product_attention (no soft-capping; falls back to math for what it cannot do exactly)
   flash  flash-attn's flash_attn_func (CUDA, fp16/bf16, optional: `pip install "sicl-fast[flash]"`)
   triton the fused kernel kernels/attention.py: prefix and rows in one launch, soft-cap and window included
-         (CUDA, or the CPU under TRITON_INTERPRET=1; the decoder of TritonOps uses it)
+         (CUDA, or the CPU under TRITON_INTERPRET=1; what the run plan picks with impl 'triton')
 
 Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
 o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.

@@ -77,8 +77,9 @@ BASE = dict(N=4, mu=0.05, eta=0.5, kappa=0.0, tau=0.0, patience=3, max_steps=4, 
 RUNS = []  # (name, model, engine kwargs, config overrides, prompts (demo_start, seed), many)
 for impl in ("torch", "cpp", "triton"):
     for backend, loop in (("fast-fp32", "eager"), ("fast-fp32", "static"), ("fast", "static"), ("hf", "eager")):
-        RUNS.append((f"llama {backend} {loop} {impl}", "llama", dict(backend=backend, loop=loop, impl=impl,
-                     diff_matmul="bf16" if backend == "fast" else "auto"), dict(kappa=0.999, eta=50.0), [(6, 0)], False))
+        RUNS.append((f"llama {backend} {loop} {impl}", "llama",
+                     dict(backend=backend, loop=loop, impl=impl, diff_matmul="bf16" if backend == "fast" else "auto"),
+                     dict(kappa=0.999, eta=50.0), [(6, 0)], False))
     RUNS.append((f"gemma2 fast central demos {impl}", "gemma2", dict(backend="fast", diff_matmul="bf16", impl=impl),
                  dict(estimator="central", kappa=0.999, eta=50.0, projection_scope="demos"), [(6, 1)], False))
     RUNS.append((f"gemma2 fast-fp32 normalize snr {impl}", "gemma2", dict(backend="fast-fp32", impl=impl),
@@ -115,7 +116,7 @@ for name, model, kw, over, specs, many in RUNS:
 if sys.argv[2] == "1":
     lm = load()
     req = {"id": "s", "instruction": "Write each number word as a digit.", "query": "five",
-           "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}, {"input": "two", "output": "2"}]}
+           "demos": [{"input": w, "output": d} for w, d in (("one", "1"), ("seven", "7"), ("two", "2"))]}
     for name, kw, over in SMOL:
         eng = Engine(lm, **kw)
         res = eng.calibrate(eng.prepare(req), CalibrationConfig(**{**BASE, "scale": None, "mu": 0.004, "eta": 0.05,

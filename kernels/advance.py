@@ -8,9 +8,9 @@
     2. over X: best_X <- X where better, then X <- X_next where update
 
 st: a sicl_fast.step_state.StepState (its tensors X, X_next, best, step_t, steps_run, reason, low_snr,
-projections, history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold are in float64, as the
-reference's; the SNR's mean and standard deviation are float32 reductions in another order than torch's
-(differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
+projections, history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold
+are in float64, as the reference's; the SNR's mean and standard deviation are float32 reductions in another order
+than torch's (differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
 """
 from __future__ import annotations
 

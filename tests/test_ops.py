@@ -1,6 +1,6 @@
 """Every implementation of the ops protocols (sicl_fast.ops: StepOps and DecoderOps of torch, cpp, triton) against
-the torch reference functions, on odd shapes. An implementation that is not available here skips and says why (the C++ extension not
-built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
+the torch reference functions, on odd shapes. An implementation that is not available here skips and says why (the
+C++ extension not built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
 
 Tolerances, stated once (TOL below), and why:
   perturb, randn, diff_rows, add_rows: bit-identical (the same Philox bits, the same float32 op sequence, bf16

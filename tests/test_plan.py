@@ -87,7 +87,7 @@ REFUSALS = {
     "graphs on without a static step": (dict(call=lambda: resolve_graphs("on", "cuda", False, "hf", "auto")),
                                         SiclError, "graphs 'on' captures the static step; backend 'hf' with loop"),
     "pack without the static loop": (plan_of(backend="fast", loop="eager", pack=2), SiclError,
-                                     "pack > 1 needs the static loop on the fast backend .backend 'fast', loop 'eager'"),
+                                     r"pack > 1 needs the static loop on the fast backend \(backend 'fast', loop"),
     "grad on a backend without a differentiable forward": (plan_of(backend="naive", grad=True), SiclError,
                                                            "the 'naive' backend has no differentiable forward"),
     "grad on quantized weights": (plan_of("quant", backend="hf", grad=True), SiclError,

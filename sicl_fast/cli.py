@@ -1,5 +1,5 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | serve | gradstudy`. It
-only parses and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | plan | serve |
+gradstudy`. It only parses and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,6 @@ import typing
 import warnings
 
 from .ascent import PRESETS, CalibrationConfig
-from .backends import BACKENDS
 from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .graphs import GRAPH_MODES
@@ -23,8 +22,8 @@ from .knobs import RANGES, arg_type
 from .models.loading import DTYPES
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
+from .plan import BACKENDS, LOOPS
 from .records import OPENED
-from .static import LOOPS
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -161,7 +160,7 @@ def _loop(g) -> None:
 def _pack(g) -> None:
     g.add_argument("--pack", type=arg_type("pack"), default=1, metavar="P",
                    help="calibrate up to P prompts at once through one batched forward (throughput mode, fast "
-                        "backend; default 1)")
+                        "backend; default 1; bench times one packed step of P copies of the prompt)")
 
 
 def _generate(g) -> None:
@@ -218,6 +217,7 @@ COMMAND_GROUPS = {
     "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
     "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
     "serve": ("model", "tokens", "backend", "ops", "loop"),
+    "plan": ("model", "backend", "ops", "loop", "pack", "ascent"),
     "report": (),
 }
 
@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--calibration-steps", type=arg_type("calibration_steps"), default=0,
                     help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
                          "column")
+
+    pl = command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
+                         "difference products, loop, graphs, pack, estimator) and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s against the "
                             "measured matmul peak; peak memory; kernels per step")
@@ -342,7 +345,7 @@ def _check_flags(args) -> None:
     if getattr(args, "stop", None) is not None:
         check_stops(args.stop, "--stop")
     if _wants_grad(args) and hasattr(args, "impl"):
-        from .ops import resolve_impl
+        from .plan import resolve_impl
 
         resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
@@ -359,13 +362,18 @@ def _wants_grad(args) -> bool:
             or args.cmd == "gradstudy")
 
 
+def _plan_choices(args, **over) -> dict:
+    """The run plan's choices from the flags (sicl_fast.plan.Choices; `over` replaces some)."""
+    return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
+                   loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
+                   pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto")),
+            **over}
+
+
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
-    return dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-                diff_matmul=args.diff_matmul, impl=args.impl, loop=getattr(args, "loop", "auto"),
-                sync_every=getattr(args, "sync_every", None), pack=getattr(args, "pack", 1), grad=_wants_grad(args),
-                graphs=getattr(args, "graphs", "auto"))
+    return dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
 
 
 def _engine(args, add_special_tokens=None):
@@ -483,32 +491,44 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .backends import make_backend
+    from .backends import build_backend
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
-    from .engine import Engine
+    from .models import load
+    from .plan import Choices, make_plan
 
     _check_flags(args)
-    eng = Engine(model=args.model, backend="hf", dtype=args.dtype, device=args.device)
-    cfg = eng.config(**_overrides(args))
-    print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
+    choices = [Choices(**_plan_choices(args, backend=name)) for name in args.backends]
+    lm = load(args.model, dtype=args.dtype, device=args.device)
+    cfg = CalibrationConfig.for_model(lm, **_overrides(args))
+    plans = [make_plan(lm, c) for c in choices]  # every backend's plan (and refusal) before any timing
+    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
-    print("| backend | impl | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
+    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
           + (" calib s |" if calib else ""))
-    print("|---" * (9 if calib else 8) + "|")
+    print("|---" * (10 if calib else 9) + "|")
     for length in args.length:
-        prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
-        for name in args.backends:
-            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl,
-                                   grad=cfg.estimator == "grad")
+        prompt = synthetic_prompt(lm, length, seed=cfg.seed, prefix=args.prefix)
+        for plan in plans:
+            backend = build_backend(plan, lm)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
-            row = (f"| {name} | {r['impl']} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | "
-                   f"{r['ms_min']:.1f} | {r['peak_mb']:.0f} |")
+            row = (f"| {plan.backend} | {r['impl']} | {r['loop']} | {r['L']} | {prompt.demo_start} | {r['P']} | "
+                   f"{r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} |")
             if calib:
                 c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0,
                                                                    tau=0.0))
                 row += f" {c['seconds']:.2f} |"
             print(row, flush=True)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .models import load
+    from .plan import Choices, make_plan
+
+    _check_flags(args)
+    choices = Choices(**_plan_choices(args))  # checked before the model loads
+    print(make_plan(load(args.model, dtype=args.dtype, device=args.device), choices).explain())
     return 0
 
 
@@ -638,7 +658,7 @@ def cmd_cache(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve,
+            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "plan": cmd_plan, "serve": cmd_serve,
             "gradstudy": cmd_gradstudy, "cache": cmd_cache}
 
 

@@ -25,7 +25,7 @@ def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config
 def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
                        stop_strings: Sequence[str] | None = None, generate: bool = False,
                        export: bool = False) -> list[dict]:
-    """The records of a chunk of requests (one, or engine.pack of them, calibrated packed): id and the calibration
+    """The records of a chunk of requests (one, or engine.plan.pack of them, calibrated packed): id and the calibration
     summary; with `generate`, answer_base and answer_calibrated (greedy, at most max_new_tokens, stopping at
     stop_strings); with `export`, the calibrated embeddings (every row) as a CalibratedEmbeddings under
     "embeddings", for the driver to save (sicl_fast.export.ExportingWriter). In the order of `requests`."""

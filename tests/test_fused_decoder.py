@@ -41,7 +41,7 @@ def batch_f(be, prompt, cfg=CFG):
     m = be.model
     x = st.batch[:, :prompt.demo_end].to(m.dtype)
     lp = be.span_forward(x, st.span, st._prefix(), near_row0=True)
-    return st.ops.proxy_planned(lp, st.plan).f, lp
+    return st.ops.proxy_planned(lp, st.proxy_plan).f, lp
 
 
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)

@@ -111,9 +111,9 @@ def test_no_host_read_inside_the_step(models, monkeypatch, impl):
     with HostReadGuard(monkeypatch):
         for _ in range(4):
             st()
-    assert int(st.steps_run) == 4
+    assert int(st.state.steps_run) == 4
     with HostReadGuard(monkeypatch), pytest.raises(AssertionError, match="host read inside the step"):
-        float(st.steps_run)  # the guard works
+        float(st.state.steps_run)  # the guard works
 
 
 def test_nonfinite_proxy_and_bad_arguments(models):

@@ -18,7 +18,7 @@ def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config
     for r in requests:
         prompt = engine.prepare(r, reserve=reserve)
         if config is not None:
-            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.pack)
+            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack)
     return len(requests)
 
 

@@ -139,7 +139,7 @@ def test_the_table_keeps_up_with_the_module():
 def test_choices_are_checked_before_a_model_loads():
     with pytest.raises(SiclError, match="unknown graphs 'yes'"):
         Engine(model="no-such-model", graphs="yes")  # the choice fails first, not the model
-    with pytest.raises(SiclError, match="pack must be >= 1"):
+    with pytest.raises(SiclError, match="pack must be an integer, got 1.5"):
         Choices(pack=1.5)
 
 

@@ -14,13 +14,11 @@ mean and min over the processes of each side and their ratio B / A.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from other_checkout import PRELUDE  # bench/, first on sys.path when run as a script
+from other_checkout import PRELUDE, run_worker  # bench/, first on sys.path when run as a script
 
 WORKER = PRELUDE + r"""
 import json, time
@@ -49,11 +47,7 @@ print(json.dumps({"s": dt, "impl": impl, "L": p.length}))
 
 
 def run(root: Path, backend: str, length: int, steps: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(root), backend, str(length), str(steps)],
-                         capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise SystemExit(f"{root}: {out.stderr.strip().splitlines()[-1:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_worker(WORKER, root, backend, length, steps)
 
 
 def main() -> int:

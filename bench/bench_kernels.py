@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sicl_fast.benchmark import peak_mb
 from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
@@ -51,7 +50,7 @@ def test_proxy(benchmark, impl, case):
     benchmark.group = f"proxy {case}"
     lp = -torch.rand(B, sum(lengths), generator=torch.Generator().manual_seed(0)) * 5
     offs = span_offsets(lengths)
-    ops = make_ops(impl)
+    ops = make_ops(impl).step
     run(benchmark, f"proxy {case} {impl}", lambda: ops.proxy(lp, offs), rounds=50)
 
 
@@ -69,7 +68,7 @@ def test_perturb_update(benchmark, impl, case):
     X0 = torch.randn(L, D, generator=g)
     X = X0 + 0.01 * torch.randn(L, D, generator=g)
     f = torch.rand(spec.B, generator=g)
-    ops = make_ops(impl)
+    ops = make_ops(impl).step
 
     def step():
         ops.perturb(X, 3, spec)
@@ -128,8 +127,8 @@ def gated_inputs():
 @pytest.mark.parametrize("op", ["add_rows", "gated_diff"])
 def test_diff_epilogues(benchmark, gated_inputs, impl, op):
     y0, yd = gated_inputs
-    ops = make_ops(impl)
-    fn = {"add_rows": lambda: ops.add_rows(y0, yd), "gated_diff": lambda: ops.gated_diff(y0, yd, F.silu, "silu")}[op]
+    ops = make_ops(impl).decoder
+    fn = {"add_rows": lambda: ops.add_rows(y0, yd), "gated_diff": lambda: ops.gated_diff(y0, yd, "silu")}[op]
     benchmark.group = f"{op} R{DIFF_R} T{DIFF_T} I{DIFF_I}"
     run(benchmark, f"{op} {impl}", fn, rounds=5)
 

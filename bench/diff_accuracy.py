@@ -21,7 +21,7 @@ from sicl_fast.ascent import CalibrationConfig
 from sicl_fast.backends import make_backend
 from sicl_fast.benchmark import synthetic_prompt
 from sicl_fast.models import load
-from sicl_fast.ops import IMPLS, TorchOps
+from sicl_fast.ops import IMPLS, TorchStepOps
 from sicl_fast import zo
 from sicl_fast.spec import StepSpec
 
@@ -48,7 +48,7 @@ def main() -> None:
         p = synthetic_prompt(lm, length)
         cfg = CalibrationConfig.for_model(lm, N=args.N)
         X0 = paths["fast-fp32"].embed(p)
-        batch = TorchOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
+        batch = TorchStepOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
 
         def f(backend, x, **kw):
             lp = backend.span_logprobs(x, p, **kw)
@@ -65,7 +65,7 @@ def main() -> None:
         for seed in range(args.seeds):
             spec = StepSpec.build(cfg.replace(seed=seed), *X0.shape, p.demo_start, p.demo_end)
             U = zo.step_directions(0, spec)
-            batch = TorchOps().perturb(X0, 0, spec)
+            batch = TorchStepOps().perturb(X0, 0, spec)
             for name, backend in paths.items():
                 grads[name].append(zo.estimate_gradient(f(backend, batch, near_row0=True), U, spec.mu).flatten())
         cos = lambda a, b: float(torch.dot(a, b) / (a.norm() * b.norm()))  # noqa: E731

@@ -99,7 +99,7 @@ def main() -> int:
     from sicl_fast import kernels as K
     from sicl_fast import rng, zo
     from sicl_fast.logprobs import gather_logprobs_chunked
-    from sicl_fast.ops import TorchOps
+    from sicl_fast.ops import TorchStepOps
     from sicl_fast.proxy import proxy as torch_proxy
     from sicl_fast.proxy import span_offsets
     from sicl_fast.spec import StepSpec
@@ -195,7 +195,7 @@ def main() -> int:
                 ms = do_bench(lambda: K.zo_update(X, X0, f, 3, spec))
                 add(model, "zo_update", N, P, B, "triton", ms, None, 3 * L * d * 4)
                 if not args.no_torch:
-                    ops = TorchOps()
+                    ops = TorchStepOps()
                     ms = do_bench(lambda: ops.perturb(X, 3, spec), rep=20)
                     add(model, "perturb", N, P, B, "torch (U stored)", ms, None, L * d * 4 + B * L * d * 4)
                     ms = do_bench(lambda: ops.update(X, X0, f, 3, spec), rep=20)

@@ -49,6 +49,7 @@ import time
 T_START = time.perf_counter()  # the budget counts from here, imports included
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -369,7 +370,7 @@ def _static(c: Cell, eng: Engine, st: StaticStep | None = None) -> StaticStep:
 def fast_eager_step(c: Cell):
     """Engine(backend='fast', loop='static', graphs='off'): the sync-free StaticStep called eagerly."""
     st = _static(c, fast_engine(c.lm, graphs=False))
-    return st, lambda: float(st.history[0])
+    return st, lambda: float(st.state.history[0])
 
 
 def fast_graphs_step(c: Cell):
@@ -378,7 +379,7 @@ def fast_graphs_step(c: Cell):
     eng = fast_engine(c.lm, graphs=True)
     st, run = eng.steps.get(eng.backend, c.cfg, c.prompt, c.X0)
     _static(c, eng, st)
-    return run, lambda: float(st.history[0])
+    return run, lambda: float(st.state.history[0])
 
 
 def anchor_step(c: Cell):
@@ -672,10 +673,10 @@ class Suite:
             row.update(status="ok", engine=which, first_s=first, warm_s=warm, steps=steps, tokens=tokens)
             self.log(f"{what}: first {first:.3f} s, warm {warm:.3f} s ({steps} steps, {tokens} tokens, {which})")
             # the calibration alone (warm, best of 2) for each number of steps between two reads of the state: the
-            # measurement that chooses the default (sicl_fast.static.default_sync_every)
+            # measurement that chooses the default (sicl_fast.plan.default_sync_every)
             row["sync_every_s"] = {}
             for k in self.plan.sync_everys:
-                eng.sync_every = k
+                eng.plan = dataclasses.replace(eng.plan, sync_every=k)
                 row["sync_every_s"][k] = min(self.clock.seconds(lambda: eng.calibrate(prompt, cfg))[1]
                                              for _ in range(2))
             self.log(f"{what}: calibration seconds by sync_every {row['sync_every_s']}")
@@ -752,7 +753,7 @@ class Suite:
             try:
                 # graphs as the engine decides ('auto'); pack 1 then runs what calibrate runs
                 eng = Engine(lm, backend="fast", loop="static", pack=k)
-                row["graphs"] = f"auto: {'on' if eng.graphs else 'off'}"
+                row["graphs"] = f"auto: {'on' if eng.plan.graphs else 'off'}"
                 eng.calibrate_many(prompts[:2], cfg.replace(max_steps=2))  # kernels compiled outside the timing
                 done, steps = [], []
                 deadline = time.perf_counter() + cap

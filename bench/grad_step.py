@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     eng = Engine(backend="hf")
     lm = eng.lm
     base = eng.config(tau=0.0)
-    zo = make_backend("fast", lm)
+    zo = make_backend("fast", lm, loop="eager")  # the eager loop's step, as the exact gradient's runs
     grad_fast = make_backend("fast", lm, grad=True)
     grad_hf = make_backend("hf", lm, grad=True)
     rows_spec = [

@@ -1,11 +1,16 @@
 """The start of a worker process that runs another checkout of sicl_fast, for the before / after benchmarks
-(bench/ab_step.py, bench/kernel_count.py): `python -c PRELUDE + body ROOT ...`.
+(bench/ab_step.py, bench/kernel_count.py, bench/same_histories.py): `python -c PRELUDE + body ROOT ...`, and
+`run_worker`, which runs one and reads the JSON object it prints last.
 
 PRELUDE hides this environment's editable install of sicl_fast, puts ROOT (sys.argv[1]) first on sys.path, maps
 ROOT's kernels/ folder to sicl_fast.kernels as the install maps it (when ROOT has one), and checks that the
 sicl_fast imported is ROOT's. Environment variables the checkout reads at import (TRITON_INTERPRET) are the
 caller's to set, in the subprocess's environment.
 """
+
+import json
+import subprocess
+import sys
 
 PRELUDE = r"""
 import importlib.util, os, sys
@@ -22,3 +27,13 @@ if os.path.isdir(os.path.join(root, "kernels")):
     sys.modules["sicl_fast.kernels"] = _kernels
     _spec.loader.exec_module(_kernels)
 """
+
+
+def run_worker(worker: str, root, *argv, timeout: int = 900, env: dict | None = None) -> dict:
+    """Run `worker` (PRELUDE + a body) on the checkout `root` with the arguments argv in a new interpreter; the JSON
+    object of its last output line. A failed worker ends the run with its error."""
+    out = subprocess.run([sys.executable, "-c", worker, str(root), *map(str, argv)], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{root}: {out.stderr.strip()[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])

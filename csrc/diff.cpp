@@ -21,6 +21,7 @@
 #include <stdexcept>
 
 #include "arrays.h"
+#include "threads.h"
 
 // Finite inputs only (checked upstream): let the clamps and selects become vector min / max / blends.
 #pragma GCC push_options
@@ -115,7 +116,7 @@ namespace {
 template <class Body>
 void for_row_chunks(int64_t R, int64_t n, Body body) {
     const int64_t chunk = 4096, per_row = (n + chunk - 1) / chunk;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads_for(R * n))
     for (int64_t t = 0; t < R * per_row; ++t) {
         const int64_t i = t / per_row, j0 = (t % per_row) * chunk;
         body(i, j0, std::min(chunk, n - j0));
@@ -164,9 +165,10 @@ void gated_diff(py::array y0, py::array yd, int act, py::array a0, py::array dx)
     const uint16_t* ydp = ch(yd);
     float* a0p = mf(a0);
     uint16_t* dxp = mh(dx);
-#pragma omp parallel for schedule(static)
+    // an activation costs a few element operations (exp or tanh, products)
+#pragma omp parallel for schedule(static) num_threads(threads_for(M * I * 8))
     for (int64_t m = 0; m < M; ++m) base(y0p + m * I2, a0p + m * I, I);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads_for(R * M * I * 8))
     for (int64_t t = 0; t < R * M; ++t) {
         const int64_t m = t % M;
         diff(y0p + m * I2, ydp + t * I2, a0p + m * I, dxp + t * I, I);

@@ -23,11 +23,8 @@
 #include <string>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "arrays.h"
+#include "threads.h"
 #include "philox.h"  // after pybind11: its no-FMA pragma applies to everything below
 
 namespace py = pybind11;
@@ -43,8 +40,9 @@ void randn(py::array out, uint64_t seed64) {
     const int64_t n = out.shape(0);
     if (n > (int64_t(1) << 31)) throw std::invalid_argument("randn: more than 2**31 counters");
     float* o = mf(out);
+    const int nt = sicl::threads_for(n * sicl::kRandnCost);
     py::gil_scoped_release release;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t k = 0; k < n; ++k) o[k] = sicl::randn_f32(seed64, static_cast<uint32_t>(k));
 }
 
@@ -77,8 +75,9 @@ void perturb(py::array X, py::array out, uint64_t seed, py::array step, int64_t 
     const float* x = cf(X);
     float* o = mf(out);
     const int64_t R = b - a;
+    const int nt = sicl::threads_for(B * n * d + N * R * d * sicl::kRandnCost);
     py::gil_scoped_release release;
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
     {
         // plain copies: batch row 0, and the rows outside [a, b) of every batch row
 #pragma omp for schedule(static) collapse(2)
@@ -136,9 +135,10 @@ bool update(py::array X, py::array X0, py::array f, py::array out, uint64_t seed
     const int64_t lo = demos_scope ? a : 0, hi = demos_scope ? b : L;
     std::vector<double> pdot(L, 0.0), pxx(L, 0.0), px0(L, 0.0);
     bool fired = false;
+    const int nt = sicl::threads_for(L * d + N * R * d * sicl::kRandnCost);
     {
         py::gil_scoped_release release;
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
         {
             std::vector<float> g(d);
 #pragma omp for schedule(static)
@@ -201,7 +201,7 @@ bool update(py::array X, py::array X0, py::array f, py::array out, uint64_t seed
                 const double pn = std::sqrt(std::max(xx - p * p, 0.0));
                 const bool axis = pn <= 1e-12;
                 const double sk = std::sqrt(1.0 - kappa * kappa);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(sicl::threads_for((hi - lo) * d))
                 for (int64_t row = lo; row < hi; ++row) {
                     float* orow = o + row * d;
                     const float* x0r = x0 + row * d;
@@ -248,8 +248,9 @@ void proxy(py::array lp, py::array offsets, double alpha, double beta, double ga
     const int64_t below = static_cast<int64_t>(rank);
     const int64_t above = static_cast<int64_t>(std::ceil(rank));
     const float wq = rank - static_cast<float>(below);
+    const int nt = sicl::threads_for(B * P * 4);  // exp, a partial sort and the sums per log-prob
     py::gil_scoped_release release;
-#pragma omp parallel
+#pragma omp parallel num_threads(nt)
     {
         std::vector<float> p(P);
 #pragma omp for schedule(static)
@@ -280,20 +281,11 @@ void proxy(py::array lp, py::array offsets, double alpha, double beta, double ga
     }
 }
 
-int num_threads() {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
+int num_threads() { return sicl::max_threads(); }
 
 void set_num_threads(int n) {
-#ifdef _OPENMP
-    if (n >= 1) omp_set_num_threads(n);
-#else
-    (void)n;
-#endif
+    if (n < 1) throw std::invalid_argument("set_num_threads: n must be >= 1, got " + std::to_string(n));
+    sicl::set_threads(n);
 }
 
 }  // namespace
@@ -315,8 +307,8 @@ PYBIND11_MODULE(_C, m) {
     m.def("proxy", &proxy, py::arg("logprobs"), py::arg("offsets"), py::arg("alpha"), py::arg("beta"),
           py::arg("gamma"), py::arg("q"), py::arg("f"), py::arg("C"), py::arg("R"), py::arg("G"), py::arg("c"),
           "the ICL proxy, written into f, C, R, G [B] and c [B, T]");
-    m.def("num_threads", &num_threads, "OpenMP threads the ops use");
-    m.def("set_num_threads", &set_num_threads, py::arg("n"));
+    m.def("num_threads", &num_threads, "threads the ops use at most (csrc/threads.h)");
+    m.def("set_num_threads", &set_num_threads, py::arg("n"), "the ops' thread count, for every calling thread");
     m.attr("FMA_CONTRACTION") = py::bool_(false);
     sicl::register_diff_ops(m);
 }

@@ -1,7 +1,8 @@
-"""Triton kernels of sicl_fast, installed as `sicl_fast.kernels` (sicl_fast.ops.TritonOps uses them; the
-implementation is chosen once, by sicl_fast.ops.make_ops).
+"""Triton kernels of sicl_fast, installed as `sicl_fast.kernels` (sicl_fast.ops.triton_ops uses them; the
+implementation is chosen once, by the run plan, sicl_fast.plan).
 
-One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dtypes / devices:
+One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dtypes / devices and launches through
+_utils.launch (the warps from the block size; on CUDA, on the tensors' own device):
 
     span_logprobs(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] float32
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q) -> ProxyOut(f, C, R, G, c)
@@ -9,7 +10,8 @@ One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dt
     perturb(X [L, d] float32, step, spec: StepSpec) -> [B, b, d] float32
     zo_update(X, X0, f [B], step, spec) -> (X_new [L, d] float32, fired int32 [1] on the device)
     track_best(f, X, BestState) -> BestState            best-so-far X / f / patience on the device
-    advance(st, f, fired, cfg)                          the static step's bookkeeping (sicl_fast.static)
+    advance(st, f, fired, cfg)                          the static step's bookkeeping on its StepState
+                                                        (sicl_fast.step_state)
     randn(seed, step, num, rows, d) -> [num, rows, d]   the directions U (= sicl_fast.rng.directions, bitwise)
     cached_tensors() -> list                            device constants the launchers cache (a graph keeps them)
 

@@ -1,7 +1,9 @@
-"""Shared launcher helpers: tensor checks with clear errors, interpreter detection, launch options. (The step's
-arguments are checked once, by sicl_fast.spec.StepSpec; the proxy's by sicl_fast.proxy.ProxyPlan and check_logprobs.)"""
+"""Shared launcher helpers: tensor checks with clear errors, interpreter detection, and the one way every launcher
+launches (`launch`: the number of warps from the block size, the device guard). (The step's arguments are checked
+once, by sicl_fast.spec.StepSpec; the proxy's by sicl_fast.proxy.ProxyPlan and check_logprobs.)"""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -71,6 +73,22 @@ def step_key(seed: int, step, device, op: str):
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
+
+
+def num_warps_for(block: int) -> int:
+    """Warps for a program that handles `block` elements at once (a power of two), as Liger-Kernel's
+    calculate_settings chooses them: 4 up to 1024 elements, 8 from 2048, 16 from 8192, 32 from 32768, so a wide
+    row keeps a bounded number of elements per thread."""
+    return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
+def launch(kernel, grid, *args, device: torch.device, block: int = 1, num_warps: int | None = None, **meta) -> None:
+    """kernel[grid](*args, **meta), the one launch of every launcher: with num_warps (given by a tiled kernel's
+    configuration, else num_warps_for(block), block = the elements one program handles at once), on `device`:
+    inside torch.cuda.device(device) on CUDA, so tensors on cuda:1 launch there whatever the current device."""
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        kernel[grid](*args, num_warps=num_warps or num_warps_for(block), **meta)
 
 
 def _patch_interpreter_index() -> None:

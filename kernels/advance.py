@@ -1,4 +1,4 @@
-"""The static step's bookkeeping (sicl_fast.static.advance_reference) in two launches instead of ~45 small ops:
+"""The static step's bookkeeping (sicl_fast.step_state.advance_reference) in two launches instead of ~45 small ops:
 
     advance(st, f [B] float32, fired int32 [1], cfg)   after ops.update wrote st.X_next
 
@@ -7,10 +7,10 @@
        the stop reason and the step index; it leaves two flags: better (f0 beat best_f) and update (take X_next)
     2. over X: best_X <- X where better, then X <- X_next where update
 
-st: a StaticStep (its device tensors: X, X_next, best, step_t, steps_run, reason, low_snr, projections,
-history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold are in float64, as the
-reference's; the SNR's mean and standard deviation are float32 reductions in another order than torch's
-(differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
+st: a sicl_fast.step_state.StepState (its tensors X, X_next, best, step_t, steps_run, reason, low_snr,
+projections, history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold
+are in float64, as the reference's; the SNR's mean and standard deviation are float32 reductions in another order
+than torch's (differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.static import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
+from sicl_fast.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
-from ._utils import interpreting, next_pow2
+from ._utils import interpreting, launch, next_pow2
 
-# the stop reasons as the state stores them (sicl_fast.static), as compile-time constants of the kernel
+# the stop reasons as the state stores them (sicl_fast.step_state), as compile-time constants of the kernel
 NONFINITE_C = tl.constexpr(NONFINITE)
 GATE_C = tl.constexpr(GATE)
 PATIENCE_C = tl.constexpr(PATIENCE)
@@ -108,12 +108,13 @@ def _advance_copy_kernel(flags_ptr, x_ptr, x_next_ptr, best_x_ptr, n, BLOCK: tl.
 def advance(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     """The bookkeeping of one step on the device (module docstring); two launches, no host read."""
     N = (f.numel() - 1) // 2 if cfg.estimator == "central" else f.numel() - 1
-    _advance_state_kernel[(1,)](
-        f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history, st.best.best_f,
-        st.best.counters, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience), int(cfg.max_steps),
-        CENTRAL=cfg.estimator == "central", HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience),
-        BLOCK_N=next_pow2(N))
+    dev = st.X.device
+    launch(_advance_state_kernel, (1,),
+           f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history,
+           st.best.best_f, st.best.counters, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience),
+           int(cfg.max_steps), device=dev, block=next_pow2(N), CENTRAL=cfg.estimator == "central",
+           HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience), BLOCK_N=next_pow2(N))
     n = st.X.numel()
     BLOCK = 1 << 16 if interpreting() else 2048
-    _advance_copy_kernel[(triton.cdiv(n, BLOCK),)](st.flags, st.X, st.X_next, st.best.best_X, n,
-                                                   BLOCK=BLOCK)
+    launch(_advance_copy_kernel, (triton.cdiv(n, BLOCK),), st.flags, st.X, st.X_next, st.best.best_X, n, device=dev,
+           block=BLOCK, BLOCK=BLOCK)

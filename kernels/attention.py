@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._math import tanh
-from ._utils import interpreting, next_pow2
+from ._utils import interpreting, launch, next_pow2
 
 
 @triton.jit
@@ -116,7 +116,8 @@ def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: floa
     a = kp.shape[1] if prefix is not None else 0
     interp = interpreting()
     BM = BN = block or 64
-    _prefix_attention_kernel[(triton.cdiv(T, BM), B * H)](
+    launch(
+        _prefix_attention_kernel, (triton.cdiv(T, BM), B * H),
         q, k, v, kp, vp, o,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kp.stride(1), kp.stride(2), vp.stride(1), vp.stride(2),
@@ -124,6 +125,6 @@ def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: floa
         T, a, H, H // Hk, hd, pos0, float(scale), float(softcap or 1.0), int(window or 0),
         HAS_PREFIX=prefix is not None and a > 0, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         UPCAST=interp and q.dtype != torch.float32, PRECISION="ieee", BLOCK_M=BM, BLOCK_N=BN,
-        BLOCK_D=max(16, next_pow2(hd)),
+        BLOCK_D=max(16, next_pow2(hd)), device=q.device, num_warps=4,  # tiles of BM x BN scores: 4 warps
     )
     return o

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from sicl_fast.best import BestState, check_best_args
 
-from ._utils import check_device, interpreting
+from ._utils import check_device, interpreting, launch
 
 
 @triton.jit
@@ -52,6 +52,7 @@ def track_best(f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState:
     f = f.reshape(-1)
     n = X.numel()
     BLOCK = 1 << 16 if interpreting() else 2048
-    _best_copy_kernel[(triton.cdiv(n, BLOCK),)](f, state.best_f, X, state.best_X, n, BLOCK=BLOCK)
-    _best_state_kernel[(1,)](f, state.best_f, state.counters)
+    launch(_best_copy_kernel, (triton.cdiv(n, BLOCK),), f, state.best_f, X, state.best_X, n, device=X.device,
+           block=BLOCK, BLOCK=BLOCK)
+    launch(_best_state_kernel, (1,), f, state.best_f, state.counters, device=X.device)
     return state

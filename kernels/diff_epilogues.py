@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._math import gated_act, to_bf16
+from ._utils import launch
 from .gated import ACT_CODES
 
 BLOCK = 1024
@@ -65,7 +66,7 @@ def diff_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((B - 1,) + tuple(x.shape[1:]), dtype=torch.bfloat16, device=x.device)
     n, row = out.numel(), x[0].numel()
     if n:
-        _diff_rows_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, row, BLOCK=BLOCK)
+        launch(_diff_rows_kernel, (triton.cdiv(n, BLOCK),), x, out, n, row, device=x.device, block=BLOCK, BLOCK=BLOCK)
     return out
 
 
@@ -73,7 +74,8 @@ def add_rows(y0: torch.Tensor, yd: torch.Tensor) -> torch.Tensor:
     y0, yd = y0.contiguous(), yd.contiguous()
     out = torch.empty((yd.shape[0] + 1,) + tuple(y0.shape[1:]), dtype=torch.float32, device=y0.device)
     n = out.numel()
-    _add_rows_kernel[(triton.cdiv(n, BLOCK),)](y0, yd, out, n, y0.numel(), BLOCK=BLOCK)
+    launch(_add_rows_kernel, (triton.cdiv(n, BLOCK),), y0, yd, out, n, y0.numel(), device=y0.device, block=BLOCK,
+           BLOCK=BLOCK)
     return out
 
 
@@ -84,6 +86,6 @@ def gated_diff(y0: torch.Tensor, yd: torch.Tensor, act_name: str) -> tuple[torch
     a0 = torch.empty(1, T, I, dtype=torch.float32, device=y0.device)
     da = torch.empty(R, T, I, dtype=torch.bfloat16, device=y0.device)
     n = (R + 1) * T * I
-    _gated_diff_kernel[(triton.cdiv(n, BLOCK),)](y0, yd, a0, da, n, T * I, I, ACT=ACT_CODES[act_name],
-                                                BLOCK=BLOCK)
+    launch(_gated_diff_kernel, (triton.cdiv(n, BLOCK),), y0, yd, a0, da, n, T * I, I, device=y0.device, block=BLOCK,
+           ACT=ACT_CODES[act_name], BLOCK=BLOCK)
     return a0, da

@@ -17,7 +17,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, step_key
+from ._utils import EXACT, check_device, check_dtype, interpreting, launch, step_key
 from .randn import randn_f32
 
 
@@ -88,6 +88,6 @@ def perturb(X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = No
     BLOCK = block or (4096 if interpreting() else 1024)
     grid = (B, triton.cdiv(b * d, BLOCK))
     seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
-    _perturb_kernel[grid](X, out, seed64, step_ptr, b, d, spec.a, b, f32(spec.mu), CENTRAL=spec.central,
-                          STEP_PTR=from_ptr, BLOCK=BLOCK, **EXACT)
+    launch(_perturb_kernel, grid, X, out, seed64, step_ptr, b, d, spec.a, b, f32(spec.mu), device=X.device,
+           block=BLOCK, CENTRAL=spec.central, STEP_PTR=from_ptr, BLOCK=BLOCK, **EXACT)
     return out

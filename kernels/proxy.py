@@ -18,7 +18,7 @@ import triton.language as tl
 from sicl_fast.proxy import ProxyOut, ProxyPlan, checked_proxy
 from sicl_fast.spec import f32
 
-from ._utils import FLOAT_DTYPES, check_device, check_dtype, next_pow2
+from ._utils import FLOAT_DTYPES, check_device, check_dtype, launch, next_pow2
 
 
 @triton.jit(do_not_specialize=["P", "T", "below", "above"])
@@ -86,9 +86,9 @@ def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
     f, C, R, G = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(4))
     c = torch.empty(B, plan.T, dtype=torch.float32, device=dev)
     BLOCK_P = max(next_pow2(P), 2)
-    num_warps = 4 if BLOCK_P <= 1024 else 8
-    _proxy_kernel[(B,)](
+    launch(
+        _proxy_kernel, (B,),
         logprobs, logprobs.stride(0), plan.offsets_dev, f, C, R, G, c, P, plan.T, f32(plan.alpha), f32(plan.beta),
-        f32(plan.gamma), plan.rank, plan.below, plan.above, BLOCK_P=BLOCK_P, num_warps=num_warps,
+        f32(plan.gamma), plan.rank, plan.below, plan.above, device=dev, block=BLOCK_P, BLOCK_P=BLOCK_P,
     )
     return ProxyOut(f=f, C=C, R=R, G=G, c=c)

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from sicl_fast.rng import F32, LOG_M_LOW_BITS, LOG_SHIFT, check_counter_range, step_seed
 
-from ._utils import EXACT, interpreting
+from ._utils import EXACT, interpreting, launch
 
 UNIFORM_SCALE: tl.constexpr = tl.constexpr(F32["UNIFORM_SCALE"])
 U1_MIN: tl.constexpr = tl.constexpr(F32["U1_MIN"])
@@ -118,5 +118,6 @@ def randn(seed: int, step: int, num: int, rows: int, d: int, device="cuda") -> t
     if n == 0:
         return out
     BLOCK = 1 << 16 if interpreting() else 1024
-    _randn_kernel[(triton.cdiv(n, BLOCK),)](out, step_seed(seed, step), n, BLOCK=BLOCK, **EXACT)
+    launch(_randn_kernel, (triton.cdiv(n, BLOCK),), out, step_seed(seed, step), n, device=out.device, block=BLOCK,
+           BLOCK=BLOCK, **EXACT)
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2
+from ._utils import launch, next_pow2
 
 
 @triton.jit
@@ -56,7 +56,8 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor | None, post_w: torch.Tensor 
     h = torch.empty_like(x)
     x_out = torch.empty_like(x) if y is not None else x
     y_arg = y.contiguous() if y is not None else x
-    _residual_norm_kernel[(M,)](x, y_arg, post_w if post_w is not None else w, w, x_out, h, d, float(eps),
-                                HAS_Y=y is not None, HAS_POST=post_w is not None, GEMMA=bool(gemma),
-                                BLOCK=next_pow2(d))
+    BLOCK = next_pow2(d)
+    launch(_residual_norm_kernel, (M,), x, y_arg, post_w if post_w is not None else w, w, x_out, h, d, float(eps),
+           device=x.device, block=BLOCK, HAS_Y=y is not None, HAS_POST=post_w is not None, GEMMA=bool(gemma),
+           BLOCK=BLOCK)
     return x_out, h

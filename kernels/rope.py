@@ -19,7 +19,7 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 
-from ._utils import EXACT, interpreting, next_pow2
+from ._utils import EXACT, interpreting, launch, next_pow2
 
 
 @triton.jit
@@ -97,8 +97,11 @@ def qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=No
     cos2, sin2 = cos.reshape(-1, hd), sin.reshape(-1, hd)
     w = q_norm if q_norm is not None else cos2
     R = 64 if interpreting() else 1  # the interpreter pays per program: many rows each
-    _qk_rope_kernel[(triton.cdiv(B * T, R),)](
+    BLOCK_H, BLOCK_D = next_pow2(H), next_pow2(hd)
+    launch(
+        _qk_rope_kernel, (triton.cdiv(B * T, R),),
         q, k, v, k_out, v_out, cos2, sin2, w, k_norm if k_norm is not None else w, sq, sk, sv, sko, svo,
-        cos2.stride(0), B * T, T, H, Hk, hd, float(eps), HAS_NORM=q_norm is not None, GEMMA=bool(gemma),
-        BLOCK_R=R, BLOCK_H=next_pow2(H), BLOCK_HK=next_pow2(Hk), BLOCK_D=next_pow2(hd), **EXACT)
+        cos2.stride(0), B * T, T, H, Hk, hd, float(eps), device=q.device, block=R * BLOCK_H * BLOCK_D,
+        HAS_NORM=q_norm is not None, GEMMA=bool(gemma), BLOCK_R=R, BLOCK_H=BLOCK_H, BLOCK_HK=next_pow2(Hk),
+        BLOCK_D=BLOCK_D, **EXACT)
     return q, k_out, v_out  # q: the input itself, or its rotated contiguous copy when it had another layout

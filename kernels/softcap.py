@@ -15,6 +15,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 
 from ._math import tanh
+from ._utils import launch
 
 
 @triton.jit
@@ -30,5 +31,5 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
         raise SiclError(f"triton softcap_: x is written in place and must be contiguous (strides {x.stride()})")
     n = x.numel()
     BLOCK = 1024
-    _softcap_kernel[(triton.cdiv(n, BLOCK),)](x, n, float(cap), BLOCK=BLOCK)
+    launch(_softcap_kernel, (triton.cdiv(n, BLOCK),), x, n, float(cap), device=x.device, block=BLOCK, BLOCK=BLOCK)
     return x

@@ -24,7 +24,7 @@ from sicl_fast.errors import SiclError
 from sicl_fast.spec import f32
 
 from ._math import tanh
-from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, next_pow2
+from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, launch, next_pow2
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     cfg = dict(_config(M, V, d, hidden.dtype, dev))
     if config:
         cfg.update(config)
-    bm, bv, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K")
+    bm, bv, bk, warps = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K"), cfg.pop("num_warps")
     chunks = triton.cdiv(V, bv)
     n_splits = splits if splits is not None else _num_splits(M, V, bm, bv, dev)
     n_splits = max(1, min(int(n_splits), chunks))
@@ -176,11 +176,13 @@ def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     precision = "ieee" if hidden.dtype != torch.float32 or not allow_tf32 else "tf32"
     upcast = interpreting() and hidden.dtype != torch.float32  # the interpreter's dot has no bf16
     grid = (triton.cdiv(M, bm), n_splits)
-    _lse_partial_kernel[grid](
+    launch(
+        _lse_partial_kernel, grid,
         h, h.stride(0), w, w.stride(0), targets, parts[0], parts[1], parts[2], M, P, V, d, v_per_split,
-        f32(softcap) if softcap is not None else 1.0, HAS_SOFTCAP=softcap is not None, UPCAST=upcast,
-        PRECISION=precision, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, **cfg,
+        f32(softcap) if softcap is not None else 1.0, device=dev, num_warps=warps, HAS_SOFTCAP=softcap is not None,
+        UPCAST=upcast, PRECISION=precision, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, **cfg,
     )
     BLOCK = 1024 if interpreting() else 256
-    _lse_combine_kernel[(triton.cdiv(M, BLOCK),)](parts[0], parts[1], parts[2], out, M, n_splits, BLOCK=BLOCK)
+    launch(_lse_combine_kernel, (triton.cdiv(M, BLOCK),), parts[0], parts[1], parts[2], out, M, n_splits, device=dev,
+           block=BLOCK, BLOCK=BLOCK)
     return out

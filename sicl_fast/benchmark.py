@@ -6,18 +6,24 @@ memory events on the CPU).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import random
-import sys
 import statistics
+import sys
 import time
+from typing import Callable
 
 import torch
 
 from .ascent import CalibrationConfig, Calibrator
+from .checks import calibration_inputs
 from .errors import SiclError
+from .packed import PackedStep, run_packed
 from .requests import render_structured
 from .spans import Prompt, tokenize
+from .spec import resolve_scale
+from .static import StaticStep, StepCache, run_static
 
 _WORDS = ("river stone light paper green quiet seven market window garden silver morning table yellow north "
           "winter coffee letter bridge forest candle orange music rocket planet school doctor animal").split()
@@ -129,31 +135,65 @@ def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor,
     return cal.advance(X, X0, f, g, spec, step)[0]
 
 
+def step_runner(backend, prompt: Prompt, config: CalibrationConfig) -> tuple[Callable[[], None], str]:
+    """(one ascent step of `prompt` as the backend's run plan runs a calibration, what it is): the eager loop's
+    step from X0 (one_step); the static step, replayed from its CUDA graph when the plan's graphs are on; with pack
+    > 1, the packed step of `pack` copies of the prompt (one call steps them all)."""
+    plan = backend.plan
+    config = resolve_scale(config, backend.lm)
+    X0 = calibration_inputs(backend, prompt, config)
+    if plan.loop_for(config.estimator) == "eager":
+        cal, steps = Calibrator(backend, config), itertools.count()
+
+        @torch.no_grad()
+        def eager() -> None:
+            one_step(cal, prompt, X0, X0, next(steps))
+        return eager, "eager"
+    plan.check_pack(config.estimator)
+    if plan.pack > 1:
+        slots = [StaticStep(backend, config, prompt, X0, use_prefix=False) for _ in range(plan.pack)]
+        return PackedStep(backend, slots), f"packed x{plan.pack}"
+    if plan.graphs:
+        return StepCache(backend.device, 1).get(backend, config, prompt, X0)[1], "static, graph"
+    return StaticStep(backend, config, prompt, X0), "static"
+
+
 def bench_step(backend, prompt: Prompt, config: CalibrationConfig, repeats: int = 3, warmup: int = 1) -> dict:
-    """ms per ascent step (mean, min over `repeats`) and peak extra memory of one step."""
-    cal = Calibrator(backend, config)
-    X0 = backend.embed(prompt)
+    """ms per ascent step (mean, min over `repeats`) and peak extra memory of one step, as the backend's run plan
+    steps (step_runner; `loop` says which)."""
+    step, loop = step_runner(backend, prompt, config)
     for _ in range(warmup):
-        one_step(cal, prompt, X0, X0)
+        step()
     times = []
-    with torch.no_grad():
-        for r in range(repeats):
-            _sync(backend.device)
-            t = time.perf_counter()
-            one_step(cal, prompt, X0, X0, r)
-            _sync(backend.device)
-            times.append(time.perf_counter() - t)
-        with PeakMemory(backend.device) as mem:
-            one_step(cal, prompt, X0, X0)
-    return {"backend": backend.name, "impl": backend.ops.name, "L": prompt.length, "P": int(prompt.positions.numel()),
-            "N": config.N,
-            "B": config.batch, "ms_mean": 1e3 * statistics.mean(times), "ms_min": 1e3 * min(times),
-            "peak_mb": mem.peak_mb}
+    for _ in range(repeats):
+        _sync(backend.device)
+        t = time.perf_counter()
+        step()
+        _sync(backend.device)
+        times.append(time.perf_counter() - t)
+    with PeakMemory(backend.device) as mem:
+        step()
+    return {"backend": backend.name, "impl": backend.ops.name, "loop": loop, "L": prompt.length,
+            "P": int(prompt.positions.numel()), "N": config.N, "B": config.batch,
+            "ms_mean": 1e3 * statistics.mean(times), "ms_min": 1e3 * min(times), "peak_mb": mem.peak_mb}
 
 
 def bench_calibration(backend, prompt: Prompt, config: CalibrationConfig) -> dict:
-    """Wall time and peak extra memory of a whole calibration (use patience=0 for a fixed step count)."""
+    """Wall time and peak extra memory of a whole calibration as the backend's run plan runs it (use patience=0 for
+    a fixed step count): the eager loop, the static step (read every sync_every steps; from its CUDA graph when the
+    plan's graphs are on) or, with pack > 1, `pack` copies of the prompt packed (steps and time of all)."""
+    plan = backend.plan
     with PeakMemory(backend.device) as mem:
-        res = Calibrator(backend, config).run(prompt)
-    return {"backend": backend.name, "impl": res.impl, "L": prompt.length, "N": config.N, "steps": res.steps,
-            "seconds": res.seconds, "ms_per_step": 1e3 * res.seconds / max(res.steps, 1), "peak_mb": mem.peak_mb}
+        t0 = time.perf_counter()
+        if plan.loop_for(config.estimator) == "eager":
+            results = [Calibrator(backend, config).run(prompt)]
+        elif plan.pack > 1:
+            plan.check_pack(config.estimator)
+            results = run_packed(backend, [(prompt, config)] * plan.pack, plan.pack, plan.sync_every)
+        else:
+            steps = StepCache(backend.device, 1) if plan.graphs else None
+            results = [run_static(backend, config, prompt, sync_every=plan.sync_every, steps=steps)]
+        seconds = time.perf_counter() - t0
+    n = sum(r.steps for r in results)
+    return {"backend": backend.name, "impl": results[0].impl, "L": prompt.length, "N": config.N, "steps": n,
+            "seconds": seconds, "ms_per_step": 1e3 * seconds / max(n, 1), "peak_mb": mem.peak_mb}

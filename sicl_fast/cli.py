@@ -1,5 +1,5 @@
-"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | serve | gradstudy`. It
-only parses and calls the API."""
+"""Command line: `sicl-fast demo | proxy | calibrate | icleval | report | bench | profile | plan | serve |
+gradstudy`. It only parses and calls the API."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,6 @@ import typing
 import warnings
 
 from .ascent import PRESETS, CalibrationConfig
-from .backends import BACKENDS
 from .errors import SiclError, SiclWarning, require
 from .evaluation.cli import add_icleval_eval_args, add_report_command
 from .graphs import GRAPH_MODES
@@ -23,8 +22,8 @@ from .knobs import RANGES, arg_type
 from .models.loading import DTYPES
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
+from .plan import BACKENDS, LOOPS
 from .records import OPENED
-from .static import LOOPS
 
 DEMO_REQUEST = {
     "id": "demo",
@@ -161,7 +160,7 @@ def _loop(g) -> None:
 def _pack(g) -> None:
     g.add_argument("--pack", type=arg_type("pack"), default=1, metavar="P",
                    help="calibrate up to P prompts at once through one batched forward (throughput mode, fast "
-                        "backend; default 1)")
+                        "backend; default 1; bench times one packed step of P copies of the prompt)")
 
 
 def _generate(g) -> None:
@@ -219,6 +218,7 @@ COMMAND_GROUPS = {
     "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
     "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
     "serve": ("model", "tokens", "backend", "ops", "loop", "store"),
+    "plan": ("model", "backend", "ops", "loop", "pack", "ascent"),
     "report": (),
 }
 
@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("requests", help="requests JSONL ('-': standard input)")
     c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
+    c.add_argument("--export", default=None, metavar="DIR",
+                   help="also save each request's calibrated embeddings (every row; safetensors, as sicl_fast.export "
+                        "writes them) to DIR/<id>.safetensors; the record holds the path under \"embeddings\"")
 
     e = command("icleval", "base vs calibrated accuracy on ICLEval task files")
     e.add_argument("dir", help="folder with ICLEval task files (data/tasks_data)")
@@ -300,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--calibration-steps", type=arg_type("calibration_steps"), default=0,
                     help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
                          "column")
+
+    pl = command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
+                         "difference products, loop, graphs, pack, estimator) and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s against the "
                             "measured matmul peak; peak memory; kernels per step")
@@ -383,7 +389,7 @@ def _check_flags(args) -> None:
         if args.store is not None:
             require("safetensors")
     if _wants_grad(args) and hasattr(args, "impl"):
-        from .ops import resolve_impl
+        from .plan import resolve_impl
 
         resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
@@ -400,13 +406,18 @@ def _wants_grad(args) -> bool:
             or args.cmd == "gradstudy")
 
 
+def _plan_choices(args, **over) -> dict:
+    """The run plan's choices from the flags (sicl_fast.plan.Choices; `over` replaces some)."""
+    return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
+                   loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
+                   pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto")),
+            **over}
+
+
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
-    kw = dict(model=args.model, backend=args.backend, dtype=args.dtype, device=args.device, add_special_tokens=ast,
-              diff_matmul=args.diff_matmul, impl=args.impl, loop=getattr(args, "loop", "auto"),
-              sync_every=getattr(args, "sync_every", None), pack=getattr(args, "pack", 1), grad=_wants_grad(args),
-              graphs=getattr(args, "graphs", "auto"))
+    kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
     if hasattr(args, "reuse"):  # the commands with the store's flags
         kw.update(reuse=reuse_mode(args), store_dir=args.store, store_bytes=args.store_mib << 20)
     return kw
@@ -481,6 +492,7 @@ def cmd_proxy(args) -> int:
 def cmd_calibrate(args) -> int:
     import functools
 
+    from .export import ExportingWriter, check_export_dir
     from .jobs import calibrate_requests, check_requests, group_requests
     from .records import ResultWriter, check_output
     from .requests import read_requests
@@ -489,12 +501,14 @@ def cmd_calibrate(args) -> int:
     requests = list(read_requests(args.requests))
     _check_flags(args)
     check_output(args.out, inputs=[args.requests])
+    if args.export:
+        check_export_dir(args.export)
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
         workers.call(check_requests, requests, args.max_new_tokens if args.generate else 0, cfg)
         work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=args.max_new_tokens,
-                                 stop_strings=args.stop, generate=args.generate)
+                                 stop_strings=args.stop, generate=args.generate, export=bool(args.export))
         with ResultWriter(args.out) as out:
             todo = [r for r in requests if r.id not in out]
             if len(todo) < len(requests):
@@ -505,8 +519,8 @@ def cmd_calibrate(args) -> int:
             else:
                 chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
             with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
-                write_all(workers, work, chunks, out, lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk],
-                          bar)
+                write_all(workers, work, chunks, ExportingWriter(out, args.export) if args.export else out,
+                          lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar)
         _store_line(workers, args)
     return 0
 
@@ -530,32 +544,44 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .backends import make_backend
+    from .backends import build_backend
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
-    from .engine import Engine
+    from .models import load
+    from .plan import Choices, make_plan
 
     _check_flags(args)
-    eng = Engine(model=args.model, backend="hf", dtype=args.dtype, device=args.device)
-    cfg = eng.config(**_overrides(args))
-    print(f"# model {eng.lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
+    choices = [Choices(**_plan_choices(args, backend=name)) for name in args.backends]
+    lm = load(args.model, dtype=args.dtype, device=args.device)
+    cfg = CalibrationConfig.for_model(lm, **_overrides(args))
+    plans = [make_plan(lm, c) for c in choices]  # every backend's plan (and refusal) before any timing
+    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
-    print("| backend | impl | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
+    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
           + (" calib s |" if calib else ""))
-    print("|---" * (9 if calib else 8) + "|")
+    print("|---" * (10 if calib else 9) + "|")
     for length in args.length:
-        prompt = synthetic_prompt(eng.lm, length, seed=cfg.seed, prefix=args.prefix)
-        for name in args.backends:
-            backend = make_backend(name, eng.lm, diff_matmul=args.diff_matmul, impl=args.impl,
-                                   grad=cfg.estimator == "grad")
+        prompt = synthetic_prompt(lm, length, seed=cfg.seed, prefix=args.prefix)
+        for plan in plans:
+            backend = build_backend(plan, lm)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
-            row = (f"| {name} | {r['impl']} | {r['L']} | {prompt.demo_start} | {r['P']} | {r['ms_mean']:.1f} | "
-                   f"{r['ms_min']:.1f} | {r['peak_mb']:.0f} |")
+            row = (f"| {plan.backend} | {r['impl']} | {r['loop']} | {r['L']} | {prompt.demo_start} | {r['P']} | "
+                   f"{r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} |")
             if calib:
                 c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0,
                                                                    tau=0.0))
                 row += f" {c['seconds']:.2f} |"
             print(row, flush=True)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from .models import load
+    from .plan import Choices, make_plan
+
+    _check_flags(args)
+    choices = Choices(**_plan_choices(args))  # checked before the model loads
+    print(make_plan(load(args.model, dtype=args.dtype, device=args.device), choices).explain())
     return 0
 
 
@@ -685,7 +711,7 @@ def cmd_cache(args) -> int:
 
 
 COMMANDS = {"demo": cmd_demo, "proxy": cmd_proxy, "calibrate": cmd_calibrate, "icleval": cmd_icleval,
-            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "serve": cmd_serve,
+            "bench": cmd_bench, "report": cmd_report, "profile": cmd_profile, "plan": cmd_plan, "serve": cmd_serve,
             "gradstudy": cmd_gradstudy, "cache": cmd_cache}
 
 

@@ -12,37 +12,36 @@ from typing import Any
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
-from .backends import make_backend
+from .backends import build_backend
 from .checks import check_embeddings, check_prompt
-from .errors import SiclError
 from .generate import Generation
-from .knobs import check_range
+from .graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
+from .packed import run_packed
+from .plan import Choices, make_plan
 from .proxy import ProxyOut
 from .requests import Request, parse_request
 from .spans import Prompt, tokenize
-from .spec import check_choice
-from .packed import run_packed
+from .static import StepCache, run_static
 from .answer import answer_batch, answer_one
 from .reuse import Reuser, check_reuse
-from .static import LOOPS, StepCache, default_sync_every, run_static, supports_static
-from .graphs import DEFAULT_CAPACITY, resolve_graphs
 from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 
 class Engine:
-    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`). impl: the implementation of the hot
-    ops, chosen once here ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops). loop: how calibrations run:
-    'static' (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the
-    reference loop, Calibrator.run), 'auto' (static where the backend supports it). Both give the same result.
-    pack: calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed).
-    grad: this engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the
-    differentiable torch ops, and a backend, impl or model that cannot be differentiated is refused here. Its
-    calibrations run on the eager loop (the static and packed steps are zeroth-order only).
-    graphs: 'auto' (on for CUDA), 'on', 'off': static-loop calibrations replay a CUDA graph of the step, captured
-    once per prompt shape, and the fast backend decodes through captured graphs (sicl_fast.graphs); at most
-    `graph_cache` graphs of each kind are kept. Results equal the uncaptured path's. The packed step (pack > 1)
-    runs uncaptured.
+    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`). Every other argument is a choice of the
+    run plan (sicl_fast.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
+    backend; impl, the implementation of the hot ops ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops); attn and
+    diff_matmul, the fast decoder's attention kernel and difference products; loop, how calibrations run: 'static'
+    (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the reference
+    loop, Calibrator.run), 'auto' (static where the backend supports it); both give the same result. pack:
+    calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed). grad: this
+    engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the differentiable torch
+    ops, and a backend, impl or model that cannot be differentiated is refused here; its calibrations run on the
+    eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for CUDA), 'on', 'off':
+    static-loop calibrations replay a CUDA graph of the step, captured once per prompt shape, and the fast backend
+    decodes through captured graphs (sicl_fast.graphs); at most `graph_cache` graphs of each kind are kept. Results
+    equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
     reuse: what `calibrate` does by default with the calibration store (sicl_fast.reuse): 'off' (calibrate every
     prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always). store: a CalibrationStore
     (shared between engines if you like); else one is made with `store_bytes` of memory and, with `store_dir`,
@@ -64,40 +63,25 @@ class Engine:
         grad: bool = False,
         graphs: str = "auto",
         graph_cache: int = DEFAULT_CAPACITY,
+        attn: str = "auto",
         reuse: str = "off",
         store: CalibrationStore | None = None,
         store_dir: str | None = None,
         store_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        check_choice(loop, LOOPS, "loop", "Engine")
         self.reuse = check_reuse(reuse)
         self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
         self._reuser = None
-        check_range("pack", pack, "Engine")
-        if sync_every is not None:
-            check_range("sync_every", sync_every, "Engine")
+        choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
+                          sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad)
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
-        self.backend = make_backend(backend, self.lm, diff_matmul=diff_matmul, impl=impl, grad=grad)
-        self.loop = loop
-        if loop == "static" and not supports_static(self.backend):
-            raise SiclError(f"loop 'static' needs the fast backend's sync-free forward; {self.backend.name!r} has "
-                            "none (use loop 'eager' or 'auto')")
-        self.static = loop != "eager" and supports_static(self.backend)
-        self.sync_every = sync_every if sync_every is not None else default_sync_every(self.lm.device)
-        if pack > 1 and not self.static:
-            raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {self.backend.name!r}, "
-                            f"loop {loop!r})")
-        self.pack = pack
+        self.plan = make_plan(self.lm, choices)
+        self.backend = build_backend(self.plan, self.lm)
         self.add_special_tokens = add_special_tokens
-        # 'auto' captures where there is a static step to capture; 'on' without one is refused below
-        self.graphs = resolve_graphs(graphs, self.lm.device) and (self.static or graphs == "on")
         self.steps = None  # the static steps and their graphs, per prompt shape
-        if self.graphs:
-            if not self.static:
-                raise SiclError(f"graphs 'on' captures the static step; backend {self.backend.name!r} with loop "
-                                f"{loop!r} has none (use graphs 'auto' or 'off')")
-            self.steps = StepCache(self.lm.device, graph_cache)
-            self.backend.use_graphs(graph_cache)
+        if self.plan.graphs:
+            self.steps = StepCache(self.lm.device, self.plan.graph_cache)
+            self.backend.use_graphs(self.plan.graph_cache)
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:
         """Tokenize a request (either JSON form or a Request); `reserve` tokens must fit after it."""
@@ -135,8 +119,8 @@ class Engine:
     def run(self, prompt: Prompt, cfg: CalibrationConfig, on_step=None, should_stop=None,
             on_update=None) -> CalibrationResult:
         """One calibration on this engine's loop, without the store (hooks as Calibrator.run's)."""
-        if self.static and not (cfg.estimator == "grad" and self.loop == "auto"):  # static + grad: refused there
-            return run_static(self.backend, cfg, prompt, sync_every=self.sync_every, on_step=on_step,
+        if self.plan.loop_for(cfg.estimator) == "static":
+            return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
                               should_stop=should_stop, steps=self.steps, on_update=on_update)
         return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop, on_update=on_update)
 
@@ -161,11 +145,10 @@ class Engine:
         on_result(i, result), each result goes there as it finishes and nothing is kept (a long run's memory
         stays flat); without, the results come back in the order of `prompts`."""
         cfg = self.config(config, **overrides)
-        if self.pack > 1 and cfg.estimator == "grad":
-            raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
-                            "time (pack 1)")
-        if self.pack > 1:
-            return run_packed(self.backend, [(p, cfg) for p in prompts], self.pack, self.sync_every, on_result)
+        self.plan.check_pack(cfg.estimator)
+        if self.plan.pack > 1:
+            return run_packed(self.backend, [(p, cfg) for p in prompts], self.plan.pack, self.plan.sync_every,
+                              on_result)
         results = []
         for i, p in enumerate(prompts):
             res = self.calibrate(p, cfg)

@@ -12,12 +12,17 @@ reproduce the calibrated answer exactly.
                         "input_ids": [...], "model", "id"}
     vLLM               `vllm_prompt_embeds(x)`: a whole [L, d] matrix as base64 of torch.save's bytes, the form
                        vLLM's Completions API takes in "prompt_embeds" (see README, "Handing the embeddings over")
+
+`sicl-fast calibrate --export DIR` writes each record's embeddings (every row, float32) to a safetensors file in DIR
+(`export_path`) and puts its path in the record, under "embeddings" (`ExportingWriter`).
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -152,6 +157,44 @@ def load(path: str | os.PathLike) -> CalibratedEmbeddings:
     return CalibratedEmbeddings.load(path)
 
 
+def export_path(directory: str | os.PathLike, rid: str) -> Path:
+    """The file of request `rid` in `directory`: DIR/<id>.safetensors when the id is a plain file name, else its
+    safe characters and a hash of the id, so two ids never share a file."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", rid)[:100]
+    if name != rid or name.startswith("."):
+        name = f"{name}-{hashlib.sha256(rid.encode('utf-8')).hexdigest()[:12]}"
+    return Path(directory) / f"{name}.safetensors"
+
+
+def check_export_dir(directory: str | os.PathLike) -> Path:
+    """Create the --export folder before any model is loaded; SiclError when it cannot be a writable folder."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise SiclError(f"--export {path}: is a file; give a folder for the embeddings files")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SiclError(f"--export {path}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SiclError(f"--export {path}: cannot write to it (permission denied)")
+    return path
+
+
+class ExportingWriter:
+    """Wraps a results writer: a record whose "embeddings" is a CalibratedEmbeddings has them saved to
+    export_path(directory, id) first (a whole file, then the record), and the record written holds the path."""
+
+    def __init__(self, out, directory: str | os.PathLike) -> None:
+        self.out = out
+        self.directory = Path(directory).resolve()
+
+    def write(self, record: dict) -> None:
+        emb = record.get("embeddings")
+        if isinstance(emb, CalibratedEmbeddings):
+            record = {**record, "embeddings": str(emb.save(export_path(self.directory, emb.id)))}
+        self.out.write(record)
+
+
 def vllm_prompt_embeds(x: torch.Tensor) -> str:
     """A whole prompt matrix [L, d] as vLLM's Completions API takes it in "prompt_embeds": base64 of the bytes
     torch.save writes for the tensor."""
@@ -162,4 +205,5 @@ def vllm_prompt_embeds(x: torch.Tensor) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-__all__ = ["CalibratedEmbeddings", "FORMAT", "WIRE_DTYPES", "ROW_CHOICES", "save", "load", "vllm_prompt_embeds"]
+__all__ = ["CalibratedEmbeddings", "FORMAT", "WIRE_DTYPES", "ROW_CHOICES", "save", "load", "vllm_prompt_embeds",
+           "export_path", "check_export_dir", "ExportingWriter"]

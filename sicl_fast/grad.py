@@ -6,39 +6,21 @@
 
 The forward is the backend's own (`Backend.differentiable_logprobs`: `hf`, or the `fast` decoder's float32 plain
 products without the prefix cache), the proxy is the torch reference (sicl_fast.proxy, through the backend's
-TorchOps; torch.quantile's gradient included: the linear interpolation between two order statistics passes its
+TorchStepOps; torch.quantile's gradient included: the linear interpolation between two order statistics passes its
 weights to those two), and the backward is autograd's. The model's weights stay detached: only X gets a gradient.
 
-Where this cannot run is said once, up front (`check_differentiable`): forward-only ops (C++, Triton), a backend
-without a differentiable forward (`naive`), weights autograd cannot go through (integer / quantized tensors,
-tensors made under torch.inference_mode).
+Where this cannot run is said once, up front, by the run plan (sicl_fast.plan.grad_refusal, checked by
+`RunPlan.check_grad`): forward-only ops (C++, Triton), a backend without a differentiable forward (`naive`), weights
+autograd cannot go through (integer / quantized tensors, tensors made under torch.inference_mode).
 """
 from __future__ import annotations
 
 import torch
 
-from .errors import NumericalError, SiclError
-from .ops import check_differentiable_impl
+from .errors import NumericalError
 from .proxy import ProxyOut
 from .spans import Prompt
 from .spec import StepSpec
-
-
-def check_differentiable(backend) -> None:
-    """Raise a SiclError naming what stops autograd on this backend and model (module docstring)."""
-    check_differentiable_impl(backend.ops.name)
-    if not backend.differentiable:
-        raise SiclError(f"the {backend.name!r} backend has no differentiable forward; estimator 'grad' runs on the "
-                        "'hf', 'fast' and 'fast-fp32' backends")
-    lm = backend.lm
-    params = list(lm.model.parameters())
-    bad = sorted({str(p.dtype) for p in params if not p.dtype.is_floating_point})
-    if bad:
-        raise SiclError(f"estimator 'grad': model {lm.name!r} holds {', '.join(bad)} weights (quantized), which "
-                        "autograd cannot run through; load it in a floating-point dtype")
-    if any(p.is_inference() for p in params):
-        raise SiclError(f"estimator 'grad': the weights of {lm.name!r} were made under torch.inference_mode, and "
-                        "autograd cannot use them; load the model outside inference_mode")
 
 
 def proxy_gradient(backend, prompt: Prompt, X: torch.Tensor, config, spec: StepSpec) -> tuple[ProxyOut, torch.Tensor]:
@@ -57,4 +39,4 @@ def proxy_gradient(backend, prompt: Prompt, X: torch.Tensor, config, spec: StepS
     return detached, g.to(X.dtype)
 
 
-__all__ = ["check_differentiable", "proxy_gradient"]
+__all__ = ["proxy_gradient"]

@@ -32,7 +32,7 @@ import torch
 
 from .ascent import CalibrationConfig, Calibrator
 from .errors import SiclError
-from .grad import check_differentiable, proxy_gradient
+from .grad import proxy_gradient
 from .spans import Prompt
 from .zo import estimate_gradient, step_directions
 
@@ -166,7 +166,7 @@ def study_prompt(backend, prompt: Prompt, config: CalibrationConfig, settings: S
     """The study of one prompt: one record {id, L, rows, scale, points: [study_point records]}. The walk between
     points is an exact-gradient calibration with every row normalised to move eta (patience and gate off: the
     points are measured wherever the walk is)."""
-    check_differentiable(backend)
+    backend.plan.check_grad()
     walk_cfg = config.replace(estimator="grad", grad_mode="normalize", snr_threshold=0.0, checkpoint=False)
     walk = Calibrator(backend, walk_cfg)
     cal = Calibrator(backend, config.replace(estimator="forward", snr_threshold=0.0, checkpoint=False))

@@ -11,7 +11,7 @@ A captured callable must keep its inputs and outputs in fixed tensors and read n
 rotary tables, the rows' K/V buffers, the noise kernels' step pointers) before the capture. A graph reads those
 buffers by address, and the model and ops replace some of them later (a longer rotary table, another shape's
 K/V buffers, a cleared mask cache): `keep` holds references to every one of them for as long as the graph lives
-(Transformer.cached_tensors, Ops.cached_tensors), so a later replacement never frees memory a graph reads.
+(Transformer.cached_tensors, StepOps.cached_tensors), so a later replacement never frees memory a graph reads.
 """
 from __future__ import annotations
 
@@ -21,20 +21,9 @@ from typing import Callable
 import torch
 
 from .errors import SiclError
-from .spec import check_choice
 
-GRAPH_MODES = ("auto", "on", "off")
+GRAPH_MODES = ("auto", "on", "off")  # the run plan's choices (sicl_fast.plan.resolve_graphs)
 DEFAULT_CAPACITY = 4  # graphs kept per cache: each holds its own pool of forward temporaries
-
-
-def resolve_graphs(mode: str, device) -> bool:
-    """'on' / 'off' / 'auto' (on for CUDA) -> whether the engine captures. 'on' off CUDA is refused."""
-    check_choice(mode, GRAPH_MODES, "graphs", "Engine")
-    cuda = torch.device(device).type == "cuda"
-    if mode == "on" and not cuda:
-        raise SiclError(f"graphs 'on' needs a CUDA device; the model is on {torch.device(device)} (use 'auto' or "
-                        "'off')")
-    return cuda and mode != "off"
 
 
 class CapturedStep:
@@ -126,5 +115,5 @@ class DecodeGraph:
         return self.logits
 
 
-__all__ = ["CapturedStep", "captured", "model_refs", "ShapeCache", "DecodeGraph", "cache_rows", "resolve_graphs",
-           "GRAPH_MODES", "DEFAULT_CAPACITY"]
+__all__ = ["CapturedStep", "captured", "model_refs", "ShapeCache", "DecodeGraph", "cache_rows", "GRAPH_MODES",
+           "DEFAULT_CAPACITY"]

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from .ascent import CalibrationConfig
 from .checks import check_step_memory
+from .export import CalibratedEmbeddings
 from .requests import Request
 
 
@@ -17,7 +18,7 @@ def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config
     for r in requests:
         prompt = engine.prepare(r, reserve=reserve)
         if config is not None:
-            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.pack)
+            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack)
     return len(requests)
 
 
@@ -39,10 +40,12 @@ def store_counts(engine) -> dict:
 
 
 def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
-                       stop_strings: Sequence[str] | None = None, generate: bool = False) -> list[dict]:
-    """The records of a chunk of requests (one, or engine.pack of them, calibrated packed): id and the calibration
+                       stop_strings: Sequence[str] | None = None, generate: bool = False,
+                       export: bool = False) -> list[dict]:
+    """The records of a chunk of requests (one, or engine.plan.pack of them, calibrated packed): id and the calibration
     summary; with `generate`, answer_base and answer_calibrated (greedy, at most max_new_tokens, stopping at
-    stop_strings). In the order of `requests`."""
+    stop_strings); with `export`, the calibrated embeddings (every row) as a CalibratedEmbeddings under
+    "embeddings", for the driver to save (sicl_fast.export.ExportingWriter). In the order of `requests`."""
     prompts = [engine.prepare(r, reserve=max_new_tokens if generate else 0) for r in requests]
     records: list = [None] * len(prompts)
     stops = list(stop_strings or ["\n"])
@@ -54,6 +57,8 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
             rec["answer_base"] = engine.generate(p, max_new_tokens=max_new_tokens, stop_strings=stops).answer
             rec["answer_calibrated"] = engine.generate(p, res.embeddings, max_new_tokens=max_new_tokens,
                                                        stop_strings=stops).answer
+        if export:
+            rec["embeddings"] = CalibratedEmbeddings.from_result(p, res.embeddings, engine.lm.name, rows="all")
         records[i] = rec
 
     engine.calibrate_many(prompts, config, on_result=record)

@@ -1,7 +1,7 @@
 """Span log-probabilities from hidden states: the LM head at span positions only.
 
 `gather_logprobs_chunked` is the torch reference (log_softmax over whole vocabulary rows, chunked along P).
-`vocab_chunked_logprobs` (the span head of TorchOps and CppOps, sicl_fast.ops) and the Triton kernel
+`vocab_chunked_logprobs` (the span head of TorchStepOps and CppStepOps, sicl_fast.ops) and the Triton kernel
 `sicl_fast.kernels.span_logprobs` compute the same function with an online log-sum-exp over vocabulary chunks,
 so the head weight is read once and only [B*P, chunk] logits exist; both are tested against the reference.
 """

@@ -22,11 +22,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from .ascent import CalibrationConfig, CalibrationResult, Calibrator
-from .errors import SiclError
+from .ascent import CalibrationConfig, CalibrationResult
+from .checks import calibration_inputs
 from .knobs import check_range
 from .spans import Prompt
-from .static import RUNNING, StaticStep, supports_static
+from .spec import resolve_scale
+from .static import StaticStep
+from .step_state import RUNNING
 
 
 class PackedStep:
@@ -54,7 +56,7 @@ class PackedStep:
         for st, (r0, r1) in zip(self.slots, self.rows):
             h = hidden[r0:r1].index_select(1, st.span.idx)  # [B_j, P_j, d]
             lp = ops.span_head(h, m.head, st.span.targets, softcap=m.final_softcap)
-            st.advance(ops.proxy_planned(lp, st.plan).f)
+            st.advance(ops.proxy_planned(lp, st.proxy_plan).f)
 
 
 def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,
@@ -64,8 +66,7 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     results come back in the order of `items`."""
     for name, v in (("pack", pack), ("sync_every", sync_every)):
         check_range(name, v, "run_packed")
-    if not supports_static(backend):
-        raise SiclError(f"the packed step needs the fast backend's sync-free forward; {backend.name!r} has none")
+    backend.plan.require_sync_free("packed")
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
     active: list[tuple[int, StaticStep, float]] = []  # (item index, state, start time)
@@ -74,8 +75,8 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     def admit() -> None:
         while queue and len(active) < pack:
             i, (prompt, config) = queue.pop(0)
-            cal = Calibrator(backend, config)
-            st = StaticStep(backend, cal.config, prompt, cal.initial_embeddings(prompt), use_prefix=False)
+            config = resolve_scale(config, backend.lm)
+            st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config), use_prefix=False)
             active.append((i, st, time.perf_counter()))
             calls[i] = 0
 
@@ -87,7 +88,7 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
             step()
         for i, _, _ in active:
             calls[i] += k
-        reasons = torch.cat([st.reason for _, st, _ in active]).tolist()  # the one read per sync_every steps
+        reasons = torch.cat([st.state.reason for _, st, _ in active]).tolist()  # the one read per sync_every steps
         still = []
         for (i, st, t0), reason in zip(active, reasons):
             if reason == RUNNING:

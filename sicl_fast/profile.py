@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 from .benchmark import PeakMemory, native_stderr_silenced
+from .checks import calibration_inputs
 from .kernel_count import count_kernels, cuda_kernel_events
+from .spec import resolve_scale
 from .static import StaticStep
 
 PHASES = ("perturb", "prefix", "decoder layers", "span head", "proxy", "update", "host overhead")
@@ -182,12 +184,9 @@ class Profile:
 def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None) -> Profile:
     """Profile one ascent step of `prompt` on `backend` (module docstring). trace: write a torch.profiler Chrome
     trace of one step there (with NVTX ranges per phase on CUDA)."""
-    from .ascent import Calibrator
-
-    cal = Calibrator(backend, config)
-    X0 = cal.initial_embeddings(prompt)
-    st = StaticStep(backend, cal.config, prompt, X0)
-    dev, m, ops, spec = backend.device, backend.model, backend.ops, st.spec
+    config = resolve_scale(config, backend.lm)
+    st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
+    dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state
     a = prompt.demo_start
     prefix = st._prefix()
     layers = decoder_call(st, prefix)
@@ -197,14 +196,14 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     hs = h.index_select(1, idx) if not (prefix is not None and span.from_prefix) else torch.cat(
         [prefix.hidden.expand(h.shape[0], -1, -1), h], 1).index_select(1, idx)
     lp = ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap)
-    f = ops.proxy_planned(lp, st.plan).f
+    f = ops.proxy_planned(lp, st.proxy_plan).f
     phases = {
-        "perturb": lambda: ops.perturb(st.X, st.step_t, spec, out=st.batch),
-        "prefix": (lambda: m.prefix_kv(st.X[:a].to(m.dtype))) if st.use_prefix and st.prefix is None else None,
+        "perturb": lambda: ops.perturb(state.X, state.step_t, spec, out=st.batch),
+        "prefix": (lambda: m.prefix_kv(state.X[:a].to(m.dtype))) if st.use_prefix and st.prefix is None else None,
         "decoder layers": layers,
         "span head": lambda: ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap),
-        "proxy": lambda: ops.proxy_planned(lp, st.plan),
-        "update": lambda: ops.update(st.X, st.X0, f, st.step_t, spec, out=st.X_next),
+        "proxy": lambda: ops.proxy_planned(lp, st.proxy_plan),
+        "update": lambda: ops.update(state.X, state.X0, f, state.step_t, spec, out=state.X_next),
     }
     times = {k: (time_ms(fn, dev, repeats) if fn is not None else 0.0) for k, fn in phases.items()}
     step_ms = time_ms(st, dev, repeats)

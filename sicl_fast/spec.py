@@ -36,6 +36,12 @@ def batch_size(N: int, estimator: str) -> int:
     return 2 * N + 1 if estimator == "central" else N + 1
 
 
+def resolve_scale(config, lm):
+    """The CalibrationConfig `config` in the units every loop steps in: its own scale, or the model's embedding scale
+    (lm.embedding_scale) when it has none (mu and eta are given in units of it)."""
+    return config if config.scale is not None else config.replace(scale=lm.embedding_scale)
+
+
 def f32(x: float) -> float:
     """x rounded to float32 (as a python float), so every implementation converts the same value exactly."""
     return float(np.float32(x))
@@ -87,6 +93,14 @@ class StepSpec:
                    estimator=cfg.estimator, grad_mode=cfg.grad_mode, clip_norm=cfg.clip_norm,
                    scope=cfg.projection_scope)
 
+    @classmethod
+    def for_prompt(cls, cfg, prompt, X0) -> "StepSpec":
+        """The step of `prompt` (a Prompt) from X0 [L, d] (cfg with its scale resolved, resolve_scale): perturbed rows
+        [a, b) = [first demonstration token, end of the last output span), or [a, L) with perturb_query; the forward
+        always reads rows [0, demo_end) only. What every loop (eager, static, packed) steps with."""
+        b = prompt.length if cfg.perturb_query else prompt.demo_end
+        return cls.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, b)
+
     @property
     def B(self) -> int:
         return batch_size(self.N, self.estimator)
@@ -125,4 +139,5 @@ class StepSpec:
                             f"got {f.numel()}")
 
 
-__all__ = ["StepSpec", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "check_choice", "f32"]
+__all__ = ["StepSpec", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "check_choice", "f32",
+           "resolve_scale"]

@@ -5,7 +5,15 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# One OpenMP / intra-op thread for the suite and the processes it starts (they inherit the environment), unless the
+# caller sets OMP_NUM_THREADS. The suite's models are tiny: with two threads on a 2-core machine shared with other
+# work, every small op waits for the thread that lost its core (torch's pool, and the C++ extension's OpenMP pool
+# beside it): the 45 tests of tests/test_static.py without Triton took 51 s with two threads under load, 7 s with
+# one. Set before torch is imported, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run through Triton's interpreter (on numpy); this must be set before triton is
 # first imported, which happens lazily (sicl_fast.kernels, through make_ops). On a GPU, the kernels run for real.
@@ -63,10 +71,17 @@ def tiny_llama(smol):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tiny_llama, smol, tmp_path_factory) -> str:
-    """tiny_llama saved as a model directory (`--model DIR`), for tests that start a `sicl-fast` process."""
+def tiny_dir(smol, tmp_path_factory):
+    """A 2-layer random-weight Llama with SmolLM2's tokenizer saved as a model directory: for `--model DIR` on the
+    command line, and Ray actors that each load the same weights by path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=False)
     d = tmp_path_factory.mktemp("models") / "tiny-llama"
-    tiny_llama.model.save_pretrained(d)
+    LlamaForCausalLM(cfg).save_pretrained(d)
     smol.tokenizer.save_pretrained(d)
     return str(d)
 
@@ -92,6 +107,23 @@ def tiny_model_dir(tmp_path_factory):
         else:
             os.environ["SICL_FAST_CACHE"] = before
     return folder
+
+
+def first_layers(lm, n: int):
+    """A copy of a loaded model cut to its first n decoder layers: its real weights, shapes, head layout and
+    vocabulary, for checks under Triton's interpreter, where the rest of the depth only repeats the same kernels."""
+    import copy
+
+    cfg = copy.deepcopy(lm.model.config)
+    cfg.num_hidden_layers = n
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:n]
+    model = type(lm.model)(cfg)
+    keep = {k: v for k, v in lm.model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    model.load_state_dict(keep)
+    model.to(lm.dtype).eval().requires_grad_(False)
+    return from_transformers(model, lm.tokenizer, name=f"{lm.name}-first-{n}-layers")
 
 
 def synthetic_prompt(L: int, spans, a: int, vocab: int, seed: int = 0) -> Prompt:

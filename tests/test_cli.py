@@ -128,3 +128,23 @@ def test_calibrate_packed_and_loops_agree(tmp_path):
         a = runs["alone"][i]
         assert r["steps"] == a["steps"] and r["stop_reason"] == a["stop_reason"]
         assert r["best_proxy"] == pytest.approx(a["best_proxy"], rel=1e-5)
+
+
+def test_plan_and_bench_read_the_run_plan(capsys):
+    """`plan` prints every axis and why; `bench` times the step the plan runs (--loop / --pack honoured) and
+    refuses what the plan refuses, before any timing."""
+    assert main(["plan", "--backend", "fast-fp32", "--loop", "eager", "--sync-every", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "model smollm2-135m" in out and "fast-fp32: every product in float32" in out
+    assert all(f"  {axis} " in out for axis in ("backend", "impl", "attention", "diff_matmul", "loop", "sync_every",
+                                                "graphs", "pack", "estimator"))
+    assert main(["plan", "--backend", "hf", "--pack", "2"]) == 2
+    assert "pack > 1 needs the static loop on the fast backend (backend 'hf'" in capsys.readouterr().err
+    loops = {}
+    for extra in (["--loop", "eager"], ["--pack", "2"], []):
+        assert main(["bench", "--length", "32", "--backends", "fast-fp32", "--repeats", "1", "--N", "2", *extra]) == 0
+        row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| fast-fp32 |")]
+        loops[" ".join(extra)] = row[0].split("|")[3].strip()
+    assert loops == {"--loop eager": "eager", "--pack 2": "packed x2", "": "static"}
+    assert main(["bench", "--length", "32", "--backends", "hf", "--loop", "static"]) == 2
+    assert "loop 'static' needs the fast backend's sync-free forward; 'hf'" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from sicl_fast.backends.hf import HFBackend
 from sicl_fast.errors import SiclError
 from sicl_fast.models import diff
 from sicl_fast.models.transformer import fast_low_precision
-from sicl_fast.ops import TorchOps
+from sicl_fast.ops import TorchDecoderOps, TorchStepOps
 from sicl_fast.proxy import proxy as ref_proxy
 from sicl_fast.spec import StepSpec
 
@@ -44,7 +44,7 @@ def test_difference_product_equals_plain_product_up_to_bf16_on_the_difference(bi
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(40, 96, generator=g) * 0.1, torch.randn(24, 96, generator=g) * 0.1]
     bs = [torch.randn(40, generator=g), torch.randn(24, generator=g)] if bias else [None, None]
-    y = diff.linear(TorchOps(), x, ws, bs, diff.Bf16Weight(torch.cat(ws)))
+    y = diff.linear(TorchDecoderOps(), x, ws, bs, diff.Bf16Weight(torch.cat(ws)))
     ref = torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
     # row 0 is a float32 product (of one row: the BLAS blocking, hence the last bits, may differ from the batch's)
     torch.testing.assert_close(y[0], ref[0], rtol=1e-6, atol=1e-6)
@@ -152,7 +152,7 @@ def test_smollm2_finite_differences_against_float64(smol):
     cfg = CalibrationConfig.for_model(smol, N=6)
     exact = FastBackend(smol, diff_matmul="off")
     X0 = exact.embed(p)
-    batch = TorchOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
+    batch = TorchStepOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
 
     def f(backend, x, **kw):
         return ref_proxy(backend.span_logprobs(x, p, **kw), p.offsets, 0.6, 0.3, 0.1, 0.1).f.double()

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from sicl_fast.cli import main
 
@@ -31,21 +30,6 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield ray
     ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(smol, tmp_path_factory):
-    """A 2-layer random-weight Llama saved as a model directory, so every actor loads the same weights by path."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
-    d = tmp_path_factory.mktemp("models") / "tiny-llama"
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    smol.tokenizer.save_pretrained(d)
-    return str(d)
 
 
 def requests_file(path: Path, n: int) -> str:

@@ -179,13 +179,37 @@ def test_stops_rates_and_verdicts_match_the_records(tmp_path):
         "variants"]
     for row, prow in zip(v["table"]["tasks"], v["proxy"]["tasks"]):
         rs = [r for r in recs if r["task"] == row["task"]]
-        assert row["samples_per_second"] == pytest.approx(len(rs) / sum(r["seconds"] for r in rs))
+        assert row["samples_per_minute"] == pytest.approx(60 * len(rs) / sum(r["seconds"] for r in rs))
         assert prow["stop_reasons"] == {k: sum(r["stop_reason"] == k for r in rs) for k in reasons}
-    assert v["table"]["micro"]["samples_per_second"] == pytest.approx(len(recs) / sum(r["seconds"] for r in recs))
+    assert v["table"]["micro"]["samples_per_minute"] == pytest.approx(60 * len(recs) / sum(r["seconds"] for r in recs))
     md = (tmp_path / "RUN" / "report.md").read_text()
-    assert "samples / s" in md and "Verdict: **" in md
+    assert "samples / min" in md and "s / sample" in md and "Verdict: **" in md
     b, c = v["mcnemar"]["b"], v["mcnemar"]["c"]
     assert v["mcnemar"]["p_worse"] == pytest.approx(sps.binomtest(c, b + c, 0.5, alternative="greater").pvalue)
+
+
+def test_slow_rates_do_not_round_to_zero_and_history_steps_are_whole(tmp_path, monkeypatch):
+    """Ten minutes a sample and a proxy gain of 1e-4: the table prints 600 s / sample, 0.1 samples / min and a gain
+    of 1e-05 / min (three significant digits, never 0.00). Histories of one and two steps: the history figure's
+    step ticks are whole numbers and the one-step history is drawn (a marker; a line of one point is invisible)."""
+    pytest.importorskip("matplotlib")
+    from sicl_fast.evaluation import plots
+
+    recs = synthetic_records(4, n=4)
+    for r in recs:
+        r.update(seconds=600.0, gated=False, best_proxy=r["initial_proxy"] + 1e-4, steps=2,
+                 history=[r["initial_proxy"], r["initial_proxy"] + 1e-4])
+    recs[0].update(steps=1, history=[recs[0]["initial_proxy"]], best_proxy=recs[0]["initial_proxy"])
+    figs = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figs.append(fig) or save(fig, path))
+    write_report(tmp_path / "RUN", [Run(name="m", records=recs, source="r.jsonl")])
+    md = (tmp_path / "RUN" / "report.md").read_text()
+    assert f"| {TASKS[1]} | 4 | " in md and "| 600 | 0.1 |" in md.split(f"| {TASKS[1]} | 4 | ")[1].splitlines()[0]
+    assert "| 1e-05 |" in md
+    (ax,) = next(f for f in figs if f.axes[0].get_title().startswith("proxy history")).axes
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert any(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "None", "") for line in ax.get_lines())
 
 
 @pytest.mark.parametrize("b,c,want", [(8, 0, "helped"), (0, 8, "hurt"), (3, 2, "no significant change"),

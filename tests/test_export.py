@@ -1,10 +1,12 @@
-"""sicl_fast.export: safetensors and base64 round trips bit for bit, the vLLM form, and the handoff example:
-transformers' model.generate(inputs_embeds=...) on exported embeddings decodes what our generator decodes."""
+"""sicl_fast.export: safetensors and base64 round trips bit for bit, the vLLM form, `calibrate --export`, and the
+handoff example (examples/handoff_transformers.py: transformers' generate on the exported embeddings, with our stop
+rule) answering as the project does."""
 from __future__ import annotations
 
 import base64
 import importlib.util
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ import torch
 pytest.importorskip("safetensors")
 
 from sicl_fast import Calibrator, Engine, SiclError  # noqa: E402
-from sicl_fast.export import CalibratedEmbeddings, load, save, vllm_prompt_embeds  # noqa: E402
+from sicl_fast.cli import main  # noqa: E402
+from sicl_fast.export import CalibratedEmbeddings, export_path, load, save, vllm_prompt_embeds  # noqa: E402
 
 REQ = {"id": "e1", "instruction": "Write each number word as a digit.",
        "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}, {"input": "two", "output": "2"}],
@@ -88,20 +91,75 @@ def test_vllm_prompt_embeds_form(tiny_run):
         vllm_prompt_embeds(res.embeddings[None])
 
 
+def write_requests(path: Path, reqs: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    return str(path)
+
+
+def test_calibrate_export_writes_each_records_embeddings(tiny_dir, tmp_path, one_thread):
+    """`calibrate --export DIR` on a tiny model: one file per record (every row, float32) whose rows are the
+    embeddings the API's calibration gives, bit for bit; ids that are not plain file names get files of their own;
+    a resumed run writes the new records' files only."""
+    reqs = [REQ, {**REQ, "id": "a/b", "query": "nine"}, {**REQ, "id": "a_b", "query": "two"}]
+    knobs = ["--model", tiny_dir, "--max-steps", "3", "--N", "2", "--tau", "0", "--seed", "7"]
+    emb_dir, out = tmp_path / "emb", tmp_path / "out.jsonl"
+    assert main(["calibrate", write_requests(tmp_path / "r.jsonl", reqs[:2]), "--out", str(out),
+                 "--export", str(emb_dir), *knobs]) == 0
+    first = export_path(emb_dir.resolve(), "e1")
+    assert first.name == "e1.safetensors" and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert main(["calibrate", write_requests(tmp_path / "r.jsonl", reqs), "--out", str(out),
+                 "--export", str(emb_dir), *knobs]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["e1", "a/b", "a_b"] and first.stat().st_mtime_ns == stamp
+    paths = [Path(r["embeddings"]) for r in recs]
+    assert paths == [export_path(emb_dir.resolve(), r["id"]) for r in recs] and len(set(paths)) == 3
+    assert sorted(emb_dir.iterdir()) == sorted(paths)
+    eng = Engine(model=tiny_dir)
+    for r, path in zip(recs, paths):
+        emb = load(path)
+        prompt = eng.prepare(next(q for q in reqs if q["id"] == r["id"]))
+        res = eng.calibrate(prompt, max_steps=3, N=2, tau=0.0, seed=7)
+        assert (emb.id, emb.model, emb.row_start, emb.row_end, emb.dtype) == (r["id"], "tiny-llama", 0, prompt.length,
+                                                                              "float32")
+        assert r["steps"] == res.steps == 3 and torch.equal(emb.rows, res.embeddings)
+        assert torch.equal(emb.input_ids, prompt.input_ids)
+
+
+def test_calibrate_export_to_a_file_is_one_line(tmp_path, capsys):
+    """Checked before any model is loaded (the model named here does not exist); nothing is written."""
+    (tmp_path / "taken").write_text("x")
+    reqs = write_requests(tmp_path / "r.jsonl", [REQ])
+    assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--export", str(tmp_path / "taken"),
+                 "--model", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--export" in err[0] and "is a file" in err[0]
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", ["all", "demos"])
-def test_transformers_generate_on_exported_embeddings_matches_our_generator(smol, tmp_path, rows):
-    """The tested handoff example, on the real SmolLM2. 'demos' rows need the projection off (kappa <= 0): a
-    whole-prompt projection also rescales the rows outside [a, b)."""
+def test_handoff_example_answers_as_the_project(smol, tmp_path, capsys):
+    """The tested handoff: `calibrate --generate --export` on the real SmolLM2, then examples/handoff_transformers.py
+    (transformers and safetensors only) on the converted model folder prints each record's answer_calibrated.
+    A file of the demonstration rows only (the projection off: kappa 0, so the other rows are the model's own)
+    decodes to what our generator decodes, 8 tokens without a stop string."""
+    ex = example_module()
+    assert main(["cache", "path"]) == 0  # the embedded model's converted transformers folder
+    folder = capsys.readouterr().out.strip()
+    reqs = write_requests(tmp_path / "r.jsonl", [REQ, {**REQ, "id": "e2", "query": "nine"}])
+    out, emb_dir = tmp_path / "out.jsonl", tmp_path / "emb"
+    assert main(["calibrate", reqs, "--out", str(out), "--generate", "--export", str(emb_dir), "--max-steps", "3",
+                 "--N", "4", "--tau", "0", "--max-new-tokens", "8"]) == 0
+    capsys.readouterr()
+    for rec in map(json.loads, out.read_text().splitlines()):
+        assert rec["steps"] == 3 and rec["answer_calibrated"]
+        assert ex.main([str(folder), rec["embeddings"], "--max-new-tokens", "8"]) == 0
+        assert capsys.readouterr().out == rec["answer_calibrated"] + "\n"
+
     eng = Engine(smol)
     prompt = eng.prepare(REQ, reserve=8)
-    cfg = eng.config(max_steps=3, tau=0.0, N=4, kappa=0.2 if rows == "all" else 0.0)
-    res = Calibrator(eng.backend, cfg).run(prompt)
-    assert res.steps == 3
-    path = CalibratedEmbeddings.from_result(prompt, res.embeddings, smol.name, rows=rows).save(tmp_path / "q.safetensors")
+    res = Calibrator(eng.backend, eng.config(max_steps=3, tau=0.0, N=4, kappa=0.0)).run(prompt)
+    assert res.steps == 3 and res.best_step > 0  # calibrated rows, not X0
+    path = CalibratedEmbeddings.from_result(prompt, res.embeddings, smol.name, rows="demos").save(tmp_path / "d.safetensors")
     ours = eng.generate(prompt, res.embeddings, max_new_tokens=8, stop_strings=())
-    theirs = example_module().generate_from_export(smol.model, load(path), 8, sorted(smol.eos_token_ids))
-    if ours.stop_reason == "eos":
-        assert theirs[-1] in smol.eos_token_ids
-        theirs = theirs[:-1]
-    assert theirs == ours.token_ids and len(ours.token_ids) >= 1
+    assert ex.answer(smol.model, smol.tokenizer, str(path), 8, stops=[]) == ours.answer != ""

@@ -4,6 +4,7 @@ Llama (llama3 rope scaling, attention biases), Qwen3 (q/k norms), Gemma 2 (slidi
 prompt, attention and final soft-capping; HF in eager mode so it soft-caps), Gemma 3 text (sliding / full layers
 with their own rope, linear scaling on the global one). Norm weights are randomised so (1 + w) vs w matters.
 """
+import functools
 import math
 
 import pytest
@@ -37,25 +38,27 @@ class CharTokenizer:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def build(family: str, dtype=torch.float32):
+def build(family: str, dtype=torch.float32, layers: int = 3):
+    """layers < 3: the same model shapes with fewer decoder layers (for the slow paths: Triton's interpreter)."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                               LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed({"llama": 1, "qwen3": 2, "gemma2": 3, "gemma3_text": 4}[family])
+    common = {**COMMON, "num_hidden_layers": layers}
     if family == "llama":
         cls, cfg = LlamaForCausalLM, LlamaConfig(
-            **COMMON, attention_bias=True, tie_word_embeddings=False,
+            **common, attention_bias=True, tie_word_embeddings=False,
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     elif family == "qwen3":
-        cls, cfg = Qwen3ForCausalLM, Qwen3Config(**COMMON)
+        cls, cfg = Qwen3ForCausalLM, Qwen3Config(**common)
     elif family == "gemma2":
-        cls, cfg = Gemma2ForCausalLM, Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        cls, cfg = Gemma2ForCausalLM, Gemma2Config(**common, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                                    final_logit_softcapping=5.0, attn_logit_softcapping=2.0)
     else:
         cls, cfg = Gemma3ForCausalLM, Gemma3TextConfig(
-            **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=24,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            **common, sliding_window=WINDOW, query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"][:layers],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
     model = cls(cfg)
@@ -71,9 +74,16 @@ def build(family: str, dtype=torch.float32):
     return from_transformers(model, CharTokenizer(), name=f"tiny-{family}")
 
 
+@functools.lru_cache(maxsize=None)
+def tiny_models() -> dict:
+    """One tiny model per family, built once for the whole session (the modules that import `models` share them;
+    nothing may change their weights or config)."""
+    return {f: build(f) for f in SUPPORTED_FAMILIES}
+
+
 @pytest.fixture(scope="module")
 def models():
-    return {f: build(f) for f in SUPPORTED_FAMILIES}
+    return tiny_models()
 
 
 def make_prompt(a: int, seed: int = 0) -> Prompt:

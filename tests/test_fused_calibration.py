@@ -1,5 +1,5 @@
 """The implementation layer end to end: `impl` is chosen once (make_backend / Engine), every calibration on that
-backend runs on that one Ops object, and a seeded calibration through the C++ and Triton implementations
+backend runs on that one StepOps object, and a seeded calibration through the C++ and Triton implementations
 matches the torch reference step for step.
 
 Tolerance: the proxy history f0(step) to rtol 1e-5 / atol 1e-7, the returned embeddings to atol 1e-5 (1e-4 on
@@ -19,7 +19,8 @@ from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.errors import SiclError
 from sicl_fast.models import from_transformers
-from sicl_fast.ops import cpp_ops, make_ops, resolve_impl
+from sicl_fast.ops import cpp_ops, make_ops
+from sicl_fast.plan import resolve_impl
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
 from test_ops import device_of, why_unavailable
@@ -90,20 +91,22 @@ def test_impl_matches_torch_reference(setup, impl, backend, name):
 
 
 def test_auto_follows_the_model_device_and_names_are_checked():
-    assert resolve_impl("auto", "cpu") == ("cpp" if cpp_ops.available() else "torch")
-    assert resolve_impl("auto", torch.device("cuda", 0)) == "triton"
-    assert resolve_impl("torch", torch.device("cuda", 0)) == "torch"
-    assert make_ops("torch").name == "torch"
+    assert resolve_impl("auto", "cpu")[0] == ("cpp" if cpp_ops.available() else "torch")
+    assert resolve_impl("auto", torch.device("cuda", 0))[0] == "triton"
+    assert resolve_impl("torch", torch.device("cuda", 0))[0] == "torch"
+    assert make_ops("torch").step.name == make_ops("torch").decoder.name == "torch"
     with pytest.raises(SiclError, match="unknown impl 'fast'"):
-        make_ops("fast")
+        resolve_impl("fast", "cpu")
+    with pytest.raises(SiclError, match="unknown impl 'auto'"):
+        make_ops("auto")  # make_ops builds a resolved implementation; the plan resolves 'auto'
     with pytest.raises(SiclError, match="impl 'cpp' runs on the CPU"):
-        make_ops("cpp", "cuda")
+        resolve_impl("cpp", "cuda")
 
 
 def test_triton_on_the_cpu_without_the_interpreter_is_a_clear_error():
     code = ("import os; os.environ.pop('TRITON_INTERPRET', None)\n"
-            "from sicl_fast.ops import make_ops\nfrom sicl_fast.errors import SiclError\n"
-            "try:\n    make_ops('triton', 'cpu')\nexcept SiclError as e:\n    print('ERR', e)\n")
+            "from sicl_fast.plan import resolve_impl\nfrom sicl_fast.errors import SiclError\n"
+            "try:\n    resolve_impl('triton', 'cpu')\nexcept SiclError as e:\n    print('ERR', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -158,12 +161,13 @@ def test_imports_without_triton_or_extension():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['sicl_fast._C'] = None\n"
         "import sicl_fast\n"
-        "from sicl_fast.ops import cpp_ops, make_ops\n"
+        "from sicl_fast.ops import cpp_ops\n"
+        "from sicl_fast.plan import resolve_impl\n"
         "from sicl_fast.errors import SiclError\n"
-        "assert make_ops('auto', 'cpu').name == 'torch' and not cpp_ops.available()\n"
+        "assert resolve_impl('auto', 'cpu')[0] == 'torch' and not cpp_ops.available()\n"
         "for impl in ('triton', 'cpp'):\n"
         "    try:\n"
-        "        make_ops(impl, 'cpu')\n"
+        "        resolve_impl(impl, 'cpu')\n"
         "    except SiclError as e:\n"
         "        print('ERR', e)\n"
     )

@@ -285,7 +285,7 @@ def test_icleval_sicl_grad_method(tiny_llama, tmp_path):
     assert by["sicl"]["config"]["estimator"] == "forward"
     assert g["initial_proxy"] == pytest.approx(by["sicl"]["initial_proxy"], rel=1e-5)  # the same f(X0)
     row = proxy_analysis([g])["tasks"][0]
-    assert row["proxy_gain_per_second"] == pytest.approx((g["best_proxy"] - g["initial_proxy"]) / g["seconds"])
+    assert row["proxy_gain_per_minute"] == pytest.approx(60 * (g["best_proxy"] - g["initial_proxy"]) / g["seconds"])
     assert row["answers_changed"] == int(g["answer_calibrated"] != g["answer_base"])
 
 

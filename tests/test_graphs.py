@@ -11,7 +11,8 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.errors import SiclError
-from sicl_fast.graphs import ShapeCache, cache_rows, resolve_graphs
+from sicl_fast.graphs import ShapeCache, cache_rows
+from sicl_fast.plan import resolve_graphs
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
 from sicl_fast.static import StaticStep, StepCache, run_static
@@ -123,13 +124,16 @@ def test_warm_step_and_decode_make_no_tensor_from_host_data(models, monkeypatch,
         dec.step(dec.token.clone())  # one decode step at the cache's position
     with HostDataGuard(monkeypatch), pytest.raises(AssertionError, match="host data"):
         torch.tensor([1.0])  # the guard works
-    assert int(st.steps_run) == 3
+    assert int(st.state.steps_run) == 3
 
 
 def test_engine_graph_modes_on_the_cpu(models):
     lm = models["llama"]
-    assert not resolve_graphs("auto", "cpu") and not resolve_graphs("off", "cpu")
-    assert resolve_graphs("auto", "cuda") and not resolve_graphs("off", "cuda")
+    for static in (True, False):
+        assert not resolve_graphs("auto", "cpu", static, "fast", "auto")[0]
+        assert not resolve_graphs("off", "cuda", static, "fast", "auto")[0]
+    assert resolve_graphs("auto", "cuda", True, "fast", "auto")[0]
+    assert not resolve_graphs("auto", "cuda", False, "hf", "auto")[0]  # nothing to capture
     assert Engine(lm, backend="fast-fp32").steps is None  # auto: off on the CPU
     with pytest.raises(SiclError, match="graphs 'on' needs a CUDA device"):
         Engine(lm, backend="fast-fp32", graphs="on")

@@ -1,6 +1,6 @@
-"""Every implementation of the Ops protocol (sicl_fast.ops: torch, cpp, triton) against the torch reference
-functions, on odd shapes. An implementation that is not available here skips and says why (the C++ extension not
-built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
+"""Every implementation of the ops protocols (sicl_fast.ops: StepOps and DecoderOps of torch, cpp, triton) against
+the torch reference functions, on odd shapes. An implementation that is not available here skips and says why (the
+C++ extension not built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
 
 Tolerances, stated once (TOL below), and why:
   perturb, randn, diff_rows, add_rows: bit-identical (the same Philox bits, the same float32 op sequence, bf16
@@ -27,7 +27,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sicl_fast import rng, zo
 from sicl_fast.best import BestState
@@ -38,6 +37,7 @@ from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.proxy import proxy as ref_proxy
 from sicl_fast.proxy import span_offsets
 from sicl_fast.spec import StepSpec
+from sicl_fast.step_state import RUNNING, StepState, advance_reference
 from conftest import TRITON_DEVICE
 
 TOL = {
@@ -48,7 +48,6 @@ TOL = {
     "elementwise": {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=2 ** -6)},
     "attention": {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.0, atol=3e-2)},
 }
-GELU_TANH = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
 
 
 def why_unavailable(impl: str) -> str | None:
@@ -87,7 +86,14 @@ def compiled_impl(request):
 
 @pytest.fixture
 def ops(impl):
-    return make_ops(impl, device_of(impl))
+    """The StepOps of the implementation."""
+    return make_ops(impl, device_of(impl)).step
+
+
+@pytest.fixture
+def dec(impl):
+    """The DecoderOps of the implementation."""
+    return make_ops(impl, device_of(impl)).decoder
 
 
 @pytest.fixture
@@ -188,7 +194,7 @@ def test_step_argument_errors_are_clear(ops, dev):
 def test_compiled_impls_refuse_other_dtypes(compiled_impl):
     impl, dev = compiled_impl, device_of(compiled_impl)
     X = mats(6, 4)[0].double().to(dev)
-    perturb = make_ops("cpp").perturb if impl == "cpp" else make_ops(impl, dev).K.perturb
+    perturb = make_ops("cpp").step.perturb if impl == "cpp" else make_ops(impl, dev).step.K.perturb
     with pytest.raises(SiclError, match="X must be float32"):
         perturb(X, 0, spec(6, 4, 1, 3, 2))
 
@@ -199,8 +205,8 @@ def test_randn_bit_identical(compiled_impl, seed, step, shape):
     """The standalone noise op of each compiled impl draws rng.directions' bits."""
     impl, dev = compiled_impl, device_of(compiled_impl)
     ref = rng.directions(seed, step, *shape)
-    got = cpp_ops.randn(seed, step, *shape) if impl == "cpp" else make_ops(impl, dev).K.randn(seed, step, *shape,
-                                                                                              device=dev)
+    got = cpp_ops.randn(seed, step, *shape) if impl == "cpp" else make_ops(impl, dev).step.K.randn(
+        seed, step, *shape, device=dev)
     assert torch.equal(bits(got), bits(ref))
 
 
@@ -209,7 +215,7 @@ def test_cpp_update_independent_of_thread_count():
     X, X0 = mats(40, 64, seed=3)
     f = torch.rand(9)
     s = spec(40, 64, 5, 30, 8, mu=0.01, eta=0.3, kappa=0.99, seed=1)
-    ops, n = make_ops("cpp"), cpp_ops.num_threads()
+    ops, n = make_ops("cpp").step, cpp_ops.num_threads()
     try:
         cpp_ops.set_num_threads(1)
         one = ops.update(X, X0, f, 2, s)
@@ -274,23 +280,23 @@ def near(B, T, k, scale=1e-2, seed=0):
 
 
 @pytest.mark.parametrize("B,T,k", [(2, 1, 5), (3, 7, 64), (9, 33, 4099), (5, 2, 8193)])
-def test_diff_and_add_rows_bit_identical(ops, dev, B, T, k):
+def test_diff_and_add_rows_bit_identical(dec, dev, B, T, k):
     x = near(B, T, k)
-    got = ops.diff_rows(x.to(dev))
+    got = dec.diff_rows(x.to(dev))
     assert got.dtype == torch.bfloat16 and got.shape == (B - 1, T, k)
     assert torch.equal(got.cpu(), diff.diff_rows_reference(x))
     y0, yd = x[:1], (0.01 * x[1:]).to(torch.bfloat16)
-    got = ops.add_rows(y0.to(dev), yd.to(dev))
+    got = dec.add_rows(y0.to(dev), yd.to(dev))
     assert got.shape == (B, T, k) and torch.equal(got.cpu(), diff.add_rows_reference(y0, yd))
 
 
-@pytest.mark.parametrize("act_name,act", [("silu", F.silu), ("gelu_pytorch_tanh", GELU_TANH), ("gelu", F.gelu)])
+@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("R,T,I", [(1, 1, 3), (4, 9, 64), (8, 5, 1537)])
-def test_gated_diff_matches_reference(ops, dev, act_name, act, R, T, I):
+def test_gated_diff_matches_reference(dec, dev, act_name, R, T, I):
     y = near(R + 1, T, 2 * I, scale=1e-2, seed=I) * 3  # pre-activations over the functions' curved range
     y0, yd = y[:1], (y[1:] - y[:1]).to(torch.bfloat16)
-    a0, da = ops.gated_diff(y0.to(dev), yd.to(dev), act, act_name)
-    r0, rd = diff.gated_diff_reference(y0, yd, act)
+    a0, da = dec.gated_diff(y0.to(dev), yd.to(dev), act_name)
+    r0, rd = diff.gated_diff_reference(y0, yd, act_name)
     assert a0.shape == (1, T, I) and da.shape == (R, T, I) and da.dtype == torch.bfloat16
     g0, u0 = y0.chunk(2, dim=-1)
     torch.testing.assert_close(a0.cpu(), r0, rtol=TOL["gated_a0"]["rtol"],
@@ -323,26 +329,15 @@ def test_track_best_matches_algorithm_1(ops, dev):
 # ------------------------------------------------------------------------------------------------- advance
 
 
-class ScriptedState:
-    """The fields of a StaticStep that the bookkeeping reads and writes, on `dev`."""
+def scripted_state(L, d, cfg, dev) -> StepState:
+    """A StepState from a random X0, on `dev`."""
+    g = torch.Generator().manual_seed(5)
+    return StepState.new(torch.randn(L, d, generator=g).to(dev), cfg.max_steps, cfg.tau, cfg.snr_threshold)
 
-    def __init__(self, ops, L, d, cfg, dev):
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.ops = ops
-        g = torch.Generator().manual_seed(5)
-        self.X = torch.randn(L, d, generator=g).to(dev)
-        self.X_next = torch.empty_like(self.X)
-        self.best = BestState(self.X)
-        self.step_t, self.steps_run, self.reason = (torch.zeros(1, **i64) for _ in range(3))
-        self.low_snr, self.projections = torch.zeros(1, **i64), torch.zeros(1, **i64)
-        self.history = torch.full((cfg.max_steps,), math.nan, device=dev)
-        self.minus_inf = torch.full((1,), -math.inf, device=dev)
-        self.thresholds = torch.tensor([cfg.tau, cfg.snr_threshold], dtype=torch.float64, device=dev)
-        self.flags = torch.zeros(2, dtype=torch.int32, device=dev)
 
-    def tensors(self):
-        return [self.X, self.best.best_X, self.best.best_f, self.best.counters, self.step_t, self.steps_run,
-                self.reason, self.low_snr, self.projections, self.history]
+def state_tensors(st: StepState) -> list:
+    return [st.X, st.best.best_X, st.best.best_f, st.best.counters, st.step_t, st.steps_run, st.reason, st.low_snr,
+            st.projections, st.history]
 
 
 ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
@@ -358,13 +353,11 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
 @pytest.mark.parametrize("name", list(ADVANCE_SCRIPTS))
 def test_advance_matches_the_reference(ops, dev, name):
     from sicl_fast.ascent import CalibrationConfig
-    from sicl_fast.ops import TorchOps
-    from sicl_fast.static import RUNNING, advance_reference
 
     kw, f0s = ADVANCE_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
     B = cfg.batch
-    ref, got = ScriptedState(TorchOps(), 7, 5, cfg, "cpu"), ScriptedState(ops, 7, 5, cfg, dev)
+    ref, got = scripted_state(7, 5, cfg, "cpu"), scripted_state(7, 5, cfg, dev)
     g = torch.Generator().manual_seed(1)
     stopped_at = None
     for step, f0 in enumerate(f0s + [0.9, 0.95]):  # two more calls after the stop must change nothing
@@ -376,7 +369,7 @@ def test_advance_matches_the_reference(ops, dev, name):
         got.X_next.copy_(X_next.to(dev))
         advance_reference(ref, f, fired, cfg)
         ops.advance(got, f.to(dev), fired.to(dev), cfg)
-        for r, o in zip(ref.tensors(), got.tensors()):
+        for r, o in zip(state_tensors(ref), state_tensors(got)):
             assert torch.equal(r, o.cpu()) or torch.allclose(r, o.cpu(), rtol=0, atol=0, equal_nan=True), (step, r, o)
         if stopped_at is None and int(ref.reason) != RUNNING:
             stopped_at = step
@@ -401,7 +394,7 @@ def close(got, ref, tol):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [37, 64])
 @pytest.mark.parametrize("gemma", [False, True])
-def test_residual_norm(ops, dev, dtype, d, gemma):
+def test_residual_norm(dec, dev, dtype, d, gemma):
     from sicl_fast.models import elementwise as ew
 
     wd = torch.float32 if gemma else dtype  # Gemma's (1 + w) is float32
@@ -409,12 +402,12 @@ def test_residual_norm(ops, dev, dtype, d, gemma):
     w, pw = 1 + rand(d, dtype=wd, seed=3, scale=0.2), 1 + rand(d, dtype=wd, seed=4, scale=0.2)
     tol = TOL["elementwise"][dtype]
     for post in (None, pw):
-        x1, h = ops.residual_norm(x.to(dev), y.to(dev), None if post is None else post.to(dev), w.to(dev), 1e-6, gemma)
+        x1, h = dec.residual_norm(x.to(dev), y.to(dev), None if post is None else post.to(dev), w.to(dev), 1e-6, gemma)
         rx, rh = ew.residual_norm(x, y, post, w, 1e-6, gemma)
         close(x1, rx, tol)
         close(h, rh, tol)
         assert x1.dtype == h.dtype == dtype
-    x1, h = ops.residual_norm(x.to(dev), None, None, w.to(dev), 1e-6, gemma)
+    x1, h = dec.residual_norm(x.to(dev), None, None, w.to(dev), 1e-6, gemma)
     assert x1 is not None and torch.equal(x1.cpu(), x)
     close(h, ew.rms_norm(x, w, 1e-6, gemma), tol)
 
@@ -422,7 +415,7 @@ def test_residual_norm(ops, dev, dtype, d, gemma):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hd", [6, 18])
 @pytest.mark.parametrize("qk_norm,gemma", [(False, False), (True, False), (True, True)])
-def test_qk_rope_writes_the_buffers(ops, dev, dtype, hd, qk_norm, gemma):
+def test_qk_rope_writes_the_buffers(dec, dev, dtype, hd, qk_norm, gemma):
     """q, k, v as views of one fused product (the difference products' layout), k / v into buffers."""
     from sicl_fast.models import elementwise as ew
 
@@ -439,13 +432,13 @@ def test_qk_rope_writes_the_buffers(ops, dev, dtype, hd, qk_norm, gemma):
     qkv_d = qkv.clone().to(dev)  # the op may rotate q in place
     qd, kd, vd = (t.view(B, T, -1, hd) for t in qkv_d.split([H * hd, Hk * hd, Hk * hd], dim=-1))
     to = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    gq, gk, gv = ops.qk_rope(qd, kd, vd, cos.to(dev), sin.to(dev), to(qn), to(kn), 1e-6, gemma, kb, vb)
+    gq, gk, gv = dec.qk_rope(qd, kd, vd, cos.to(dev), sin.to(dev), to(qn), to(kn), 1e-6, gemma, kb, vb)
     assert gk is kb and gv is vb
     tol = TOL["elementwise"][dtype]
     close(gq, rq, tol)
     close(kb, rk, tol)
     assert torch.equal(vb.cpu(), v)
-    gq, gk, gv = ops.qk_rope(qkv.view(B, T, -1, hd)[:, :, :H].contiguous().to(dev), k.contiguous().to(dev),
+    gq, gk, gv = dec.qk_rope(qkv.view(B, T, -1, hd)[:, :, :H].contiguous().to(dev), k.contiguous().to(dev),
                              v.contiguous().to(dev), cos.to(dev), sin.to(dev), to(qn), to(kn), 1e-6, gemma)
     close(gq, rq, tol)  # fresh outputs without buffers
     close(gk, rk, tol)
@@ -453,22 +446,22 @@ def test_qk_rope_writes_the_buffers(ops, dev, dtype, hd, qk_norm, gemma):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
-def test_gated(ops, dev, dtype, act_name):
+def test_gated(dec, dev, dtype, act_name):
     from sicl_fast.models import elementwise as ew
 
     gu = rand(3, 4, 2 * 50, dtype=dtype, seed=10, scale=2.0)
     gate, up = gu.chunk(2, dim=-1)  # halves of one product: rows with a stride of 100
-    got = ops.gated(gate.to(dev), up.to(dev), act_name)
+    got = dec.gated(gate.to(dev), up.to(dev), act_name)
     close(got, ew.gated(gate, up, act_name), TOL["elementwise"][dtype])
     assert got.shape == gate.shape and got.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_softcap(ops, dev, dtype):
+def test_softcap(dec, dev, dtype):
     from sicl_fast.models import elementwise as ew
 
     z = rand(5, 33, dtype=dtype, seed=11, scale=20.0)
-    close(ops.softcap_(z.clone().to(dev), 5.0), ew.softcap(z, 5.0), TOL["elementwise"][dtype])
+    close(dec.softcap_(z.clone().to(dev), 5.0), ew.softcap(z, 5.0), TOL["elementwise"][dtype])
 
 
 ATTN_CASES = [  # B, T, a (prefix), H, Hk, hd, window, softcap

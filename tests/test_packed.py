@@ -50,9 +50,7 @@ def assert_close_result(got, ref):
 def test_packed_equals_one_by_one(models, family, impl, attn):
     if why_unavailable(impl):
         pytest.skip(why_unavailable(impl))
-    from sicl_fast.ops import make_ops
-
-    be = FastBackend(models[family], attn=attn, diff_matmul="off", prefix_cache=False, ops=make_ops(impl))
+    be = FastBackend(models[family], attn=attn, diff_matmul="off", prefix_cache=False, impl=impl)
     refs = [Calibrator(be, cfg).run(p) for p, cfg in ITEMS]
     for g, r in zip(run_packed(be, ITEMS, pack=1), refs):
         assert_same_result(g, r)

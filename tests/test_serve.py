@@ -473,15 +473,20 @@ def test_client_disconnect_cancels_queued_job(server, client):
     assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
 
 
-def test_requests_beyond_max_connections_get_the_json_503(engine):
-    with ServerThread(engine, ServeSettings(port=0, max_connections=2, max_steps=100_000)) as srv:
-        body = {"request": REQ, "timeout_s": 1.5, "config": LONG}
-        waiting = [in_thread(post, srv, "/v1/calibrate", body) for _ in range(2)]  # one runs, one waits: 2 in progress
+def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
+    release = threading.Event()  # the engine is held until the over-limit requests have been answered
+    proxy = engine.proxy
+    monkeypatch.setattr(engine, "proxy", lambda *a, **k: (release.wait(30), proxy(*a, **k))[1])
+    with ServerThread(engine, ServeSettings(port=0, max_connections=2)) as srv:
+        waiting = [in_thread(post, srv, "/v1/proxy", {"request": REQ}) for _ in range(2)]  # one runs, one waits
         wait_for(lambda: srv.app.state.serve.queue.depth == 1, 10)
-        for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
-            err = error_of(r)
-            assert r.status_code == 503 and err["kind"] == "overloaded" and "--max-connections 2" in err["message"]
-            assert r.headers["retry-after"] == "1"
+        try:
+            for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
+                err = error_of(r)
+                assert r.status_code == 503 and err["kind"] == "overloaded" and "--max-connections 2" in err["message"]
+                assert r.headers["retry-after"] == "1"
+        finally:
+            release.set()
         for t, out in waiting:
             t.join(30)
             assert out["r"].status_code == 200
@@ -634,11 +639,11 @@ def assert_clean(log: str) -> None:
         assert bad not in log, log
 
 
-def test_sigterm_drains_and_exits_0(tiny_llama_dir):
+def test_sigterm_drains_and_exits_0(tiny_dir):
     """SIGTERM with a running and a queued request: new requests get the JSON 503 with Retry-After, the queued job
     the JSON 503 without running, the running one finishes (here at its own deadline); the process exits 0. Each
     request has its log line."""
-    with CliServer("--model", tiny_llama_dir, "--max-steps", "100000", "--grace-s", "30", "--log-level",
+    with CliServer("--model", tiny_dir, "--max-steps", "100000", "--grace-s", "30", "--log-level",
                    "info") as srv:
         running, out_run = in_thread(calibrate_on, srv.url, {"request": {**REQ, "id": "run"}, "timeout_s": 6,
                                                              "config": LONG})
@@ -673,10 +678,10 @@ def test_sigterm_drains_and_exits_0(tiny_llama_dir):
     assert len(re.findall(r"GET /health 503 \S+s error='shutting_down'", srv.log)) == 1, srv.log
 
 
-def test_sigint_stops_the_running_calibration_in_the_grace_period(tiny_llama_dir):
+def test_sigint_stops_the_running_calibration_in_the_grace_period(tiny_dir):
     """SIGINT does what SIGTERM does; a calibration that would run on is stopped at 0.8 x --grace-s and answers with
     its best X so far (stop_reason 'shutdown'); the process exits 0."""
-    with CliServer("--model", tiny_llama_dir, "--max-steps", "100000", "--grace-s", "2", "--log-level",
+    with CliServer("--model", tiny_dir, "--max-steps", "100000", "--grace-s", "2", "--log-level",
                    "warning") as srv:
         running, out = in_thread(calibrate_on, srv.url, {"request": REQ, "config": LONG})  # 100k steps, no deadline
         wait_for(lambda: srv.health()["busy"], 30)

@@ -3,6 +3,8 @@
 embeddings), for every estimator, grad mode, projection scope, SNR setting and gate case, whatever the number
 of steps between two reads of the state; and no host read inside a step.
 """
+import copy
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.static import StaticStep, run_static
-from test_fast_backend import make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import build, make_prompt, models  # noqa: F401 (fixture)
 from test_ops import device_of, why_unavailable
 
 BASE = dict(N=3, mu=0.05, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=5, seed=3, scale=1.0)
@@ -62,11 +64,18 @@ def test_static_with_difference_products_equals_eager(models):
     assert_same_result(run_static(be, cfg, p, sync_every=2), Calibrator(be, cfg).run(p))
 
 
+@pytest.fixture(scope="module")
+def llama_one_layer():
+    """The tiny Llama with one decoder layer: Triton's interpreter runs each kernel program in Python, and what the
+    static driver adds (perturb, update, proxy state on the device) is the same for any depth."""
+    return build("llama", layers=1)
+
+
 @pytest.mark.parametrize("name", ["forward-clip-prompt", "central-normalize-demos-projects", "snr-skips"])
-def test_static_triton_equals_eager(models, name):
+def test_static_triton_equals_eager(llama_one_layer, name):
     if why_unavailable("triton") or device_of("triton") != "cpu":
         pytest.skip(why_unavailable("triton") or "the tiny model lives on the CPU")
-    be = make_backend("fast-fp32", models["llama"], impl="triton")
+    be = make_backend("fast-fp32", llama_one_layer, impl="triton")
     cfg = CalibrationConfig(**{**BASE, **CONFIGS[name], "max_steps": 3})
     p = make_prompt(6)
     assert_same_result(run_static(be, cfg, p, sync_every=2), Calibrator(be, cfg).run(p))
@@ -102,9 +111,9 @@ def test_no_host_read_inside_the_step(models, monkeypatch, impl):
     with HostReadGuard(monkeypatch):
         for _ in range(4):
             st()
-    assert int(st.steps_run) == 4
+    assert int(st.state.steps_run) == 4
     with HostReadGuard(monkeypatch), pytest.raises(AssertionError, match="host read inside the step"):
-        float(st.steps_run)  # the guard works
+        float(st.state.steps_run)  # the guard works
 
 
 def test_nonfinite_proxy_and_bad_arguments(models):
@@ -164,7 +173,9 @@ def test_captured_static_step_equals_eager_on_cuda(models):
     from sicl_fast.graphs import CapturedStep
     from sicl_fast.models import from_transformers
 
-    lm = from_transformers(models["llama"].model.to("cuda"), models["llama"].tokenizer, name="tiny-llama-cuda")
+    # a copy: the tiny models are shared by the whole session (test_fast_backend.tiny_models)
+    lm = from_transformers(copy.deepcopy(models["llama"].model).to("cuda"), models["llama"].tokenizer,
+                           name="tiny-llama-cuda")
     be = make_backend("fast-fp32", lm, impl="triton")
     cfg = Calibrator(be, CalibrationConfig(**{**BASE, "max_steps": 6})).config
     p = make_prompt(6)

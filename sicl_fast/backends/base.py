@@ -1,8 +1,9 @@
 """The backend interface: batched span log-probabilities (and greedy generation) from prompt embeddings.
 
 A backend knows nothing of the ascent: it maps a batch of embedding matrices to the log-probabilities of the
-demonstrated output tokens. The ascent knows nothing of a backend's insides. Each backend holds the one `Ops`
-object (sicl_fast.ops) that does its hot tensor work, and the ascent on it uses the same object.
+demonstrated output tokens. The ascent knows nothing of a backend's insides. Each backend runs one run plan
+(`plan`, sicl_fast.plan) and holds the ops of the plan's implementation (sicl_fast.ops): `ops`, the StepOps
+that the ascent on it uses too, and `decoder_ops`, the DecoderOps of the fast decoder.
 """
 from __future__ import annotations
 
@@ -11,20 +12,25 @@ import abc
 import torch
 
 from ..errors import NumericalError, SiclError
+from ..ops import make_ops
+from ..plan import RunPlan, make_plan, no_differentiable_forward
 from ..spans import Prompt
 
 
 class Backend(abc.ABC):
-    """Base class. `lm` is a `sicl_fast.models.LoadedModel`; `ops` the implementation of the hot ops (made by
-    make_backend; TorchOps when None)."""
+    """Base class. `lm` is a `sicl_fast.models.LoadedModel`; plan the RunPlan it runs (make_backend / build_backend
+    pass it). Without one, the backend makes its own from `choices` (sicl_fast.plan.make_plan's keywords; the hot
+    ops default to the torch reference here). `name` is the plan's backend ('fast-fp32' for the fast class with
+    plain products)."""
 
     name: str = "base"
 
-    def __init__(self, lm, ops=None) -> None:
-        from ..ops import TorchOps
-
+    def __init__(self, lm, plan: RunPlan | None = None, **choices) -> None:
         self.lm = lm
-        self.ops = ops if ops is not None else TorchOps()
+        self.plan = plan if plan is not None else make_plan(lm, backend=type(self).name, **{"impl": "torch",
+                                                                                            **choices})
+        self.name = self.plan.backend
+        self.ops, self.decoder_ops = make_ops(self.plan.impl, lm.device)
 
     @property
     def device(self) -> torch.device:
@@ -44,15 +50,12 @@ class Backend(abc.ABC):
         near_row0: a promise that rows 1.. are small perturbations of row 0 (the ascent's batch); a backend may
         use it to compute the rows' differences more cheaply (the fast backend's difference products)."""
 
-    differentiable = False  # has a forward autograd can run through (estimator "grad", sicl_fast.grad)
-
     def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
         """embeds [1, n, d] (float32 or float64; may require grad) -> [1, P] log-probs (float32, or float64 from
         a float64 model) with autograd recording, so that the proxy's gradient in the embeddings can be taken
         (sicl_fast.grad). checkpoint: recompute each layer in the backward instead of keeping its activations.
-        Backends without a differentiable forward refuse (sicl_fast.grad.check_differentiable says so first)."""
-        raise SiclError(f"the {self.name!r} backend has no differentiable forward; estimator 'grad' runs on the "
-                        "'hf', 'fast' and 'fast-fp32' backends")
+        Backends without a differentiable forward refuse (the run plan's grad_refusal says so first)."""
+        raise SiclError(no_differentiable_forward(self.name))
 
     def check_embeds(self, embeds: torch.Tensor, prompt: Prompt) -> None:
         """Shape and value checks shared by every backend; raise with what is wrong."""

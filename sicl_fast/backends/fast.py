@@ -44,24 +44,19 @@ class SpanPlan:
 
 
 class FastBackend(Backend):
-    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text.
-
-    attn: 'auto' (SDPA on the CPU; flash-attn or SDPA on CUDA; soft-capping always takes the math path), 'math',
-    'sdpa', 'flash'. prefix_cache=False always runs the full rows [0, b). diff_matmul: 'auto' (bf16 difference
-    products for perturbation batches of float32 models where bf16 products are fast), 'off', 'bf16'. ops: the
-    implementation of the hot ops (sicl_fast.ops; make_backend passes it)."""
+    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text, as the run plan `plan` says: its DecoderConfig,
+    attention kernel, difference products and ops (sicl_fast.plan; without a plan, one is made from `choices`,
+    e.g. attn='math', diff_matmul='off', impl='triton'). prefix_cache=False always runs the full rows [0, b)."""
 
     name = "fast"
-    differentiable = True
 
-    def __init__(self, lm, attn: str = "auto", prefix_cache: bool = True, diff_matmul: str = "auto",
-                 ops=None) -> None:
-        super().__init__(lm, ops)
-        # raises UnsupportedModelError for other families
-        self.model = Transformer(lm, attn=attn, diff_matmul=diff_matmul, ops=self.ops)
+    def __init__(self, lm, plan=None, prefix_cache: bool = True, **choices) -> None:
+        super().__init__(lm, plan, **choices)
+        p = self.plan
+        self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul)
         m = self.model
         if m.device.type == "cuda":  # trust a fused attention kernel only after comparing it with the math path
-            m.attention.verify(m.H, m.Hk, m.hd, fallback=attn == "auto")
+            m.attention.verify(m.H, m.Hk, m.hd, fallback=p.attention_fallback)
         self.prefix_cache = prefix_cache
         self.read_every = 1 if m.device.type == "cpu" else 8  # decoding: tokens between two host reads
         self._prefix: PrefixKV | None = None
@@ -70,7 +65,7 @@ class FastBackend(Backend):
 
     def use_graphs(self, capacity: int = DEFAULT_CAPACITY) -> None:
         """Decode through captured CUDA graphs from now on: one static KV cache and graph per cache length
-        (cache_rows buckets), at most `capacity` kept. The engine calls it once when graphs are on."""
+        (cache_rows buckets), at most `capacity` kept. The engine calls it once when its plan's graphs are on."""
         self.decoders = ShapeCache(capacity)
 
     def clear_cache(self) -> None:

@@ -21,7 +21,6 @@ class HFBackend(Backend):
     """
 
     name = "hf"
-    differentiable = True
 
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)

@@ -185,10 +185,10 @@ class _Runner:
         return rec
 
     def calibrate_packed(self, chunk) -> None:
-        """With engine.pack > 1: calibrate the 'sicl' variants of a chunk of samples [(sample, variants)]
+        """With engine.plan.pack > 1: calibrate the 'sicl' variants of a chunk of samples [(sample, variants)]
         together, `pack` at once (sicl_fast.packed); record() then takes their results."""
         work = [(s, v) for s, vs in chunk for v in vs if v.method == "sicl"]
-        if self.engine.pack <= 1 or not work:
+        if self.engine.plan.pack <= 1 or not work:
             return
         from ..packed import run_packed
 
@@ -197,7 +197,7 @@ class _Runner:
             self._calibrated[(v.name, s.key)] = res
 
         run_packed(self.engine.backend, [(self.prompt(s), self.engine.config(v.config)) for s, v in work],
-                   self.engine.pack, self.engine.sync_every, on_result=keep)
+                   self.engine.plan.pack, self.engine.plan.sync_every, on_result=keep)
 
     # -- baselines ----------------------------------------------------------------------------------------------
     def _scored_base(self, sample: Sample, labels, p) -> dict:
@@ -259,8 +259,8 @@ def check_samples(engine, samples: Sequence[Sample]) -> int:
 
 
 def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], options: BaselineOptions) -> list[dict]:
-    """The work function of a chunk of samples (one, or engine.pack of them): the records of each sample's
-    variants (its base answer decoded once, shared). With engine.pack > 1 the chunk's calibrations run packed.
+    """The work function of a chunk of samples (one, or engine.plan.pack of them): the records of each sample's
+    variants (its base answer decoded once, shared). With engine.plan.pack > 1 the chunk's calibrations run packed.
 
     A fresh runner per sample, so a record depends on its sample alone, not on what the engine ran before it (the
     label scorer's prefix cache): any worker, any number of workers, gives the same records (packed calibrations

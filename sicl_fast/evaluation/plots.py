@@ -69,7 +69,10 @@ def proxy_vs_accuracy(path, series: Sequence[dict], title: str = "") -> Path:
 
 
 def proxy_histories(path, histories: dict[str, list[list[float]]], title: str = "", max_curves: int = 400) -> Path:
-    """Proxy f0 per step: thin lines per sample, bold per-task mean (each curve held at its last value)."""
+    """Proxy f0 per step: a line per sample (a marker at each step when there are few, so a one-step history shows),
+    bold per-task mean (each curve held at its last value); steps are integers on the axis."""
+    from matplotlib.ticker import MaxNLocator
+
     fig = _figure()
     ax = fig.add_subplot(1, 1, 1)
     drawn = 0
@@ -78,13 +81,15 @@ def proxy_histories(path, histories: dict[str, list[list[float]]], title: str = 
         hs = [h for h in hs if h]
         if not hs:
             continue
+        T = max(len(h) for h in hs)
         for h in hs:
             if drawn < max_curves:
-                ax.plot(range(len(h)), h, color=color, alpha=0.25, linewidth=0.8)
+                ax.plot(range(len(h)), h, color=color, alpha=0.5, linewidth=1.0, marker="o" if T <= 30 else None,
+                        markersize=2.5)
                 drawn += 1
-        T = max(len(h) for h in hs)
         mean = [sum(h[min(t, len(h) - 1)] for h in hs) / len(hs) for t in range(T)]
-        ax.plot(range(T), mean, color=color, linewidth=2.2, label=f"{task} (n={len(hs)})")
+        ax.plot(range(T), mean, color=color, linewidth=2.4, label=f"{task} (n={len(hs)})")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("proxy f")
     ax.set_title(title or "proxy history")

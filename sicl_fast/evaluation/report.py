@@ -4,13 +4,14 @@ A *run* is one results file (one model); its records are grouped by *variant* (b
 dcpmi, demo). For every variant:
 
 * the per-task table: n, base accuracy, the variant's accuracy ("calibrated"), relative change in percent
-  (100 (cal - base) / base; n/a when base = 0), change in points, mean steps, mean seconds; the mean row is the
-  unweighted mean over tasks (its relative change is computed from the two means), the micro row pools samples;
+  (100 (cal - base) / base; n/a when base = 0), change in points, mean steps, seconds per sample, samples per
+  minute; the mean row is the unweighted mean over tasks (its relative change is computed from the two means),
+  the micro row pools samples;
 * the one-sided exact McNemar test over all samples (H1: the variant beats the base), with b = #(base wrong,
   variant right), c = #(base right, variant wrong), p = P(X >= b | X ~ Bin(b + c, 1/2));
 * for calibration variants: per task the mean proxy improvement (best_proxy - initial_proxy, gated samples count
   as 0) against the accuracy change (points), the one-sided Spearman test over tasks (H1: rho > 0) and the
-  least-squares line; the proxy gain per second (the task's summed improvement over its summed seconds) and how
+  least-squares line; the proxy gain per minute (the task's summed improvement over its summed minutes) and how
   many answers the calibration changed (answer_calibrated != answer_base), to compare estimators (sicl vs
   sicl-grad) at their own cost.
 
@@ -154,27 +155,28 @@ def task_table(records: Sequence[dict]) -> dict:
         cal = sum(bool(r["correct_calibrated"]) for r in rs) / n
         rows.append({"task": t, "n": n, "base": base, "calibrated": cal, "relative_change": _rel(base, cal),
                      "change_points": 100.0 * (cal - base), "mean_steps": _mean(r.get("steps") for r in rs),
-                     "mean_seconds": _mean(r.get("seconds") for r in rs), "samples_per_second": _rate(rs)})
+                     "mean_seconds": _mean(r.get("seconds") for r in rs), "samples_per_minute": _rate(rs)})
     if not rows:
         return {"tasks": [], "mean": None, "micro": None}
     mb, mc = _mean(x["base"] for x in rows), _mean(x["calibrated"] for x in rows)
     mean = {"task": "mean", "n": sum(x["n"] for x in rows), "base": mb, "calibrated": mc,
             "relative_change": _rel(mb, mc), "change_points": 100.0 * (mc - mb),
             "mean_steps": _mean(x["mean_steps"] for x in rows), "mean_seconds": _mean(x["mean_seconds"] for x in rows),
-            "samples_per_second": None}
+            "samples_per_minute": None}
     n = len(records)
     ub = sum(bool(r["correct_base"]) for r in records) / n
     uc = sum(bool(r["correct_calibrated"]) for r in records) / n
     micro = {"task": "all (micro)", "n": n, "base": ub, "calibrated": uc, "relative_change": _rel(ub, uc),
              "change_points": 100.0 * (uc - ub), "mean_steps": _mean(r.get("steps") for r in records),
-             "mean_seconds": _mean(r.get("seconds") for r in records), "samples_per_second": _rate(records)}
+             "mean_seconds": _mean(r.get("seconds") for r in records), "samples_per_minute": _rate(records)}
     return {"tasks": rows, "mean": mean, "micro": micro}
 
 
 def _rate(records: Sequence[dict]) -> float | None:
-    """Samples per second of wall time spent on them (their `seconds` summed); None without timings."""
+    """Samples per minute of wall time spent on them (their `seconds` summed); None without timings. Per minute:
+    a calibration takes seconds to minutes, so a rate per second would print as 0.00."""
     total = sum(float(r.get("seconds") or 0.0) for r in records)
-    return len(records) / total if total > 0 else None
+    return 60.0 * len(records) / total if total > 0 else None
 
 
 VERDICT_ALPHA = 0.05
@@ -224,8 +226,8 @@ def proxy_analysis(records: Sequence[dict]) -> dict | None:
                      "mean_initial_proxy": sum(r["initial_proxy"] for r in rs) / n,
                      "mean_best_proxy": sum(r["best_proxy"] for r in rs) / n,
                      "gated": sum(bool(r.get("gated")) for r in rs),
-                     "proxy_gain_per_second": _ratio(sum(r["best_proxy"] - r["initial_proxy"] for r in rs),
-                                                     sum(float(r.get("seconds") or 0.0) for r in rs)),
+                     "proxy_gain_per_minute": _ratio(sum(r["best_proxy"] - r["initial_proxy"] for r in rs),
+                                                     sum(float(r.get("seconds") or 0.0) for r in rs) / 60.0),
                      "answers_changed": sum(r.get("answer_calibrated") != r.get("answer_base") for r in rs),
                      "stop_reasons": dict(Counter(str(r.get("stop_reason")) for r in rs if r.get("stop_reason"))),
                      "accuracy_change": 100.0 * (sum(bool(r["correct_calibrated"]) for r in rs)
@@ -320,6 +322,9 @@ def _pct(v, signed=False) -> str:
     return f"{100 * v:+.1f}" if signed else f"{100 * v:.1f}"
 
 
+RATE = "{:.3g}"  # times and rates: three significant digits, so a slow rate never prints as 0.00
+
+
 def _num(v, fmt="{:.2f}", signed=False) -> str:
     if v is None or (isinstance(v, float) and (math.isnan(v) or math.isinf(v))):
         return "n/a"
@@ -381,14 +386,14 @@ def render_markdown(report: dict) -> str:
             if _config_line(v.get("config")):
                 L += [f"Settings: {_config_line(v['config'])}", ""]
             L.append("| task | n | base acc (%) | calibrated acc (%) | relative change (%) | change (points) | "
-                     "mean steps | mean seconds | samples / s |")
+                     "mean steps | s / sample | samples / min |")
             L.append("|---|---|---|---|---|---|---|---|---|")
             tbl = v["table"]
             for row in tbl["tasks"] + [x for x in (tbl["mean"], tbl["micro"]) if x]:
                 L.append(f"| {row['task']} | {row['n']} | {_pct(row['base'])} | {_pct(row['calibrated'])} | "
                          f"{_num(row['relative_change'], '{:.1f}', True)} | {_num(row['change_points'], '{:.1f}', True)} | "
-                         f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], '{:.2f}')} | "
-                         f"{_num(row.get('samples_per_second'), '{:.2f}')} |")
+                         f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], RATE)} | "
+                         f"{_num(row.get('samples_per_minute'), RATE)} |")
             if "label_scoring_base_accuracy" in v:
                 L.append(f"\nUncalibrated label scoring on the same samples: {_pct(v['label_scoring_base_accuracy'])}%.")
             mc = v["mcnemar"]
@@ -400,14 +405,14 @@ def render_markdown(report: dict) -> str:
             L.append("")
             px = v.get("proxy")
             if px:
-                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | stops | proxy gain / s | "
+                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | stops | proxy gain / min | "
                          "answers changed | accuracy change (points) |")
                 L.append("|---|---|---|---|---|---|---|---|---|")
                 for row in px["tasks"]:
                     L.append(f"| {row['task']} | {row['n']} | {_num(row['mean_proxy_improvement'], '{:.4f}', True)} | "
                              f"{_num(row['mean_initial_proxy'], '{:.4f}')} | {row['gated']} | "
                              f"{_stops(row.get('stop_reasons'))} | "
-                             f"{_num(row.get('proxy_gain_per_second'), '{:.5f}')} | {row.get('answers_changed', 'n/a')} | "
+                             f"{_num(row.get('proxy_gain_per_minute'), RATE)} | {row.get('answers_changed', 'n/a')} | "
                              f"{_num(row['accuracy_change'], '{:.1f}', True)} |")
                 sp = px["spearman"]
                 fit = px.get("fit")
@@ -437,12 +442,12 @@ def render_markdown(report: dict) -> str:
           "* relative change = 100 (calibrated - base) / base; mean row = unweighted mean over tasks.",
           "* McNemar: p = P(X >= b), X ~ Binomial(b + c, 1/2); the other way P(X >= c). Verdict: helped / hurt "
           f"when that one-sided p < {VERDICT_ALPHA}, no change when b = c = 0, else no significant change.",
-          "* stops: the calibrations' stop reasons (gate, patience, max_steps, snr); samples / s = samples over "
-          "their summed seconds.",
+          "* stops: the calibrations' stop reasons (gate, patience, max_steps, snr); s / sample = mean seconds of "
+          "a sample (calibration and decoding); samples / min = samples over their summed minutes.",
           "* proxy improvement = best_proxy - initial_proxy per sample (0 when gated), averaged per task; "
           "Spearman p from the t approximation with n - 2 degrees of freedom (as scipy.stats.spearmanr), "
           "exact permutation p for up to 8 tasks.",
-          "* proxy gain / s = summed proxy improvement over summed seconds (calibration and decoding) of the task's "
+          "* proxy gain / min = summed proxy improvement over summed minutes (calibration and decoding) of the task's "
           "samples; answers changed = samples whose calibrated answer differs from the base answer.",
           "* Fisher: X = -2 sum ln p over runs, chi-squared with 2k degrees of freedom.", ""]
     return "\n".join(L)
@@ -455,9 +460,9 @@ def render_markdown(report: dict) -> str:
 def summary_markdown(report: dict) -> str:
     """One row per run and calibration variant (all its samples pooled): accuracy base vs calibrated, the McNemar
     test both ways and its verdict, the tasks calibration helped / hurt / left alone (by the sign of the change),
-    how often the gate fired, mean steps and samples per second."""
+    how often the gate fired, mean steps and samples per minute."""
     L = ["| model | variant | samples | tasks | base acc (%) | calibrated acc (%) | change (points) | b / c | "
-         "p better | p worse | verdict | tasks helped / hurt / same | gated | mean steps | samples / s |",
+         "p better | p worse | verdict | tasks helped / hurt / same | gated | mean steps | samples / min |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for v in run["variants"]:
@@ -470,7 +475,7 @@ def summary_markdown(report: dict) -> str:
                      f"{_pct(micro['calibrated'])} | {_num(micro['change_points'], '{:.1f}', True)} | "
                      f"{mc['b']} / {mc['c']} | {_p(mc['p'])} | {_p(mc.get('p_worse'))} | {mc.get('verdict', 'n/a')} | "
                      f"{signs.count(1)} / {signs.count(-1)} / {signs.count(0)} | {gated} | "
-                     f"{_num(micro['mean_steps'], '{:.1f}')} | {_num(micro.get('samples_per_second'), '{:.2f}')} |")
+                     f"{_num(micro['mean_steps'], '{:.1f}')} | {_num(micro.get('samples_per_minute'), RATE)} |")
     return "\n".join(L)
 
 

@@ -6,7 +6,7 @@ being copied) and the rows themselves (or a KV cache's keys). Kernels:
   sdpa   torch's scaled_dot_product_attention (no soft-capping; falls back to math for what it cannot do exactly)
   flash  flash-attn's flash_attn_func (CUDA, fp16/bf16, optional: `pip install "sicl-fast[flash]"`)
   triton the fused kernel kernels/attention.py: prefix and rows in one launch, soft-cap and window included
-         (CUDA, or the CPU under TRITON_INTERPRET=1; the decoder of TritonOps uses it)
+         (CUDA, or the CPU under TRITON_INTERPRET=1; what the run plan picks with impl 'triton')
 
 Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
 o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.
@@ -165,30 +165,22 @@ def merge(o1, lse1, o2, lse2):
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
 
 
-class Attention:
-    """The attention of one model: its kernel (`impl`), scale, soft-cap, and a cache of masks per shape.
+def flash_available() -> bool:
+    """Is flash-attn importable (the optional extra)?"""
+    return _flash_attn_func is not None
 
-    impl 'auto' resolves once, here: the Triton kernel when the model's ops are Triton's (`triton_ops`);
-    otherwise SDPA on the CPU, flash-attn (when installed, fp16 / bf16) or SDPA on CUDA. On CUDA a fused kernel
+
+class Attention:
+    """The attention of one model: its kernel (`impl`: 'math', 'sdpa', 'flash' or 'triton', as the run plan resolved
+    it, sicl_fast.plan.resolve_attention), scale, soft-cap, and a cache of masks per shape. On CUDA a fused kernel
     is trusted only after `verify` (FastBackend calls it once, explicitly)."""
 
-    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device, triton_ops: bool = False) -> None:
-        if impl not in ATTN_IMPLS:
-            raise SiclError(f"unknown attention implementation {impl!r}; choose one of {ATTN_IMPLS}")
+    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device) -> None:
         self.scale, self.softcap, self.dtype, self.device = scale, softcap, dtype, torch.device(device)
-        self.requested = impl
-        if impl == "auto":
-            # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head
-            # shapes; soft-capped layers still go to the math path
-            half = dtype in (torch.float16, torch.bfloat16)
-            impl = "flash" if self.device.type == "cuda" and _flash_attn_func is not None and half else "sdpa"
-            impl = "triton" if triton_ops else impl
         if impl == "triton":
             from ..ops.triton_ops import load_kernels
 
-            self._kernels = load_kernels(self.device, "attention implementation 'triton'", "'sdpa' / 'math'")
-        if impl == "flash" and _flash_attn_func is None:
-            raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
+            self._kernels = load_kernels()
         self.impl = impl
         self._masks: dict = {}
 
@@ -290,4 +282,5 @@ class Attention:
         self.impl = "math"
 
 
-__all__ = ["ATTN_IMPLS", "Attention", "visibility", "attend_math", "attend_sdpa", "attend_flash", "merge"]
+__all__ = ["ATTN_IMPLS", "Attention", "flash_available", "visibility", "attend_math", "attend_sdpa", "attend_flash",
+           "merge"]

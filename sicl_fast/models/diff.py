@@ -14,14 +14,14 @@ Equal to x_i W^T + b in exact arithmetic; the bf16 rounding (about 2^-8 relative
 only, never to the value. Norms, rotary, attention and the activations stay float32 on every row.
 
 The `*_reference` functions here are the torch reference of each epilogue; the implementation that runs is the
-`Ops` object's (sicl_fast.ops: TorchOps calls these, CppOps the C++ extension's one-pass, multithreaded forms in
-csrc/diff.cpp, tested against them). Tensors are contiguous; float32 and bf16.
+`DecoderOps` object's (sicl_fast.ops: TorchDecoderOps binds these, CppDecoderOps the C++ extension's one-pass,
+multithreaded forms in csrc/diff.cpp, tested against them). Tensors are contiguous; float32 and bf16.
 
     diff_rows(x [B, T, k] f32)                       -> dx [B-1, T, k] bf16:  bf16(x_i - x_0)
     product(x0 [1, T, k] f32, dx, ws, bs, low)       -> y0 [1, T, o] f32, yd [B-1, T, o] bf16
     add_rows(y0, yd)                                 -> y [B, T, o] f32:  y_0, y_0 + yd_i
     linear(ops, x [B, T, k] f32, ws, bs, low)        -> y [B, T, o] f32:  the three above in a row
-    gated_diff(y0 [1, T, 2I], yd [B-1, T, 2I], act)  -> a0 [1, T, I] f32, da [B-1, T, I] bf16
+    gated_diff(y0 [1, T, 2I], yd [B-1, T, 2I], act_name) -> a0 [1, T, I] f32, da [B-1, T, I] bf16
                                                         a = act(gate) * up on rows y0 and y0 + yd_i
 """
 
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .elementwise import ACTIVATIONS
 
 DIFF_DTYPE = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -45,9 +47,11 @@ def add_rows_reference(y0: torch.Tensor, yd: torch.Tensor) -> torch.Tensor:
     return torch.cat([y0, y0 + yd.float()])
 
 
-def gated_diff_reference(y0: torch.Tensor, yd: torch.Tensor, act) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_diff_reference(y0: torch.Tensor, yd: torch.Tensor, act_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated MLP activations from (gate | up) products: y0 [1, T, 2I] float32, yd [R, T, 2I] bf16 ->
-    a0 [1, T, I] float32 (= act(g0) * u0) and da [R, T, I] bf16 (= a(y0 + yd_i) - a0)."""
+    a0 [1, T, I] float32 (= act(g0) * u0) and da [R, T, I] bf16 (= a(y0 + yd_i) - a0); act: the activation
+    act_name names (sicl_fast.models.elementwise.ACTIVATIONS)."""
+    act = ACTIVATIONS[act_name]
     g0, u0 = y0.chunk(2, dim=-1)
     a0 = act(g0) * u0
     g, u = (y0 + yd.float()).chunk(2, dim=-1)
@@ -104,7 +108,7 @@ def product(x0: torch.Tensor, dx: torch.Tensor, ws, bs, low) -> tuple[torch.Tens
 def linear(ops, x: torch.Tensor, ws, bs, low) -> torch.Tensor:
     """x [B, T, k] float32 (rows 1.. near row 0) times the stacked weights ws (biases bs; low = their Bf16Weight
     or Fp8Weight) -> [B, T, sum o_j] float32: row 0's float32 product, the others' through their differences.
-    ops: the Ops object whose epilogues run."""
+    ops: the DecoderOps object whose epilogues run."""
     return ops.add_rows(*product(x[:1], ops.diff_rows(x), ws, bs, low))
 
 

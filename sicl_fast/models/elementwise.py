@@ -1,5 +1,5 @@
 """The decoder's elementwise work, as plain torch: the reference of the fused kernels (kernels/rms_norm.py,
-rope.py, gated.py, softcap.py) and what TorchOps runs. Out of place and differentiable. Numerics follow
+rope.py, gated.py, softcap.py) and what TorchDecoderOps runs. Out of place and differentiable. Numerics follow
 transformers 5.17 step by step: norm statistics in float32, every other intermediate rounded to the model dtype
 where transformers rounds it.
 

@@ -3,7 +3,7 @@
     Dense      plain products, any batch (F.linear in the model dtype)
     DiffDense  the difference products of a perturbation batch (rows 1.. near row 0; float32 models):
                row 0 in float32, the other rows' differences from it in bf16 (sicl_fast.models.diff), with the
-               epilogues of the model's Ops object
+               epilogues of the model's DecoderOps
 
     qkv(h [B, T, d]) -> q [B, T, H hd], k, v [B, T, Hk hd]
     out(o [B, T, H hd]) -> [B, T, d]
@@ -57,11 +57,11 @@ class Dense:
 
 
 class DiffDense(Dense):
-    """Difference products of one layer (module docstring): low = its LowWeights, ops = the model's Ops."""
+    """Difference products of one layer (module docstring): low = its LowWeights, ops = the model's DecoderOps."""
 
-    def __init__(self, L, act, act_name: str, low: LowWeights, ops) -> None:
+    def __init__(self, L, act_name: str, low: LowWeights, ops) -> None:
         super().__init__(L, act_name, ops)
-        self.act, self.low = act, low
+        self.low = low
 
     def qkv(self, h):
         L = self.L
@@ -75,7 +75,7 @@ class DiffDense(Dense):
         """The gated activations come out as row 0 and bf16 differences, ready for the down product."""
         L, ops = self.L, self.ops
         a0, da = ops.gated_diff(*diff.product(h[:1], ops.diff_rows(h), (L.w_gate, L.w_up), (L.b_gate, L.b_up),
-                                              self.low.gate_up), self.act, self.act_name)
+                                              self.low.gate_up), self.act_name)
         return ops.add_rows(*diff.product(a0, da, (L.w_down,), (L.b_down,), self.low.down))
 
 

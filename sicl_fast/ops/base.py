@@ -1,15 +1,17 @@
-"""The `Ops` protocol: every hot tensor operation that has several implementations, behind one object.
+"""The ops protocols: every hot tensor operation that has several implementations, behind two objects of one
+implementation, made once where the engine is built (`sicl_fast.ops.make_ops(impl, device)`, the impl resolved by
+the run plan, sicl_fast.plan) and passed down; nothing below decides again or reads the environment.
 
-One object is made once, where the engine is built (`sicl_fast.ops.make_ops`, called by make_backend), and
-passed down; nothing below it decides again or reads the environment. Implementations:
+    StepOps      the ascent's step: perturbation, update, proxy, span head, best X and the static step's bookkeeping
+                 (the backend holds it as `backend.ops`; Calibrator and the static / packed steps run it)
+    DecoderOps   the fast decoder's elementwise work and the difference products' epilogues (the model holds it)
 
-    TorchOps   (sicl_fast.ops.torch_ops)    the reference: plain torch, any device; the oracle of the others
-    CppOps     (sicl_fast.ops.cpp_ops)      the C++ extension sicl_fast._C: float32 CPU tensors
-    TritonOps  (sicl_fast.ops.triton_ops)   the Triton kernels sicl_fast.kernels: CUDA (or the CPU interpreter)
+Implementations: torch (sicl_fast.ops.torch_ops, the reference, any device; the oracle of the others), cpp
+(sicl_fast.ops.cpp_ops, the C++ extension sicl_fast._C, float32 CPU tensors), triton (sicl_fast.ops.triton_ops,
+the kernels sicl_fast.kernels: CUDA or the CPU interpreter). An implementation without its own form of an op
+inherits the reference's; where it adds nothing to a kernel, the kernel function itself is bound as the op.
 
-An implementation without its own form of an op inherits the reference's (CppOps' span head and the decoder's
-elementwise work). Shapes and dtypes:
-
+StepOps (shapes and dtypes):
     perturb(X [L, d] f32, step, spec, out=None) -> batch [B, b, d] f32
     update(X, X0 [L, d] f32, f [B], step, spec, out=None) -> (X_new [L, d] f32, fired int32 [1] on X's device)
         step: an int, or an int64 [1] tensor on X's device that the op reads there (device-resident loop state:
@@ -18,14 +20,13 @@ elementwise work). Shapes and dtypes:
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (sicl_fast.proxy)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
-    diff_rows(x [B, T, k] f32) -> [B-1, T, k] bf16                       (difference products, models/diff.py)
-    add_rows(y0 [1, T, o] f32, yd [R, T, o] bf16) -> [R+1, T, o] f32
-    gated_diff(y0 [1, T, 2I] f32, yd [R, T, 2I] bf16, act, act_name) -> (a0 [1, T, I] f32, da [R, T, I] bf16)
     track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.best)
-    advance(st: StaticStep, f [B], fired int32 [1], cfg) -> None          the static step's bookkeeping, in place
-                                                                          (sicl_fast.static.advance_reference)
+    advance(state: StepState, f [B], fired int32 [1], cfg) -> None        the static step's bookkeeping, in place
+                                                                          (sicl_fast.step_state.advance_reference)
+    cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
+                                address, so it holds these references (sicl_fast.graphs)
 
-The decoder's elementwise work (sicl_fast.models.elementwise is the reference; activations in the model dtype):
+DecoderOps (sicl_fast.models.elementwise and sicl_fast.models.diff hold the references; model dtype):
     residual_norm(x [.., d], y [.., d] or None, post_w [d] or None, w [d], eps, gemma) -> (x', h)
         x' = x + (rms_norm(y, post_w) or y), h = rms_norm(x', w); y None: (x, rms_norm(x, w))
     qk_rope(q [B, T, H, hd], k, v [B, T, Hk, hd], cos, sin [T, 1, hd], q_norm, k_norm, eps, gemma,
@@ -33,13 +34,14 @@ The decoder's elementwise work (sicl_fast.models.elementwise is the reference; a
             a fused implementation may overwrite q
     gated(gate [.., I], up [.., I], act_name) -> act(gate) * up
     softcap_(x, cap) -> cap tanh(x / cap)                 a fused implementation overwrites x
-
-    cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
-                                address, so it holds these references (sicl_fast.graphs)
+    diff_rows(x [B, T, k] f32) -> [B-1, T, k] bf16                       (difference products, models/diff.py)
+    add_rows(y0 [1, T, o] f32, yd [R, T, o] bf16) -> [R+1, T, o] f32
+    gated_diff(y0 [1, T, 2I] f32, yd [R, T, 2I] bf16, act_name) -> (a0 [1, T, I] f32, da [R, T, I] bf16)
+    kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -48,9 +50,8 @@ from ..proxy import ProxyOut, ProxyPlan
 from ..spec import StepSpec
 
 
-class Ops(Protocol):
+class StepOps(Protocol):
     name: str  # "torch", "cpp" or "triton": what CalibrationResult and benchmark records report
-    kv_in_place: bool  # qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -68,15 +69,16 @@ class Ops(Protocol):
     def span_head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                   softcap: float | None = None) -> torch.Tensor: ...
 
-    def diff_rows(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def add_rows(self, y0: torch.Tensor, yd: torch.Tensor) -> torch.Tensor: ...
-
-    def gated_diff(self, y0: torch.Tensor, yd: torch.Tensor, act, act_name: str) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     def track_best(self, f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState: ...
 
-    def advance(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None: ...
+    def advance(self, state, f: torch.Tensor, fired: torch.Tensor, cfg) -> None: ...
+
+    def cached_tensors(self) -> list: ...
+
+
+class DecoderOps(Protocol):
+    name: str
+    kv_in_place: bool
 
     def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -87,7 +89,18 @@ class Ops(Protocol):
 
     def softcap_(self, x: torch.Tensor, cap: float) -> torch.Tensor: ...
 
-    def cached_tensors(self) -> list: ...
+    def diff_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def add_rows(self, y0: torch.Tensor, yd: torch.Tensor) -> torch.Tensor: ...
+
+    def gated_diff(self, y0: torch.Tensor, yd: torch.Tensor, act_name: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Ops(NamedTuple):
+    """One implementation's two halves (make_ops)."""
+
+    step: StepOps
+    decoder: DecoderOps
 
 
 def fired_tensor(fired: bool, device) -> torch.Tensor:
@@ -95,4 +108,4 @@ def fired_tensor(fired: bool, device) -> torch.Tensor:
     return torch.full((1,), int(fired), dtype=torch.int32, device=device)
 
 
-__all__ = ["Ops", "fired_tensor"]
+__all__ = ["StepOps", "DecoderOps", "Ops", "fired_tensor"]

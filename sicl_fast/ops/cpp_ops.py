@@ -1,6 +1,6 @@
-"""CppOps: the C++ CPU implementation (extension `sicl_fast._C`, csrc/) of the step ops, the proxy and the
-difference-product epilogues, on float32 (and bf16) CPU tensors; the span head and best tracking are the
-reference's (TorchOps).
+"""The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy) and
+CppDecoderOps (the difference-product epilogues), on float32 (and bf16) CPU tensors; the span head, best tracking,
+the bookkeeping and the decoder's elementwise work are the reference's (TorchStepOps, TorchDecoderOps).
 
 Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.models.diff) and the same noise
 as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton kernels,
@@ -9,11 +9,11 @@ not depend on the thread count. Argument checks live in StepSpec and ProxyPlan /
 guards its raw buffers.
 
 Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the extension this module still
-imports; `available()` is False and CppOps() raises a SiclError saying how to build it.
+imports; `available()` is False and CppStepOps() raises a SiclError saying how to build it.
 
     available() -> bool                        the extension is importable
     randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.rng.directions)
-    CppOps                                     the Ops protocol (sicl_fast.ops.base)
+    CppStepOps, CppDecoderOps                  the ops protocols (sicl_fast.ops.base)
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from ..proxy import ProxyOut, ProxyPlan
 from ..rng import check_counter_range, step_seed
 from ..spec import StepSpec, f32
 from .base import fired_tensor
-from .torch_ops import TorchOps
+from .torch_ops import TorchDecoderOps, TorchStepOps
 
 try:  # the extension is optional
     from .. import _C  # type: ignore[attr-defined]
@@ -45,9 +45,13 @@ def available() -> bool:
 
 
 def _ext():
+    """The extension module; a SiclError saying how to build it when it is not built."""
     if _C is None:
         raise SiclError(f"the C++ extension sicl_fast._C is not built ({_IMPORT_ERROR}); {BUILD_HINT}")
     return _C
+
+
+require = _ext
 
 
 def num_threads() -> int:
@@ -93,8 +97,8 @@ def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
     return out
 
 
-class CppOps(TorchOps):
-    """The Ops protocol on the C++ extension (module docstring)."""
+class CppStepOps(TorchStepOps):
+    """The step ops on the C++ extension (module docstring)."""
 
     name = "cpp"
 
@@ -134,6 +138,15 @@ class CppOps(TorchOps):
                      float(plan.q), f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
         return ProxyOut(f=f, C=C, R=R, G=G, c=c)
 
+
+class CppDecoderOps(TorchDecoderOps):
+    """The difference epilogues on the C++ extension (module docstring); the rest is the reference's."""
+
+    name = "cpp"
+
+    def __init__(self) -> None:
+        _ext()
+
     def diff_rows(self, x):
         x = _cpu(x, "x", "cpp diff_rows")
         B = x.shape[0]
@@ -149,11 +162,11 @@ class CppOps(TorchOps):
         _ext().add_rows(y0.view(-1).numpy(), _bits(yd.view(R, -1)), out.view(R + 1, -1).numpy())
         return out
 
-    def gated_diff(self, y0, yd, act, act_name: str):
+    def gated_diff(self, y0, yd, act_name: str):
         """The C++ path has its own exp (about 1 ulp from torch's); activations it lacks take the reference."""
         code = CPP_ACTIVATIONS.get(act_name)
         if code is None:
-            return super().gated_diff(y0, yd, act, act_name)
+            return super().gated_diff(y0, yd, act_name)
         op = "cpp gated_diff"
         y0, yd = _cpu(y0, "y0", op), _cpu(yd, "yd", op, torch.bfloat16)
         _, T, I2 = y0.shape
@@ -164,4 +177,5 @@ class CppOps(TorchOps):
         return a0, da
 
 
-__all__ = ["available", "num_threads", "set_num_threads", "randn", "CppOps", "BUILD_HINT", "CPP_ACTIVATIONS"]
+__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "CppStepOps", "CppDecoderOps",
+           "BUILD_HINT", "CPP_ACTIVATIONS"]

@@ -1,9 +1,10 @@
-"""TorchOps: the reference implementation of every op of the `Ops` protocol, in plain torch (any device).
+"""The reference implementation of both ops protocols (sicl_fast.ops.base), in plain torch (any device).
 
-It materialises the directions U with the counter-based RNG (sicl_fast.rng) and calls the reference functions:
-sicl_fast.zo (step), sicl_fast.proxy, sicl_fast.logprobs (span head), sicl_fast.models.diff (difference
-epilogues), sicl_fast.best (best-X tracking), sicl_fast.models.elementwise (the decoder's norms, rotary,
-activation, soft-cap). It never calls C++ or Triton code.
+TorchStepOps materialises the directions U with the counter-based RNG (sicl_fast.rng) and calls the reference
+functions: sicl_fast.zo (step), sicl_fast.proxy, sicl_fast.logprobs (span head), sicl_fast.best (best-X tracking),
+sicl_fast.step_state (the static step's bookkeeping). TorchDecoderOps calls sicl_fast.models.elementwise (the
+decoder's norms, rotary, activation, soft-cap) and sicl_fast.models.diff (the difference epilogues). Neither ever
+calls C++ or Triton code. The C++ and Triton implementations subclass them for the ops they lack.
 """
 from __future__ import annotations
 
@@ -13,16 +14,20 @@ from .. import best, zo
 from ..logprobs import vocab_chunked_logprobs
 from ..models import diff
 from ..models import elementwise as ew
-from ..proxy import ProxyOut, ProxyPlan, checked_proxy, proxy_planned
+from ..proxy import ProxyOut, checked_proxy, proxy_planned
 from ..spec import StepSpec
+from ..step_state import advance_reference
 from .base import fired_tensor
 
 
-class TorchOps:
-    """The reference ops (module docstring). CppOps and TritonOps subclass it for the ops they lack."""
+class TorchStepOps:
+    """The reference step ops (module docstring)."""
 
     name = "torch"
-    kv_in_place = False  # qk_rope's k_out / v_out cost a copy here: the decoder passes none
+    proxy_planned = staticmethod(proxy_planned)
+    span_head = staticmethod(vocab_chunked_logprobs)
+    track_best = staticmethod(best.track_best)
+    advance = staticmethod(advance_reference)
 
     def cached_tensors(self) -> list:
         return []  # the reference caches nothing on the device
@@ -56,30 +61,17 @@ class TorchOps:
     def proxy(self, logprobs, offsets, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, check_values=True) -> ProxyOut:
         return checked_proxy(self.proxy_planned, logprobs, offsets, alpha, beta, gamma, q, check_values)
 
-    def proxy_planned(self, logprobs, plan: ProxyPlan) -> ProxyOut:
-        return proxy_planned(logprobs, plan)
 
-    def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
-        return vocab_chunked_logprobs(hidden, weight, targets, softcap=softcap)
+class TorchDecoderOps:
+    """The reference decoder ops (module docstring): out of place, differentiable."""
 
-    def diff_rows(self, x):
-        return diff.diff_rows_reference(x)
-
-    def add_rows(self, y0, yd):
-        return diff.add_rows_reference(y0, yd)
-
-    def gated_diff(self, y0, yd, act, act_name: str):
-        return diff.gated_diff_reference(y0, yd, act)
-
-    def track_best(self, f, X, state: best.BestState) -> best.BestState:
-        return best.track_best(f, X, state)
-
-    def advance(self, st, f, fired, cfg) -> None:
-        from ..static import advance_reference  # static builds on the ops: imported when first used
-
-        advance_reference(st, f, fired, cfg)
-
-    # the decoder's elementwise work (sicl_fast.models.elementwise): out of place, differentiable
+    name = "torch"
+    kv_in_place = False  # qk_rope's k_out / v_out cost a copy here: the decoder passes none
+    gated = staticmethod(ew.gated)
+    softcap_ = staticmethod(ew.softcap)
+    diff_rows = staticmethod(diff.diff_rows_reference)
+    add_rows = staticmethod(diff.add_rows_reference)
+    gated_diff = staticmethod(diff.gated_diff_reference)
 
     def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
         if y is None:
@@ -92,11 +84,5 @@ class TorchOps:
             k, v = k_out.copy_(k), v_out.copy_(v)
         return q, k, v
 
-    def gated(self, gate, up, act_name: str):
-        return ew.gated(gate, up, act_name)
 
-    def softcap_(self, x, cap: float):
-        return ew.softcap(x, cap)
-
-
-__all__ = ["TorchOps"]
+__all__ = ["TorchStepOps", "TorchDecoderOps"]

@@ -1,0 +1,359 @@
+"""The run plan: every mode of a run resolved once, from the user's choices and the loaded model, with every
+refusal rule, each in one place.
+
+    choices = Choices(backend="auto", impl="auto", ...)     the choices as given, checked before a model loads
+    plan = make_plan(lm, choices)   (or make_plan(lm, backend="fast", ...))          a frozen RunPlan
+    print(plan.explain())           every axis, its value and why it resolved so (`sicl-fast plan`)
+
+The axes:
+    backend       auto (fast for the families it runs, else hf), fast, fast-fp32 (fast with plain products), hf,
+                  naive
+    impl          the hot ops (sicl_fast.ops): auto (Triton on CUDA, the C++ extension on the CPU when built, else
+                  torch; torch for the exact gradient), torch, cpp, triton
+    attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton
+    diff_matmul   the fast decoder's difference products (sicl_fast.models.diff): auto, off, bf16, fp8
+    loop          static (the sync-free step, sicl_fast.static) or eager (Calibrator.run); sync_every
+    graphs        CUDA graphs of the static step and the decode step (sicl_fast.graphs)
+    pack          prompts per packed step (sicl_fast.packed)
+    estimator     whether the run takes the exact gradient (grad) and where a calibration of each estimator runs
+                  (loop_for, check_pack)
+    (threads: the next axis, added where the engine's thread pools are chosen)
+
+Engine, make_backend / build_backend, make_ops, the static, packed and graph paths and the CLI read the plan and
+decide nothing themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SiclError
+from .graphs import DEFAULT_CAPACITY, GRAPH_MODES
+from .knobs import check_range
+from .models.attention import ATTN_IMPLS, flash_available
+from .models.decoder_config import SUPPORTED_FAMILIES, DecoderConfig
+from .models.transformer import DIFF_MATMUL, fast_low_precision
+from .ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
+from .ops.triton_ops import load_kernels
+from .spec import check_choice
+
+LOOPS = ("auto", "static", "eager")
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    """What a backend name runs (the facts the rules below read)."""
+
+    cls: str  # the Backend class: 'fast', 'hf' or 'naive' (sicl_fast.backends)
+    plain: bool  # every product in float32 (fast-fp32: no difference products)
+    differentiable: bool  # has a forward autograd can run through (estimator 'grad', sicl_fast.grad)
+    sync_free: bool  # has a forward without host reads (FastBackend.span_forward): the static and packed steps
+
+
+BACKENDS = {
+    "fast": BackendKind("fast", plain=False, differentiable=True, sync_free=True),
+    "fast-fp32": BackendKind("fast", plain=True, differentiable=True, sync_free=True),
+    "hf": BackendKind("hf", plain=True, differentiable=True, sync_free=False),
+    "naive": BackendKind("naive", plain=True, differentiable=False, sync_free=False),
+}
+GRAD_BACKENDS = tuple(n for n, k in BACKENDS.items() if k.differentiable)
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the user asked for (every field as Engine takes it), checked on construction: no model needed."""
+
+    backend: str = "auto"
+    impl: str = "auto"
+    attn: str = "auto"
+    diff_matmul: str = "auto"
+    loop: str = "auto"
+    sync_every: int | None = None
+    graphs: str = "auto"
+    graph_cache: int = DEFAULT_CAPACITY
+    pack: int = 1
+    grad: bool = False  # the run takes the exact gradient (estimator 'grad')
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise SiclError(f"unknown backend {self.backend!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+        check_choice(self.impl, IMPLS, "impl", "ops")
+        if self.attn not in ATTN_IMPLS:
+            raise SiclError(f"unknown attention implementation {self.attn!r}; choose one of {ATTN_IMPLS}")
+        if self.diff_matmul not in DIFF_MATMUL:
+            raise SiclError(f"unknown diff_matmul {self.diff_matmul!r}; choose one of {DIFF_MATMUL}")
+        check_choice(self.loop, LOOPS, "loop", "Engine")
+        check_choice(self.graphs, GRAPH_MODES, "graphs", "Engine")
+        check_range("pack", self.pack, "Engine")
+        if self.sync_every is not None:
+            check_range("sync_every", self.sync_every, "Engine")
+
+
+# ------------------------------------------------------------------------------------------- the rules, once
+
+
+def forward_only(impl: str) -> str | None:
+    """Why `impl` cannot carry the exact gradient's backward (None: it can)."""
+    if impl in DIFFERENTIABLE_IMPLS:
+        return None
+    return (f"estimator 'grad' needs differentiable ops, and impl {impl!r} is forward-only (the C++ and Triton ops "
+            f"have no backward); use impl 'torch' or 'auto' (--impl torch)")
+
+
+def no_differentiable_forward(name: str) -> str:
+    return (f"the {name!r} backend has no differentiable forward; estimator 'grad' runs on the "
+            + ", ".join(f"'{n}'" for n in GRAD_BACKENDS[:-1]) + f" and '{GRAD_BACKENDS[-1]}' backends")
+
+
+def resolve_backend(name: str, family: str) -> tuple[str, str]:
+    if name != "auto":
+        return name, "asked for"
+    if family in SUPPORTED_FAMILIES:
+        return "fast", f"auto: the fast forward runs the {family!r} family"
+    return "hf", f"auto: the fast forward does not run the {family!r} family"
+
+
+def resolve_impl(impl: str, device, grad: bool = False) -> tuple[str, str]:
+    """(the implementation `impl` names on `device`, why); a SiclError when it cannot run there. grad: the run takes
+    the exact gradient, which needs a differentiable implementation (torch)."""
+    check_choice(impl, IMPLS, "impl", "ops")
+    dev = torch.device(device)
+    if grad and impl != "auto" and forward_only(impl):
+        raise SiclError(forward_only(impl))
+    if grad:
+        name, why = "torch", "auto: the exact gradient needs differentiable ops"
+    elif impl != "auto":
+        name, why = impl, "asked for"
+    elif dev.type == "cuda":
+        name, why = "triton", "auto: the model is on CUDA"
+    elif dev.type == "cpu" and cpp_ops.available():
+        name, why = "cpp", "auto: the C++ extension is built and the model is on the CPU"
+    else:
+        name, why = "torch", "auto: no Triton (not CUDA) and no C++ extension for this device"
+    if name == "cpp":
+        if dev.type != "cpu":
+            raise SiclError(f"impl 'cpp' runs on the CPU; the model is on {device} (use 'triton' or 'torch')")
+        cpp_ops.require()  # says how to build the extension when it is missing
+    elif name == "triton":
+        load_kernels(dev)  # says what is missing: triton, or CUDA / TRITON_INTERPRET=1
+    return name, why
+
+
+def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) -> tuple[str | None, str]:
+    if kind.cls != "fast":
+        return None, "transformers' own attention (not the fast decoder)"
+    dev = torch.device(device)
+    if attn == "triton":
+        load_kernels(dev, "attention implementation 'triton'", "'sdpa' / 'math'")
+    if attn == "flash" and not flash_available():
+        raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
+    if attn != "auto":
+        return attn, "asked for"
+    if impl == "triton":
+        return "triton", "auto: the fused prefix + rows kernel of impl 'triton'"
+    if dev.type == "cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
+        return "flash", "auto: flash-attn on CUDA, fp16 / bf16"
+    # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head shapes;
+    # soft-capped layers still go to the math path
+    return "sdpa", "auto: torch's SDPA (soft-capped layers take the math path)"
+
+
+def resolve_diff(diff: str, kind: BackendKind, device, dtype) -> tuple[str, str]:
+    if kind.cls != "fast":
+        return "off", "not the fast decoder"
+    if kind.plain:
+        return "off", "fast-fp32: every product in float32"
+    if diff in ("bf16", "fp8") and dtype != torch.float32:
+        raise SiclError(f"diff_matmul={diff!r} is for float32 models; this one is {dtype} (use 'off')")
+    if diff != "auto":
+        return diff, "asked for"
+    # 'fp8' is never chosen by 'auto': its accuracy is measured (bench/diff_accuracy.py) but its speed is not yet
+    if dtype != torch.float32:
+        return "off", "auto: nothing to gain below float32"
+    if fast_low_precision(torch.device(device)):
+        return "bf16", "auto: bf16 products are fast here (AVX512-BF16 / AMX, or CUDA sm_80+)"
+    return "off", "auto: bf16 products are not faster here"
+
+
+def resolve_loop(loop: str, name: str) -> tuple[str, str]:
+    sync_free = BACKENDS[name].sync_free
+    if loop == "static" and not sync_free:
+        raise SiclError(f"loop 'static' needs the fast backend's sync-free forward; {name!r} has none (use loop "
+                        "'eager' or 'auto')")
+    if loop == "eager":
+        return "eager", "asked for"
+    if loop == "static":
+        return "static", "asked for"
+    if sync_free:
+        return "static", f"auto: the {name!r} backend has a sync-free forward"
+    return "eager", f"auto: the {name!r} backend has no sync-free forward"
+
+
+def resolve_graphs(mode: str, device, static: bool, name: str, loop: str) -> tuple[bool, str]:
+    """'on' / 'off' / 'auto' (on for CUDA with the static loop) -> whether the engine captures, why."""
+    cuda = torch.device(device).type == "cuda"
+    if mode == "on" and not cuda:
+        raise SiclError(f"graphs 'on' needs a CUDA device; the model is on {torch.device(device)} (use 'auto' or "
+                        "'off')")
+    if mode == "on" and not static:
+        raise SiclError(f"graphs 'on' captures the static step; backend {name!r} with loop {loop!r} has none (use "
+                        "graphs 'auto' or 'off')")
+    if mode != "auto":
+        return mode == "on", "asked for"
+    if not cuda:
+        return False, "auto: not CUDA"
+    return static, "auto: CUDA and the static loop" if static else "auto: no static step to capture"
+
+
+def resolve_pack(pack: int, static: bool, name: str, loop: str) -> str:
+    if pack > 1 and not static:
+        raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {name!r}, loop {loop!r})")
+    return "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
+
+
+def default_sync_every(device) -> int:
+    """Steps between two reads of the static step's state: 1 on the CPU (a read costs nothing there and the
+    progress stays exact); 8 on a GPU (provisional: the GPU engine measures the best k)."""
+    return 1 if torch.device(device).type == "cpu" else 8
+
+
+def grad_refusal(impl: str, name: str, lm) -> str | None:
+    """Why estimator 'grad' cannot run on this implementation, backend and model (None: it can): forward-only ops,
+    a backend without a differentiable forward, weights autograd cannot go through."""
+    why = forward_only(impl)
+    if why:
+        return why
+    if not BACKENDS[name].differentiable:
+        return no_differentiable_forward(name)
+    params = list(lm.model.parameters())
+    bad = sorted({str(p.dtype) for p in params if not p.dtype.is_floating_point})
+    if bad:
+        return (f"estimator 'grad': model {lm.name!r} holds {', '.join(bad)} weights (quantized), which autograd "
+                "cannot run through; load it in a floating-point dtype")
+    if any(p.is_inference() for p in params):
+        return (f"estimator 'grad': the weights of {lm.name!r} were made under torch.inference_mode, and autograd "
+                "cannot use them; load the model outside inference_mode")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every axis of a run, resolved (module docstring). why: (axis, value, reason) per axis, for explain()."""
+
+    model: str
+    family: str
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # 'fast', 'fast-fp32', 'hf', 'naive': what results and records report
+    impl: str  # 'torch', 'cpp', 'triton'
+    attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton'); None: not the fast one
+    attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
+    diff_matmul: str  # 'off', 'bf16', 'fp8'
+    decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)
+    loop: str  # 'static' or 'eager': where zeroth-order calibrations run
+    loop_asked: str
+    sync_every: int
+    graphs: bool
+    graph_cache: int
+    pack: int
+    grad: bool  # the run takes the exact gradient: ops, backend and model checked differentiable
+    grad_refusal: str | None  # why estimator 'grad' cannot run on this plan (None: it can)
+    why: tuple = field(default=(), compare=False)
+
+    @property
+    def kind(self) -> BackendKind:
+        return BACKENDS[self.backend]
+
+    @property
+    def static(self) -> bool:
+        return self.loop == "static"
+
+    def check_grad(self) -> None:
+        """Refuse the exact gradient where it cannot run (grad_refusal)."""
+        if self.grad_refusal:
+            raise SiclError(self.grad_refusal)
+
+    def check_zeroth_order(self, estimator: str) -> None:
+        """The static and packed steps run the zeroth-order ascent only."""
+        if estimator == "grad":
+            raise SiclError("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on "
+                            "the eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
+
+    def require_sync_free(self, what: str) -> None:
+        """The static ('step') and packed ('packed') steps need the backend's forward without host reads."""
+        if self.kind.sync_free:
+            return
+        if what == "packed":
+            raise SiclError(f"the packed step needs the fast backend's sync-free forward; {self.backend!r} has none")
+        raise SiclError(f"the static step needs a forward without host reads, which the {self.backend!r} backend "
+                        "does not have; use the 'fast' or 'fast-fp32' backend, or the eager loop")
+
+    def loop_for(self, estimator: str) -> str:
+        """Where one calibration with `estimator` runs: 'static' or 'eager'. The exact gradient runs on the eager
+        loop when the loop was left to 'auto', is refused on a loop asked to be static, and needs grad_refusal None."""
+        if estimator != "grad":
+            return self.loop
+        if self.loop_asked == "static":
+            self.check_zeroth_order(estimator)
+        self.check_grad()
+        return "eager"
+
+    def check_pack(self, estimator: str) -> None:
+        """calibrate_many with pack > 1 runs the zeroth-order packed step only."""
+        if self.pack > 1 and estimator == "grad":
+            raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
+                            "time (pack 1)")
+
+    def explain(self) -> str:
+        """The plan as a table: every axis, its value and why."""
+        lines = [f"run plan: model {self.model} ({self.family}, {str(self.dtype).replace('torch.', '')}, "
+                 f"{self.device})"]
+        width = max(len(axis) for axis, _, _ in self.why)
+        for axis, value, reason in self.why:
+            lines.append(f"  {axis:<{width}}  {value!s:<13}  {reason}")
+        return "\n".join(lines)
+
+
+def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
+    """The RunPlan of `choices` (or Choices(**kw)) on the loaded model `lm` (module docstring). Raises a SiclError
+    (UnsupportedModelError for a model the fast backend cannot run) naming what cannot be done and what to do."""
+    c = choices if choices is not None else Choices(**kw)
+    dev, dtype, family = torch.device(lm.device), lm.dtype, lm.family
+    backend, why_backend = resolve_backend(c.backend, family)
+    kind = BACKENDS[backend]
+    decoder = DecoderConfig.from_hf(lm.text_config) if kind.cls == "fast" else None
+    impl, why_impl = resolve_impl(c.impl, dev, c.grad)
+    attention, why_attention = resolve_attention(c.attn, kind, dev, dtype, impl)
+    diff, why_diff = resolve_diff(c.diff_matmul, kind, dev, dtype)
+    loop, why_loop = resolve_loop(c.loop, backend)
+    static = loop == "static"
+    sync_every = c.sync_every if c.sync_every is not None else default_sync_every(dev)
+    why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
+    graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
+    why_pack = resolve_pack(c.pack, static, backend, c.loop)
+    refusal = grad_refusal(impl, backend, lm)
+    if c.grad and refusal:
+        raise SiclError(refusal)
+    if c.grad:
+        why_grad = "the run takes the exact gradient: differentiable ops, the eager loop"
+    else:
+        why_grad = f"forward / central on the {loop} loop; " + (f"'grad' refused: {refusal}" if refusal else
+                                                                "'grad' would run on the eager loop")
+    why = (("backend", backend, why_backend), ("impl", impl, why_impl),
+           ("attention", attention or "-", why_attention), ("diff_matmul", diff, why_diff),
+           ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
+           ("graphs", "on" if graphs else "off", why_graphs), ("pack", c.pack, why_pack),
+           ("estimator", "grad" if c.grad else "zeroth-order", why_grad))
+    return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
+                   attention=attention, attention_fallback=c.attn == "auto", diff_matmul=diff, decoder=decoder,
+                   loop=loop, loop_asked=c.loop, sync_every=sync_every, graphs=graphs, graph_cache=c.graph_cache,
+                   pack=c.pack, grad=c.grad, grad_refusal=refusal, why=why)
+
+
+__all__ = ["BACKENDS", "LOOPS", "BackendKind", "Choices", "RunPlan", "make_plan", "default_sync_every",
+           "forward_only", "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_backend",
+           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack"]

@@ -1,0 +1,205 @@
+"""The run plan (sicl_fast.plan): every refusal rule in one table, with the message it gives; what 'auto' resolves
+to on this machine; fast-fp32 as a plan; the engine, make_backend and the loops reading the plan."""
+import re
+
+import pytest
+import torch
+
+from sicl_fast import CalibrationConfig, Engine
+from sicl_fast.backends import FastBackend, build_backend, make_backend
+from sicl_fast.errors import SiclError
+from sicl_fast.models import from_transformers
+from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
+from sicl_fast.ops import cpp_ops
+from sicl_fast.packed import run_packed
+from sicl_fast.plan import Choices, RunPlan, make_plan, resolve_graphs, resolve_impl
+from sicl_fast.static import StaticStep
+from test_fast_backend import CharTokenizer, build, make_prompt, models  # noqa: F401 (fixture)
+from test_ops import why_unavailable
+
+
+@pytest.fixture(scope="module")
+def odd_models():
+    """A GPT-2 (no fast forward), a bfloat16 Llama, a Llama with a quantized (int8) weight, and one whose weights
+    were made under torch.inference_mode."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = from_transformers(GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2,
+                                                        n_positions=64)), CharTokenizer(), name="tiny-gpt2")
+    quant = build("llama")
+    quant.model.register_parameter("q8", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
+    with torch.inference_mode():
+        inference = build("llama")
+    return {"gpt2": gpt2, "bf16": build("llama", torch.bfloat16), "quant": quant, "inference": inference}
+
+
+def no_interpreter(monkeypatch):
+    """Triton's kernels without CUDA and without TRITON_INTERPRET=1."""
+    from sicl_fast import kernels
+
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
+
+
+def cpp_not_built(monkeypatch):
+    monkeypatch.setattr(cpp_ops, "_C", None)
+    monkeypatch.setattr(cpp_ops, "_IMPORT_ERROR", ImportError("no module"))
+
+
+def plan_of(model="llama", setup=None, then=None, needs=None, **choices):
+    """A case: make_plan on one of the models with `choices` (after setup(monkeypatch)), then then(plan); needs: an
+    implementation the case cannot run without."""
+    return dict(model=model, setup=setup, then=then, needs=needs, choices=choices)
+
+
+CFG = CalibrationConfig(N=2, max_steps=2, scale=1.0)
+# every refusal of the run plan: (case, the exception, the message it gives)
+REFUSALS = {
+    "unknown backend": (plan_of(backend="nope"), SiclError,
+                        r"unknown backend 'nope'; choose one of \['fast', 'fast-fp32', 'hf', 'naive'\] or 'auto'"),
+    "unknown impl": (plan_of(impl="fast"), SiclError, "ops: unknown impl 'fast'; choose one of"),
+    "unknown attention": (plan_of(attn="fa3"), SiclError, "unknown attention implementation 'fa3'"),
+    "unknown diff_matmul": (plan_of(diff_matmul="int4"), SiclError, "unknown diff_matmul 'int4'"),
+    "unknown loop": (plan_of(loop="fast"), SiclError, "Engine: unknown loop 'fast'"),
+    "unknown graphs": (plan_of(graphs="yes"), SiclError, "Engine: unknown graphs 'yes'"),
+    "pack not a count": (plan_of(pack=0), SiclError, "Engine: pack must be >= 1, got 0"),
+    "sync_every not a count": (plan_of(sync_every=True), SiclError, "Engine: sync_every must be an integer, got True"),
+    "fast on another family": (plan_of("gpt2", backend="fast"), UnsupportedModelError,
+                               "supports the model families llama, qwen3, gemma2, gemma3_text.*'gpt2'"),
+    "grad with forward-only ops": (plan_of(impl="cpp", grad=True), SiclError,
+                                   "estimator 'grad' needs differentiable ops, and impl 'cpp' is forward-only"),
+    "cpp off the CPU": (dict(call=lambda: resolve_impl("cpp", "cuda")), SiclError,
+                        "impl 'cpp' runs on the CPU; the model is on cuda .use 'triton' or 'torch'."),
+    "cpp not built": (plan_of(impl="cpp", setup=cpp_not_built), SiclError,
+                      "the C\\+\\+ extension sicl_fast._C is not built.*setup.py build_ext"),
+    "triton without CUDA or the interpreter": (plan_of(impl="triton", setup=no_interpreter, needs="triton"),
+                                               SiclError,
+                                               "impl 'triton' runs on CUDA; for cpu tensors set TRITON_INTERPRET=1"),
+    "triton attention without CUDA or the interpreter": (
+        plan_of(attn="triton", impl="torch", setup=no_interpreter, needs="triton"), SiclError,
+        "attention implementation 'triton' runs on CUDA.*'sdpa' / 'math'"),
+    "flash attention not installed": (plan_of(attn="flash", impl="torch"), SiclError,
+                                      "attention implementation 'flash' needs flash-attn"),
+    "difference products below float32": (plan_of("bf16", backend="fast", diff_matmul="bf16", impl="torch"),
+                                          SiclError, "diff_matmul='bf16' is for float32 models"),
+    "static loop without a sync-free forward": (plan_of(backend="hf", loop="static"), SiclError,
+                                                "loop 'static' needs the fast backend's sync-free forward; 'hf'"),
+    "graphs on without CUDA": (plan_of(graphs="on"), SiclError, "graphs 'on' needs a CUDA device; the model is on cpu"),
+    "graphs on without a static step": (dict(call=lambda: resolve_graphs("on", "cuda", False, "hf", "auto")),
+                                        SiclError, "graphs 'on' captures the static step; backend 'hf' with loop"),
+    "pack without the static loop": (plan_of(backend="fast", loop="eager", pack=2), SiclError,
+                                     r"pack > 1 needs the static loop on the fast backend \(backend 'fast', loop"),
+    "grad on a backend without a differentiable forward": (plan_of(backend="naive", grad=True), SiclError,
+                                                           "the 'naive' backend has no differentiable forward"),
+    "grad on quantized weights": (plan_of("quant", backend="hf", grad=True), SiclError,
+                                  "holds torch.int8 weights .quantized."),
+    "grad on inference-mode weights": (plan_of("inference", backend="hf", grad=True), SiclError,
+                                       "made under torch.inference_mode"),
+    # the rules a plan keeps for the calibrations that run on it
+    "grad on a loop asked to be static": (plan_of(backend="fast", loop="static", then=lambda p: p.loop_for("grad")),
+                                          SiclError, "static and packed steps run the zeroth-order ascent only"),
+    "grad on forward-only ops of a zeroth-order run": (plan_of(impl="cpp", needs="cpp",
+                                                               then=lambda p: p.loop_for("grad")),
+                                                       SiclError, "impl 'cpp' is forward-only"),
+    "grad packed": (plan_of(backend="fast", pack=2, then=lambda p: p.check_pack("grad")), SiclError,
+                    "estimator 'grad' calibrates one prompt at a time"),
+    "the static step on a backend without one": (plan_of(backend="hf", then=lambda p: p.require_sync_free("step")),
+                                                  SiclError, "the static step needs a forward without host reads"),
+    "the packed step on a backend without one": (plan_of(backend="hf", then=lambda p: p.require_sync_free("packed")),
+                                                 SiclError, "the packed step needs the fast backend's sync-free"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_every_refusal(name, models, odd_models, monkeypatch):
+    case, exc, message = REFUSALS[name]
+    if case.get("needs") and why_unavailable(case["needs"]):
+        pytest.skip(why_unavailable(case["needs"]))
+    with pytest.raises(exc, match=message):
+        if "call" in case:
+            case["call"]()
+        else:
+            if case["setup"] is not None:
+                case["setup"](monkeypatch)
+            lm = {**models, **odd_models}[case["model"]]
+            plan = make_plan(lm, **case["choices"])
+            if case["then"] is not None:
+                case["then"](plan)
+
+
+def test_the_table_keeps_up_with_the_module():
+    """A rule added to sicl_fast/plan.py without its row here fails this count: the table has a row per raise and
+    per categorical check of the module (some rules have two rows: their plan-time and calibration-time faces)."""
+    import sicl_fast.plan as plan
+
+    src = open(plan.__file__).read()
+    rules = len(re.findall(r"\braise SiclError\(", src)) + len(re.findall(r"\bcheck_choice\(self\.", src))
+    assert rules >= 19 and len(REFUSALS) >= rules
+
+
+def test_choices_are_checked_before_a_model_loads():
+    with pytest.raises(SiclError, match="unknown graphs 'yes'"):
+        Engine(model="no-such-model", graphs="yes")  # the choice fails first, not the model
+    with pytest.raises(SiclError, match="pack must be an integer, got 1.5"):
+        Choices(pack=1.5)
+
+
+def test_auto_on_this_machine(models, odd_models):
+    lm = models["llama"]
+    p = make_plan(lm)
+    assert p.backend == "fast" and p.kind.cls == "fast" and p.decoder.family == "llama"
+    assert p.impl == ("cpp" if cpp_ops.available() else "torch") and p.attention == "sdpa"
+    assert p.diff_matmul == ("bf16" if fast_low_precision(lm.device) else "off")
+    assert (p.loop, p.sync_every, p.graphs, p.pack, p.grad) == ("static", 1, False, 1, False)
+    assert make_plan(odd_models["gpt2"]).backend == "hf" and make_plan(odd_models["gpt2"]).loop == "eager"
+    g = make_plan(lm, grad=True)
+    assert g.impl == "torch" and g.grad_refusal is None and g.loop_for("grad") == "eager"
+    assert g.loop_for("forward") == "static"
+    assert make_plan(odd_models["bf16"], backend="fast", impl="torch").diff_matmul == "off"  # nothing to gain
+    if why_unavailable("triton") is None:
+        assert make_plan(lm, impl="triton").attention == "triton"  # the fused kernel of the Triton ops
+
+
+def test_fast_fp32_is_a_plan_not_a_class(models):
+    lm = models["qwen3"]
+    be = make_backend("fast-fp32", lm, impl="torch")
+    assert type(be) is FastBackend and be.name == be.plan.backend == "fast-fp32"
+    assert be.plan.diff_matmul == "off" and be.model.diff_dtype is None
+    assert make_backend("fast", lm, diff_matmul="bf16", impl="torch").model.diff_dtype == torch.bfloat16
+    assert make_plan(lm, backend="fast-fp32", diff_matmul="bf16").diff_matmul == "off"  # plain products, always
+
+
+def test_explain_names_every_axis(models):
+    text = make_plan(models["llama"], backend="fast-fp32", impl="torch").explain()
+    for axis in ("backend", "impl", "attention", "diff_matmul", "loop", "sync_every", "graphs", "pack", "estimator"):
+        assert re.search(rf"^  {axis} +\S", text, re.M), axis
+    assert "fast-fp32: every product in float32" in text and "tiny-llama" in text
+
+
+def test_engine_backends_and_loops_read_the_plan(models):
+    lm = models["llama"]
+    eng = Engine(lm, backend="fast-fp32", impl="torch", loop="eager", sync_every=3)
+    assert isinstance(eng.plan, RunPlan) and eng.backend.plan is eng.plan
+    assert eng.plan == make_plan(lm, backend="fast-fp32", impl="torch", loop="eager", sync_every=3)
+    assert build_backend(eng.plan, lm).name == "fast-fp32" and eng.plan.loop_for("forward") == "eager"
+    p = make_prompt(0)
+    with pytest.raises(SiclError, match="the static step needs a forward without host reads.*'hf'"):
+        StaticStep(make_backend("hf", lm, impl="torch"), CFG, p, lm.model.get_input_embeddings()(p.input_ids))
+    with pytest.raises(SiclError, match="packed step needs the fast backend"):
+        run_packed(make_backend("hf", lm, impl="torch"), [(p, CFG)], pack=2)
+
+
+def test_decoder_config_holds_the_family_quirks(models):
+    """DecoderConfig.from_hf, made once per model (the plan holds it): sizes and quirks as fields."""
+    from sicl_fast.models.decoder_config import DecoderConfig
+
+    cfgs = {f: DecoderConfig.from_hf(lm.text_config) for f, lm in models.items()}
+    assert {f: (c.gemma, c.attn_softcap, c.final_softcap, c.scales_inputs) for f, c in cfgs.items()} == {
+        "llama": (False, None, None, False), "qwen3": (False, None, None, False),
+        "gemma2": (True, 2.0, 5.0, True), "gemma3_text": (True, None, None, False)}
+    assert cfgs["llama"].attn_scale == 16 ** -0.5 and cfgs["gemma2"].attn_scale == 24 ** -0.5
+    assert cfgs["gemma2"].windows == (8, None, 8) and cfgs["llama"].windows == (None, None, None)
+    assert cfgs["gemma3_text"].rope_of_layer == ("sliding_attention", "full_attention", "sliding_attention")
+    assert set(cfgs["gemma3_text"].rope) == {"sliding_attention", "full_attention"} and cfgs["llama"].rope_of_layer == (
+        "all",) * 3
+    assert make_plan(models["qwen3"], backend="fast").decoder == cfgs["qwen3"]
+    assert make_plan(models["qwen3"], backend="hf").decoder is None

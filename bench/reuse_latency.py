@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--fresh-limit", type=int, default=None, help="time the fresh baseline on the first N queries")
     ap.add_argument("--case", choices=["exact", "fired"], default="exact")
-    ap.add_argument("--fired-eta", type=float, default=5.0)
-    ap.add_argument("--fired-kappa", type=float, default=0.9)
+    ap.add_argument("--fired-eta", type=float, default=10.0)
+    ap.add_argument("--fired-kappa", type=float, default=0.99)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
                     "load_before": load_before, "load_after": uptime()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join([sys.executable, *sys.argv]),
         "model": base.lm.name, "backend": base.backend.name, "impl": base.backend.ops.name, "case": args.case,
-        "reuse_mode": mode, "demos": args.demos, "queries": len(prompts), "prompt_tokens": [p.length for p in prompts][:3],
+        "reuse_mode": mode, "demos": args.demos, "queries": len(prompts),
+        "prompt_tokens": [p.length for p in prompts][:3],
         "config": {k: getattr(cfg, k) for k in ("N", "max_steps", "patience", "eta", "kappa", "seed")},
         "calibration": cal.summary() if cal is not None else None,
         "exact_share": sum(exact) / len(exact), "reuse_kinds": {k: [r.reuse for r in r_results].count(k)
@@ -160,8 +161,9 @@ def main(argv=None) -> int:
           f"case {args.case} (reuse {mode}); {out['machine']['load_before']}")
     print("| | first query s | p50 s | p95 s | mean s | total s |")
     print("|---|---|---|---|---|---|")
-    print(f"| reuse | {r['first_s']:.3f} | {r['p50_s']:.4f} | {r['p95_s']:.4f} | {r['mean_s']:.4f} | {r['total_s']:.2f} |")
-    print(f"| fresh | {f['first_s']:.3f} | {f['p50_s']:.4f} | {f['p95_s']:.4f} | {f['mean_s']:.4f} | {f['total_s']:.2f} |")
+    for name, x in (("reuse", r), ("fresh", f)):
+        print(f"| {name} | {x['first_s']:.3f} | {x['p50_s']:.4f} | {x['p95_s']:.4f} | {x['mean_s']:.4f} | "
+              f"{x['total_s']:.2f} |")
     if batch is not None:
         print(f"| answer_many (one batch) | | {out['batch']['per_query_s']:.4f} per query | | | {batch_s:.2f} |")
     print(f"p50 speed-up {out['speedup_p50']:.1f}x; answers identical {same} of {out['answers_compared']}; "

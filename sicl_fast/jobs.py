@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .answer import answer_result
 from .ascent import CalibrationConfig
 from .checks import check_step_memory
 from .export import CalibratedEmbeddings
@@ -55,8 +56,7 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
         rec = {"id": p.id, **res.summary()}
         if generate:
             rec["answer_base"] = engine.generate(p, max_new_tokens=max_new_tokens, stop_strings=stops).answer
-            rec["answer_calibrated"] = engine.generate(p, res.embeddings, max_new_tokens=max_new_tokens,
-                                                       stop_strings=stops).answer
+            rec["answer_calibrated"] = answer_result(engine, res, p, max_new_tokens, stops).answer
         if export:
             rec["embeddings"] = CalibratedEmbeddings.from_result(p, res.embeddings, engine.lm.name, rows="all")
         records[i] = rec

@@ -210,7 +210,7 @@ def write_jsonl(path, objs) -> str:
 CLI_FAST = ["--max-steps", "3", "--N", "4", "--tau", "0", "--patience", "0", "--seed", "3"]
 
 
-def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_llama_dir, tmp_path, capsys):
+def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp_path, capsys):
     from sicl_fast.cli import main
 
     other = {"id": "o", "demos": [{"input": "red", "output": "rot"}], "query": "blue"}
@@ -218,7 +218,7 @@ def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_llama_di
                                                                                 "query": "green"},
             request("twelve", "c")]
     path = write_jsonl(tmp_path / "r.jsonl", reqs)
-    model = ["--model", tiny_llama_dir]
+    model = ["--model", tiny_dir]
     out, off = tmp_path / "auto.jsonl", tmp_path / "off.jsonl"
     assert main(["calibrate", path, "--out", str(out), "--generate", "--max-new-tokens", "3", *model, *CLI_FAST]) == 0
     assert main(["calibrate", path, "--out", str(off), "--generate", "--max-new-tokens", "3", "--reuse", "off",
@@ -237,11 +237,11 @@ def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_llama_di
     assert "--reuse on with --pack 2" in capsys.readouterr().err
 
 
-def test_cli_store_directory_serves_a_rerun(tiny_llama_dir, tmp_path):
+def test_cli_store_directory_serves_a_rerun(tiny_dir, tmp_path):
     from sicl_fast.cli import main
 
     path = write_jsonl(tmp_path / "r.jsonl", [request("five", "a"), request("nine", "b")])
-    store = ["--store", str(tmp_path / "store"), "--model", tiny_llama_dir, *CLI_FAST]
+    store = ["--store", str(tmp_path / "store"), "--model", tiny_dir, *CLI_FAST]
     assert main(["calibrate", path, "--out", str(tmp_path / "1.jsonl"), *store]) == 0
     assert main(["calibrate", path, "--out", str(tmp_path / "2.jsonl"), *store]) == 0
     first, second = read_jsonl(tmp_path / "1.jsonl"), read_jsonl(tmp_path / "2.jsonl")
@@ -264,14 +264,14 @@ def test_cli_on_smollm2_reuses_with_the_same_answers(tmp_path):
     assert [r["best_proxy"] for r in got] == [r["best_proxy"] for r in ref]
 
 
-def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_llama_dir, tmp_path, capsys):
+def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_dir, tmp_path, capsys):
     """ICLEval gives every sample its own demonstrations: the numbers are those of calibrating each, and a rerun
     with the same --store reads every calibration back."""
     from conftest import ICLEVAL_EXCERPTS
     from sicl_fast.cli import main
 
     base = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "generate_order", "--limit", "1",
-            "--model", tiny_llama_dir, "--max-steps", "2", "--N", "2", "--tau", "0"]
+            "--model", tiny_dir, "--max-steps", "2", "--N", "2", "--tau", "0"]
     runs = {}
     for name, extra in (("off", ["--reuse", "off"]), ("first", ["--store", str(tmp_path / "s")]),
                         ("rerun", ["--store", str(tmp_path / "s")])):

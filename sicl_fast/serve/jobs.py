@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ..answer import answer_result
 from ..ascent import CalibrationResult
-from ..reuse import ReusedResult
 from ..export import CalibratedEmbeddings
+from ..reuse import ReusedResult
 from ..records import proxy_record
 from .queue import Cancelled, Job
 from .validate import CalibrateCall, ProxyCall
@@ -35,10 +36,9 @@ def run_calibrate(engine, call: CalibrateCall, job: Job, on_step: Callable[[int,
         body["reuse"] = res.reuse_info()
     if call.generate:
         # a cancellation mid-decoding stops it at the next token (the reply is dropped anyway)
-        def gen(embeds):
-            return engine.generate(prompt, embeds, max_new_tokens=call.max_new_tokens, stop_strings=call.stop,
-                                   stop_fn=lambda _text: job.cancelled).answer
-        body["answers"] = {"base": gen(None), "calibrated": gen(res.embeddings)}
+        stop = dict(max_new_tokens=call.max_new_tokens, stop_strings=call.stop, stop_fn=lambda _text: job.cancelled)
+        body["answers"] = {"base": engine.generate(prompt, **stop).answer,
+                           "calibrated": answer_result(engine, res, prompt, **stop).answer}
         if job.cancelled:
             raise Cancelled()
     if call.return_embeddings:

@@ -409,7 +409,7 @@ def cmd_demo(args) -> int:
     prompt = eng.prepare(DEMO_REQUEST, reserve=args.max_new_tokens)
     over = _overrides(args)
     if over["max_steps"] is None:
-        over["max_steps"] = 15  # a short demo: a few seconds a step on a 2-core CPU (--max-steps for more)
+        over["max_steps"] = 15  # a short demo; --max-steps for more
     cfg = eng.config(**over)
     stops = args.stop or ["\n"]
     base = eng.generate(prompt, max_new_tokens=args.max_new_tokens, stop_strings=stops)

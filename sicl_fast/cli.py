@@ -456,7 +456,7 @@ def cmd_demo(args) -> int:
     prompt = eng.prepare(DEMO_REQUEST, reserve=args.max_new_tokens)
     over = _overrides(args)
     if over["max_steps"] is None:
-        over["max_steps"] = 15  # keeps the demo well under a minute on a laptop CPU
+        over["max_steps"] = 15  # a short demo; --max-steps for more
     cfg = eng.config(**over)
     stops = args.stop or ["\n"]
     base = eng.generate(prompt, max_new_tokens=args.max_new_tokens, stop_strings=stops)

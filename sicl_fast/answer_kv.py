@@ -24,7 +24,7 @@ import torch
 
 from .errors import SiclError
 from .generate import Generation, _take, check_inputs, cut_at_stops
-from .models.attention import attend_math, merge, visibility
+from .models.attention import attend_math, merge
 from .models.transformer import Positions
 
 

@@ -225,10 +225,12 @@ class Calibrator:
         X0: torch.Tensor | None = None,
         on_step: Callable[[int, float], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,
+        on_update: Callable[[torch.Tensor], None] | None = None,
     ) -> CalibrationResult:
         """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32).
         should_stop: checked once per step after the best X is updated; a returned string (e.g. "deadline")
-        ends the run with that stop_reason and the best X so far."""
+        ends the run with that stop_reason and the best X so far. on_update(X): called with X [L, d] after each
+        update (sicl_fast.reuse watches the whole-matrix cosine there)."""
         cfg = self.config
         t0 = time.perf_counter()
         X0 = self.initial_embeddings(prompt, X0)
@@ -279,6 +281,8 @@ class Calibrator:
                 break  # the next X would never be evaluated
             X, fired = self.advance(X, X0, f, g, spec, step)
             projections += int(fired)
+            if on_update is not None:
+                on_update(X)
         return CalibrationResult(
             embeddings=best_X.clone(),
             initial_proxy=initial,

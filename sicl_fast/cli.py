@@ -201,6 +201,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "ascent": _group("ascent", lambda g: _knob_flags(g, ascent)),
         "step": _group("ascent step", lambda g: _knob_flags(g, step)),
         "generate": _group("answers", _generate),
+        "store": _group("calibration store (docs/store.md)", _store),
         "ray": _group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")', _ray),
         "debug": _group("errors", lambda g: g.add_argument(
             "--debug", action="store_true", help="show the full traceback of an unexpected error")),
@@ -211,15 +212,54 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
 COMMAND_GROUPS = {
     "demo": ("model", "tokens", "backend", "ops", "loop", "proxy", "ascent", "generate"),
     "proxy": ("model", "tokens", "backend", "ops", "proxy"),
-    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "generate", "ray"),
-    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "ray"),
+    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "generate", "ray", "store"),
+    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "ray", "store"),
     "bench": ("model", "ops", "loop", "pack", "proxy", "step"),
     "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
     "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
-    "serve": ("model", "tokens", "backend", "ops", "loop"),
+    "serve": ("model", "tokens", "backend", "ops", "loop", "store"),
     "plan": ("model", "backend", "ops", "loop", "pack", "ascent"),
     "report": (),
 }
+
+
+def _store(g) -> None:
+    """The calibration store (sicl_fast.store, sicl_fast.reuse): --reuse, --store, --store-mib."""
+    from .reuse import REUSE_MODES
+    from .store import DEFAULT_MAX_BYTES
+
+    g.add_argument("--reuse", default=None, choices=REUSE_MODES,
+                   help="auto (default): requests sharing their instruction and demonstrations are calibrated once "
+                        "and reused where that is exact, calibrated per query where it is not; on: reuse always "
+                        "(records say when it is approximate); off: calibrate every request (the default with "
+                        "--pack > 1, which calibrates packed, without the store)")
+    g.add_argument("--store", default=None, metavar="DIR",
+                   help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
+                        "memory only)")
+    g.add_argument("--store-mib", type=arg_type("store_mib"), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
+                   help=f"memory the store may hold, in MiB (default {DEFAULT_MAX_BYTES >> 20})")
+
+
+def reuse_mode(args) -> str:
+    """--reuse resolved: auto unless packing (--pack > 1 calibrates packed, without the store)."""
+    pack = getattr(args, "pack", 1)
+    if args.reuse is None:
+        return "auto" if pack == 1 else "off"
+    if args.reuse != "off" and pack > 1:
+        raise SiclError(f"--reuse {args.reuse} with --pack {pack}: packed calibration does not use the store; "
+                        "use --reuse off, or --pack 1")
+    return args.reuse
+
+
+def _store_line(workers, args) -> None:
+    """One stderr line on what the store did (this process's engine; a Ray pool's workers keep their own)."""
+    from .jobs import store_counts
+
+    if reuse_mode(args) == "off" or getattr(args, "ray", None) is not None:
+        return
+    n = workers.call(store_counts)
+    where = f" (memory and {args.store})" if args.store else " (memory)"
+    print(f"store: {n['reused']} calibration(s) reused, {n['calibrated']} run{where}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,6 +384,10 @@ def _check_flags(args) -> None:
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
     if getattr(args, "stop", None) is not None:
         check_stops(args.stop, "--stop")
+    if hasattr(args, "reuse"):
+        reuse_mode(args)
+        if args.store is not None:
+            require("safetensors")
     if _wants_grad(args) and hasattr(args, "impl"):
         from .plan import resolve_impl
 
@@ -373,7 +417,10 @@ def _plan_choices(args, **over) -> dict:
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
-    return dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
+    kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
+    if hasattr(args, "reuse"):  # the commands with the store's flags
+        kw.update(reuse=reuse_mode(args), store_dir=args.store, store_bytes=args.store_mib << 20)
+    return kw
 
 
 def _engine(args, add_special_tokens=None):
@@ -446,7 +493,7 @@ def cmd_calibrate(args) -> int:
     import functools
 
     from .export import ExportingWriter, check_export_dir
-    from .jobs import calibrate_requests, check_requests
+    from .jobs import calibrate_requests, check_requests, group_requests
     from .records import ResultWriter, check_output
     from .requests import read_requests
     from .workers import write_all
@@ -467,10 +514,14 @@ def cmd_calibrate(args) -> int:
             if len(todo) < len(requests):
                 print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {args.out}",
                       file=sys.stderr)
-            chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
+            if reuse_mode(args) != "off":  # one chunk per calibration key: each group calibrated once
+                chunks = [[todo[i] for i in g] for g in workers.call(group_requests, todo, cfg)]
+            else:
+                chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
             with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
                 write_all(workers, work, chunks, ExportingWriter(out, args.export) if args.export else out,
                           lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar)
+        _store_line(workers, args)
     return 0
 
 
@@ -481,7 +532,9 @@ def cmd_icleval(args) -> int:
     check_icleval_args(args)
     with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
         cfg = workers.config(**_overrides(args))
-        return run_icleval_from_args(workers, cfg, args)
+        rc = run_icleval_from_args(workers, cfg, args)
+        _store_line(workers, args)
+        return rc
 
 
 def cmd_report(args) -> int:

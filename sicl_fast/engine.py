@@ -23,6 +23,9 @@ from .proxy import ProxyOut
 from .requests import Request, parse_request
 from .spans import Prompt, tokenize
 from .static import StepCache, run_static
+from .answer import answer_batch, answer_one
+from .reuse import Reuser, check_reuse
+from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 
 class Engine:
@@ -38,7 +41,11 @@ class Engine:
     eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for CUDA), 'on', 'off':
     static-loop calibrations replay a CUDA graph of the step, captured once per prompt shape, and the fast backend
     decodes through captured graphs (sicl_fast.graphs); at most `graph_cache` graphs of each kind are kept. Results
-    equal the uncaptured path's. The packed step (pack > 1) runs uncaptured."""
+    equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
+    reuse: what `calibrate` does by default with the calibration store (sicl_fast.reuse): 'off' (calibrate every
+    prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always). store: a CalibrationStore
+    (shared between engines if you like); else one is made with `store_bytes` of memory and, with `store_dir`,
+    a directory on disk (shared by processes)."""
 
     def __init__(
         self,
@@ -57,7 +64,14 @@ class Engine:
         graphs: str = "auto",
         graph_cache: int = DEFAULT_CAPACITY,
         attn: str = "auto",
+        reuse: str = "off",
+        store: CalibrationStore | None = None,
+        store_dir: str | None = None,
+        store_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
+        self.reuse = check_reuse(reuse)
+        self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
+        self._reuser = None
         choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
                           sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad)
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
@@ -91,12 +105,39 @@ class Engine:
         check_prompt(prompt, self.lm)
         return self.backend.embed(prompt) if embeds is None else check_embeddings(embeds, prompt, self.lm)
 
-    def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, **overrides) -> CalibrationResult:
+    def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, reuse: str | None = None,
+                  should_stop=None, **overrides) -> CalibrationResult:
+        """Calibrate a prompt. reuse (default: the engine's): 'off' runs it; 'auto' / 'on' go through the store
+        and return a ReusedResult (a CalibrationResult that says whether it reused, which key, whether exact, and
+        holds the stored Calibration in `.calibration`). should_stop: as Calibrator.run's."""
         cfg = self.config(config, **overrides)
+        mode = self.reuse if reuse is None else check_reuse(reuse)
+        if mode != "off":
+            return self.reuser.calibrate(prompt, cfg, mode, on_step=on_step, should_stop=should_stop)
+        return self.run(prompt, cfg, on_step=on_step, should_stop=should_stop)
+
+    def run(self, prompt: Prompt, cfg: CalibrationConfig, on_step=None, should_stop=None,
+            on_update=None) -> CalibrationResult:
+        """One calibration on this engine's loop, without the store (hooks as Calibrator.run's)."""
         if self.plan.loop_for(cfg.estimator) == "static":
             return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
-                              steps=self.steps)
-        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step)
+                              should_stop=should_stop, steps=self.steps, on_update=on_update)
+        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop, on_update=on_update)
+
+    @property
+    def reuser(self) -> Reuser:
+        if self._reuser is None:
+            self._reuser = Reuser(self, self.store)
+        return self._reuser
+
+    def answer(self, calibration, query, max_new_tokens: int = 32, stop_strings=("\n",), stop_fn=None) -> Generation:
+        """The greedy answer to `query` (a Prompt, or a request in either form, whose rows [0, b) are the
+        calibration's) from a stored Calibration (or a ReusedResult holding one): sicl_fast.answer."""
+        return answer_one(self, calibration, query, max_new_tokens, stop_strings, stop_fn)
+
+    def answer_many(self, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",)) -> list[Generation]:
+        """Greedy answers to many queries on one stored calibration, decoded as one batch (sicl_fast.answer)."""
+        return answer_batch(self, calibration, queries, max_new_tokens, stop_strings)
 
     def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,
                        **overrides) -> list[CalibrationResult]:

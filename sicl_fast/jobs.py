@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .answer import answer_result
 from .ascent import CalibrationConfig
 from .checks import check_step_memory
 from .export import CalibratedEmbeddings
@@ -20,6 +21,23 @@ def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config
         if config is not None:
             check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack)
     return len(requests)
+
+
+def group_requests(engine, requests: Sequence[Request], config: CalibrationConfig) -> list[list[int]]:
+    """The requests' indices grouped by the key of their calibration (sicl_fast.reuse: the same instruction,
+    demonstrations and config), groups in order of first appearance. A request that cannot share its calibration
+    (its query is perturbed) is a group of its own."""
+    cfg = engine.reuser.resolve(engine.config(config))
+    groups: dict = {}
+    for i, r in enumerate(requests):
+        key = i if cfg.perturb_query else engine.reuser.key(engine.prepare(r), cfg)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def store_counts(engine) -> dict:
+    """How many of the engine's calibrations came from its store, and how many ran."""
+    return dict(engine.reuser.counts)
 
 
 def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
@@ -38,8 +56,7 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
         rec = {"id": p.id, **res.summary()}
         if generate:
             rec["answer_base"] = engine.generate(p, max_new_tokens=max_new_tokens, stop_strings=stops).answer
-            rec["answer_calibrated"] = engine.generate(p, res.embeddings, max_new_tokens=max_new_tokens,
-                                                       stop_strings=stops).answer
+            rec["answer_calibrated"] = answer_result(engine, res, p, max_new_tokens, stops).answer
         if export:
             rec["embeddings"] = CalibratedEmbeddings.from_result(p, res.embeddings, engine.lm.name, rows="all")
         records[i] = rec
@@ -48,4 +65,4 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
     return records
 
 
-__all__ = ["check_requests", "calibrate_requests"]
+__all__ = ["check_requests", "group_requests", "store_counts", "calibrate_requests"]

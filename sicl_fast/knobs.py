@@ -59,6 +59,7 @@ RANGES: dict[str, Range] = {
     "sync_every": Range(1, MAX_STEPS, why="the largest max_steps"),
     "pack": Range(1, 1024, why="prompts calibrated at once"),
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
+    "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
     # a Ray pool
     "workers": Range(1, 4096, why="engine actors"),
     "cpus_per_worker": Range(1, 4096, why="CPUs of one actor"),

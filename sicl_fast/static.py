@@ -162,13 +162,14 @@ class StepCache:
 
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
-               sync_every: int | None = None, on_step=None, should_stop=None, steps: StepCache | None = None
-               ) -> CalibrationResult:
+               sync_every: int | None = None, on_step=None, should_stop=None, steps: StepCache | None = None,
+               on_update=None) -> CalibrationResult:
     """Calibrate one prompt with the static step, reading its state back every `sync_every` steps (None: the
     backend's run plan's). Returns the CalibrationResult the eager loop would (history, best_step, stop_reason,
     steps, projections, embeddings). should_stop: as Calibrator.run's, checked at each read; a returned string ends
     the run with that stop_reason and the best X so far. steps: a StepCache to take the step (and its graph) from;
-    None: a new step."""
+    None: a new step. on_update(X): called with the state's X [L, d] after every step (device work only, no host
+    read)."""
     sync_every = backend.plan.sync_every if sync_every is None else sync_every
     check_range("sync_every", sync_every, "run_static")
     t0 = time.perf_counter()
@@ -182,6 +183,8 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     while True:
         for _ in range(min(sync_every, config.max_steps - n)):  # no calls past the last step the run can take
             run()
+            if on_update is not None:
+                on_update(st.state.X)
         done, n = int(st.state.reason) != RUNNING, int(st.state.steps_run)  # the one read per sync_every steps
         if on_step is not None and n > reported:
             for i, v in enumerate(st.state.history[reported:n].tolist(), start=reported):

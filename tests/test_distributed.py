@@ -172,7 +172,7 @@ def pool(ray_cluster, tiny_dir):
     cluster until the module ends, so these tests come last in the file (others' actors could not be placed)."""
     from sicl_fast.distributed import RayPool
 
-    with RayPool({"model": tiny_dir}, workers=2, max_retries=2) as p:
+    with RayPool({"model": tiny_dir, "reuse": "auto"}, workers=2, max_retries=2) as p:  # as `calibrate` builds them
         yield p
 
 

@@ -96,8 +96,10 @@ def post(server, path: str, body=None, content: bytes | None = None, headers=JSO
 
 
 def error_of(r: httpx.Response) -> dict:
-    err = r.json()["error"]
+    """The error object's own fields (kind, message, status), after checking the OpenAI ones every error carries."""
+    err = dict(r.json()["error"])
     assert err["status"] == r.status_code and "Traceback" not in err["message"]
+    assert err.pop("code") == err["kind"] and err.pop("param") is None and isinstance(err.pop("type"), str)
     return err
 
 

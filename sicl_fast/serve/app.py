@@ -18,12 +18,12 @@ from . import errors, openapi
 from .auth import key_dependencies
 from .metrics import RequestMetrics
 from .overload import LimitConcurrency
-from .routes import calibration, info
+from .routes import calibration, chat, info
 from .settings import ServeSettings
 from .shutdown import RefuseWhileDraining
 from .state import ServeState
 
-ROUTES = (info, calibration)  # modules with `router` (behind the key), `BODIES` and maybe `public` (no key)
+ROUTES = (info, calibration, chat)  # modules with `router` (behind the key), `BODIES` and maybe `public` (no key)
 CLOSE_WAIT_S = 30.0  # at exit without a drain, how long to wait for the running job to stop at its next step
 
 

@@ -1,5 +1,6 @@
-"""Error replies. Every error is {"error": {"kind", "message", "status"}} with the X-Request-ID header, and none
-reaches uvicorn (which would answer in plain text and drop the keep-alive connection).
+"""Error replies. Every error is {"error": {"kind", "message", "status", "type", "code", "param"}} with the
+X-Request-ID header (type / code / param: the OpenAI error object's fields, so OpenAI clients read it too: code is
+the kind), and none reaches uvicorn (which would answer in plain text and drop the keep-alive connection).
 
     ServeHTTPError   raised by the server's own checks: status, kind (the metrics label), one-line message, headers
     install(app)     the exception handlers: ServeHTTPError; SiclError (the client's input: status and kind from
@@ -31,6 +32,10 @@ ERROR_KINDS: tuple[tuple[type, str, int], ...] = (
     (TextError, "bad_text", 400), (LimitError, "limit", 422), (ContextLengthError, "context_length", 422), (NumericalError, "numerical", 422),
     (SiclError, "invalid_request", 422))
 HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
+# HTTP status -> the OpenAI error object's `type`
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error"}
 
 
 class ServeHTTPError(Exception):
@@ -45,7 +50,9 @@ def error_response(request: Request, exc: ServeHTTPError) -> JSONResponse:
     """The JSON reply of an error; counted in sicl_fast_errors_total and noted on the request's log line."""
     request.app.state.serve.metrics.errors.labels(exc.kind).inc()
     note(request, error=exc.kind)
-    return JSONResponse({"error": {"kind": exc.kind, "message": exc.message, "status": exc.status}},
+    return JSONResponse({"error": {"kind": exc.kind, "message": exc.message, "status": exc.status,
+                                   "type": OPENAI_TYPES.get(exc.status, "server_error"), "code": exc.kind,
+                                   "param": None}},
                         status_code=exc.status, headers=exc.headers)
 
 
@@ -60,9 +67,14 @@ async def _serve_error(request: Request, exc: ServeHTTPError) -> JSONResponse:
     return error_response(request, exc)
 
 
+def from_sicl_error(exc: SiclError, status: int | None = None) -> ServeHTTPError:
+    """The reply to a SiclError: its kind and status from ERROR_KINDS (or the given status)."""
+    kind, default = next((k, s) for cls, k, s in ERROR_KINDS if isinstance(exc, cls))
+    return ServeHTTPError(status or default, kind, str(exc))
+
+
 async def _sicl_error(request: Request, exc: SiclError) -> JSONResponse:
-    kind, status = next((k, s) for cls, k, s in ERROR_KINDS if isinstance(exc, cls))
-    return error_response(request, ServeHTTPError(status, kind, str(exc)))
+    return error_response(request, from_sicl_error(exc))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ..ascent import Calibrator
+from ..answer import answer_result
+from ..ascent import CalibrationResult
 from ..export import CalibratedEmbeddings
+from ..reuse import ReusedResult
 from ..records import proxy_record
 from .queue import Cancelled, Job
 from .validate import CalibrateCall, ProxyCall
@@ -25,17 +27,18 @@ def run_proxy(engine, call: ProxyCall, job: Job) -> dict:
 def run_calibrate(engine, call: CalibrateCall, job: Job, on_step: Callable[[int, float], None] | None = None) -> dict:
     """The ascent (stopped early by the job's deadline or cancellation), then the optional answers and rows."""
     prompt = call.prompt
-    res = Calibrator(engine.backend, call.config).run(prompt, on_step=on_step, should_stop=job.stop_reason)
+    res = engine.calibrate(prompt, call.config, on_step=on_step, reuse=call.reuse, should_stop=job.stop_reason)
     if res.stop_reason == "cancelled":
         raise Cancelled()
-    body = {"id": prompt.id, "model": engine.lm.name, "summary": res.summary(), "history": res.history,
+    body = {"id": prompt.id, "model": engine.lm.name, "summary": CalibrationResult.summary(res), "history": res.history,
             "config": dataclasses.asdict(res.config), "prompt": prompt_info(prompt)}
+    if isinstance(res, ReusedResult):
+        body["reuse"] = res.reuse_info()
     if call.generate:
         # a cancellation mid-decoding stops it at the next token (the reply is dropped anyway)
-        def gen(embeds):
-            return engine.generate(prompt, embeds, max_new_tokens=call.max_new_tokens, stop_strings=call.stop,
-                                   stop_fn=lambda _text: job.cancelled).answer
-        body["answers"] = {"base": gen(None), "calibrated": gen(res.embeddings)}
+        stop = dict(max_new_tokens=call.max_new_tokens, stop_strings=call.stop, stop_fn=lambda _text: job.cancelled)
+        body["answers"] = {"base": engine.generate(prompt, **stop).answer,
+                           "calibrated": answer_result(engine, res, prompt, **stop).answer}
         if job.cancelled:
             raise Cancelled()
     if call.return_embeddings:

@@ -17,6 +17,7 @@ from ..ascent import CalibrationConfig
 from ..export import ROW_CHOICES, WIRE_DTYPES
 from ..knobs import RANGES
 from ..requests import DEFAULT_TEMPLATE
+from ..reuse import REUSE_MODES
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -76,6 +77,9 @@ class CalibrateBody(ProxyBody):
         "demos", description="'demos': the perturbed rows [a, b); 'all': every row of the prompt")
     timeout_s: Optional[float] = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
                                                                "so far is returned with stop_reason 'deadline'")
+    reuse: Optional[Literal[REUSE_MODES]] = Field(  # type: ignore[valid-type]
+        None, description="the calibration store (docs/store.md): 'auto' reuses a stored calibration where exact, "
+                          "'on' always, 'off' never (default: the server's --reuse)")
 
 
 def validation_message(exc: ValidationError, body: Any) -> str:

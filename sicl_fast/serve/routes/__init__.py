@@ -6,4 +6,5 @@ should say with metrics.note.
 
     info.py          GET /health (no key: `public`), GET /v1/models, GET /metrics
     calibration.py   POST /v1/proxy, POST /v1/calibrate
+    chat.py          POST /v1/chat/completions (OpenAI Chat Completions over a calibrated few-shot conversation)
 """

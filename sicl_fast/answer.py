@@ -1,0 +1,66 @@
+"""Answering queries from a stored calibration (sicl_fast.store.Calibration).
+
+    engine.answer(calibration, query)          one greedy answer
+    engine.answer_many(calibration, queries)   many, decoded as one batch
+
+A query is a Prompt or a request (either JSON form) whose rows [0, b) are the calibration's (same token ids, spans
+and first demonstration row; sicl_fast.reuse.fits refuses any other). Its answer is the greedy decoding of the
+full calibrated matrix: the calibration's rows [0, b), then the query's own embeddings. On the fast backends it
+runs query-only (sicl_fast.answer_kv): the query's rows are prefilled against the stored K/V of rows [0, b),
+computed once per calibration and counted in the store's memory; other backends decode the full matrix.
+"""
+from __future__ import annotations
+
+from .answer_kv import answer_batch as kv_answers, supports_kv_answers
+from .errors import SiclError
+from .generate import Generation
+from .reuse import fits, full_embeddings
+from .spans import Prompt
+from .store import Calibration
+
+
+def calibration_of(obj) -> Calibration:
+    """A Calibration, or the one a ReusedResult holds."""
+    cal = getattr(obj, "calibration", obj)
+    if not isinstance(cal, Calibration):
+        raise SiclError("calibration: must be a stored Calibration (or the result of Engine.calibrate with reuse "
+                        f"'auto' / 'on' that holds one), got {type(obj).__name__}")
+    return cal
+
+
+def query_prompt(engine, query, reserve: int) -> Prompt:
+    return query if isinstance(query, Prompt) else engine.prepare(query, reserve=reserve)
+
+
+def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",),
+                 stop_fn=None) -> list[Generation]:
+    """Greedy answers to `queries` from one calibration, as one batch on the fast backends."""
+    cal = calibration_of(calibration)
+    prompts = [query_prompt(engine, q, max_new_tokens) for q in queries]
+    for p in prompts:
+        fits(cal, p)
+    backend = engine.backend
+    if not supports_kv_answers(backend):
+        return [engine.generate(p, full_embeddings(engine, cal, p), max_new_tokens=max_new_tokens,
+                                stop_strings=stop_strings, stop_fn=stop_fn) for p in prompts]
+    rows = [backend.embed(p)[cal.length:] for p in prompts]
+    return kv_answers(backend, cal, prompts, rows, max_new_tokens, stop_strings, stop_fn, store=engine.store)
+
+
+def answer_one(engine, calibration, query, max_new_tokens: int = 32, stop_strings=("\n",),
+               stop_fn=None) -> Generation:
+    return answer_batch(engine, calibration, [query], max_new_tokens, stop_strings, stop_fn)[0]
+
+
+def answer_result(engine, res, prompt: Prompt, max_new_tokens: int = 32, stop_strings=("\n",),
+                  stop_fn=None) -> Generation:
+    """The greedy answer for `prompt` after its calibration `res` (Engine.calibrate's result): from the stored
+    calibration it holds (query-only on the fast backends), else from its embeddings."""
+    cal = getattr(res, "calibration", None)
+    if cal is not None:
+        return answer_one(engine, cal, prompt, max_new_tokens, stop_strings, stop_fn)
+    return engine.generate(prompt, res.embeddings, max_new_tokens=max_new_tokens, stop_strings=stop_strings,
+                           stop_fn=stop_fn)
+
+
+__all__ = ["answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt"]

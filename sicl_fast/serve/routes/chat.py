@@ -1,0 +1,255 @@
+"""POST /v1/chat/completions: the OpenAI Chat Completions API over a calibrated few-shot prompt.
+
+    messages   system? (user assistant)+ user: the instruction, the demonstrations (each assistant turn an output
+               span), the query (sicl_fast.chat renders them with the model's chat template)
+    sicl       extra body field: CalibrationConfig knobs, "reuse" ('auto' | 'on' | 'off'), "timeout_s"
+    ->         a chat.completion object (choices, finish_reason, usage) plus "sicl": the calibration's summary and
+               what the store did (reused, reuse, key, exact); with "stream": true, chat.completion.chunk server-sent
+               events ending with "data: [DONE]" (the last chunk carries finish_reason and "sicl"; with
+               stream_options.include_usage a usage chunk follows)
+
+Decoding is greedy: temperature (0 only), top_p (1 only) and n (1 only) are accepted for compatibility. Errors are
+OpenAI error objects (errors.py): a bad request is a 400, a wrong key a 401, an unknown model a 404.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from ...answer import answer_result
+from ...ascent import CalibrationConfig, CalibrationResult
+from ...chat import StreamCut, render
+from ...errors import SiclError
+from ...reuse import REUSE_MODES, ReusedResult
+from ...spans import Prompt
+from ..dispatch import POLL_S, admit, read_call, run_job, timing
+from ..errors import ServeHTTPError, from_sicl_error
+from ..metrics import note
+from ..openapi import body_doc
+from ..queue import Cancelled, Job, ShuttingDown
+from ..schema import CalibrationKnobs
+from ..state import ServeState, serve_state
+from ..validate import LimitError
+
+router = APIRouter(tags=["openai"])
+log = logging.getLogger("sicl_fast.serve")
+
+_OPEN = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class TextPart(BaseModel):
+    model_config = _OPEN
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _OPEN
+    role: str = Field(description="system (or developer), user, assistant")
+    content: Union[str, list[TextPart]]
+    name: Optional[str] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _OPEN
+    include_usage: bool = False
+
+
+SiclOptions = create_model(
+    "SiclOptions", __base__=CalibrationKnobs,
+    reuse=(Optional[Literal[REUSE_MODES]], Field(None, description="'auto' | 'on' | 'off' (default: --reuse)")),
+    timeout_s=(Optional[float], Field(None, gt=0, description="deadline from arrival: the best X by then")))
+
+
+class ChatBody(BaseModel):
+    """POST /v1/chat/completions (the OpenAI Chat Completions request, greedy decoding, plus `sicl`)."""
+
+    model_config = _OPEN
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = Field(None, description="0 only: decoding is greedy")
+    top_p: Optional[float] = Field(None, description="1 only")
+    n: Optional[int] = Field(None, description="1 only")
+    user: Optional[str] = None
+    sicl: Optional[SiclOptions] = Field(None, description="calibration knobs, reuse, timeout_s")  # type: ignore
+
+
+BODIES = (ChatBody,)
+KNOBS = tuple(f.name for f in dataclasses.fields(CalibrationConfig))
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    prompt: Prompt
+    config: CalibrationConfig
+    reuse: Optional[str]
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    timeout_s: Optional[float]
+
+
+def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
+    """The body as an engine call, with the server's caps (runs before the job is queued)."""
+    engine, settings = state.engine, state.settings
+    if body.model != engine.lm.name:
+        raise ServeHTTPError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
+                                                     f"{engine.lm.name!r} (GET /v1/models)")
+    for name, value, allowed in (("temperature", body.temperature, 0), ("top_p", body.top_p, 1), ("n", body.n, 1)):
+        if value is not None and value != allowed:
+            raise ServeHTTPError(400, "invalid_request", f"field {name!r}: only {allowed} is supported (the answer "
+                                                         "is decoded greedily from the calibrated prompt)")
+    new = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
+    cap = settings.max_new_tokens
+    if new is not None and new > cap:
+        raise LimitError(f"request {rid!r}: field 'max_tokens': {new} exceeds this server's limit of {cap} "
+                         "(--max-new-tokens)")
+    new = cap if new is None else new
+    request = render(engine.lm, [m.model_dump() for m in body.messages], rid)
+    prompt = state.validator.prompt(request, reserve=new)
+    sicl = body.sicl.model_dump(exclude_none=True) if body.sicl is not None else {}
+    knobs = CalibrationKnobs(**{k: v for k, v in sicl.items() if k in KNOBS})
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return ChatCall(prompt=prompt, config=state.validator.config(knobs, rid), reuse=sicl.get("reuse"),
+                    max_new_tokens=new, stop=stop, stream=body.stream,
+                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                    timeout_s=sicl.get("timeout_s"))
+
+
+async def read_chat(request: Request, state: ServeState) -> ChatCall:
+    """The call, every refusal of the body a 400 (the OpenAI API's status for a bad request)."""
+    try:
+        return await read_call(request, ChatBody, lambda body: chat_call(state, body, request.state.request_id))
+    except ServeHTTPError as exc:
+        if exc.status == 422:
+            raise ServeHTTPError(400, exc.kind, exc.message, exc.headers) from None
+        raise
+    except SiclError as exc:
+        raise from_sicl_error(exc, 400) from None
+
+
+def run_chat(state: ServeState, call: ChatCall, job: Job, push=None) -> dict:
+    """On the worker: calibrate (through the store), then decode greedily; push(delta) streams the answer."""
+    engine = state.engine
+    res = engine.calibrate(call.prompt, call.config, reuse=call.reuse, should_stop=job.stop_reason,
+                           on_step=lambda step, f: state.metrics.steps.inc())
+    if res.stop_reason == "cancelled":
+        raise Cancelled()
+    state.metrics.calibration_done(res.steps, res.seconds)
+    cut = StreamCut(call.stop)
+
+    def stop_fn(text: str) -> bool:
+        if push is not None and (delta := cut.push(text)):
+            push(delta)
+        return job.cancelled
+
+    gen = answer_result(engine, res, call.prompt, call.max_new_tokens, call.stop, stop_fn)
+    if job.cancelled:
+        raise Cancelled()
+    sicl = {**CalibrationResult.summary(res), **(res.reuse_info() if isinstance(res, ReusedResult) else
+                                                  {"reused": False, "reuse": "off", "key": None, "exact": True})}
+    return {"content": gen.answer, "rest": cut.finish(gen.answer), "completion_tokens": len(gen.token_ids),
+            "finish_reason": "length" if gen.stop_reason == "max_new_tokens" else "stop", "sicl": sicl}
+
+
+def usage(call: ChatCall, out: dict) -> dict:
+    n = out["completion_tokens"]
+    return {"prompt_tokens": call.prompt.length, "completion_tokens": n, "total_tokens": call.prompt.length + n}
+
+
+@router.post("/v1/chat/completions", openapi_extra=body_doc(ChatBody))
+async def chat_completions(request: Request, state: ServeState = Depends(serve_state)):
+    """OpenAI Chat Completions: the last user turn answered from the calibrated few-shot conversation."""
+    call = await read_chat(request, state)
+    note(request, id=call.prompt.id)
+    head = {"id": f"chatcmpl-{request.state.request_id}", "created": int(time.time()), "model": state.engine.lm.name}
+    deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
+    if call.stream:
+        return StreamingResponse(stream(request, state, call, head, deadline), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    out, job = await run_job(request, "chat", lambda job: run_chat(state, call, job), deadline)
+    note(request, steps=out["sicl"]["steps"], reuse=out["sicl"]["reuse"])
+    return {**head, "object": "chat.completion", "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": out["content"], "refusal": None},
+                         "finish_reason": out["finish_reason"], "logprobs": None}],
+            "usage": usage(call, out), "sicl": {**out["sicl"], "timing": timing(job)}}
+
+
+def sse(obj) -> bytes:
+    """One server-sent event holding a JSON object."""
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def stream(request: Request, state: ServeState, call: ChatCall, head: dict, deadline):
+    """The job is queued now (a full queue is still a 429, before any byte is sent); the generator then sends the
+    role, the answer's deltas as the worker decodes them, the last chunk, the usage chunk, and [DONE]. A client
+    that goes away cancels the job."""
+    loop = asyncio.get_running_loop()
+    deltas: asyncio.Queue = asyncio.Queue()
+    push = lambda text: loop.call_soon_threadsafe(deltas.put_nowait, text)  # noqa: E731 (from the worker thread)
+    job = admit(state, lambda: state.queue.submit(lambda j: run_chat(state, call, j, push), deadline, "chat"))
+    fut = asyncio.wrap_future(job.future)
+
+    def chunk(delta: dict, finish=None, **extra) -> bytes:
+        return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}], **extra})
+
+    async def events():
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            while not (fut.done() and deltas.empty()):
+                get = asyncio.ensure_future(deltas.get())
+                done, _ = await asyncio.wait({get, fut}, timeout=POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if get in done:
+                    yield chunk({"content": get.result()})
+                    continue
+                get.cancel()
+                if not done and (await request.is_disconnected() or state.shutdown.expired()):
+                    job.cancel()
+                    return
+            try:
+                out = fut.result()
+            except Cancelled:
+                return
+            except Exception as exc:  # noqa: BLE001 - the reply has begun: the error goes in the stream
+                rid = request.state.request_id
+                if not isinstance(exc, (SiclError, ShuttingDown)):
+                    log.error("internal error in job %s (chat, streaming)", rid, exc_info=exc)
+                err = (from_sicl_error(exc) if isinstance(exc, SiclError) else
+                       ServeHTTPError(503, "shutting_down", "the server shut down before this request was answered")
+                       if isinstance(exc, ShuttingDown) else
+                       ServeHTTPError(500, "internal", f"internal error ({type(exc).__name__}) (request id {rid})"))
+                yield sse({"error": {"message": err.message, "type": "server_error", "code": err.kind,
+                                     "param": None}})
+                return
+            if out["rest"]:
+                yield chunk({"content": out["rest"]})
+            yield chunk({}, out["finish_reason"], sicl=out["sicl"])
+            if call.include_usage:
+                yield sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [],
+                           "usage": usage(call, out)})
+            yield b"data: [DONE]\n\n"
+            note(request, steps=out["sicl"]["steps"], reuse=out["sicl"]["reuse"])
+        finally:
+            job.cancel()  # a no-op once the job is over; stops it when the client went away mid-stream
+            fut.cancel()
+
+    return events()
+
+
+__all__ = ["router", "BODIES", "ChatBody", "chat_call", "run_chat"]

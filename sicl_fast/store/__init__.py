@@ -1,0 +1,107 @@
+"""The calibration store: calibrations kept by content and reused (README "Calibrate once, answer many").
+
+    store = CalibrationStore(max_bytes=1 << 30, directory=None)    memory LRU; with a directory also on disk
+    cal, hit = store.get_or_compute(key, compute)                  compute() -> Calibration | None, run once per
+                                                                   key across threads (and processes sharing the
+                                                                   directory); None: nothing to keep
+    store.get(key) / store.put(cal)
+
+Lookups go memory, then disk (an entry read from disk is kept in memory). See entry.py (the stored object),
+keys.py (what a key holds), memory.py, disk.py (format, atomic writes, checksums, locking), flight.py.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+from ..errors import SiclError
+from .disk import DiskStore
+from .entry import Calibration
+from .flight import SingleFlight
+from .keys import calibration_key, engine_fingerprint
+from .memory import MemoryLRU
+
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+class CalibrationStore:
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, directory: str | os.PathLike | None = None) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise SiclError(f"store: max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.memory = MemoryLRU(max_bytes)
+        self.disk = DiskStore(directory) if directory is not None else None
+        self.flight = SingleFlight()
+        self._count_lock = threading.Lock()
+        self.stats = {"hits": 0, "misses": 0, "computed": 0, "disk_reads": 0}
+
+    def _count(self, name: str) -> None:
+        with self._count_lock:
+            self.stats[name] += 1
+
+    def get(self, key: str) -> Calibration | None:
+        """The entry for key from memory or disk, or None."""
+        cal = self.memory.get(key)
+        if cal is None and self.disk is not None:
+            with self.disk.lock(key):
+                cal = self.disk.read(key)
+            if cal is not None:
+                self._count("disk_reads")
+                self.memory.put(cal)
+        return cal
+
+    def put(self, cal: Calibration) -> None:
+        self.memory.put(cal)
+        if self.disk is not None:
+            with self.disk.lock(cal.key):
+                self.disk.write(cal)
+
+    def touch(self, cal: Calibration) -> None:
+        """Re-count an entry whose K/V was attached (the memory budget covers it)."""
+        self.memory.touch(cal.key)
+
+    def get_or_compute(self, key: str, compute: Callable[[], Calibration | None]) -> tuple[Calibration | None, bool]:
+        """(entry, hit). On a miss compute() runs once for the key; threads asking meanwhile wait for it, and so
+        do processes sharing the directory (its lock is held while computing). compute() returning None (nothing
+        to keep: a run stopped early, a query-dependent result) leaves no entry: a waiter then looks again and
+        computes its own. Returns (the computed entry or None, False) to the caller that computed."""
+        while True:
+            cal = self.memory.get(key)
+            if cal is not None:
+                self._count("hits")
+                return cal, True
+            got, led = self.flight.run(key, lambda: self._lead(key, compute))
+            if led:
+                cal, fresh = got
+                self._count("computed" if fresh else "hits")
+                return cal, not fresh
+            if got is not None and got[0] is not None:  # a waiter on a leader that made (or read) the entry
+                self._count("hits")
+                return got[0], True
+            # the leader kept nothing or failed: look again, and lead a call of our own if still missing
+
+    def _lead(self, key: str, compute) -> tuple[Calibration | None, bool]:
+        """(entry, computed here). Under the disk lock when there is a disk: another process may have written it
+        meanwhile, or may be computing it (then this waits and reads)."""
+        if self.disk is None:
+            return self._compute(compute), True
+        with self.disk.lock(key):
+            cal = self.disk.read(key)
+            if cal is not None:
+                self._count("disk_reads")
+                self.memory.put(cal)
+                return cal, False
+            cal = self._compute(compute)
+            if cal is not None:
+                self.disk.write(cal)
+            return cal, True
+
+    def _compute(self, compute) -> Calibration | None:
+        self._count("misses")
+        cal = compute()
+        if cal is not None:
+            self.memory.put(cal)
+        return cal
+
+
+__all__ = ["CalibrationStore", "Calibration", "calibration_key", "engine_fingerprint", "DEFAULT_MAX_BYTES"]

@@ -1,0 +1,168 @@
+"""DiskStore: calibrations on disk, shared by processes (server workers, Ray actors, reruns).
+
+    DIR/entries/<k[:2]>/<key>.safetensors   tensors "rows" [n, d] float32 and "input_ids" [n] int64
+    DIR/entries/<k[:2]>/<key>.json          the sidecar: format, key, meta (Calibration.meta), the sha256 and size
+                                            of the safetensors file, and the sha256 of the meta itself
+    DIR/locks/<key>.lock                    flock'ed while a process reads, writes or computes that key
+    DIR/corrupt/                            entries that failed their checks, moved aside with a time stamp
+
+Writes are atomic: each file is written to a temporary name in its folder, flushed to disk and renamed, the
+tensors first and the sidecar last, so a reader sees a whole entry or none. Every access to a key holds its lock
+(`lock(key)`): a second process asking for a key that another computes waits for it and then reads it (single
+flight across processes); nobody reads a sidecar and the tensors of two different writes. A read checks the
+format, both checksums and the shapes; an entry failing any check is reported (a SiclWarning and the log), moved to
+corrupt/ and treated as missing, so it is recomputed and never used.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..errors import SiclError, SiclWarning, require
+from .entry import Calibration
+
+log = logging.getLogger("sicl_fast.store")
+
+FORMAT = "sicl_fast.calibration.v1"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class CorruptEntry(Exception):
+    """An entry failed a check (the message says which)."""
+
+
+class DiskStore:
+    def __init__(self, directory: str | os.PathLike) -> None:
+        require("safetensors")
+        self.root = Path(directory).expanduser()
+        try:
+            for sub in ("entries", "locks", "corrupt"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SiclError(f"store {self.root}: cannot create it: {exc.strerror or exc}") from None
+        if not os.access(self.root / "entries", os.W_OK | os.X_OK):
+            raise SiclError(f"store {self.root}: cannot write to it (permission denied)")
+        self.corrupted = 0
+
+    def paths(self, key: str) -> tuple[Path, Path]:
+        d = self.root / "entries" / key[:2]
+        return d / f"{key}.safetensors", d / f"{key}.json"
+
+    @contextlib.contextmanager
+    def lock(self, key: str):
+        """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another)."""
+        with open(self.root / "locks" / f"{key}.lock", "a+b") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+    def read(self, key: str) -> Calibration | None:
+        """The entry (call with lock(key) held), or None when there is none or it was corrupt (moved aside)."""
+        tensors, sidecar = self.paths(key)
+        if not sidecar.exists():
+            return None
+        try:
+            return self._load(key, tensors, sidecar)
+        except CorruptEntry as exc:
+            self._move_aside(key, str(exc))
+            return None
+
+    def _load(self, key: str, tensors: Path, sidecar: Path) -> Calibration:
+        from safetensors.torch import load as load_tensors
+
+        try:
+            side = json.loads(sidecar.read_bytes())
+            meta = side["meta"]
+            if side.get("format") != FORMAT or side.get("key") != key or meta.get("key") != key:
+                raise CorruptEntry("wrong format or key in the sidecar")
+            if _sha256(_canonical(meta)) != side["meta_sha256"]:
+                raise CorruptEntry("the sidecar's checksum does not match")
+            data = tensors.read_bytes()
+        except CorruptEntry:
+            raise
+        except FileNotFoundError:
+            raise CorruptEntry("the tensors file is missing") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptEntry(f"unreadable sidecar ({type(exc).__name__})") from None
+        if len(data) != side["tensors_bytes"] or _sha256(data) != side["tensors_sha256"]:
+            raise CorruptEntry(f"the tensors file's checksum does not match ({len(data)} bytes, "
+                               f"{side['tensors_bytes']} written)")
+        try:
+            t = load_tensors(data)
+            cal = Calibration.from_parts(meta, t["rows"], t["input_ids"])
+        except Exception as exc:  # noqa: BLE001 - a file that passed its checksum but not its parse
+            raise CorruptEntry(f"unreadable entry ({type(exc).__name__}: {exc})") from None
+        n = len(meta["history"])
+        if (cal.rows.dim() != 2 or cal.rows.dtype != torch.float32 or cal.input_ids.dtype != torch.int64
+                or cal.rows.shape[0] != cal.input_ids.numel() or n != cal.steps):
+            raise CorruptEntry("tensor shapes or dtypes disagree with the sidecar")
+        return cal
+
+    def _move_aside(self, key: str, why: str) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        moved = []
+        for path in self.paths(key):
+            if path.exists():
+                dest = self.root / "corrupt" / f"{path.stem}.{stamp}.{os.getpid()}{path.suffix}"
+                with contextlib.suppress(OSError):
+                    os.replace(path, dest)
+                    moved.append(dest.name)
+        self.corrupted += 1
+        msg = (f"store {self.root}: entry {key} is corrupt ({why}); moved to {self.root / 'corrupt'} and "
+               "recomputed")
+        log.warning(msg)
+        warnings.warn(msg, SiclWarning, stacklevel=4)
+
+    def write(self, cal: Calibration) -> None:
+        """Write an entry (call with lock(cal.key) held): tensors, then the sidecar, each atomically."""
+        from safetensors.torch import save as save_tensors
+
+        tensors, sidecar = self.paths(cal.key)
+        tensors.parent.mkdir(parents=True, exist_ok=True)
+        data = save_tensors({"rows": cal.rows.contiguous(), "input_ids": cal.input_ids.contiguous()},
+                            metadata={"format": FORMAT, "key": cal.key})
+        meta = cal.meta()
+        side = {"format": FORMAT, "key": cal.key, "meta": meta, "meta_sha256": _sha256(_canonical(meta)),
+                "tensors_sha256": _sha256(data), "tensors_bytes": len(data)}
+        try:
+            _write_atomic(tensors, data)
+            _write_atomic(sidecar, json.dumps(side, indent=1).encode())
+        except OSError as exc:
+            # a full or read-only disk costs only the next run its reuse
+            log.warning("store %s: cannot write entry %s: %s", self.root, cal.key, exc.strerror or exc)
+
+
+__all__ = ["DiskStore", "FORMAT"]

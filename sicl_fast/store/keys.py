@@ -1,0 +1,77 @@
+"""Store keys: what a calibration's result depends on, hashed.
+
+    key = sha256(fingerprint of the engine, token ids of rows [0, n), token spans, first demonstration row,
+                 every CalibrationConfig field (scale resolved), scope)
+
+The engine's fingerprint (`engine_fingerprint`, computed once per engine) names the model and a digest of its
+weights and config, a digest of the tokenizer, the backend, the implementation of the hot ops, the difference
+products' dtype, the model's dtype and the device type: everything that may change the bits of a calibration. The
+loop (static or eager), CUDA graphs and the packing do not (they are tested equal bit for bit), and torch's thread
+count is not taken in (it may move float32 sums in their last bit; README, "Scaling out").
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+KEY_FORMAT = 1
+
+
+def _blake(*parts: bytes) -> str:
+    h = hashlib.blake2b(digest_size=20)
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def weights_digest(lm) -> str:
+    """A digest of every parameter (name, dtype, shape, bytes) and the model config, computed once per
+    LoadedModel (kept in lm.extra): about a second per 500 MB of weights on a CPU core."""
+    got = lm.extra.get("weights_digest")
+    if got is None:
+        h = hashlib.blake2b(digest_size=20)
+        h.update(lm.model.config.to_json_string(use_diff=False).encode())
+        for name, p in lm.model.named_parameters():
+            t = p.detach().contiguous().cpu()
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        got = lm.extra["weights_digest"] = h.hexdigest()
+    return got
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """A digest of the tokenizer: its whole serialised form where it has one (fast tokenizers), else its
+    vocabulary, else its type."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        text = backend.to_str()
+    elif hasattr(tokenizer, "get_vocab"):
+        text = json.dumps(sorted(tokenizer.get_vocab().items()))
+    else:
+        text = type(tokenizer).__qualname__
+    return _blake(text.encode())
+
+
+def engine_fingerprint(engine) -> dict:
+    """What of the engine changes a calibration's bits (module docstring); JSON-ready."""
+    lm, backend = engine.lm, engine.backend
+    model = getattr(backend, "model", None)
+    diff = getattr(model, "diff_dtype", None)
+    return {"model": lm.name, "weights": weights_digest(lm), "tokenizer": tokenizer_digest(lm.tokenizer),
+            "backend": backend.name, "impl": backend.ops.name,
+            "diff": None if diff is None else f"{model.diff_weights}:{diff}",
+            "dtype": str(lm.dtype), "device": lm.device.type}
+
+
+def calibration_key(fingerprint: dict, prompt, config, n: int, scope: str) -> str:
+    """The key of the calibration of rows [0, n) of `prompt` with `config` (its scale resolved)."""
+    body = {"format": KEY_FORMAT, "engine": fingerprint, "scope": scope,
+            "ids": prompt.input_ids[:n].tolist(), "spans": [list(s) for s in prompt.token_spans],
+            "demo_start": prompt.demo_start, "config": dataclasses.asdict(config)}
+    return _blake(json.dumps(body, sort_keys=True).encode())
+
+
+__all__ = ["weights_digest", "tokenizer_digest", "engine_fingerprint", "calibration_key", "KEY_FORMAT"]

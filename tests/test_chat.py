@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions and the store behind the server: the official `openai` client over a real socket
+(answers, usage, the `sicl` object, reuse across queries, streaming, 400 / 401 / 404 error objects), /v1/calibrate
+reusing, the chat rendering (spans = the assistant turns' content tokens, the shape rule) and the stream's deltas.
+A tiny random-weight Llama with SmolLM2's tokenizer and chat template; one end-to-end test on SmolLM2."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from sicl_fast import Engine  # noqa: E402
+from sicl_fast.chat import StreamCut, render  # noqa: E402
+from sicl_fast.errors import RequestError  # noqa: E402
+from sicl_fast.serve.server import ServerThread  # noqa: E402
+from sicl_fast.serve.settings import ServeSettings  # noqa: E402
+
+KEY = "test-key"
+KNOBS = {"max_steps": 3, "N": 4, "tau": 0.0, "patience": 0, "seed": 2}
+
+
+def conversation(query: str) -> list[dict]:
+    return [{"role": "system", "content": "Write each number word as a digit."},
+            {"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
+            {"role": "user", "content": "seven"}, {"role": "assistant", "content": "7"},
+            {"role": "user", "content": query}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, one_thread):
+    return Engine(tiny_llama, reuse="auto")
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=8)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def own_answer(engine, query: str, max_new_tokens: int) -> tuple[str, int]:
+    """The answer the engine gives this conversation calibrated on its own (no store)."""
+    prompt = engine.prepare(render(engine.lm, conversation(query), "ref"), reserve=max_new_tokens)
+    res = engine.calibrate(prompt, reuse="off", **KNOBS)
+    gen = engine.generate(prompt, res.embeddings, max_new_tokens=max_new_tokens, stop_strings=())
+    return gen.answer, len(gen.token_ids)
+
+
+def test_render_marks_the_assistant_turns_as_output_spans(smol):
+    req = render(smol, conversation("five"), "r")
+    assert [req.prompt[a:e] for a, e in req.output_spans] == ["1", "7"]
+    assert req.prompt.endswith("<|im_start|>assistant\n") and req.prompt[req.demos_start:].startswith("one")
+    eng = Engine(smol)
+    p = eng.prepare(req)
+    assert [smol.tokenizer.decode(p.input_ids[s:e]) for s, e in p.token_spans] == ["1", "7"]
+    assert "Write each number" in smol.tokenizer.decode(p.input_ids[:p.demo_start])  # the system turn: the prefix
+    dev = [{**conversation("five")[0], "role": "developer"}] + conversation("five")[1:]
+    assert render(smol, dev, "d").prompt == req.prompt
+
+
+def test_the_template_comes_from_the_tokenizer_or_the_gguf_file(smol):
+    import copy
+
+    from sicl_fast.chat import chat_template, gguf_chat_template
+    from sicl_fast.models import LoadedModel
+
+    assert gguf_chat_template(smol.extra["path"]) == smol.tokenizer.chat_template  # SmolLM2's GGUF carries it
+    bare = copy.deepcopy(smol.tokenizer)
+    bare.chat_template = None
+    from_file = LoadedModel(model=smol.model, tokenizer=bare, name="m", extra={"path": smol.extra["path"]})
+    assert chat_template(from_file) == smol.tokenizer.chat_template
+    none = LoadedModel(model=smol.model, tokenizer=bare, name="m", extra={})
+    with pytest.raises(RequestError, match="has no chat template"):
+        render(none, conversation("five"), "r")
+
+
+@pytest.mark.parametrize("roles", [["user"], ["system", "user", "assistant"], ["user", "user"],
+                                   ["assistant", "user"], ["user", "assistant", "assistant", "user"],
+                                   ["system", "system", "user", "assistant", "user"], ["user", "tool", "user"]])
+def test_render_refuses_other_shapes_in_one_line(smol, roles):
+    with pytest.raises(RequestError, match="system message, then alternating user / assistant") as e:
+        render(smol, [{"role": r, "content": "x"} for r in roles], "r")
+    assert "\n" not in str(e.value)
+
+
+def test_stream_cut_deltas_add_up_to_the_answer():
+    texts = [" ", " 4", " 42", " 42 E", " 42 EN", " 42 ENDING", " 42 ENDING more"]
+    cut = StreamCut(["END"])
+    sent = "".join(cut.push(t) for t in texts)
+    assert sent == "42" and cut.finish("42") == ""
+    cut = StreamCut([])
+    sent = "".join(cut.push(t) for t in ["a", "ab\ufffd", "abc  "]) + cut.finish("abc")
+    assert sent == "abc"
+
+
+def test_chat_completion_with_the_openai_client(client, engine):
+    first = client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_tokens=4,
+                                           extra_body={"sicl": KNOBS})
+    assert first.object == "chat.completion" and first.model == "tiny-llama"
+    choice = first.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    answer, n = own_answer(engine, "five", 4)
+    assert choice.message.content == answer
+    assert first.usage.completion_tokens == n and first.usage.total_tokens == first.usage.prompt_tokens + n
+    sicl = first.model_extra["sicl"]
+    assert sicl["reuse"] == "fresh" and sicl["exact"] and sicl["steps"] == 3
+    second = client.chat.completions.create(model="tiny-llama", messages=conversation("nine"), max_tokens=4,
+                                            extra_body={"sicl": KNOBS})
+    s2 = second.model_extra["sicl"]
+    assert (s2["reuse"], s2["reused"], s2["key"]) == ("hit", True, sicl["key"])
+    assert second.choices[0].message.content == own_answer(engine, "nine", 4)[0]
+
+
+def test_streaming_returns_the_same_answer_as_chunks(client):
+    kw = dict(model="tiny-llama", messages=conversation("three hundred"), max_tokens=6, extra_body={"sicl": KNOBS})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert finals[0].model_extra["sicl"]["reuse"] == "hit"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_openai_error_objects(server, client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "five"}])
+    assert bad.value.status_code == 400 and "alternating user / assistant" in bad.value.message
+    body = bad.value.body
+    assert body["type"] == "invalid_request_error" and body["code"] == "invalid_request"
+    with pytest.raises(openai.BadRequestError, match="only 0 is supported"):
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"), temperature=0.7)
+    with pytest.raises(openai.BadRequestError, match="kappa must be < 1"):
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"),
+                                       extra_body={"sicl": {"kappa": 2.0}})
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_tokens=9)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"), logprobs=True)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.chat.completions.create(model="gpt-4o", messages=conversation("five"))
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as auth:
+        wrong.chat.completions.create(model="tiny-llama", messages=conversation("five"))
+    assert auth.value.status_code == 401 and auth.value.body["type"] == "authentication_error"
+
+
+def test_calibrate_endpoint_reuses(server, engine):
+    req = {"id": "c1", "instruction": "Write each number word as a digit.",
+           "demos": [{"input": "one", "output": "1"}, {"input": "four", "output": "4"}], "query": "five"}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    bodies = [httpx.post(server.url + "/v1/calibrate", headers=headers, timeout=120,
+                         json={"request": {**req, "query": q}, "config": KNOBS, "reuse": "auto",
+                               "generate": True, "max_new_tokens": 3}).json() for q in ("five", "six")]
+    assert [b["reuse"]["reuse"] for b in bodies] == ["fresh", "hit"]
+    ref = engine.calibrate(engine.prepare({**req, "query": "six"}), reuse="off", **KNOBS)
+    assert bodies[1]["summary"]["best_proxy"] == ref.best_proxy and bodies[1]["history"] == ref.history
+    off = httpx.post(server.url + "/v1/calibrate", headers=headers, timeout=120,
+                     json={"request": req, "config": KNOBS, "reuse": "off"}).json()
+    assert "reuse" not in off and off["summary"]["steps"] == 3
+
+
+@pytest.mark.slow
+def test_chat_end_to_end_on_smollm2(smol, one_thread):
+    """The real model and its own chat template: a calibrated answer, then a second query answered from the
+    stored calibration."""
+    with ServerThread(Engine(smol, reuse="auto"), ServeSettings(port=0)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        sicl = {"max_steps": 2, "N": 2, "tau": 0.0}
+        got = [client.chat.completions.create(model=smol.name, messages=conversation(q), max_tokens=4,
+                                              extra_body={"sicl": sicl}) for q in ("five", "nine")]
+    assert [g.choices[0].message.content for g in got] == ["5", "9"]
+    assert [g.model_extra["sicl"]["reuse"] for g in got] == ["fresh", "hit"]
+    assert all(g.choices[0].finish_reason == "stop" for g in got)
+    assert json.loads(got[1].model_dump_json())["sicl"]["exact"] is True

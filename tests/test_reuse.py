@@ -1,0 +1,282 @@
+"""Calibrate once, answer many (sicl_fast.reuse): the closed-form minimum of the whole-matrix cosine, reuse bit for
+bit equal to a per-query calibration wherever it is exact (every loop, estimator, scope and implementation), the
+approximate case said so (`on`) or calibrated per query (`auto`), the tokenisation boundary, runs stopped early
+never stored, the disk store shared by two engines, and answers from a stored calibration. A tiny random-weight
+Llama with SmolLM2's tokenizer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sicl_fast import Engine
+from sicl_fast.errors import SiclError
+from sicl_fast.ops import IMPLS
+from sicl_fast.reuse import EXACT_MARGIN, ReusedResult, min_whole_cosine
+
+BASE = dict(max_steps=4, tau=0.0, patience=0, N=4, seed=3)
+# the projection fires: every demonstration row moves by 5 embedding scales a step, against a cosine floor of 0.9
+FIRES = dict(BASE, eta=5.0, kappa=0.9, grad_mode="normalize")
+
+
+def request(query: str, rid: str | None = None) -> dict:
+    return {"id": rid or query, "instruction": "Write each number word as a digit.",
+            "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"},
+                      {"input": "three", "output": "3"}], "query": query}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, one_thread):
+    return Engine(tiny_llama)
+
+
+def own(engine, prompt, **cfg):
+    """The prompt's own calibration, no store."""
+    return engine.calibrate(prompt, reuse="off", **cfg)
+
+
+def assert_same(got, ref) -> None:
+    assert torch.equal(got.embeddings, ref.embeddings)
+    for f in ("initial_proxy", "best_proxy", "steps", "best_step", "gated", "stop_reason", "history", "projections"):
+        assert getattr(got, f) == getattr(ref, f), f
+
+
+def test_min_whole_cosine_is_the_minimum_over_every_query_norm():
+    g = torch.Generator().manual_seed(0)
+    qs = torch.cat([torch.zeros(1), torch.logspace(-4, 4, 4000, dtype=torch.float64)])
+    for trial in range(200):
+        x0 = torch.randn(30, generator=g, dtype=torch.float64)
+        x = x0 * (0.05 + 3 * torch.rand(1, generator=g, dtype=torch.float64)) \
+            + torch.randn(30, generator=g, dtype=torch.float64) * torch.rand(1, generator=g, dtype=torch.float64)
+        u, a, c = x @ x0, x @ x, x0 @ x0
+        brute = ((u + qs) / torch.sqrt((a + qs) * (c + qs))).min()
+        got = min_whole_cosine(u, a, c)
+        assert got <= brute + 1e-12  # never above the true minimum (it would call an inexact run exact)
+        assert got >= brute - 1e-4  # and it is the minimum, up to the grid's resolution
+    x0 = torch.randn(8, dtype=torch.float64)
+    assert float(min_whole_cosine(x0 @ x0, x0 @ x0, x0 @ x0)) == pytest.approx(1.0)  # X = X0
+
+
+def test_the_minimum_can_lie_below_the_query_free_cosine():
+    """a and c far apart: a query of the right size lowers the cosine below the stem's own (q* > 0)."""
+    x0 = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    x = torch.tensor([10.0, 3.0], dtype=torch.float64)
+    u, a, c = x @ x0, x @ x, x0 @ x0
+    assert float(min_whole_cosine(u, a, c)) < float(u / (a * c).sqrt()) - 0.05
+
+
+@pytest.mark.parametrize("loop", ["static", "eager"])
+@pytest.mark.parametrize("cfg", [dict(BASE), dict(BASE, projection_scope="demos"), dict(BASE, estimator="central"),
+                                 dict(BASE, tau=2.0)], ids=["prompt", "demos", "central", "gated"])
+def test_exact_reuse_is_bit_for_bit_a_per_query_calibration(tiny_llama, one_thread, loop, cfg):
+    eng = Engine(tiny_llama, loop=loop, impl="torch")
+    first, second = eng.prepare(request("five")), eng.prepare(request("twenty-one thousand and six"))
+    a = eng.calibrate(first, reuse="auto", **cfg)
+    assert isinstance(a, ReusedResult) and (a.reuse, a.reused, a.exact) == ("fresh", False, True)
+    assert_same(a, own(eng, first, **cfg))
+    b = eng.calibrate(second, reuse="auto", **cfg)
+    assert (b.reuse, b.reused, b.exact, b.key) == ("hit", True, True, a.key) and b.steps == a.steps
+    assert_same(b, own(eng, second, **cfg))
+    if cfg.get("projection_scope") != "demos" and cfg["tau"] < 1:
+        assert a.calibration.min_cosine >= 0.2 + EXACT_MARGIN  # watched, and far from the floor
+    on = Engine(tiny_llama, loop=loop, impl="torch")  # 'on': a miss calibrates rows [0, b) alone
+    c = on.calibrate(second, reuse="on", **cfg)
+    assert (c.reuse, c.exact) == ("fresh", True)
+    assert_same(c, own(eng, second, **cfg))
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i not in ("auto", "torch")])
+def test_exact_reuse_bit_for_bit_with_other_implementations(tiny_llama, one_thread, impl):
+    from test_ops import why_unavailable
+
+    if (why := why_unavailable(impl)) is not None:
+        pytest.skip(why)
+    eng = Engine(tiny_llama, impl=impl)
+    first, second = eng.prepare(request("five")), eng.prepare(request("eleven"))
+    cfg = dict(BASE, max_steps=2) if impl == "triton" else BASE  # triton: interpreted on the CPU, slow
+    eng.calibrate(first, reuse="on", **cfg)
+    b = eng.calibrate(second, reuse="on", **cfg)
+    assert (b.reuse, b.exact) == ("hit", True)
+    assert_same(b, own(eng, second, **cfg))
+
+
+def test_a_fired_projection_is_approximate_under_on_and_per_query_under_auto(engine):
+    first, second = engine.prepare(request("five")), engine.prepare(request("eleven"))
+    ref = own(engine, second, **FIRES)
+    assert ref.projections > 0
+    on = engine.calibrate(first, reuse="on", **FIRES)  # rows [0, b) alone: the stem's own projection fires too
+    assert (on.reuse, on.exact) == ("fresh", False) and on.calibration.min_cosine < 0.9
+    approx = engine.calibrate(second, reuse="on", **FIRES)
+    assert (approx.reuse, approx.reused, approx.exact) == ("hit", True, False)
+    assert not torch.equal(approx.embeddings, ref.embeddings)  # it is an approximation, and says so
+    auto = engine.calibrate(second, reuse="auto", **FIRES)  # auto never answers from an inexact calibration
+    assert (auto.reuse, auto.reused, auto.exact) == ("per-query", False, True)
+    assert_same(auto, ref)
+    again = engine.calibrate(second, reuse="auto", **FIRES)  # its own calibration was kept: a rerun is a hit
+    assert (again.reuse, again.reused) == ("per-query", True)
+    assert_same(again, ref)
+
+
+def test_auto_miss_with_a_fired_projection_stores_no_stem(tiny_llama, one_thread):
+    eng = Engine(tiny_llama)
+    first, second = eng.prepare(request("five")), eng.prepare(request("eleven"))
+    a = eng.calibrate(first, reuse="auto", **FIRES)
+    assert (a.reuse, a.exact) == ("per-query", True) and a.calibration.scope == "prompt"
+    assert_same(a, own(eng, first, **FIRES))
+    b = eng.calibrate(second, reuse="auto", **FIRES)
+    assert (b.reuse, b.reused) == ("per-query", False)
+    assert_same(b, own(eng, second, **FIRES))
+
+
+def test_perturbing_the_query_is_never_shared(engine):
+    cfg = dict(BASE, perturb_query=True)
+    p = engine.prepare(request("five"))
+    r = engine.calibrate(p, reuse="on", **cfg)
+    assert (r.reuse, r.key) == ("per-query", None)
+    assert_same(r, own(engine, p, **cfg))
+
+
+def test_a_query_that_changes_the_boundary_tokens_is_calibrated_afresh(engine):
+    """A raw prompt whose query continues the last output's word: BPE merges them into one token."""
+    text = "Complete the word.\n\nInput: gree\nOutput: ting\n\nInput: hel\nOutput: hel"
+    start = text.index("Output: ting") + len("Output: ")
+    spans = [[start, start + 4], [len(text) - 3, len(text)]]
+    plain = engine.prepare({"id": "plain", "prompt": text, "output_spans": spans})
+    merged = engine.prepare({"id": "merged", "prompt": text + "lo", "output_spans": spans})
+    assert not torch.equal(merged.input_ids[:plain.demo_end], plain.input_ids[:plain.demo_end]) \
+        or merged.demo_end != plain.demo_end  # the premise: the query changed rows [0, b)
+    engine.calibrate(plain, reuse="auto", **BASE)
+    r = engine.calibrate(merged, reuse="auto", **BASE)
+    assert (r.reuse, r.reused, r.exact) == ("boundary", False, True)
+    assert_same(r, own(engine, merged, **BASE))
+    with pytest.raises(SiclError, match="calibrate it"):
+        engine.answer(engine.calibrate(plain, reuse="on", **BASE), merged)
+
+
+def test_a_run_stopped_from_outside_is_not_stored(tiny_llama, one_thread):
+    eng = Engine(tiny_llama)
+    p = eng.prepare(request("five"))
+    cut = eng.calibrate(p, reuse="auto", should_stop=lambda: "deadline", **BASE)
+    assert cut.stop_reason == "deadline" and cut.calibration is None and len(eng.store.memory) == 0
+    whole = eng.calibrate(p, reuse="auto", **BASE)
+    assert whole.reuse == "fresh" and whole.stop_reason == "max_steps"
+
+
+def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
+    a = Engine(tiny_llama, store_dir=str(tmp_path))
+    ra = a.calibrate(a.prepare(request("five")), reuse="auto", **BASE)
+    b = Engine(tiny_llama, store_dir=str(tmp_path))  # another engine (process): nothing in its memory
+    second = b.prepare(request("eleven"))
+    rb = b.calibrate(second, reuse="auto", **BASE)
+    assert (rb.reuse, rb.key) == ("hit", ra.key) and b.store.stats["disk_reads"] == 1
+    assert_same(rb, own(b, second, **BASE))
+
+
+def test_answers_from_a_stored_calibration(engine):
+    queries = [request(q) for q in ("five", "nine", "a hundred and two")]
+    cal = engine.calibrate(engine.prepare(queries[0]), reuse="auto", **BASE).calibration
+    got = engine.answer_many(cal, queries, max_new_tokens=6)
+    for q, g in zip(queries, got):
+        p = engine.prepare(q, reserve=6)
+        ref = engine.generate(p, own(engine, p, **BASE).embeddings, max_new_tokens=6)
+        assert g.token_ids == ref.token_ids and g.answer == ref.answer
+        assert engine.answer(cal, p, max_new_tokens=6).token_ids == ref.token_ids
+    with pytest.raises(SiclError, match="stored Calibration"):
+        engine.answer(object(), queries[0])
+
+
+def test_bad_reuse_mode(tiny_llama, engine):
+    with pytest.raises(SiclError, match="reuse"):
+        Engine(tiny_llama, reuse="always")
+    with pytest.raises(SiclError, match="reuse"):
+        engine.calibrate(engine.prepare(request("five")), reuse="yes", **BASE)
+
+
+def read_jsonl(path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def write_jsonl(path, objs) -> str:
+    import json
+
+    path.write_text("".join(json.dumps(o) + "\n" for o in objs))
+    return str(path)
+
+
+CLI_FAST = ["--max-steps", "3", "--N", "4", "--tau", "0", "--patience", "0", "--seed", "3"]
+
+
+def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp_path, capsys):
+    from sicl_fast.cli import main
+
+    other = {"id": "o", "demos": [{"input": "red", "output": "rot"}], "query": "blue"}
+    reqs = [request("five", "a"), {**other, "id": "o1"}, request("nine", "b"), {**other, "id": "o2",
+                                                                                "query": "green"},
+            request("twelve", "c")]
+    path = write_jsonl(tmp_path / "r.jsonl", reqs)
+    model = ["--model", tiny_dir]
+    out, off = tmp_path / "auto.jsonl", tmp_path / "off.jsonl"
+    assert main(["calibrate", path, "--out", str(out), "--generate", "--max-new-tokens", "3", *model, *CLI_FAST]) == 0
+    assert main(["calibrate", path, "--out", str(off), "--generate", "--max-new-tokens", "3", "--reuse", "off",
+                 *model, *CLI_FAST]) == 0
+    got = {r["id"]: r for r in read_jsonl(out)}
+    ref = {r["id"]: r for r in read_jsonl(off)}
+    assert [r["id"] for r in read_jsonl(out)] == ["a", "b", "c", "o1", "o2"]  # one group after the other
+    assert [got[i]["reuse"] for i in "abc"] == ["fresh", "hit", "hit"] and got["o2"]["reuse"] == "hit"
+    assert len({got[i]["key"] for i in "abc"}) == 1 and got["o1"]["key"] != got["a"]["key"]
+    assert all(r["exact"] for r in got.values()) and "reuse" not in ref["a"]
+    for i, r in got.items():  # the same numbers and answers as calibrating every request
+        for k in ("initial_proxy", "best_proxy", "steps", "best_step", "stop_reason", "answer_calibrated"):
+            assert r[k] == ref[i][k], (i, k)
+    capsys.readouterr()
+    assert main(["calibrate", path, "--out", str(tmp_path / "x.jsonl"), "--pack", "2", "--reuse", "on", *model]) == 2
+    assert "--reuse on with --pack 2" in capsys.readouterr().err
+
+
+def test_cli_store_directory_serves_a_rerun(tiny_dir, tmp_path):
+    from sicl_fast.cli import main
+
+    path = write_jsonl(tmp_path / "r.jsonl", [request("five", "a"), request("nine", "b")])
+    store = ["--store", str(tmp_path / "store"), "--model", tiny_dir, *CLI_FAST]
+    assert main(["calibrate", path, "--out", str(tmp_path / "1.jsonl"), *store]) == 0
+    assert main(["calibrate", path, "--out", str(tmp_path / "2.jsonl"), *store]) == 0
+    first, second = read_jsonl(tmp_path / "1.jsonl"), read_jsonl(tmp_path / "2.jsonl")
+    assert [r["reuse"] for r in first] == ["fresh", "hit"] and [r["reuse"] for r in second] == ["hit", "hit"]
+    assert [r["best_proxy"] for r in first] == [r["best_proxy"] for r in second]
+
+
+@pytest.mark.slow
+def test_cli_on_smollm2_reuses_with_the_same_answers(tmp_path):
+    """End to end on the real model: three queries on one few-shot prompt, calibrated once."""
+    from sicl_fast.cli import main
+
+    path = write_jsonl(tmp_path / "r.jsonl", [request(q, q) for q in ("five", "nine", "two")])
+    flags = ["--generate", "--max-new-tokens", "3", "--max-steps", "2", "--N", "2", "--tau", "0"]
+    assert main(["calibrate", path, "--out", str(tmp_path / "auto.jsonl"), *flags]) == 0
+    assert main(["calibrate", path, "--out", str(tmp_path / "off.jsonl"), "--reuse", "off", *flags]) == 0
+    got, ref = read_jsonl(tmp_path / "auto.jsonl"), read_jsonl(tmp_path / "off.jsonl")
+    assert [r["reuse"] for r in got] == ["fresh", "hit", "hit"] and all(r["exact"] for r in got)
+    assert [r["answer_calibrated"] for r in got] == [r["answer_calibrated"] for r in ref] == ["5", "9", "2"]
+    assert [r["best_proxy"] for r in got] == [r["best_proxy"] for r in ref]
+
+
+def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_dir, tmp_path, capsys):
+    """ICLEval gives every sample its own demonstrations: the numbers are those of calibrating each, and a rerun
+    with the same --store reads every calibration back."""
+    from conftest import ICLEVAL_EXCERPTS
+    from sicl_fast.cli import main
+
+    base = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "generate_order", "--limit", "1",
+            "--model", tiny_dir, "--max-steps", "2", "--N", "2", "--tau", "0"]
+    runs = {}
+    for name, extra in (("off", ["--reuse", "off"]), ("first", ["--store", str(tmp_path / "s")]),
+                        ("rerun", ["--store", str(tmp_path / "s")])):
+        out = tmp_path / f"{name}.jsonl"
+        capsys.readouterr()
+        assert main([*base, "--out", str(out), *extra]) == 0
+        runs[name] = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(out)]
+        runs[name + "_err"] = capsys.readouterr().err
+    assert runs["off"] == runs["first"] == runs["rerun"]
+    assert "store: 0 calibration(s) reused, 2 run" in runs["first_err"]
+    assert "store: 2 calibration(s) reused, 0 run" in runs["rerun_err"]

@@ -1,0 +1,220 @@
+"""The calibration store (sicl_fast.store): keys, the memory LRU by bytes, the disk format (round trip bit for bit,
+atomic files, checksums, corrupt and truncated entries moved aside and recomputed), single flight across threads
+and across two processes sharing a directory. No model: entries are made from tensors."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.errors import SiclError, SiclWarning
+from sicl_fast.requests import Request
+from sicl_fast.spans import Prompt
+from sicl_fast.store import Calibration, CalibrationStore, calibration_key
+from sicl_fast.store.memory import MemoryLRU
+
+pytest.importorskip("safetensors")
+
+
+def entry(key: str, n: int = 6, d: int = 4, seed: int = 0) -> Calibration:
+    g = torch.Generator().manual_seed(seed)
+    return Calibration(key=key, scope="stem", rows=torch.randn(n, d, generator=g),
+                       input_ids=torch.arange(n, dtype=torch.int64) + seed, token_spans=((2, 4), (5, 6)),
+                       demo_start=1, demo_end=n, initial_proxy=0.25, best_proxy=0.5 + 1e-9 * seed, steps=3,
+                       best_step=2, gated=False, stop_reason="max_steps", history=[0.25, 0.4, 0.5 + 1e-9 * seed],
+                       projections=0, seconds=1.5, config=CalibrationConfig(N=4, seed=seed, scale=0.3), impl="torch",
+                       model="m", exact=True, min_cosine=0.97)
+
+
+def same(a: Calibration, b: Calibration) -> bool:
+    return (torch.equal(a.rows, b.rows) and torch.equal(a.input_ids, b.input_ids)
+            and a.meta() == b.meta())
+
+
+def test_memory_lru_counts_bytes_not_entries():
+    one = entry("a").nbytes
+    lru = MemoryLRU(2 * one + 10)
+    for k in "abc":
+        lru.put(entry(k))
+    assert len(lru) == 2 and "a" not in lru and lru.bytes == 2 * one and lru.evictions == 1
+    lru.get("b")  # b is now the most recent: c goes next
+    lru.put(entry("d"))
+    assert "b" in lru and "d" in lru and "c" not in lru
+    big = entry("big", n=400)
+    lru.put(big)  # larger than the whole budget: not kept, and the others were dropped making room for it
+    assert "big" not in lru and lru.bytes <= lru.max_bytes
+
+
+def test_memory_lru_recounts_an_entry_whose_kv_grew():
+    class KV:
+        nbytes = 0
+
+    lru = MemoryLRU(3 * entry("a").nbytes)
+    for k in "abc":
+        lru.put(entry(k))
+    cal = lru.get("a")
+    cal.kv = KV()
+    cal.kv.nbytes = entry("a").nbytes  # the K/V of a: a's size doubles, so b (the least recent) must go
+    lru.touch("a")
+    assert "a" in lru and "b" not in lru and lru.bytes == 4 * entry("a").nbytes - entry("a").nbytes
+    cal.kv.nbytes = 10 * lru.max_bytes  # K/V alone over the budget: the entry stays, its K/V is dropped
+    lru.touch("a")
+    assert "a" in lru and cal.kv is None and lru.bytes <= lru.max_bytes
+
+
+def test_keys_hold_every_input():
+    req = Request(id="r", prompt="x" * 20, output_spans=((3, 5),))
+    p = Prompt(request=req, input_ids=torch.arange(12), token_spans=((3, 5), (7, 9)), demo_start=1, demo_end=9)
+    fp = {"model": "m", "weights": "w"}
+    cfg = CalibrationConfig(scale=0.5)
+    k = calibration_key(fp, p, cfg, 9, "stem")
+    assert k == calibration_key(fp, p, cfg, 9, "stem")
+    q = Prompt(request=req, input_ids=torch.cat([torch.arange(9), torch.tensor([99, 98, 97])]),
+               token_spans=p.token_spans, demo_start=1, demo_end=9)
+    assert calibration_key(fp, q, cfg, 9, "stem") == k  # another query: the same stem key
+    others = [calibration_key({**fp, "weights": "v"}, p, cfg, 9, "stem"),
+              calibration_key(fp, p, cfg.replace(seed=1), 9, "stem"),
+              calibration_key(fp, p, cfg.replace(max_steps=7), 9, "stem"),
+              calibration_key(fp, p, cfg, 12, "prompt"),
+              calibration_key(fp, Prompt(request=req, input_ids=p.input_ids, token_spans=((3, 5), (6, 9)),
+                                         demo_start=1, demo_end=9), cfg, 9, "stem"),
+              calibration_key(fp, Prompt(request=req, input_ids=p.input_ids, token_spans=p.token_spans,
+                                         demo_start=2, demo_end=9), cfg, 9, "stem")]
+    assert len({k, *others}) == 1 + len(others)
+
+
+def test_disk_round_trip_is_bit_for_bit(tmp_path):
+    s = CalibrationStore(1 << 20, tmp_path)
+    cal = entry("k" * 40, seed=3)
+    s.put(cal)
+    fresh = CalibrationStore(1 << 20, tmp_path)  # a new process's view: nothing in memory
+    got = fresh.get(cal.key)
+    assert got is not None and same(got, cal) and fresh.stats["disk_reads"] == 1
+    assert not list(tmp_path.rglob("*.tmp")), "no temporary file left behind"
+    side = json.loads(fresh.disk.paths(cal.key)[1].read_text())
+    assert side["format"] == "sicl_fast.calibration.v1" and side["key"] == cal.key
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "missing_tensors", "meta_edit"])
+def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
+    key = "c" * 40
+    CalibrationStore(1 << 20, tmp_path).put(entry(key))
+    s = CalibrationStore(1 << 20, tmp_path)
+    tensors, sidecar = s.disk.paths(key)
+    if damage == "flip":
+        data = bytearray(tensors.read_bytes())
+        data[-3] ^= 0x40
+        tensors.write_bytes(bytes(data))
+    elif damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:-7])
+    elif damage == "sidecar":
+        sidecar.write_bytes(sidecar.read_bytes()[:40])
+    elif damage == "missing_tensors":
+        tensors.unlink()
+    else:  # a hand edit of the sidecar that keeps it valid JSON
+        side = json.loads(sidecar.read_text())
+        side["meta"]["best_proxy"] = 0.99
+        sidecar.write_text(json.dumps(side))
+    computed = []
+
+    def compute():
+        computed.append(1)
+        return entry(key, seed=5)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cal, hit = s.get_or_compute(key, compute)
+    assert computed == [1] and not hit and same(cal, entry(key, seed=5))
+    assert any(issubclass(w.category, SiclWarning) and "corrupt" in str(w.message) for w in caught)
+    assert s.disk.corrupted == 1 and any((tmp_path / "corrupt").iterdir())
+    again = CalibrationStore(1 << 20, tmp_path).get(key)  # the recomputed entry replaced it on disk
+    assert same(again, entry(key, seed=5))
+
+
+def test_single_flight_across_threads(tmp_path):
+    for directory in (None, tmp_path):
+        s = CalibrationStore(1 << 20, directory)
+        calls, started = [], threading.Event()
+
+        def compute():
+            calls.append(1)
+            started.set()
+            time.sleep(0.3)
+            return entry("t" * 40)
+
+        out = []
+        threads = [threading.Thread(target=lambda: out.append(s.get_or_compute("t" * 40, compute)))
+                   for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(calls) == 1 and len(out) == 4
+        assert sorted(hit for _, hit in out) == [False, True, True, True]
+        assert all(same(cal, out[0][0]) for cal, _ in out)
+
+
+def test_a_leader_that_keeps_nothing_lets_a_waiter_compute():
+    """compute() returning None (a run stopped by its deadline) stores nothing: a waiter then computes its own."""
+    s = CalibrationStore(1 << 20)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        time.sleep(0.2)
+        return None if len(calls) == 1 else entry("n" * 40)
+
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(s.get_or_compute("n" * 40, compute))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert len(calls) == 2 and sorted(c is None for c, _ in out) == [False, True]
+
+
+CHILD = r"""
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from test_store import entry
+from sicl_fast.store import CalibrationStore
+s = CalibrationStore(1 << 20, sys.argv[1])
+def compute():
+    with open(sys.argv[2], "a") as fh:
+        fh.write("computed\n")
+    time.sleep(1.0)
+    return entry("p" * 40, seed=7)
+cal, hit = s.get_or_compute("p" * 40, compute)
+print(hit, float(cal.rows.sum()))
+"""
+
+
+def test_two_processes_share_a_directory_and_compute_once(tmp_path):
+    marks = tmp_path / "marks.txt"
+    code = CHILD.format(tests=str(Path(__file__).parent))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store"), str(marks)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    assert marks.read_text().count("computed") == 1
+    hits = sorted(o.split()[0] for o, _ in outs)
+    assert hits == ["False", "True"] and len({o.split()[1] for o, _ in outs}) == 1
+    assert same(CalibrationStore(1 << 20, tmp_path / "store").get("p" * 40), entry("p" * 40, seed=7))
+
+
+def test_bad_store_arguments(tmp_path):
+    with pytest.raises(SiclError, match="max_bytes"):
+        CalibrationStore(-1)
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(SiclError, match="cannot create"):
+        CalibrationStore(1, f / "sub")

@@ -218,14 +218,14 @@ COMMAND_GROUPS = {
     "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
     "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
     "serve": ("model", "tokens", "backend", "ops", "loop", "store"),
-    "plan": ("model", "backend", "ops", "loop", "pack", "ascent"),
+    "plan": ("model", "backend", "ops", "loop", "pack", "ascent", "store"),
     "report": (),
 }
 
 
 def _store(g) -> None:
     """The calibration store (sicl_fast.store, sicl_fast.reuse): --reuse, --store, --store-mib."""
-    from .reuse import REUSE_MODES
+    from .plan import REUSE_MODES
     from .store import DEFAULT_MAX_BYTES
 
     g.add_argument("--reuse", default=None, choices=REUSE_MODES,
@@ -241,14 +241,10 @@ def _store(g) -> None:
 
 
 def reuse_mode(args) -> str:
-    """--reuse resolved: auto unless packing (--pack > 1 calibrates packed, without the store)."""
-    pack = getattr(args, "pack", 1)
-    if args.reuse is None:
-        return "auto" if pack == 1 else "off"
-    if args.reuse != "off" and pack > 1:
-        raise SiclError(f"--reuse {args.reuse} with --pack {pack}: packed calibration does not use the store; "
-                        "use --reuse off, or --pack 1")
-    return args.reuse
+    """--reuse resolved by the run plan's rule (sicl_fast.plan.resolve_reuse: auto unless packing)."""
+    from .plan import resolve_reuse
+
+    return resolve_reuse(args.reuse, getattr(args, "pack", 1))[0]
 
 
 def _store_line(workers, args) -> None:
@@ -410,7 +406,8 @@ def _plan_choices(args, **over) -> dict:
     """The run plan's choices from the flags (sicl_fast.plan.Choices; `over` replaces some)."""
     return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
                    loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
-                   pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto")),
+                   pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
+                   reuse=getattr(args, "reuse", "off")),  # a command without the store's flags does not use it
             **over}
 
 
@@ -419,7 +416,7 @@ def _engine_kwargs(args, add_special_tokens=None) -> dict:
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
     kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
     if hasattr(args, "reuse"):  # the commands with the store's flags
-        kw.update(reuse=reuse_mode(args), store_dir=args.store, store_bytes=args.store_mib << 20)
+        kw.update(store_dir=args.store, store_bytes=args.store_mib << 20)
     return kw
 
 

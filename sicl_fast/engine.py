@@ -18,13 +18,13 @@ from .generate import Generation
 from .graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
 from .packed import run_packed
-from .plan import Choices, make_plan
+from .plan import Choices, make_plan, resolve_reuse
 from .proxy import ProxyOut
 from .requests import Request, parse_request
 from .spans import Prompt, tokenize
 from .static import StepCache, run_static
 from .answer import answer_batch, answer_one
-from .reuse import Reuser, check_reuse
+from .reuse import Reuser
 from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 
@@ -64,16 +64,16 @@ class Engine:
         graphs: str = "auto",
         graph_cache: int = DEFAULT_CAPACITY,
         attn: str = "auto",
-        reuse: str = "off",
+        reuse: str | None = "off",
         store: CalibrationStore | None = None,
         store_dir: str | None = None,
         store_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        self.reuse = check_reuse(reuse)
         self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
         self._reuser = None
         choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
-                          sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad)
+                          sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad,
+                          reuse=reuse)
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
         self.plan = make_plan(self.lm, choices)
         self.backend = build_backend(self.plan, self.lm)
@@ -111,7 +111,7 @@ class Engine:
         and return a ReusedResult (a CalibrationResult that says whether it reused, which key, whether exact, and
         holds the stored Calibration in `.calibration`). should_stop: as Calibrator.run's."""
         cfg = self.config(config, **overrides)
-        mode = self.reuse if reuse is None else check_reuse(reuse)
+        mode = self.plan.reuse if reuse is None else resolve_reuse(reuse, 1)[0]
         if mode != "off":
             return self.reuser.calibrate(prompt, cfg, mode, on_step=on_step, should_stop=should_stop)
         return self.run(prompt, cfg, on_step=on_step, should_stop=should_stop)

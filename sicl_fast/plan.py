@@ -74,6 +74,7 @@ class Choices:
     graph_cache: int = DEFAULT_CAPACITY
     pack: int = 1
     grad: bool = False  # the run takes the exact gradient (estimator 'grad')
+    reuse: str | None = "off"  # the calibration store: 'auto', 'on', 'off'; None: 'auto' unless packing
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKENDS:
@@ -88,6 +89,7 @@ class Choices:
         check_range("pack", self.pack, "Engine")
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
+        resolve_reuse(self.reuse, self.pack)
 
 
 # ------------------------------------------------------------------------------------------- the rules, once
@@ -212,6 +214,25 @@ def resolve_pack(pack: int, static: bool, name: str, loop: str) -> str:
     return "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
 
 
+REUSE_MODES = ("auto", "on", "off")
+
+
+def resolve_reuse(reuse: str | None, pack: int) -> tuple[str, str]:
+    """(mode, why) of the calibration store (sicl_fast.reuse): None is the command line's default, 'auto' unless
+    packing; the packed step calibrates without the store."""
+    if reuse is None:
+        if pack > 1:
+            return "off", "default with pack > 1 (the packed step calibrates without the store)"
+        return "auto", "default: reuse a stored calibration where that is exact, calibrate per query elsewhere"
+    check_choice(reuse, REUSE_MODES, "reuse", "Engine")
+    if reuse != "off" and pack > 1:
+        raise SiclError(f"reuse {reuse!r} with pack {pack}: packed calibration does not use the store; use reuse "
+                        "'off' (--reuse off), or pack 1")
+    return reuse, {"auto": "asked for: reuse where exact, calibrate per query elsewhere",
+                   "on": "asked for: reuse always (approximate where the projection could have fired)",
+                   "off": "asked for: every prompt calibrated"}[reuse]
+
+
 def default_sync_every(device) -> int:
     """Steps between two reads of the static step's state: 1 on the CPU (a read costs nothing there and the
     progress stays exact); 8 on a GPU (provisional: the GPU engine measures the best k)."""
@@ -262,6 +283,7 @@ class RunPlan:
     pack: int
     grad: bool  # the run takes the exact gradient: ops, backend and model checked differentiable
     grad_refusal: str | None  # why estimator 'grad' cannot run on this plan (None: it can)
+    reuse: str  # the calibration store: 'auto', 'on', 'off' (sicl_fast.reuse)
     why: tuple = field(default=(), compare=False)
 
     @property
@@ -335,6 +357,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
     graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
     why_pack = resolve_pack(c.pack, static, backend, c.loop)
+    reuse, why_reuse = resolve_reuse(c.reuse, c.pack)
     refusal = grad_refusal(impl, backend, lm)
     if c.grad and refusal:
         raise SiclError(refusal)
@@ -347,13 +370,13 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("attention", attention or "-", why_attention), ("diff_matmul", diff, why_diff),
            ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("graphs", "on" if graphs else "off", why_graphs), ("pack", c.pack, why_pack),
-           ("estimator", "grad" if c.grad else "zeroth-order", why_grad))
+           ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
                    attention=attention, attention_fallback=c.attn == "auto", diff_matmul=diff, decoder=decoder,
                    loop=loop, loop_asked=c.loop, sync_every=sync_every, graphs=graphs, graph_cache=c.graph_cache,
-                   pack=c.pack, grad=c.grad, grad_refusal=refusal, why=why)
+                   pack=c.pack, grad=c.grad, grad_refusal=refusal, reuse=reuse, why=why)
 
 
-__all__ = ["BACKENDS", "LOOPS", "BackendKind", "Choices", "RunPlan", "make_plan", "default_sync_every",
+__all__ = ["BACKENDS", "LOOPS", "REUSE_MODES", "resolve_reuse", "BackendKind", "Choices", "RunPlan", "make_plan", "default_sync_every",
            "forward_only", "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_backend",
            "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack"]

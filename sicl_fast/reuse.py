@@ -35,12 +35,11 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .checks import check_prompt
 from .errors import SiclError
+from .plan import REUSE_MODES
 from .requests import Request
 from .spans import Prompt, tokenize
-from .spec import check_choice
 from .store import Calibration, CalibrationStore, calibration_key, engine_fingerprint
 
-REUSE_MODES = ("auto", "on", "off")
 EXACT_MARGIN = 1e-4  # on the cosine: far above float32 rounding of the projection's test, far below any signal
 NATURAL_STOPS = ("gate", "patience", "max_steps", "snr")  # a run stopped from outside (deadline) is not kept
 
@@ -193,7 +192,6 @@ class Reuser:
 
     def route(self, prompt: Prompt, config: CalibrationConfig, mode: str, on_step=None, should_stop=None
               ) -> ReusedResult:
-        check_choice(mode, REUSE_MODES, "reuse", "Engine.calibrate")
         check_prompt(prompt, self.engine.lm)
         t0 = time.perf_counter()
         cfg = self.resolve(config)
@@ -270,10 +268,6 @@ class Reuser:
         return self.wrap(done["res"], t0, cal, reuse, key)
 
 
-def check_reuse(mode) -> str:
-    check_choice(mode, REUSE_MODES, "reuse", "Engine")
-    return mode
-
 
 def fits(cal: Calibration, prompt: Prompt) -> None:
     """Refuse a prompt that a stored calibration cannot serve: its rows [0, n) must hold the same token ids, spans
@@ -295,5 +289,5 @@ def full_embeddings(engine, cal: Calibration, prompt: Prompt) -> torch.Tensor:
     return X
 
 
-__all__ = ["REUSE_MODES", "EXACT_MARGIN", "min_whole_cosine", "CosineWatch", "watched", "stem_prompt",
-           "stem_matches", "ReusedResult", "Reuser", "fits", "full_embeddings", "check_reuse"]
+__all__ = ["EXACT_MARGIN", "min_whole_cosine", "CosineWatch", "watched", "stem_prompt",
+           "stem_matches", "ReusedResult", "Reuser", "fits", "full_embeddings"]

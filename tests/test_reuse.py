@@ -231,7 +231,7 @@ def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp
             assert r[k] == ref[i][k], (i, k)
     capsys.readouterr()
     assert main(["calibrate", path, "--out", str(tmp_path / "x.jsonl"), "--pack", "2", "--reuse", "on", *model]) == 2
-    assert "--reuse on with --pack 2" in capsys.readouterr().err
+    assert "reuse 'on' with pack 2: packed calibration does not use the store" in capsys.readouterr().err
 
 
 def test_cli_store_directory_serves_a_rerun(tiny_dir, tmp_path):

@@ -17,7 +17,7 @@ from ..ascent import CalibrationConfig
 from ..export import ROW_CHOICES, WIRE_DTYPES
 from ..knobs import RANGES
 from ..requests import DEFAULT_TEMPLATE
-from ..reuse import REUSE_MODES
+from ..plan import REUSE_MODES
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 

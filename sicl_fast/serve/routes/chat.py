@@ -29,7 +29,8 @@ from ...answer import answer_result
 from ...ascent import CalibrationConfig, CalibrationResult
 from ...chat import StreamCut, render
 from ...errors import SiclError
-from ...reuse import REUSE_MODES, ReusedResult
+from ...plan import REUSE_MODES
+from ...reuse import ReusedResult
 from ...spans import Prompt
 from ..dispatch import POLL_S, admit, read_call, run_job, timing
 from ..errors import ServeHTTPError, from_sicl_error

@@ -3,11 +3,12 @@
     eng = Engine()                                  # embedded SmolLM2-135M, backend 'auto'
     prompt = eng.prepare({"id": "q1", "demos": [...], "query": "..."})
     res = eng.calibrate(prompt, max_steps=20)       # CalibrationResult
+    res = eng.calibrate(prompt, time_budget_s=2.0)  # the best X after the first step boundary past 2 s
     eng.generate(prompt, res.embeddings).answer     # greedy answer from the calibrated embeddings
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -21,6 +22,7 @@ from .packed import run_packed
 from .plan import Choices, make_plan
 from .proxy import ProxyOut
 from .requests import Request, parse_request
+from .run_args import BestAt, check_budget
 from .spans import Prompt, tokenize
 from .static import StepCache, run_static
 
@@ -91,26 +93,39 @@ class Engine:
         check_prompt(prompt, self.lm)
         return self.backend.embed(prompt) if embeds is None else check_embeddings(embeds, prompt, self.lm)
 
-    def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, **overrides) -> CalibrationResult:
+    def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None,
+                  time_budget_s: float | None = None, should_stop=None, best_at: Sequence[int] = (),
+                  **overrides) -> CalibrationResult:
+        """Calibrate one prompt on the plan's loop. Run arguments (sicl_fast.run_args; they do not change what a
+        step computes): time_budget_s, stop at the first step boundary (static loop: read of the state) after that
+        many seconds with the best X so far and stop_reason "time_budget"; should_stop, a hook checked there too
+        (a returned string ends the run with that reason); best_at, step counts at which the best X is kept (the
+        result's best_at)."""
         cfg = self.config(config, **overrides)
+        time_budget_s, kept = check_budget(time_budget_s, "Engine.calibrate"), BestAt(best_at, "Engine.calibrate")
         if self.plan.loop_for(cfg.estimator) == "static":
             return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
-                              steps=self.steps)
-        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step)
+                              steps=self.steps, should_stop=should_stop, time_budget_s=time_budget_s, best_at=kept)
+        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop,
+                                                 time_budget_s=time_budget_s, best_at=kept)
 
     def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,
+                       time_budget_s: float | None = None, best_at: Sequence[int] = (),
                        **overrides) -> list[CalibrationResult]:
         """Calibrate every prompt, `pack` at once when pack > 1 (sicl_fast.packed), else one by one. With
         on_result(i, result), each result goes there as it finishes and nothing is kept (a long run's memory
-        stays flat); without, the results come back in the order of `prompts`."""
+        stays flat); without, the results come back in the order of `prompts`. time_budget_s and best_at: each
+        prompt's, as calibrate's."""
         cfg = self.config(config, **overrides)
+        time_budget_s = check_budget(time_budget_s, "Engine.calibrate_many")
+        BestAt(best_at, "Engine.calibrate_many")  # the counts checked before any work
         self.plan.check_pack(cfg.estimator)
         if self.plan.pack > 1:
             return run_packed(self.backend, [(p, cfg) for p in prompts], self.plan.pack, self.plan.sync_every,
-                              on_result)
+                              on_result, time_budget_s=time_budget_s, best_at=best_at)
         results = []
         for i, p in enumerate(prompts):
-            res = self.calibrate(p, cfg)
+            res = self.calibrate(p, cfg, time_budget_s=time_budget_s, best_at=best_at)
             if on_result is None:
                 results.append(res)
             else:

@@ -76,6 +76,10 @@ class CalibrateBody(ProxyBody):
         "demos", description="'demos': the perturbed rows [a, b); 'all': every row of the prompt")
     timeout_s: Optional[float] = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
                                                                "so far is returned with stop_reason 'deadline'")
+    time_budget_s: Optional[float] = Field(None, ge=0, le=RANGES["time_budget_s"].hi,
+                                           description="seconds of calibration, from its start: the run stops at the "
+                                                       "first step boundary after them with the best X so far and "
+                                                       "stop_reason 'time_budget' (at least one step runs)")
 
 
 def validation_message(exc: ValidationError, body: Any) -> str:

@@ -2,15 +2,17 @@
 
     advance(st, f [B] float32, fired int32 [1], cfg)   after ops.update wrote st.X_next
 
-    1. one program: the gate, the best-so-far state (st.best: best_f, counters), patience, the SNR skip / stop,
+    1. one program: the gate, the best-so-far state (st.best: best_f, counters), patience (with min_delta: from
+       st.anchor, sicl_fast.best.improved; compiled out without it), the SNR skip / stop,
        max_steps, the non-finite stop, the history entry, the counters (steps_run, low_snr, projections),
        the stop reason and the step index; it leaves two flags: better (f0 beat best_f) and update (take X_next)
     2. over X: best_X <- X where better, then X <- X_next where update
 
 st: a sicl_fast.step_state.StepState (its tensors X, X_next, best, step_t, steps_run, reason, low_snr,
-projections, history, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau and snr_threshold
-are in float64, as the reference's; the SNR's mean and standard deviation are float32 reductions in another order
-than torch's (differences of an ulp, which can only matter for an SNR within an ulp of the threshold).
+projections, history, anchor, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau,
+snr_threshold and the min_delta margin are in float64, as the reference's; the SNR's mean and standard deviation
+are float32 reductions in another order than torch's (differences of an ulp, which can only matter for an SNR
+within an ulp of the threshold).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sicl_fast.best import margin_on
 from sicl_fast.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
 from ._utils import interpreting, launch, next_pow2
@@ -32,9 +35,9 @@ MAX_STEPS_C = tl.constexpr(MAX_STEPS)
 
 @triton.jit
 def _advance_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, low_snr_ptr, proj_ptr, hist_ptr,
-                          best_f_ptr, counters_ptr, fired_ptr, flags_ptr, N, mu, patience, max_steps,
+                          best_f_ptr, counters_ptr, anchor_ptr, fired_ptr, flags_ptr, N, mu, patience, max_steps,
                           CENTRAL: tl.constexpr, HAS_SNR: tl.constexpr, HAS_PATIENCE: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          HAS_MARGIN: tl.constexpr, BLOCK_N: tl.constexpr):
     s = tl.load(s_ptr)
     reason = tl.load(reason_ptr)
     active = reason == 0
@@ -53,7 +56,16 @@ def _advance_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, l
     seen = tl.load(counters_ptr + 2)
     better = fm > best
     tl.store(best_f_ptr, tl.where(better, fm, best))
-    since = tl.where(better, 0, since + 1)
+    if HAS_MARGIN:  # patience counts from the anchor (sicl_fast.best.improved), in float64
+        anchor = tl.load(anchor_ptr)
+        first = anchor == float("-inf")  # nothing counted yet: any finite f0 counts
+        a = tl.where(first, 0.0, anchor).to(tl.float64)
+        margin = tl.maximum(tl.load(params_ptr + 3) * tl.abs(a), tl.load(params_ptr + 2))
+        counted = (fm > anchor) & (first | (fm.to(tl.float64) - a > margin))
+        tl.store(anchor_ptr, tl.where(counted, fm, anchor))
+        since = tl.where(counted, 0, since + 1)
+    else:
+        since = tl.where(better, 0, since + 1)
     tl.store(counters_ptr, since)
     tl.store(counters_ptr + 1, tl.where(better, seen, tl.load(counters_ptr + 1)))
     tl.store(counters_ptr + 2, seen + 1)
@@ -111,9 +123,10 @@ def advance(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     dev = st.X.device
     launch(_advance_state_kernel, (1,),
            f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history,
-           st.best.best_f, st.best.counters, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience),
+           st.best.best_f, st.best.counters, st.anchor, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience),
            int(cfg.max_steps), device=dev, block=next_pow2(N), CENTRAL=cfg.estimator == "central",
-           HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience), BLOCK_N=next_pow2(N))
+           HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience), HAS_MARGIN=margin_on(cfg),
+           BLOCK_N=next_pow2(N))
     n = st.X.numel()
     BLOCK = 1 << 16 if interpreting() else 2048
     launch(_advance_copy_kernel, (triton.cdiv(n, BLOCK),), st.flags, st.X, st.X_next, st.best.best_X, n, device=dev,

@@ -3,8 +3,10 @@
     f0 = f(X0); if f0 < tau: return X0                       (the gate, on the first step's row 0)
     repeat up to max_steps:
         f = f([X, X + mu U_1, ..., X + mu U_N])              (one batched forward)
-        if f[0] > best: best, X_best = f[0], X               else: patience counter += 1
-        stop when the counter reaches `patience`
+        if f[0] > best: best, X_best = f[0], X
+        if f[0] improves on the last counted f[0] (by more than min_delta; sicl_fast.best.improves): counter = 0
+        else: patience counter += 1
+        stop when the counter reaches `patience` (or when the caller's hook / time budget says so)
         X <- X + eta * clip(g(f, U));  cosine projection onto cos(X, X0) >= kappa
 
 estimator "grad" replaces the batched forward and g(f, U) by one forward of X and one backward (the exact
@@ -24,10 +26,12 @@ from typing import Callable
 
 import torch
 
+from .best import improves
 from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
 from .grad import proxy_gradient
 from .knobs import F32_EPS, F32_MAX, F32_TINY, MIN_MU, check_range
+from .run_args import BestAt, check_budget, stop_check
 from .spans import Prompt
 from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice, resolve_scale
 from .zo import cosine, snr
@@ -45,7 +49,7 @@ class CalibrationConfig:
     eta: float = 0.05  # step size, in units of `scale`
     kappa: float = 0.2  # cosine floor to X0; <= 0 turns the projection off
     tau: float = 0.05  # gate: no ascent when f(X0) < tau
-    patience: int = 5  # steps without a better f0 before stopping; 0 turns early stopping off
+    patience: int = 5  # steps without an improvement of f0 before stopping; 0 turns early stopping off
     max_steps: int = 250  # K
     alpha: float = 0.6
     beta: float = 0.3
@@ -60,11 +64,17 @@ class CalibrationConfig:
     perturb_query: bool = False  # ablation: perturb rows [a, L) (the query too) instead of [a, b)
     scale: float | None = None  # None: the model's embedding scale
     checkpoint: bool = False  # estimator "grad": recompute each layer in the backward (memory of one layer)
+    # patience counts a step as an improvement only when f0 beats the last counted one by more than
+    # max(min_delta, min_delta_rel * |that f0|) (improves()); both 0: any better f0, the paper's rule
+    min_delta: float = 0.0
+    min_delta_rel: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("N", "patience", "max_steps", "seed"):  # their ranges: sicl_fast.knobs, one table
             v = check_range(name, getattr(self, name), "CalibrationConfig")
             object.__setattr__(self, name, int(v))  # numpy integers become Python ints for the C++ / Triton ops
+        for name in ("min_delta", "min_delta_rel"):
+            object.__setattr__(self, name, float(check_range(name, getattr(self, name), "CalibrationConfig")))
         for name in ("mu", "eta", "kappa", "tau", "alpha", "beta", "gamma", "q", "snr_threshold", "clip_norm", "scale"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, numbers.Real) or isinstance(v, bool)):
@@ -164,12 +174,15 @@ class CalibrationResult:
     steps: int  # batched forwards run
     best_step: int  # 0-based step whose X is returned
     gated: bool
-    stop_reason: str  # "gate", "patience", "max_steps", "snr", or what `should_stop` returned (e.g. "deadline")
+    # "gate", "patience", "max_steps", "snr", "time_budget", or what `should_stop` returned (e.g. "deadline")
+    stop_reason: str
     history: list[float] = field(default_factory=list)  # f0 at every step
     seconds: float = 0.0
     projections: int = 0  # how often the cosine projection fired
     config: CalibrationConfig | None = None
     impl: str = ""  # which implementation of the hot ops ran: "torch", "cpp" or "triton" (sicl_fast.ops)
+    # steps run -> (best step, best X [L, d]) after that many steps, for the counts asked (run argument best_at)
+    best_at: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {"initial_proxy": self.initial_proxy, "best_proxy": self.best_proxy, "steps": self.steps,
@@ -226,19 +239,26 @@ class Calibrator:
         on_step: Callable[[int, float], None] | None = None,
         should_stop: Callable[[], str | None] | None = None,
         on_update: Callable[[torch.Tensor], None] | None = None,
+        time_budget_s: float | None = None,
+        best_at: BestAt | None = None,
     ) -> CalibrationResult:
         """Calibrate one prompt. X0 [L, d] defaults to the prompt's input embeddings (float32).
         should_stop: checked once per step after the best X is updated; a returned string (e.g. "deadline")
-        ends the run with that stop_reason and the best X so far. on_update(X): called with X [L, d] after each
+        ends the run with that stop_reason and the best X so far. time_budget_s: the same with stop_reason
+        "time_budget" once that many seconds have passed since the run began (sicl_fast.run_args). best_at: keeps
+        the best X after its step counts (in the result's best_at). on_update(X): called with X [L, d] after each
         update (sicl_fast.reuse watches the whole-matrix cosine there)."""
         cfg = self.config
         t0 = time.perf_counter()
+        should_stop = stop_check(should_stop, check_budget(time_budget_s, "Calibrator.run"), t0)
+        best_at = best_at if best_at is not None else BestAt()
         X0 = self.initial_embeddings(prompt, X0)
         spec = self.step_spec(prompt, X0)
         if spec.grad:
             self.backend.plan.check_grad()
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0
+        anchor = -math.inf  # f0 of the last step that counted as an improvement (sicl_fast.best.improves)
         history: list[float] = []
         since_best = low_snr = projections = 0
         initial = math.nan
@@ -260,9 +280,12 @@ class Calibrator:
                     best_f = f0
                     break
             if f0 > best_f:
-                best_X, best_f, best_step, since_best = X, f0, step, 0
+                best_X, best_f, best_step = X, f0, step
+            if improves(f0, anchor, cfg.min_delta, cfg.min_delta_rel):
+                anchor, since_best = f0, 0
             else:
                 since_best += 1
+            best_at.keep(steps, best_step, best_X)
             if cfg.patience and since_best >= cfg.patience:
                 stop = "patience"
                 break
@@ -296,6 +319,7 @@ class Calibrator:
             projections=projections,
             config=cfg,
             impl=self.ops.name,
+            best_at=best_at.kept,
         )
 
 

@@ -10,8 +10,17 @@ State (`BestState`, device tensors):
     else:              since += 1
     seen += 1
 NaN f[0] counts as no improvement. The Triton kernel `sicl_fast.kernels.track_best` is tested against it.
+
+What counts as an improvement for patience (CalibrationConfig.min_delta, min_delta_rel), one rule in two forms:
+    improves(f0, anchor, min_delta, min_delta_rel)        python floats (the eager loop, Calibrator.run)
+    improved(f0, anchor, min_delta, min_delta_rel)        device tensors, no host read (the static step's reference)
+anchor: the f0 of the last counted improvement (-inf before the first). f0 counts when it beats the anchor by more
+than max(min_delta, min_delta_rel * |anchor|), in float64; it then becomes the anchor. With both 0 that is
+f0 > anchor and the anchor is the best f0 at every step: the paper's rule, patience as `track_best` counts it.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -64,4 +73,23 @@ def track_best(f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState:
     return state
 
 
-__all__ = ["BestState", "track_best", "check_best_args"]
+def margin_on(cfg) -> bool:
+    """Does `cfg` ask more of an improvement than the paper's rule (min_delta or min_delta_rel > 0)?"""
+    return cfg.min_delta > 0 or cfg.min_delta_rel > 0
+
+
+def improves(f0: float, anchor: float, min_delta: float, min_delta_rel: float) -> bool:
+    """Does f0 count as an improvement over `anchor` (module docstring)? Python floats; False for NaN."""
+    if not f0 > anchor:
+        return False
+    return anchor == -math.inf or f0 - anchor > max(min_delta, min_delta_rel * abs(anchor))
+
+
+def improved(f0: torch.Tensor, anchor: torch.Tensor, min_delta: float, min_delta_rel: float) -> torch.Tensor:
+    """improves() on device tensors: f0, anchor [1] float32 -> bool [1] (in float64, as the python floats)."""
+    first = anchor == -math.inf  # nothing counted yet: any finite f0 counts
+    f, a = f0.double(), torch.where(first, 0.0, anchor).double()
+    return (f0 > anchor) & (first | (f - a > torch.clamp(min_delta_rel * a.abs(), min=min_delta)))
+
+
+__all__ = ["BestState", "track_best", "check_best_args", "margin_on", "improves", "improved"]

@@ -58,7 +58,8 @@ KNOB_HELP = {
     "eta": "step size, in units of the model's embedding scale",
     "kappa": "cosine floor to the original embeddings; <= 0 turns the projection off",
     "tau": "gate: no ascent when the proxy of the original prompt is below it",
-    "patience": "steps without a better proxy before stopping; 0 turns early stopping off",
+    "patience": "steps without an improvement of the proxy (see --min-delta) before stopping; 0 turns early "
+                "stopping off",
     "max_steps": "at most this many steps (K)",
     "alpha": "weight of C (mean per-demonstration confidence) in the proxy",
     "beta": "weight of R (low quantile of the token probabilities) in the proxy",
@@ -73,9 +74,13 @@ KNOB_HELP = {
     "perturb_query": "ablation: perturb the query rows too",
     "scale": "the unit of mu and eta; 1.0 gives absolute units",
     "checkpoint": "estimator grad: recompute each layer in the backward (memory of one layer)",
+    "min_delta": "patience counts a step as an improvement only when its proxy beats the last counted one by more "
+                 "than this (0: any gain, the paper's rule)",
+    "min_delta_rel": "the same as a fraction of the last counted proxy (the larger of the two margins applies)",
 }
 PROXY_KNOBS = ("alpha", "beta", "gamma", "q")  # what the proxy alone reads
-RUN_KNOBS = ("tau", "patience", "max_steps")  # what a whole run reads beyond its steps (bench and profile time steps)
+# what a whole run reads beyond its steps (bench and profile time steps)
+RUN_KNOBS = ("tau", "patience", "max_steps", "min_delta", "min_delta_rel")
 
 
 def _default_help(name: str, default) -> str:
@@ -105,7 +110,8 @@ def _knob_flags(g, names) -> None:
         if typ is bool:
             g.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=text)
             continue
-        conv = float if typ in (float, typing.Optional[float]) else arg_type(f.name) if typ is int else str
+        conv = (arg_type(f.name) if rng is not None else float if typ in (float, typing.Optional[float])
+                else str)
         names_ = [flag, "--num-directions"] if f.name == "N" else [flag]
         g.add_argument(*names_, dest=f.name, type=conv, default=None, metavar=f.name.upper(), help=text)
 
@@ -163,6 +169,13 @@ def _pack(g) -> None:
                         "backend; default 1; bench times one packed step of P copies of the prompt)")
 
 
+def _budget(g) -> None:
+    g.add_argument("--time-budget", dest="time_budget", type=arg_type("time_budget_s"), default=None, metavar="S",
+                   help="stop each calibration at the first step boundary after S seconds (static loop: the first "
+                        "read of its state) with the best embeddings so far, stop reason time_budget; at least one "
+                        "step runs (default: no budget)")
+
+
 def _generate(g) -> None:
     g.add_argument("--max-new-tokens", type=arg_type("max_new_tokens"), default=32,
                    help="at most this many tokens per answer (default 32)")
@@ -202,6 +215,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "step": _group("ascent step", lambda g: _knob_flags(g, step)),
         "generate": _group("answers", _generate),
         "store": _group("calibration store (docs/store.md)", _store),
+        "budget": _group("time budget", _budget),
         "ray": _group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")', _ray),
         "debug": _group("errors", lambda g: g.add_argument(
             "--debug", action="store_true", help="show the full traceback of an unexpected error")),
@@ -210,10 +224,11 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
 
 # the flag groups of each command: only the flags it uses
 COMMAND_GROUPS = {
-    "demo": ("model", "tokens", "backend", "ops", "loop", "proxy", "ascent", "generate"),
+    "demo": ("model", "tokens", "backend", "ops", "loop", "proxy", "ascent", "budget", "generate"),
     "proxy": ("model", "tokens", "backend", "ops", "proxy"),
-    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "generate", "ray", "store"),
-    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "ray", "store"),
+    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "budget", "generate",
+                  "ray", "store"),
+    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "budget", "ray", "store"),
     "bench": ("model", "ops", "loop", "pack", "proxy", "step"),
     "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
     "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
@@ -240,11 +255,25 @@ def _store(g) -> None:
                    help=f"memory the store may hold, in MiB (default {DEFAULT_MAX_BYTES >> 20})")
 
 
+def _reuse_choice(args) -> str | None:
+    """The store's mode as the flags ask for it (a run plan choice; None: the plan's default): off for a command
+    without the store's flags, and for icleval --answer-at, which keeps the best X along each run (a calibration
+    from the store has none)."""
+    if not hasattr(args, "reuse"):
+        return "off"
+    if getattr(args, "answer_at", None):
+        if args.reuse not in (None, "off"):
+            raise SiclError(f"--answer-at keeps the best X along each calibration, and one from the store has none: "
+                            f"use --reuse off (the default with --answer-at), not --reuse {args.reuse}")
+        return "off"
+    return args.reuse
+
+
 def reuse_mode(args) -> str:
     """--reuse resolved by the run plan's rule (sicl_fast.plan.resolve_reuse: auto unless packing)."""
     from .plan import resolve_reuse
 
-    return resolve_reuse(args.reuse, getattr(args, "pack", 1))[0]
+    return resolve_reuse(_reuse_choice(args), getattr(args, "pack", 1))[0]
 
 
 def _store_line(workers, args) -> None:
@@ -407,7 +436,7 @@ def _plan_choices(args, **over) -> dict:
     return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
                    loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
                    pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
-                   reuse=getattr(args, "reuse", "off")),  # a command without the store's flags does not use it
+                   reuse=_reuse_choice(args)),
             **over}
 
 
@@ -463,7 +492,8 @@ def cmd_demo(args) -> int:
     print("--- prompt ---")
     print(prompt.request.prompt)
     print("--------------")
-    res = eng.calibrate(prompt, cfg, on_step=lambda s, f: print(f"  step {s:3d}  proxy {f:.4f}", file=sys.stderr))
+    res = eng.calibrate(prompt, cfg, on_step=lambda s, f: print(f"  step {s:3d}  proxy {f:.4f}", file=sys.stderr),
+                        time_budget_s=args.time_budget)
     cal = eng.generate(prompt, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops)
     print(f"proxy before: {res.initial_proxy:.4f}   after: {res.best_proxy:.4f}   "
           f"({res.steps} steps, stopped by {res.stop_reason}, {res.seconds:.1f} s)")
@@ -505,7 +535,8 @@ def cmd_calibrate(args) -> int:
         # every request tokenized and its step's memory checked before anything is written
         workers.call(check_requests, requests, args.max_new_tokens if args.generate else 0, cfg)
         work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=args.max_new_tokens,
-                                 stop_strings=args.stop, generate=args.generate, export=bool(args.export))
+                                 stop_strings=args.stop, generate=args.generate, export=bool(args.export),
+                                 time_budget_s=args.time_budget)
         with ResultWriter(args.out) as out:
             todo = [r for r in requests if r.id not in out]
             if len(todo) < len(requests):

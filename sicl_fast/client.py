@@ -84,13 +84,16 @@ class Client:
 
     def calibrate(self, request: dict, *, generate: bool = False, max_new_tokens: int | None = None,
                   stop: list[str] | None = None, return_embeddings: bool = False, embeddings_dtype: str = "float32",
-                  embeddings_rows: str = "demos", timeout_s: float | None = None, **knobs: Any) -> dict:
+                  embeddings_rows: str = "demos", timeout_s: float | None = None,
+                  time_budget_s: float | None = None, **knobs: Any) -> dict:
         """Calibrate one request. knobs: any CalibrationConfig field (max_steps=20, N=8, seed=1, ...).
+        timeout_s: a deadline from arrival (queueing included); time_budget_s: seconds of calibration.
         With return_embeddings, reply["embeddings"] is a CalibratedEmbeddings (decoded bit for bit)."""
         body: dict[str, Any] = {"request": request, "config": knobs or None, "generate": generate,
                                 "return_embeddings": return_embeddings, "embeddings_dtype": embeddings_dtype,
                                 "embeddings_rows": embeddings_rows}
-        for name, value in (("max_new_tokens", max_new_tokens), ("stop", stop), ("timeout_s", timeout_s)):
+        for name, value in (("max_new_tokens", max_new_tokens), ("stop", stop), ("timeout_s", timeout_s),
+                            ("time_budget_s", time_budget_s)):
             if value is not None:
                 body[name] = value
         reply = self._call("POST", "/v1/calibrate", body).json()

@@ -3,17 +3,20 @@
     eng = Engine()                                  # embedded SmolLM2-135M, backend 'auto'
     prompt = eng.prepare({"id": "q1", "demos": [...], "query": "..."})
     res = eng.calibrate(prompt, max_steps=20)       # CalibrationResult
+    res = eng.calibrate(prompt, time_budget_s=2.0)  # the best X after the first step boundary past 2 s
     eng.generate(prompt, res.embeddings).answer     # greedy answer from the calibrated embeddings
 """
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Sequence
 
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import build_backend
 from .checks import check_embeddings, check_prompt
+from .errors import SiclError
 from .generate import Generation
 from .graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
@@ -21,6 +24,7 @@ from .packed import run_packed
 from .plan import Choices, make_plan, resolve_reuse
 from .proxy import ProxyOut
 from .requests import Request, parse_request
+from .run_args import BestAt, check_budget, stop_check
 from .spans import Prompt, tokenize
 from .static import StepCache, run_static
 from .answer import answer_batch, answer_one
@@ -106,23 +110,34 @@ class Engine:
         return self.backend.embed(prompt) if embeds is None else check_embeddings(embeds, prompt, self.lm)
 
     def calibrate(self, prompt: Prompt, config: CalibrationConfig | None = None, on_step=None, reuse: str | None = None,
-                  should_stop=None, **overrides) -> CalibrationResult:
-        """Calibrate a prompt. reuse (default: the engine's): 'off' runs it; 'auto' / 'on' go through the store
-        and return a ReusedResult (a CalibrationResult that says whether it reused, which key, whether exact, and
-        holds the stored Calibration in `.calibration`). should_stop: as Calibrator.run's."""
+                  time_budget_s: float | None = None, should_stop=None, best_at: Sequence[int] = (),
+                  **overrides) -> CalibrationResult:
+        """Calibrate a prompt. reuse (default: the plan's): 'off' runs it on the plan's loop; 'auto' / 'on' go
+        through the store and return a ReusedResult (a CalibrationResult that says whether it reused, which key,
+        whether exact, and holds the stored Calibration in `.calibration`). Run arguments (sicl_fast.run_args; they
+        do not change what a step computes): time_budget_s, stop at the first step boundary (static loop: read of
+        the state) after that many seconds with the best X so far and stop_reason "time_budget"; should_stop, a
+        hook checked there too (a returned string ends the run with that reason); best_at, step counts at which
+        the best X is kept (the result's best_at; a calibration from the store has no run: reuse 'off' only)."""
         cfg = self.config(config, **overrides)
         mode = self.plan.reuse if reuse is None else resolve_reuse(reuse, 1)[0]
+        should_stop = stop_check(should_stop, check_budget(time_budget_s, "Engine.calibrate"), time.perf_counter())
         if mode != "off":
+            if best_at:
+                raise SiclError("best_at keeps the best X along a run, and a calibration from the store may have "
+                                "none: use reuse 'off' with it (icleval --answer-at: --reuse off)")
             return self.reuser.calibrate(prompt, cfg, mode, on_step=on_step, should_stop=should_stop)
-        return self.run(prompt, cfg, on_step=on_step, should_stop=should_stop)
+        return self.run(prompt, cfg, on_step=on_step, should_stop=should_stop, best_at=best_at)
 
-    def run(self, prompt: Prompt, cfg: CalibrationConfig, on_step=None, should_stop=None,
-            on_update=None) -> CalibrationResult:
+    def run(self, prompt: Prompt, cfg: CalibrationConfig, on_step=None, should_stop=None, on_update=None,
+            best_at: Sequence[int] = ()) -> CalibrationResult:
         """One calibration on this engine's loop, without the store (hooks as Calibrator.run's)."""
+        kept = BestAt(best_at, "Engine.calibrate")
         if self.plan.loop_for(cfg.estimator) == "static":
             return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
-                              should_stop=should_stop, steps=self.steps, on_update=on_update)
-        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop, on_update=on_update)
+                              should_stop=should_stop, steps=self.steps, on_update=on_update, best_at=kept)
+        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop, on_update=on_update,
+                                                 best_at=kept)
 
     @property
     def reuser(self) -> Reuser:
@@ -140,18 +155,22 @@ class Engine:
         return answer_batch(self, calibration, queries, max_new_tokens, stop_strings)
 
     def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,
+                       time_budget_s: float | None = None, best_at: Sequence[int] = (),
                        **overrides) -> list[CalibrationResult]:
         """Calibrate every prompt, `pack` at once when pack > 1 (sicl_fast.packed), else one by one. With
         on_result(i, result), each result goes there as it finishes and nothing is kept (a long run's memory
-        stays flat); without, the results come back in the order of `prompts`."""
+        stays flat); without, the results come back in the order of `prompts`. time_budget_s and best_at: each
+        prompt's, as calibrate's."""
         cfg = self.config(config, **overrides)
+        time_budget_s = check_budget(time_budget_s, "Engine.calibrate_many")
+        BestAt(best_at, "Engine.calibrate_many")  # the counts checked before any work
         self.plan.check_pack(cfg.estimator)
         if self.plan.pack > 1:
             return run_packed(self.backend, [(p, cfg) for p in prompts], self.plan.pack, self.plan.sync_every,
-                              on_result)
+                              on_result, time_budget_s=time_budget_s, best_at=best_at)
         results = []
         for i, p in enumerate(prompts):
-            res = self.calibrate(p, cfg)
+            res = self.calibrate(p, cfg, time_budget_s=time_budget_s, best_at=best_at)
             if on_result is None:
                 results.append(res)
             else:

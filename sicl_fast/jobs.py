@@ -42,11 +42,13 @@ def store_counts(engine) -> dict:
 
 def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
                        stop_strings: Sequence[str] | None = None, generate: bool = False,
-                       export: bool = False) -> list[dict]:
+                       export: bool = False, time_budget_s: float | None = None) -> list[dict]:
     """The records of a chunk of requests (one, or engine.plan.pack of them, calibrated packed): id and the calibration
     summary; with `generate`, answer_base and answer_calibrated (greedy, at most max_new_tokens, stopping at
     stop_strings); with `export`, the calibrated embeddings (every row) as a CalibratedEmbeddings under
-    "embeddings", for the driver to save (sicl_fast.export.ExportingWriter). In the order of `requests`."""
+    "embeddings", for the driver to save (sicl_fast.export.ExportingWriter); time_budget_s: each calibration's
+    (Engine.calibrate; the summary's stop_reason says "time_budget" when it ended one). In the order of
+    `requests`."""
     prompts = [engine.prepare(r, reserve=max_new_tokens if generate else 0) for r in requests]
     records: list = [None] * len(prompts)
     stops = list(stop_strings or ["\n"])
@@ -61,7 +63,7 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
             rec["embeddings"] = CalibratedEmbeddings.from_result(p, res.embeddings, engine.lm.name, rows="all")
         records[i] = rec
 
-    engine.calibrate_many(prompts, config, on_result=record)
+    engine.calibrate_many(prompts, config, on_result=record, time_budget_s=time_budget_s)
     return records
 
 

@@ -23,6 +23,7 @@ F32_MAX = (2 - 2.0**-23) * 2.0**127  # float32's largest number (3.4e38)
 # mu is in units of the embedding scale, so X + mu U moves an entry of typical size by about mu of itself: below
 # ~10 float32 ulps (1e-6) the finite differences are rounding noise, and below one ulp X + mu U == X
 MIN_MU = 1e-6
+MAX_BUDGET_S = 30 * 24 * 3600.0  # a calibration's time budget, in seconds
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,15 @@ RANGES: dict[str, Range] = {
     "max_steps": Range(1, MAX_STEPS, why="the history keeps one value a step"),
     "patience": Range(0, MAX_STEPS, why="the largest max_steps; 0 turns early stopping off"),
     "seed": Range(0, 2**32 - 1, why="the noise generator's key is 32 bits"),
+    "min_delta": Range(0.0, 1.0, integer=False, why="the proxy lies in [0, 1]"),
+    "min_delta_rel": Range(0.0, 1.0, integer=False, why="a fraction of the last counted proxy; 1 asks a step to "
+                                                           "double it"),
     # how the engine runs it
     "sync_every": Range(1, MAX_STEPS, why="the largest max_steps"),
     "pack": Range(1, 1024, why="prompts calibrated at once"),
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
     "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
+    "time_budget_s": Range(0.0, MAX_BUDGET_S, integer=False, why="30 days; 0 runs one step"),
     # a Ray pool
     "workers": Range(1, 4096, why="engine actors"),
     "cpus_per_worker": Range(1, 4096, why="CPUs of one actor"),
@@ -108,4 +113,5 @@ def arg_type(name: str):
     return conv
 
 
-__all__ = ["RANGES", "Range", "MAX_STEPS", "MIN_MU", "F32_EPS", "F32_TINY", "F32_MAX", "check_range", "arg_type"]
+__all__ = ["RANGES", "Range", "MAX_STEPS", "MIN_MU", "F32_EPS", "F32_TINY", "F32_MAX", "MAX_BUDGET_S", "check_range",
+           "arg_type"]

@@ -4,7 +4,8 @@ perturbation batches stacked into one forward.
     PackedStep(backend, slots)          slots: one StaticStep per prompt (its own X, X0, rows, best state, stop
                                         flag, seed stream and config)
     run_packed(backend, items, pack)    a queue of (prompt, config); at most `pack` slots run together; a slot
-                                        whose prompt stopped is taken out and refilled at the next read
+                                        whose prompt stopped (or whose time budget ran out: checked at each read,
+                                        from the slot's start) is taken out and refilled at the next read
 
 Layout: the slots' batches [B_j, b_j, d] are stacked along the batch and right-padded with zeros to the longest
 b_j. Causal attention never lets a position see a later one, so the padding changes nothing of a prompt's own
@@ -25,10 +26,11 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult
 from .checks import calibration_inputs
 from .knobs import check_range
+from .run_args import BestAt, check_budget, stop_check
 from .spans import Prompt
 from .spec import resolve_scale
 from .static import StaticStep
-from .step_state import RUNNING
+from .step_state import GATE, RUNNING
 
 
 class PackedStep:
@@ -60,16 +62,22 @@ class PackedStep:
 
 
 def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,
-               on_result: Callable[[int, CalibrationResult], None] | None = None) -> list[CalibrationResult]:
+               on_result: Callable[[int, CalibrationResult], None] | None = None,
+               time_budget_s: float | None = None, best_at: Sequence[int] = ()) -> list[CalibrationResult]:
     """Calibrate every (prompt, config) of `items`, at most `pack` at once (module docstring). With
     on_result(i, res), each result goes there as it finishes (in completion order) and is not kept; without, the
-    results come back in the order of `items`."""
+    results come back in the order of `items`. time_budget_s: each item's budget from its start (as
+    Calibrator.run's), checked at each read. best_at: step counts at which each item keeps its best X (a read lands
+    on each)."""
     for name, v in (("pack", pack), ("sync_every", sync_every)):
         check_range(name, v, "run_packed")
+    budget = check_budget(time_budget_s, "run_packed")
+    BestAt(best_at, "run_packed")  # the counts checked before any work
     backend.plan.require_sync_free("packed")
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
-    active: list[tuple[int, StaticStep, float]] = []  # (item index, state, start time)
+    # (item index, state, start time, the best X it keeps, its time budget's check)
+    active: list[tuple[int, StaticStep, float, BestAt, Callable | None]] = []
     calls: dict[int, int] = {}  # steps called on each active slot (it stops by its max_steps at the latest)
 
     def admit() -> None:
@@ -77,24 +85,30 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
             i, (prompt, config) = queue.pop(0)
             config = resolve_scale(config, backend.lm)
             st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config), use_prefix=False)
-            active.append((i, st, time.perf_counter()))
+            t0 = time.perf_counter()
+            active.append((i, st, t0, BestAt(best_at), stop_check(None, budget, t0)))
             calls[i] = 0
 
     admit()
     while active:
-        step = PackedStep(backend, [st for _, st, _ in active])  # a new layout whenever the slots change
-        k = min(sync_every, max(st.config.max_steps - calls[i] for i, st, _ in active))
+        step = PackedStep(backend, [a[1] for a in active])  # a new layout whenever the slots change
+        k = min(sync_every, max(st.config.max_steps - calls[i] for i, st, *_ in active),
+                *(kept.until_next(calls[i]) for i, _, _, kept, _ in active))
         for _ in range(k):
             step()
-        for i, _, _ in active:
+        for i, *_ in active:
             calls[i] += k
-        reasons = torch.cat([st.state.reason for _, st, _ in active]).tolist()  # the one read per sync_every steps
+        # the one read per sync_every steps: each slot's stop reason and steps run
+        state = torch.cat([t for _, st, *_ in active for t in (st.state.reason, st.state.steps_run)]).tolist()
         still = []
-        for (i, st, t0), reason in zip(active, reasons):
-            if reason == RUNNING:
-                still.append((i, st, t0))
+        for (i, st, t0, kept, out_of_time), reason, n in zip(active, state[::2], state[1::2]):
+            if kept.wants(n) and reason != GATE:  # a gated run keeps nothing, as the eager loop
+                kept.keep(n, st.state.best.best_step, st.state.best.best_X)
+            why = out_of_time() if reason == RUNNING and out_of_time is not None else None
+            if reason == RUNNING and not why:
+                still.append((i, st, t0, kept, out_of_time))
                 continue
-            res = st.result(time.perf_counter() - t0)
+            res = st.result(time.perf_counter() - t0, stop_reason=why, best_at=kept)
             if on_result is None:
                 results[i] = res
             else:

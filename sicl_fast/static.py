@@ -31,6 +31,7 @@ from .errors import NumericalError
 from .graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs
 from .knobs import check_range
 from .proxy import ProxyPlan
+from .run_args import BestAt, check_budget, stop_check
 from .spans import Prompt
 from .spec import StepSpec, resolve_scale
 from .step_state import GATE, NONFINITE, REASONS, RUNNING, StepState
@@ -52,7 +53,7 @@ class StaticStep:
         self.span = backend.span_plan(prompt)
         self.proxy_plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta,
                                           cfg.gamma, cfg.q)
-        self.state = StepState.new(X0.to(dev), cfg.max_steps, cfg.tau, cfg.snr_threshold)
+        self.state = StepState.new(X0.to(dev), cfg)
         self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
         a = prompt.demo_start
         self.use_prefix = use_prefix and backend.prefix_cache and a > 0
@@ -123,9 +124,10 @@ class StaticStep:
         _, fired = self.ops.update(st.X, st.X0, f, st.step_t, self.spec, out=st.X_next)
         self.ops.advance(st, f, fired, self.config)
 
-    def result(self, seconds: float, stop_reason: str | None = None) -> CalibrationResult:
+    def result(self, seconds: float, stop_reason: str | None = None, best_at: BestAt | None = None
+               ) -> CalibrationResult:
         """The CalibrationResult of a stopped run (reads the state: host syncs). stop_reason: a run ended from
-        outside (should_stop), with the best X so far."""
+        outside (should_stop, the time budget), with the best X so far. best_at: what the run kept along the way."""
         st = self.state
         reason, n = int(st.reason), int(st.steps_run)
         history = st.history[:n].tolist()
@@ -135,7 +137,7 @@ class StaticStep:
             embeddings=st.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(st.best.best_f),
             steps=n, best_step=st.best.best_step, gated=reason == GATE, stop_reason=stop_reason or REASONS[reason],
             history=history, seconds=seconds, projections=int(st.projections), config=self.config,
-            impl=self.ops.name,
+            impl=self.ops.name, best_at=best_at.kept if best_at is not None else {},
         )
 
 
@@ -163,16 +165,19 @@ class StepCache:
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
                sync_every: int | None = None, on_step=None, should_stop=None, steps: StepCache | None = None,
-               on_update=None) -> CalibrationResult:
+               on_update=None, time_budget_s: float | None = None, best_at: BestAt | None = None
+               ) -> CalibrationResult:
     """Calibrate one prompt with the static step, reading its state back every `sync_every` steps (None: the
     backend's run plan's). Returns the CalibrationResult the eager loop would (history, best_step, stop_reason,
-    steps, projections, embeddings). should_stop: as Calibrator.run's, checked at each read; a returned string ends
-    the run with that stop_reason and the best X so far. steps: a StepCache to take the step (and its graph) from;
-    None: a new step. on_update(X): called with the state's X [L, d] after every step (device work only, no host
-    read)."""
+    steps, projections, embeddings). should_stop and time_budget_s: as Calibrator.run's, checked at each read; a
+    stop ends the run with its stop_reason and the best X so far. best_at: the best X after its step counts (a read
+    lands on each). steps: a StepCache to take the step (and its graph) from; None: a new step. on_update(X):
+    called with the state's X [L, d] after every step (device work only, no host read)."""
     sync_every = backend.plan.sync_every if sync_every is None else sync_every
     check_range("sync_every", sync_every, "run_static")
     t0 = time.perf_counter()
+    should_stop = stop_check(should_stop, check_budget(time_budget_s, "run_static"), t0)
+    best_at = best_at if best_at is not None else BestAt()
     config = resolve_scale(config, backend.lm)
     X0 = calibration_inputs(backend, prompt, config, X0)
     if steps is None:
@@ -181,11 +186,15 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
         st, run = steps.get(backend, config, prompt, X0)
     reported = n = 0
     while True:
-        for _ in range(min(sync_every, config.max_steps - n)):  # no calls past the last step the run can take
+        # no calls past the last step the run can take; a read on each step count best_at keeps
+        for _ in range(min(sync_every, config.max_steps - n, best_at.until_next(n))):
             run()
             if on_update is not None:
                 on_update(st.state.X)
-        done, n = int(st.state.reason) != RUNNING, int(st.state.steps_run)  # the one read per sync_every steps
+        code, n = int(st.state.reason), int(st.state.steps_run)  # the one read per sync_every steps
+        done = code != RUNNING
+        if best_at.wants(n) and code != GATE:  # a gated run keeps nothing, as the eager loop
+            best_at.keep(n, st.state.best.best_step, st.state.best.best_X)
         if on_step is not None and n > reported:
             for i, v in enumerate(st.state.history[reported:n].tolist(), start=reported):
                 on_step(i, v)
@@ -194,8 +203,8 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             break
         reason = should_stop() if should_stop is not None else None
         if reason:
-            return st.result(time.perf_counter() - t0, stop_reason=reason)
-    return st.result(time.perf_counter() - t0)
+            return st.result(time.perf_counter() - t0, stop_reason=reason, best_at=best_at)
+    return st.result(time.perf_counter() - t0, best_at=best_at)
 
 
 __all__ = ["StaticStep", "StepCache", "run_static"]

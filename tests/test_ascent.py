@@ -181,3 +181,91 @@ def test_perturb_query_ablation_moves_query_rows(setup):
     assert r.best_step > 0
     assert torch.equal(r.embeddings[: p.demo_start], X0[: p.demo_start])
     assert not torch.equal(r.embeddings[p.demo_end:], X0[p.demo_end:])  # query rows drift (the gradient there is noise)
+
+
+# ------------------------------------------------------------------ issue 31: min_delta and the time budget
+
+
+@pytest.mark.parametrize("name", ["patience", "snr-skips-central", "gate", "max-steps", "nonfinite", "min-delta",
+                                  "min-delta-rel", "min-delta-larger-margin", "min-delta-exact-tie",
+                                  "min-delta-nonfinite", "min-delta-gate", "min-delta-snr"])
+def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatch):
+    """The eager loop (python floats) and the static step's reference (device tensors, sicl_fast.step_state) make
+    the same decisions on the same scripted proxies: patience with and without min_delta, exact ties with the
+    margin, the gate, SNR skips and stops, a non-finite proxy (tests/test_ops.py runs the fused kernel on them)."""
+    from test_ops import ADVANCE_SCRIPTS
+
+    from sicl_fast.step_state import NONFINITE, REASONS, StepState, advance_reference
+
+    hf, p = setup
+    kw, f0s = ADVANCE_SCRIPTS[name]
+    cal = Calibrator(hf, CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8,
+                                              "scale": 1.0, **kw}))
+    X0 = hf.embed(p)
+    g = torch.Generator().manual_seed(1)
+    script = []  # (f [B], X_next, fired) of each step
+    for step, f0 in enumerate(f0s):
+        f = f0 + 0.01 * torch.randn(cal.config.batch, generator=g)
+        f[0] = f0
+        script.append((f, torch.randn(X0.shape, generator=g), torch.tensor([step % 2], dtype=torch.int32)))
+    monkeypatch.setattr(cal, "evaluate", lambda X, prompt, spec, step: (script[step][0], None))
+    monkeypatch.setattr(cal, "advance", lambda X, X0, f, g, spec, step: script[step][1:])
+    st = StepState.new(X0, cal.config)
+    for f, X_next, fired in script:
+        st.X_next.copy_(X_next)
+        advance_reference(st, f, fired, cal.config)
+    n = int(st.steps_run)
+    if int(st.reason) == NONFINITE:
+        with pytest.raises(NumericalError, match=f"step {n - 1}"):
+            cal.run(p)
+        return
+    res = cal.run(p)
+    assert res.history == st.history[:n].tolist() and res.steps == n
+    assert (res.best_step, res.stop_reason, res.projections) == (st.best.best_step, REASONS[int(st.reason)],
+                                                                 int(st.projections))
+    assert torch.equal(res.embeddings, st.best.best_X)
+
+
+def test_min_delta_stops_earlier_and_keeps_the_best(setup):
+    """The run still returns the X with the highest f0; only patience reads the margin. A margin no step can beat
+    stops the run after `patience` steps (the best X may come from a later step than step 0)."""
+    hf, p = setup
+    cfg = BASE.replace(patience=2, max_steps=12, eta=0.05)
+    paper = Calibrator(hf, cfg).run(p)
+    strict = Calibrator(hf, cfg.replace(min_delta=1.0)).run(p)
+    assert paper.stop_reason == "max_steps" and strict.stop_reason == "patience" and strict.steps == 3
+    assert strict.history == paper.history[:3] and strict.best_proxy == max(strict.history)
+    assert strict.best_step == max(range(3), key=lambda i: (strict.history[i], -i))
+    with pytest.raises(SiclError, match=r"CalibrationConfig: min_delta must be >= 0.0, got -0.1"):
+        CalibrationConfig(min_delta=-0.1)
+    with pytest.raises(SiclError, match=r"CalibrationConfig: min_delta_rel must be a number"):
+        CalibrationConfig(min_delta_rel="0.1")
+
+
+def fake_clock(monkeypatch) -> list:
+    """time.perf_counter frozen at clock[0] (the tests move it: one second per step)."""
+    import time
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    return clock
+
+
+def test_time_budget_stops_at_the_first_step_after_it(setup, monkeypatch):
+    hf, p = setup
+    cfg = BASE.replace(max_steps=10)
+    clock = fake_clock(monkeypatch)
+    tick = lambda step, f: clock.__setitem__(0, clock[0] + 1.0)  # noqa: E731 - each step takes a second
+    res = Calibrator(hf, cfg).run(p, on_step=tick, time_budget_s=2.5)
+    assert res.stop_reason == "time_budget" and res.steps == 3  # 3 s >= 2.5 s after the third step
+    ref = Calibrator(hf, cfg.replace(max_steps=3)).run(p)
+    assert res.history == ref.history and res.best_step == ref.best_step
+    assert torch.equal(res.embeddings, ref.embeddings)
+    assert Calibrator(hf, cfg).run(p, time_budget_s=0).steps == 1  # at least one step runs
+    assert Calibrator(hf, cfg.replace(tau=0.99)).run(p, time_budget_s=0).stop_reason == "gate"
+    first = Calibrator(hf, cfg).run(p, time_budget_s=0, should_stop=lambda: "deadline")
+    assert first.stop_reason == "deadline"  # the caller's hook first
+    for bad, msg in ((-1, "must be >= 0.0, got -1"), (math.nan, "must be a number, got nan"),
+                     (math.inf, "must be <= 2592000.0"), ("2", "must be a number, got '2'")):
+        with pytest.raises(SiclError, match=rf"Calibrator.run: time_budget_s {msg}"):
+            Calibrator(hf, cfg).run(p, time_budget_s=bad)

@@ -88,3 +88,61 @@ def test_icleval_then_report(tiny_model_dir, tmp_path, capsys):
     assert "| classifier_order | 1 |" in capsys.readouterr().out
     assert main(["report", str(out), "--report", str(tmp_path / "rep"), "--no-plots"]) == 0
     assert "classifier_order" in capsys.readouterr().out and (tmp_path / "rep" / "report.md").is_file()
+
+
+def test_stopping_rules_answers_along_the_way_and_their_report(tiny_model_dir, reqs, tmp_path, capsys):
+    """--min-delta and --time-budget on calibrate, demo and icleval; icleval --answer-at; the report's budget
+    curves and the runs compared (issue 31)."""
+    model = ["--model", str(tiny_model_dir), "--tau", "0", "--N", "2"]
+    out = tmp_path / "cal.jsonl"
+    assert main(["calibrate", reqs, "--out", str(out), *model, "--max-steps", "5", "--time-budget", "0"]) == 0
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert all(r["steps"] == 1 and r["stop_reason"] == "time_budget" for r in recs)
+    assert main(["demo", *model, "--max-steps", "9", "--min-delta", "1", "--patience", "2",
+                 "--max-new-tokens", "1"]) == 0
+    assert "(3 steps, stopped by patience" in capsys.readouterr().out
+    task = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "generate_order", "--limit", "2",
+            *model, "--max-steps", "4", "--patience", "0", "--quiet"]
+    paper, budget = tmp_path / "paper.jsonl", tmp_path / "budget.jsonl"
+    assert main([*task, "--out", str(paper), "--answer-at", "1", "2", "9"]) == 0
+    assert main([*task, "--out", str(budget), "--time-budget", "0", "--min-delta", "1e-3"]) == 0
+    capsys.readouterr()
+    for r in map(json.loads, paper.read_text().splitlines()):
+        assert r["steps"] == 4 and sorted(r["answers_at"]) == ["1", "2"]  # 9 > max_steps
+        assert r["answers_at"]["1"] == r["answer_base"] and r["calibration_seconds"] <= r["seconds"]
+    for r in map(json.loads, budget.read_text().splitlines()):
+        assert r["steps"] == 1 and r["stop_reason"] == "time_budget" and r["time_budget_s"] == 0
+        assert r["config"]["min_delta"] == 1e-3
+    # a resumed file run with another budget is refused
+    assert main([*task, "--out", str(budget), "--time-budget", "5", "--min-delta", "1e-3"]) == 2
+    assert "time_budget_s differ" in capsys.readouterr().err
+    assert main(["report", str(paper), str(budget), "--names", "paper", "budget", "--report",
+                 str(tmp_path / "rep")]) == 0
+    md = capsys.readouterr().out
+    assert "| classifier_order | 1 |" in md and "## Runs compared with paper (same samples)" in md
+    assert "| sicl[N=2] | budget | classifier_order | 2 |" in md and "| 4.0 -> 1.0 |" in md and "time_budget 2" in md
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    curve = rep["runs"][0]["variants"][0]["budget"]["classifier_order"]
+    assert [row["step"] for row in curve["by_step"]] == [1, 2, 4]
+    assert curve["by_step"][0]["mean_gain"] == 0 and curve["by_step"][0]["answers_changed"] == 0
+    assert curve["by_step"][-1]["n_answers"] == 2  # the final answers
+    assert (tmp_path / "rep" / "plots" / "budget_paper_sicl_N=2.png").is_file()
+
+
+def test_budget_measurement_script(tiny_model_dir, tmp_path):
+    """bench/budget_measure.sh (issue 31's measurement) end to end on one sample of one file, on the tiny model."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "LIMIT": "1", "DATA": str(ICLEVAL_EXCERPTS), "OUT": str(tmp_path / "b"),
+           "TASKS": "generate_order", "EXTRA": f"--model {tiny_model_dir} --max-steps 3 --tau 0 --N 2",
+           "SICL": f"{sys.executable} -m sicl_fast.cli"}
+    done = subprocess.run(["bash", str(root / "bench" / "budget_measure.sh")], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    md = (tmp_path / "b" / "report" / "report.md").read_text()
+    assert "## Runs compared with paper (same samples)" in md and "| budget=2s | generate_order | 1 |" in md
+    assert len((tmp_path / "b" / "load.txt").read_text().splitlines()) == 3

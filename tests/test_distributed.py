@@ -16,7 +16,7 @@ import pytest
 from sicl_fast.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "icleval" / "data"
-TIMING = {"seconds"}  # the only fields allowed to differ between runs
+TIMING = {"seconds", "calibration_seconds"}  # the only fields allowed to differ between runs
 WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # tau 0: a random-weight model's proxy is far under the gate; patience 0: every request runs all its steps
 TINY_KNOBS = ["--tau", "0", "--patience", "0", "--N", "2"]
@@ -84,6 +84,25 @@ def test_ray_icleval_equals_single_process(ray_cluster, tiny_dir, tmp_path):
     assert by_key(records(dist), key) == want
     assert len(want) == 2 * 2 + 2 * 2 + 2  # base and sicl on 4 samples, cc on the 2 classification samples
     assert all(len(r["history"]) == 3 for k, r in want.items() if k[0] != "base" and k[0] != "cc")
+
+
+def test_ray_stopping_rules_equal_single_process(ray_cluster, tiny_dir, tmp_path):
+    """The time budget, min_delta and --answer-at reach the Ray workers (issue 31): the same records as one process
+    (a budget of 0 s: one step each; min_delta 1: patience 2 stops after 3 steps)."""
+    reqs = requests_file(tmp_path / "r.jsonl", 3)
+    runs = [["calibrate", reqs, "--model", tiny_dir, "--max-steps", "6", "--time-budget", "0", *TINY_KNOBS],
+            ["icleval", str(FIXTURES), "--tasks", "generate_output_format", "--limit", "2", "--model", tiny_dir,
+             "--max-steps", "6", *TINY_KNOBS, "--patience", "2", "--min-delta", "1", "--answer-at", "1", "2",
+             "--quiet"]]
+    for args, steps, reason in zip(runs, (1, 3), ("time_budget", "patience")):
+        single, dist = tmp_path / f"single-{steps}.jsonl", tmp_path / f"ray-{steps}.jsonl"
+        assert main([*args, "--out", str(single)]) == 0
+        assert main([*args, "--out", str(dist), "--ray", "--workers", "2"]) == 0
+        key = lambda r: (r.get("variant"), r.get("task"), r.get("uid"), r.get("id"))  # noqa: E731
+        want = by_key(records(single), key)
+        assert by_key(records(dist), key) == want
+        assert all(r["steps"] == steps and r["stop_reason"] == reason for r in want.values())
+    assert all(sorted(r["answers_at"]) == ["1", "2"] for r in want.values())
 
 
 def test_driver_killed_mid_run_resumes(ray_cluster, tiny_dir, reference, tmp_path, capsys):

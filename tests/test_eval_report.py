@@ -167,7 +167,8 @@ def test_report_numbers_match_the_records(tmp_path):
     for p in r1["plots"] + rep["figures"]:
         assert (tmp_path / "RUN" / p).read_bytes()[:8] == PNG
         assert p in md
-    assert len(r1["plots"]) == 3 and len(rep["figures"]) == 2  # accuracy + 2 histories; 1 scatter per variant
+    # accuracy + per variant a history and a budget figure; 1 scatter per variant
+    assert len(r1["plots"]) == 5 and len(rep["figures"]) == 2
 
 
 def test_stops_rates_and_verdicts_match_the_records(tmp_path):
@@ -379,3 +380,47 @@ def test_demo_blocks_and_reordering():
         assert sorted(rr.span_texts()) == sorted(render(s).span_texts())  # same demonstrations, new order
     with pytest.raises(ValueError):
         C.reordered(s, [0, 0, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# issue 31: the budget curves and runs compared
+
+
+def budget_record(uid, history, seconds, answers_at=None, base="a", final="b", task="classifier_order", **kw):
+    rec = {"task": task, "uid": uid, "variant": "sicl", "method": "sicl", "correct_base": False,
+           "correct_calibrated": final == "b", "answer_base": base, "answer_calibrated": final,
+           "initial_proxy": history[0], "best_proxy": max(history), "steps": len(history), "gated": False,
+           "history": history, "calibration_seconds": seconds, "seconds": seconds + 1.0, "stop_reason": "max_steps"}
+    if answers_at is not None:
+        rec["answers_at"] = answers_at
+    return {**rec, **kw}
+
+
+def test_budget_curves_by_hand():
+    from sicl_fast.evaluation.budget import budget_curves, runs_compared
+
+    # run 0: 4 steps in 2 s, gains 0, 0.1, 0.1, 0.4; run 1: stopped after 2 steps in 4 s, gains 0, 0.2
+    recs = [budget_record(0, [0.5, 0.6, 0.55, 0.9], 2.0, {"1": "a", "2": "b"}),
+            budget_record(1, [0.3, 0.5], 4.0, {"1": "a"}, final="c")]
+    (curve,) = budget_curves(recs).values()
+    rows = {r["step"]: r for r in curve["by_step"]}
+    assert list(rows) == [1, 2, 4]
+    assert rows[1]["mean_gain"] == 0 and rows[2]["mean_gain"] == pytest.approx((0.1 + 0.2) / 2)
+    assert rows[4]["mean_gain"] == pytest.approx((0.4 + 0.2) / 2)
+    assert rows[2]["mean_seconds"] == pytest.approx((1.0 + 4.0) / 2) and rows[4]["mean_seconds"] == 3.0
+    # after 1 step both answers are the base's; after 2, run 0 has "b" (its final), run 1 ended: its final "c"
+    assert (rows[1]["answers_changed"], rows[1]["answers_not_final"], rows[1]["n_answers"]) == (0, 2, 2)
+    assert (rows[2]["answers_changed"], rows[2]["answers_not_final"]) == (2, 0)
+    by_second = {round(r["seconds"], 6): r["mean_gain"] for r in curve["by_second"]}
+    # at 2 s: run 0 ran 4 steps (0.5 s each), run 1 one step (2 s each): (0.4 + 0) / 2
+    assert by_second[2] == pytest.approx(0.2) and by_second[4.0] == pytest.approx(0.3)
+    # 90% of the final mean gain 0.3 is 0.27: first reached at step 4
+    assert curve["suggested"] == {"share": 0.9, "step": 4, "mean_seconds": 3.0}
+    assert budget_curves([{**recs[0], "history": []}]) is None  # base / baseline records carry no history
+    other = [budget_record(0, [0.5, 0.6], 1.0, final="b", stop_reason="time_budget"),
+             budget_record(1, [0.3, 0.5], 4.0, final="b")]
+    (row,) = runs_compared([("paper", recs), ("budget", other)])
+    assert (row["run"], row["reference"], row["n"], row["answers_differ"]) == ("budget", "paper", 2, 1)
+    assert row["mean_steps"] == [3.0, 2.0] and row["mean_seconds"] == [3.0, 2.5]
+    assert row["accuracy"] == [0.5, 1.0] and row["stop_reasons"] == {"max_steps": 1, "time_budget": 1}
+    assert runs_compared([("paper", recs)]) is None

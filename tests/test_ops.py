@@ -332,12 +332,12 @@ def test_track_best_matches_algorithm_1(ops, dev):
 def scripted_state(L, d, cfg, dev) -> StepState:
     """A StepState from a random X0, on `dev`."""
     g = torch.Generator().manual_seed(5)
-    return StepState.new(torch.randn(L, d, generator=g).to(dev), cfg.max_steps, cfg.tau, cfg.snr_threshold)
+    return StepState.new(torch.randn(L, d, generator=g).to(dev), cfg)
 
 
 def state_tensors(st: StepState) -> list:
     return [st.X, st.best.best_X, st.best.best_f, st.best.counters, st.step_t, st.steps_run, st.reason, st.low_snr,
-            st.projections, st.history]
+            st.projections, st.history, st.anchor]
 
 
 ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
@@ -347,6 +347,14 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
     "snr-skips-central": (dict(snr_threshold=0.5, estimator="central", patience=3, max_steps=5), [0.5, 0.55, 0.52, 0.6, 0.7]),
     "nonfinite": (dict(), [0.5, 0.6, math.nan, 0.7]),
     "max-steps": (dict(max_steps=3), [0.5, 0.6, 0.7, 0.8, 0.9]),
+    # min_delta: a better f0 that does not count (step 1), one that counts (step 2), patience from the anchor
+    "min-delta": (dict(patience=2, min_delta=0.05), [0.5, 0.53, 0.56, 0.57, 0.58, 0.59]),
+    "min-delta-rel": (dict(patience=2, min_delta_rel=0.1), [0.5, 0.54, 0.56, 0.6, 0.61, 0.62, 0.7]),
+    "min-delta-larger-margin": (dict(patience=2, min_delta=0.01, min_delta_rel=0.1), [0.5, 0.52, 0.56, 0.58, 0.6]),
+    "min-delta-exact-tie": (dict(patience=1, min_delta=0.0625), [0.5, 0.5625, 0.7]),  # beats by exactly the margin
+    "min-delta-nonfinite": (dict(patience=3, min_delta=0.01), [0.5, 0.6, math.nan, 0.7]),
+    "min-delta-gate": (dict(tau=0.5, min_delta=0.01), [0.3, 0.6]),
+    "min-delta-snr": (dict(snr_threshold=1e9, patience=2, min_delta=0.01), [0.5, 0.5, 0.5, 0.5]),
 }
 
 
@@ -374,6 +382,57 @@ def test_advance_matches_the_reference(ops, dev, name):
         if stopped_at is None and int(ref.reason) != RUNNING:
             stopped_at = step
     assert stopped_at is not None and stopped_at < len(f0s)  # each script ends in its stop
+
+
+def run_script(cfg, f0s, dev="cpu", advance=advance_reference) -> list:
+    """The state tensors after each step of a script of f0 values (ADVANCE_SCRIPTS' other rows and X_next)."""
+    st = scripted_state(7, 5, cfg, dev)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step, f0 in enumerate(f0s):
+        f = f0 + 0.01 * torch.randn(cfg.batch, generator=g)
+        f[0] = f0
+        st.X_next.copy_(torch.randn(7, 5, generator=g).to(dev))
+        advance(st, f.to(dev), torch.tensor([step % 2], dtype=torch.int32, device=dev), cfg)
+        out.append([t.cpu().clone() for t in state_tensors(st)])
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in ADVANCE_SCRIPTS if not n.startswith("min-delta")])
+def test_the_smallest_margin_is_the_papers_rule(name):
+    """min_delta 0 skips the anchor (no op); the smallest positive min_delta takes the anchor path, where f0 counts
+    when it beats the anchor by more than 5e-324: for float32 proxies that is any gain, so both give the same state
+    bit for bit at every step (the anchor aside: the path without a margin never writes it)."""
+    from sicl_fast.ascent import CalibrationConfig
+
+    kw, f0s = ADVANCE_SCRIPTS[name]
+    cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
+    if not cfg.patience:
+        cfg = cfg.replace(patience=2)
+    paper, margin = run_script(cfg, f0s + [0.9]), run_script(cfg.replace(min_delta=5e-324), f0s + [0.9])
+    for a, b in zip(paper, margin):
+        for r, o in zip(a[:-1], b[:-1]):
+            assert torch.equal(r, o) or torch.allclose(r, o, rtol=0, atol=0, equal_nan=True)
+    assert torch.isinf(paper[-1][-1]).all() and not torch.isinf(margin[-1][-1]).all()
+
+
+def test_min_delta_costs_no_launch(dev, impl):
+    """The fused bookkeeping is two launches with or without min_delta (the anchor is compiled in or out of the
+    first); the torch reference adds its anchor ops only when min_delta or min_delta_rel is set."""
+    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast.kernel_count import count_kernels
+
+    ops = make_ops(impl, dev).step
+    cfg = CalibrationConfig(N=5, mu=0.01, tau=0.0, patience=2, max_steps=8, scale=1.0)
+    counts = []
+    for c in (cfg, cfg.replace(min_delta=0.01)):
+        st = scripted_state(7, 5, c, dev)
+        f, fired = torch.full((c.batch,), 0.5, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+        counts.append(count_kernels(lambda: ops.advance(st, f, fired, c)))
+    if impl == "triton":
+        assert counts == [2, 2]
+    else:
+        assert counts[0] < counts[1]
 
 
 # ------------------------------------------------------------------------------------- decoder elementwise work

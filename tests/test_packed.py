@@ -70,3 +70,30 @@ def test_packed_arguments(models):
 
     with pytest.raises(SiclError, match="packed step needs the fast backend"):
         run_packed(HFBackend(models["llama"]), ITEMS, pack=2)
+
+
+def test_packed_time_budget_and_best_at(models):
+    """Each slot's time budget from its own start, checked at each read (0: the first read), and its best X kept
+    after given step counts: equal to the prompt's eager run stopped there (pack 1: bit for bit)."""
+    be = FastBackend(models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
+    items = [(p, cfg.replace(patience=0)) for p, cfg in ITEMS]
+    got = run_packed(be, items, pack=1, sync_every=2, time_budget_s=0, best_at=[1, 3])
+    for (p, cfg), res in zip(items, got):
+        ref = Calibrator(be, cfg.replace(max_steps=1)).run(p)
+        if cfg.tau > 0.5:  # the gate stops it first
+            assert res.stop_reason == "gate" and res.best_at == {}
+            continue
+        assert res.stop_reason == "time_budget" and res.steps == 1  # the read lands on step count 1
+        # (projections aside: the static step made step 0's update before the read stopped it)
+        assert res.history == ref.history and res.best_step == ref.best_step
+        assert torch.equal(res.embeddings, ref.embeddings)
+        assert list(res.best_at) == [1] and torch.equal(res.best_at[1][1], ref.embeddings)
+    got = run_packed(be, items, pack=3, sync_every=4, best_at=[1, 3])
+    for (p, cfg), res in zip(items, got):
+        for n, (best_step, X) in res.best_at.items():
+            ref = Calibrator(be, cfg.replace(max_steps=n)).run(p)
+            assert best_step == ref.best_step
+            torch.testing.assert_close(X, ref.embeddings, rtol=0, atol=1e-4)
+        assert sorted(res.best_at) == ([] if res.gated else [1, 3])
+    with pytest.raises(SiclError, match="run_packed: time_budget_s must be >= 0.0"):
+        run_packed(be, items, pack=2, time_budget_s=-0.5)

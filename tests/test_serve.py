@@ -433,6 +433,19 @@ def test_deadline_returns_the_best_so_far(client, engine):
     assert ref.history == r["history"] and torch.equal(r["embeddings"].rows, ref.embeddings)
 
 
+def test_time_budget_and_min_delta(server, client):
+    """time_budget_s beside timeout_s (seconds of calibration, not from arrival): 0 runs one step; min_delta is a
+    config knob like the others; both are checked with the CLI's ranges (a 422 naming the field)."""
+    r = client.calibrate(REQ, time_budget_s=0, seed=5, **LONG)
+    assert r["summary"]["stop_reason"] == "time_budget" and r["summary"]["steps"] == 1
+    r = client.calibrate(REQ, max_steps=9, patience=2, tau=0.0, min_delta=1.0)
+    assert r["summary"]["stop_reason"] == "patience" and r["summary"]["steps"] == 3 and r["config"]["min_delta"] == 1
+    for body, msg in (({"time_budget_s": -1}, "field 'time_budget_s'"),
+                      ({"config": {"min_delta": 2.0}}, "min_delta must be <= 1.0")):
+        r = post(server, "/v1/calibrate", {"request": REQ, **body})
+        assert r.status_code == 422 and msg in error_of(r)["message"], r.text
+
+
 def test_should_stop_hook(engine):
     asked = []
 

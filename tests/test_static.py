@@ -27,6 +27,9 @@ CONFIGS = {
     "gate": dict(tau=0.99),
     "perturb-query": dict(perturb_query=True, grad_mode="normalize"),
     "one-step": dict(max_steps=1),
+    # patience from the last counted improvement: better steps that do not count, and ones that do
+    "min-delta": dict(patience=2, max_steps=12, min_delta=1e-5),
+    "min-delta-rel": dict(patience=2, max_steps=12, min_delta_rel=8e-3),
 }
 
 
@@ -49,7 +52,8 @@ def test_static_equals_eager(models, family, a, impl, name):
     cfg = CalibrationConfig(**{**BASE, **CONFIGS[name]})
     p = make_prompt(a, seed=a + 1)
     ref = Calibrator(be, cfg).run(p)
-    expected = {"patience": "patience", "snr-stop": "snr", "gate": "gate"}.get(name, "max_steps")
+    expected = {"patience": "patience", "snr-stop": "snr", "gate": "gate", "min-delta": "patience",
+                "min-delta-rel": "patience"}.get(name, "max_steps")
     assert ref.stop_reason == expected or name == "snr-skips"
     if name.endswith("fires") or name.endswith("projects"):
         assert ref.projections > 0
@@ -198,3 +202,67 @@ def test_should_stop_ends_a_static_run_with_its_reason(models):
     assert res.stop_reason == "deadline" and res.steps == 4 and len(res.history) == 4
     ref = Calibrator(be, cfg.replace(max_steps=4)).run(p)
     assert res.history == ref.history and res.best_step == ref.best_step
+
+
+# ------------------------------------------------------------------ issue 31: min_delta and the time budget
+
+
+def test_the_papers_rule_is_min_delta_zero(models):
+    """min_delta = min_delta_rel = 0 leaves patience as the paper counts it; the smallest positive min_delta takes
+    the anchor's path through every loop and gives the same run bit for bit (float32 proxies differ by far more
+    than 5e-324), while a real margin changes where patience stops."""
+    be = make_backend("fast-fp32", models["llama"], impl="torch")
+    cfg = CalibrationConfig(**{**BASE, **CONFIGS["min-delta"], "min_delta": 0.0})
+    p = make_prompt(0, seed=1)
+    paper = Calibrator(be, cfg).run(p)
+    assert paper.stop_reason == "max_steps" and paper.steps == 12
+    tiny = cfg.replace(min_delta=5e-324)
+    assert_same_result(Calibrator(be, tiny).run(p), paper)
+    assert_same_result(run_static(be, tiny, p, sync_every=5), paper)
+    assert Calibrator(be, cfg.replace(min_delta=1e-5)).run(p).steps < 12
+
+
+def fake_clock(monkeypatch) -> list:
+    import time
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    return clock
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_time_budget_in_the_static_loop_is_checked_at_each_read(models, monkeypatch, k):
+    be = make_backend("fast-fp32", models["llama"], impl="torch")
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 10})
+    p = make_prompt(0)
+    clock = fake_clock(monkeypatch)
+    tick = lambda step, f: clock.__setitem__(0, clock[0] + 1.0)  # noqa: E731 - each step takes a second
+    res = run_static(be, cfg, p, sync_every=k, on_step=tick, time_budget_s=2.5)
+    steps = 3 if k == 1 else 4  # the first read at or after 2.5 s
+    assert res.stop_reason == "time_budget" and res.steps == steps
+    ref = Calibrator(be, cfg.replace(max_steps=steps)).run(p)
+    assert res.history == ref.history and res.best_step == ref.best_step
+    assert torch.equal(res.embeddings, ref.embeddings)
+    assert run_static(be, cfg, p, sync_every=k, time_budget_s=0).steps == k  # the first read
+
+
+@pytest.mark.parametrize("loop", ["static", "eager"])
+def test_engine_time_budget_and_best_at(models, loop):
+    """Engine.calibrate's run arguments on either loop: the budget (0: one step, or one read), the best X kept
+    after given step counts (equal to the run stopped there), and their checks."""
+    from sicl_fast.engine import Engine
+
+    eng = Engine(models["llama"], backend="fast-fp32", impl="torch", loop=loop, sync_every=3)
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 8, "eta": 2.0})
+    p = make_prompt(6)
+    res = eng.calibrate(p, cfg, time_budget_s=0)
+    assert res.stop_reason == "time_budget" and res.steps == (3 if loop == "static" else 1)
+    res = eng.calibrate(p, cfg, best_at=[5, 1, 2, 50])
+    assert sorted(res.best_at) == [1, 2, 5] and res.steps == 8
+    for n, (best_step, X) in res.best_at.items():
+        ref = Calibrator(eng.backend, cfg.replace(max_steps=n)).run(p)
+        assert best_step == ref.best_step and torch.equal(X, ref.embeddings)
+    with pytest.raises(SiclError, match=r"Engine.calibrate: time_budget_s must be >= 0.0, got -1"):
+        eng.calibrate(p, cfg, time_budget_s=-1)
+    with pytest.raises(SiclError, match=r"Engine.calibrate: a step count must be >= 1, got 0"):
+        eng.calibrate(p, cfg, best_at=[0])

@@ -47,6 +47,9 @@ def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
                    help="DEmO: reference distribution of the influence KL")
     g.add_argument("--demo-predict", default="score", choices=("score", "generate"),
                    help="DEmO: argmax label (default) or greedy decoding with the chosen order")
+    g.add_argument("--answer-at", dest="answer_at", nargs="+", type=arg_type("max_steps"), default=[],
+                   metavar="STEPS", help="also decode each calibration's answer from its best embeddings after these "
+                                         "step counts (e.g. 1 2 5 10 20 50): the report's answers changed vs steps")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -81,7 +84,8 @@ def run_icleval_from_args(engine, config, args, file=None) -> int:
                              sweep_mu=args.sweep_mu, reference=not args.no_reference)
     records = run_methods(workers, args.dir, args.out, methods=args.method, config=config, tasks=args.tasks,
                           limit=args.limit, sicl_variants=variants, options=options_from_args(args),
-                          progress=not args.quiet, pack=getattr(args, "pack", 1))
+                          progress=not args.quiet, pack=getattr(args, "pack", 1),
+                          time_budget_s=getattr(args, "time_budget", None), answer_at=args.answer_at)
     runs = [Run(name=workers.model_name, records=drop_failed(records, str(args.out)), source=str(args.out))]
     if args.report:
         write_report(args.report, runs)

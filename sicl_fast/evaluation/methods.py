@@ -16,7 +16,11 @@ each method with the base:
          ICLEval's scorer. These records also carry answer_scored_base / correct_scored_base: the label with the
          highest probability after the original prompt (uncalibrated label scoring), and the label probabilities.
 
-`seconds` is the time of the method's own answer (for sicl: calibration and decoding; for base: decoding).
+`seconds` is the time of the method's own answer (for sicl: calibration and decoding; for base: decoding);
+calibration records also carry `calibration_seconds` (the calibration alone), `stop_reason` ("time_budget" when
+a --time-budget ended it, with the budget under `time_budget_s`) and, with --answer-at, `answers_at`: the answer
+decoded from the best X after each of those step counts ({"1": ..., "5": ...}; a count past the run's end gets
+its final answer, counts past max_steps none; an X already decoded is not decoded again).
 The base answer is decoded once per sample and shared by all variants. Records are written whole (ResultWriter),
 so an interrupted run resumes where it stopped; a resumed run refuses records of another model or of a variant
 whose settings changed.
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..ascent import CalibrationConfig
 from ..errors import ResultsFileError, SiclError
 from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
@@ -132,9 +137,12 @@ def _common(sample: Sample, variant: Variant, model: str) -> dict:
 
 
 class _Runner:
-    def __init__(self, engine, options: BaselineOptions) -> None:
+    def __init__(self, engine, options: BaselineOptions, time_budget_s: float | None = None,
+                 answer_at: Sequence[int] = ()) -> None:
         self.engine = engine
         self.options = options
+        self.time_budget_s = time_budget_s
+        self.answer_at = tuple(answer_at)
         self.scorer = LabelScorer(engine.lm, add_special_tokens=True)
         self._base_for: tuple | None = None
         self._base = None
@@ -168,12 +176,19 @@ class _Runner:
             return rec
         if variant.method in CALIBRATIONS:
             res = self._calibrated.pop((variant.name, sample.key), None)
-            res = res if res is not None else self.engine.calibrate(prompt, variant.config)
+            if res is None:
+                res = self.engine.calibrate(prompt, variant.config, time_budget_s=self.time_budget_s,
+                                            best_at=self.answer_at)
             cal = gen if res.best_step == 0 else self.decode(sample, prompt, res.embeddings)
             rec.update({"answer_calibrated": cal.text, "correct_calibrated": score(sample, cal.text),
                         "initial_proxy": res.initial_proxy, "best_proxy": res.best_proxy, "steps": res.steps,
                         "gated": res.gated, "seconds": round(time.perf_counter() - t0, 3), "history": res.history,
-                        "best_step": res.best_step, "stop_reason": res.stop_reason})
+                        "best_step": res.best_step, "stop_reason": res.stop_reason,
+                        "calibration_seconds": round(res.seconds, 3)})
+            if self.time_budget_s is not None:
+                rec["time_budget_s"] = self.time_budget_s
+            if self.answer_at:
+                rec["answers_at"] = self.answers_at(sample, prompt, res, {0: gen.text, res.best_step: cal.text})
             return rec
         extra = getattr(self, "_" + variant.method)(sample)
         rec.update({"answer_calibrated": extra.pop("answer"), "initial_proxy": None, "best_proxy": None,
@@ -183,6 +198,19 @@ class _Runner:
         rec["history"] = []
         rec.update(extra)
         return rec
+
+    def answers_at(self, sample: Sample, prompt, res, decoded: dict[int, str]) -> dict[str, str]:
+        """The answer from the best X after each count of answer_at up to max_steps (module docstring). decoded:
+        best step -> answer, the ones known (the base and final answers), grown as it decodes."""
+        out = {}
+        for k in self.answer_at:
+            if k > res.config.max_steps:
+                continue
+            best_step, X = res.best_at.get(k, (res.best_step, res.embeddings))
+            if best_step not in decoded:
+                decoded[best_step] = self.decode(sample, prompt, X).text
+            out[str(k)] = decoded[best_step]
+        return out
 
     def calibrate_packed(self, chunk) -> None:
         """With engine.plan.pack > 1: calibrate the 'sicl' variants of a chunk of samples [(sample, variants)]
@@ -197,7 +225,8 @@ class _Runner:
             self._calibrated[(v.name, s.key)] = res
 
         run_packed(self.engine.backend, [(self.prompt(s), self.engine.config(v.config)) for s, v in work],
-                   self.engine.plan.pack, self.engine.plan.sync_every, on_result=keep)
+                   self.engine.plan.pack, self.engine.plan.sync_every, on_result=keep,
+                   time_budget_s=self.time_budget_s, best_at=self.answer_at)
 
     # -- baselines ----------------------------------------------------------------------------------------------
     def _scored_base(self, sample: Sample, labels, p) -> dict:
@@ -258,18 +287,20 @@ def check_samples(engine, samples: Sequence[Sample]) -> int:
     return len(samples)
 
 
-def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], options: BaselineOptions) -> list[dict]:
+def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], options: BaselineOptions,
+                   time_budget_s: float | None = None, answer_at: Sequence[int] = ()) -> list[dict]:
     """The work function of a chunk of samples (one, or engine.plan.pack of them): the records of each sample's
     variants (its base answer decoded once, shared). With engine.plan.pack > 1 the chunk's calibrations run packed.
+    time_budget_s and answer_at: each calibration's (module docstring).
 
     A fresh runner per sample, so a record depends on its sample alone, not on what the engine ran before it (the
     label scorer's prefix cache): any worker, any number of workers, gives the same records (packed calibrations
     to float rounding, see sicl_fast.packed)."""
-    packed = _Runner(engine, options)
+    packed = _Runner(engine, options, time_budget_s, answer_at)
     packed.calibrate_packed(chunk)
     out = []
     for sample, variants in chunk:
-        runner = _Runner(engine, options)
+        runner = _Runner(engine, options, time_budget_s, answer_at)
         runner._calibrated = packed._calibrated
         prompt = runner.prompt(sample)
         out += [runner.record(sample, prompt, v) for v in variants]
@@ -282,17 +313,31 @@ def lost_records(chunk: Sequence[tuple[Sample, Sequence[Variant]]], message: str
             for sample, variants in chunk for v in variants]
 
 
-def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path) -> None:
+CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)}
+
+
+def _settings(config: dict, method: str, time_budget_s: float | None) -> dict:
+    """What a record of a variant was run with: its config (a config field added since the record was written
+    takes its default, which is what the record ran with) and, for calibrations, the time budget."""
+    if method not in CALIBRATIONS:
+        return config
+    return {**CONFIG_DEFAULTS, **config, "time_budget_s": time_budget_s}
+
+
+def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path,
+                    time_budget_s: float | None = None) -> None:
     """A resumed file must hold records of this model, and each variant with the settings asked for now."""
-    want = {v.name: v.config_dict() for v in variants}
+    want = {v.name: _settings(v.config_dict(), v.method, time_budget_s) for v in variants}
     for rec in records:
         m = rec.get("model")
         if m is not None and m != model:
             raise SiclError(f"{path}: holds records of model {m!r}, this run uses {model!r}; use another --out")
         name = rec.get("variant", "sicl")
-        if name in want and "config" in rec and _norm(rec["config"]) != _norm(want[name]):
-            diff = sorted(k for k in set(rec["config"]) | set(want[name])
-                          if _norm(rec["config"].get(k)) != _norm(want[name].get(k)))
+        if name not in want or "config" not in rec:
+            continue
+        got = _settings(rec["config"], rec.get("method", "sicl"), rec.get("time_budget_s"))
+        if _norm(got) != _norm(want[name]):
+            diff = sorted(k for k in set(got) | set(want[name]) if _norm(got.get(k)) != _norm(want[name].get(k)))
             raise SiclError(f"{path}: variant {name!r} was run with other settings ({', '.join(diff)} differ); "
                             f"use another --out or the same settings")
 
@@ -333,9 +378,13 @@ def run_methods(
     options: BaselineOptions | None = None,
     progress: bool = True,
     pack: int = 1,
+    time_budget_s: float | None = None,
+    answer_at: Sequence[int] = (),
 ) -> list[dict]:
     """Run every variant on the selected samples; returns their records (those already in out_path included).
     pack: samples handed to a worker together, whose calibrations run packed when its engine has pack > 1.
+    time_budget_s, answer_at: each calibration's time budget and the step counts at which its answer is also
+    decoded (module docstring).
 
     engine: an Engine built with add_special_tokens=True (ICLEval's tokenization), or Workers over such engines
     (sicl_fast.workers; e.g. a Ray pool: the samples are dealt out to it one at a time). config: the
@@ -362,7 +411,7 @@ def run_methods(
                       f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
     model = workers.model_name
     with ResultWriter(out_path, key=record_key) as out:
-        _check_existing(read_records(out_path), variants, model, out_path)
+        _check_existing(read_records(out_path), variants, model, out_path, time_budget_s)
         todo = [(s, [v for v in variants if _applies(v, s) and (v.name, s.task_file, s.uid) not in out])
                 for s in samples]
         todo = [(s, vs) for s, vs in todo if vs]
@@ -373,7 +422,8 @@ def run_methods(
         chunks = [todo[i:i + pack] for i in range(0, len(todo), pack)]  # pack > 1: packed calibrations
         with tqdm(total=n_todo, desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
                   dynamic_ncols=True) as bar:  # closed (its line ended) before any error is printed
-            write_all(workers, functools.partial(sample_records, options=options), chunks, out,
+            write_all(workers, functools.partial(sample_records, options=options, time_budget_s=time_budget_s,
+                                                 answer_at=tuple(answer_at)), chunks, out,
                       functools.partial(lost_records, model=model), bar)
     wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
     return [r for r in read_records(out_path) if record_key(r) in wanted]

@@ -140,4 +140,35 @@ def estimator_cosines(path, rows: Sequence[dict], title: str = "") -> Path:
     return _save(fig, path)
 
 
-__all__ = ["proxy_vs_accuracy", "proxy_histories", "accuracy_bars", "estimator_cosines"]
+def budget_curves(path, budget: dict, title: str = "") -> Path:
+    """Per task (a line each): mean proxy gain vs steps and vs seconds (log x), and, when the records decoded
+    answers along the way, the share of answers changed from the base vs steps. budget: {task: task_curve}
+    (sicl_fast.evaluation.budget)."""
+    answers = any(row["answers_changed"] is not None for c in budget.values() for row in c["by_step"])
+    panels = 3 if answers else 2
+    fig = _figure(4.2 * panels, 4.0)
+    axes = [fig.add_subplot(1, panels, j + 1) for j in range(panels)]
+    for i, (task, c) in enumerate(budget.items()):
+        style = dict(color=_COLORS[i % len(_COLORS)], marker=_MARKERS[i % len(_MARKERS)], markersize=3.5)
+        axes[0].plot([r["step"] for r in c["by_step"]], [r["mean_gain"] for r in c["by_step"]], label=task, **style)
+        axes[1].plot([r["seconds"] for r in c["by_second"]], [r["mean_gain"] for r in c["by_second"]], **style)
+        if answers:
+            pts = [(r["step"], 100.0 * r["answers_changed"] / r["n_answers"]) for r in c["by_step"]
+                   if r["answers_changed"] is not None and r["n_answers"]]
+            axes[2].plot([p[0] for p in pts], [p[1] for p in pts], **style)
+    labels = [("steps", "mean proxy gain"), ("seconds of calibration", "mean proxy gain"),
+              ("steps", "answers changed from the base (%)")]
+    from matplotlib.ticker import NullFormatter
+
+    for ax, (x, y) in zip(axes, labels):
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor ticks' labels overlap on a short axis
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+    axes[0].set_title(title or "proxy gain and answers changed vs budget", fontsize=9)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=7)
+    return _save(fig, path)
+
+
+__all__ = ["proxy_vs_accuracy", "proxy_histories", "accuracy_bars", "estimator_cosines", "budget_curves"]

@@ -15,10 +15,14 @@ dcpmi, demo). For every variant:
   many answers the calibration changed (answer_calibrated != answer_base), to compare estimators (sicl vs
   sicl-grad) at their own cost.
 
-Across runs (several models given together), Fisher's method combines each calibration variant's one-sided
-Spearman p-values. With more than one variant, a table compares the methods' accuracies per task, as in the
-paper. Figures: proxy improvement vs accuracy change (one per variant, every run in it), proxy histories, accuracy
-per task. Everything is written atomically; NaN becomes null in the JSON.
+For calibration variants also the budget curves (sicl_fast.evaluation.budget): per task the mean proxy gain and
+the answers changed as a function of steps and of seconds, and the step where the gain reaches 90% of its final
+value. Across runs given together (other models, or one file per stopping rule: min_delta, a time budget), the
+answers that differ from the first run's, with its accuracy, steps and seconds beside them, and Fisher's method
+combining each calibration variant's one-sided Spearman p-values. With more than one variant, a table compares
+the methods' accuracies per task, as in the paper. Figures: proxy improvement vs accuracy change (one per variant,
+every run in it), proxy histories, the budget curves, accuracy per task. Everything is written atomically; NaN
+becomes null in the JSON.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from ..errors import SiclError
 from ..icleval.tasks import TASK_FILES
 from ..records import read_records, write_text_atomic
 from . import stats
+from .budget import budget_curves, runs_compared
 
 METHOD_ORDER = ("base", "sicl", "sicl-grad", "cc", "dcpmi", "demo")
 
@@ -276,7 +281,8 @@ def methods_table(groups: "OrderedDict[str, list[dict]]") -> dict:
 def variant_report(name: str, records: Sequence[dict]) -> dict:
     first = records[0]
     out = {"variant": name, "method": method_of(first), "config": first.get("config"), "n": len(records),
-           "table": task_table(records), "mcnemar": mcnemar(records), "proxy": proxy_analysis(records)}
+           "table": task_table(records), "mcnemar": mcnemar(records), "proxy": proxy_analysis(records),
+           "budget": budget_curves(records, _task_order)}
     if any("correct_scored_base" in r for r in records):
         rs = [r for r in records if "correct_scored_base" in r]
         out["label_scoring_base_accuracy"] = sum(bool(r["correct_scored_base"]) for r in rs) / len(rs)
@@ -309,7 +315,8 @@ def build_report(runs: Sequence[Run]) -> dict:
             **stats.fisher_combined([p for _, p in ps]).to_dict(),
             "exact": stats.fisher_combined([p for _, p in pe]).to_dict() if len(pe) == len(items) and pe else None,
         }
-    return {"runs": out_runs, "fisher": fisher}
+    return {"runs": out_runs, "fisher": fisher,
+            "compared": runs_compared([(run.name, run.records) for run in runs], _task_order)}
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -323,6 +330,7 @@ def _pct(v, signed=False) -> str:
 
 
 RATE = "{:.3g}"  # times and rates: three significant digits, so a slow rate never prints as 0.00
+GAIN = "{:.3g}"  # proxy gains along a run: from 1e-5 a step (float32 rounding) to 1e-1
 
 
 def _num(v, fmt="{:.2f}", signed=False) -> str:
@@ -421,9 +429,13 @@ def render_markdown(report: dict) -> str:
                           + (f", exact permutation p = {_p(sp['p_exact'])}" if sp.get("p_exact") is not None else "")
                           + "." + (f" Least squares: change = {fit['slope']:.4g} x improvement "
                                    f"{'-' if fit['intercept'] < 0 else '+'} {abs(fit['intercept']):.4g}." if fit else ""), ""]
+            if v.get("budget"):
+                L += _budget_markdown(v["budget"])
         plots = run.get("plots") or []
         if plots:
             L += ["Figures:", ""] + [f"![{Path(p).stem}]({p})" for p in plots] + [""]
+    if report.get("compared"):
+        L += _compared_markdown(report["compared"])
     if report.get("fisher") and len(report["runs"]) > 1:
         L += ["## Across runs: Fisher's combined test of the Spearman p-values", ""]
         L.append("| variant | runs | p-values | chi2 statistic | dof | combined p | combined exact p |")
@@ -449,8 +461,50 @@ def render_markdown(report: dict) -> str:
           "exact permutation p for up to 8 tasks.",
           "* proxy gain / min = summed proxy improvement over summed minutes (calibration and decoding) of the task's "
           "samples; answers changed = samples whose calibrated answer differs from the base answer.",
+          "* budget: proxy gain after k steps = best proxy of the first k steps - initial proxy (a run that stopped "
+          "earlier keeps its final gain); s = k steps at the run's mean seconds per step (calibration seconds over "
+          "steps; the whole run when it stopped earlier); answers changed = answers decoded from the best X after k "
+          "steps (icleval --answer-at) that differ from the base answer, not final = those that differ from the "
+          "run's final answer; suggested budget = the first step whose mean gain reaches 90% of the final mean gain.",
           "* Fisher: X = -2 sum ln p over runs, chi-squared with 2k degrees of freedom.", ""]
     return "\n".join(L)
+
+
+def _budget_markdown(budget: dict) -> list[str]:
+    """The budget curves of a variant (sicl_fast.evaluation.budget): by step, by second, the suggestion."""
+    L = ["Budget: mean proxy gain and answers changed vs steps (and the seconds they took):", "",
+         "| task | step | s | mean proxy gain | answers changed | not final |", "|---|---|---|---|---|---|"]
+    for task, c in budget.items():
+        for row in c["by_step"]:
+            of = f" / {row['n_answers']}" if row["answers_changed"] is not None else ""
+            L.append(f"| {task} | {row['step']} | {_num(row['mean_seconds'], RATE)} | "
+                     f"{_num(row['mean_gain'], GAIN, True)} | {row['answers_changed'] if of else 'n/a'}{of} | "
+                     f"{row['answers_not_final'] if of else 'n/a'}{of} |")
+    L += ["", "Mean proxy gain vs seconds of calibration:", "", "| task | s | mean proxy gain |", "|---|---|---|"]
+    for task, c in budget.items():
+        L += [f"| {task} | {_num(row['seconds'], RATE)} | {_num(row['mean_gain'], GAIN, True)} |"
+              for row in c["by_second"]]
+    L.append("")
+    for task, c in budget.items():
+        sg = c["suggested"]
+        L.append(f"* {task}: " + (f"{100 * sg['share']:.0f}% of the final mean gain "
+                                  f"({_num(c['final_gain'], GAIN, True)}) by step {sg['step']}, about "
+                                  f"{_num(sg['mean_seconds'], RATE)} s ({_num(c['mean_seconds_per_step'], RATE)} s / "
+                                  "step)" if sg else "no gain"))
+    return L + [""]
+
+
+def _compared_markdown(rows: list[dict]) -> list[str]:
+    """Later runs against the first on the same samples (sicl_fast.evaluation.budget.runs_compared)."""
+    L = [f"## Runs compared with {rows[0]['reference']} (same samples)", "",
+         "| variant | run | task | n | answers differ | accuracy (%) | mean steps | calibration s / sample | stops |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pair = lambda xs, fmt: " -> ".join(_num(x, fmt) for x in xs)  # noqa: E731 - first run -> this run
+        L.append(f"| {r['variant']} | {r['run']} | {r['task']} | {r['n']} | {r['answers_differ']} | "
+                 f"{' -> '.join(_pct(x) for x in r['accuracy'])} | {pair(r['mean_steps'], '{:.1f}')} | "
+                 f"{pair(r['mean_seconds'], RATE)} | {_stops(r['stop_reasons'])} |")
+    return L + [""]
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -556,6 +610,9 @@ def make_plots(report: dict, runs: Sequence[Run], out_dir: Path) -> None:
             hist = {t: hist[t] for t in _task_order(hist)}
             files.append(plots.proxy_histories(pdir / f"history_{rs}_{_slug(v['variant'])}.png", hist,
                                                f"proxy history - {run['name']} - {v['variant']}"))
+            if v.get("budget"):
+                files.append(plots.budget_curves(pdir / f"budget_{rs}_{_slug(v['variant'])}.png", v["budget"],
+                                                 f"budget - {run['name']} - {v['variant']}"))
         run["plots"] = [str(Path(f).relative_to(out_dir)) for f in files]
     figures = []
     for vn in report["fisher"]:

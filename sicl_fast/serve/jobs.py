@@ -25,9 +25,11 @@ def run_proxy(engine, call: ProxyCall, job: Job) -> dict:
 
 
 def run_calibrate(engine, call: CalibrateCall, job: Job, on_step: Callable[[int, float], None] | None = None) -> dict:
-    """The ascent (stopped early by the job's deadline or cancellation), then the optional answers and rows."""
+    """The ascent (stopped early by the job's deadline, its cancellation or the request's time budget), then the
+    optional answers and rows."""
     prompt = call.prompt
-    res = engine.calibrate(prompt, call.config, on_step=on_step, reuse=call.reuse, should_stop=job.stop_reason)
+    res = engine.calibrate(prompt, call.config, on_step=on_step, reuse=call.reuse, should_stop=job.stop_reason,
+                           time_budget_s=call.time_budget_s)
     if res.stop_reason == "cancelled":
         raise Cancelled()
     body = {"id": prompt.id, "model": engine.lm.name, "summary": CalibrationResult.summary(res), "history": res.history,

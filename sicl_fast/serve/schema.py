@@ -80,6 +80,10 @@ class CalibrateBody(ProxyBody):
     reuse: Optional[Literal[REUSE_MODES]] = Field(  # type: ignore[valid-type]
         None, description="the calibration store (docs/store.md): 'auto' reuses a stored calibration where exact, "
                           "'on' always, 'off' never (default: the server's --reuse)")
+    time_budget_s: Optional[float] = Field(None, ge=0, le=RANGES["time_budget_s"].hi,
+                                           description="seconds of calibration, from its start: the run stops at the "
+                                                       "first step boundary after them with the best X so far and "
+                                                       "stop_reason 'time_budget' (at least one step runs)")
 
 
 def validation_message(exc: ValidationError, body: Any) -> str:

@@ -36,6 +36,7 @@ class CalibrateCall:
     embeddings_dtype: str
     embeddings_rows: str
     timeout_s: float | None
+    time_budget_s: float | None
     reuse: str | None = None
 
 
@@ -88,4 +89,5 @@ class Validator:
             prompt=prompt, config=self.config(body.config, prompt.id), generate=body.generate,
             max_new_tokens=body.max_new_tokens, stop=stop,
             return_embeddings=body.return_embeddings, embeddings_dtype=body.embeddings_dtype,
-            embeddings_rows=body.embeddings_rows, timeout_s=body.timeout_s, reuse=body.reuse)
+            embeddings_rows=body.embeddings_rows, timeout_s=body.timeout_s, time_budget_s=body.time_budget_s,
+            reuse=body.reuse)

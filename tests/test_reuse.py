@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sicl_fast import Engine
+from sicl_fast import Engine, load
 from sicl_fast.errors import SiclError
 from sicl_fast.ops import IMPLS
 from sicl_fast.reuse import EXACT_MARGIN, ReusedResult, min_whole_cosine
@@ -275,8 +275,24 @@ def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_dir, tmp_path,
         out = tmp_path / f"{name}.jsonl"
         capsys.readouterr()
         assert main([*base, "--out", str(out), *extra]) == 0
-        runs[name] = [{k: v for k, v in r.items() if k != "seconds"} for r in read_jsonl(out)]
+        runs[name] = [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in read_jsonl(out)]  # timings
         runs[name + "_err"] = capsys.readouterr().err
     assert runs["off"] == runs["first"] == runs["rerun"]
     assert "store: 0 calibration(s) reused, 2 run" in runs["first_err"]
     assert "store: 2 calibration(s) reused, 0 run" in runs["rerun_err"]
+
+
+def test_answers_along_the_way_need_their_own_run(tiny_dir, tmp_path, capsys):
+    """icleval --answer-at keeps the best X along each calibration, which a stored one does not have: it runs with
+    the store off, and refuses an explicit --reuse auto / on before any model loads."""
+    from conftest import ICLEVAL_EXCERPTS
+    from sicl_fast.cli import main
+
+    argv = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out",
+            str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "no-model"), "--answer-at", "1"]
+    assert main([*argv, "--reuse", "auto"]) == 2
+    assert "--answer-at keeps the best X along each calibration" in capsys.readouterr().err
+    eng = Engine(load(tiny_dir), reuse="auto")
+    prompt = eng.prepare({"id": "q", "demos": [{"input": "a", "output": "b"}], "query": "c"})
+    with pytest.raises(SiclError, match="best_at keeps the best X along a run"):
+        eng.calibrate(prompt, max_steps=2, best_at=[1])

@@ -390,7 +390,9 @@ def test_unexpected_exception_is_one_line_and_debug_shows_it(tmp_path, capsys, m
 
 
 def test_ctrl_c_says_what_was_written_and_how_to_resume(tmp_path, capsys, monkeypatch, smol):
-    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, dict(STRUCT, id="two")])
+    # other demonstrations: requests that share them are one item of work (one calibration), written together
+    two = dict(STRUCT, id="two", demos=[{"input": "two", "output": "2"}, {"input": "nine", "output": "9"}])
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, two])
     out = tmp_path / "o.jsonl"
     real = Engine.calibrate
     calls = []

@@ -31,21 +31,25 @@ namespace sicl {
 
 namespace {
 
-inline uint16_t to_bf16(float f) {
+// Forced inline: the inner loops below are target clones, and GCC does not inline a helper compiled for the
+// default target and this file's optimize pragma into them otherwise; a call per element keeps them scalar.
+#define SICL_INLINE __attribute__((always_inline)) inline
+
+SICL_INLINE uint16_t to_bf16(float f) {
     uint32_t u;
     std::memcpy(&u, &f, 4);
     u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even (finite inputs)
     return static_cast<uint16_t>(u >> 16);
 }
 
-inline float from_bf16(uint16_t h) {
+SICL_INLINE float from_bf16(uint16_t h) {
     const uint32_t u = static_cast<uint32_t>(h) << 16;
     float f;
     std::memcpy(&f, &u, 4);
     return f;
 }
 
-inline float exp_f32(float x) {
+SICL_INLINE float exp_f32(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     // n = round(x / ln 2) by the 1.5 * 2^23 trick (exact for |n| < 2^22; vectorises, unlike floor / nearbyint)
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -64,10 +68,10 @@ inline float exp_f32(float x) {
     return p * scale;
 }
 
-inline float act_silu(float g) { return g / (1.0f + exp_f32(-g)); }
+SICL_INLINE float act_silu(float g) { return g / (1.0f + exp_f32(-g)); }
 
 // 0.5 g (1 + tanh(z)) written as g * sigmoid(2 z): no cancellation where tanh(z) is near -1
-inline float act_gelu_tanh(float g) {
+SICL_INLINE float act_gelu_tanh(float g) {
     const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);  // sqrt(2 / pi)
     return g / (1.0f + exp_f32(-2.0f * z));
 }

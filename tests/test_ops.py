@@ -15,7 +15,8 @@ Tolerances, stated once (TOL below), and why:
   track_best, advance: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
       another order, which can only matter within an ulp of the threshold: the scripted SNRs are far from it).
   decoder elementwise ops (residual_norm, qk_rope, gated, softcap_), float32: rtol 1e-5 / atol 1e-5 (the
-      norms' sums in another order, rsqrt / exp / tanh within an ulp or two of torch's).
+      norms' sums in another order, rsqrt / exp / tanh within an ulp or two of torch's); the C++ rotary and
+      residual sum: bit-identical (the same operations one by one).
   the same in bf16: rtol 2^-6 and atol 2^-6 times the largest |reference| value (at least 1), four bf16 ulps
       of the largest term: up to three roundings, each of which Triton's CPU interpreter does by truncation (its
       float32 -> bf16 cast does not round to nearest; CUDA's does), and rotary's sum may cancel its terms.
@@ -501,6 +502,33 @@ def test_qk_rope_writes_the_buffers(dec, dev, dtype, hd, qk_norm, gemma):
                              v.contiguous().to(dev), cos.to(dev), sin.to(dev), to(qn), to(kn), 1e-6, gemma)
     close(gq, rq, tol)  # fresh outputs without buffers
     close(gk, rk, tol)
+
+
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.parametrize("B,T,H,Hk,hd,d", [(3, 37, 3, 1, 18, 37), (9, 130, 9, 3, 64, 576)])
+def test_cpp_rope_bit_identical_and_norm_on_many_rows(B, T, H, Hk, hd, d):
+    """The C++ rotary does the reference's products and sum one by one: the same bits; its residual norm over
+    enough rows to run on every thread (rows are independent: the thread count changes nothing)."""
+    from sicl_fast.models import elementwise as ew
+
+    dec = make_ops("cpp").decoder
+    qkv = rand(B, T, (H + 2 * Hk) * hd, seed=12)
+    q, k, v = (t.view(B, T, -1, hd) for t in qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1))
+    cos, sin = rand(T, 1, hd, seed=13), rand(T, 1, hd, seed=14)
+    rq, rk = ew.qk_rope(q, k, cos, sin, None, None, 1e-6, False)
+    gq, gk, gv = dec.qk_rope(q.clone(), k, v, cos, sin, None, None, 1e-6, False)
+    assert torch.equal(gq, rq) and torch.equal(gk, rk) and torch.equal(gv, v)
+    x, y, w = rand(B, T, d, seed=15), rand(B, T, d, seed=16, scale=3.0), 1 + rand(d, seed=17, scale=0.2)
+    rx, rh = ew.residual_norm(x, y, None, w, 1e-5, False)
+    n = cpp_ops.num_threads()
+    try:
+        for threads in (1, 2):
+            cpp_ops.set_num_threads(threads)
+            x1, h = dec.residual_norm(x, y, None, w, 1e-5, False)
+            assert torch.equal(x1, rx)  # one addition per element
+            close(h, rh, TOL["elementwise"][torch.float32])
+    finally:
+        cpp_ops.set_num_threads(n)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,6 +1,8 @@
 """The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy) and
-CppDecoderOps (the difference-product epilogues), on float32 (and bf16) CPU tensors; the span head, best tracking,
-the bookkeeping and the decoder's elementwise work are the reference's (TorchStepOps, TorchDecoderOps).
+CppDecoderOps (the difference-product epilogues), on float32 (and bf16) CPU tensors; the span head, best tracking and
+the bookkeeping are the reference's (TorchStepOps); the decoder's residual norms and rotary run in C++ on float32
+models (one pass each, K / V written straight into the decoder's buffers), the rest of its elementwise work is the
+reference's (TorchDecoderOps).
 
 Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.models.diff) and the same noise
 as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton kernels,
@@ -139,13 +141,71 @@ class CppStepOps(TorchStepOps):
         return ProxyOut(f=f, C=C, R=R, G=G, c=c)
 
 
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [..., n] (CPU) as [rows, n]: a view when its rows are evenly strided with contiguous elements (e.g. a
+    view of a fused product's columns), else a contiguous copy."""
+    try:
+        r = t.detach().view(-1, n)
+    except RuntimeError:  # rows not evenly strided
+        r = t.detach().reshape(-1, n)
+    return r if r.stride(-1) == 1 else r.contiguous()
+
+
+def _out(t: torch.Tensor, name: str, op: str, n: int):
+    """An output buffer written in place: contiguous float32 on the CPU (a copy would be written instead)."""
+    if not t.is_contiguous():
+        raise SiclError(f"{op}: {name} must be contiguous (it is written in place), got strides {t.stride()}")
+    return _cpu(t, name, op).view(-1, n).numpy()
+
+
 class CppDecoderOps(TorchDecoderOps):
-    """The difference epilogues on the C++ extension (module docstring); the rest is the reference's."""
+    """The difference epilogues, residual norms and rotary on the C++ extension (module docstring); float32 only
+    for the norms and rotary (other dtypes, and Qwen3 / Gemma 3's per-head q / k norms, take the reference); the
+    rest is the reference's. Never differentiated (the plan gives autograd runs impl 'torch')."""
 
     name = "cpp"
+    kv_in_place = True  # qk_rope writes K / V into the decoder's buffers as it rotates
 
     def __init__(self) -> None:
         _ext()
+
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
+        """(x', h) as sicl_fast.models.elementwise.residual_norm (y None: (x, rms_norm(x, w))); float32 and gemma
+        are the same formula there ((z r) w in float32)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            return super().residual_norm(x, y, post_w, w, eps, gemma)
+        op = "cpp residual_norm"
+        x = _cpu(x, "x", op)
+        d = x.shape[-1]
+        h = torch.empty_like(x)
+        x2, w1 = x.view(-1, d).numpy(), _cpu(w, "w", op).numpy()
+        if y is None:  # no residual: the unused y / post_w / x_out arguments are x's rows and w
+            _ext().residual_norm(x2, x2, w1, w1, float(eps), False, False, x2, h.view(-1, d).numpy())
+            return x, h
+        y = _cpu(y, "y", op)
+        x_out = torch.empty_like(x)
+        pw = _cpu(post_w, "post_w", op).numpy() if post_w is not None else w1
+        _ext().residual_norm(x2, y.view(-1, d).numpy(), pw, w1, float(eps), True,
+                             post_w is not None, x_out.view(-1, d).numpy(), h.view(-1, d).numpy())
+        return x_out, h
+
+    def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
+        """q rotated in place (it may be a view of the fused q / k / v product), k rotated into k_out, v copied into
+        v_out (fresh tensors when None); see sicl_fast.models.elementwise.qk_rope."""
+        if q_norm is not None or q.dtype != torch.float32 or q.device.type != "cpu":
+            return super().qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps, gemma, k_out, v_out)
+        B, T, H, hd = q.shape
+        Hk = k.shape[2]
+        k_out = torch.empty(B, T, Hk, hd, dtype=k.dtype) if k_out is None else k_out
+        v_out = torch.empty(B, T, Hk, hd, dtype=v.dtype) if v_out is None else v_out
+        qr = _rows(q, H * hd)
+        if qr.data_ptr() != q.data_ptr():  # q had no row layout: rotate its copy, and return that
+            q = qr.view(B, T, H, hd)
+        op = "cpp qk_rope"
+        _ext().rope_qkv(qr.numpy(), _rows(k, Hk * hd).numpy(), _rows(v, Hk * hd).numpy(),
+                        _cpu(cos, "cos", op).view(T, hd).numpy(), _cpu(sin, "sin", op).view(T, hd).numpy(), H, Hk,
+                        _out(k_out, "k_out", op, Hk * hd), _out(v_out, "v_out", op, Hk * hd))
+        return q, k_out, v_out
 
     def diff_rows(self, x):
         x = _cpu(x, "x", "cpp diff_rows")

@@ -576,6 +576,7 @@ def cmd_bench(args) -> int:
     from .benchmark import bench_calibration, bench_step, synthetic_prompt
     from .models import load
     from .plan import Choices, make_plan
+    from .profile import step_floor
 
     _check_flags(args)
     choices = [Choices(**_plan_choices(args, backend=name)) for name in args.backends]
@@ -585,16 +586,18 @@ def cmd_bench(args) -> int:
     print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
-    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
+    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | floor ms (min / floor) |"
           + (" calib s |" if calib else ""))
-    print("|---" * (10 if calib else 9) + "|")
+    print("|---" * (11 if calib else 10) + "|")
     for length in args.length:
         prompt = synthetic_prompt(lm, length, seed=cfg.seed, prefix=args.prefix)
         for plan in plans:
             backend = build_backend(plan, lm)
             r = bench_step(backend, prompt, cfg, repeats=args.repeats)
+            floor = step_floor(backend, cfg, prompt)  # the fast forward's, at product rates measured now
             row = (f"| {plan.backend} | {r['impl']} | {r['loop']} | {r['L']} | {prompt.demo_start} | {r['P']} | "
-                   f"{r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} |")
+                   f"{r['ms_mean']:.1f} | {r['ms_min']:.1f} | {r['peak_mb']:.0f} | "
+                   + ("- |" if floor is None else f"{floor.ms:.1f} ({r['ms_min'] / floor.ms:.2f}x) |"))
             if calib:
                 c = bench_calibration(backend, prompt, cfg.replace(max_steps=args.calibration_steps, patience=0,
                                                                    tau=0.0))
@@ -627,12 +630,7 @@ def cmd_profile(args) -> int:
         prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
     prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace)
     if args.json:
-        print(json.dumps({"info": prof.info, "step_ms": prof.step_ms, "peak_mb": prof.peak_mb,
-                          "kernels": {"total": prof.kernels.total, "per_layer": prof.kernels.per_layer,
-                                      "rest": prof.kernels.rest},
-                          "matmul_peak_gflops": prof.peak_gflops, "matmul_peak_shape": prof.peak_shape,
-                          "phases": [dict(zip(("phase", "ms", "share", "gflop", "gflops", "pct_peak"), r))
-                                     for r in prof.rows]}))
+        print(json.dumps(prof.as_json()))
     else:
         print(prof.markdown())
     if args.trace:

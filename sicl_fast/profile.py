@@ -12,8 +12,12 @@ Each phase of the static step (sicl_fast.static) is run on its own, on the step'
     host overhead     the whole step minus the phases above
 
 FLOPs are counted from the shapes (2 per multiply-add of every product; attention's QK^T and PV over the keys
-each query sees; the elementwise work is not counted). Achieved FLOP/s is compared with the machine's measured
-product rate at the step's largest product shape in the model dtype. `kernels per step` counts the step's
+each query sees; the elementwise work is not counted), split by the precision each product runs in: with the
+difference products on (sicl_fast.models.diff) the perturbed rows' projections are bf16, everything else (row 0,
+attention, the prefix, the span head) is in the model dtype. Both product rates are measured here, at the step's
+largest product shape (`measure_rates`), and each phase is compared with its floor: its FLOPs of each precision at
+that precision's rate. The step's floor is the sum of its phases' floors (`step_floor`; `sicl-fast bench` prints it
+too). `kernels per step` counts the step's
 dispatched torch operations that launch a kernel (not views, not allocations), plus every Triton launch and C++
 extension call, in all and in the decoder's layers (on a GPU the profiler's kernel events are the count that
 matters; this count, the same on any device, is its proxy). The fast backend's budget with impl 'triton' and
@@ -115,6 +119,18 @@ def kernels_per_step(st: StaticStep) -> KernelCount:
 
 def step_flops(st: StaticStep) -> dict[str, float]:
     """FLOPs of each phase of one step of `st` (module docstring)."""
+    return {ph: high + low for ph, (high, low) in step_flops_by_precision(st).items()}
+
+
+def low_precision_rows(st: StaticStep) -> int:
+    """How many of the step's batch rows multiply their projections in bf16 (the difference products: rows 1..,
+    when the model has them on and the batch has more than one row), else 0."""
+    m = st.backend.model
+    return st.spec.B - 1 if getattr(m, "diff_dtype", None) is not None and st.spec.B > 1 else 0
+
+
+def step_flops_by_precision(st: StaticStep) -> dict[str, tuple[float, float]]:
+    """Per phase of one step of `st`, (FLOPs in the model dtype, FLOPs of the bf16 difference products)."""
     m, spec, p = st.backend.model, st.spec, st.prompt
     B, a, b = spec.B, p.demo_start, p.demo_end
     d, H, Hk, hd = m.d, m.H, m.Hk, m.hd
@@ -130,54 +146,127 @@ def step_flops(st: StaticStep) -> dict[str, float]:
 
     V = m.head.shape[0]
     P = int(p.positions.numel())
+    low = low_precision_rows(st) * n_layers * rows * per_token
     return {
-        "perturb": 0.0,
-        "prefix": n_layers * (prefix_rows * per_token + attention(prefix_rows, 0)) if prefix_rows else 0.0,
-        "decoder layers": B * n_layers * (rows * per_token + attention(rows, prefix_rows)),
-        "span head": 2.0 * B * P * V * d,
-        "proxy": 0.0,
-        "update": 0.0,
-        "host overhead": 0.0,
+        "perturb": (0.0, 0.0),
+        "prefix": (n_layers * (prefix_rows * per_token + attention(prefix_rows, 0)) if prefix_rows else 0.0, 0.0),
+        "decoder layers": (B * n_layers * (rows * per_token + attention(rows, prefix_rows)) - low, low),
+        "span head": (2.0 * B * P * V * d, 0.0),
+        "proxy": (0.0, 0.0),
+        "update": (0.0, 0.0),
+        "host overhead": (0.0, 0.0),
     }
 
 
-def matmul_peak(m, rows: int, repeats: int = 5) -> tuple[float, str]:
-    """GFLOP/s of the step's largest product shape ([rows, d] x [d, I]) in the model dtype, measured here."""
+@dataclass(frozen=True)
+class Rates:
+    """Product rates measured on the spot (GFLOP/s) at one shape: in the model dtype (`high`) and in bf16 (`low`,
+    None when the step has no bf16 products)."""
+
+    high: float
+    low: float | None
+    shape: str
+    high_dtype: str
+
+    def line(self) -> str:
+        low = "" if self.low is None else f", bf16 {self.low:.1f} ({self.low / self.high:.2f}x)"
+        return f"product rates (measured here, {self.shape}): {self.high_dtype} {self.high:.1f}{low} GFLOP/s"
+
+
+def measure_rates(m, rows: int, low: bool, repeats: int = 5) -> Rates:
+    """The Rates of the step's largest product shape ([rows, d] x [d, I], F.linear) on the model m's device, in
+    its dtype and, when `low`, in bf16: the two timed alternately, so both see the same machine load."""
     dev, dt = m.device, m.dtype
     inter = m.layers[0].w_gate.shape[0]
     x = torch.randn(rows, m.d, device=dev, dtype=dt)
     w = torch.randn(inter, m.d, device=dev, dtype=dt)
-    ms = time_ms(lambda: torch.nn.functional.linear(x, w), dev, repeats)
-    return 2.0 * rows * m.d * inter / ms / 1e6, f"[{rows}, {m.d}] x [{m.d}, {inter}] {str(dt).replace('torch.', '')}"
+    pairs = [(x, w)] + ([(x.bfloat16(), w.bfloat16())] if low else [])
+    best = [float("inf")] * len(pairs)
+    for _ in range(max(1, repeats)):
+        for i, (a, b) in enumerate(pairs):
+            best[i] = min(best[i], time_ms(lambda: torch.nn.functional.linear(a, b), dev, 1))
+    flop = 2.0 * rows * m.d * inter
+    name = str(dt).replace("torch.", "")
+    return Rates(high=flop / best[0] / 1e6, low=flop / best[1] / 1e6 if low else None,
+                 shape=f"[{rows}, {m.d}] x [{m.d}, {inter}]", high_dtype=name)
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least time one step could take at the measured product rates: per phase, its FLOPs of each precision at
+    that precision's rate (ms), and their sum."""
+
+    phases: dict
+    rates: Rates
+
+    @property
+    def ms(self) -> float:
+        return sum(self.phases.values())
+
+
+def floor_of(st: StaticStep, rates: Rates) -> Floor:
+    phases = {}
+    for ph, (high, low) in step_flops_by_precision(st).items():
+        phases[ph] = high / rates.high / 1e6 + (low / rates.low / 1e6 if low else 0.0)
+    return Floor(phases=phases, rates=rates)
+
+
+def step_rows(st: StaticStep) -> int:
+    """Token rows of the step's decoder forward over the batch (the product shape the rates are measured at)."""
+    return st.spec.B * (st.prompt.demo_end - (st.prompt.demo_start if st.use_prefix else 0))
+
+
+@torch.no_grad()
+def step_floor(backend, config, prompt, repeats: int = 5) -> Floor | None:
+    """The Floor of one ascent step of `prompt` on the fast backend `backend` (rates measured here); None for the
+    other backends (their forward is not ours to count)."""
+    if not hasattr(getattr(backend, "model", None), "layers"):
+        return None
+    config = resolve_scale(config, backend.lm)
+    st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
+    return floor_of(st, measure_rates(backend.model, step_rows(st), low_precision_rows(st) > 0, repeats))
 
 
 @dataclass
 class Profile:
-    rows: list = field(default_factory=list)  # (phase, ms, share, GFLOP, GFLOP/s, % of peak)
+    rows: list = field(default_factory=list)  # (phase, ms, share, GFLOP, GFLOP/s, floor ms, % of floor)
     step_ms: float = 0.0
     peak_mb: float = 0.0
-    peak_gflops: float = 0.0
-    peak_shape: str = ""
+    floor: Floor | None = None
     kernels: KernelCount | None = None
     info: dict = field(default_factory=dict)
+
+    @property
+    def peak_gflops(self) -> float:  # the model dtype's measured product rate
+        return self.floor.rates.high
 
     def markdown(self) -> str:
         i = self.info
         lines = [f"# one ascent step: {i['model']}, backend {i['backend']}, impl {i['impl']}, {i['dtype']}, "
                  f"{i['device']}; L {i['L']} (prefix {i['a']}, rows [{i['a']}, {i['b']})), P {i['P']}, N {i['N']}, "
                  f"B {i['B']}", "",
-                 "| phase | ms | share | GFLOP | GFLOP/s | % of matmul peak |", "|---|---|---|---|---|---|"]
-        for ph, ms, share, gf, rate, pct in self.rows:
+                 "| phase | ms | share | GFLOP | GFLOP/s | floor ms | floor / ms |", "|---|---|---|---|---|---|---|"]
+        for ph, ms, share, gf, rate, floor, pct in self.rows:
             lines.append(f"| {ph} | {ms:.2f} | {100 * share:.1f}% | {gf:.3f} | "
-                         f"{'-' if rate is None else f'{rate:.1f}'} | {'-' if pct is None else f'{pct:.1f}%'} |")
+                         f"{'-' if rate is None else f'{rate:.1f}'} | {floor:.2f} | "
+                         f"{'-' if pct is None else f'{pct:.1f}%'} |")
         total = sum(r[3] for r in self.rows)
-        lines += ["", f"whole step: {self.step_ms:.2f} ms, {total:.3f} GFLOP, "
-                      f"{total / self.step_ms * 1e3:.1f} GFLOP/s ({100 * total / self.step_ms * 1e3 / self.peak_gflops:.1f}% "
-                      f"of the matmul peak)",
-                  f"matmul peak (measured here): {self.peak_gflops:.1f} GFLOP/s at {self.peak_shape}",
+        fl = self.floor
+        lines += ["", f"whole step: {self.step_ms:.2f} ms, {total:.3f} GFLOP, {total / self.step_ms * 1e3:.1f} GFLOP/s; "
+                      f"floor {fl.ms:.2f} ms (the step is {self.step_ms / fl.ms:.2f}x its floor)",
+                  fl.rates.line() + "; a phase's floor: its FLOPs of each precision at that precision's rate "
+                  "(bf16: the difference products of the perturbed rows)",
                   f"peak extra memory of one step: {self.peak_mb:.1f} MiB",
                   self.kernels.line()]
         return "\n".join(lines)
+
+    def as_json(self) -> dict:
+        r = self.floor.rates
+        return {"info": self.info, "step_ms": self.step_ms, "peak_mb": self.peak_mb, "floor_ms": self.floor.ms,
+                "kernels": {"total": self.kernels.total, "per_layer": self.kernels.per_layer, "rest": self.kernels.rest},
+                "rates": {"shape": r.shape, r.high_dtype: r.high, **({"bfloat16": r.low} if r.low else {})},
+                "phases": [dict(zip(("phase", "ms", "share", "gflop", "gflops", "floor_ms", "pct_floor"), row))
+                           for row in self.rows]}
 
 
 @torch.no_grad()
@@ -209,13 +298,12 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     step_ms = time_ms(st, dev, repeats)
     times["host overhead"] = max(0.0, step_ms - sum(times.values()))
     flops = step_flops(st)
-    rows = spec.B * (prompt.demo_end - (a if st.use_prefix else 0))
-    peak, shape = matmul_peak(m, rows)
-    out = Profile(step_ms=step_ms, peak_gflops=peak, peak_shape=shape)
+    floor = floor_of(st, measure_rates(m, step_rows(st), low_precision_rows(st) > 0))
+    out = Profile(step_ms=step_ms, floor=floor)
     for ph in PHASES:
-        gf = flops[ph] / 1e9
+        gf, fl = flops[ph] / 1e9, floor.phases[ph]
         rate = gf / times[ph] * 1e3 if gf and times[ph] else None
-        out.rows.append((ph, times[ph], times[ph] / step_ms, gf, rate, None if rate is None else 100 * rate / peak))
+        out.rows.append((ph, times[ph], times[ph] / step_ms, gf, rate, fl, 100 * fl / times[ph] if gf and times[ph] else None))
     with PeakMemory(dev) as mem:
         st()
     out.peak_mb = mem.peak_mb
@@ -244,4 +332,5 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     return out
 
 
-__all__ = ["Profile", "profile_step", "count_kernels", "kernels_per_step", "KernelCount", "step_flops", "PHASES"]
+__all__ = ["Profile", "profile_step", "count_kernels", "kernels_per_step", "KernelCount", "step_flops",
+           "step_flops_by_precision", "Rates", "measure_rates", "Floor", "floor_of", "step_floor", "PHASES"]

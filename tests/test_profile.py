@@ -33,6 +33,30 @@ def test_decoder_flops_match_torchs_counter(models, family, a):
     assert fc.get_total_flops() == pytest.approx(expected, rel=1e-12)
 
 
+def test_flops_split_by_precision_and_the_floor(models):
+    """With difference products the perturbed rows' projections are counted as bf16, the rest in the model dtype;
+    the totals do not change, and a phase's floor is its FLOPs of each precision at that precision's rate."""
+    from sicl_fast.profile import Rates, floor_of, step_flops_by_precision
+
+    lm, p = models["llama"], make_prompt(6)
+    splits = []
+    for diff in ("off", "bf16"):
+        be = make_backend("fast", lm, diff_matmul=diff, impl="torch")
+        st = StaticStep(be, Calibrator(be, CFG).config, p, be.embed(p))
+        splits.append((st, step_flops_by_precision(st)))
+    (_, off), (st, on) = splits
+    assert all(low == 0 for _, low in off.values()) and on["decoder layers"][1] > 0
+    assert all(on[ph][1] == 0 for ph in on if ph != "decoder layers")
+    assert {ph: sum(v) for ph, v in on.items()} == pytest.approx({ph: sum(v) for ph, v in off.items()}, rel=1e-12)
+    m, T = st.backend.model, p.demo_end - p.demo_start
+    per_token = 2 * (m.d * (m.H + 2 * m.Hk) * m.hd + m.H * m.hd * m.d + 3 * m.d * m.layers[0].w_gate.shape[0])
+    assert on["decoder layers"][1] == (st.spec.B - 1) * len(m.layers) * T * per_token
+    high, low = on["decoder layers"]
+    floor = floor_of(st, Rates(high=10.0, low=40.0, shape="-", high_dtype="float32"))
+    assert floor.phases["decoder layers"] == pytest.approx(high / 10e6 + low / 40e6, rel=1e-12)
+    assert floor.ms == pytest.approx(sum(h / 10e6 for h, _ in on.values()) + low / 40e6, rel=1e-12)
+
+
 def test_profile_table_and_counts(models):
     be = make_backend("fast", models["gemma2"], diff_matmul="bf16", impl="torch")
     p = make_prompt(6)
@@ -46,7 +70,9 @@ def test_profile_table_and_counts(models):
     text = prof.markdown()
     for phase in PHASES:
         assert f"| {phase} |" in text
-    assert "kernels per step" in text and "matmul peak (measured here)" in text
+    assert "kernels per step" in text and "product rates (measured here" in text and "floor" in text
+    assert prof.floor.rates.low is not None and prof.floor.ms > 0  # bf16 difference products: both rates
+    assert 0 < prof.floor.phases["decoder layers"] and prof.floor.phases["host overhead"] == 0
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ The axes:
                   naive
     impl          the hot ops (sicl_fast.ops): auto (Triton on CUDA, the C++ extension on the CPU when built, else
                   torch; torch for the exact gradient), torch, cpp, triton
-    attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton
+    attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton,
+                  cpp
     diff_matmul   the fast decoder's difference products (sicl_fast.models.diff): auto, off, bf16, fp8
     loop          static (the sync-free step, sicl_fast.static) or eager (Calibrator.run); sync_every
     graphs        CUDA graphs of the static step and the decode step (sicl_fast.graphs)
@@ -148,12 +149,18 @@ def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) ->
     dev = torch.device(device)
     if attn == "triton":
         load_kernels(dev, "attention implementation 'triton'", "'sdpa' / 'math'")
+    if attn == "cpp" and (dev.type != "cpu" or dtype != torch.float32):
+        raise SiclError(f"attention implementation 'cpp' runs on float32 CPU models; this one is {dtype} on {dev}")
+    if attn == "cpp":
+        cpp_ops.require()
     if attn == "flash" and not flash_available():
         raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
     if attn != "auto":
         return attn, "asked for"
     if impl == "triton":
         return "triton", "auto: the fused prefix + rows kernel of impl 'triton'"
+    if impl == "cpp" and dtype == torch.float32:
+        return "cpp", "auto: the C++ prefix + rows attention of impl 'cpp' (float32)"
     if dev.type == "cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
         return "flash", "auto: flash-attn on CUDA, fp16 / bf16"
     # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head shapes;
@@ -271,7 +278,7 @@ class RunPlan:
     dtype: torch.dtype
     backend: str  # 'fast', 'fast-fp32', 'hf', 'naive': what results and records report
     impl: str  # 'torch', 'cpp', 'triton'
-    attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton'); None: not the fast one
+    attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not the fast one
     attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
     diff_matmul: str  # 'off', 'bf16', 'fp8'
     decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)

@@ -583,3 +583,54 @@ def test_triton_attention_matches_the_math_path(dtype, case):
 
     got = prefix_attention(to(q), to(k), to(v), (to(kp), to(vp)) if a else None, a, window, 0.3, cap, block=16)
     close(got, ref, TOL["attention"][dtype])
+
+
+CPP_ATTN_CASES = ATTN_CASES + [  # B, T, a, H, Hk, hd, window, softcap: SmolLM2's heads, odd tiles, hd % 16 != 0
+    (9, 70, 23, 9, 3, 64, None, None),
+    (2, 33, 0, 6, 2, 80, None, None),
+    (3, 19, 7, 3, 3, 20, 5, 3.0),
+    (2, 40, 0, 8, 2, 256, 13, None),
+]
+
+
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.parametrize("case", CPP_ATTN_CASES, ids=[f"B{c[0]}T{c[1]}a{c[2]}hd{c[5]}w{c[6]}cap{c[7]}"
+                                                      for c in CPP_ATTN_CASES])
+def test_cpp_attention_matches_the_math_path(case):
+    """The C++ attention (prefix and rows in one call) against the reference (the math path over the two key sets,
+    merged by log-sum-exp), float32: q, k, v as views of one fused product, as the decoder passes them; a KV cache's
+    keys (prefill at a later start, keys from position 0); the thread count changes nothing but the order of tiles."""
+    from sicl_fast.models.attention import Attention
+
+    B, T, a, H, Hk, hd, window, cap = case
+    qkv = rand(B, T, (H + 2 * Hk) * hd, seed=12)
+    q, k, v = (t.view(B, T, -1, hd) for t in qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1))
+    kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
+    prefix = (kp, vp) if a else None
+    ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, window, prefix)
+    att = Attention("cpp", 0.3, cap, torch.float32, "cpu")
+    n = cpp_ops.num_threads()
+    try:
+        for threads in (1, 2):
+            cpp_ops.set_num_threads(threads)
+            close(att(q, k, v, a, window, prefix), ref, TOL["attention"][torch.float32])
+    finally:
+        cpp_ops.set_num_threads(n)
+    # a cache's prefill: rows at positions a .. a+T-1 over keys 0 .. a+T-1 (batch 1)
+    kc, vc = torch.cat([kp, k[:1]], 1), torch.cat([vp, v[:1]], 1)
+    ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q[:1], kc, vc, a, window, cache_len=a + T)
+    close(att(q[:1], kc, vc, a, window, cache_len=a + T), ref, TOL["attention"][torch.float32])
+
+
+def test_cpp_attention_is_a_plan_choice():
+    """impl 'cpp' takes the C++ attention on float32 models ('auto'); asked for elsewhere, a clear refusal."""
+    if not cpp_ops.available():
+        pytest.skip("the C++ extension sicl_fast._C is not built")
+    from sicl_fast.errors import SiclError
+    from sicl_fast.plan import BACKENDS, resolve_attention
+
+    kind = BACKENDS["fast"]
+    assert resolve_attention("auto", kind, "cpu", torch.float32, "cpp")[0] == "cpp"
+    assert resolve_attention("auto", kind, "cpu", torch.bfloat16, "cpp")[0] != "cpp"
+    with pytest.raises(SiclError, match="float32 CPU"):
+        resolve_attention("cpp", kind, "cpu", torch.bfloat16, "cpp")

@@ -82,6 +82,8 @@ REFUSALS = {
         "attention implementation 'triton' runs on CUDA.*'sdpa' / 'math'"),
     "flash attention not installed": (plan_of(attn="flash", impl="torch"), SiclError,
                                       "attention implementation 'flash' needs flash-attn"),
+    "cpp attention below float32": (plan_of("bf16", backend="fast", attn="cpp", impl="torch"), SiclError,
+                                    "attention implementation 'cpp' runs on float32 CPU models"),
     "difference products below float32": (plan_of("bf16", backend="fast", diff_matmul="bf16", impl="torch"),
                                           SiclError, "diff_matmul='bf16' is for float32 models"),
     "static loop without a sync-free forward": (plan_of(backend="hf", loop="static"), SiclError,
@@ -150,7 +152,8 @@ def test_auto_on_this_machine(models, odd_models):
     lm = models["llama"]
     p = make_plan(lm)
     assert p.backend == "fast" and p.kind.cls == "fast" and p.decoder.family == "llama"
-    assert p.impl == ("cpp" if cpp_ops.available() else "torch") and p.attention == "sdpa"
+    assert p.impl == ("cpp" if cpp_ops.available() else "torch")
+    assert p.attention == ("cpp" if cpp_ops.available() else "sdpa")
     assert p.diff_matmul == ("bf16" if fast_low_precision(lm.device) else "off")
     assert (p.loop, p.sync_every, p.graphs, p.pack, p.grad) == ("static", 1, False, 1, False)
     assert make_plan(odd_models["gpt2"]).backend == "hf" and make_plan(odd_models["gpt2"]).loop == "eager"

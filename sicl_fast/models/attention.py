@@ -7,6 +7,8 @@ being copied) and the rows themselves (or a KV cache's keys). Kernels:
   flash  flash-attn's flash_attn_func (CUDA, fp16/bf16, optional: `pip install "sicl-fast[flash]"`)
   triton the fused kernel kernels/attention.py: prefix and rows in one launch, soft-cap and window included
          (CUDA, or the CPU under TRITON_INTERPRET=1; what the run plan picks with impl 'triton')
+  cpp    the C++ extension's (csrc/attention.cpp): prefix and rows in one call, soft-cap and window included
+         (float32 CPU tensors; what the run plan picks with impl 'cpp' on a float32 model)
 
 Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
 o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import SiclError
 
-ATTN_IMPLS = ("auto", "math", "sdpa", "flash", "triton")
+ATTN_IMPLS = ("auto", "math", "sdpa", "flash", "triton", "cpp")
 
 try:  # optional; never needed on the CPU
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -181,6 +183,11 @@ class Attention:
             from ..ops.triton_ops import load_kernels
 
             self._kernels = load_kernels()
+        if impl == "cpp":
+            from ..ops import cpp_ops
+
+            cpp_ops.require()
+            self._cpp = cpp_ops
         self.impl = impl
         self._masks: dict = {}
 
@@ -216,6 +223,9 @@ class Attention:
         T = q.shape[1]
         if impl == "triton" and (cache_len is None or (pos0 == 0 and cache_len == T)):
             return self._kernels.prefix_attention(q, k, v, prefix, pos0, window, self.scale, self.softcap)
+        if impl == "cpp" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+            return self._cpp.attention(q, k, v, prefix, pos0, 0 if cache_len is not None else pos0, self.scale,
+                                       self.softcap, window)
         parts = [(k, v, 0 if cache_len is not None else pos0)]
         if prefix is not None:
             parts.insert(0, (prefix[0], prefix[1], 0))

@@ -15,6 +15,7 @@ imports; `available()` is False and CppStepOps() raises a SiclError saying how t
 
     available() -> bool                        the extension is importable
     randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.rng.directions)
+    attention(q, k, v, prefix, pos0, k0, scale, softcap, window) -> o   the fast decoder's attention 'cpp'
     CppStepOps, CppDecoderOps                  the ops protocols (sicl_fast.ops.base)
 """
 from __future__ import annotations
@@ -158,6 +159,25 @@ def _out(t: torch.Tensor, name: str, op: str, n: int):
     return _cpu(t, name, op).view(-1, n).numpy()
 
 
+def attention(q, k, v, prefix, pos0: int, k0: int, scale: float, softcap, window) -> torch.Tensor:
+    """Causal attention in one call (csrc/attention.cpp; the reference is sicl_fast.models.attention.attend_math):
+    q [B, T, H, hd] float32 at positions pos0 ..; k, v [Bk, N, Hk, hd] (Bk == B, or 1: keys every batch row shares)
+    at positions k0 ..; prefix: (k, v) [1, a, Hk, hd] at positions 0 .. a-1 that every row also sees (a <= k0), or
+    None; window: keys > position - window only (None: all); softcap: cap tanh(s / cap) on the scores (None: off).
+    -> o [B, T, H, hd] float32. q, k, v may be views of a fused product's columns (no copy then)."""
+    B, T, H, hd = q.shape
+    Bk, _, Hk, _ = k.shape
+    if prefix is None:
+        pk = pv = torch.empty(0, Hk * hd)
+    else:
+        pk, pv = _rows(prefix[0], Hk * hd), _rows(prefix[1], Hk * hd)
+    out = torch.empty(B, T, H, hd)
+    _ext().attention(_rows(q, H * hd).numpy(), _rows(k, Hk * hd).numpy(), _rows(v, Hk * hd).numpy(), pk.numpy(),
+                     pv.numpy(), out.view(B * T, H * hd).numpy(), B, T, H, Hk, Bk, int(pos0), int(k0), float(scale),
+                     float(softcap or 0.0), int(window or 0))
+    return out
+
+
 class CppDecoderOps(TorchDecoderOps):
     """The difference epilogues, residual norms and rotary on the C++ extension (module docstring); float32 only
     for the norms and rotary (other dtypes, and Qwen3 / Gemma 3's per-head q / k norms, take the reference); the
@@ -237,5 +257,5 @@ class CppDecoderOps(TorchDecoderOps):
         return a0, da
 
 
-__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "CppStepOps", "CppDecoderOps",
+__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "attention", "CppStepOps", "CppDecoderOps",
            "BUILD_HINT", "CPP_ACTIVATIONS"]

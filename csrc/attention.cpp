@@ -1,0 +1,289 @@
+// Attention of the fast decoder on float32 rows, in one call per layer (sicl_fast/models/attention.py holds the
+// torch reference, attend_math; the Python wrapper is sicl_fast/ops/cpp_ops.py's attention):
+//
+//   attention(q[B*T, H*hd], k[kB*N, Hk*hd], v[kB*N, Hk*hd], pk[a, Hk*hd], pv[a, Hk*hd], out[B*T, H*hd],
+//             B, T, H, Hk, kB, pos0, k0, scale, softcap, window)
+//   query row t of batch row b sits at position pos0 + t; the shared keys pk / pv (a shared prefix, every batch
+//   row attends to them) at positions 0 .. a-1; the own keys of batch row b (k / v rows b*N .., or the only ones
+//   when kB == 1) at k0 .. k0+N-1 (a <= k0). A query sees the keys at positions <= its own and, with a window,
+//   > its position - window. Query head h reads key head h / (H / Hk).
+//   s = (q . k) * scale, soft-capped (softcap > 0: cap tanh(s / cap)); o = sum_j exp(s_j - max) v_j / sum_j
+//   exp(s_j - max); 0 where a query sees no key.
+//
+// q, k, v may be row-strided views (the parts of one fused q / k / v product); out is contiguous. The work is cut
+// into tiles of a few query positions x the G query heads of one key head, each over the keys its rows see (one
+// pass: the tile's scores fit in cache); the products run on AVX-512 registers where the CPU has it (head dim a
+// multiple of 16), in plain loops elsewhere. Float32 throughout, summed in another order than the reference (a few
+// ulp); exp is vecmath.h's (about 1 ulp).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "arrays.h"
+#include "threads.h"
+#include "vecmath.h"
+
+namespace sicl {
+
+namespace {
+
+struct Rows {  // a row-strided float32 matrix: row i at p + i * stride, its elements contiguous
+    const float* p;
+    int64_t stride;
+};
+
+Rows rows_of(const py::array& a, const char* name, int64_t n) {
+    if (!a.dtype().is(py::dtype::of<float>())) throw std::invalid_argument(std::string(name) + " must be float32");
+    if (a.ndim() != 2 || a.shape(1) != n) {
+        throw std::invalid_argument(std::string(name) + " must be [rows, " + std::to_string(n) + "]");
+    }
+    if (n > 1 && a.shape(0) > 0 && a.strides(1) != 4) {
+        throw std::invalid_argument(std::string(name) + ": a row's elements must be contiguous");
+    }
+    if (a.shape(0) > 1 && (a.strides(0) % 4 || a.strides(0) < 4 * n)) {
+        throw std::invalid_argument(std::string(name) + ": bad row stride");
+    }
+    return {static_cast<const float*>(a.data()), a.shape(0) > 1 ? a.strides(0) / 4 : n};
+}
+
+constexpr int64_t kRows = 4;   // query rows per register block
+constexpr int64_t kCols = 32;  // keys per register block of the scores
+
+// S[r][j] = sum_d Q[r][d] Kt[d][j] for r < R (a multiple of kRows), j < W (Kt rows padded to a multiple of kCols)
+__attribute__((target("avx512f"))) void scores_avx512(const float* Q, const float* Kt, int64_t ldk, float* S,
+                                                     int64_t lds, int64_t R, int64_t W, int64_t hd) {
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+        for (int64_t j0 = 0; j0 < W; j0 += kCols) {
+            __m512 acc[kRows][2];
+            for (int64_t rr = 0; rr < kRows; ++rr) acc[rr][0] = acc[rr][1] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < hd; ++d) {
+                const __m512 k0 = _mm512_loadu_ps(Kt + d * ldk + j0), k1 = _mm512_loadu_ps(Kt + d * ldk + j0 + 16);
+                for (int64_t rr = 0; rr < kRows; ++rr) {
+                    const __m512 q = _mm512_set1_ps(Q[(r0 + rr) * hd + d]);
+                    acc[rr][0] = _mm512_fmadd_ps(q, k0, acc[rr][0]);
+                    acc[rr][1] = _mm512_fmadd_ps(q, k1, acc[rr][1]);
+                }
+            }
+            for (int64_t rr = 0; rr < kRows; ++rr) {
+                _mm512_storeu_ps(S + (r0 + rr) * lds + j0, acc[rr][0]);
+                _mm512_storeu_ps(S + (r0 + rr) * lds + j0 + 16, acc[rr][1]);
+            }
+        }
+    }
+}
+
+void scores_plain(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds, int64_t R, int64_t W,
+                  int64_t hd) {
+    for (int64_t r = 0; r < R; ++r) {
+        float* s = S + r * lds;
+        for (int64_t j = 0; j < W; ++j) s[j] = 0.0f;
+        for (int64_t d = 0; d < hd; ++d) {
+            const float q = Q[r * hd + d];
+            const float* kt = Kt + d * ldk;
+            for (int64_t j = 0; j < W; ++j) s[j] += q * kt[j];
+        }
+    }
+}
+
+// O[r][:] += sum_j P[r][j] V[j][:] for r < R (a multiple of kRows), j < W; V row j at V + j * ldv; hd % 16 == 0
+__attribute__((target("avx512f"))) void values_avx512(const float* P, int64_t ldp, const float* V, int64_t ldv,
+                                                     float* O, int64_t R, int64_t W, int64_t hd) {
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+        for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+            const int64_t nv = std::min<int64_t>(4, (hd - d0) / 16);
+            __m512 acc[kRows][4];
+            for (int64_t rr = 0; rr < kRows; ++rr)
+                for (int64_t u = 0; u < 4; ++u)
+                    acc[rr][u] = u < nv ? _mm512_loadu_ps(O + (r0 + rr) * hd + d0 + 16 * u) : _mm512_setzero_ps();
+            if (nv == 4) {
+                for (int64_t j = 0; j < W; ++j) {
+                    const float* vj = V + j * ldv + d0;
+                    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16),
+                                 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+                    for (int64_t rr = 0; rr < kRows; ++rr) {
+                        const __m512 p = _mm512_set1_ps(P[(r0 + rr) * ldp + j]);
+                        acc[rr][0] = _mm512_fmadd_ps(p, v0, acc[rr][0]);
+                        acc[rr][1] = _mm512_fmadd_ps(p, v1, acc[rr][1]);
+                        acc[rr][2] = _mm512_fmadd_ps(p, v2, acc[rr][2]);
+                        acc[rr][3] = _mm512_fmadd_ps(p, v3, acc[rr][3]);
+                    }
+                }
+            } else {
+                for (int64_t j = 0; j < W; ++j) {
+                    const float* vj = V + j * ldv + d0;
+                    for (int64_t rr = 0; rr < kRows; ++rr) {
+                        const __m512 p = _mm512_set1_ps(P[(r0 + rr) * ldp + j]);
+                        for (int64_t u = 0; u < nv; ++u)
+                            acc[rr][u] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * u), acc[rr][u]);
+                    }
+                }
+            }
+            for (int64_t rr = 0; rr < kRows; ++rr)
+                for (int64_t u = 0; u < nv; ++u) _mm512_storeu_ps(O + (r0 + rr) * hd + d0 + 16 * u, acc[rr][u]);
+        }
+    }
+}
+
+void values_plain(const float* P, int64_t ldp, const float* V, int64_t ldv, float* O, int64_t R, int64_t W,
+                  int64_t hd) {
+    for (int64_t r = 0; r < R; ++r) {
+        float* o = O + r * hd;
+        for (int64_t j = 0; j < W; ++j) {
+            const float p = P[r * ldp + j];
+            const float* vj = V + j * ldv;
+            for (int64_t d = 0; d < hd; ++d) o[d] += p * vj[d];
+        }
+    }
+}
+
+// one row of scores s[0, W) -> unnormalised probabilities in place over the visible keys [lo, hi) (0 elsewhere);
+// returns their sum
+__attribute__((target_clones("avx512f", "avx2", "default"))) float softmax_row(float* s, int64_t W, int64_t lo,
+                                                                             int64_t hi, float scale, float cap) {
+    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+    for (int64_t j = hi; j < W; ++j) s[j] = 0.0f;
+    if (hi <= lo) return 0.0f;
+    float* t = s + lo;
+    const int64_t n = hi - lo;
+    for (int64_t j = 0; j < n; ++j) t[j] *= scale;
+    if (cap > 0.0f) {  // cap tanh(s / cap) = cap (1 - 2 / (exp(2 s / cap) + 1))
+        const float two_over = 2.0f / cap;
+        for (int64_t j = 0; j < n; ++j) t[j] = cap * (1.0f - 2.0f / (exp_f32(two_over * t[j]) + 1.0f));
+    }
+    float m = t[0];
+    for (int64_t j = 1; j < n; ++j) m = t[j] > m ? t[j] : m;
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+        t[j] = exp_f32(t[j] - m);
+        l += t[j];
+    }
+    return l;
+}
+
+bool has_avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f");
+    return yes;
+}
+
+void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv, py::array out, int64_t B,
+               int64_t T, int64_t H, int64_t Hk, int64_t kB, int64_t pos0, int64_t k0, double scale,
+               double softcap, int64_t window) {
+    if (B < 1 || T < 1 || H < 1 || Hk < 1 || H % Hk) throw std::invalid_argument("attention: bad B, T, H or Hk");
+    const int64_t Hd = q.ndim() == 2 ? q.shape(1) : 0, hd = Hd / H, G = H / Hk;
+    if (hd < 1 || Hd != H * hd) throw std::invalid_argument("attention: q must be [B*T, H*hd]");
+    const Rows Qr = rows_of(q, "q", H * hd), Kr = rows_of(k, "k", Hk * hd), Vr = rows_of(v, "v", Hk * hd),
+               PKr = rows_of(pk, "pk", Hk * hd), PVr = rows_of(pv, "pv", Hk * hd);
+    if (q.shape(0) != B * T) throw std::invalid_argument("attention: q must have B*T rows");
+    const int64_t a = pk.shape(0), kn = k.shape(0);
+    if (pv.shape(0) != a || v.shape(0) != kn) throw std::invalid_argument("attention: k / v rows differ");
+    if ((kB != 1 && kB != B) || kn % kB) throw std::invalid_argument("attention: kB must be 1 or B, dividing k's rows");
+    const int64_t N = kn / kB;
+    if (a > 0 && a > k0) throw std::invalid_argument("attention: the shared keys must come before the own keys");
+    check_array(out, "out", 'f', {B * T, H * hd}, true);
+    float* op = mf(out);
+    const int64_t Ntot = a + N;
+    const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+    const bool vec = has_avx512() && hd % 16 == 0;
+    // a tile: QT query positions x G heads, about 16 rows (a multiple of kRows)
+    const int64_t QT = std::max<int64_t>(1, 16 / G), R = ((QT * G + kRows - 1) / kRows) * kRows;
+    const int64_t tiles = (T + QT - 1) / QT;
+    auto key_pos = [&](int64_t i) { return i < a ? i : k0 + (i - a); };
+    // keys [lo, hi) a query at position p sees (positions increase with the index)
+    auto seen = [&](int64_t p, int64_t& lo, int64_t& hi) {
+        int64_t l = 0, h;
+        int64_t x = 0, y = Ntot;  // h: the first key after p
+        while (x < y) {
+            const int64_t mid = (x + y) / 2;
+            if (key_pos(mid) <= p) x = mid + 1; else y = mid;
+        }
+        h = x;
+        if (window > 0) {
+            x = 0, y = h;
+            while (x < y) {
+                const int64_t mid = (x + y) / 2;
+                if (key_pos(mid) <= p - window) x = mid + 1; else y = mid;
+            }
+            l = x;
+        }
+        lo = l, hi = h;
+    };
+    const int64_t work = B * Hk * T * G * Ntot * hd * 2;
+    py::gil_scoped_release nogil;
+#pragma omp parallel num_threads(threads_for(work / 4))
+    {
+        const int64_t ldk = ((Ntot + kCols - 1) / kCols) * kCols + kCols;
+        std::vector<float> Qb(R * hd), Kt(hd * ldk), S(R * ldk), Ob(R * hd), l(R);
+        std::vector<int64_t> lo(R), hi(R);
+        const int64_t V_ld = Vr.stride;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < B * Hk * tiles; ++task) {
+            const int64_t b = task / (Hk * tiles), kh = (task / tiles) % Hk, t0 = (task % tiles) * QT;
+            const int64_t nt = std::min(QT, T - t0), rows = nt * G;
+            int64_t klo = Ntot, khi = 0;
+            for (int64_t r = 0; r < R; ++r) {
+                if (r < rows) {
+                    seen(pos0 + t0 + r / G, lo[r], hi[r]);
+                    klo = std::min(klo, lo[r]), khi = std::max(khi, hi[r]);
+                    const float* src = Qr.p + (b * T + t0 + r / G) * Qr.stride + (kh * G + r % G) * hd;
+                    std::copy(src, src + hd, Qb.data() + r * hd);
+                } else {
+                    lo[r] = hi[r] = 0;
+                    std::fill(Qb.data() + r * hd, Qb.data() + (r + 1) * hd, 0.0f);
+                }
+            }
+            if (khi <= klo) klo = khi = 0;
+            const int64_t W = khi - klo, Wp = ((W + kCols - 1) / kCols) * kCols;
+            // the tile's keys, transposed: Kt[d][j] = key klo + j, element d (zero-padded to Wp)
+            const float* kb = Kr.p + (kB == 1 ? 0 : b * N) * Kr.stride + kh * hd;
+            for (int64_t j = 0; j < Wp; ++j) {
+                const int64_t i = klo + j;
+                if (j < W) {
+                    const float* src = i < a ? PKr.p + i * PKr.stride + kh * hd : kb + (i - a) * Kr.stride;
+                    for (int64_t d = 0; d < hd; ++d) Kt[d * ldk + j] = src[d];
+                } else {
+                    for (int64_t d = 0; d < hd; ++d) Kt[d * ldk + j] = 0.0f;
+                }
+            }
+            if (vec) scores_avx512(Qb.data(), Kt.data(), ldk, S.data(), ldk, R, Wp, hd);
+            else scores_plain(Qb.data(), Kt.data(), ldk, S.data(), ldk, R, Wp, hd);
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t l0 = std::max<int64_t>(0, lo[r] - klo), h0 = std::max<int64_t>(l0, hi[r] - klo);
+                l[r] = softmax_row(S.data() + r * ldk, Wp, l0, r < rows ? h0 : l0, sc, cap);
+            }
+            // the values: the shared keys' rows, then the own keys' rows (two strided runs)
+            const float* vb = Vr.p + (kB == 1 ? 0 : b * N) * V_ld + kh * hd;
+            std::fill(Ob.begin(), Ob.end(), 0.0f);
+            auto values = [&](int64_t j0, int64_t j1, const float* V0, int64_t ldv) {  // keys klo+j0 .. klo+j1
+                if (vec) values_avx512(S.data() + j0, ldk, V0, ldv, Ob.data(), R, j1 - j0, hd);
+                else values_plain(S.data() + j0, ldk, V0, ldv, Ob.data(), R, j1 - j0, hd);
+            };
+            const int64_t split = std::clamp<int64_t>(a - klo, 0, W);  // tile keys [0, split) are shared ones
+            if (split > 0) values(0, split, PVr.p + klo * PVr.stride + kh * hd, PVr.stride);
+            if (W > split) values(split, W, vb + (klo + split - a) * V_ld, V_ld);
+            for (int64_t r = 0; r < rows; ++r) {
+                float* dst = op + (b * T + t0 + r / G) * H * hd + (kh * G + r % G) * hd;
+                for (int64_t d = 0; d < hd; ++d) dst[d] = l[r] > 0.0f ? Ob[r * hd + d] / l[r] : 0.0f;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void register_attention_ops(py::module_& m) {
+    m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pk"), py::arg("pv"),
+          py::arg("out"), py::arg("B"), py::arg("T"), py::arg("H"), py::arg("Hk"), py::arg("kB"), py::arg("pos0"),
+          py::arg("k0"),
+          py::arg("scale"), py::arg("softcap"), py::arg("window"),
+          "causal attention over shared keys (positions 0..a-1) and each batch row's own keys (k0..), float32 rows");
+}
+
+}  // namespace sicl

@@ -1,0 +1,46 @@
+// Per-element float helpers shared by the extension's vectorised loops: bf16 <-> float32 bits and a vectorisable
+// exp. Forced inline: the loops that call them are target clones (or carry an optimize pragma), and GCC does not
+// inline a helper compiled for another target / other options into them otherwise; a call per element keeps a
+// loop scalar.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#define SICL_INLINE __attribute__((always_inline)) inline
+
+namespace sicl {
+
+SICL_INLINE uint16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even (finite inputs)
+    return static_cast<uint16_t>(u >> 16);
+}
+
+SICL_INLINE float from_bf16(uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+SICL_INLINE float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    // n = round(x / ln 2) by the 1.5 * 2^23 trick (exact for |n| < 2^22; vectorises, unlike floor / nearbyint)
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln 2 = hi + lo
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 127]
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+}  // namespace sicl

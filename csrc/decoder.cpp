@@ -8,8 +8,8 @@
 //       row m is position m % T; q is rotated in place, k rotated into k_out, v copied into v_out;
 //       rope(z)[j] = z[j] cos[j] + rotate_half(z)[j] sin[j], rotate_half(z) = (-z[h:], z[:h])
 //
-// q, k, v may be row-strided views (the three parts of one fused q / k / v product): rows at any stride, each row's
-// elements contiguous. The rotary products and sum are the reference's operations one by one (no FMA
+// q, k, v may be row-strided views (the three parts of one fused q / k / v product), and k_out / v_out too (a KV
+// cache's rows): rows at any stride, each row's elements contiguous. The rotary products and sum are the reference's operations one by one (no FMA
 // contraction: -ffp-contract=off), so rope_qkv is bit-identical to it; the norm's sum of squares runs in another
 // order than torch's (a few ulp).
 #include <pybind11/numpy.h>
@@ -126,20 +126,19 @@ void rope_qkv(py::array q, py::array k, py::array v, py::array cos, py::array si
     if (T < 1 || M % T) throw std::invalid_argument("rope_qkv: rows must be a multiple of the positions");
     const int64_t sq = row_stride(q, "q", M, H * hd, true), sk = row_stride(k, "k", M, Hk * hd, false),
                   sv = row_stride(v, "v", M, Hk * hd, false);
-    check_array(k_out, "k_out", 'f', {M, Hk * hd}, true);
-    check_array(v_out, "v_out", 'f', {M, Hk * hd}, true);
+    const int64_t sko = row_stride(k_out, "k_out", M, Hk * hd, true), svo = row_stride(v_out, "v_out", M, Hk * hd, true);
     float* qp = static_cast<float*>(q.mutable_data());
     const float* kp = static_cast<const float*>(k.data());
     const float* vp = static_cast<const float*>(v.data());
     const float *cp = cf(cos), *snp = cf(sin);
-    float *ko = mf(k_out), *vo = mf(v_out);
+    float *ko = static_cast<float*>(k_out.mutable_data()), *vo = static_cast<float*>(v_out.mutable_data());
     py::gil_scoped_release nogil;
 #pragma omp parallel for schedule(static) num_threads(threads_for(M * (H + 2 * Hk) * hd * 3))
     for (int64_t m = 0; m < M; ++m) {
         const float *c = cp + (m % T) * hd, *s = snp + (m % T) * hd;
         for (int64_t h = 0; h < H; ++h) rope_head(qp + m * sq + h * hd, c, s, qp + m * sq + h * hd, hd);
-        for (int64_t h = 0; h < Hk; ++h) rope_head(kp + m * sk + h * hd, c, s, ko + (m * Hk + h) * hd, hd);
-        std::memcpy(vo + m * Hk * hd, vp + m * sv, sizeof(float) * Hk * hd);
+        for (int64_t h = 0; h < Hk; ++h) rope_head(kp + m * sk + h * hd, c, s, ko + m * sko + h * hd, hd);
+        std::memcpy(vo + m * svo, vp + m * sv, sizeof(float) * Hk * hd);
     }
 }
 

@@ -531,6 +531,27 @@ def test_cpp_rope_bit_identical_and_norm_on_many_rows(B, T, H, Hk, hd, d):
         cpp_ops.set_num_threads(n)
 
 
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+def test_cpp_rope_into_a_batch_of_cache_rows_and_per_row_positions():
+    """K / V written into the first T of S rows of a batched cache (rows not evenly strided: through a copy), and
+    batched decoding's per-row positions (cos / sin [B, 1, 1, hd]: the reference's path)."""
+    from sicl_fast.models import elementwise as ew
+
+    dec = make_ops("cpp").decoder
+    B, T, S, H, Hk, hd = 3, 5, 9, 4, 2, 8
+    q, k, v = rand(B, T, H, hd, seed=20), rand(B, T, Hk, hd, seed=21), rand(B, T, Hk, hd, seed=22)
+    cos, sin = rand(T, 1, hd, seed=23), rand(T, 1, hd, seed=24)
+    kc, vc = torch.zeros(B, S, Hk, hd), torch.zeros(B, S, Hk, hd)
+    gq, gk, gv = dec.qk_rope(q.clone(), k, v, cos, sin, None, None, 1e-6, False, kc[:, :T], vc[:, :T])
+    rq, rk = ew.qk_rope(q, k, cos, sin, None, None, 1e-6, False)
+    assert torch.equal(gq, rq) and torch.equal(kc[:, :T], rk) and torch.equal(vc[:, :T], v)
+    assert not kc[:, T:].any() and not vc[:, T:].any()
+    cos, sin = rand(B, 1, 1, hd, seed=25), rand(B, 1, 1, hd, seed=26)  # one decoding position per batch row
+    gq, gk, _ = dec.qk_rope(q[:, :1].clone(), k[:, :1], v[:, :1], cos, sin, None, None, 1e-6, False)
+    rq, rk = ew.qk_rope(q[:, :1], k[:, :1], cos, sin, None, None, 1e-6, False)
+    assert torch.equal(gq, rq) and torch.equal(gk, rk)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
 def test_gated(dec, dev, dtype, act_name):

@@ -152,11 +152,14 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return r if r.stride(-1) == 1 else r.contiguous()
 
 
-def _out(t: torch.Tensor, name: str, op: str, n: int):
-    """An output buffer written in place: contiguous float32 on the CPU (a copy would be written instead)."""
-    if not t.is_contiguous():
-        raise SiclError(f"{op}: {name} must be contiguous (it is written in place), got strides {t.stride()}")
-    return _cpu(t, name, op).view(-1, n).numpy()
+def _out_rows(t: torch.Tensor, n: int) -> torch.Tensor | None:
+    """An output buffer t [..., n] as rows [rows, n] of its own storage (evenly strided rows of contiguous
+    elements: the extension writes there), or None (e.g. a batch of a longer cache's rows: write elsewhere, copy)."""
+    try:
+        r = t.detach().view(-1, n)
+    except RuntimeError:
+        return None
+    return r if r.stride(-1) == 1 or n == 1 else None
 
 
 def attention(q, k, v, prefix, pos0: int, k0: int, scale: float, softcap, window) -> torch.Tensor:
@@ -211,20 +214,29 @@ class CppDecoderOps(TorchDecoderOps):
 
     def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
         """q rotated in place (it may be a view of the fused q / k / v product), k rotated into k_out, v copied into
-        v_out (fresh tensors when None); see sicl_fast.models.elementwise.qk_rope."""
-        if q_norm is not None or q.dtype != torch.float32 or q.device.type != "cpu":
-            return super().qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps, gemma, k_out, v_out)
+        v_out (fresh tensors when None); see sicl_fast.models.elementwise.qk_rope. cos, sin [T, 1, hd]: the rows'
+        positions, the same for every batch row (other forms take the reference)."""
         B, T, H, hd = q.shape
+        if (q_norm is not None or q.dtype != torch.float32 or q.device.type != "cpu"
+                or tuple(cos.shape) != (T, 1, hd)):  # per-row positions (batched decoding): the reference
+            return super().qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps, gemma, k_out, v_out)
         Hk = k.shape[2]
         k_out = torch.empty(B, T, Hk, hd, dtype=k.dtype) if k_out is None else k_out
         v_out = torch.empty(B, T, Hk, hd, dtype=v.dtype) if v_out is None else v_out
         qr = _rows(q, H * hd)
         if qr.data_ptr() != q.data_ptr():  # q had no row layout: rotate its copy, and return that
             q = qr.view(B, T, H, hd)
+        ko, vo = _out_rows(k_out, Hk * hd), _out_rows(v_out, Hk * hd)
+        kw = ko if ko is not None else torch.empty(B * T, Hk * hd)
+        vw = vo if vo is not None else torch.empty(B * T, Hk * hd)
         op = "cpp qk_rope"
         _ext().rope_qkv(qr.numpy(), _rows(k, Hk * hd).numpy(), _rows(v, Hk * hd).numpy(),
                         _cpu(cos, "cos", op).view(T, hd).numpy(), _cpu(sin, "sin", op).view(T, hd).numpy(), H, Hk,
-                        _out(k_out, "k_out", op, Hk * hd), _out(v_out, "v_out", op, Hk * hd))
+                        kw.numpy(), vw.numpy())
+        if ko is None:
+            k_out.copy_(kw.view(B, T, Hk, hd))
+        if vo is None:
+            v_out.copy_(vw.view(B, T, Hk, hd))
         return q, k_out, v_out
 
     def diff_rows(self, x):

@@ -216,11 +216,23 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
         lo = l, hi = h;
     };
     const int64_t work = B * Hk * T * G * Ntot * hd * 2;
+    // every (key batch row, key head)'s keys transposed once, Kt[d][j] for key j (shared ones first), zero-padded:
+    // the tiles read their key range from it
+    const int64_t ldk = ((Ntot + kCols - 1) / kCols) * kCols + kCols;
+    std::vector<float> Kt_all(kB * Hk * hd * ldk, 0.0f);
     py::gil_scoped_release nogil;
 #pragma omp parallel num_threads(threads_for(work / 4))
     {
-        const int64_t ldk = ((Ntot + kCols - 1) / kCols) * kCols + kCols;
-        std::vector<float> Qb(R * hd), Kt(hd * ldk), S(R * ldk), Ob(R * hd), l(R);
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < kB * Hk; ++bh) {
+            const int64_t b = bh / Hk, kh = bh % Hk;
+            float* kt = Kt_all.data() + bh * hd * ldk;
+            for (int64_t j = 0; j < Ntot; ++j) {
+                const float* src = j < a ? PKr.p + j * PKr.stride + kh * hd : Kr.p + (b * N + j - a) * Kr.stride + kh * hd;
+                for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j] = src[d];
+            }
+        }
+        std::vector<float> Qb(R * hd), S(R * ldk), Ob(R * hd), l(R);
         std::vector<int64_t> lo(R), hi(R);
         const int64_t V_ld = Vr.stride;
 #pragma omp for schedule(dynamic, 1)
@@ -241,19 +253,9 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
             }
             if (khi <= klo) klo = khi = 0;
             const int64_t W = khi - klo, Wp = ((W + kCols - 1) / kCols) * kCols;
-            // the tile's keys, transposed: Kt[d][j] = key klo + j, element d (zero-padded to Wp)
-            const float* kb = Kr.p + (kB == 1 ? 0 : b * N) * Kr.stride + kh * hd;
-            for (int64_t j = 0; j < Wp; ++j) {
-                const int64_t i = klo + j;
-                if (j < W) {
-                    const float* src = i < a ? PKr.p + i * PKr.stride + kh * hd : kb + (i - a) * Kr.stride;
-                    for (int64_t d = 0; d < hd; ++d) Kt[d * ldk + j] = src[d];
-                } else {
-                    for (int64_t d = 0; d < hd; ++d) Kt[d * ldk + j] = 0.0f;
-                }
-            }
-            if (vec) scores_avx512(Qb.data(), Kt.data(), ldk, S.data(), ldk, R, Wp, hd);
-            else scores_plain(Qb.data(), Kt.data(), ldk, S.data(), ldk, R, Wp, hd);
+            const float* Kt = Kt_all.data() + ((kB == 1 ? 0 : b) * Hk + kh) * hd * ldk + klo;  // the tile's keys
+            if (vec) scores_avx512(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
+            else scores_plain(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t l0 = std::max<int64_t>(0, lo[r] - klo), h0 = std::max<int64_t>(l0, hi[r] - klo);
                 l[r] = softmax_row(S.data() + r * ldk, Wp, l0, r < rows ? h0 : l0, sc, cap);

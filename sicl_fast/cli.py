@@ -332,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl = command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
                          "difference products, loop, graphs, pack, estimator) and why")
 
-    pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s against the "
-                            "measured matmul peak; peak memory; kernels per step")
+    pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s and its floor "
+                            "at the product rates of its precisions (float32, bf16) measured here; the step's floor; "
+                            "peak memory; kernels per step")
     pr.add_argument("requests", nargs="?", default=None,
                     help="requests JSONL (the first request is profiled); default: a synthetic prompt of --length")
     pr.add_argument("--length", type=arg_type("profile_length"), default=512,

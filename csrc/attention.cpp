@@ -228,7 +228,8 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
             const int64_t b = bh / Hk, kh = bh % Hk;
             float* kt = Kt_all.data() + bh * hd * ldk;
             for (int64_t j = 0; j < Ntot; ++j) {
-                const float* src = j < a ? PKr.p + j * PKr.stride + kh * hd : Kr.p + (b * N + j - a) * Kr.stride + kh * hd;
+                const float* src =
+                    j < a ? PKr.p + j * PKr.stride + kh * hd : Kr.p + (b * N + j - a) * Kr.stride + kh * hd;
                 for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j] = src[d];
             }
         }

@@ -9,9 +9,9 @@
 //       rope(z)[j] = z[j] cos[j] + rotate_half(z)[j] sin[j], rotate_half(z) = (-z[h:], z[:h])
 //
 // q, k, v may be row-strided views (the three parts of one fused q / k / v product), and k_out / v_out too (a KV
-// cache's rows): rows at any stride, each row's elements contiguous. The rotary products and sum are the reference's operations one by one (no FMA
-// contraction: -ffp-contract=off), so rope_qkv is bit-identical to it; the norm's sum of squares runs in another
-// order than torch's (a few ulp).
+// cache's rows): rows at any stride, each row's elements contiguous. The rotary products and sum are the
+// reference's operations one by one (no FMA contraction: -ffp-contract=off), so rope_qkv is bit-identical to it;
+// the norm's sum of squares runs in another order than torch's (a few ulp).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -36,7 +36,9 @@ int64_t row_stride(const py::array& a, const char* name, int64_t M, int64_t n, b
         throw std::invalid_argument(std::string(name) + " must be [" + std::to_string(M) + ", " + std::to_string(n) +
                                     "]");
     }
-    if (n > 1 && a.strides(1) != 4) throw std::invalid_argument(std::string(name) + ": a row's elements must be contiguous");
+    if (n > 1 && a.strides(1) != 4) {
+        throw std::invalid_argument(std::string(name) + ": a row's elements must be contiguous");
+    }
     if (a.strides(0) % 4 || a.strides(0) < 4 * n) throw std::invalid_argument(std::string(name) + ": bad row stride");
     if (writable && !a.writeable()) throw std::invalid_argument(std::string(name) + " must be writable");
     return a.strides(0) / 4;
@@ -126,7 +128,8 @@ void rope_qkv(py::array q, py::array k, py::array v, py::array cos, py::array si
     if (T < 1 || M % T) throw std::invalid_argument("rope_qkv: rows must be a multiple of the positions");
     const int64_t sq = row_stride(q, "q", M, H * hd, true), sk = row_stride(k, "k", M, Hk * hd, false),
                   sv = row_stride(v, "v", M, Hk * hd, false);
-    const int64_t sko = row_stride(k_out, "k_out", M, Hk * hd, true), svo = row_stride(v_out, "v_out", M, Hk * hd, true);
+    const int64_t sko = row_stride(k_out, "k_out", M, Hk * hd, true),
+                  svo = row_stride(v_out, "v_out", M, Hk * hd, true);
     float* qp = static_cast<float*>(q.mutable_data());
     const float* kp = static_cast<const float*>(k.data());
     const float* vp = static_cast<const float*>(v.data());

@@ -587,8 +587,8 @@ def cmd_bench(args) -> int:
     print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
           f"torch threads {__import__('torch').get_num_threads()}")
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
-    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB | floor ms (min / floor) |"
-          + (" calib s |" if calib else ""))
+    print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB "
+          "| floor ms (min / floor) |" + (" calib s |" if calib else ""))
     print("|---" * (11 if calib else 10) + "|")
     for length in args.length:
         prompt = synthetic_prompt(lm, length, seed=cfg.seed, prefix=args.prefix)

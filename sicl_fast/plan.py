@@ -278,7 +278,7 @@ class RunPlan:
     dtype: torch.dtype
     backend: str  # 'fast', 'fast-fp32', 'hf', 'naive': what results and records report
     impl: str  # 'torch', 'cpp', 'triton'
-    attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not the fast one
+    attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not fast
     attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
     diff_matmul: str  # 'off', 'bf16', 'fp8'
     decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)

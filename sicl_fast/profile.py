@@ -252,8 +252,9 @@ class Profile:
                          f"{'-' if pct is None else f'{pct:.1f}%'} |")
         total = sum(r[3] for r in self.rows)
         fl = self.floor
-        lines += ["", f"whole step: {self.step_ms:.2f} ms, {total:.3f} GFLOP, {total / self.step_ms * 1e3:.1f} GFLOP/s; "
-                      f"floor {fl.ms:.2f} ms (the step is {self.step_ms / fl.ms:.2f}x its floor)",
+        lines += ["", f"whole step: {self.step_ms:.2f} ms, {total:.3f} GFLOP, "
+                      f"{total / self.step_ms * 1e3:.1f} GFLOP/s; floor {fl.ms:.2f} ms (the step is "
+                      f"{self.step_ms / fl.ms:.2f}x its floor)",
                   fl.rates.line() + "; a phase's floor: its FLOPs of each precision at that precision's rate "
                   "(bf16: the difference products of the perturbed rows)",
                   f"peak extra memory of one step: {self.peak_mb:.1f} MiB",
@@ -263,7 +264,8 @@ class Profile:
     def as_json(self) -> dict:
         r = self.floor.rates
         return {"info": self.info, "step_ms": self.step_ms, "peak_mb": self.peak_mb, "floor_ms": self.floor.ms,
-                "kernels": {"total": self.kernels.total, "per_layer": self.kernels.per_layer, "rest": self.kernels.rest},
+                "kernels": {"total": self.kernels.total, "per_layer": self.kernels.per_layer,
+                            "rest": self.kernels.rest},
                 "rates": {"shape": r.shape, r.high_dtype: r.high, **({"bfloat16": r.low} if r.low else {})},
                 "phases": [dict(zip(("phase", "ms", "share", "gflop", "gflops", "floor_ms", "pct_floor"), row))
                            for row in self.rows]}
@@ -303,7 +305,8 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     for ph in PHASES:
         gf, fl = flops[ph] / 1e9, floor.phases[ph]
         rate = gf / times[ph] * 1e3 if gf and times[ph] else None
-        out.rows.append((ph, times[ph], times[ph] / step_ms, gf, rate, fl, 100 * fl / times[ph] if gf and times[ph] else None))
+        pct = 100 * fl / times[ph] if gf and times[ph] else None
+        out.rows.append((ph, times[ph], times[ph] / step_ms, gf, rate, fl, pct))
     with PeakMemory(dev) as mem:
         st()
     out.peak_mb = mem.peak_mb

@@ -6,8 +6,8 @@ added (each costs host time per layer and step on the CPU).
 Per decoder layer with difference products on (float32 model, N >= 1), at most 25: 7 float32 row-0 products and
 4 bf16 difference products, 2 row-0 concatenations, 3 difference-row ops, 3 row additions, the gated difference,
 2 residual norms, rotary and attention (one call each), and the views' copies; 14 with them off. The rest of the
-step (perturbation, span head, proxy, update, bookkeeping): at most 107 (Llama 104). Measured at this budget when it was set
-(bench/kernel_count.py compares two checkouts on SmolLM2).
+step (perturbation, span head, proxy, update, bookkeeping): at most 107 (Llama 104). Measured at this budget
+when it was set (bench/kernel_count.py compares two checkouts on SmolLM2).
 """
 import pytest
 

@@ -135,4 +135,5 @@ def linear(ops, x: torch.Tensor, ws, bs, low) -> torch.Tensor:
     return ops.add_rows(*product(x[:1], ops.diff_rows(x), ws, bs, low))
 
 
-__all__ = ["DIFF_DTYPE", "FP8", "fp8_rows", "mkldnn_packed", "packed_linear", "Bf16Weight", "Fp8Weight", "product", "linear", "diff_rows_reference", "add_rows_reference", "gated_diff_reference"]
+__all__ = ["DIFF_DTYPE", "FP8", "fp8_rows", "mkldnn_packed", "packed_linear", "Bf16Weight", "Fp8Weight", "product",
+           "linear", "diff_rows_reference", "add_rows_reference", "gated_diff_reference"]

@@ -216,8 +216,8 @@ def _param(module, name):
 class Transformer:
     """The decoder of a loaded transformers model, run by our own code. lm: a LoadedModel; config: its
     DecoderConfig; ops: the DecoderOps of the run plan's implementation; attention: the plan's attention kernel
-    (sicl_fast.models.attention: 'math', 'sdpa', 'flash', 'triton', 'cpp'); diff_matmul: the plan's difference products
-    ('off', 'bf16', 'fp8')."""
+    (sicl_fast.models.attention: 'math', 'sdpa', 'flash', 'triton', 'cpp'); diff_matmul: the plan's difference
+    products ('off', 'bf16', 'fp8')."""
 
     def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off") -> None:
         dec = lm.decoder

@@ -269,5 +269,5 @@ class CppDecoderOps(TorchDecoderOps):
         return a0, da
 
 
-__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "attention", "CppStepOps", "CppDecoderOps",
-           "BUILD_HINT", "CPP_ACTIVATIONS"]
+__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "attention", "CppStepOps",
+           "CppDecoderOps", "BUILD_HINT", "CPP_ACTIVATIONS"]

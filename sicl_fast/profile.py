@@ -1,7 +1,8 @@
 """Where the time of one ascent step goes: `sicl-fast profile`.
 
 Each phase of the static step (sicl_fast.static) is run on its own, on the step's own buffers, and timed
-(best of `repeats`, synchronised on a GPU); "host overhead" is what the whole step takes beyond the phases.
+(best of `repeats`, synchronised on a GPU; the phases and the whole step in turn, round after round, so that all
+see the same machine load); "host overhead" is what the whole step takes beyond the phases.
 
     perturb           ops.perturb: the [B, b, d] batch, noise drawn in place
     prefix            the prefix rows' K/V (batch 1; every step when the projection may rescale them)
@@ -44,18 +45,32 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def once_ms(fn, device) -> float:
+    """Wall time of one fn() call in ms (synchronised on a GPU)."""
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - t)
+
+
 def time_ms(fn, device, repeats: int) -> float:
     """Best wall time of fn() in ms over `repeats` calls after one warm-up (the least disturbed by other work
     on the machine)."""
     fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
+    return min(once_ms(fn, device) for _ in range(repeats))
+
+
+def best_in_turn(fns: dict, device, repeats: int) -> dict:
+    """Best wall time in ms of each callable of `fns` after one warm-up each, timed in turn round after round (so
+    that all of them see the same machine load)."""
+    for fn in fns.values():
         fn()
-        _sync(device)
-        times.append(1e3 * (time.perf_counter() - t))
-    return min(times)
+    best = {k: float("inf") for k in fns}
+    for _ in range(max(1, repeats)):
+        for k, fn in fns.items():
+            best[k] = min(best[k], once_ms(fn, device))
+    return best
 
 
 @contextlib.contextmanager
@@ -180,14 +195,14 @@ def measure_rates(m, rows: int, low: bool, repeats: int = 5) -> Rates:
     inter = m.layers[0].w_gate.shape[0]
     x = torch.randn(rows, m.d, device=dev, dtype=dt)
     w = torch.randn(inter, m.d, device=dev, dtype=dt)
-    pairs = [(x, w)] + ([(x.bfloat16(), w.bfloat16())] if low else [])
-    best = [float("inf")] * len(pairs)
-    for _ in range(max(1, repeats)):
-        for i, (a, b) in enumerate(pairs):
-            best[i] = min(best[i], time_ms(lambda: torch.nn.functional.linear(a, b), dev, 1))
+    fns = {"high": lambda: torch.nn.functional.linear(x, w)}
+    if low:
+        xb, wb = x.bfloat16(), w.bfloat16()
+        fns["low"] = lambda: torch.nn.functional.linear(xb, wb)
+    best = best_in_turn(fns, dev, repeats)
     flop = 2.0 * rows * m.d * inter
     name = str(dt).replace("torch.", "")
-    return Rates(high=flop / best[0] / 1e6, low=flop / best[1] / 1e6 if low else None,
+    return Rates(high=flop / best["high"] / 1e6, low=flop / best["low"] / 1e6 if low else None,
                  shape=f"[{rows}, {m.d}] x [{m.d}, {inter}]", high_dtype=name)
 
 
@@ -296,8 +311,11 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
         "proxy": lambda: ops.proxy_planned(lp, st.proxy_plan),
         "update": lambda: ops.update(state.X, state.X0, f, state.step_t, spec, out=state.X_next),
     }
-    times = {k: (time_ms(fn, dev, repeats) if fn is not None else 0.0) for k, fn in phases.items()}
-    step_ms = time_ms(st, dev, repeats)
+    # the phases and the whole step timed in turn, round after round (best of each): the step minus its phases is
+    # then not a difference of timings taken under different machine loads
+    best = best_in_turn({**{k: fn for k, fn in phases.items() if fn is not None}, "whole step": st}, dev, repeats)
+    step_ms = best.pop("whole step")
+    times = {k: best.get(k, 0.0) for k in phases}
     times["host overhead"] = max(0.0, step_ms - sum(times.values()))
     flops = step_flops(st)
     floor = floor_of(st, measure_rates(m, step_rows(st), low_precision_rows(st) > 0))

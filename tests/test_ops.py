@@ -641,6 +641,7 @@ def test_cpp_attention_matches_the_math_path(case):
     kc, vc = torch.cat([kp, k[:1]], 1), torch.cat([vp, v[:1]], 1)
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q[:1], kc, vc, a, window, cache_len=a + T)
     close(att(q[:1], kc, vc, a, window, cache_len=a + T), ref, TOL["attention"][torch.float32])
+    assert att(q[:, :0], k[:, :0], v[:, :0], a, window, prefix).shape == (B, 0, H, hd)  # no query rows
 
 
 def test_cpp_attention_is_a_plan_choice():

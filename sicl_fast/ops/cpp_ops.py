@@ -175,6 +175,8 @@ def attention(q, k, v, prefix, pos0: int, k0: int, scale: float, softcap, window
     else:
         pk, pv = _rows(prefix[0], Hk * hd), _rows(prefix[1], Hk * hd)
     out = torch.empty(B, T, H, hd)
+    if out.numel() == 0:  # no query rows
+        return out
     _ext().attention(_rows(q, H * hd).numpy(), _rows(k, Hk * hd).numpy(), _rows(v, Hk * hd).numpy(), pk.numpy(),
                      pv.numpy(), out.view(B * T, H * hd).numpy(), B, T, H, Hk, Bk, int(pos0), int(k0), float(scale),
                      float(softcap or 0.0), int(window or 0))

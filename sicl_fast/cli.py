@@ -183,6 +183,14 @@ def _generate(g) -> None:
                    help="stop string, at least one character (repeatable; default: a newline)")
 
 
+def _threads(g) -> None:
+    g.add_argument("--threads", type=arg_type("threads"), default=None, metavar="N",
+                   help="threads of torch and the C++ ops (one pool; default: OMP_NUM_THREADS when set, else the "
+                        "cores this process may use; on a machine shared with other work fewer can be faster). "
+                        "OpenMP's wait policy is PASSIVE unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set "
+                        "(`sicl-fast plan` shows both)")
+
+
 def _ray(g) -> None:
     """--ray [ADDRESS] and the pool's shape (sicl_fast.distributed); Ray is the optional `ray` extra. The values are
     checked while parsing, with or without --ray."""
@@ -193,7 +201,7 @@ def _ray(g) -> None:
                         "joins a cluster")
     g.add_argument("--workers", type=arg_type("workers"), default=1, help="engine actors, one model each (default 1)")
     g.add_argument("--cpus-per-worker", type=arg_type("cpus_per_worker"), default=None,
-                   help="default: the cluster's CPUs // --workers (torch threads in each actor match it)")
+                   help="default: the cluster's CPUs // --workers (each actor's --threads match it unless given)")
     g.add_argument("--gpus-per-worker", type=arg_type("gpus_per_worker"), default=None,
                    help="default: 1 with --device cuda, else 0")
     g.add_argument("--max-retries", type=arg_type("max_retries"), default=2,
@@ -209,6 +217,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "model": _group("model", _model), "tokens": _group("tokens", _tokens),
         "backend": _group("backend", _backend), "ops": _group("hot ops", _ops),
         "backend_fast": _group("backend", lambda g: _backend(g, "fast")),
+        "threads": _group("threads", _threads),
         "loop": _group("loop", _loop), "pack": _group("packing", _pack),
         "proxy": _group("proxy weights", lambda g: _knob_flags(g, PROXY_KNOBS)),
         "ascent": _group("ascent", lambda g: _knob_flags(g, ascent)),
@@ -224,16 +233,16 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
 
 # the flag groups of each command: only the flags it uses
 COMMAND_GROUPS = {
-    "demo": ("model", "tokens", "backend", "ops", "loop", "proxy", "ascent", "budget", "generate"),
-    "proxy": ("model", "tokens", "backend", "ops", "proxy"),
-    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "budget", "generate",
-                  "ray", "store"),
-    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "budget", "ray", "store"),
-    "bench": ("model", "ops", "loop", "pack", "proxy", "step"),
-    "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
-    "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
-    "serve": ("model", "tokens", "backend", "ops", "loop", "store"),
-    "plan": ("model", "backend", "ops", "loop", "pack", "ascent", "store"),
+    "demo": ("model", "tokens", "backend", "ops", "threads", "loop", "proxy", "ascent", "budget", "generate"),
+    "proxy": ("model", "tokens", "backend", "ops", "threads", "proxy"),
+    "calibrate": ("model", "tokens", "backend", "ops", "threads", "loop", "pack", "proxy", "ascent", "budget",
+                  "generate", "ray", "store"),
+    "icleval": ("model", "backend", "ops", "threads", "loop", "pack", "proxy", "ascent", "budget", "ray", "store"),
+    "bench": ("model", "ops", "threads", "loop", "pack", "proxy", "step"),
+    "profile": ("model", "tokens", "backend_fast", "ops", "threads", "proxy", "step"),
+    "gradstudy": ("model", "tokens", "backend", "ops", "threads", "proxy", "ascent"),
+    "serve": ("model", "tokens", "backend", "ops", "threads", "loop", "store"),
+    "plan": ("model", "backend", "ops", "threads", "loop", "pack", "ascent", "store"),
     "report": (),
 }
 
@@ -436,7 +445,7 @@ def _plan_choices(args, **over) -> dict:
     return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
                    loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
                    pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
-                   reuse=_reuse_choice(args)),
+                   reuse=_reuse_choice(args), threads=getattr(args, "threads", None)),
             **over}
 
 
@@ -582,8 +591,8 @@ def cmd_bench(args) -> int:
     lm = load(args.model, dtype=args.dtype, device=args.device)
     cfg = CalibrationConfig.for_model(lm, **_overrides(args))
     plans = [make_plan(lm, c) for c in choices]  # every backend's plan (and refusal) before any timing
-    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
-          f"torch threads {__import__('torch').get_num_threads()}")
+    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, threads {plans[0].threads}, "
+          f"OpenMP wait policy {plans[0].wait_policy}", flush=True)
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
     print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB |"
           + (" calib s |" if calib else ""))
@@ -682,10 +691,6 @@ def cmd_serve(args) -> int:
 
     require()  # the extra first, then the bind rule, then the model: fail fast
     settings = settings_from_args(args)
-    if settings.threads is not None:
-        import torch
-
-        torch.set_num_threads(settings.threads)
     from .serve.server import serve
 
     return serve(_engine(args), settings)

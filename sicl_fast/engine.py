@@ -49,7 +49,8 @@ class Engine:
     reuse: what `calibrate` does by default with the calibration store (sicl_fast.reuse): 'off' (calibrate every
     prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always). store: a CalibrationStore
     (shared between engines if you like); else one is made with `store_bytes` of memory and, with `store_dir`,
-    a directory on disk (shared by processes)."""
+    a directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
+    (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.threads)."""
 
     def __init__(
         self,
@@ -72,12 +73,13 @@ class Engine:
         store: CalibrationStore | None = None,
         store_dir: str | None = None,
         store_bytes: int = DEFAULT_MAX_BYTES,
+        threads: int | None = None,
     ) -> None:
         self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
         self._reuser = None
         choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
                           sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad,
-                          reuse=reuse)
+                          reuse=reuse, threads=threads)
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
         self.plan = make_plan(self.lm, choices)
         self.backend = build_backend(self.plan, self.lm)

@@ -479,12 +479,6 @@ def _workers(args, add_special_tokens=None):
                    max_retries=args.max_retries)
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
-
-
 def cmd_demo(args) -> int:
     _check_flags(args)
     eng = _engine(args)
@@ -530,7 +524,8 @@ def cmd_calibrate(args) -> int:
 
     from .export import ExportingWriter, check_export_dir
     from .jobs import calibrate_requests, check_requests, group_requests
-    from .records import ResultWriter, check_output
+    from .progress import StepProgress, progress_bar
+    from .records import ResultWriter, check_output, nothing_left
     from .requests import read_requests
     from .workers import write_all
 
@@ -539,6 +534,9 @@ def cmd_calibrate(args) -> int:
     check_output(args.out, inputs=[args.requests])
     if args.export:
         check_export_dir(args.export)
+    if nothing_left(args.out, [r.id for r in requests]):  # a finished run resumed: no model to load
+        print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
+        return 0
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
@@ -555,18 +553,23 @@ def cmd_calibrate(args) -> int:
                 chunks = [[todo[i] for i in g] for g in workers.call(group_requests, todo, cfg)]
             else:
                 chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
-            with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
+            with progress_bar(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
                 write_all(workers, work, chunks, ExportingWriter(out, args.export) if args.export else out,
-                          lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar)
+                          lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar,
+                          StepProgress(bar, cfg.max_steps))
         _store_line(workers, args)
     return 0
 
 
 def cmd_icleval(args) -> int:
-    from .evaluation.cli import check_icleval_args, run_icleval_from_args
+    from .evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
 
     _check_flags(args)
     check_icleval_args(args)
+    done = finished_run(args, _overrides(args))
+    if done is not None:  # a finished run resumed: its report, without loading the model
+        print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
+        return print_report(*done, args)
     with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
         cfg = workers.config(**_overrides(args))
         rc = run_icleval_from_args(workers, cfg, args)
@@ -651,6 +654,7 @@ def cmd_profile(args) -> int:
 
 def cmd_gradstudy(args) -> int:
     from .gradstudy import StudySettings, markdown, study_prompt, summarize, write_report
+    from .progress import progress_bar
     from .records import ResultWriter, check_output, read_records
     from .requests import read_requests
 
@@ -671,8 +675,7 @@ def cmd_gradstudy(args) -> int:
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
                   file=sys.stderr)
-        with _progress(len(todo) * len(settings.points), "gradstudy") as bar:
-            bar.unit = "point"
+        with progress_bar(len(todo) * len(settings.points), "gradstudy", unit="point") as bar:
             for p in todo:
                 out.write(study_prompt(eng.backend, p, cfg, settings, on_point=lambda k: bar.update(1)))
     ids = {p.id for p in prompts}

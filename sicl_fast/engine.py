@@ -85,6 +85,7 @@ class Engine:
         self.backend = build_backend(self.plan, self.lm)
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
+        self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.progress)
         if self.plan.graphs:
             self.steps = StepCache(self.lm.device, self.plan.graph_cache)
             self.backend.use_graphs(self.plan.graph_cache)
@@ -135,6 +136,7 @@ class Engine:
             best_at: Sequence[int] = ()) -> CalibrationResult:
         """One calibration on this engine's loop, without the store (hooks as Calibrator.run's)."""
         kept = BestAt(best_at, "Engine.calibrate")
+        on_step = on_step if on_step is not None else self.step_hook
         if self.plan.loop_for(cfg.estimator) == "static":
             return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
                               should_stop=should_stop, steps=self.steps, on_update=on_update, best_at=kept)

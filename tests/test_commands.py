@@ -42,7 +42,7 @@ def test_proxy_and_calibrate(tiny_model_dir, reqs, tmp_path, capsys):
     assert main(argv) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "b"] and all(r["steps"] == 3 and "answer_calibrated" in r for r in recs)
-    assert main(argv) == 0 and "resuming: 2 of 2" in capsys.readouterr().err
+    assert main(argv) == 0 and "nothing to do: all 2 requests are already in" in capsys.readouterr().err
 
 
 def test_demo(tiny_model_dir, capsys):

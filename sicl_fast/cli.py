@@ -637,7 +637,8 @@ def cmd_profile(args) -> int:
         prompt = eng.prepare(first)
     else:
         prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
-    prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace)
+    prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace,
+                        on_phase=lambda name, ms: print(f"  {name}: {ms:.2f} ms", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({"info": prof.info, "step_ms": prof.step_ms, "peak_mb": prof.peak_mb,
                           "kernels": {"total": prof.kernels.total, "per_layer": prof.kernels.per_layer,

@@ -70,8 +70,10 @@ def test_profile_a_requests_file(tiny_model_dir, reqs, capsys):
     """`sicl-fast profile REQUESTS.jsonl` (its first request) failed with a TypeError: read_requests became a
     generator."""
     assert main(["profile", reqs, "--model", str(tiny_model_dir), "--repeats", "1", "--N", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
     assert out["info"]["backend"] == "fast" and out["step_ms"] > 0
+    assert "  decoder layers: " in captured.err and "  whole step: " in captured.err  # each phase as measured
 
 
 def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys):

@@ -251,4 +251,5 @@ def proxy_record(prompt, out) -> dict:
             "G": float(out.G[0]), "num_demos": prompt.num_demos, "token_spans": [list(s) for s in prompt.token_spans]}
 
 
-__all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT", "proxy_record"]
+__all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT",
+           "proxy_record"]

@@ -40,12 +40,12 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_threads(threads: int | None, where: str = "Engine") -> tuple[int, str]:
+def resolve_threads(threads: int | None) -> tuple[int, str]:
     """(the thread count to use, why): `threads` checked against the knob table (an int in [1, 4096]), else
     OMP_NUM_THREADS when it holds one number (the user said so for every OpenMP program: the issue's workaround,
     and the test suite's setting), else the available cores."""
     if threads is not None:
-        return check_range("threads", threads, where), "asked for"
+        return check_range("threads", threads, "Engine"), "asked for"
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) >= 1:
         return int(env), f"default: OMP_NUM_THREADS={env} in the environment"

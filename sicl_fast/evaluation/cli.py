@@ -162,5 +162,6 @@ def report_from_args(args, file=None) -> int:
     return 0
 
 
-__all__ = ["add_icleval_eval_args", "check_icleval_args", "run_icleval_from_args", "finished_run", "print_report", "add_report_command", "report_from_args",
+__all__ = ["add_icleval_eval_args", "check_icleval_args", "run_icleval_from_args", "finished_run", "print_report",
+           "add_report_command", "report_from_args",
            "options_from_args"]

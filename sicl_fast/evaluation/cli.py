@@ -102,7 +102,10 @@ def finished_run(args, overrides: dict):
 
     if not Path(args.out).is_file():
         return None
-    name, family, n_params = model_facts(args.model)
+    try:
+        name, family, n_params = model_facts(args.model)
+    except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
+        return None
     preset = CalibrationConfig.preset(family, n_params)
     config = preset.replace(**{k: v for k, v in overrides.items() if v is not None})
     variants = build_variants(args.method, None, config, make_variants(

@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "column")
 
     pl = command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
-                         "difference products, loop, graphs, pack, estimator) and why")
+                         "difference products, loop, graphs, pack, estimator, store, threads, OpenMP wait policy) "
+                         "and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s against the "
                             "measured matmul peak; peak memory; kernels per step")

@@ -23,12 +23,14 @@ def progress_bar(total: int, desc: str, unit: str = "req", disable: bool = False
 class StepProgress:
     """on_step(step, proxy) -> 'step k/K proxy f s/step' on `bar`'s postfix. step: 0-based (step 0's proxy is the
     prompt's own); a step count that does not grow is a new calibration, and the clock restarts there. s/step is
-    measured from the first report of the calibration (the static loop reports a read's steps together)."""
+    measured from the first report of the calibration (the static loop reports a read's steps together). The line
+    is redrawn at most every `every` seconds (a log file is not flooded by fast steps); the bar's own update
+    draws the latest text too."""
 
-    def __init__(self, bar, max_steps: int) -> None:
-        self.bar, self.max_steps = bar, max_steps
+    def __init__(self, bar, max_steps: int, every: float = 0.5) -> None:
+        self.bar, self.max_steps, self.every = bar, max_steps, every
         self.last: int | None = None
-        self.t0 = 0.0
+        self.t0 = self.shown = 0.0
         self.first = 0
 
     def __call__(self, step: int, proxy: float) -> None:
@@ -37,7 +39,10 @@ class StepProgress:
             self.t0, self.first = now, step
         self.last = step
         rate = f"{(now - self.t0) / (step - self.first):.2f} s/step" if step > self.first else "- s/step"
-        self.bar.set_postfix_str(f"step {step + 1}/{self.max_steps} proxy {proxy:.4f} {rate}")
+        show = now - self.shown >= self.every
+        self.bar.set_postfix_str(f"step {step + 1}/{self.max_steps} proxy {proxy:.4f} {rate}", refresh=show)
+        if show:
+            self.shown = now
 
 
 __all__ = ["progress_bar", "StepProgress"]

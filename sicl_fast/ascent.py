@@ -143,9 +143,14 @@ class CalibrationConfig:
 
     @classmethod
     def for_model(cls, lm, **overrides) -> "CalibrationConfig":
-        """The preset of the model's family, N=8 under 1B parameters, then `overrides` (None values ignored)."""
-        base = dict(PRESETS[preset_name(lm.family)])
-        if sum(p.numel() for p in lm.model.parameters()) < 1e9:
+        """The preset of the loaded model (preset), then `overrides` (None values ignored)."""
+        return cls.preset(lm.family, sum(p.numel() for p in lm.model.parameters()), **overrides)
+
+    @classmethod
+    def preset(cls, family: str, n_params: int, **overrides) -> "CalibrationConfig":
+        """The preset of a model `family`, N=8 under 1B parameters, then `overrides` (None values ignored)."""
+        base = dict(PRESETS[preset_name(family)])
+        if n_params < 1e9:
             base["N"] = 8
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)

@@ -181,9 +181,10 @@ class Profile:
 
 
 @torch.no_grad()
-def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None) -> Profile:
+def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None, on_phase=None) -> Profile:
     """Profile one ascent step of `prompt` on `backend` (module docstring). trace: write a torch.profiler Chrome
-    trace of one step there (with NVTX ranges per phase on CUDA)."""
+    trace of one step there (with NVTX ranges per phase on CUDA). on_phase(name, ms): each phase's time as soon as
+    it is measured (the command's progress; the table needs the whole step first)."""
     config = resolve_scale(config, backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state
@@ -205,8 +206,14 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
         "proxy": lambda: ops.proxy_planned(lp, st.proxy_plan),
         "update": lambda: ops.update(state.X, state.X0, f, state.step_t, spec, out=state.X_next),
     }
-    times = {k: (time_ms(fn, dev, repeats) if fn is not None else 0.0) for k, fn in phases.items()}
+    times = {}
+    for k, fn in phases.items():
+        times[k] = time_ms(fn, dev, repeats) if fn is not None else 0.0
+        if on_phase is not None:
+            on_phase(k, times[k])
     step_ms = time_ms(st, dev, repeats)
+    if on_phase is not None:
+        on_phase("whole step", step_ms)
     times["host overhead"] = max(0.0, step_ms - sum(times.values()))
     flops = step_flops(st)
     rows = spec.B * (prompt.demo_end - (a if st.use_prefix else 0))

@@ -199,6 +199,18 @@ class ResultWriter:
         self.close()
 
 
+def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], object] = lambda r: r["id"]) -> bool:
+    """Whether every one of `keys` is already in the results file `path` (a resumed run with nothing to do: the
+    commands end before loading a model). False for a new file and for a streamed output."""
+    p = Path(path)
+    if str(path) == STDOUT or not p.is_file():
+        return False
+    with ResultWriter(p, key) as out:
+        done = all(k in out for k in keys)
+    OPENED.remove(out)  # it wrote nothing: no part of an interrupted run's summary
+    return done
+
+
 def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict]:
     """All records (JSON objects, one a line) of a JSONL results file. Raises SiclError naming the line of any
     line that is not one; an empty file is an error unless `allow_empty`."""
@@ -239,4 +251,5 @@ def proxy_record(prompt, out) -> dict:
             "G": float(out.G[0]), "num_demos": prompt.num_demos, "token_spans": [list(s) for s in prompt.token_spans]}
 
 
-__all__ = ["ResultWriter", "read_records", "write_text_atomic", "check_output", "STDOUT", "proxy_record"]
+__all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT",
+           "proxy_record"]

@@ -240,3 +240,20 @@ def test_retries_are_bounded_then_lost(ray_cluster, pool):
     assert len(lost) == 1 and lost[0].index == 1 and "worker failed 3 times" in lost[0].message
     done = sorted(o.value[0]["id"] for o in out if isinstance(o, Done))
     assert done == ["a", "b", "c"] and len(out) == 4
+
+
+def _threads_of(engine):
+    """What an actor's engine computes on: the plan's count and why, torch's count."""
+    import torch
+
+    why = next(reason for axis, _, reason in engine.plan.why if axis == "threads")
+    return engine.plan.threads, why, torch.get_num_threads()
+
+
+def test_each_actor_runs_on_its_cpus(ray_cluster, pool):
+    """An actor's threads are its CPUs (the pool sets the engine's `threads`; the engine applies them)."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    assert pool.engine_kwargs["threads"] == pool.cpus_per_worker == 1
+    assert pool.call(_threads_of) == (1, "asked for", 1)

@@ -132,6 +132,11 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
                     timeout_s=sicl.get("timeout_s"))
 
 
+def note_sicl(request, sicl: dict) -> None:
+    """The calibration on the request's log line: steps, proxy before -> after, how the store served it."""
+    note(request, steps=sicl["steps"], proxy=(sicl["initial_proxy"], sicl["best_proxy"]), reuse=sicl["reuse"])
+
+
 async def read_chat(request: Request, state: ServeState) -> ChatCall:
     """The call, every refusal of the body a 400 (the OpenAI API's status for a bad request)."""
     try:
@@ -184,7 +189,7 @@ async def chat_completions(request: Request, state: ServeState = Depends(serve_s
         return StreamingResponse(stream(request, state, call, head, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     out, job = await run_job(request, "chat", lambda job: run_chat(state, call, job), deadline)
-    note(request, steps=out["sicl"]["steps"], reuse=out["sicl"]["reuse"])
+    note_sicl(request, out["sicl"])
     return {**head, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out["content"], "refusal": None},
                          "finish_reason": out["finish_reason"], "logprobs": None}],
@@ -245,7 +250,7 @@ def stream(request: Request, state: ServeState, call: ChatCall, head: dict, dead
                 yield sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [],
                            "usage": usage(call, out)})
             yield b"data: [DONE]\n\n"
-            note(request, steps=out["sicl"]["steps"], reuse=out["sicl"]["reuse"])
+            note_sicl(request, out["sicl"])
         finally:
             job.cancel()  # a no-op once the job is over; stops it when the client went away mid-stream
             fut.cancel()

@@ -53,8 +53,9 @@ def resolve_threads(threads: int | None) -> tuple[int, str]:
     return n, f"default: the {n} core(s) this process may use (its CPU affinity)"
 
 
-def apply_threads(threads: int | None) -> int:
-    """Set torch's and the C++ ops' thread count to resolve_threads(threads); returns it."""
+def apply_threads(threads: int | None, cpp: bool = True) -> int:
+    """Set torch's thread count, and the C++ ops' when `cpp` (a plan on other ops never touches the extension), to
+    resolve_threads(threads); returns it."""
     import torch
 
     from .ops import cpp_ops
@@ -62,7 +63,7 @@ def apply_threads(threads: int | None) -> int:
     n = resolve_threads(threads)[0]
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    if cpp_ops.available():
+    if cpp and cpp_ops.available():
         cpp_ops.set_num_threads(n)
     return n
 

@@ -37,8 +37,12 @@ Outcome = Union[Done, Lost]
 
 
 def engine_facts(engine) -> dict:
-    """What the driver needs to know about the engine without holding the model: its name and config preset."""
-    return {"name": engine.lm.name, "preset": engine.config()}
+    """What the driver needs to know about the engine without holding the model: its name and config preset, and
+    what it computes on (the plan's thread count and torch's, which the plan set)."""
+    import torch
+
+    return {"name": engine.lm.name, "preset": engine.config(), "threads": engine.plan.threads,
+            "torch_threads": torch.get_num_threads()}
 
 
 class Workers:

@@ -18,7 +18,7 @@ CLASSES: dict[str, type[Backend]] = {"hf": HFBackend, "naive": NaiveBackend, "fa
 def build_backend(plan: RunPlan, lm) -> Backend:
     """The backend the run plan names, on the loaded model it was made for; it decides nothing of its own. The plan's
     thread count is applied here, the one place (torch's and the C++ ops'; process-wide, as both are)."""
-    apply_threads(plan.threads)
+    apply_threads(plan.threads, cpp=plan.impl == "cpp")
     return CLASSES[plan.kind.cls](lm, plan)
 
 

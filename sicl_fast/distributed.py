@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import sys
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .errors import SiclError, require
 from .knobs import check_range

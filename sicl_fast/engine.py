@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -102,7 +103,9 @@ class Engine:
             return CalibrationConfig.for_model(self.lm, **overrides)
         return config.replace(**{k: v for k, v in overrides.items() if v is not None})
 
-    def proxy(self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None) -> ProxyOut:
+    def proxy(
+        self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None
+    ) -> ProxyOut:
         """f(X) and its parts for the prompt's own embeddings (or `embeds` [L, d])."""
         cal = Calibrator(self.backend, self.config(config))
         return cal.proxy_of(self._embeddings(prompt, embeds).unsqueeze(0), prompt)

@@ -19,7 +19,7 @@ import stat
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .errors import ResultsFileError, SiclError, SiclWarning
 from .inputs import open_input
@@ -27,7 +27,7 @@ from .inputs import open_input
 STDOUT = "-"
 
 # the writers opened by this process, newest last: the CLI reports their counts when a run is interrupted
-OPENED: list["ResultWriter"] = []
+OPENED: list[ResultWriter] = []
 
 
 def _os_reason(exc: OSError) -> str:
@@ -192,7 +192,7 @@ class ResultWriter:
             except OSError:
                 pass
 
-    def __enter__(self) -> "ResultWriter":
+    def __enter__(self) -> ResultWriter:
         return self
 
     def __exit__(self, *exc) -> None:

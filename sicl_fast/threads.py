@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 from .knobs import check_range
 

@@ -18,7 +18,8 @@ so a request gives the same record on any worker and for any number of workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Lost:
     message: str  # why the item could not be run (e.g. its worker was killed, out of memory)
 
 
-Outcome = Union[Done, Lost]
+Outcome = Done | Lost
 
 
 def engine_facts(engine) -> dict:

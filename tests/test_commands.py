@@ -15,9 +15,19 @@ REQS = [{"id": "a", "demos": [{"input": "hello", "output": "world"}, {"input": "
         {"id": "b", "prompt": "Colours.\ngrass: green\nsky: blue\nsnow:", "output_spans": [[16, 21], [27, 31]],
          "demos_start": 9}]
 # where each command runs end to end (a new command without a test fails test_every_command_is_run)
-TESTED = {"demo": "here", "proxy": "here", "calibrate": "here", "icleval": "here", "report": "here", "bench": "here",
-          "profile": "here", "gradstudy": "here", "serve": "test_serve.py::test_cli_serve_end_to_end",
-          "cache": "test_model_cache.py::test_cache_command", "plan": "test_cli.py::test_plan_and_bench_read_the_run_plan"}
+TESTED = {
+    "demo": "here",
+    "proxy": "here",
+    "calibrate": "here",
+    "icleval": "here",
+    "report": "here",
+    "bench": "here",
+    "profile": "here",
+    "gradstudy": "here",
+    "serve": "test_serve.py::test_cli_serve_end_to_end",
+    "cache": "test_model_cache.py::test_cache_command",
+    "plan": "test_cli.py::test_plan_and_bench_read_the_run_plan",
+}
 
 
 @pytest.fixture

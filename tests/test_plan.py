@@ -14,7 +14,7 @@ from sicl_fast.ops import cpp_ops
 from sicl_fast.packed import run_packed
 from sicl_fast.plan import Choices, RunPlan, make_plan, resolve_graphs, resolve_impl
 from sicl_fast.static import StaticStep
-from test_fast_backend import CharTokenizer, build, make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
 
 

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..ascent import CalibrationConfig
 from ..errors import ResultsFileError, SiclError
@@ -436,5 +436,19 @@ def run_methods(
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
-__all__ = ["METHODS", "BASELINES", "CALIBRATIONS", "grad_config", "BaselineOptions", "build_variants", "record_key", "run_methods",
-           "check_records_out", "select_samples", "wanted_keys", "make_variants", "sample_records", "check_samples"]
+__all__ = [
+    "METHODS",
+    "BASELINES",
+    "CALIBRATIONS",
+    "grad_config",
+    "BaselineOptions",
+    "build_variants",
+    "record_key",
+    "run_methods",
+    "check_records_out",
+    "select_samples",
+    "wanted_keys",
+    "make_variants",
+    "sample_records",
+    "check_samples",
+]

@@ -32,7 +32,9 @@ class OptionalBuildExt(build_ext):
 
 
 ext_modules = []
-sources = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")) if os.path.isdir("csrc") else []
+sources = (
+    sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")) if os.path.isdir("csrc") else []
+)
 if Pybind11Extension is not None and sources:
     ext_modules.append(
         Pybind11Extension(

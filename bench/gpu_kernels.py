@@ -174,7 +174,7 @@ def main() -> int:
                 if not args.no_torch:
                     ms = do_bench(lambda: gather_logprobs_chunked(h, W, t, softcap=cap))
                     add(model, "span_logprobs", N, P, B, "torch chunked", ms, flops, nbytes)
-                del h
+                h = None  # its memory freed before the next shape (the timed lambdas are done with it)
                 # proxy
                 lp = -torch.rand(B, P, device=dev) * 5
                 offs = span_offsets([P // 8] * 8).to(dev)
@@ -200,9 +200,9 @@ def main() -> int:
                     add(model, "perturb", N, P, B, "torch (U stored)", ms, None, L * d * 4 + B * L * d * 4)
                     ms = do_bench(lambda: ops.update(X, X0, f, 3, spec), rep=20)
                     add(model, "zo_update", N, P, B, "torch (U stored)", ms, None, 3 * L * d * 4)
-                del out, X, X0
+                out = X = X0 = None
                 torch.cuda.empty_cache()
-        del W
+        W = None
         torch.cuda.empty_cache()
 
     print("| model | op | N | P | B | impl | time (ms) | TFLOP/s | % peak FLOP/s | GB/s | % peak BW |")

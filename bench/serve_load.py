@@ -164,18 +164,30 @@ def main() -> int:
     overhead = [a - b for a, b in zip(seq, seq_engine)]
     paired = [a - b for a, b in zip(seq, direct)]
     out = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "model": "SmolLM2-135M (embedded)",
-        "knobs": knobs, "requests": args.requests, "clients": args.clients, "completed": done,
-        "not_completed": args.requests - done - sum(errors.values()), "errors": errors,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "model": "SmolLM2-135M (embedded)",
+        "knobs": knobs,
+        "requests": args.requests,
+        "clients": args.clients,
+        "completed": done,
+        "not_completed": args.requests - done - sum(errors.values()),
+        "errors": errors,
         "direct_s": {"mean": d_mean, "p50": pct(direct, 0.5), "min": min(direct), "n": len(direct)},
         "sequential_s": {"mean": s_mean, "p50": pct(seq, 0.5), "n": len(seq)},
         "sequential_minus_direct_ms": {"mean": 1e3 * statistics.mean(paired), "p50": 1e3 * pct(paired, 0.5)},
-        "sequential_overhead_ms": {"mean": 1e3 * statistics.mean(overhead), "p50": 1e3 * pct(overhead, 0.5),
-                                   "max": 1e3 * max(overhead)},
+        "sequential_overhead_ms": {
+            "mean": 1e3 * statistics.mean(overhead),
+            "p50": 1e3 * pct(overhead, 0.5),
+            "max": 1e3 * max(overhead),
+        },
         "load_latency_s": {"p50": pct(lat, 0.5), "p95": pct(lat, 0.95), "p99": pct(lat, 0.99), "max": max(lat)}
-        if lat else {},
-        "load_wall_s": wall, "throughput_rps": done / wall,
+        if lat
+        else {},
+        "load_wall_s": wall,
+        "throughput_rps": done / wall,
         "throughput_overhead_pct": 100 * ((wall / done) / d_mean - 1) if done else None,
         # the server's engine time during the load phase (its /metrics), per request and as a share of the wall time
         "load_engine_s_per_request": engine_s / done if done else None,

@@ -41,5 +41,24 @@ from .rms_norm import residual_norm
 from .rope import qk_rope
 from .softcap import softcap_
 
-__all__ = ["span_logprobs", "proxy", "proxy_planned", "perturb", "zo_update", "track_best", "BestState", "randn", "interpreting", "cached_tensors",
-           "advance", "diff_rows", "add_rows", "gated_diff", "residual_norm", "qk_rope", "gated", "softcap_", "prefix_attention"]
+__all__ = [
+    "span_logprobs",
+    "proxy",
+    "proxy_planned",
+    "perturb",
+    "zo_update",
+    "track_best",
+    "BestState",
+    "randn",
+    "interpreting",
+    "cached_tensors",
+    "advance",
+    "diff_rows",
+    "add_rows",
+    "gated_diff",
+    "residual_norm",
+    "qk_rope",
+    "gated",
+    "softcap_",
+    "prefix_attention",
+]

@@ -57,7 +57,7 @@ def _lse_partial_kernel(
         w_blk = tl.make_block_ptr(w_ptr, shape=(V, d), strides=(stride_wv, 1), offsets=(v0, 0),
                                   block_shape=(BLOCK_V, BLOCK_K), order=(1, 0))
         acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
-        for k0 in range(0, d, BLOCK_K):
+        for _k0 in range(0, d, BLOCK_K):
             h = tl.load(h_blk, boundary_check=(0, 1), padding_option="zero")
             w = tl.load(w_blk, boundary_check=(0, 1), padding_option="zero")
             if UPCAST:

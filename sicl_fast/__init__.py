@@ -7,6 +7,10 @@ Public API:
     Request, parse_request, read_requests, render_structured           the two request forms
     proxy(logprobs, offsets, ...) -> ProxyOut                          the reference proxy
 """
+from .threads import choose_wait_policy
+
+choose_wait_policy()  # before torch loads OpenMP, which reads the wait policy once (sicl_fast.threads)
+
 from .ascent import PRESETS, CalibrationConfig, CalibrationResult, Calibrator
 from .engine import Engine
 from .errors import ContextLengthError, ModelLoadError, NumericalError, RequestError, SiclError

@@ -22,7 +22,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -138,14 +138,19 @@ class CalibrationConfig:
     def batch(self) -> int:
         return batch_size(self.N, self.estimator)
 
-    def replace(self, **kw) -> "CalibrationConfig":
+    def replace(self, **kw) -> CalibrationConfig:
         return dataclasses.replace(self, **kw)
 
     @classmethod
-    def for_model(cls, lm, **overrides) -> "CalibrationConfig":
-        """The preset of the model's family, N=8 under 1B parameters, then `overrides` (None values ignored)."""
-        base = dict(PRESETS[preset_name(lm.family)])
-        if sum(p.numel() for p in lm.model.parameters()) < 1e9:
+    def for_model(cls, lm, **overrides) -> CalibrationConfig:
+        """The preset of the loaded model (preset), then `overrides` (None values ignored)."""
+        return cls.preset(lm.family, sum(p.numel() for p in lm.model.parameters()), **overrides)
+
+    @classmethod
+    def preset(cls, family: str, n_params: int, **overrides) -> CalibrationConfig:
+        """The preset of a model `family`, N=8 under 1B parameters, then `overrides` (None values ignored)."""
+        base = dict(PRESETS[preset_name(family)])
+        if n_params < 1e9:
             base["N"] = 8
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)

@@ -12,7 +12,7 @@ import random
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

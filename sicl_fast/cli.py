@@ -183,6 +183,14 @@ def _generate(g) -> None:
                    help="stop string, at least one character (repeatable; default: a newline)")
 
 
+def _threads(g) -> None:
+    g.add_argument("--threads", type=arg_type("threads"), default=None, metavar="N",
+                   help="threads of torch and the C++ ops (one pool; default: OMP_NUM_THREADS when set, else the "
+                        "cores this process may use; on a machine shared with other work fewer can be faster). "
+                        "OpenMP's wait policy is PASSIVE unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set "
+                        "(`sicl-fast plan` shows both)")
+
+
 def _ray(g) -> None:
     """--ray [ADDRESS] and the pool's shape (sicl_fast.distributed); Ray is the optional `ray` extra. The values are
     checked while parsing, with or without --ray."""
@@ -193,7 +201,7 @@ def _ray(g) -> None:
                         "joins a cluster")
     g.add_argument("--workers", type=arg_type("workers"), default=1, help="engine actors, one model each (default 1)")
     g.add_argument("--cpus-per-worker", type=arg_type("cpus_per_worker"), default=None,
-                   help="default: the cluster's CPUs // --workers (torch threads in each actor match it)")
+                   help="default: the cluster's CPUs // --workers (each actor's --threads match it unless given)")
     g.add_argument("--gpus-per-worker", type=arg_type("gpus_per_worker"), default=None,
                    help="default: 1 with --device cuda, else 0")
     g.add_argument("--max-retries", type=arg_type("max_retries"), default=2,
@@ -209,6 +217,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "model": _group("model", _model), "tokens": _group("tokens", _tokens),
         "backend": _group("backend", _backend), "ops": _group("hot ops", _ops),
         "backend_fast": _group("backend", lambda g: _backend(g, "fast")),
+        "threads": _group("threads", _threads),
         "loop": _group("loop", _loop), "pack": _group("packing", _pack),
         "proxy": _group("proxy weights", lambda g: _knob_flags(g, PROXY_KNOBS)),
         "ascent": _group("ascent", lambda g: _knob_flags(g, ascent)),
@@ -224,16 +233,16 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
 
 # the flag groups of each command: only the flags it uses
 COMMAND_GROUPS = {
-    "demo": ("model", "tokens", "backend", "ops", "loop", "proxy", "ascent", "budget", "generate"),
-    "proxy": ("model", "tokens", "backend", "ops", "proxy"),
-    "calibrate": ("model", "tokens", "backend", "ops", "loop", "pack", "proxy", "ascent", "budget", "generate",
-                  "ray", "store"),
-    "icleval": ("model", "backend", "ops", "loop", "pack", "proxy", "ascent", "budget", "ray", "store"),
-    "bench": ("model", "ops", "loop", "pack", "proxy", "step"),
-    "profile": ("model", "tokens", "backend_fast", "ops", "proxy", "step"),
-    "gradstudy": ("model", "tokens", "backend", "ops", "proxy", "ascent"),
-    "serve": ("model", "tokens", "backend", "ops", "loop", "store"),
-    "plan": ("model", "backend", "ops", "loop", "pack", "ascent", "store"),
+    "demo": ("model", "tokens", "backend", "ops", "threads", "loop", "proxy", "ascent", "budget", "generate"),
+    "proxy": ("model", "tokens", "backend", "ops", "threads", "proxy"),
+    "calibrate": ("model", "tokens", "backend", "ops", "threads", "loop", "pack", "proxy", "ascent", "budget",
+                  "generate", "ray", "store"),
+    "icleval": ("model", "backend", "ops", "threads", "loop", "pack", "proxy", "ascent", "budget", "ray", "store"),
+    "bench": ("model", "ops", "threads", "loop", "pack", "proxy", "step"),
+    "profile": ("model", "tokens", "backend_fast", "ops", "threads", "proxy", "step"),
+    "gradstudy": ("model", "tokens", "backend", "ops", "threads", "proxy", "ascent"),
+    "serve": ("model", "tokens", "backend", "ops", "threads", "loop", "store"),
+    "plan": ("model", "backend", "ops", "threads", "loop", "pack", "ascent", "store"),
     "report": (),
 }
 
@@ -330,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "column")
 
     pl = command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
-                         "difference products, loop, graphs, pack, estimator) and why")
+                         "difference products, loop, graphs, pack, estimator, store, threads, OpenMP wait policy) "
+                         "and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s and its floor "
                             "at the product rates of its precisions (float32, bf16) measured here; the step's floor; "
@@ -437,7 +447,7 @@ def _plan_choices(args, **over) -> dict:
     return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
                    loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
                    pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
-                   reuse=_reuse_choice(args)),
+                   reuse=_reuse_choice(args), threads=getattr(args, "threads", None)),
             **over}
 
 
@@ -469,12 +479,6 @@ def _workers(args, add_special_tokens=None):
     return RayPool(_engine_kwargs(args, add_special_tokens), workers=args.workers, address=args.ray,
                    cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
                    max_retries=args.max_retries)
-
-
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
 def cmd_demo(args) -> int:
@@ -522,7 +526,8 @@ def cmd_calibrate(args) -> int:
 
     from .export import ExportingWriter, check_export_dir
     from .jobs import calibrate_requests, check_requests, group_requests
-    from .records import ResultWriter, check_output
+    from .progress import StepProgress, progress_bar
+    from .records import ResultWriter, check_output, nothing_left
     from .requests import read_requests
     from .workers import write_all
 
@@ -531,6 +536,9 @@ def cmd_calibrate(args) -> int:
     check_output(args.out, inputs=[args.requests])
     if args.export:
         check_export_dir(args.export)
+    if nothing_left(args.out, [r.id for r in requests]):  # a finished run resumed: no model to load
+        print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
+        return 0
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
@@ -547,18 +555,23 @@ def cmd_calibrate(args) -> int:
                 chunks = [[todo[i] for i in g] for g in workers.call(group_requests, todo, cfg)]
             else:
                 chunks = [todo[i:i + args.pack] for i in range(0, len(todo), args.pack)]  # --pack: calibrated packed
-            with _progress(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
+            with progress_bar(len(todo), "calibrate") as bar:  # closed (its line ended) before any error is printed
                 write_all(workers, work, chunks, ExportingWriter(out, args.export) if args.export else out,
-                          lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar)
+                          lambda chunk, msg: [{"id": r.id, "error": msg} for r in chunk], bar,
+                          StepProgress(bar, cfg.max_steps))
         _store_line(workers, args)
     return 0
 
 
 def cmd_icleval(args) -> int:
-    from .evaluation.cli import check_icleval_args, run_icleval_from_args
+    from .evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
 
     _check_flags(args)
     check_icleval_args(args)
+    done = finished_run(args, _overrides(args))
+    if done is not None:  # a finished run resumed: its report, without loading the model
+        print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
+        return print_report(*done, args)
     with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
         cfg = workers.config(**_overrides(args))
         rc = run_icleval_from_args(workers, cfg, args)
@@ -584,8 +597,8 @@ def cmd_bench(args) -> int:
     lm = load(args.model, dtype=args.dtype, device=args.device)
     cfg = CalibrationConfig.for_model(lm, **_overrides(args))
     plans = [make_plan(lm, c) for c in choices]  # every backend's plan (and refusal) before any timing
-    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, "
-          f"torch threads {__import__('torch').get_num_threads()}")
+    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, threads {plans[0].threads}, "
+          f"OpenMP wait policy {plans[0].wait_policy}", flush=True)
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
     print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB "
           "| floor ms (min / floor) |" + (" calib s |" if calib else ""))
@@ -629,7 +642,8 @@ def cmd_profile(args) -> int:
         prompt = eng.prepare(first)
     else:
         prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
-    prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace)
+    prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace,
+                        on_phase=lambda name, ms: print(f"  {name}: {ms:.2f} ms", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(prof.as_json()))
     else:
@@ -641,6 +655,7 @@ def cmd_profile(args) -> int:
 
 def cmd_gradstudy(args) -> int:
     from .gradstudy import StudySettings, markdown, study_prompt, summarize, write_report
+    from .progress import progress_bar
     from .records import ResultWriter, check_output, read_records
     from .requests import read_requests
 
@@ -661,8 +676,7 @@ def cmd_gradstudy(args) -> int:
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
                   file=sys.stderr)
-        with _progress(len(todo) * len(settings.points), "gradstudy") as bar:
-            bar.unit = "point"
+        with progress_bar(len(todo) * len(settings.points), "gradstudy", unit="point") as bar:
             for p in todo:
                 out.write(study_prompt(eng.backend, p, cfg, settings, on_point=lambda k: bar.update(1)))
     ids = {p.id for p in prompts}
@@ -681,10 +695,6 @@ def cmd_serve(args) -> int:
 
     require()  # the extra first, then the bind rule, then the model: fail fast
     settings = settings_from_args(args)
-    if settings.threads is not None:
-        import torch
-
-        torch.set_num_threads(settings.threads)
     from .serve.server import serve
 
     return serve(_engine(args), settings)

@@ -10,7 +10,8 @@
   SiclError is replaced by a fresh actor, and the item goes back to the front of the queue on another actor, at
   most `max_retries` times; then it comes out as Lost(message). Nothing else is affected.
 * A SiclError in a work function (bad input) stops the run with that error, as it would in one process.
-* Each actor sets torch's thread count to its CPU share, so W actors do not oversubscribe the cores.
+* Each actor's engine runs on as many threads as it has CPUs (the engine's `threads`, unless the caller gave
+  one), so W actors do not oversubscribe the cores.
 
 Ray is optional (`pip install "sicl-fast[ray]"`); this module imports it only when a pool starts.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import collections
 import logging
 import sys
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from .errors import SiclError, require
 from .knobs import check_range
@@ -41,12 +42,9 @@ class EngineActor:
     """One Engine in one Ray worker process. Methods return ("ok", value) or ("error", message) for a SiclError,
     so bad input reaches the driver as a SiclError rather than as a wrapped Ray traceback."""
 
-    def __init__(self, engine_kwargs: dict, threads: int) -> None:
-        import torch
-
+    def __init__(self, engine_kwargs: dict) -> None:
         from .engine import Engine
 
-        torch.set_num_threads(max(1, threads))
         self.engine, self.init_error = None, None
         try:
             self.engine = Engine(**engine_kwargs)
@@ -111,13 +109,15 @@ class RayPool(Workers):
             # Ray gives each actor its own GPU(s) through CUDA_VISIBLE_DEVICES: inside, that GPU is "cuda"
             self.engine_kwargs["device"] = "cuda"
         self.cpus_per_worker, self.gpus_per_worker = cpus_per_worker, gpus_per_worker
+        if self.engine_kwargs.get("threads") is None:  # an actor's threads: its CPUs (the engine applies them)
+            self.engine_kwargs["threads"] = cpus_per_worker
         self._actor_cls = ray.remote(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, max_restarts=0)(EngineActor)
         self.actors = [self._new_actor() for _ in range(workers)]
         self._inflight: dict = {}  # ObjectRef -> (actor slot, item index)
 
     # -- actors ---------------------------------------------------------------------------------------------------
     def _new_actor(self):
-        return self._actor_cls.remote(self.engine_kwargs, self.cpus_per_worker)
+        return self._actor_cls.remote(self.engine_kwargs)
 
     def _replace(self, slot: int) -> None:
         """Kill the actor in `slot` (it may be dead already) and start a fresh one there."""

@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -49,7 +50,8 @@ class Engine:
     reuse: what `calibrate` does by default with the calibration store (sicl_fast.reuse): 'off' (calibrate every
     prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always). store: a CalibrationStore
     (shared between engines if you like); else one is made with `store_bytes` of memory and, with `store_dir`,
-    a directory on disk (shared by processes)."""
+    a directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
+    (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.threads)."""
 
     def __init__(
         self,
@@ -72,17 +74,19 @@ class Engine:
         store: CalibrationStore | None = None,
         store_dir: str | None = None,
         store_bytes: int = DEFAULT_MAX_BYTES,
+        threads: int | None = None,
     ) -> None:
         self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
         self._reuser = None
         choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
                           sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad,
-                          reuse=reuse)
+                          reuse=reuse, threads=threads)
         self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
         self.plan = make_plan(self.lm, choices)
         self.backend = build_backend(self.plan, self.lm)
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
+        self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.progress)
         if self.plan.graphs:
             self.steps = StepCache(self.lm.device, self.plan.graph_cache)
             self.backend.use_graphs(self.plan.graph_cache)
@@ -99,7 +103,9 @@ class Engine:
             return CalibrationConfig.for_model(self.lm, **overrides)
         return config.replace(**{k: v for k, v in overrides.items() if v is not None})
 
-    def proxy(self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None) -> ProxyOut:
+    def proxy(
+        self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None
+    ) -> ProxyOut:
         """f(X) and its parts for the prompt's own embeddings (or `embeds` [L, d])."""
         cal = Calibrator(self.backend, self.config(config))
         return cal.proxy_of(self._embeddings(prompt, embeds).unsqueeze(0), prompt)
@@ -133,6 +139,7 @@ class Engine:
             best_at: Sequence[int] = ()) -> CalibrationResult:
         """One calibration on this engine's loop, without the store (hooks as Calibrator.run's)."""
         kept = BestAt(best_at, "Engine.calibrate")
+        on_step = on_step if on_step is not None else self.step_hook
         if self.plan.loop_for(cfg.estimator) == "static":
             return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
                               should_stop=should_stop, steps=self.steps, on_update=on_update, best_at=kept)

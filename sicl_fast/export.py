@@ -25,7 +25,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class CalibratedEmbeddings:
 
     @classmethod
     def from_result(cls, prompt, embeddings: torch.Tensor, model: str, rows: str = "demos",
-                    dtype: str = "float32") -> "CalibratedEmbeddings":
+                    dtype: str = "float32") -> CalibratedEmbeddings:
         """From a Prompt and its calibrated embeddings [L, d]. rows: 'demos' (the perturbed rows [a, b)) or 'all'."""
         if rows not in ROW_CHOICES:
             raise SiclError(f"rows must be one of {ROW_CHOICES}, got {rows!r}")
@@ -97,7 +98,7 @@ class CalibratedEmbeddings:
                 "input_ids": self.input_ids.tolist(), "model": self.model, "id": self.id}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "CalibratedEmbeddings":
+    def from_json(cls, obj: dict[str, Any]) -> CalibratedEmbeddings:
         """Inverse of to_json; bit-exact. Raises SiclError on a malformed object."""
         try:
             torch_dtype, np_dtype = WIRE_DTYPES[obj["dtype"]]
@@ -130,7 +131,7 @@ class CalibratedEmbeddings:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "CalibratedEmbeddings":
+    def load(cls, path: str | os.PathLike) -> CalibratedEmbeddings:
         from safetensors import SafetensorError
         from safetensors import safe_open
 

@@ -6,7 +6,7 @@ decoded so far (leading whitespace removed) contains a stop string, or `stop_fn(
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

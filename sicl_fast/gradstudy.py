@@ -26,7 +26,7 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -16,7 +16,7 @@ K/V buffers, a cleared mask cache): `keep` holds references to every one of them
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

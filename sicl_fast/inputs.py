@@ -16,7 +16,8 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
+from collections.abc import Iterator
 
 from .errors import SiclError
 

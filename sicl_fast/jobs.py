@@ -4,7 +4,7 @@ Each takes the worker's Engine first and returns plain records, so the driver al
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .answer import answer_result
 from .ascent import CalibrationConfig
@@ -13,7 +13,9 @@ from .export import CalibratedEmbeddings
 from .requests import Request
 
 
-def check_requests(engine, requests: Sequence[Request], reserve: int = 0, config: CalibrationConfig | None = None) -> int:
+def check_requests(
+    engine, requests: Sequence[Request], reserve: int = 0, config: CalibrationConfig | None = None
+) -> int:
     """Tokenize every request (a RequestError names the first bad one) and, with `config`, refuse a step too big for
     memory (with --pack P, P such steps at once), before anything is written; returns the count."""
     for r in requests:

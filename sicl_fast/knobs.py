@@ -65,6 +65,7 @@ RANGES: dict[str, Range] = {
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
     "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
     "time_budget_s": Range(0.0, MAX_BUDGET_S, integer=False, why="30 days; 0 runs one step"),
+    "threads": Range(1, 4096, why="threads of one process (torch's and the C++ ops')"),
     # a Ray pool
     "workers": Range(1, 4096, why="engine actors"),
     "cpus_per_worker": Range(1, 4096, why="CPUs of one actor"),

@@ -54,8 +54,9 @@ def vocab_chunked_logprobs(
     max_elems: int = 1 << 22,
 ) -> torch.Tensor:
     """Same result as gather_logprobs_chunked: hidden [B, P, d], head_weight [V, d], targets [P] -> [B, P]
-    float32 (float64 from a float64 model: the exact-gradient checks). Walks the vocabulary in chunks (256 to 8192 rows, B*P*chunk <= max_elems when it can) with a
-    running max and rescaled sum, so only [B*P, chunk] float32 logits exist and the weight is read once."""
+    float32 (float64 from a float64 model: the exact-gradient checks). Walks the vocabulary in chunks (256 to 8192
+    rows, B*P*chunk <= max_elems when it can) with a running max and rescaled sum, so only [B*P, chunk] float32
+    logits exist and the weight is read once."""
     B, P, d = hidden.shape
     V = head_weight.shape[0]
     chunk = min(8192, max(256, max_elems // max(1, B * P)))

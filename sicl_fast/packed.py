@@ -13,13 +13,13 @@ rows and needs no mask; each slot reads its span positions from its own rows. Th
 rows [0, b_j) with plain products (no prefix K/V, no difference products: rows of different prompts are not
 near one row 0), so a slot computes what its prompt computes alone on a fast-fp32 backend without the prefix
 cache: bit for bit when it is packed alone, to float32 rounding beside others (torch's CPU kernels may round a
-last bit differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and stops). Between two reads a stopped slot's state no longer changes (StaticStep), so its
-result is exact whatever the read interval.
+last bit differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and stops). Between two
+reads a stopped slot's state no longer changes (StaticStep), so its result is exact whatever the read interval.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -18,7 +18,8 @@ The axes:
     pack          prompts per packed step (sicl_fast.packed)
     estimator     whether the run takes the exact gradient (grad) and where a calibration of each estimator runs
                   (loop_for, check_pack)
-    (threads: the next axis, added where the engine's thread pools are chosen)
+    threads       torch's and the C++ ops' thread count (sicl_fast.threads; build_backend applies it), and the
+                  OpenMP wait policy the process runs with (decided once, when sicl_fast is imported)
 
 Engine, make_backend / build_backend, make_ops, the static, packed and graph paths and the CLI read the plan and
 decide nothing themselves.
@@ -38,6 +39,7 @@ from .models.transformer import DIFF_MATMUL, fast_low_precision
 from .ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
 from .ops.triton_ops import load_kernels
 from .spec import check_choice
+from .threads import choose_wait_policy, resolve_threads
 
 LOOPS = ("auto", "static", "eager")
 
@@ -76,6 +78,7 @@ class Choices:
     pack: int = 1
     grad: bool = False  # the run takes the exact gradient (estimator 'grad')
     reuse: str | None = "off"  # the calibration store: 'auto', 'on', 'off'; None: 'auto' unless packing
+    threads: int | None = None  # None: OMP_NUM_THREADS, else the cores this process may use (sicl_fast.threads)
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKENDS:
@@ -91,6 +94,8 @@ class Choices:
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         resolve_reuse(self.reuse, self.pack)
+        if self.threads is not None:
+            resolve_threads(self.threads)
 
 
 # ------------------------------------------------------------------------------------------- the rules, once
@@ -291,6 +296,8 @@ class RunPlan:
     grad: bool  # the run takes the exact gradient: ops, backend and model checked differentiable
     grad_refusal: str | None  # why estimator 'grad' cannot run on this plan (None: it can)
     reuse: str  # the calibration store: 'auto', 'on', 'off' (sicl_fast.reuse)
+    threads: int  # torch's and the C++ ops' thread count
+    wait_policy: str  # how OpenMP's threads wait at a barrier ('passive', the environment's, libgomp's default)
     why: tuple = field(default=(), compare=False)
 
     @property
@@ -365,6 +372,8 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
     why_pack = resolve_pack(c.pack, static, backend, c.loop)
     reuse, why_reuse = resolve_reuse(c.reuse, c.pack)
+    threads, why_threads = resolve_threads(c.threads)
+    wait, why_wait = choose_wait_policy()
     refusal = grad_refusal(impl, backend, lm)
     if c.grad and refusal:
         raise SiclError(refusal)
@@ -377,11 +386,13 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("attention", attention or "-", why_attention), ("diff_matmul", diff, why_diff),
            ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("graphs", "on" if graphs else "off", why_graphs), ("pack", c.pack, why_pack),
-           ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse))
+           ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse),
+           ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
                    attention=attention, attention_fallback=c.attn == "auto", diff_matmul=diff, decoder=decoder,
                    loop=loop, loop_asked=c.loop, sync_every=sync_every, graphs=graphs, graph_cache=c.graph_cache,
-                   pack=c.pack, grad=c.grad, grad_refusal=refusal, reuse=reuse, why=why)
+                   pack=c.pack, grad=c.grad, grad_refusal=refusal, reuse=reuse, threads=threads,
+                   wait_policy=wait, why=why)
 
 
 __all__ = ["BACKENDS", "LOOPS", "REUSE_MODES", "resolve_reuse", "BackendKind", "Choices", "RunPlan", "make_plan", "default_sync_every",

@@ -287,9 +287,10 @@ class Profile:
 
 
 @torch.no_grad()
-def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None) -> Profile:
+def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None, on_phase=None) -> Profile:
     """Profile one ascent step of `prompt` on `backend` (module docstring). trace: write a torch.profiler Chrome
-    trace of one step there (with NVTX ranges per phase on CUDA)."""
+    trace of one step there (with NVTX ranges per phase on CUDA). on_phase(name, ms): each phase's time as soon as
+    it is measured (the command's progress; the table needs the whole step first)."""
     config = resolve_scale(config, backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state
@@ -316,6 +317,9 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     best = best_in_turn({**{k: fn for k, fn in phases.items() if fn is not None}, "whole step": st}, dev, repeats)
     step_ms = best.pop("whole step")
     times = {k: best.get(k, 0.0) for k in phases}
+    if on_phase is not None:  # measured together, in turn: the command shows them as soon as the rounds end
+        for k in [*times, "whole step"]:
+            on_phase(k, times[k] if k in times else step_ms)
     times["host overhead"] = max(0.0, step_ms - sum(times.values()))
     flops = step_flops(st)
     floor = floor_of(st, measure_rates(m, step_rows(st), low_precision_rows(st) > 0))

@@ -13,7 +13,7 @@ Every fast path (Triton kernel, C++ extension) is tested against `proxy` below.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -91,7 +91,7 @@ class ProxyPlan:
     above: int
 
     @classmethod
-    def build(cls, offsets, P: int, device, alpha=0.6, beta=0.3, gamma=0.1, q=0.1) -> "ProxyPlan":
+    def build(cls, offsets, P: int, device, alpha=0.6, beta=0.3, gamma=0.1, q=0.1) -> ProxyPlan:
         if not 0.0 <= q <= 1.0:
             raise SiclError(f"q must be in [0, 1], got {q}")
         offsets = torch.as_tensor(offsets, dtype=torch.int64).cpu()

@@ -19,7 +19,7 @@ import stat
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .errors import ResultsFileError, SiclError, SiclWarning
 from .inputs import open_input
@@ -27,7 +27,7 @@ from .inputs import open_input
 STDOUT = "-"
 
 # the writers opened by this process, newest last: the CLI reports their counts when a run is interrupted
-OPENED: list["ResultWriter"] = []
+OPENED: list[ResultWriter] = []
 
 
 def _os_reason(exc: OSError) -> str:
@@ -192,11 +192,23 @@ class ResultWriter:
             except OSError:
                 pass
 
-    def __enter__(self) -> "ResultWriter":
+    def __enter__(self) -> ResultWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], object] = lambda r: r["id"]) -> bool:
+    """Whether every one of `keys` is already in the results file `path` (a resumed run with nothing to do: the
+    commands end before loading a model). False for a new file and for a streamed output."""
+    p = Path(path)
+    if str(path) == STDOUT or not p.is_file():
+        return False
+    with ResultWriter(p, key) as out:
+        done = all(k in out for k in keys)
+    OPENED.remove(out)  # it wrote nothing: no part of an interrupted run's summary
+    return done
 
 
 def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict]:
@@ -239,4 +251,5 @@ def proxy_record(prompt, out) -> dict:
             "G": float(out.G[0]), "num_demos": prompt.num_demos, "token_spans": [list(s) for s in prompt.token_spans]}
 
 
-__all__ = ["ResultWriter", "read_records", "write_text_atomic", "check_output", "STDOUT", "proxy_record"]
+__all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT",
+           "proxy_record"]

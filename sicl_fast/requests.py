@@ -14,7 +14,8 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from .errors import RequestError, SiclWarning, TextError
 from .inputs import open_input
@@ -163,7 +164,11 @@ def render_structured(
     demos_start = pos
     spans = []
     for i, demo in enumerate(demos):
-        if not isinstance(demo, dict) or not isinstance(demo.get("input"), str) or not isinstance(demo.get("output"), str):
+        if (
+            not isinstance(demo, dict)
+            or not isinstance(demo.get("input"), str)
+            or not isinstance(demo.get("output"), str)
+        ):
             raise _fail(rid, f"demos[{i}]", "must be an object with string fields 'input' and 'output'")
         if set(demo) - {"input", "output"}:
             raise _fail(rid, f"demos[{i}]", f"unknown key(s) {sorted(set(demo) - {'input', 'output'})}; "
@@ -205,7 +210,9 @@ def parse_request(obj: Any, where: str = "request") -> Request:
             raise _fail(rid, "output_spans", "missing or not a list of [char_start, char_end]")
         spans_t = tuple(tuple(s) if isinstance(s, (list, tuple)) else (s,) for s in spans)
         return Request(id=rid, prompt=obj["prompt"], output_spans=spans_t, demos_start=obj.get("demos_start", 0))
-    raise RequestError(f"{where}: request {rid!r}: needs either 'prompt' + 'output_spans' (raw) or 'demos' + 'query' (structured)")
+    raise RequestError(
+        f"{where}: request {rid!r}: needs either 'prompt' + 'output_spans' (raw) or 'demos' + 'query' (structured)"
+    )
 
 
 def read_requests(path: str | Path) -> Iterator[Request]:

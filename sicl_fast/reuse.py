@@ -35,7 +35,6 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .checks import check_prompt
 from .errors import SiclError
-from .plan import REUSE_MODES
 from .requests import Request
 from .spans import Prompt, tokenize
 from .store import Calibration, CalibrationStore, calibration_key, engine_fingerprint

@@ -14,7 +14,7 @@ budget stops the run within one step (or one read) of its end, with the best X s
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

@@ -68,7 +68,7 @@ class Prompt:
         return span_offsets([e - s for s, e in self.token_spans])
 
 
-_VOCABULARY_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_VOCABULARY_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _VOCABULARY_SAMPLE = 512  # token ids whose strings go into the key, spread over the vocabulary
 
 

@@ -87,14 +87,14 @@ class StepSpec:
         check_counter_range(self.N, self.b - self.a, self.d)
 
     @classmethod
-    def build(cls, cfg, L: int, d: int, a: int, b: int) -> "StepSpec":
+    def build(cls, cfg, L: int, d: int, a: int, b: int) -> StepSpec:
         """From a CalibrationConfig (its effective mu / eta) for an [L, d] X with perturbed rows [a, b)."""
         return cls(L=L, d=d, a=a, b=b, N=cfg.N, mu=cfg.mu_eff, eta=cfg.eta_eff, kappa=cfg.kappa, seed=cfg.seed,
                    estimator=cfg.estimator, grad_mode=cfg.grad_mode, clip_norm=cfg.clip_norm,
                    scope=cfg.projection_scope)
 
     @classmethod
-    def for_prompt(cls, cfg, prompt, X0) -> "StepSpec":
+    def for_prompt(cls, cfg, prompt, X0) -> StepSpec:
         """The step of `prompt` (a Prompt) from X0 [L, d] (cfg with its scale resolved, resolve_scale): perturbed rows
         [a, b) = [first demonstration token, end of the last output span), or [a, L) with perturb_query; the forward
         always reads rows [0, demo_end) only. What every loop (eager, static, packed) steps with."""

@@ -44,7 +44,7 @@ class StepState:
     flags: torch.Tensor  # [2] int32
 
     @classmethod
-    def new(cls, X0: torch.Tensor, cfg) -> "StepState":
+    def new(cls, X0: torch.Tensor, cfg) -> StepState:
         """The state of a new calibration from X0 [L, d] (copied, as float32 on its device) with the
         CalibrationConfig cfg (max_steps, tau, snr_threshold, min_delta, min_delta_rel)."""
         dev = X0.device

@@ -1,17 +1,35 @@
-"""How many threads the engine computes on: one number per process, applied once to torch and to the C++ ops.
+"""How many threads the engine computes on, and how they wait: one number per process, applied once to torch and
+to the C++ ops, and one OpenMP wait policy.
 
-    n = resolve_threads(None)      the cores this process may use (os.sched_getaffinity)
-    apply_threads(n)               torch's intra-op threads and sicl_fast._C's thread count, both n
+    n, why = resolve_threads(None)  the count asked for, else OMP_NUM_THREADS when set, else the cores this process
+                                    may use (os.sched_getaffinity); why says which (a run plan axis)
+    apply_threads(n)                torch's intra-op threads and sicl_fast._C's thread count, both n
+                                    (sicl_fast.backends.build_backend calls it with the plan's count: the one place)
+    choose_wait_policy()            once, when sicl_fast is imported: OMP_WAIT_POLICY=PASSIVE unless the user set
+                                    OMP_WAIT_POLICY or GOMP_SPINCOUNT; returns (policy, why) for the run plan
 
 torch and the C++ extension share one OpenMP runtime (the extension links libgomp.so.1, which resolves to the
 copy torch has already loaded), so there is one pool of threads; the extension takes its count from the value set
 here for every calling thread (csrc/threads.h), not from the calling thread's OpenMP setting.
+
+The wait policy: at the end of every parallel region a thread waits for the others. libgomp's default lets a
+waiting thread spin on its core for a while first; beside other busy processes the spinning takes the core from
+the thread being waited for, and the step collapses (bench/contention.py compares the policies). PASSIVE sleeps
+at once. libgomp reads the variable once, when it loads (at `import torch`), so it is set before that or not at
+all: sicl_fast/__init__.py calls choose_wait_policy() before it imports torch, which covers the CLI and every
+program that imports sicl_fast first; a program that imported torch before keeps libgomp's default (the plan says
+so). Processes started later (Ray's workers, bench/contention.py's) inherit the variable.
 """
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import MutableMapping
 
-from .errors import SiclError
+from .knobs import check_range
+
+WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's own choice of how OpenMP threads wait
+_policy: tuple[str, str] | None = None  # what choose_wait_policy decided, once per process
 
 
 def available_cores() -> int:
@@ -22,27 +40,57 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def resolve_threads(threads: int | None) -> int:
-    """The thread count to use: `threads` checked (an int >= 1), or the available cores when None."""
-    if threads is None:
-        return available_cores()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise SiclError(f"threads must be an integer >= 1, got {threads!r}")
-    return threads
+def resolve_threads(threads: int | None) -> tuple[int, str]:
+    """(the thread count to use, why): `threads` checked against the knob table (an int in [1, 4096]), else
+    OMP_NUM_THREADS when it holds one number (the user said so for every OpenMP program: the issue's workaround,
+    and the test suite's setting), else the available cores."""
+    if threads is not None:
+        return check_range("threads", threads, "Engine"), "asked for"
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        return int(env), f"default: OMP_NUM_THREADS={env} in the environment"
+    n = available_cores()
+    return n, f"default: the {n} core(s) this process may use (its CPU affinity)"
 
 
-def apply_threads(threads: int | None) -> int:
-    """Set torch's and the C++ ops' thread count to resolve_threads(threads); returns it."""
+def apply_threads(threads: int | None, cpp: bool = True) -> int:
+    """Set torch's thread count, and the C++ ops' when `cpp` (a plan on other ops never touches the extension), to
+    resolve_threads(threads); returns it."""
     import torch
 
     from .ops import cpp_ops
 
-    n = resolve_threads(threads)
+    n = resolve_threads(threads)[0]
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    if cpp_ops.available():
+    if cpp and cpp_ops.available():
         cpp_ops.set_num_threads(n)
     return n
 
 
-__all__ = ["available_cores", "apply_threads", "resolve_threads"]
+def decide_wait_policy(env: MutableMapping[str, str], openmp_started: bool) -> tuple[str, str]:
+    """(policy, why), setting OMP_WAIT_POLICY=PASSIVE in `env` when the user set neither variable of WAIT_ENV and
+    OpenMP has not started yet (module docstring)."""
+    given = [f"{k}={env[k]}" for k in WAIT_ENV if env.get(k)]
+    if given:
+        policy = env.get("OMP_WAIT_POLICY", "").lower() or f"spin count {env['GOMP_SPINCOUNT']}"
+        return policy, f"the environment's: {', '.join(given)}"
+    if openmp_started:
+        return "libgomp default", ("OMP_WAIT_POLICY was unset and torch had started OpenMP before sicl_fast was "
+                                   "imported: threads spin a while at each barrier; set OMP_WAIT_POLICY=PASSIVE "
+                                   "before Python starts on a shared machine")
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return "passive", ("set by sicl_fast (OMP_WAIT_POLICY was unset): waiting threads sleep instead of spinning, "
+                       "which holds up beside other work; OMP_WAIT_POLICY=ACTIVE to spin")
+
+
+def choose_wait_policy() -> tuple[str, str]:
+    """The process's wait policy, decided at the first call (sicl_fast's import) and kept."""
+    global _policy
+    if _policy is None:
+        _policy = decide_wait_policy(os.environ, "torch" in sys.modules)
+    return _policy
+
+
+__all__ = ["WAIT_ENV", "available_cores", "apply_threads", "choose_wait_policy", "decide_wait_policy",
+           "resolve_threads"]

@@ -5,6 +5,8 @@ Both give the driver the same surface, so `calibrate` and `icleval` are written 
     workers.model_name                 the engine's model name (records carry it)
     workers.config(**overrides)        the model's preset CalibrationConfig with overrides (None values ignored)
     workers.call(fn, *args)            fn(engine, *args) on one engine; for checks that must pass before any work
+    workers.watch_steps(hook)          hook(step, proxy) for every calibration step of a local run (the progress
+                                       line, sicl_fast.progress); a Ray pool's steps are not watched
     workers.imap(fn, items)            fn(engine, item) for every item, yielding Done(index, value) or
                                        Lost(index, message) as they finish (Lost: the Ray workers running it died
                                        too often; a local run raises instead)
@@ -16,7 +18,8 @@ so a request gives the same record on any worker and for any number of workers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any
+from collections.abc import Callable, Iterable, Iterator
 
 
 @dataclass(frozen=True)
@@ -31,12 +34,16 @@ class Lost:
     message: str  # why the item could not be run (e.g. its worker was killed, out of memory)
 
 
-Outcome = Union[Done, Lost]
+Outcome = Done | Lost
 
 
 def engine_facts(engine) -> dict:
-    """What the driver needs to know about the engine without holding the model: its name and config preset."""
-    return {"name": engine.lm.name, "preset": engine.config()}
+    """What the driver needs to know about the engine without holding the model: its name and config preset, and
+    what it computes on (the plan's thread count and torch's, which the plan set)."""
+    import torch
+
+    return {"name": engine.lm.name, "preset": engine.config(), "threads": engine.plan.threads,
+            "torch_threads": torch.get_num_threads()}
 
 
 class Workers:
@@ -64,6 +71,9 @@ class Workers:
         base = self._known()["preset"] if config is None else config
         return base.replace(**{k: v for k, v in overrides.items() if v is not None})
 
+    def watch_steps(self, hook) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -83,23 +93,32 @@ class LocalWorkers(Workers):
     def call(self, fn: Callable, *args):
         return fn(self.engine, *args)
 
+    def watch_steps(self, hook) -> None:
+        self.engine.step_hook = hook
+
     def imap(self, fn: Callable, items: Iterable) -> Iterator[Outcome]:
         for i, item in enumerate(items):
             yield Done(i, fn(self.engine, item))
 
 
-def write_all(workers: Workers, fn: Callable, items: list, out, lost_records: Callable, bar=None) -> int:
+def write_all(workers: Workers, fn: Callable, items: list, out, lost_records: Callable, bar=None,
+              on_step=None) -> int:
     """The driver loop of calibrate and icleval: fn(engine, item) -> list of records for each item, written by the
     driver alone (`out`, a ResultWriter) as they arrive, each a whole line. An item that could not be run gets
-    lost_records(item, message) instead. `bar` (tqdm) advances by one per record. Returns the records written."""
+    lost_records(item, message) instead. `bar` (tqdm) advances by one per record; on_step watches the steps of
+    each calibration meanwhile (Workers.watch_steps). Returns the records written."""
     n = 0
-    for res in workers.imap(fn, items):
-        recs = res.value if isinstance(res, Done) else lost_records(items[res.index], res.message)
-        for rec in recs:
-            out.write(rec)
-        n += len(recs)
-        if bar is not None:
-            bar.update(len(recs))
+    workers.watch_steps(on_step)
+    try:
+        for res in workers.imap(fn, items):
+            recs = res.value if isinstance(res, Done) else lost_records(items[res.index], res.message)
+            for rec in recs:
+                out.write(rec)
+            n += len(recs)
+            if bar is not None:
+                bar.update(len(recs))
+    finally:
+        workers.watch_steps(None)
     return n
 
 

@@ -59,6 +59,14 @@ def smol():
 
 
 @pytest.fixture(scope="session")
+def models():
+    """One tiny random-weight model per family the fast backend supports (tests/test_fast_backend.py builds them)."""
+    from test_fast_backend import tiny_models
+
+    return tiny_models()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(smol):
     """A 2-layer random-weight Llama with SmolLM2's tokenizer (vocab 49152), for fast tests of the machinery."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -17,7 +17,7 @@ from sicl_fast import CalibrationConfig, Engine, RequestError, SiclError
 from sicl_fast.checks import step_memory
 from sicl_fast.cli import main
 from sicl_fast.errors import MissingExtraError, ResultsFileError, SiclWarning
-from sicl_fast.records import ResultWriter, check_output, read_records
+from sicl_fast.records import ResultWriter, read_records
 from sicl_fast.requests import parse_request, read_requests
 
 STRUCT = {"id": "digits", "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}],
@@ -590,7 +590,7 @@ def test_sigterm_does_what_ctrl_c_does(tiny_model_dir, tmp_path):
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     err = ""
     end = time.monotonic() + 120
-    while "calibrate:" not in err:  # the progress bar: the calibration has begun
+    while "proxy" not in err:  # the progress bar's step postfix: the calibration's steps have begun
         assert proc.poll() is None and time.monotonic() < end, err
         err += proc.stderr.read(1)
     proc.send_signal(signal.SIGTERM)
@@ -629,7 +629,7 @@ def test_a_prompt_or_embeddings_of_another_model_are_refused_by_every_method(eng
     calls = {"proxy": lambda e, p: e.proxy(p), "calibrate": lambda e, p: e.calibrate(p, max_steps=1, N=2),
              "calibrate_many": lambda e, p: e.calibrate_many([p], max_steps=1, N=2),
              "generate": lambda e, p: e.generate(p, max_new_tokens=1)}
-    for name, call in calls.items():
+    for _name, call in calls.items():
         for engine, other in ((eng, theirs), (tiny_eng, prompt)):
             with pytest.raises(SiclError, match=r"request 'digits': prompt: was tokenized for another model's "
                                                 r"vocabulary \(\d+ tokens; this model's has \d+\)"):

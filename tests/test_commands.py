@@ -15,9 +15,19 @@ REQS = [{"id": "a", "demos": [{"input": "hello", "output": "world"}, {"input": "
         {"id": "b", "prompt": "Colours.\ngrass: green\nsky: blue\nsnow:", "output_spans": [[16, 21], [27, 31]],
          "demos_start": 9}]
 # where each command runs end to end (a new command without a test fails test_every_command_is_run)
-TESTED = {"demo": "here", "proxy": "here", "calibrate": "here", "icleval": "here", "report": "here", "bench": "here",
-          "profile": "here", "gradstudy": "here", "serve": "test_serve.py::test_cli_serve_end_to_end",
-          "cache": "test_model_cache.py::test_cache_command", "plan": "test_cli.py::test_plan_and_bench_read_the_run_plan"}
+TESTED = {
+    "demo": "here",
+    "proxy": "here",
+    "calibrate": "here",
+    "icleval": "here",
+    "report": "here",
+    "bench": "here",
+    "profile": "here",
+    "gradstudy": "here",
+    "serve": "test_serve.py::test_cli_serve_end_to_end",
+    "cache": "test_model_cache.py::test_cache_command",
+    "plan": "test_cli.py::test_plan_and_bench_read_the_run_plan",
+}
 
 
 @pytest.fixture
@@ -42,7 +52,7 @@ def test_proxy_and_calibrate(tiny_model_dir, reqs, tmp_path, capsys):
     assert main(argv) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in recs] == ["a", "b"] and all(r["steps"] == 3 and "answer_calibrated" in r for r in recs)
-    assert main(argv) == 0 and "resuming: 2 of 2" in capsys.readouterr().err
+    assert main(argv) == 0 and "nothing to do: all 2 requests are already in" in capsys.readouterr().err
 
 
 def test_demo(tiny_model_dir, capsys):
@@ -70,8 +80,10 @@ def test_profile_a_requests_file(tiny_model_dir, reqs, capsys):
     """`sicl-fast profile REQUESTS.jsonl` (its first request) failed with a TypeError: read_requests became a
     generator."""
     assert main(["profile", reqs, "--model", str(tiny_model_dir), "--repeats", "1", "--N", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
     assert out["info"]["backend"] == "fast" and out["step_ms"] > 0
+    assert "  decoder layers: " in captured.err and "  whole step: " in captured.err  # each phase as measured
 
 
 def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys):

@@ -25,7 +25,7 @@ from sicl_fast.ops import TorchDecoderOps, TorchStepOps
 from sicl_fast.proxy import proxy as ref_proxy
 from sicl_fast.spec import StepSpec
 
-from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, models, perturbed  # noqa: F401 (fixture)
+from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, perturbed
 from test_ops import why_unavailable
 
 GELU_TANH = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731

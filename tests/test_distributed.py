@@ -21,7 +21,8 @@ WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # tau 0: a random-weight model's proxy is far under the gate; patience 0: every request runs all its steps
 TINY_KNOBS = ["--tau", "0", "--patience", "0", "--N", "2"]
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# one Ray cluster: the module runs on one pytest-xdist worker (`make test` runs --dist loadgroup)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("ray")]
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +241,12 @@ def test_retries_are_bounded_then_lost(ray_cluster, pool):
     assert len(lost) == 1 and lost[0].index == 1 and "worker failed 3 times" in lost[0].message
     done = sorted(o.value[0]["id"] for o in out if isinstance(o, Done))
     assert done == ["a", "b", "c"] and len(out) == 4
+
+
+def test_each_actor_runs_on_its_cpus(ray_cluster, pool):
+    """An actor's threads are its CPUs (the pool sets the engine's `threads`; the engine applies them)."""
+    from sicl_fast.workers import engine_facts
+
+    assert pool.engine_kwargs["threads"] == pool.cpus_per_worker == 1
+    facts = pool.call(engine_facts)
+    assert (facts["threads"], facts["torch_threads"]) == (1, 1)

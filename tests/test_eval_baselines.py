@@ -66,7 +66,7 @@ def test_contextual_calibration_removes_a_planted_label_bias(scorer):
     assert p_cf[0] > 0.65  # content-free inputs: the planted bias toward " positive"
     # the correction itself: the content-free distribution maps to uniform
     np.testing.assert_allclose(calibrate_probs(p_cf, p_cf), [0.5, 0.5], atol=1e-12)
-    for q, r in res.items():
+    for _q, r in res.items():
         np.testing.assert_allclose(r.q, np.exp(r.p / p_cf) / np.exp(r.p / p_cf).sum(), atol=1e-12)  # softmax(Wp)
         assert r.pred == int(np.argmax(r.p / p_cf))
     # uncalibrated: every review is "positive"; calibrated: the bias is gone and the answers are right
@@ -81,7 +81,7 @@ def test_dc_pmi_prefers_the_label_rare_in_the_domain_premise(scorer):
     premise = BIASED + "Sentiment:"  # a domain premise where " positive" is common and " negative" rare
     dom = scorer.score(premise, LABELS)
     assert dom[0] > dom[1] + 1.0
-    for q, right in QUERIES.items():
+    for q, _right in QUERIES.items():
         r = dc_pmi(scorer, BIASED + f"Review: {q}\nSentiment:", premise, LABELS)
         np.testing.assert_allclose(r.scores, scorer.score(BIASED + f"Review: {q}\nSentiment:", LABELS) - dom)
         assert r.pred == int(np.argmax(r.scores))
@@ -158,5 +158,7 @@ def test_demo_can_decode_with_the_chosen_order(smol, tmp_path):
     (r,) = run_methods(eng, FIXTURES, tmp_path / "demo.jsonl", methods=["demo"], tasks=["classifier_duplication"],
                        limit=1, options=opts, progress=False)
     s = load_dir(FIXTURES, ["classifier_duplication"], check_sha256=False)["classifier_duplication"][0]
-    assert r["answer_calibrated"] == r["answer_generated"] and r["correct_calibrated"] == score(s, r["answer_generated"])
+    assert r["answer_calibrated"] == r["answer_generated"] and r["correct_calibrated"] == score(
+        s, r["answer_generated"]
+    )
     assert r["config"]["demo_predict"] == "generate" and r["answer_scored"] in ("True", "False")

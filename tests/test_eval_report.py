@@ -101,7 +101,11 @@ def synthetic_records(seed: int, variant: str = "sicl", n: int = 10, method: str
             gated = rng.random() < 0.15
             best = init if gated else init + rng.uniform(0, 0.05 * (ti + 1))
             steps = 1 if gated else rng.randint(2, 9)
-            hist = [init] + [init + (best - init) * (k + 1) / (steps - 1) for k in range(steps - 1)] if steps > 1 else [init]
+            hist = (
+                [init] + [init + (best - init) * (k + 1) / (steps - 1) for k in range(steps - 1)]
+                if steps > 1
+                else [init]
+            )
             base_ok = rng.random() < 0.4
             cal_ok = base_ok if rng.random() < 0.6 else rng.random() < 0.3 + 0.12 * ti
             recs.append({"task": task, "uid": uid, "label": "x", "answer_base": "a", "answer_calibrated": "b",
@@ -346,7 +350,7 @@ def _cls_samples():
 
 def test_content_free_queries_and_contexts():
     data = _cls_samples()
-    for name, samples in data.items():
+    for _name, samples in data.items():
         for s in samples[:3]:
             assert C.label_text(s) in C.labels_for(s)
             for cf in C.CONTENT_FREE_INPUTS:

@@ -1,12 +1,12 @@
-"""End to end on the real SmolLM2 and the ICLEval excerpts (tests/data/icleval): records of base and sicl (and an ablation), resume,
-and the report's numbers checked against the records and scipy; the CLI glue (icleval flags, report command)."""
+"""End to end on the real SmolLM2 and the ICLEval excerpts (tests/data/icleval): records of base and sicl (and an
+ablation), resume, and the report's numbers checked against the records and scipy; the CLI glue (icleval flags,
+report command)."""
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import warnings
-from pathlib import Path
 
 import pytest
 from scipy import stats as sps
@@ -22,8 +22,11 @@ from sicl_fast.icleval import load_dir, score
 TASKS = ["classifier_order", "generate_order"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning")]  # excerpts: not the release sha256
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore::sicl_fast.icleval.ICLEvalDataWarning"),
+]  # excerpts: not the release sha256
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +97,23 @@ def test_resume(run, engine):
         again = run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=run["cfg"], tasks=TASKS,
                             limit=2, progress=False)
     assert len(engine.calls) == n_second and out.read_text(encoding="utf-8") == before
-    assert out.with_name(out.name + ".bad").read_text(encoding="utf-8") == '{"task": "classifier_order", "uid": 1, "varia\n'
+    assert (
+        out.with_name(out.name + ".bad").read_text(encoding="utf-8")
+        == '{"task": "classifier_order", "uid": 1, "varia\n'
+    )
     assert sorted(json.dumps(r, sort_keys=True) for r in again) == sorted(json.dumps(r, sort_keys=True)
                                                                            for r in run["second"])
     with pytest.raises(ValueError, match="other settings"):  # same variant name, other settings
-        run_methods(engine, ICLEVAL_EXCERPTS, out, methods=["sicl"], config=run["cfg"].replace(max_steps=3), tasks=TASKS,
-                    limit=2, progress=False)
+        run_methods(
+            engine,
+            ICLEVAL_EXCERPTS,
+            out,
+            methods=["sicl"],
+            config=run["cfg"].replace(max_steps=3),
+            tasks=TASKS,
+            limit=2,
+            progress=False,
+        )
 
 
 def test_report_matches_records(run):

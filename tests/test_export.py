@@ -160,6 +160,8 @@ def test_handoff_example_answers_as_the_project(smol, tmp_path, capsys):
     prompt = eng.prepare(REQ, reserve=8)
     res = Calibrator(eng.backend, eng.config(max_steps=3, tau=0.0, N=4, kappa=0.0)).run(prompt)
     assert res.steps == 3 and res.best_step > 0  # calibrated rows, not X0
-    path = CalibratedEmbeddings.from_result(prompt, res.embeddings, smol.name, rows="demos").save(tmp_path / "d.safetensors")
+    path = CalibratedEmbeddings.from_result(prompt, res.embeddings, smol.name, rows="demos").save(
+        tmp_path / "d.safetensors"
+    )
     ours = eng.generate(prompt, res.embeddings, max_new_tokens=8, stop_strings=())
     assert ex.answer(smol.model, smol.tokenizer, str(path), 8, stops=[]) == ours.answer != ""

@@ -74,16 +74,11 @@ def build(family: str, dtype=torch.float32, layers: int = 3):
     return from_transformers(model, CharTokenizer(), name=f"tiny-{family}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_models() -> dict:
-    """One tiny model per family, built once for the whole session (the modules that import `models` share them;
+    """One tiny model per family, built once for the whole session (the `models` fixture of tests/conftest.py;
     nothing may change their weights or config)."""
     return {f: build(f) for f in SUPPORTED_FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def models():
-    return tiny_models()
 
 
 def make_prompt(a: int, seed: int = 0) -> Prompt:

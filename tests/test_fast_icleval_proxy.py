@@ -3,7 +3,6 @@ sample of each file: 8, 5 and 31 output spans, 260 to 1360 tokens, past Gemma 3'
 within 2e-6 + 1e-4 |value|, on the embedded SmolLM2 and on Gemma 3 270M (its BOS as the fixed prefix)."""
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +23,9 @@ def requests_file(tmp_path_factory):
     for name in FILES:
         for s in load_task(ICLEVAL_EXCERPTS / f"{name}.json", check_sha256=False)[:PER_FILE]:
             r = to_request(s)
-            lines.append(json.dumps({"id": r.id, "prompt": r.prompt, "output_spans": [list(x) for x in r.output_spans]}))
+            lines.append(
+                json.dumps({"id": r.id, "prompt": r.prompt, "output_spans": [list(x) for x in r.output_spans]})
+            )
     path.write_text("\n".join(lines) + "\n")
     return path
 

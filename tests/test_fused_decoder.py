@@ -16,7 +16,7 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.profile import kernels_per_step
 from sicl_fast.static import StaticStep
-from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt
 from test_ops import device_of, why_unavailable
 
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0, projection_scope="demos")
@@ -69,7 +69,9 @@ def test_fused_difference_products_equal_unfused(models, family):
     torch.testing.assert_close(f[0], f_ref[0], rtol=1e-5, atol=0)
     fd, fd_ref, fd_exact = f[1:] - f[0], f_ref[1:] - f_ref[0], f_exact[1:] - f_exact[0]
     scale = fd_exact.abs()
-    assert bool(((fd - fd_exact).abs() <= 0.10 * scale).all()) and bool(((fd_ref - fd_exact).abs() <= 0.10 * scale).all())
+    assert bool(((fd - fd_exact).abs() <= 0.10 * scale).all()) and bool(
+        ((fd_ref - fd_exact).abs() <= 0.10 * scale).all()
+    )
     assert bool(((fd - fd_ref).abs() <= 0.03 * scale).all()), (fd, fd_ref, fd_exact)
 
 

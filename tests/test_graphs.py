@@ -16,7 +16,7 @@ from sicl_fast.plan import resolve_graphs
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
 from sicl_fast.static import StaticStep, StepCache, run_static
-from test_fast_backend import L, V, make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import L, V, make_prompt
 from test_static import BASE, assert_same_result
 
 

@@ -2,8 +2,9 @@
 
 The three dev files (classifier_order, generate_order, generate_list_number): SPEC 9 golden values, invariants,
 scorer self-test on the excerpts shipped in tests/data/icleval (unmodified samples); the checks that need every
-sample (sha256, subset counts, span totals) run on the complete files when SICL_ICLEVAL_DIR names them. The ten held-out formats: fixtures written from the spec (tests/fixtures/icleval,
-made by make_fixtures.py). Token spans use the real default tokenizer (SmolLM2-135M).
+sample (sha256, subset counts, span totals) run on the complete files when SICL_ICLEVAL_DIR names them. The ten
+held-out formats: fixtures written from the spec (tests/fixtures/icleval, made by make_fixtures.py). Token spans
+use the real default tokenizer (SmolLM2-135M).
 """
 from __future__ import annotations
 
@@ -289,7 +290,10 @@ def test_format_conversion_blank_lines_inside_outputs_and_transfer_dispatch(fixt
     # same (task, task_type) in classifier_format: another rule, scorer and budget, because we key on the file
     cf = next(s for s in fixtures["classifier_format"] if s.task_type == "transfer")
     assert (cf.task, cf.task_type) == (t.task, t.task_type)
-    assert (max_gen_len(cf), cut_strings(cf)) == (5, ("\n",)) and (max_gen_len(t), cut_strings(t)) == (256, ("\nInput:",))
+    assert (max_gen_len(cf), cut_strings(cf)) == (5, ("\n",)) and (max_gen_len(t), cut_strings(t)) == (
+        256,
+        ("\nInput:",),
+    )
     assert render(cf).span_texts() == ["table", "csv", "tuple", "xml", "yaml", "jsonl"]
 
 
@@ -398,7 +402,11 @@ def test_errors_are_sicl_errors():
 def gold_response(s: Sample) -> str:
     """A realistic correct response: the gold output, then the model rambling on into a new demonstration."""
     if s.spec.scorer == "FMT":
-        fill = {"output_format_01": ("value", "4"), "output_format_02": ("key", "B"), "output_format_03": ("value", "69")}
+        fill = {
+            "output_format_01": ("value", "4"),
+            "output_format_02": ("key", "B"),
+            "output_format_03": ("value", "69"),
+        }
         old, new = fill[s.task_type]
         return " Let me think.\n6 - 2 = 4." + s.label.replace(old, new) + "\n\nQuestion: What next?"
     if s.spec.scorer == "NL":

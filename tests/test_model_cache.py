@@ -160,7 +160,7 @@ def test_two_processes_converting_at_once(cache_root, gguf):
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err
     lines = [out.splitlines() for out, _ in outs]
     assert sum("converted" in ls for ls in lines) == 1, lines  # exactly one conversion

@@ -15,7 +15,7 @@ from sicl_fast.errors import SiclError
 from sicl_fast.packed import run_packed
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
-from test_fast_backend import V, models  # noqa: F401 (fixture)
+from test_fast_backend import V
 from test_ops import why_unavailable
 from test_static import assert_same_result
 

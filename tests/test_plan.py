@@ -14,7 +14,7 @@ from sicl_fast.ops import cpp_ops
 from sicl_fast.packed import run_packed
 from sicl_fast.plan import Choices, RunPlan, make_plan, resolve_graphs, resolve_impl
 from sicl_fast.static import StaticStep
-from test_fast_backend import CharTokenizer, build, make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
 
 
@@ -65,6 +65,10 @@ REFUSALS = {
     "unknown reuse": (plan_of(reuse="yes"), SiclError, "Engine: unknown reuse 'yes'"),
     "reuse with packing": (plan_of(reuse="auto", pack=2), SiclError,
                            "reuse 'auto' with pack 2: packed calibration does not use the store"),
+    "threads not a count": (plan_of(threads=0), SiclError, "Engine: threads must be >= 1, got 0"),
+    "threads not an integer": (plan_of(threads=1.5), SiclError, "Engine: threads must be an integer, got 1.5"),
+    "threads beyond the table": (plan_of(threads=5000), SiclError,
+                                 r"Engine: threads must be <= 4096 \(threads of one process"),
     "sync_every not a count": (plan_of(sync_every=True), SiclError, "Engine: sync_every must be an integer, got True"),
     "fast on another family": (plan_of("gpt2", backend="fast"), UnsupportedModelError,
                                "supports the model families llama, qwen3, gemma2, gemma3_text.*'gpt2'"),

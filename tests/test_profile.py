@@ -8,7 +8,7 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.profile import PHASES, kernels_per_step, profile_step, step_flops
 from sicl_fast.static import StaticStep
-from test_fast_backend import make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import make_prompt
 
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0)
 

@@ -43,7 +43,7 @@ def assert_same(got, ref) -> None:
 def test_min_whole_cosine_is_the_minimum_over_every_query_norm():
     g = torch.Generator().manual_seed(0)
     qs = torch.cat([torch.zeros(1), torch.logspace(-4, 4, 4000, dtype=torch.float64)])
-    for trial in range(200):
+    for _trial in range(200):
         x0 = torch.randn(30, generator=g, dtype=torch.float64)
         x = x0 * (0.05 + 3 * torch.rand(1, generator=g, dtype=torch.float64)) \
             + torch.randn(30, generator=g, dtype=torch.float64) * torch.rand(1, generator=g, dtype=torch.float64)

@@ -82,8 +82,9 @@ def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
 def metric(client: Client, name: str, **labels) -> float:
     """One sample of the server's /metrics (0 when absent)."""
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pat = re.compile(rf"^{re.escape(name)}(?:\{{{re.escape(want)}\}})? (\S+)$" if want else rf"^{re.escape(name)} (\S+)$",
-                     re.M)
+    pat = re.compile(
+        rf"^{re.escape(name)}(?:\{{{re.escape(want)}\}})? (\S+)$" if want else rf"^{re.escape(name)} (\S+)$", re.M
+    )
     m = pat.search(client.metrics())
     return float(m.group(1)) if m else 0.0
 
@@ -386,7 +387,9 @@ def test_oversized_body(server, client):
                    headers=JSON, timeout=30)
     assert r.status_code == 413
     # a huge declared length is refused before anything is read
-    reply = raw_http(server, calibrate_head(server, b"x" * 10).replace("Content-Length: 10", "Content-Length: 999999999"))
+    reply = raw_http(
+        server, calibrate_head(server, b"x" * 10).replace("Content-Length: 10", "Content-Length: 999999999")
+    )
     assert reply.startswith(b"HTTP/1.1 413")
     assert metric(client, "sicl_fast_errors_total", kind="body_too_large") == before + 3
 
@@ -429,7 +432,9 @@ def test_deadline_returns_the_best_so_far(client, engine):
     assert s["stop_reason"] == "deadline" and 1 <= s["steps"] < 100_000 and elapsed < 10
     assert s["best_proxy"] == max(r["history"])
     # the X returned is the best of the steps run: the same run with max_steps = steps gives it bit for bit
-    ref = Calibrator(engine.backend, engine.config(seed=5, **{**LONG, "max_steps": s["steps"]})).run(engine.prepare(REQ))
+    ref = Calibrator(engine.backend, engine.config(seed=5, **{**LONG, "max_steps": s["steps"]})).run(
+        engine.prepare(REQ)
+    )
     assert ref.history == r["history"] and torch.equal(r["embeddings"].rows, ref.embeddings)
 
 
@@ -617,7 +622,7 @@ class CliServer:
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
 
-    def wait_ready(self, timeout: float = 120) -> "CliServer":
+    def wait_ready(self, timeout: float = 120) -> CliServer:
         end = time.monotonic() + timeout
         while True:
             assert self.proc.poll() is None, self.log
@@ -634,7 +639,7 @@ class CliServer:
         self.reader.join(10)
         return rc
 
-    def __enter__(self) -> "CliServer":
+    def __enter__(self) -> CliServer:
         return self.wait_ready()
 
     def __exit__(self, *exc) -> None:

@@ -12,7 +12,7 @@ from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.static import StaticStep, run_static
-from test_fast_backend import build, make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import build, make_prompt
 from test_ops import device_of, why_unavailable
 
 BASE = dict(N=3, mu=0.05, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=5, seed=3, scale=1.0)
@@ -62,7 +62,9 @@ def test_static_equals_eager(models, family, a, impl, name):
 
 
 def test_static_with_difference_products_equals_eager(models):
-    be = make_backend("fast", models["llama"], diff_matmul="bf16", impl="cpp" if not why_unavailable("cpp") else "torch")
+    be = make_backend(
+        "fast", models["llama"], diff_matmul="bf16", impl="cpp" if not why_unavailable("cpp") else "torch"
+    )
     cfg = CalibrationConfig(**{**BASE, **CONFIGS["central-normalize-demos-projects"]})
     p = make_prompt(6)
     assert_same_result(run_static(be, cfg, p, sync_every=2), Calibrator(be, cfg).run(p))

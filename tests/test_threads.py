@@ -1,6 +1,9 @@
 """One thread count per process (sicl_fast.threads): torch and the C++ ops take the same number, from any thread."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -8,7 +11,7 @@ import torch
 
 from sicl_fast.errors import SiclError
 from sicl_fast.ops import cpp_ops
-from sicl_fast.threads import apply_threads, available_cores, resolve_threads
+from sicl_fast.threads import WAIT_ENV, apply_threads, available_cores, decide_wait_policy, resolve_threads
 
 needs_cpp = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
 
@@ -23,12 +26,49 @@ def restore_threads():
         cpp_ops.set_num_threads(n_cpp)
 
 
-def test_resolve_defaults_to_the_cores_this_process_may_use():
-    assert resolve_threads(None) == available_cores() >= 1
-    assert resolve_threads(3) == 3
-    for bad in (0, -1, 1.5, True, "2"):
-        with pytest.raises(SiclError, match="threads must be an integer >= 1"):
-            resolve_threads(bad)
+def test_resolve_defaults_to_omp_num_threads_then_the_cores_this_process_may_use(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    n, why = resolve_threads(None)
+    assert n == available_cores() >= 1 and "affinity" in why
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert resolve_threads(None) == (3, "default: OMP_NUM_THREADS=3 in the environment")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # a nested list: not one count, so the cores
+    assert resolve_threads(None)[0] == available_cores()
+    assert resolve_threads(5) == (5, "asked for")
+
+
+@pytest.mark.parametrize("bad, message", [(0, "must be >= 1, got 0"), (-1, "must be >= 1, got -1"),
+                                          (1.5, "must be an integer, got 1.5"), (True, "must be an integer"),
+                                          ("2", "must be an integer"), (5000, "must be <= 4096")])
+def test_resolve_refuses_bad_counts_through_the_knob_table(bad, message):
+    with pytest.raises(SiclError, match=f"Engine: threads {message}"):
+        resolve_threads(bad)
+
+
+def test_wait_policy_passive_unless_the_user_chose_or_openmp_started():
+    env = {}
+    assert decide_wait_policy(env, openmp_started=False)[0] == "passive" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    policy, why = decide_wait_policy(env, openmp_started=False)
+    assert (policy, env) == ("active", {"OMP_WAIT_POLICY": "ACTIVE"}) and "OMP_WAIT_POLICY=ACTIVE" in why
+    env = {"GOMP_SPINCOUNT": "1000"}
+    assert decide_wait_policy(env, openmp_started=False)[0] == "spin count 1000" and "OMP_WAIT_POLICY" not in env
+    env = {}
+    policy, why = decide_wait_policy(env, openmp_started=True)  # too late to change this process: say so
+    assert policy == "libgomp default" and env == {} and "OMP_WAIT_POLICY=PASSIVE" in why
+
+
+def test_the_cli_sets_the_wait_policy_before_openmp_starts():
+    """libgomp reads the policy when torch loads it: `import sicl_fast` first gives PASSIVE (spin count 0, as
+    libgomp itself reports it), unless the environment says otherwise."""
+    code = "import sicl_fast, torch; torch.ones(4).sum()"
+    env = {k: v for k, v in os.environ.items() if k not in WAIT_ENV}
+    for extra, spin in (({}, "'0'"), ({"OMP_WAIT_POLICY": "ACTIVE"}, "'30000000000'")):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra, "OMP_DISPLAY_ENV": "verbose"},
+                             capture_output=True, text=True, check=True)
+        if "GOMP_SPINCOUNT" not in out.stderr:
+            pytest.skip("torch's OpenMP runtime is not libgomp (no GOMP_SPINCOUNT in OMP_DISPLAY_ENV's report)")
+        assert f"GOMP_SPINCOUNT = {spin}" in out.stderr
 
 
 @needs_cpp
@@ -54,3 +94,24 @@ def test_cpp_thread_count_holds_in_other_threads(restore_threads):
 def test_set_num_threads_refuses_zero(restore_threads):
     with pytest.raises(ValueError, match="n must be >= 1"):
         cpp_ops.set_num_threads(0)
+
+
+@needs_cpp
+def test_threads_flag_reaches_torch_and_the_cpp_ops(restore_threads, tiny_dir, tmp_path):
+    """`--threads N` on a command that runs the model: the plan's count, applied to both pools (build_backend)."""
+    from sicl_fast.cli import main
+
+    req = tmp_path / "r.jsonl"
+    req.write_text('{"id": "a", "demos": [{"input": "one", "output": "1"}], "query": "two"}\n')
+    for n in (3, 1):
+        assert main(["proxy", str(req), "--model", str(tiny_dir), "--threads", str(n)]) == 0
+        assert torch.get_num_threads() == n and cpp_ops.num_threads() == n
+
+
+@needs_cpp
+def test_engine_takes_threads(restore_threads, tiny_llama):
+    from sicl_fast import Engine
+
+    eng = Engine(tiny_llama, threads=3)
+    assert eng.plan.threads == 3 and torch.get_num_threads() == 3 and cpp_ops.num_threads() == 3
+    assert "threads      3              asked for" in eng.plan.explain()

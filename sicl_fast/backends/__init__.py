@@ -5,6 +5,7 @@ it supports, `hf` otherwise (sicl_fast.plan resolves the name, with every other 
 from __future__ import annotations
 
 from ..plan import RunPlan, make_plan
+from ..threads import apply_threads
 from .base import Backend
 from .fast import SUPPORTED_FAMILIES as FAST_FAMILIES
 from .fast import FastBackend
@@ -15,7 +16,9 @@ CLASSES: dict[str, type[Backend]] = {"hf": HFBackend, "naive": NaiveBackend, "fa
 
 
 def build_backend(plan: RunPlan, lm) -> Backend:
-    """The backend the run plan names, on the loaded model it was made for; it decides nothing of its own."""
+    """The backend the run plan names, on the loaded model it was made for; it decides nothing of its own. The plan's
+    thread count is applied here, the one place (torch's and the C++ ops'; process-wide, as both are)."""
+    apply_threads(plan.threads, cpp=plan.impl == "cpp")
     return CLASSES[plan.kind.cls](lm, plan)
 
 

@@ -79,4 +79,6 @@ class Backend(abc.ABC):
         """Greedy answer from prompt embeddings [L, d] (calibrated demos + original query)."""
         from ..generate import greedy_generate
 
-        return greedy_generate(self.lm, embeds, max_new_tokens=max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn)
+        return greedy_generate(
+            self.lm, embeds, max_new_tokens=max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn
+        )

@@ -19,7 +19,7 @@ A batch whose prefix rows differ between batch rows takes the full path (no cach
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

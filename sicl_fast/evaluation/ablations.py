@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..ascent import CalibrationConfig
 from ..errors import SiclError

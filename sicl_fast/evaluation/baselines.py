@@ -29,7 +29,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -73,7 +73,9 @@ def calibrate_probs(p: np.ndarray, p_cf: np.ndarray) -> np.ndarray:
     return softmax(np.asarray(p, dtype=float) / np.asarray(p_cf, dtype=float))
 
 
-def content_free_distribution(scorer: LabelScorer, cf_contexts: Sequence[str], continuations: Sequence[str]) -> np.ndarray:
+def content_free_distribution(
+    scorer: LabelScorer, cf_contexts: Sequence[str], continuations: Sequence[str]
+) -> np.ndarray:
     if not cf_contexts:
         raise SiclError("contextual calibration needs at least one content-free input")
     return np.mean([scorer.distribution(c, continuations) for c in cf_contexts], axis=0)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 STEP_MARKS = (1, 2, 5, 10, 20, 50, 100, 250, 500, 1000)
 SECOND_MARKS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -102,7 +102,7 @@ def runs_compared(runs: Sequence[tuple[str, Sequence[dict]]], task_order=sorted)
     (module docstring); None with fewer than two runs or nothing in common."""
     if len(runs) < 2:
         return None
-    (first, ref), rows = runs[0], []
+    (first, _ref), rows = runs[0], []
     keyed = [(name, {(r.get("variant", r.get("method", "sicl")), r["task"], r["uid"]): r for r in recs
                      if r.get("history")}) for name, recs in runs]
     ref_keys = keyed[0][1]

@@ -3,6 +3,8 @@
 sicl_fast/cli.py calls:
     add_icleval_eval_args(icleval_parser)          the flags below, on the icleval subcommand
     run_icleval_from_args(engine, config, args)    runs, prints the tables, writes the report; returns the exit code
+    finished_run(args, overrides)                  (model, records) of a resumed run with nothing left, or None
+    print_report(model, records, args)             the tables (and --report) from the records
     add_report_command(subparsers)                 the `report` subcommand
     report_from_args(args)                         its implementation; returns the exit code
 """
@@ -76,9 +78,7 @@ def run_icleval_from_args(engine, config, args, file=None) -> int:
     """`sicl-fast icleval`: run the methods, print the report's tables, write the report when --report is given.
     engine: an Engine or Workers (sicl_fast.workers: a Ray pool with --ray)."""
     from ..workers import as_workers
-    from .report import Run, build_report, drop_failed, render_markdown, write_report
 
-    file = file or sys.stdout
     workers = as_workers(engine)
     variants = make_variants(config, workers.config(), ablate=args.ablate, sweep_N=args.sweep_N,
                              sweep_mu=args.sweep_mu, reference=not args.no_reference)
@@ -86,7 +86,46 @@ def run_icleval_from_args(engine, config, args, file=None) -> int:
                           limit=args.limit, sicl_variants=variants, options=options_from_args(args),
                           progress=not args.quiet, pack=getattr(args, "pack", 1),
                           time_budget_s=getattr(args, "time_budget", None), answer_at=args.answer_at)
-    runs = [Run(name=workers.model_name, records=drop_failed(records, str(args.out)), source=str(args.out))]
+    return print_report(workers.model_name, records, args, file)
+
+
+def finished_run(args, overrides: dict):
+    """(model name, records) when every record the run asks for is already in --out (a resumed run with nothing
+    left to do), found without loading the model: its name and preset come from its files
+    (sicl_fast.models.facts), and the records are checked as a resume checks them. None when there is work."""
+    from pathlib import Path
+
+    from ..ascent import CalibrationConfig
+    from ..models.facts import model_facts
+    from ..records import nothing_left, read_records
+    from .methods import _check_existing, build_variants, record_key, select_samples, wanted_keys
+
+    if not Path(args.out).is_file():
+        return None
+    try:
+        name, family, n_params = model_facts(args.model)
+    except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
+        return None
+    preset = CalibrationConfig.preset(family, n_params)
+    config = preset.replace(**{k: v for k, v in overrides.items() if v is not None})
+    variants = build_variants(args.method, None, config, make_variants(
+        config, preset, ablate=args.ablate, sweep_N=args.sweep_N, sweep_mu=args.sweep_mu,
+        reference=not args.no_reference), options_from_args(args))
+    keys = wanted_keys(select_samples(args.dir, args.tasks, args.limit), variants)
+    if not nothing_left(args.out, keys, key=record_key):
+        return None
+    records = read_records(args.out)
+    _check_existing(records, variants, name, args.out, getattr(args, "time_budget", None))
+    wanted = set(keys)
+    return name, [r for r in records if record_key(r) in wanted]
+
+
+def print_report(model: str, records: list[dict], args, file=None) -> int:
+    """Print the report's tables of `records` (one run of `model`); write the report when --report is given."""
+    from .report import Run, build_report, drop_failed, render_markdown, write_report
+
+    file = file or sys.stdout
+    runs = [Run(name=model, records=drop_failed(records, str(args.out)), source=str(args.out))]
     if args.report:
         write_report(args.report, runs)
         print(f"report: {args.report}/report.md", file=sys.stderr)
@@ -126,5 +165,6 @@ def report_from_args(args, file=None) -> int:
     return 0
 
 
-__all__ = ["add_icleval_eval_args", "check_icleval_args", "run_icleval_from_args", "add_report_command", "report_from_args",
+__all__ = ["add_icleval_eval_args", "check_icleval_args", "run_icleval_from_args", "finished_run", "print_report",
+           "add_report_command", "report_from_args",
            "options_from_args"]

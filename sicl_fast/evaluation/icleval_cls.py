@@ -46,7 +46,9 @@ def labels_for(sample: Sample) -> tuple[str, ...]:
     """The label texts of the sample's file; the gold label must be one of them."""
     labels = CLASSIFICATION_LABELS.get(sample.task_file)
     if labels is None:
-        raise SiclError(f"{sample.task_file}: not a classification file (expected one of {sorted(CLASSIFICATION_LABELS)})")
+        raise SiclError(
+            f"{sample.task_file}: not a classification file (expected one of {sorted(CLASSIFICATION_LABELS)})"
+        )
     gold = label_text(sample)
     if gold not in labels:
         raise SiclError(f"{sample.task_file}: uid {sample.uid}: label {gold!r} is not one of {labels}")

@@ -11,7 +11,7 @@ only the new tokens are run. A model whose cache cannot be cropped is run from s
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from ..ascent import CalibrationConfig
 from ..errors import ResultsFileError, SiclError
@@ -129,6 +129,11 @@ def build_variants(methods: Sequence[str], engine=None, config=None, sicl_varian
 
 def _applies(variant: Variant, sample: Sample) -> bool:
     return variant.method not in BASELINES or is_classification(sample.task_file)
+
+
+def wanted_keys(samples: Sequence[Sample], variants: Sequence[Variant]) -> list[tuple[str, str, int]]:
+    """The record_key of every record a run of `variants` on `samples` writes."""
+    return [(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)]
 
 
 def _common(sample: Sample, variant: Variant, model: str) -> dict:
@@ -392,7 +397,7 @@ def run_methods(
     """
     import functools
 
-    from tqdm import tqdm
+    from ..progress import StepProgress, progress_bar
 
     check_records_out(out_path)
     options = options or BaselineOptions()
@@ -420,14 +425,30 @@ def run_methods(
         if done_before:
             print(f"resuming: {done_before} records already in {out_path}", file=sys.stderr)
         chunks = [todo[i:i + pack] for i in range(0, len(todo), pack)]  # pack > 1: packed calibrations
-        with tqdm(total=n_todo, desc="icleval", unit="rec", file=sys.stderr, disable=not progress,
-                  dynamic_ncols=True) as bar:  # closed (its line ended) before any error is printed
+        max_steps = max((v.config.max_steps for v in variants if v.config is not None), default=0)
+        # the bar is closed (its line ended) before any error is printed
+        with progress_bar(n_todo, "icleval", unit="rec", disable=not progress) as bar:
             write_all(workers, functools.partial(sample_records, options=options, time_budget_s=time_budget_s,
                                                  answer_at=tuple(answer_at)), chunks, out,
-                      functools.partial(lost_records, model=model), bar)
-    wanted = {(v.name, s.task_file, s.uid) for s in samples for v in variants if _applies(v, s)}
+                      functools.partial(lost_records, model=model), bar,
+                      StepProgress(bar, max_steps) if progress else None)
+    wanted = set(wanted_keys(samples, variants))
     return [r for r in read_records(out_path) if record_key(r) in wanted]
 
 
-__all__ = ["METHODS", "BASELINES", "CALIBRATIONS", "grad_config", "BaselineOptions", "build_variants", "record_key", "run_methods",
-           "check_records_out", "select_samples", "make_variants", "sample_records", "check_samples"]
+__all__ = [
+    "METHODS",
+    "BASELINES",
+    "CALIBRATIONS",
+    "grad_config",
+    "BaselineOptions",
+    "build_variants",
+    "record_key",
+    "run_methods",
+    "check_records_out",
+    "select_samples",
+    "wanted_keys",
+    "make_variants",
+    "sample_records",
+    "check_samples",
+]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import require
 

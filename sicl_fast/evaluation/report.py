@@ -34,7 +34,7 @@ import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import SiclError
 from ..icleval.tasks import TASK_FILES
@@ -108,7 +108,7 @@ def _rel(base: float, cal: float) -> float:
     return 100.0 * (cal - base) / base
 
 
-def group_variants(records: Sequence[dict]) -> "OrderedDict[str, list[dict]]":
+def group_variants(records: Sequence[dict]) -> OrderedDict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in records:
         groups.setdefault(variant_of(r), []).append(r)
@@ -244,7 +244,7 @@ def proxy_analysis(records: Sequence[dict]) -> dict | None:
             "fit": None if fit is None else {"slope": fit[0], "intercept": fit[1]}}
 
 
-def methods_table(groups: "OrderedDict[str, list[dict]]") -> dict:
+def methods_table(groups: OrderedDict[str, list[dict]]) -> dict:
     """Accuracy per task of the base and of every variant on the samples that every variant has (all methods on
     the same samples, as in the paper's table; with cc / dcpmi / demo that is the classification subset). The
     "base (label scoring)" column (uncalibrated argmax label) appears when baseline records carry it. When the
@@ -254,7 +254,7 @@ def methods_table(groups: "OrderedDict[str, list[dict]]") -> dict:
     shared = bool(common)
     base: dict[str, dict] = {}
     scored: dict[str, dict] = {}
-    cols: "OrderedDict[str, dict[str, float]]" = OrderedDict()
+    cols: OrderedDict[str, dict[str, float]] = OrderedDict()
     for name, recs in groups.items():
         rs = [r for r in recs if not shared or (r["task"], r["uid"]) in common]
         by_task: dict[str, list[dict]] = {}
@@ -265,7 +265,7 @@ def methods_table(groups: "OrderedDict[str, list[dict]]") -> dict:
                 scored.setdefault(r["task"], {}).setdefault(r["uid"], bool(r["correct_scored_base"]))
         if method_of(recs[0]) != "base":
             cols[name] = {t: sum(bool(r["correct_calibrated"]) for r in v) / len(v) for t, v in by_task.items()}
-    columns: "OrderedDict[str, dict[str, float]]" = OrderedDict()
+    columns: OrderedDict[str, dict[str, float]] = OrderedDict()
     columns["base"] = {t: sum(v.values()) / len(v) for t, v in base.items()}
     if scored:
         columns["base (label scoring)"] = {t: sum(v.values()) / len(v) for t, v in scored.items()}
@@ -372,7 +372,9 @@ def _config_line(cfg) -> str:
 
 def render_markdown(report: dict) -> str:
     L: list[str] = ["# sicl_fast evaluation report", ""]
-    L.append("Runs: " + ", ".join(f"**{r['name']}** (`{r['source']}`, {r['n_records']} records)" for r in report["runs"]))
+    L.append(
+        "Runs: " + ", ".join(f"**{r['name']}** (`{r['source']}`, {r['n_records']} records)" for r in report["runs"])
+    )
     L.append("")
     for run in report["runs"]:
         L += [f"## {run['name']}", ""]
@@ -398,12 +400,16 @@ def render_markdown(report: dict) -> str:
             L.append("|---|---|---|---|---|---|---|---|---|")
             tbl = v["table"]
             for row in tbl["tasks"] + [x for x in (tbl["mean"], tbl["micro"]) if x]:
-                L.append(f"| {row['task']} | {row['n']} | {_pct(row['base'])} | {_pct(row['calibrated'])} | "
-                         f"{_num(row['relative_change'], '{:.1f}', True)} | {_num(row['change_points'], '{:.1f}', True)} | "
-                         f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], RATE)} | "
-                         f"{_num(row.get('samples_per_minute'), RATE)} |")
+                L.append(
+                    f"| {row['task']} | {row['n']} | {_pct(row['base'])} | {_pct(row['calibrated'])} | "
+                    f"{_num(row['relative_change'], '{:.1f}', True)} | {_num(row['change_points'], '{:.1f}', True)} | "
+                    f"{_num(row['mean_steps'], '{:.1f}')} | {_num(row['mean_seconds'], RATE)} | "
+                    f"{_num(row.get('samples_per_minute'), RATE)} |"
+                )
             if "label_scoring_base_accuracy" in v:
-                L.append(f"\nUncalibrated label scoring on the same samples: {_pct(v['label_scoring_base_accuracy'])}%.")
+                L.append(
+                    f"\nUncalibrated label scoring on the same samples: {_pct(v['label_scoring_base_accuracy'])}%."
+                )
             mc = v["mcnemar"]
             if v["method"] != "base":
                 L += ["", f"McNemar (exact, one-sided, H1: {v['variant']} > base): b = {mc['b']} (base wrong, "
@@ -413,8 +419,10 @@ def render_markdown(report: dict) -> str:
             L.append("")
             px = v.get("proxy")
             if px:
-                L.append("| task | n | mean proxy improvement | mean initial proxy | gated | stops | proxy gain / min | "
-                         "answers changed | accuracy change (points) |")
+                L.append(
+                    "| task | n | mean proxy improvement | mean initial proxy | gated | stops | proxy gain / min | "
+                    "answers changed | accuracy change (points) |"
+                )
                 L.append("|---|---|---|---|---|---|---|---|---|")
                 for row in px["tasks"]:
                     L.append(f"| {row['task']} | {row['n']} | {_num(row['mean_proxy_improvement'], '{:.4f}', True)} | "
@@ -424,11 +432,21 @@ def render_markdown(report: dict) -> str:
                              f"{_num(row['accuracy_change'], '{:.1f}', True)} |")
                 sp = px["spearman"]
                 fit = px.get("fit")
-                L += ["", f"Spearman over {_plural(sp['n'], 'task')} (one-sided, H1: rho > 0): rho = {_num(sp['rho'], '{:.3f}')}, "
-                          f"p = {_p(sp['p'])} (t approximation)"
-                          + (f", exact permutation p = {_p(sp['p_exact'])}" if sp.get("p_exact") is not None else "")
-                          + "." + (f" Least squares: change = {fit['slope']:.4g} x improvement "
-                                   f"{'-' if fit['intercept'] < 0 else '+'} {abs(fit['intercept']):.4g}." if fit else ""), ""]
+                L += [
+                    "",
+                    f"Spearman over {_plural(sp['n'], 'task')} (one-sided, H1: rho > 0): "
+                    f"rho = {_num(sp['rho'], '{:.3f}')}, "
+                    f"p = {_p(sp['p'])} (t approximation)"
+                    + (f", exact permutation p = {_p(sp['p_exact'])}" if sp.get("p_exact") is not None else "")
+                    + "."
+                    + (
+                        f" Least squares: change = {fit['slope']:.4g} x improvement "
+                        f"{'-' if fit['intercept'] < 0 else '+'} {abs(fit['intercept']):.4g}."
+                        if fit
+                        else ""
+                    ),
+                    "",
+                ]
             if v.get("budget"):
                 L += _budget_markdown(v["budget"])
         plots = run.get("plots") or []
@@ -442,13 +460,19 @@ def render_markdown(report: dict) -> str:
         L.append("|---|---|---|---|---|---|---|")
         for vn, f in report["fisher"].items():
             ex = f.get("exact")
-            L.append(f"| {vn} | {', '.join(f['runs']) or '-'} | {', '.join(_p(p) for p in f['pvalues']) or '-'} | "
-                     f"{_num(f['statistic'], '{:.3f}')} | {2 * f['k']} | {_p(f['p'])} | {_p(ex['p']) if ex else 'n/a'} |")
+            L.append(
+                f"| {vn} | {', '.join(f['runs']) or '-'} | {', '.join(_p(p) for p in f['pvalues']) or '-'} | "
+                f"{_num(f['statistic'], '{:.3f}')} | {2 * f['k']} | {_p(f['p'])} | {_p(ex['p']) if ex else 'n/a'} |"
+            )
             if f["excluded"]:
                 L.append(f"|  | excluded (Spearman undefined): {', '.join(f['excluded'])} | | | | | |")
         L.append("")
     if report.get("figures"):
-        L += ["## Proxy improvement vs accuracy change, per task (every run)", ""] + [f"![{Path(p).stem}]({p})" for p in report["figures"]] + [""]
+        L += (
+            ["## Proxy improvement vs accuracy change, per task (every run)", ""]
+            + [f"![{Path(p).stem}]({p})" for p in report["figures"]]
+            + [""]
+        )
     L += ["## Definitions", "",
           "* calibrated = the variant's answers; base = greedy decoding from the original prompt (ICLEval's protocol).",
           "* relative change = 100 (calibrated - base) / base; mean row = unweighted mean over tasks.",
@@ -599,7 +623,9 @@ def make_plots(report: dict, runs: Sequence[Run], out_dir: Path) -> None:
             tasks = [row["task"] for row in v["table"]["tasks"]]
             cols = {"base": [row["base"] for row in v["table"]["tasks"]],
                     v["variant"]: [row["calibrated"] for row in v["table"]["tasks"]]}
-        files.append(plots.accuracy_bars(pdir / f"accuracy_{rs}.png", tasks, cols, f"accuracy per task - {run['name']}"))
+        files.append(
+            plots.accuracy_bars(pdir / f"accuracy_{rs}.png", tasks, cols, f"accuracy per task - {run['name']}")
+        )
         for v in run["variants"]:
             if v["proxy"] is None:
                 continue

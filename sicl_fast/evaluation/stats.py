@@ -17,7 +17,7 @@ import itertools
 import math
 from dataclasses import asdict, dataclass
 from fractions import Fraction
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

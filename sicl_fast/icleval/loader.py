@@ -10,7 +10,8 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from .errors import ICLEvalDataWarning, ICLEvalError, where
 from .tasks import TASK_FILES, TASKS, TaskSpec, get_task, task_name
@@ -77,14 +78,18 @@ def sample_from_json(spec: TaskSpec, obj: Any, index: int) -> Sample:
     task, task_type = obj["task"], obj["task_type"]
     if not spec.allows(task, task_type):
         known = ", ".join(f"{t}/{tt}" for t, tt, _ in spec.subsets)
-        raise ICLEvalError(f"{where(name, uid, 'task_type')}: ({task!r}, {task_type!r}) is not a subset of this file ({known})")
+        raise ICLEvalError(
+            f"{where(name, uid, 'task_type')}: ({task!r}, {task_type!r}) is not a subset of this file ({known})"
+        )
 
     if spec.span_rule == "S-DICT":
         # R-DICT / S-DICT need str -> str entries, and the query key must be one of them (SPEC 2)
         d = obj["dict"]
         for k, v in d.items():
             if not isinstance(v, str):
-                raise ICLEvalError(f"{where(name, uid, 'dict')}: value of key {k!r} must be a string, got {type(v).__name__}")
+                raise ICLEvalError(
+                    f"{where(name, uid, 'dict')}: value of key {k!r} must be a string, got {type(v).__name__}"
+                )
         if not d:
             raise ICLEvalError(f"{where(name, uid, 'dict')}: is empty")
         if obj["prompt"] not in d:

@@ -189,7 +189,9 @@ def check_invariants(sample: Sample, rendered: Rendered) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def locate_spans(sample: Sample, prompt: str, query_start: int, hash_suffix_only: bool = False) -> list[tuple[int, int]]:
+def locate_spans(
+    sample: Sample, prompt: str, query_start: int, hash_suffix_only: bool = False
+) -> list[tuple[int, int]]:
     """The file's span rule applied to the rendered prompt."""
     spec: TaskSpec = sample.spec
     ctx = where(sample.task_file, sample.uid)

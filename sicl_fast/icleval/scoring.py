@@ -90,7 +90,9 @@ def score_fmt(sample: Sample, pred: str) -> bool:
     try:
         return _score_fmt(sample, pred)
     except re.error as exc:  # a template that is not a valid regular expression is a data error
-        raise ICLEvalError(f"{where(sample.task_file, sample.uid, 'label')}: template {sample.label!r}: {exc}") from None
+        raise ICLEvalError(
+            f"{where(sample.task_file, sample.uid, 'label')}: template {sample.label!r}: {exc}"
+        ) from None
 
 
 def _score_fmt(sample: Sample, pred: str) -> bool:

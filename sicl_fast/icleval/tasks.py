@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Union
+from collections.abc import Mapping
 
 from .errors import ICLEvalError
 
 # Per-task_type value: either one value for the whole file or {task_type or "*": value}.
-PerType = Union[object, Mapping[str, object]]
+PerType = object | Mapping[str, object]
 
 # String Completion's response is cut at the earliest of these (SPEC 6.4, NL).
 NL_END_CHARS: tuple[str, ...] = (" ", ",", ".", "!", ":", ")", '"', "'", "\n")
@@ -206,7 +206,8 @@ _SPECS: tuple[TaskSpec, ...] = (
     ),
     TaskSpec(
         name="generate_count_or_navigation", paper_task="Count & Navigation", kind="gen", n=120,
-        subsets=_subsets("count_or_navigation", ("count-easy", "count-middle", "navigation-easy", "navigation-middle"), 30),
+        subsets=_subsets("count_or_navigation",
+                         ("count-easy", "count-middle", "navigation-easy", "navigation-middle"), 30),
         demos=8, render_rule="R-CAT", span_rule="S-DELIM", delims=_IO, ending="Output: ", block_marker="Input:",
         max_gen_len=30, cut="\n", scorer="EXACT", label_type=str, fields=_EX,
         sha256="fdb73a399658915c3d21f9f50c90d60637e1246523435eeec0fc20caf78013d6",

@@ -83,7 +83,7 @@ class DecoderConfig:
     rope: dict  # rotary key -> transformers rope parameters ('all', or one per layer type as Gemma 3's)
 
     @classmethod
-    def from_hf(cls, config) -> "DecoderConfig":
+    def from_hf(cls, config) -> DecoderConfig:
         """From a transformers text config (LoadedModel.text_config); UnsupportedModelError for anything the fast
         decoder does not run: another family, bidirectional attention, another activation or rope type, partial
         rotary embeddings, a sliding-window layer without a window."""

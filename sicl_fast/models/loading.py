@@ -276,7 +276,9 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load(model: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+def load(
+    model: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> LoadedModel:
     """Load a causal LM and its tokenizer. See HOW_TO_POINT for the accepted `model` values."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -30,7 +30,7 @@ class LowWeights:
     down: object  # [d, I]
 
     @classmethod
-    def of(cls, L, fmt: str) -> "LowWeights":
+    def of(cls, L, fmt: str) -> LowWeights:
         """fmt: 'bf16' or 'fp8'."""
         W = diff.Fp8Weight if fmt == "fp8" else diff.Bf16Weight
         return cls(qkv=W(torch.cat([L.wq, L.wk, L.wv])), o=W(L.wo), gate_up=W(torch.cat([L.w_gate, L.w_up])),

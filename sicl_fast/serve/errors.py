@@ -29,8 +29,12 @@ log = logging.getLogger("sicl_fast.serve")
 # valid Unicode is a malformed body (400, as bad JSON is); every other SiclError is a request the server
 # understood and refuses (422)
 ERROR_KINDS: tuple[tuple[type, str, int], ...] = (
-    (TextError, "bad_text", 400), (LimitError, "limit", 422), (ContextLengthError, "context_length", 422), (NumericalError, "numerical", 422),
-    (SiclError, "invalid_request", 422))
+    (TextError, "bad_text", 400),
+    (LimitError, "limit", 422),
+    (ContextLengthError, "context_length", 422),
+    (NumericalError, "numerical", 422),
+    (SiclError, "invalid_request", 422),
+)
 HTTP_KINDS = {404: "not_found", 405: "method_not_allowed"}
 # HTTP status -> the OpenAI error object's `type`
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -3,7 +3,7 @@ embeddings. Each returns the JSON-ready response body."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from ..answer import answer_result
 from ..ascent import CalibrationResult

@@ -2,7 +2,7 @@
 `body_doc(Model)` and `install` adds the models' schemas to the document."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi

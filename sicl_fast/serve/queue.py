@@ -16,7 +16,8 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 log = logging.getLogger("sicl_fast.serve")
 
@@ -46,7 +47,7 @@ class Job:
     shutdown_at: set by EngineQueue.drain; after it, stop_reason() says "shutdown".
     """
 
-    def __init__(self, fn: Callable[["Job"], Any], deadline: float | None = None, kind: str = "job") -> None:
+    def __init__(self, fn: Callable[[Job], Any], deadline: float | None = None, kind: str = "job") -> None:
         self.fn = fn
         self.deadline = deadline
         self.kind = kind

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
@@ -48,7 +48,7 @@ REQUEST_SCHEMA = {
 def _knobs_model() -> type[BaseModel]:
     """Every CalibrationConfig field, optional (unset: the model family's preset, capped by the server)."""
     hints = typing.get_type_hints(CalibrationConfig)
-    fields = {f.name: (Optional[hints[f.name]], Field(None, description=f"preset: {f.default}"))
+    fields = {f.name: (hints[f.name] | None, Field(None, description=f"preset: {f.default}"))
               for f in dataclasses.fields(CalibrationConfig)}
     return create_model("CalibrationKnobs", __config__=_STRICT, **fields)
 
@@ -61,7 +61,7 @@ class ProxyBody(BaseModel):
 
     model_config = _STRICT
     request: dict[str, Any] = Field(json_schema_extra=REQUEST_SCHEMA)
-    config: Optional[CalibrationKnobs] = Field(None, description="knobs of CalibrationConfig (alpha, beta, gamma, "
+    config: CalibrationKnobs | None = Field(None, description="knobs of CalibrationConfig (alpha, beta, gamma, "
                                                                  "q matter here)")
 
 
@@ -70,17 +70,17 @@ class CalibrateBody(ProxyBody):
 
     generate: bool = Field(False, description="also decode the greedy answers before and after calibration")
     max_new_tokens: int = Field(32, ge=0, le=RANGES["max_new_tokens"].hi)
-    stop: Optional[list[str]] = Field(None, description="stop strings (default: a newline)")
+    stop: list[str] | None = Field(None, description="stop strings (default: a newline)")
     return_embeddings: bool = Field(False, description="return the calibrated rows as base64")
     embeddings_dtype: Literal[tuple(WIRE_DTYPES)] = "float32"  # type: ignore[valid-type]
     embeddings_rows: Literal[ROW_CHOICES] = Field(  # type: ignore[valid-type]
         "demos", description="'demos': the perturbed rows [a, b); 'all': every row of the prompt")
-    timeout_s: Optional[float] = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
+    timeout_s: float | None = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
                                                                "so far is returned with stop_reason 'deadline'")
-    reuse: Optional[Literal[REUSE_MODES]] = Field(  # type: ignore[valid-type]
+    reuse: Literal[REUSE_MODES] | None = Field(  # type: ignore[valid-type]
         None, description="the calibration store (docs/store.md): 'auto' reuses a stored calibration where exact, "
                           "'on' always, 'off' never (default: the server's --reuse)")
-    time_budget_s: Optional[float] = Field(None, ge=0, le=RANGES["time_budget_s"].hi,
+    time_budget_s: float | None = Field(None, ge=0, le=RANGES["time_budget_s"].hi,
                                            description="seconds of calibration, from its start: the run stops at the "
                                                        "first step boundary after them with the best X so far and "
                                                        "stop_reason 'time_budget' (at least one step runs)")
@@ -91,7 +91,9 @@ def validation_message(exc: ValidationError, body: Any) -> str:
     errs = exc.errors()
     first = errs[0]
     loc = ".".join(str(p) for p in first["loc"]) or "body"
-    rid = body.get("request", {}).get("id") if isinstance(body, dict) and isinstance(body.get("request"), dict) else None
+    rid = (
+        body.get("request", {}).get("id") if isinstance(body, dict) and isinstance(body.get("request"), dict) else None
+    )
     head = f"request {str(rid)!r}: " if rid is not None else ""
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
     return f"{head}field {loc!r}: {first['msg']}{more}"

@@ -93,7 +93,7 @@ class ServerThread:
         host, port = self.sock.getsockname()[:2]
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
-    def start(self, timeout: float = 30.0) -> "ServerThread":
+    def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
         t_end = time.monotonic() + timeout
         while not self.server.started:
@@ -113,7 +113,7 @@ class ServerThread:
         self.thread.join(timeout)
         self.sock.close()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

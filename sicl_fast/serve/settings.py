@@ -33,7 +33,6 @@ class ServeSettings:
     max_connections: int = 256  # HTTP requests in progress at once; the JSON 503 beyond it
     grace_s: float = 20.0  # on SIGTERM / SIGINT: the longest the running job may go on before the server exits
     log_level: str = "info"
-    threads: int | None = None  # torch intra-op threads of the engine (None: torch's default)
 
     def __post_init__(self) -> None:
         for name in ("max_queue",):
@@ -44,8 +43,6 @@ class ServeSettings:
                 raise SiclError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name, knob in (("max_steps", "max_steps"), ("max_n", "N"), ("max_new_tokens", "max_new_tokens")):
             check_range(knob, getattr(self, name), "ServeSettings", f"--{name.replace('_', '-')}")
-        if self.threads is not None and self.threads < 1:
-            raise SiclError(f"--threads must be >= 1, got {self.threads}")
         if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
             raise SiclError(f"--grace-s must be a finite number >= 0, got {self.grace_s}")
         if self.max_tokens is not None and self.max_tokens < 2:
@@ -92,9 +89,6 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "S seconds (a calibration is stopped at 0.8 S and answers with its best so far), then the "
                         f"server exits with status 0 (default {d.grace_s:g}; keep it below your orchestrator's kill "
                         "timeout)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads for the engine (default: torch's; on a CPU shared with other work, fewer "
-                        "threads than cores can be much faster)")
     lim = p.add_argument_group("limits (a request over a limit gets a 4xx naming the field)")
     lim.add_argument("--max-queue", type=int, default=d.max_queue,
                      help="requests waiting for the engine besides the running one; beyond it: 429 + Retry-After")
@@ -116,7 +110,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     s = ServeSettings(host=args.host, port=args.port, api_key=key, insecure_public=args.insecure_public,
                       max_queue=args.max_queue, max_body_bytes=args.max_body_bytes, max_tokens=args.max_tokens,
                       max_steps=args.max_steps, max_n=args.max_n, max_new_tokens=args.max_new_tokens,
-                      max_connections=args.max_connections, log_level=args.log_level, threads=args.threads,
+                      max_connections=args.max_connections, log_level=args.log_level,
                       grace_s=args.grace_s)
     check_bind(s)
     return s

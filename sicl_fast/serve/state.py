@@ -23,7 +23,7 @@ class ServeState:
     shutdown: Shutdown
 
     @classmethod
-    def build(cls, engine, settings: ServeSettings) -> "ServeState":
+    def build(cls, engine, settings: ServeSettings) -> ServeState:
         queue = EngineQueue(settings.max_queue)
         metrics = ServeMetrics(queue)
         queue.on_finish = lambda job: metrics.job_finished(job, job.kind)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import SiclError
 from .disk import DiskStore

@@ -68,7 +68,7 @@ class Calibration:
 
     @classmethod
     def from_result(cls, key: str, scope: str, res: CalibrationResult, prompt, n: int, model: str, exact: bool,
-                    min_cosine: float | None) -> "Calibration":
+                    min_cosine: float | None) -> Calibration:
         """Rows [0, n) of a finished calibration of `prompt` (a Prompt whose first n ids these rows are)."""
         return cls(key=key, scope=scope, rows=res.embeddings[:n].detach().float().cpu().contiguous().clone(),
                    input_ids=prompt.input_ids[:n].clone(), token_spans=tuple(prompt.token_spans),
@@ -87,7 +87,7 @@ class Calibration:
         return out
 
     @classmethod
-    def from_parts(cls, meta: dict, rows: torch.Tensor, input_ids: torch.Tensor) -> "Calibration":
+    def from_parts(cls, meta: dict, rows: torch.Tensor, input_ids: torch.Tensor) -> Calibration:
         fields = dict(meta)
         fields["token_spans"] = tuple(tuple(s) for s in meta["token_spans"])
         fields["config"] = CalibrationConfig(**meta["config"])

@@ -9,7 +9,8 @@ call): a leader stopped by its own deadline or client must not fail the others.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 class _Call:

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -56,8 +56,8 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = _OPEN
     role: str = Field(description="system (or developer), user, assistant")
-    content: Union[str, list[TextPart]]
-    name: Optional[str] = None
+    content: str | list[TextPart]
+    name: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -67,8 +67,8 @@ class StreamOptions(BaseModel):
 
 SiclOptions = create_model(
     "SiclOptions", __base__=CalibrationKnobs,
-    reuse=(Optional[Literal[REUSE_MODES]], Field(None, description="'auto' | 'on' | 'off' (default: --reuse)")),
-    timeout_s=(Optional[float], Field(None, gt=0, description="deadline from arrival: the best X by then")))
+    reuse=(Literal[REUSE_MODES] | None, Field(None, description="'auto' | 'on' | 'off' (default: --reuse)")),
+    timeout_s=(float | None, Field(None, gt=0, description="deadline from arrival: the best X by then")))
 
 
 class ChatBody(BaseModel):
@@ -77,16 +77,16 @@ class ChatBody(BaseModel):
     model_config = _OPEN
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=0)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
-    stop: Optional[Union[str, list[str]]] = None
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    temperature: Optional[float] = Field(None, description="0 only: decoding is greedy")
-    top_p: Optional[float] = Field(None, description="1 only")
-    n: Optional[int] = Field(None, description="1 only")
-    user: Optional[str] = None
-    sicl: Optional[SiclOptions] = Field(None, description="calibration knobs, reuse, timeout_s")  # type: ignore
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, description="0 only: decoding is greedy")
+    top_p: float | None = Field(None, description="1 only")
+    n: int | None = Field(None, description="1 only")
+    user: str | None = None
+    sicl: SiclOptions | None = Field(None, description="calibration knobs, reuse, timeout_s")  # type: ignore
 
 
 BODIES = (ChatBody,)
@@ -97,12 +97,12 @@ KNOBS = tuple(f.name for f in dataclasses.fields(CalibrationConfig))
 class ChatCall:
     prompt: Prompt
     config: CalibrationConfig
-    reuse: Optional[str]
+    reuse: str | None
     max_new_tokens: int
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
-    timeout_s: Optional[float]
+    timeout_s: float | None
 
 
 def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
@@ -130,6 +130,11 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
                     max_new_tokens=new, stop=stop, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
                     timeout_s=sicl.get("timeout_s"))
+
+
+def note_sicl(request, sicl: dict) -> None:
+    """The calibration on the request's log line: steps, proxy before -> after, how the store served it."""
+    note(request, steps=sicl["steps"], proxy=(sicl["initial_proxy"], sicl["best_proxy"]), reuse=sicl["reuse"])
 
 
 async def read_chat(request: Request, state: ServeState) -> ChatCall:
@@ -184,7 +189,7 @@ async def chat_completions(request: Request, state: ServeState = Depends(serve_s
         return StreamingResponse(stream(request, state, call, head, deadline), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     out, job = await run_job(request, "chat", lambda job: run_chat(state, call, job), deadline)
-    note(request, steps=out["sicl"]["steps"], reuse=out["sicl"]["reuse"])
+    note_sicl(request, out["sicl"])
     return {**head, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out["content"], "refusal": None},
                          "finish_reason": out["finish_reason"], "logprobs": None}],
@@ -245,7 +250,7 @@ def stream(request: Request, state: ServeState, call: ChatCall, head: dict, dead
                 yield sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [],
                            "usage": usage(call, out)})
             yield b"data: [DONE]\n\n"
-            note(request, steps=out["sicl"]["steps"], reuse=out["sicl"]["reuse"])
+            note_sicl(request, out["sicl"])
         finally:
             job.cancel()  # a no-op once the job is over; stops it when the client went away mid-stream
             fut.cancel()

@@ -1,0 +1,69 @@
+"""Progress a person can see (sicl_fast.progress): the step within the running calibration on calibrate's and
+icleval's bar, and a resumed run with nothing left to do ending before any model is loaded."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import ICLEVAL_EXCERPTS
+from sicl_fast import engine as engine_module
+from sicl_fast.cli import main
+
+REQS = [{"id": "a", "demos": [{"input": "hello", "output": "world"}, {"input": "he", "output": "wor"}],
+         "query": "hello"},
+        {"id": "b", "demos": [{"input": "one", "output": "1"}, {"input": "two", "output": "2"}], "query": "three"}]
+
+
+@pytest.fixture
+def reqs(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in REQS))
+    return str(path)
+
+
+def no_model_load(monkeypatch):
+    """Any Engine built from here on fails the test: the command must not load the model."""
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", refuse)
+
+
+@pytest.mark.parametrize("loop", ["static", "eager"])
+def test_calibrate_shows_the_step_of_the_running_request(tiny_model_dir, reqs, tmp_path, capsys, loop):
+    argv = ["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--model", str(tiny_model_dir), "--max-steps", "2",
+            "--tau", "0", "--patience", "0", "--N", "2", "--loop", loop]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "step 1/2 proxy 0." in err  # the first report is drawn at once
+    assert re.search(r"step 2/2 proxy 0\.\d+ \d+\.\d+ s/step", err)  # the last, drawn with the request's update
+
+
+def test_calibrate_resumed_with_nothing_left_loads_no_model(tiny_model_dir, reqs, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "o.jsonl"
+    argv = ["calibrate", reqs, "--out", str(out), "--max-steps", "1", "--tau", "0", "--N", "2"]
+    assert main([*argv, "--model", str(tiny_model_dir)]) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    no_model_load(monkeypatch)
+    assert main([*argv, "--model", str(tmp_path / "no-such-model")]) == 0
+    assert "nothing to do: all 2 requests are already in" in capsys.readouterr().err and out.read_text() == before
+
+
+def test_icleval_resumed_with_nothing_left_loads_no_model(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "icl.jsonl"
+    base = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out", str(out),
+            "--model", str(tiny_model_dir), "--max-steps", "1", "--N", "2"]
+    argv = [*base, "--method", "base", "sicl"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "step 1/1 proxy" in first.err  # the step of the running calibration, on the bar
+    no_model_load(monkeypatch)
+    assert main(argv) == 0
+    again = capsys.readouterr()
+    assert "nothing to do: all 2 records are already in" in again.err and again.out == first.out
+    # other settings for a variant already in the file: refused as a resume with work left refuses them
+    assert main([*base, "--method", "sicl", "--eta", "0.1"]) == 2
+    assert "was run with other settings" in capsys.readouterr().err

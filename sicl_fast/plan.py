@@ -395,6 +395,6 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
                    wait_policy=wait, why=why)
 
 
-__all__ = ["BACKENDS", "LOOPS", "REUSE_MODES", "resolve_reuse", "BackendKind", "Choices", "RunPlan", "make_plan", "default_sync_every",
-           "forward_only", "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_backend",
-           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack"]
+__all__ = ["BACKENDS", "LOOPS", "REUSE_MODES", "resolve_reuse", "BackendKind", "Choices", "RunPlan", "make_plan",
+           "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward", "resolve_attention",
+           "resolve_backend", "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack"]

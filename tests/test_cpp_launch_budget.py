@@ -16,7 +16,7 @@ from sicl_fast.backends import make_backend
 from sicl_fast.ops import cpp_ops
 from sicl_fast.profile import kernels_per_step
 from sicl_fast.static import StaticStep
-from test_fast_backend import make_prompt, models  # noqa: F401 (fixture)
+from test_fast_backend import make_prompt
 
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0, projection_scope="demos")
 BUDGET_PER_LAYER = {"bf16": 25, "off": 14}

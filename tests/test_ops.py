@@ -345,7 +345,8 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
     "gate": (dict(tau=0.5), [0.3, 0.6]),
     "patience": (dict(patience=2), [0.5, 0.4, 0.45, 0.6, 0.3, 0.2, 0.1]),
     "snr-stop": (dict(snr_threshold=1e9, patience=2), [0.5, 0.5, 0.5, 0.5]),
-    "snr-skips-central": (dict(snr_threshold=0.5, estimator="central", patience=3, max_steps=5), [0.5, 0.55, 0.52, 0.6, 0.7]),
+    "snr-skips-central": (dict(snr_threshold=0.5, estimator="central", patience=3, max_steps=5),
+                          [0.5, 0.55, 0.52, 0.6, 0.7]),
     "nonfinite": (dict(), [0.5, 0.6, math.nan, 0.7]),
     "max-steps": (dict(max_steps=3), [0.5, 0.6, 0.7, 0.8, 0.9]),
     # min_delta: a better f0 that does not count (step 1), one that counts (step 2), patience from the anchor

@@ -83,7 +83,8 @@ def test_profile_command_on_smollm2(tmp_path, capsys):
     assert main(["profile", "--length", "48", "--repeats", "1", "--json", "--trace", str(trace)]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["info"]["model"].startswith("smollm2") and out["info"]["backend"] == "fast"
-    assert [ph["phase"] for ph in out["phases"]] == list(PHASES) and out["kernels"]["total"] > out["kernels"]["rest"] > 0
+    assert [ph["phase"] for ph in out["phases"]] == list(PHASES)
+    assert out["kernels"]["total"] > out["kernels"]["rest"] > 0
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {"decoder layers", "whole step"} <= names
 

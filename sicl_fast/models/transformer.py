@@ -86,11 +86,11 @@ class Positions:
     at: torch.Tensor | None = None
 
     @classmethod
-    def rows(cls, rotary: dict, start: int, T: int) -> "Positions":
+    def rows(cls, rotary: dict, start: int, T: int) -> Positions:
         return cls(start, T, {k: r.tables(start, T) for k, r in rotary.items()})
 
     @classmethod
-    def decoding(cls, rotary: dict, at: torch.Tensor) -> "Positions":
+    def decoding(cls, rotary: dict, at: torch.Tensor) -> Positions:
         return cls(-1, 1, {k: r.at(at) for k, r in rotary.items()}, at)
 
 

@@ -7,8 +7,8 @@ reference's (TorchDecoderOps).
 Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.models.diff) and the same noise
 as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton kernels,
 on a GPU. The directions U are regenerated inside the ops, never stored. Multithreaded with OpenMP; results do
-not depend on the thread count. Argument checks live in StepSpec and ProxyPlan / check_logprobs; the extension itself only
-guards its raw buffers.
+not depend on the thread count. Argument checks live in StepSpec and ProxyPlan / check_logprobs; the extension
+itself only guards its raw buffers.
 
 Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the extension this module still
 imports; `available()` is False and CppStepOps() raises a SiclError saying how to build it.

@@ -20,6 +20,7 @@ from .graphs import GRAPH_MODES
 from .gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
 from .knobs import RANGES, arg_type
 from .models.loading import DTYPES
+from .records import folder_arg
 from .models.transformer import DIFF_MATMUL
 from .ops import IMPLS
 from .plan import BACKENDS, LOOPS
@@ -257,7 +258,7 @@ def _store(g) -> None:
                         "and reused where that is exact, calibrated per query where it is not; on: reuse always "
                         "(records say when it is approximate); off: calibrate every request (the default with "
                         "--pack > 1, which calibrates packed, without the store)")
-    g.add_argument("--store", default=None, metavar="DIR",
+    g.add_argument("--store", type=folder_arg, default=None, metavar="DIR",
                    help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
                         "memory only)")
     g.add_argument("--store-mib", type=arg_type("store_mib"), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
@@ -316,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("requests", help="requests JSONL ('-': standard input)")
     c.add_argument("--out", required=True, help="results JSONL (resumed when it exists); '-' streams to stdout")
     c.add_argument("--generate", action="store_true", help="also decode answer_base and answer_calibrated")
-    c.add_argument("--export", default=None, metavar="DIR",
+    c.add_argument("--export", type=folder_arg, default=None, metavar="DIR",
                    help="also save each request's calibrated embeddings (every row; safetensors, as sicl_fast.export "
                         "writes them) to DIR/<id>.safetensors; the record holds the path under \"embeddings\"")
 
@@ -360,8 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "JSON line per request in --out")
     gs.add_argument("requests", help="requests JSONL ('-': standard input)")
     gs.add_argument("--out", required=True, help="records JSONL (resumed when it exists; a regular file)")
-    gs.add_argument("--report", default=None, metavar="DIR", help="also write DIR/study.md, study.json and "
-                                                                  "plots/cosine_vs_N.png")
+    gs.add_argument("--report", type=folder_arg, default=None, metavar="DIR",
+                    help="also write DIR/study.md, study.json and plots/cosine_vs_N.png")
     gs.add_argument("--study-N", dest="study_N", type=arg_type("N"), nargs="+", default=list(STUDY_NS),
                     metavar="N", help=f"numbers of directions (default {' '.join(map(str, STUDY_NS))})")
     gs.add_argument("--study-mu", dest="study_mu", type=float, nargs="+", default=list(STUDY_MUS), metavar="MU",
@@ -655,7 +656,7 @@ def cmd_profile(args) -> int:
 def cmd_gradstudy(args) -> int:
     from .gradstudy import StudySettings, markdown, study_prompt, summarize, write_report
     from .progress import progress_bar
-    from .records import ResultWriter, check_output, read_records
+    from .records import ResultWriter, check_out_dir, check_output, read_records
     from .requests import read_requests
 
     requests = list(read_requests(args.requests))
@@ -667,6 +668,7 @@ def cmd_gradstudy(args) -> int:
     check_output(args.out, inputs=[args.requests])
     if args.report:
         require("matplotlib")
+        check_out_dir(args.report, "--report", "study.md, study.json and the plots")
     eng = _engine(args)
     cfg = eng.config(**_overrides(args))
     prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .errors import SiclError
+from .records import check_out_dir
 
 FORMAT = "sicl_fast.calibrated_embeddings.v1"
 # wire dtype -> (torch dtype, little-endian numpy dtype of the same width the bytes are read as)
@@ -169,16 +170,7 @@ def export_path(directory: str | os.PathLike, rid: str) -> Path:
 
 def check_export_dir(directory: str | os.PathLike) -> Path:
     """Create the --export folder before any model is loaded; SiclError when it cannot be a writable folder."""
-    path = Path(directory)
-    if path.exists() and not path.is_dir():
-        raise SiclError(f"--export {path}: is a file; give a folder for the embeddings files")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise SiclError(f"--export {path}: cannot create it: {exc.strerror or exc}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SiclError(f"--export {path}: cannot write to it (permission denied)")
-    return path
+    return check_out_dir(directory, "--export", "the embeddings files")
 
 
 class ExportingWriter:

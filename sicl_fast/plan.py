@@ -94,8 +94,7 @@ class Choices:
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         resolve_reuse(self.reuse, self.pack)
-        if self.threads is not None:
-            resolve_threads(self.threads)
+        resolve_threads(self.threads)  # --threads, or OMP_NUM_THREADS beyond the table's limit, before a model loads
 
 
 # ------------------------------------------------------------------------------------------- the rules, once

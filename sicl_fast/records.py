@@ -11,6 +11,7 @@ so it cannot resume.
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import fcntl
 import json
@@ -22,7 +23,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 
 from .errors import ResultsFileError, SiclError, SiclWarning
-from .inputs import open_input
+from .inputs import describe_missing, open_input
 
 STDOUT = "-"
 
@@ -40,6 +41,12 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
     if str(path) == STDOUT:
         return
     p = Path(path)
+    try:
+        os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # Path.resolve below would raise a RuntimeError
+            how = describe_missing(p) if p.is_symlink() else "has a symbolic link loop in its path"
+            raise ResultsFileError(f"--out {p}: {how}") from None
     if p.is_dir():
         raise ResultsFileError(f"--out {p}: is a directory; give a file name (e.g. {p / 'results.jsonl'})")
     for src in inputs:
@@ -60,6 +67,32 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
         raise ResultsFileError(f"--out {p}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ResultsFileError(f"--out {p}: cannot create it in {parent} (permission denied)")
+
+
+def folder_arg(text: str) -> str:
+    """An argparse type for a folder flag (--store, --export, --report): an empty one (`--store=`, an unset
+    variable) is refused, not read as the flag left out or as the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty folder name; give a folder")
+    return text
+
+
+def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
+    """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
+    it cannot be a writable folder: a file, a dangling link or a link loop, no permission. `what`: what goes in
+    it, for the message."""
+    path = Path(directory)
+    if path.is_symlink() and not path.exists():
+        raise SiclError(f"{flag} {path}: {describe_missing(path)}")
+    if path.exists() and not path.is_dir():
+        raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SiclError(f"{flag} {path}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SiclError(f"{flag} {path}: cannot write to it (permission denied)")
+    return path
 
 
 def _parse_line(line: bytes, key: Callable[[dict], object]):
@@ -252,4 +285,4 @@ def proxy_record(prompt, out) -> dict:
 
 
 __all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT",
-           "proxy_record"]
+           "proxy_record", "folder_arg", "check_out_dir"]

@@ -43,14 +43,17 @@ def available_cores() -> int:
 def resolve_threads(threads: int | None) -> tuple[int, str]:
     """(the thread count to use, why): `threads` checked against the knob table (an int in [1, 4096]), else
     OMP_NUM_THREADS when it holds one number (the user said so for every OpenMP program: the issue's workaround,
-    and the test suite's setting), else the available cores."""
+    and the test suite's setting; refused beyond the table's limit, naming the variable, before a model loads:
+    Choices checks it), else the available cores (the reason says when OMP_NUM_THREADS was set but not used)."""
     if threads is not None:
         return check_range("threads", threads, "Engine"), "asked for"
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) >= 1:
-        return int(env), f"default: OMP_NUM_THREADS={env} in the environment"
+    if env.isascii() and env.isdigit() and int(env) >= 1:  # ASCII: "²".isdigit() holds and int("²") fails
+        n = check_range("threads", int(env), f"OMP_NUM_THREADS={env}", "the thread count")
+        return n, f"default: OMP_NUM_THREADS={env} in the environment"
     n = available_cores()
-    return n, f"default: the {n} core(s) this process may use (its CPU affinity)"
+    ignored = f"; OMP_NUM_THREADS={env!r} is not one thread count, so not used" if env else ""
+    return n, f"default: the {n} core(s) this process may use (its CPU affinity){ignored}"
 
 
 def apply_threads(threads: int | None, cpp: bool = True) -> int:
@@ -73,7 +76,11 @@ def decide_wait_policy(env: MutableMapping[str, str], openmp_started: bool) -> t
     OpenMP has not started yet (module docstring)."""
     given = [f"{k}={env[k]}" for k in WAIT_ENV if env.get(k)]
     if given:
-        policy = env.get("OMP_WAIT_POLICY", "").lower() or f"spin count {env['GOMP_SPINCOUNT']}"
+        asked = env.get("OMP_WAIT_POLICY", "")
+        policy = asked.strip().lower() if asked else f"spin count {env['GOMP_SPINCOUNT']}"
+        if asked and policy not in ("active", "passive"):  # libgomp warns and keeps its default
+            return "libgomp default", (f"OMP_WAIT_POLICY={asked!r} is neither ACTIVE nor PASSIVE: libgomp ignores "
+                                       "it, and threads spin a while at each barrier")
         return policy, f"the environment's: {', '.join(given)}"
     if openmp_started:
         return "libgomp default", ("OMP_WAIT_POLICY was unset and torch had started OpenMP before sicl_fast was "

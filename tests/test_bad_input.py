@@ -282,6 +282,8 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--max-retries", "-1"], "--max-retries: must be >= 0, got -1"),  # checked without --ray too
     (["--cpus-per-worker", "0"], "--cpus-per-worker: must be >= 1, got 0"),
     (["--workers", "0"], "--workers: must be >= 1, got 0"),
+    (["--store", ""], "argument --store: an empty folder name"),  # was read as no --store: memory only
+    (["--export", ""], "argument --export: an empty folder name"),  # was read as no --export
 ])
 def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
@@ -311,6 +313,49 @@ def test_bad_requests_file_is_one_line(tmp_path, capsys, no_model, content, need
     path.write_bytes(content)
     assert main(["calibrate", str(path), "--out", str(tmp_path / "o.jsonl")]) == 2
     one_line_error(capsys, needle)
+
+
+def test_omp_num_threads_beyond_the_limit_is_one_line_before_the_model(tmp_path, capsys, no_model, monkeypatch):
+    """OMP_NUM_THREADS=99999 went unchecked into the run plan and failed after the model loaded, as "Engine:
+    threads must be <= 4096" (no --threads was given)."""
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    monkeypatch.setenv("OMP_NUM_THREADS", "99999")
+    assert main(["proxy", reqs]) == 2
+    one_line_error(capsys, "OMP_NUM_THREADS=99999: the thread count must be <= 4096")
+
+
+def test_out_in_a_symlink_loop_is_one_line(tmp_path, capsys, no_model):
+    """--out on a symbolic link loop was an internal RuntimeError (Path.resolve)."""
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    for out, needle in (("loop1", "is a symbolic link loop"), ("loop1/o.jsonl", "a symbolic link loop in its path")):
+        assert main(["calibrate", reqs, "--out", str(tmp_path / out)]) == 2
+        one_line_error(capsys, f"--out {tmp_path / out}: ", needle)
+
+
+def test_an_output_folder_that_cannot_be_one_is_one_line_before_any_work(tmp_path, capsys, no_model):
+    """--report on a file, a dangling link or a link loop was an internal FileExistsError, and icleval's came after
+    the whole run; an empty --report was an internal FileNotFoundError ('/report.md')."""
+    from conftest import ICLEVAL_EXCERPTS
+
+    results = write_jsonl(tmp_path / "results.jsonl", [{"id": "x"}])
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "x")
+    for report, needle in ((results, "is a file; give a folder for report.md"), ("loop1", "a symbolic link loop"),
+                           ("dangling", "(a dangling link)")):
+        report = str(tmp_path / report)
+        assert main(["report", results, "--report", report, "--no-plots"]) == 2
+        one_line_error(capsys, f"--report {report}: ", needle)
+        assert main(["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", str(tmp_path / "o.jsonl"),
+                     "--report", report]) == 2
+        one_line_error(capsys, f"--report {report}: ", needle)
+        assert not (tmp_path / "o.jsonl").exists()
+    with pytest.raises(SystemExit) as exc:
+        main(["report", results, "--report", ""])
+    assert exc.value.code == 2
+    one_line_error(capsys, "argument --report: an empty folder name")
 
 
 def test_directory_as_input(tmp_path, capsys, no_model):

@@ -128,6 +128,11 @@ def test_stopping_rules_answers_along_the_way_and_their_report(tiny_model_dir, r
     # a resumed file run with another budget is refused
     assert main([*task, "--out", str(budget), "--time-budget", "5", "--min-delta", "1e-3"]) == 2
     assert "time_budget_s differ" in capsys.readouterr().err
+    # and one with other answers along the way: it said "nothing to do" and reported without the answers at 3
+    assert main([*task, "--out", str(paper), "--answer-at", "9", "2", "1"]) == 0  # the same counts
+    assert "nothing to do" in capsys.readouterr().err
+    assert main([*task, "--out", str(paper), "--answer-at", "3"]) == 2
+    assert "answers_at differ" in capsys.readouterr().err
     assert main(["report", str(paper), str(budget), "--names", "paper", "budget", "--report",
                  str(tmp_path / "rep")]) == 0
     md = capsys.readouterr().out

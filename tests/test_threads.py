@@ -45,6 +45,29 @@ def test_resolve_refuses_bad_counts_through_the_knob_table(bad, message):
         resolve_threads(bad)
 
 
+def test_omp_num_threads_is_checked_and_said_when_not_used(monkeypatch):
+    """99999 was taken as is (and refused after the model loaded, as "Engine: threads"); "²" (a digit to
+    str.isdigit) was an internal ValueError; an unusable value was dropped without a word in the plan."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "99999")
+    with pytest.raises(SiclError, match=r"^OMP_NUM_THREADS=99999: the thread count must be <= 4096"):
+        resolve_threads(None)
+    for bad in ("\u00b2", "abc", "0", "-1", "2,1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        n, why = resolve_threads(None)
+        assert n == available_cores() and f"OMP_NUM_THREADS={bad!r} is not one thread count, so not used" in why
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert "OMP_NUM_THREADS" not in resolve_threads(None)[1]
+
+
+@pytest.mark.parametrize("value", ["abc", " ", "activ"])
+def test_a_wait_policy_libgomp_cannot_read_is_not_reported_as_chosen(value):
+    """OMP_WAIT_POLICY=abc was shown by the plan as policy 'abc'; libgomp ignores it and keeps its default."""
+    env = {"OMP_WAIT_POLICY": value}
+    policy, why = decide_wait_policy(env, openmp_started=False)
+    assert policy == "libgomp default" and "neither ACTIVE nor PASSIVE" in why and env == {"OMP_WAIT_POLICY": value}
+    assert decide_wait_policy({"OMP_WAIT_POLICY": " Passive "}, openmp_started=False)[0] == "passive"
+
+
 def test_wait_policy_passive_unless_the_user_chose_or_openmp_started():
     env = {}
     assert decide_wait_policy(env, openmp_started=False)[0] == "passive" and env == {"OMP_WAIT_POLICY": "PASSIVE"}

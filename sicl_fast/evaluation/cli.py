@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from ..knobs import arg_type
+from ..records import check_out_dir, folder_arg
 from .ablations import ABLATIONS, make_variants
 from .icleval_cls import CONTENT_FREE_INPUTS, DCPMI_PREMISES
 from .methods import METHODS, BaselineOptions, run_methods
@@ -21,7 +22,7 @@ from .methods import METHODS, BaselineOptions, run_methods
 
 def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation (methods, baselines, ablations, report)")
-    g.add_argument("--report", default=None, metavar="RUN_DIR",
+    g.add_argument("--report", type=folder_arg, default=None, metavar="RUN_DIR",
                    help="also write RUN_DIR/report.md, report.json and plots/*.png from the records")
     g.add_argument("--method", nargs="+", default=["sicl"], choices=METHODS, metavar="METHOD",
                    help=f"one or more of {', '.join(METHODS)} (default: sicl); sicl-grad: the same calibration "
@@ -70,6 +71,7 @@ def check_icleval_args(args) -> None:
     require("scipy")
     if args.report:
         require("matplotlib")
+        check_out_dir(args.report, "--report", "report.md, report.json and plots/")
     check_records_out(args.out)
     select_samples(args.dir, args.tasks, args.limit)
 
@@ -115,7 +117,7 @@ def finished_run(args, overrides: dict):
     if not nothing_left(args.out, keys, key=record_key):
         return None
     records = read_records(args.out)
-    _check_existing(records, variants, name, args.out, getattr(args, "time_budget", None))
+    _check_existing(records, variants, name, args.out, getattr(args, "time_budget", None), args.answer_at)
     wanted = set(keys)
     return name, [r for r in records if record_key(r) in wanted]
 
@@ -137,7 +139,8 @@ def add_report_command(subparsers, parents=()) -> argparse.ArgumentParser:
     r = subparsers.add_parser("report", help="the analysis (tables, tests, plots) of one or more results files",
                               parents=list(parents))
     r.add_argument("results", nargs="+", help="results JSONL files, one per run (model)")
-    r.add_argument("--report", required=True, metavar="RUN_DIR", help="folder for report.md, report.json, plots/")
+    r.add_argument("--report", type=folder_arg, required=True, metavar="RUN_DIR",
+                   help="folder for report.md, report.json, plots/")
     r.add_argument("--names", nargs="+", default=None, help="run names (default: the records' model, or file stem)")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--summary-into", default=None, metavar="FILE.md",
@@ -157,6 +160,7 @@ def report_from_args(args, file=None) -> int:
     runs = load_runs(args.results, args.names)
     if args.summary_into:  # refused before anything is written when the file or its markers are missing
         check_summary_target(args.summary_into, args.summary_name)
+    check_out_dir(args.report, "--report", "report.md, report.json and plots/")
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:
         write_summary_into(args.summary_into, args.summary_name, rep, source=", ".join(map(str, args.results)))

@@ -321,18 +321,24 @@ def lost_records(chunk: Sequence[tuple[Sample, Sequence[Variant]]], message: str
 CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)}
 
 
-def _settings(config: dict, method: str, time_budget_s: float | None) -> dict:
+def _settings(config: dict, method: str, time_budget_s: float | None, answers_at: Iterable | None = None) -> dict:
     """What a record of a variant was run with: its config (a config field added since the record was written
-    takes its default, which is what the record ran with) and, for calibrations, the time budget."""
+    takes its default, which is what the record ran with) and, for calibrations, the time budget and the step
+    counts answered at (--answer-at; those up to max_steps, as `answers_at` holds them; None: not compared)."""
     if method not in CALIBRATIONS:
         return config
-    return {**CONFIG_DEFAULTS, **config, "time_budget_s": time_budget_s}
+    out = {**CONFIG_DEFAULTS, **config, "time_budget_s": time_budget_s}
+    if answers_at is not None:
+        limit = out["max_steps"]
+        out["answers_at"] = sorted({int(k) for k in answers_at if int(k) <= limit})
+    return out
 
 
 def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path,
-                    time_budget_s: float | None = None) -> None:
-    """A resumed file must hold records of this model, and each variant with the settings asked for now."""
-    want = {v.name: _settings(v.config_dict(), v.method, time_budget_s) for v in variants}
+                    time_budget_s: float | None = None, answer_at: Sequence[int] = ()) -> None:
+    """A resumed file must hold records of this model, and each variant with the settings asked for now (the
+    answers along the way too: a record without the counts asked for now would be skipped without them)."""
+    want = {v.name: _settings(v.config_dict(), v.method, time_budget_s, answer_at) for v in variants}
     for rec in records:
         m = rec.get("model")
         if m is not None and m != model:
@@ -340,7 +346,10 @@ def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model:
         name = rec.get("variant", "sicl")
         if name not in want or "config" not in rec:
             continue
-        got = _settings(rec["config"], rec.get("method", "sicl"), rec.get("time_budget_s"))
+        answers = None if "error" in rec else rec.get("answers_at") or {}
+        got = _settings(rec["config"], rec.get("method", "sicl"), rec.get("time_budget_s"), answers)
+        if "answers_at" in want[name] and answers is None:  # a failed sample's record: no answers, not compared
+            got["answers_at"] = want[name]["answers_at"]
         if _norm(got) != _norm(want[name]):
             diff = sorted(k for k in set(got) | set(want[name]) if _norm(got.get(k)) != _norm(want[name].get(k)))
             raise SiclError(f"{path}: variant {name!r} was run with other settings ({', '.join(diff)} differ); "
@@ -416,7 +425,7 @@ def run_methods(
                       f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
     model = workers.model_name
     with ResultWriter(out_path, key=record_key) as out:
-        _check_existing(read_records(out_path), variants, model, out_path, time_budget_s)
+        _check_existing(read_records(out_path), variants, model, out_path, time_budget_s, answer_at)
         todo = [(s, [v for v in variants if _applies(v, s) and (v.name, s.task_file, s.uid) not in out])
                 for s in samples]
         todo = [(s, vs) for s, vs in todo if vs]

@@ -141,6 +141,10 @@ class CalibrationConfig:
     def replace(self, **kw) -> CalibrationConfig:
         return dataclasses.replace(self, **kw)
 
+    def with_overrides(self, **overrides) -> CalibrationConfig:
+        """This config with `overrides`, None values ignored (a flag or field left unset keeps the preset's)."""
+        return self.replace(**{k: v for k, v in overrides.items() if v is not None})
+
     @classmethod
     def for_model(cls, lm, **overrides) -> CalibrationConfig:
         """The preset of the loaded model (preset), then `overrides` (None values ignored)."""

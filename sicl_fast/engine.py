@@ -101,7 +101,7 @@ class Engine:
         """The model's preset (or `config`) with overrides; None values are ignored."""
         if config is None:
             return CalibrationConfig.for_model(self.lm, **overrides)
-        return config.replace(**{k: v for k, v in overrides.items() if v is not None})
+        return config.with_overrides(**overrides)
 
     def proxy(
         self, prompt: Prompt, config: CalibrationConfig | None = None, embeds: torch.Tensor | None = None

@@ -289,8 +289,9 @@ class Profile:
 @torch.no_grad()
 def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None, on_phase=None) -> Profile:
     """Profile one ascent step of `prompt` on `backend` (module docstring). trace: write a torch.profiler Chrome
-    trace of one step there (with NVTX ranges per phase on CUDA). on_phase(name, ms): each phase's time as soon as
-    it is measured (the command's progress; the table needs the whole step first)."""
+    trace of one step there (with NVTX ranges per phase on CUDA). on_phase(name, ms): each phase's time (and the
+    whole step's) once the rounds that time them in turn have ended, before the FLOPs, floor and memory are worked
+    out (the command's progress)."""
     config = resolve_scale(config, backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state

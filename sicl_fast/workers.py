@@ -69,7 +69,7 @@ class Workers:
     def config(self, config=None, **overrides):
         """Same rule as Engine.config: the preset (or `config`) with the non-None overrides."""
         base = self._known()["preset"] if config is None else config
-        return base.replace(**{k: v for k, v in overrides.items() if v is not None})
+        return base.with_overrides(**overrides)
 
     def watch_steps(self, hook) -> None:
         pass

@@ -109,7 +109,7 @@ def finished_run(args, overrides: dict):
     except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
         return None
     preset = CalibrationConfig.preset(family, n_params)
-    config = preset.replace(**{k: v for k, v in overrides.items() if v is not None})
+    config = preset.with_overrides(**overrides)
     variants = build_variants(args.method, None, config, make_variants(
         config, preset, ablate=args.ablate, sweep_N=args.sweep_N, sweep_mu=args.sweep_mu,
         reference=not args.no_reference), options_from_args(args))

@@ -599,13 +599,15 @@ def test_without_the_extra_package_imports_and_serve_says_what_to_install():
 class CliServer:
     """`sicl-fast serve ARGS` in a process of its own on a free loopback port; its stderr collected line by line."""
 
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    def __init__(self, *args: str, env: dict | None = None, script: str | None = None) -> None:
+        """script: Python source run instead of the CLI, with argv [port, *args]."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.lines: list[str] = []
-        cmd = [sys.executable, "-m", "sicl_fast.cli", "serve", "--port", str(self.port), "--threads", "1", *args]
+        cmd = ([sys.executable, "-c", script, str(self.port), *args] if script else
+               [sys.executable, "-m", "sicl_fast.cli", "serve", "--port", str(self.port), "--threads", "1", *args])
         self.proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
                                      stderr=subprocess.PIPE, text=True)
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -712,6 +714,55 @@ def test_sigint_stops_the_running_calibration_in_the_grace_period(tiny_dir):
     s = r.json()["summary"]
     assert s["stop_reason"] == "shutdown" and 1 <= s["steps"] < LONG["max_steps"]
     assert_clean(srv.log)
+
+
+# `serve` on the tiny model whose proxy job first runs 4 s of small torch ops without a stop check: a job that the
+# drain cannot stop at a step boundary (argv: port, model folder)
+SLOW_JOB_SERVER = """
+import sys, time, torch
+from sicl_fast import Engine
+from sicl_fast.serve.server import serve
+from sicl_fast.serve.settings import ServeSettings
+torch.set_num_threads(1)
+engine = Engine(model=sys.argv[2])
+proxy = engine.proxy
+def slow_proxy(*a, **k):
+    t, end = torch.full((32, 32), 0.01), time.monotonic() + 4.0
+    while time.monotonic() < end:
+        t = torch.tanh(t @ t)
+    return proxy(*a, **k)
+engine.proxy = slow_proxy
+sys.exit(serve(engine, ServeSettings(port=int(sys.argv[1]), grace_s=1.0, log_level="info")))
+"""
+
+
+def test_a_job_past_the_grace_period_ends_with_the_process_cleanly(tiny_dir):
+    """The job still inside torch when the grace period ends gets its 503 and the process exits 0 at once (before:
+    the interpreter's finalization ended the worker thread inside torch's C++ frames, and the process aborted with
+    'terminate called without an active exception', status -6)."""
+    with CliServer(tiny_dir, script=SLOW_JOB_SERVER) as srv:
+        running, out = in_thread(lambda: httpx.post(srv.url + "/v1/proxy", json={"request": REQ}, timeout=60))
+        wait_for(lambda: srv.health()["busy"], 30)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        rc = srv.wait()
+        running.join(60)
+    assert rc == 0 and time.monotonic() - t0 < 3.5, srv.log  # the job alone would have run on for about 4 s
+    assert "terminate called" not in srv.log and "past the grace period still inside the engine" in srv.log, srv.log
+    r = out["r"]
+    assert r.status_code == 503 and "shut down before this job finished" in error_of(r)["message"], r.text
+    assert_clean(srv.log)
+
+
+def test_the_idle_engine_worker_has_ended_when_the_server_stops(engine):
+    """After a drain with no job running, the engine's worker thread has returned before the server does: a thread
+    that ran torch code must not be left to wake up during the interpreter's finalization (it aborted the process
+    at exit: EngineQueue.ended)."""
+    srv = ServerThread(engine, ServeSettings(port=0)).start()
+    queue = srv.app.state.serve.queue
+    Client(srv.url).proxy(REQ)  # the worker has run torch code
+    srv.shutdown()
+    assert not srv.thread.is_alive() and queue.ended
 
 
 @pytest.mark.slow

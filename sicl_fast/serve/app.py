@@ -31,8 +31,10 @@ def lifespan(state: ServeState):
     @asynccontextmanager
     async def run(app: FastAPI):
         yield
-        # after a drain the running job is over or past the grace period: do not wait for it
-        await asyncio.to_thread(state.queue.close, 0.0 if state.shutdown.draining else CLOSE_WAIT_S)
+        # after a drain a job still running is past the grace period: do not wait for it (serve() then exits without
+        # finalizing); an idle worker is always joined, as it ends at once (EngineQueue.ended says why it must)
+        past_grace = state.shutdown.draining and state.queue.busy
+        await asyncio.to_thread(state.queue.close, 0.0 if past_grace else CLOSE_WAIT_S)
 
     return run
 

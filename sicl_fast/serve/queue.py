@@ -183,8 +183,9 @@ class EngineQueue:
             job.fail(ShuttingDown())
         return len(waiting)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Drain, cancel the running job (it stops at its next step), and join the worker for at most timeout s."""
+    def close(self, timeout: float = 30.0) -> bool:
+        """Drain, cancel the running job (it stops at its next step), and join the worker for at most timeout s
+        (an idle worker ends at once). -> whether the worker has ended (see `ended`)."""
         self.drain(time.monotonic())
         with self._cond:
             self._closed = True
@@ -192,3 +193,11 @@ class EngineQueue:
                 self._running.cancel()
             self._cond.notify_all()
         self._thread.join(timeout)
+        return self.ended
+
+    @property
+    def ended(self) -> bool:
+        """The worker thread has returned. A process must not finalize while it runs: a thread that has run torch
+        code and takes the GIL back during the interpreter's finalization is ended inside torch's C++ frames, which
+        aborts the process ('terminate called without an active exception'; pytorch/pytorch#38228)."""
+        return not self._thread.is_alive()

@@ -7,6 +7,8 @@ status 0 once no job runs or the grace period is over.
 from __future__ import annotations
 
 import copy
+import logging
+import os
 import socket
 import sys
 import threading
@@ -18,6 +20,8 @@ from uvicorn.config import LOGGING_CONFIG
 from ..errors import SiclError
 from .app import create_app
 from .settings import ServeSettings, check_bind
+
+log = logging.getLogger("sicl_fast.serve")
 
 WRITE_WAIT_S = 2.0  # once the drain is over: how long uvicorn waits for the last replies to be written
 
@@ -57,13 +61,20 @@ class Server(uvicorn.Server):
 
 def serve(engine, settings: ServeSettings) -> int:
     """Serve until SIGTERM or SIGINT, then drain (shutdown.py) and return 0. The bind rule is checked before
-    anything listens."""
+    anything listens. A job still running past the grace period ends with the process: os._exit(0) without the
+    interpreter's finalization, which would abort the process inside that job's torch call (EngineQueue.ended)."""
     check_bind(settings)
     app = create_app(engine, settings)
     auth = "API key required" if settings.api_key else "no API key"
     print(f"sicl-fast serve: model {engine.lm.name} ({engine.backend.name} backend), http://{settings.host}:"
           f"{settings.port} ({auth}; docs at /docs)", file=sys.stderr, flush=True)
     Server(app).run()
+    if not app.state.serve.queue.ended:
+        log.info("exiting with the job that ran past the grace period still inside the engine (its reply was the "
+                 "503)")
+        logging.shutdown()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -643,7 +643,7 @@ def cmd_profile(args) -> int:
     else:
         prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
     prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace,
-                        on_phase=lambda name, ms: print(f"  {name}: {ms:.2f} ms", file=sys.stderr, flush=True))
+                        progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(prof.as_json()))
     else:

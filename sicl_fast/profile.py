@@ -61,15 +61,19 @@ def time_ms(fn, device, repeats: int) -> float:
     return min(once_ms(fn, device) for _ in range(repeats))
 
 
-def best_in_turn(fns: dict, device, repeats: int) -> dict:
+def best_in_turn(fns: dict, device, repeats: int, on_round=None) -> dict:
     """Best wall time in ms of each callable of `fns` after one warm-up each, timed in turn round after round (so
-    that all of them see the same machine load)."""
+    that all of them see the same machine load). on_round(r, rounds, times): after round r (1-based), that round's
+    times."""
     for fn in fns.values():
         fn()
     best = {k: float("inf") for k in fns}
-    for _ in range(max(1, repeats)):
-        for k, fn in fns.items():
-            best[k] = min(best[k], once_ms(fn, device))
+    rounds = max(1, repeats)
+    for r in range(rounds):
+        times = {k: once_ms(fn, device) for k, fn in fns.items()}
+        best = {k: min(best[k], t) for k, t in times.items()}
+        if on_round is not None:
+            on_round(r + 1, rounds, times)
     return best
 
 
@@ -287,11 +291,12 @@ class Profile:
 
 
 @torch.no_grad()
-def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None, on_phase=None) -> Profile:
+def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = None, progress=None) -> Profile:
     """Profile one ascent step of `prompt` on `backend` (module docstring). trace: write a torch.profiler Chrome
-    trace of one step there (with NVTX ranges per phase on CUDA). on_phase(name, ms): each phase's time (and the
-    whole step's) once the rounds that time them in turn have ended, before the FLOPs, floor and memory are worked
-    out (the command's progress)."""
+    trace of one step there (with NVTX ranges per phase on CUDA). progress(line): what is measured, as it is (the
+    command's progress): each round's whole step, then each phase's best time and the host overhead, then the
+    product rates."""
+    say = progress or (lambda line: None)
     config = resolve_scale(config, backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state
@@ -315,15 +320,17 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     }
     # the phases and the whole step timed in turn, round after round (best of each): the step minus its phases is
     # then not a difference of timings taken under different machine loads
-    best = best_in_turn({**{k: fn for k, fn in phases.items() if fn is not None}, "whole step": st}, dev, repeats)
+    best = best_in_turn({**{k: fn for k, fn in phases.items() if fn is not None}, "whole step": st}, dev, repeats,
+                        on_round=lambda r, n, t: say(f"round {r}/{n}: whole step {t['whole step']:.2f} ms, its "
+                                                     f"phases {sum(t.values()) - t['whole step']:.2f} ms"))
     step_ms = best.pop("whole step")
     times = {k: best.get(k, 0.0) for k in phases}
-    if on_phase is not None:  # measured together, in turn: the command shows them as soon as the rounds end
-        for k in [*times, "whole step"]:
-            on_phase(k, times[k] if k in times else step_ms)
     times["host overhead"] = max(0.0, step_ms - sum(times.values()))
+    for k in PHASES:
+        say(f"{k}: {times[k]:.2f} ms ({100 * times[k] / step_ms:.1f}% of the step's best, {step_ms:.2f} ms)")
     flops = step_flops(st)
     floor = floor_of(st, measure_rates(m, step_rows(st), low_precision_rows(st) > 0))
+    say(floor.rates.line())
     out = Profile(step_ms=step_ms, floor=floor)
     for ph in PHASES:
         gf, fl = flops[ph] / 1e9, floor.phases[ph]

@@ -60,8 +60,13 @@ def test_flops_split_by_precision_and_the_floor(models):
 def test_profile_table_and_counts(models):
     be = make_backend("fast", models["gemma2"], diff_matmul="bf16", impl="torch")
     p = make_prompt(6)
-    prof = profile_step(be, CFG, p, repeats=1)
+    lines: list[str] = []
+    prof = profile_step(be, CFG, p, repeats=2, progress=lines.append)
     assert [r[0] for r in prof.rows] == list(PHASES)
+    # the progress: each round as it ends, then each phase's best (host overhead included), then the rates
+    assert [ln.split(":")[0] for ln in lines[:-1]] == ["round 1/2", "round 2/2", *PHASES]
+    assert lines[-1] == prof.floor.rates.line()
+    assert lines[2 + PHASES.index("host overhead")].endswith(f"of the step's best, {prof.step_ms:.2f} ms)")
     assert all(r[1] >= 0 for r in prof.rows) and prof.step_ms > 0 and prof.peak_mb > 0 and prof.peak_gflops > 0
     assert abs(sum(r[2] for r in prof.rows) - 1.0) < 1e-9 or sum(r[1] for r in prof.rows[:-1]) > prof.step_ms
     st = StaticStep(be, Calibrator(be, CFG).config, p, be.embed(p))
@@ -81,7 +86,9 @@ def test_profile_command_on_smollm2(tmp_path, capsys):
 
     trace = tmp_path / "trace.json"
     assert main(["profile", "--length", "48", "--repeats", "1", "--json", "--trace", str(trace)]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert "  round 1/1: whole step" in captured.err and "  host overhead: " in captured.err
     assert out["info"]["model"].startswith("smollm2") and out["info"]["backend"] == "fast"
     assert [ph["phase"] for ph in out["phases"]] == list(PHASES)
     assert out["kernels"]["total"] > out["kernels"]["rest"] > 0

@@ -73,7 +73,7 @@ def _strip_wrappers(words: list[str]) -> list[str]:
     """`words` without leading VAR=value settings and the commands that run another (timeout, taskset, env, nice,
     time, exec, nohup) with their options."""
     while words:
-        if ASSIGNMENT.fullmatch(words[0]) or words[0] in ("time", "exec", "nohup", "!", "{", "("):
+        if ASSIGNMENT.fullmatch(words[0]) or words[0] in ("time", "exec", "nohup", "!", "{"):
             words = words[1:]
         elif words[0] in ("timeout", "taskset", "nice", "env"):
             head, words = words[0], words[1:]
@@ -90,7 +90,7 @@ def _strip_wrappers(words: list[str]) -> list[str]:
 def simple_commands(line: str, variables: dict[str, str]) -> list[list[str]]:
     """The words of each simple command of a shell line: those inside `$(...)` first, then each part between
     `&&`, `||`, `;`, `|` and `&`, with redirections, settings and wrapper commands left out and the `variables` set
-    earlier in the block expanded ($NAME alone splits into words, as the shell does). A part that only sets
+    earlier on the page expanded ($NAME alone splits into words, as the shell does). A part that only sets
     variables (`F="..."`, `export A=1`) records them in `variables`."""
     line, inner = substitutions(line)
     out = [cmd for text in inner for cmd in simple_commands(text, variables)]
@@ -230,13 +230,14 @@ def test_every_script_accepts_its_arguments(page, script, argv, monkeypatch, cap
 def test_every_script_and_make_target_exists():
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
     for page in PAGES:
+        name = page.relative_to(ROOT).as_posix()
         for words in page_commands(page):
             line = shlex.join(words)
             if words[0] == "make":
-                assert words[1] in targets, f"{page.name}: `{line}`: no make target {words[1]!r}"
+                assert words[1:2] and words[1] in targets, f"{name}: `{line}`: no make target {words[1:2]}"
             for w in (piece for word in words for piece in re.split(r"[\s=]", word)):
                 if w.endswith(".py") and "/" in w and not w.startswith(("-", "/", "$")):
-                    assert (ROOT / w).is_file(), f"{page.name}: `{line}`: {w} is not in the repository"
+                    assert (ROOT / w).is_file(), f"{name}: `{line}`: {w} is not in the repository"
 
 
 def test_readme_commands_write_distinct_outputs():

@@ -17,17 +17,26 @@
 #   bash bench/budget_measure.sh                                   # the measurement
 #   LIMIT=1 EXTRA="--max-steps 2" OUT=/tmp/b bash bench/budget_measure.sh        # a smoke test of the commands
 #
-# Environment: DATA (ICLEval task files; default $SICL_ICLEVAL_DIR or /work/shared/icleval/data), OUT (default
+# Environment: DATA (ICLEval task files; default $SICL_ICLEVAL_DIR, else ICLEval/data/tasks_data: the clone of
+# `git clone https://github.com/RUCBM/ICLEval`, as README.md's evaluation section makes it), OUT (default
 # bench/budget_run), LIMIT (samples per file, default 20), TASKS, EXTRA (more icleval flags, e.g. --model DIR
-# --max-steps 2), SICL (the command, default sicl-fast). A run that is interrupted resumes when started again.
+# --max-steps 2), SICL (the command; default .venv/bin/sicl-fast where `make` set it up, else sicl-fast from PATH).
+# A run that is interrupted resumes when started again.
 set -euo pipefail
 
-DATA=${DATA:-${SICL_ICLEVAL_DIR:-/work/shared/icleval/data}}
+DATA=${DATA:-${SICL_ICLEVAL_DIR:-ICLEval/data/tasks_data}}
 OUT=${OUT:-bench/budget_run}
 LIMIT=${LIMIT:-20}
 TASKS=${TASKS:-generate_format_conversion generate_order classifier_order}
 EXTRA=${EXTRA:-}
-SICL=${SICL:-sicl-fast}
+if [ -z "${SICL:-}" ]; then
+    if [ -x .venv/bin/sicl-fast ]; then SICL=.venv/bin/sicl-fast; else SICL=sicl-fast; fi
+fi
+if ! compgen -G "$DATA/*.json" > /dev/null; then  # before any run: not three failures, one line
+    echo "budget_measure.sh: no ICLEval task files (*.json) in $DATA: run \`git clone" \
+         "https://github.com/RUCBM/ICLEval\` in $(pwd), or set DATA to the folder that holds them" >&2
+    exit 2
+fi
 
 mkdir -p "$OUT"
 run() {  # run NAME FLAGS...: one icleval results file

@@ -163,3 +163,37 @@ def test_budget_measurement_script(tiny_model_dir, tmp_path):
     md = (tmp_path / "b" / "report" / "report.md").read_text()
     assert "## Runs compared with paper (same samples)" in md and "| budget=2s | generate_order | 1 |" in md
     assert len((tmp_path / "b" / "load.txt").read_text().splitlines()) == 3
+
+
+def test_budget_measurement_script_defaults(tmp_path):
+    """Run from a checkout with neither DATA nor SICL set, bench/budget_measure.sh reads the README's ICLEval clone
+    (ICLEval/data/tasks_data) with the checkout's .venv/bin/sicl-fast; without the clone it stops before any run
+    with one line that says how to get it."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "budget_measure.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("DATA", "SICL", "SICL_ICLEVAL_DIR")}
+    env.update(LIMIT="1", OUT="out")
+    fake = tmp_path / ".venv" / "bin" / "sicl-fast"  # records its arguments, one call a line
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/sh\necho "$@" >> calls.txt\n')
+    fake.chmod(0o755)
+
+    def run():
+        return subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    missing = run()
+    assert missing.returncode == 2 and not (tmp_path / "calls.txt").exists()
+    assert "no ICLEval task files (*.json) in ICLEval/data/tasks_data" in missing.stderr
+    assert "git clone https://github.com/RUCBM/ICLEval" in missing.stderr
+    data = tmp_path / "ICLEval" / "data" / "tasks_data"
+    data.mkdir(parents=True)
+    (data / "generate_order.json").write_text("[]")
+    done = run()
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    want = [["icleval", "ICLEval/data/tasks_data"]] * 3 + [["report", "out/paper.jsonl"]]  # the three runs, the report
+    assert [c.split()[:2] for c in calls] == want

@@ -145,7 +145,8 @@ def add_report_command(subparsers, parents=()) -> argparse.ArgumentParser:
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--summary-into", default=None, metavar="FILE.md",
                    help="also put the one-row-per-variant summary table into FILE.md, between the lines "
-                        "<!-- sicl-report:NAME:begin --> and <!-- sicl-report:NAME:end --> (README, RESULTS)")
+                        "<!-- sicl-report:NAME:begin --> and <!-- sicl-report:NAME:end --> (as docs/usage.md "
+                        "and docs/gpu.md hold them)")
     r.add_argument("--summary-name", default="icleval", metavar="NAME", help="the markers' NAME (default: icleval)")
     return r
 

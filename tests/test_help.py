@@ -1,0 +1,68 @@
+"""Every --help of sicl-fast tells a user the truth in a user's words: no Python words in the prose (None, True,
+False, kwargs, "pass model=", dict, list[...]), and the knobs the presets set say that their default is the
+model's preset, with the numbers the presets give (N: 8 for models under 1B parameters, as the embedded SmolLM2,
+else 16). The parser is built once and each command's help formatted in-process."""
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from sicl_fast.ascent import PRESETS, CalibrationConfig
+from sicl_fast.cli import COMMANDS, build_parser
+
+PYTHON_WORDS = re.compile(r"\b(None|True|False|NoneType|kwargs|dict|Optional)\b|list\[|pass model=|<class |<function ")
+SMOLLM2_PARAMS = 134_515_008  # the embedded SmolLM2-135M; the preset only asks whether it is under 1B
+LARGE_PARAMS = 8_000_000_000
+
+
+def parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command path, parser) of the top level and every command and sub-command under it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from parsers(sub, (*path, name))
+
+
+PARSERS = dict(parsers(build_parser()))
+KNOB_COMMANDS = [path for path, p in PARSERS.items() if any("--N" in a.option_strings for a in p._actions)]
+
+
+def test_every_command_has_its_help():
+    assert {path[0] for path in PARSERS if path} == set(COMMANDS)
+    assert ("cache", "path") in PARSERS
+    assert {"calibrate", "icleval", "demo"} <= {path[0] for path in KNOB_COMMANDS}
+
+
+@pytest.mark.parametrize("path", list(PARSERS), ids=[" ".join(p) or "sicl-fast" for p in PARSERS])
+def test_help_has_no_python_words(path):
+    text = " ".join(PARSERS[path].format_help().split())  # line breaks undone: "pass model=" may be wrapped
+    bad = [text[max(m.start() - 40, 0):m.end() + 20] for m in PYTHON_WORDS.finditer(text)]
+    assert not bad, f"sicl-fast {' '.join(path)} --help: Python words in {bad}"
+
+
+def knob_help(path: tuple[str, ...], flag: str) -> str:
+    """The help text of `flag` of the command at `path`, with its line breaks undone."""
+    (action,) = [a for a in PARSERS[path]._actions if flag in a.option_strings]
+    return " ".join(action.help.split())
+
+
+PRESET_KNOBS = sorted(set.intersection(*(set(preset) for preset in PRESETS.values())))
+
+
+@pytest.mark.parametrize("path", KNOB_COMMANDS, ids=[" ".join(p) for p in KNOB_COMMANDS])
+def test_knob_help_shows_the_models_preset(path):
+    small, large = CalibrationConfig.preset("llama", SMOLLM2_PARAMS), CalibrationConfig.preset("llama", LARGE_PARAMS)
+    assert small.N != large.N  # else the help's two numbers would say nothing
+    n_help = knob_help(path, "--N")
+    assert "preset" in n_help and f"{small.N} for models under 1B parameters" in n_help and "SmolLM2" in n_help
+    assert f"else {large.N}" in n_help
+    for name in PRESET_KNOBS:
+        if name == "N" or not any(f"--{name.replace('_', '-')}" in a.option_strings for a in PARSERS[path]._actions):
+            continue
+        text = knob_help(path, f"--{name.replace('_', '-')}")
+        values = {preset[name] for preset in PRESETS.values()}
+        assert "the model's preset" in text, f"--{name}: {text}"
+        assert len(values) > 1 or f"{values.pop()} for every family" in text, f"--{name}: {text}"

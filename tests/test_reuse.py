@@ -171,6 +171,22 @@ def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
     assert_same(rb, own(b, second, **BASE))
 
 
+def test_the_key_holds_the_attention_kernel_and_not_the_loop(tiny_llama, one_thread):
+    """Engines that differ only in their attention kernel compute other bits, so a shared store must not serve one's
+    calibration to the other; engines that differ only in the loop compute the same bits and share it."""
+    from sicl_fast.store import CalibrationStore
+
+    store = CalibrationStore()
+    math, sdpa, eager = (Engine(tiny_llama, attn=a, loop=lp, sync_every=3, store=store)
+                         for a, lp in (("math", "static"), ("sdpa", "static"), ("math", "eager")))
+    p = math.prepare(request("five"))
+    runs = [eng.calibrate(p, reuse="auto", **BASE) for eng in (math, sdpa, eager)]
+    assert [r.reuse for r in runs] == ["fresh", "fresh", "hit"]
+    assert runs[0].key != runs[1].key and runs[2].key == runs[0].key
+    assert math.reuser.fingerprint["attention"] == "math" and sdpa.reuser.fingerprint["attention"] == "sdpa"
+    assert_same(runs[1], own(sdpa, p, **BASE))
+
+
 def test_answers_from_a_stored_calibration(engine):
     queries = [request(q) for q in ("five", "nine", "a hundred and two")]
     cal = engine.calibrate(engine.prepare(queries[0]), reuse="auto", **BASE).calibration

@@ -19,6 +19,7 @@ from sicl_fast.errors import SiclError, SiclWarning
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
 from sicl_fast.store import Calibration, CalibrationStore, calibration_key
+from sicl_fast.store.disk import FORMAT, SIDECAR, sidecar_sha256
 from sicl_fast.store.memory import MemoryLRU
 
 pytest.importorskip("safetensors")
@@ -100,7 +101,7 @@ def test_disk_round_trip_is_bit_for_bit(tmp_path):
     assert got is not None and same(got, cal) and fresh.stats["disk_reads"] == 1
     assert not list(tmp_path.rglob("*.tmp")), "no temporary file left behind"
     side = json.loads(fresh.disk.paths(cal.key)[1].read_text())
-    assert side["format"] == "sicl_fast.calibration.v1" and side["key"] == cal.key
+    assert side["format"] == FORMAT and side["key"] == cal.key and side["sha256"] == sidecar_sha256(side)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "missing_tensors", "meta_edit"])
@@ -123,6 +124,10 @@ def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
         side = json.loads(sidecar.read_text())
         side["meta"]["best_proxy"] = 0.99
         sidecar.write_text(json.dumps(side))
+    assert_moved_aside_and_recomputed(s, key, tmp_path)
+
+
+def assert_moved_aside_and_recomputed(s: CalibrationStore, key: str, root: Path, why: str = "") -> None:
     computed = []
 
     def compute():
@@ -133,10 +138,51 @@ def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
         warnings.simplefilter("always")
         cal, hit = s.get_or_compute(key, compute)
     assert computed == [1] and not hit and same(cal, entry(key, seed=5))
-    assert any(issubclass(w.category, SiclWarning) and "corrupt" in str(w.message) for w in caught)
-    assert s.disk.corrupted == 1 and any((tmp_path / "corrupt").iterdir())
-    again = CalibrationStore(1 << 20, tmp_path).get(key)  # the recomputed entry replaced it on disk
+    said = [str(w.message) for w in caught if issubclass(w.category, SiclWarning)]
+    assert any("corrupt" in m and why in m for m in said), said
+    assert s.disk.corrupted == 1 and any((root / "corrupt").iterdir())
+    again = CalibrationStore(1 << 20, root).get(key)  # the recomputed entry replaced it on disk
     assert same(again, entry(key, seed=5))
+
+
+@pytest.mark.parametrize("field", list(SIDECAR))
+@pytest.mark.parametrize("resealed", [False, True])
+def test_a_sidecar_without_a_field_is_moved_aside(tmp_path, field, resealed):
+    """Valid JSON lacking a field, as written or resealed with a checksum over what is left (a writer that forgot
+    it): reported, moved aside and recomputed, never a KeyError."""
+    key = "f" * 40
+    CalibrationStore(1 << 20, tmp_path).put(entry(key))
+    s = CalibrationStore(1 << 20, tmp_path)
+    sidecar = s.disk.paths(key)[1]
+    side = json.loads(sidecar.read_text())
+    del side[field]
+    if resealed and field != "sha256":
+        side["sha256"] = sidecar_sha256(side)
+    sidecar.write_text(json.dumps(side))
+    assert_moved_aside_and_recomputed(s, key, tmp_path, f"lacks {field}")
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda side: [side], "is a JSON list, not an object"),
+    (lambda side: "entry", "is a JSON str, not an object"),
+    (lambda side: {**side, "tensors_bytes": str(side["tensors_bytes"])}, "tensors_bytes is of the wrong type"),
+    (lambda side: {**side, "tensors_bytes": True}, "tensors_bytes is of the wrong type"),
+    (lambda side: {**side, "tensors_sha256": None}, "tensors_sha256 is of the wrong type"),
+    (lambda side: {**side, "meta": [side["meta"]], "key": 7}, "key, meta are of the wrong type"),
+    (lambda side: {**side, "meta": {**side["meta"], "history": None}}, "unreadable entry"),
+    (lambda side: {**side, "extra": 1}, "unknown fields extra"),
+])
+def test_a_sidecar_of_the_wrong_shape_is_moved_aside(tmp_path, change, why):
+    """Fields of the wrong type, resealed with a matching checksum so that the type check must catch them."""
+    key = "w" * 40
+    CalibrationStore(1 << 20, tmp_path).put(entry(key))
+    s = CalibrationStore(1 << 20, tmp_path)
+    sidecar = s.disk.paths(key)[1]
+    side = change(json.loads(sidecar.read_text()))
+    if isinstance(side, dict):
+        side["sha256"] = sidecar_sha256(side)
+    sidecar.write_text(json.dumps(side))
+    assert_moved_aside_and_recomputed(s, key, tmp_path, why)
 
 
 def test_single_flight_across_threads(tmp_path):

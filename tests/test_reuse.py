@@ -161,6 +161,37 @@ def test_a_run_stopped_from_outside_is_not_stored(tiny_llama, one_thread):
     assert whole.reuse == "fresh" and whole.stop_reason == "max_steps"
 
 
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_waiter_stops_by_its_own_time_budget(tiny_llama, one_thread, mode):
+    """A query whose calibration another thread has in flight waits for it no longer than its own time budget: it
+    then ends as its own calibration with that budget would (one step, stop_reason 'time_budget', nothing stored),
+    while the other still runs."""
+    import threading
+
+    eng = Engine(tiny_llama)
+    p = eng.prepare(request("five"))
+    key = eng.reuser.key(p, eng.reuser.resolve(eng.config(**BASE)))
+    release, holding = threading.Event(), threading.Event()
+    leader = threading.Thread(target=lambda: eng.store.flight.run(key, lambda: (holding.set(), release.wait(60))),
+                              daemon=True)
+    leader.start()
+    assert holding.wait(30)
+    out = []
+    try:
+        waiter = threading.Thread(target=lambda: out.append(eng.calibrate(p, reuse=mode, time_budget_s=0.2, **BASE)))
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive() and leader.is_alive(), "the waiter waited for the leader"
+    finally:
+        release.set()
+        leader.join(30)
+    res = out[0]
+    assert (res.stop_reason, res.steps, res.reused) == ("time_budget", 1, False) and eng.store.stats["gave_up"] == 1
+    assert len(eng.store.memory) == 0
+    ref = eng.calibrate(p, reuse="off", **dict(BASE, max_steps=1))
+    assert res.history == ref.history and torch.equal(res.embeddings, ref.embeddings)
+
+
 def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
     a = Engine(tiny_llama, store_dir=str(tmp_path))
     ra = a.calibrate(a.prepare(request("five")), reuse="auto", **BASE)

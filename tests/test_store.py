@@ -228,30 +228,94 @@ def test_a_leader_that_keeps_nothing_lets_a_waiter_compute():
     assert len(calls) == 2 and sorted(c is None for c, _ in out) == [False, True]
 
 
+def leader_holding(hold) -> tuple[threading.Thread, threading.Event]:
+    """A thread that holds a key (hold(release): in flight, or its disk lock) until the returned event is set."""
+    release, holding = threading.Event(), threading.Event()
+
+    def run():
+        hold(lambda: (holding.set(), release.wait(60)))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert holding.wait(30)
+    return t, release
+
+
+@pytest.mark.parametrize("held", ["flight", "lock"])
+def test_a_waiter_whose_should_stop_fires_stops_waiting(tmp_path, held):
+    """A caller waiting for another's compute of its key (in flight in this process, or computing under the disk
+    lock in another store on the directory, as another process would) looks at its should_stop while it waits: when
+    it fires, the caller runs its own compute at once (a calibration whose hook fired runs one step and ends with
+    the hook's reason), while the other still holds the key; nothing of it reaches the disk."""
+    key = "s" * 40
+    s = CalibrationStore(1 << 20, tmp_path)
+    if held == "flight":
+        leader, release = leader_holding(lambda block: s.flight.run(key, block))
+    else:
+        other = CalibrationStore(1 << 20, tmp_path)  # its own flight table: only the flock is shared
+        leader, release = leader_holding(lambda block: other.get_or_compute(key, lambda: block() and None))
+    try:
+        looks, out = [], []
+        should_stop = lambda: looks.append(1) or ("deadline" if len(looks) >= 3 else None)  # noqa: E731
+        waiter = threading.Thread(target=lambda: out.append(s.get_or_compute(key, lambda: None, should_stop)))
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive() and leader.is_alive(), "the waiter waited for the leader"
+        assert out == [(None, False)] and len(looks) == 3 and s.stats["gave_up"] == 1
+        got = s.get(key, lambda: "deadline")  # a lookup gives up the same way: nothing found
+        assert got is None and (held == "flight" or s.stats["gave_up"] == 2)
+    finally:
+        release.set()
+        leader.join(30)
+    assert not s.disk.paths(key)[1].exists()
+
+
 CHILD = r"""
-import sys, time, torch
+import sys, time
 sys.path.insert(0, {tests!r})
 from test_store import entry
 from sicl_fast.store import CalibrationStore
-s = CalibrationStore(1 << 20, sys.argv[1])
+marks = sys.argv[2]
+
+def mark(word):
+    with open(marks, "a") as fh:
+        fh.write(word + "\n")
+
+def seen(word):
+    with open(marks) as fh:
+        return word in fh.read().split()
+
 def compute():
-    with open(sys.argv[2], "a") as fh:
-        fh.write("computed\n")
-    time.sleep(1.0)
+    mark("computed")
+    t = time.monotonic()
+    while not seen("waiting") and time.monotonic() - t < 60:  # until the other process waits for this key
+        time.sleep(0.02)
     return entry("p" * 40, seed=7)
-cal, hit = s.get_or_compute("p" * 40, compute)
+
+def should_stop():  # looked at only while this process waits for the other's lock
+    if not seen("waiting"):
+        mark("waiting")
+    return None
+
+s = CalibrationStore(1 << 20, sys.argv[1])
+cal, hit = s.get_or_compute("p" * 40, compute, should_stop)
 print(hit, float(cal.rows.sum()))
 """
 
 
 def test_two_processes_share_a_directory_and_compute_once(tmp_path):
+    """Two processes ask for one key at once. The one that computes goes on only once the other has said that it
+    waits for the key's lock (its should_stop is looked at only while it waits), so the two overlap for certain:
+    without the lock both would compute (each waiting in vain for the other to wait)."""
     marks = tmp_path / "marks.txt"
+    marks.write_text("")
     code = CHILD.format(tests=str(Path(__file__).parent))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store"), str(marks)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
-    assert marks.read_text().count("computed") == 1
+    words = marks.read_text().split()
+    assert words.count("computed") == 1 and "waiting" in words, words
     hits = sorted(o.split()[0] for o, _ in outs)
     assert hits == ["False", "True"] and len({o.split()[1] for o, _ in outs}) == 1
     assert same(CalibrationStore(1 << 20, tmp_path / "store").get("p" * 40), entry("p" * 40, seed=7))

@@ -9,7 +9,8 @@
 Writes are atomic: each file is written to a temporary name in its folder, flushed to disk and renamed, the
 tensors first and the sidecar last, so a reader sees a whole entry or none. Every access to a key holds its lock
 (`lock(key)`): a second process asking for a key that another computes waits for it and then reads it (single
-flight across processes); nobody reads a sidecar and the tensors of two different writes. A read checks the
+flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook fires);
+nobody reads a sidecar and the tensors of two different writes. A read checks the
 sidecar's fields and their types, both checksums, the format and the shapes; an entry failing any check is
 reported (a SiclWarning and the log), moved to corrupt/ and treated as missing, so it is recomputed and never used.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -30,6 +32,7 @@ import torch
 
 from ..errors import SiclError, SiclWarning, require
 from .entry import Calibration
+from .wait import wait
 
 log = logging.getLogger("sicl_fast.store")
 
@@ -56,6 +59,20 @@ def _write_atomic(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _take(fd: int, timeout: float | None) -> bool:
+    """Take the exclusive flock of fd: blocking (timeout None), else one try and, when held elsewhere, a sleep of
+    timeout seconds before saying False."""
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        time.sleep(timeout)
+        return False
 
 
 class CorruptEntry(Exception):
@@ -108,10 +125,12 @@ class DiskStore:
         return d / f"{key}.safetensors", d / f"{key}.json"
 
     @contextlib.contextmanager
-    def lock(self, key: str):
-        """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another)."""
+    def lock(self, key: str, should_stop=None):
+        """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another). With
+        should_stop (the waiter's calibration hook), the wait tries the lock every POLL_S seconds and raises
+        GaveUp(reason) when should_stop fires first (sicl_fast.store.wait)."""
         with open(self.root / "locks" / f"{key}.lock", "a+b") as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            wait(functools.partial(_take, fh.fileno()), should_stop)
             try:
                 yield
             finally:

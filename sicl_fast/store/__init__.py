@@ -87,9 +87,9 @@ class CalibrationStore:
         should_stop: the caller's calibration hook, which compute() must honour too. When it fires while this
         caller waits for another's compute (single flight, or another process's lock), the caller stops waiting
         and runs compute() itself at once, outside the single flight and the lock: a calibration whose hook has
-        fired runs the one step every run runs and ends with the hook's reason (as a time budget of 0 does), so
-        the caller gets what its own calibration would have given by then, and nothing is written to disk (a run
-        stopped from outside is not kept)."""
+        fired runs up to the first check (one step; the static loop's first read) and ends with the hook's reason
+        (as a time budget of 0 does), so the caller gets what its own calibration would have given by then, and
+        nothing is written to disk (a run stopped from outside is not kept)."""
         while True:
             cal = self.memory.get(key)
             if cal is not None:
@@ -100,7 +100,7 @@ class CalibrationStore:
             except GaveUp:
                 self._count("gave_up")
                 cal = compute()
-                if cal is not None:  # a run that ended on its own in its one step (the gate): complete and kept
+                if cal is not None:  # a run that ended on its own first (the gate, max_steps): complete, kept
                     self.memory.put(cal)
                 return cal, False
             if led:

@@ -10,9 +10,9 @@ Writes are atomic: each file is written to a temporary name in its folder, flush
 tensors first and the sidecar last, so a reader sees a whole entry or none. Every access to a key holds its lock
 (`lock(key)`): a second process asking for a key that another computes waits for it and then reads it (single
 flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook fires);
-nobody reads a sidecar and the tensors of two different writes. A read checks the
-sidecar's fields and their types, both checksums, the format and the shapes; an entry failing any check is
-reported (a SiclWarning and the log), moved to corrupt/ and treated as missing, so it is recomputed and never used.
+nobody reads a sidecar and the tensors of two different writes. A read checks the sidecar's fields and their
+types, both checksums, the format and the shapes; an entry failing any check is reported (a SiclWarning and the
+log), moved to corrupt/ and treated as missing, so it is recomputed and never used.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,9 +95,10 @@ def check_sidecar(side, key: str) -> None:
     if not isinstance(side, dict):
         raise CorruptEntry(f"the sidecar is a JSON {type(side).__name__}, not an object")
     missing, extra = sorted(SIDECAR.keys() - side.keys()), sorted(side.keys() - SIDECAR.keys())
-    if missing or extra:
-        raise CorruptEntry("the sidecar " + "; ".join(
-            [f"lacks {', '.join(missing)}"] * bool(missing) + [f"has unknown fields {', '.join(extra)}"] * bool(extra)))
+    if missing:
+        raise CorruptEntry(f"the sidecar lacks {', '.join(missing)}")
+    if extra:
+        raise CorruptEntry(f"the sidecar has unknown fields {', '.join(extra)}")
     wrong = [name for name, typ in SIDECAR.items()
              if not isinstance(side[name], typ) or (typ is int and isinstance(side[name], bool))]
     if wrong:
@@ -125,7 +127,7 @@ class DiskStore:
         return d / f"{key}.safetensors", d / f"{key}.json"
 
     @contextlib.contextmanager
-    def lock(self, key: str, should_stop=None):
+    def lock(self, key: str, should_stop: Callable[[], str | None] | None = None):
         """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another). With
         should_stop (the waiter's calibration hook), the wait tries the lock every POLL_S seconds and raises
         GaveUp(reason) when should_stop fires first (sicl_fast.store.wait)."""

@@ -6,7 +6,8 @@ side by side in one run (issue #25, item 7; results go to bench/RESULTS.md).
     python bench/reuse_latency.py --queries 3 --max-steps 2        # a smoke run
 
 One fixed prompt (an instruction and `--demos` demonstrations: number words -> digits) and `--queries` different
-queries (number words 0..99). Phases, each on a fresh engine (its own store), in this order:
+queries (number words from zero up, past ninety-nine when more are asked; never a demonstration's). Phases, each
+on a fresh engine (its own store), in this order:
 
   reuse      Engine(reuse='auto'): every query calibrates through the store and decodes its answer; the first query
              pays the calibration (its latency is reported apart), the others reuse it
@@ -23,6 +24,7 @@ whole-matrix projection fires, and the run uses reuse 'on': the share of answers
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -42,17 +44,25 @@ TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eight
 
 
 def words(n: int) -> str:
+    """The English words of 0 <= n < 10**6: 'forty-two', 'three hundred five', 'one thousand two hundred'."""
     if n < 20:
         return ONES[n]
-    return TENS[n // 10] + ("" if n % 10 == 0 else "-" + ONES[n % 10])
+    if n < 100:
+        return TENS[n // 10] + ("" if n % 10 == 0 else "-" + ONES[n % 10])
+    unit, name = (100, "hundred") if n < 1000 else (1000, "thousand")
+    head = f"{words(n // unit)} {name}"
+    return head if n % unit == 0 else f"{head} {words(n % unit)}"
 
 
 DEMOS = [31, 7, 58, 12, 94, 3, 66, 40, 85, 19, 27, 73]
+MAX_QUERIES = 10**6 - len(DEMOS)
 
 
 def requests(demos: int, queries: int) -> list[dict]:
+    """One request per query: `queries` distinct numbers from 0 up (past 99 when needed), the demonstrations' own
+    numbers left out."""
     shown = DEMOS[:demos]
-    asked = [n for n in range(100) if n not in shown][:queries]
+    asked = list(itertools.islice((n for n in itertools.count() if n not in shown), queries))
     return [{"id": f"q{n}", "instruction": "Write each number word as a number in digits.",
              "demos": [{"input": words(d), "output": str(d)} for d in shown], "query": words(n)} for n in asked]
 
@@ -104,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
+    if not 1 <= args.queries <= MAX_QUERIES:
+        ap.error(f"--queries must be between 1 and {MAX_QUERIES}, got {args.queries}")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = uptime()

@@ -123,8 +123,10 @@ class Engine:
         whether exact, and holds the stored Calibration in `.calibration`). Run arguments (sicl_fast.run_args; they
         do not change what a step computes): time_budget_s, stop at the first step boundary (static loop: read of
         the state) after that many seconds with the best X so far and stop_reason "time_budget"; should_stop, a
-        hook checked there too (a returned string ends the run with that reason); best_at, step counts at which
-        the best X is kept (the result's best_at; a calibration from the store has no run: reuse 'off' only)."""
+        hook checked there too (a returned string ends the run with that reason). Both also end a wait for the
+        same calibration running elsewhere (the store's single flight and disk lock: docs/store.md); best_at, step
+        counts at which the best X is kept (the result's best_at; a calibration from the store has no run: reuse
+        'off' only)."""
         cfg = self.config(config, **overrides)
         mode = self.plan.reuse if reuse is None else resolve_reuse(reuse, 1)[0]
         should_stop = stop_check(should_stop, check_budget(time_budget_s, "Engine.calibrate"), time.perf_counter())

@@ -343,6 +343,22 @@ class RunPlan:
             raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
                             "time (pack 1)")
 
+    def result_axes(self, attention: str | None = None) -> dict:
+        """The axes whose value changes a calibration's bits, JSON-ready: the calibration store's key holds them
+        (sicl_fast.store.keys). attention: the kernel the backend actually runs, where the plan cannot say it (a
+        fused kernel that failed its check on CUDA falls back to 'math'; the hf and naive backends run transformers'
+        own attention, which the plan does not choose); None: the plan's.
+
+        Left out, as they give the same bits: the loop and sync_every (the static step equals the eager loop bit
+        for bit at any read interval, tests/test_static.py and bench/same_histories.py), graphs and graph_cache (a
+        captured step replays the same kernels, test_static.py's capture test), grad (it picks the ops, whose impl
+        is here; the estimator is a config field, in the key), reuse (how the store is used, not what a run
+        computes) and the wait policy. pack: the store never sees a packed run (reuse is off with pack > 1). threads:
+        a different thread count may move float32 sums in their last bit (docs/scaling.md), but keying on it
+        would stop engines with other thread counts from sharing anything."""
+        return {"backend": self.backend, "impl": self.impl, "attention": attention or self.attention,
+                "diff_matmul": self.diff_matmul, "dtype": str(self.dtype), "device": self.device.type}
+
     def explain(self) -> str:
         """The plan as a table: every axis, its value and why."""
         lines = [f"run plan: model {self.model} ({self.family}, {str(self.dtype).replace('torch.', '')}, "

@@ -215,7 +215,7 @@ class Reuser:
             done["res"] = res
             return self.entry(key, "stem", res, stem, exact, low)
 
-        cal, hit = self.store.get_or_compute(key, compute)
+        cal, hit = self.store.get_or_compute(key, compute, should_stop)
         if cal is None:  # stopped from outside: this query's answer from the partial run, nothing kept
             partial = Calibration.from_result(key, "stem", done["res"], stem_prompt(prompt), prompt.demo_end,
                                               self.engine.lm.name, False, None)
@@ -225,11 +225,11 @@ class Reuser:
     def reuse_auto(self, prompt, cfg, key, t0, on_step, should_stop) -> ReusedResult:
         """Reuse an exact stored calibration (or this prompt's own, stored earlier); a miss calibrates the whole
         prompt, watched, and stores its rows [0, b) when that is exact for every query."""
-        cal = self.store.get(key)
+        cal = self.store.get(key, should_stop)
         if cal is not None and not cal.exact:
             return self.per_query(prompt, cfg, "per-query", key, t0, on_step, should_stop)
         own_key = self.key(prompt, cfg, "prompt")
-        if cal is None and (own := self.store.get(own_key)) is not None:
+        if cal is None and (own := self.store.get(own_key, should_stop)) is not None:
             return self.for_prompt(own, prompt, t0, "per-query", key)
         done = {}
 
@@ -238,7 +238,7 @@ class Reuser:
             done.update(res=res, exact=exact, low=low)
             return self.entry(key, "stem", res, prompt, exact, low) if exact else None
 
-        cal, hit = self.store.get_or_compute(key, compute)
+        cal, hit = self.store.get_or_compute(key, compute, should_stop)
         if hit:
             if cal.exact:
                 return self.for_prompt(cal, prompt, t0, "hit", key)
@@ -248,7 +248,7 @@ class Reuser:
             return self.wrap(res, t0, cal, "fresh", key)
         own = self.entry(own_key, "prompt", res, prompt, True, done["low"])  # query-dependent: kept for reruns
         if own is not None:
-            self.store.put(own)
+            self.store.put(own, should_stop)
         return self.wrap(res, t0, own, "per-query", key)
 
     def per_query(self, prompt, cfg, reuse: str, key: str | None, t0, on_step, should_stop) -> ReusedResult:
@@ -261,7 +261,7 @@ class Reuser:
             done["res"] = res
             return self.entry(own_key, "prompt", res, prompt, True, None)
 
-        cal, hit = self.store.get_or_compute(own_key, compute)
+        cal, hit = self.store.get_or_compute(own_key, compute, should_stop)
         if hit:
             return self.for_prompt(cal, prompt, t0, reuse, key)
         return self.wrap(done["res"], t0, cal, reuse, key)

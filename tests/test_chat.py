@@ -132,6 +132,25 @@ def test_streaming_returns_the_same_answer_as_chunks(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_stopping_fields_reach_the_chat_endpoint(client):
+    """The stops of /v1/calibrate through `sicl`: a time budget of 0 ends the calibration after one step, and
+    min_delta_rel (a knob) makes patience stop where the paper's rule goes on. Prompts of their own (other seeds):
+    a stored calibration would answer without a run."""
+    def sicl(**knobs) -> dict:
+        r = client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_tokens=2,
+                                           extra_body={"sicl": {**KNOBS, **knobs}})
+        return r.model_extra["sicl"]
+
+    cut = sicl(max_steps=5, seed=11, time_budget_s=0)
+    assert (cut["stop_reason"], cut["steps"], cut["reused"]) == ("time_budget", 1, False)
+    paper = sicl(max_steps=12, patience=2, seed=2)
+    rel = sicl(max_steps=12, patience=2, seed=2, min_delta_rel=1e-3)
+    assert rel["stop_reason"] == "patience" and rel["steps"] < paper["steps"]
+    assert rel["key"] != paper["key"]  # a knob: part of the calibration's key
+    with pytest.raises(openai.BadRequestError, match="time_budget_s"):
+        sicl(time_budget_s=-1)
+
+
 def test_openai_error_objects(server, client):
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "five"}])

@@ -103,8 +103,8 @@ def test_icleval_then_report(tiny_model_dir, tmp_path, capsys):
 
 
 def test_stopping_rules_answers_along_the_way_and_their_report(tiny_model_dir, reqs, tmp_path, capsys):
-    """--min-delta and --time-budget on calibrate, demo and icleval; icleval --answer-at; the report's budget
-    curves and the runs compared (issue 31)."""
+    """--min-delta and --time-budget on calibrate, demo and icleval (min_delta stopping patience earlier than
+    without it); icleval --answer-at; the report's budget curves and the runs compared (issue 31)."""
     model = ["--model", str(tiny_model_dir), "--tau", "0", "--N", "2"]
     out = tmp_path / "cal.jsonl"
     assert main(["calibrate", reqs, "--out", str(out), *model, "--max-steps", "5", "--time-budget", "0"]) == 0
@@ -117,16 +117,23 @@ def test_stopping_rules_answers_along_the_way_and_their_report(tiny_model_dir, r
             *model, "--max-steps", "4", "--patience", "0", "--quiet"]
     paper, budget = tmp_path / "paper.jsonl", tmp_path / "budget.jsonl"
     assert main([*task, "--out", str(paper), "--answer-at", "1", "2", "9"]) == 0
-    assert main([*task, "--out", str(budget), "--time-budget", "0", "--min-delta", "1e-3"]) == 0
+    assert main([*task, "--out", str(budget), "--time-budget", "0"]) == 0
+    # with patience on, min_delta makes it stop where the paper's rule goes on (the tiny model's proxy creeps up)
+    patient, delta = tmp_path / "patient.jsonl", tmp_path / "delta.jsonl"
+    assert main([*task, "--out", str(patient), "--patience", "2", "--max-steps", "6"]) == 0
+    assert main([*task, "--out", str(delta), "--patience", "2", "--max-steps", "6", "--min-delta", "1e-3"]) == 0
     capsys.readouterr()
     for r in map(json.loads, paper.read_text().splitlines()):
         assert r["steps"] == 4 and sorted(r["answers_at"]) == ["1", "2"]  # 9 > max_steps
         assert r["answers_at"]["1"] == r["answer_base"] and r["calibration_seconds"] <= r["seconds"]
     for r in map(json.loads, budget.read_text().splitlines()):
         assert r["steps"] == 1 and r["stop_reason"] == "time_budget" and r["time_budget_s"] == 0
+    steps = {(r["task"], r["uid"]): r["steps"] for r in map(json.loads, patient.read_text().splitlines())}
+    for r in map(json.loads, delta.read_text().splitlines()):
+        assert r["stop_reason"] == "patience" and r["steps"] < steps[r["task"], r["uid"]]
         assert r["config"]["min_delta"] == 1e-3
     # a resumed file run with another budget is refused
-    assert main([*task, "--out", str(budget), "--time-budget", "5", "--min-delta", "1e-3"]) == 2
+    assert main([*task, "--out", str(budget), "--time-budget", "5"]) == 2
     assert "time_budget_s differ" in capsys.readouterr().err
     # and one with other answers along the way: it said "nothing to do" and reported without the answers at 3
     assert main([*task, "--out", str(paper), "--answer-at", "9", "2", "1"]) == 0  # the same counts
@@ -144,6 +151,20 @@ def test_stopping_rules_answers_along_the_way_and_their_report(tiny_model_dir, r
     assert curve["by_step"][0]["mean_gain"] == 0 and curve["by_step"][0]["answers_changed"] == 0
     assert curve["by_step"][-1]["n_answers"] == 2  # the final answers
     assert (tmp_path / "rep" / "plots" / "budget_paper_sicl_N=2.png").is_file()
+
+
+def test_min_delta_rel_on_the_command_line(tiny_model_dir, reqs, tmp_path):
+    """--min-delta-rel: patience counts a step only when it beats the last counted proxy by that fraction, so it
+    stops runs whose proxy creeps up, which the paper's rule (and patience alone) lets run to --max-steps."""
+    argv = ["calibrate", reqs, "--model", str(tiny_model_dir), "--tau", "0", "--N", "2", "--max-steps", "12",
+            "--patience", "2"]
+    runs = {}
+    for name, extra in (("paper", []), ("rel", ["--min-delta-rel", "1e-3"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert main([*argv, "--out", str(out), *extra]) == 0
+        runs[name] = [json.loads(x) for x in out.read_text().splitlines()]
+    for paper, rel in zip(runs["paper"], runs["rel"]):
+        assert rel["stop_reason"] == "patience" and rel["steps"] < paper["steps"]
 
 
 def test_budget_measurement_script(tiny_model_dir, tmp_path):

@@ -97,3 +97,55 @@ def test_packed_time_budget_and_best_at(models):
         assert sorted(res.best_at) == ([] if res.gated else [1, 3])
     with pytest.raises(SiclError, match="run_packed: time_budget_s must be >= 0.0"):
         run_packed(be, items, pack=2, time_budget_s=-0.5)
+
+
+@pytest.mark.parametrize("pack,k", [(1, 1), (1, 2), (2, 1), (3, 2)])
+def test_packed_time_budget_follows_the_clock(models, monkeypatch, pack, k):
+    """A clock that moves one second a packed step (test_static's fake clock): each slot's budget of 2.5 s, from
+    its own start (a slot refilled later starts later), stops it at the first read at or after 2.5 s: 3 steps when
+    reading every step, 4 when every second; equal to the prompt's eager run stopped there."""
+    from sicl_fast.packed import PackedStep
+    from test_static import fake_clock
+
+    be = FastBackend(models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
+    items = [(p, cfg.replace(patience=0, max_steps=10)) for p, cfg in ITEMS]
+    clock = fake_clock(monkeypatch)
+    step = PackedStep.__call__
+
+    def timed(self):
+        step(self)
+        clock[0] += 1.0
+
+    monkeypatch.setattr(PackedStep, "__call__", timed)
+    got = run_packed(be, items, pack=pack, sync_every=k, time_budget_s=2.5)
+    steps = 3 if k == 1 else 4
+    for (p, cfg), res in zip(items, got):
+        if cfg.tau > 0.5:  # the gate stops it at its first read
+            assert res.stop_reason == "gate" and res.steps == 1
+            continue
+        assert res.stop_reason == "time_budget" and res.steps == steps
+        ref = Calibrator(be, cfg.replace(max_steps=steps)).run(p)
+        assert res.best_step == ref.best_step  # (projections aside: the update before the read, as above)
+        if pack == 1:
+            assert res.history == ref.history and torch.equal(res.embeddings, ref.embeddings)
+        else:
+            torch.testing.assert_close(torch.tensor(res.history), torch.tensor(ref.history), rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(res.embeddings, ref.embeddings, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pack", [1, 3])
+def test_packed_min_delta_equals_eager(models, pack):
+    """min_delta and min_delta_rel in the packed step: patience counts from the last step that beat its anchor by
+    the margin, as in the eager loop (pack 1: bit for bit), and the margins make patience stop where the paper's
+    rule goes on."""
+    be = FastBackend(models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
+    paper = [(p, cfg.replace(patience=2, max_steps=12, tau=0.0)) for p, cfg in ITEMS]
+    margins = [(p, cfg.replace(**({"min_delta": 1e-5} if i % 2 else {"min_delta_rel": 8e-3})))
+               for i, (p, cfg) in enumerate(paper)]
+    refs = [Calibrator(be, cfg).run(p) for p, cfg in margins]
+    got = run_packed(be, margins, pack=pack, sync_every=2)
+    for g, r in zip(got, refs):
+        (assert_same_result if pack == 1 else assert_close_result)(g, r)
+    steps_paper = [Calibrator(be, cfg).run(p).steps for p, cfg in paper]
+    assert any(r.stop_reason == "patience" and r.steps < n for r, n in zip(refs, steps_paper)), (
+        [r.steps for r in refs], steps_paper)

@@ -161,6 +161,37 @@ def test_a_run_stopped_from_outside_is_not_stored(tiny_llama, one_thread):
     assert whole.reuse == "fresh" and whole.stop_reason == "max_steps"
 
 
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_waiter_stops_by_its_own_time_budget(tiny_llama, one_thread, mode):
+    """A query whose calibration another thread has in flight waits for it no longer than its own time budget: it
+    then ends as its own calibration with that budget would (one step, stop_reason 'time_budget', nothing stored),
+    while the other still runs."""
+    import threading
+
+    eng = Engine(tiny_llama)
+    p = eng.prepare(request("five"))
+    key = eng.reuser.key(p, eng.reuser.resolve(eng.config(**BASE)))
+    release, holding = threading.Event(), threading.Event()
+    leader = threading.Thread(target=lambda: eng.store.flight.run(key, lambda: (holding.set(), release.wait(60))),
+                              daemon=True)
+    leader.start()
+    assert holding.wait(30)
+    out = []
+    try:
+        waiter = threading.Thread(target=lambda: out.append(eng.calibrate(p, reuse=mode, time_budget_s=0.2, **BASE)))
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive() and leader.is_alive(), "the waiter waited for the leader"
+    finally:
+        release.set()
+        leader.join(30)
+    res = out[0]
+    assert (res.stop_reason, res.steps, res.reused) == ("time_budget", 1, False) and eng.store.stats["gave_up"] == 1
+    assert len(eng.store.memory) == 0
+    ref = eng.calibrate(p, reuse="off", **dict(BASE, max_steps=1))
+    assert res.history == ref.history and torch.equal(res.embeddings, ref.embeddings)
+
+
 def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
     a = Engine(tiny_llama, store_dir=str(tmp_path))
     ra = a.calibrate(a.prepare(request("five")), reuse="auto", **BASE)
@@ -169,6 +200,22 @@ def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
     rb = b.calibrate(second, reuse="auto", **BASE)
     assert (rb.reuse, rb.key) == ("hit", ra.key) and b.store.stats["disk_reads"] == 1
     assert_same(rb, own(b, second, **BASE))
+
+
+def test_the_key_holds_the_attention_kernel_and_not_the_loop(tiny_llama, one_thread):
+    """Engines that differ only in their attention kernel compute other bits, so a shared store must not serve one's
+    calibration to the other; engines that differ only in the loop compute the same bits and share it."""
+    from sicl_fast.store import CalibrationStore
+
+    store = CalibrationStore()
+    math, sdpa, eager = (Engine(tiny_llama, attn=a, loop=lp, sync_every=3, store=store)
+                         for a, lp in (("math", "static"), ("sdpa", "static"), ("math", "eager")))
+    p = math.prepare(request("five"))
+    runs = [eng.calibrate(p, reuse="auto", **BASE) for eng in (math, sdpa, eager)]
+    assert [r.reuse for r in runs] == ["fresh", "fresh", "hit"]
+    assert runs[0].key != runs[1].key and runs[2].key == runs[0].key
+    assert math.reuser.fingerprint["attention"] == "math" and sdpa.reuser.fingerprint["attention"] == "sdpa"
+    assert_same(runs[1], own(sdpa, p, **BASE))
 
 
 def test_answers_from_a_stored_calibration(engine):

@@ -19,6 +19,7 @@ from sicl_fast.errors import SiclError, SiclWarning
 from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
 from sicl_fast.store import Calibration, CalibrationStore, calibration_key
+from sicl_fast.store.disk import FORMAT, SIDECAR, sidecar_sha256
 from sicl_fast.store.memory import MemoryLRU
 
 pytest.importorskip("safetensors")
@@ -100,7 +101,7 @@ def test_disk_round_trip_is_bit_for_bit(tmp_path):
     assert got is not None and same(got, cal) and fresh.stats["disk_reads"] == 1
     assert not list(tmp_path.rglob("*.tmp")), "no temporary file left behind"
     side = json.loads(fresh.disk.paths(cal.key)[1].read_text())
-    assert side["format"] == "sicl_fast.calibration.v1" and side["key"] == cal.key
+    assert side["format"] == FORMAT and side["key"] == cal.key and side["sha256"] == sidecar_sha256(side)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "missing_tensors", "meta_edit"])
@@ -123,6 +124,10 @@ def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
         side = json.loads(sidecar.read_text())
         side["meta"]["best_proxy"] = 0.99
         sidecar.write_text(json.dumps(side))
+    assert_moved_aside_and_recomputed(s, key, tmp_path)
+
+
+def assert_moved_aside_and_recomputed(s: CalibrationStore, key: str, root: Path, why: str = "") -> None:
     computed = []
 
     def compute():
@@ -133,10 +138,51 @@ def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
         warnings.simplefilter("always")
         cal, hit = s.get_or_compute(key, compute)
     assert computed == [1] and not hit and same(cal, entry(key, seed=5))
-    assert any(issubclass(w.category, SiclWarning) and "corrupt" in str(w.message) for w in caught)
-    assert s.disk.corrupted == 1 and any((tmp_path / "corrupt").iterdir())
-    again = CalibrationStore(1 << 20, tmp_path).get(key)  # the recomputed entry replaced it on disk
+    said = [str(w.message) for w in caught if issubclass(w.category, SiclWarning)]
+    assert any("corrupt" in m and why in m for m in said), said
+    assert s.disk.corrupted == 1 and any((root / "corrupt").iterdir())
+    again = CalibrationStore(1 << 20, root).get(key)  # the recomputed entry replaced it on disk
     assert same(again, entry(key, seed=5))
+
+
+@pytest.mark.parametrize("field", list(SIDECAR))
+@pytest.mark.parametrize("resealed", [False, True])
+def test_a_sidecar_without_a_field_is_moved_aside(tmp_path, field, resealed):
+    """Valid JSON lacking a field, as written or resealed with a checksum over what is left (a writer that forgot
+    it): reported, moved aside and recomputed, never a KeyError."""
+    key = "f" * 40
+    CalibrationStore(1 << 20, tmp_path).put(entry(key))
+    s = CalibrationStore(1 << 20, tmp_path)
+    sidecar = s.disk.paths(key)[1]
+    side = json.loads(sidecar.read_text())
+    del side[field]
+    if resealed and field != "sha256":
+        side["sha256"] = sidecar_sha256(side)
+    sidecar.write_text(json.dumps(side))
+    assert_moved_aside_and_recomputed(s, key, tmp_path, f"lacks {field}")
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda side: [side], "is a JSON list, not an object"),
+    (lambda side: "entry", "is a JSON str, not an object"),
+    (lambda side: {**side, "tensors_bytes": str(side["tensors_bytes"])}, "tensors_bytes is of the wrong type"),
+    (lambda side: {**side, "tensors_bytes": True}, "tensors_bytes is of the wrong type"),
+    (lambda side: {**side, "tensors_sha256": None}, "tensors_sha256 is of the wrong type"),
+    (lambda side: {**side, "meta": [side["meta"]], "key": 7}, "key, meta are of the wrong type"),
+    (lambda side: {**side, "meta": {**side["meta"], "history": None}}, "unreadable entry"),
+    (lambda side: {**side, "extra": 1}, "unknown fields extra"),
+])
+def test_a_sidecar_of_the_wrong_shape_is_moved_aside(tmp_path, change, why):
+    """Fields of the wrong type, resealed with a matching checksum so that the type check must catch them."""
+    key = "w" * 40
+    CalibrationStore(1 << 20, tmp_path).put(entry(key))
+    s = CalibrationStore(1 << 20, tmp_path)
+    sidecar = s.disk.paths(key)[1]
+    side = change(json.loads(sidecar.read_text()))
+    if isinstance(side, dict):
+        side["sha256"] = sidecar_sha256(side)
+    sidecar.write_text(json.dumps(side))
+    assert_moved_aside_and_recomputed(s, key, tmp_path, why)
 
 
 def test_single_flight_across_threads(tmp_path):
@@ -182,30 +228,94 @@ def test_a_leader_that_keeps_nothing_lets_a_waiter_compute():
     assert len(calls) == 2 and sorted(c is None for c, _ in out) == [False, True]
 
 
+def leader_holding(hold) -> tuple[threading.Thread, threading.Event]:
+    """A thread that holds a key (hold(release): in flight, or its disk lock) until the returned event is set."""
+    release, holding = threading.Event(), threading.Event()
+
+    def run():
+        hold(lambda: (holding.set(), release.wait(60)))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert holding.wait(30)
+    return t, release
+
+
+@pytest.mark.parametrize("held", ["flight", "lock"])
+def test_a_waiter_whose_should_stop_fires_stops_waiting(tmp_path, held):
+    """A caller waiting for another's compute of its key (in flight in this process, or computing under the disk
+    lock in another store on the directory, as another process would) looks at its should_stop while it waits: when
+    it fires, the caller runs its own compute at once (a calibration whose hook fired runs one step and ends with
+    the hook's reason), while the other still holds the key; nothing of it reaches the disk."""
+    key = "s" * 40
+    s = CalibrationStore(1 << 20, tmp_path)
+    if held == "flight":
+        leader, release = leader_holding(lambda block: s.flight.run(key, block))
+    else:
+        other = CalibrationStore(1 << 20, tmp_path)  # its own flight table: only the flock is shared
+        leader, release = leader_holding(lambda block: other.get_or_compute(key, lambda: block() and None))
+    try:
+        looks, out = [], []
+        should_stop = lambda: looks.append(1) or ("deadline" if len(looks) >= 3 else None)  # noqa: E731
+        waiter = threading.Thread(target=lambda: out.append(s.get_or_compute(key, lambda: None, should_stop)))
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive() and leader.is_alive(), "the waiter waited for the leader"
+        assert out == [(None, False)] and len(looks) == 3 and s.stats["gave_up"] == 1
+        got = s.get(key, lambda: "deadline")  # a lookup gives up the same way: nothing found
+        assert got is None and (held == "flight" or s.stats["gave_up"] == 2)
+    finally:
+        release.set()
+        leader.join(30)
+    assert not s.disk.paths(key)[1].exists()
+
+
 CHILD = r"""
-import sys, time, torch
+import sys, time
 sys.path.insert(0, {tests!r})
 from test_store import entry
 from sicl_fast.store import CalibrationStore
-s = CalibrationStore(1 << 20, sys.argv[1])
+marks = sys.argv[2]
+
+def mark(word):
+    with open(marks, "a") as fh:
+        fh.write(word + "\n")
+
+def seen(word):
+    with open(marks) as fh:
+        return word in fh.read().split()
+
 def compute():
-    with open(sys.argv[2], "a") as fh:
-        fh.write("computed\n")
-    time.sleep(1.0)
+    mark("computed")
+    t = time.monotonic()
+    while not seen("waiting") and time.monotonic() - t < 60:  # until the other process waits for this key
+        time.sleep(0.02)
     return entry("p" * 40, seed=7)
-cal, hit = s.get_or_compute("p" * 40, compute)
+
+def should_stop():  # looked at only while this process waits for the other's lock
+    if not seen("waiting"):
+        mark("waiting")
+    return None
+
+s = CalibrationStore(1 << 20, sys.argv[1])
+cal, hit = s.get_or_compute("p" * 40, compute, should_stop)
 print(hit, float(cal.rows.sum()))
 """
 
 
 def test_two_processes_share_a_directory_and_compute_once(tmp_path):
+    """Two processes ask for one key at once. The one that computes goes on only once the other has said that it
+    waits for the key's lock (its should_stop is looked at only while it waits), so the two overlap for certain:
+    without the lock both would compute (each waiting in vain for the other to wait)."""
     marks = tmp_path / "marks.txt"
+    marks.write_text("")
     code = CHILD.format(tests=str(Path(__file__).parent))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "store"), str(marks)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    outs = [p.communicate(timeout=180) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
-    assert marks.read_text().count("computed") == 1
+    words = marks.read_text().split()
+    assert words.count("computed") == 1 and "waiting" in words, words
     hits = sorted(o.split()[0] for o, _ in outs)
     assert hits == ["False", "True"] and len({o.split()[1] for o, _ in outs}) == 1
     assert same(CalibrationStore(1 << 20, tmp_path / "store").get("p" * 40), entry("p" * 40, seed=7))

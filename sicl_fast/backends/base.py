@@ -36,6 +36,12 @@ class Backend(abc.ABC):
     def device(self) -> torch.device:
         return self.lm.device
 
+    @property
+    def attention_kernel(self) -> str:
+        """The attention that runs (the store's key holds it, RunPlan.result_axes): here transformers' own, as the
+        loaded model's config names it ('transformers:sdpa', 'transformers:eager', ...)."""
+        return f"transformers:{getattr(self.lm.model.config, '_attn_implementation', None)}"
+
     def embed(self, prompt: Prompt) -> torch.Tensor:
         """X0 [L, d] float32: what the model's input-embedding module returns for the prompt's tokens."""
         with torch.no_grad():

@@ -63,6 +63,11 @@ class FastBackend(Backend):
         self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
         self.decoders: ShapeCache | None = None  # captured decode steps per cache length (use_graphs)
 
+    @property
+    def attention_kernel(self) -> str:
+        """The plan's kernel, or 'math' where it failed its check on CUDA and fell back (Attention.verify)."""
+        return self.model.attention.impl
+
     def use_graphs(self, capacity: int = DEFAULT_CAPACITY) -> None:
         """Decode through captured CUDA graphs from now on: one static KV cache and graph per cache length
         (cache_rows buckets), at most `capacity` kept. The engine calls it once when its plan's graphs are on."""

@@ -56,6 +56,22 @@ def _knobs_model() -> type[BaseModel]:
 CalibrationKnobs = _knobs_model()
 
 
+class RunOptions(BaseModel):
+    """What a request asks of its calibration besides the knobs: the store, and when to stop it from outside
+    (sicl_fast.run_args). One definition for /v1/calibrate's body and the chat endpoint's `sicl` object."""
+
+    model_config = _STRICT
+    reuse: Literal[REUSE_MODES] | None = Field(  # type: ignore[valid-type]
+        None, description="the calibration store (docs/store.md): 'auto' reuses a stored calibration where exact, "
+                          "'on' always, 'off' never (default: the server's --reuse)")
+    timeout_s: float | None = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
+                                                               "so far is returned with stop_reason 'deadline'")
+    time_budget_s: float | None = Field(None, ge=0, le=RANGES["time_budget_s"].hi,
+                                           description="seconds of calibration, from its start: the run stops at the "
+                                                       "first step boundary after them with the best X so far and "
+                                                       "stop_reason 'time_budget' (at least one step runs)")
+
+
 class ProxyBody(BaseModel):
     """POST /v1/proxy: f, C, R, G (and c per demonstration) of the prompt's own embeddings."""
 
@@ -65,7 +81,7 @@ class ProxyBody(BaseModel):
                                                                  "q matter here)")
 
 
-class CalibrateBody(ProxyBody):
+class CalibrateBody(ProxyBody, RunOptions):
     """POST /v1/calibrate: the ascent on one prompt; optionally both greedy answers and the calibrated rows."""
 
     generate: bool = Field(False, description="also decode the greedy answers before and after calibration")
@@ -75,15 +91,6 @@ class CalibrateBody(ProxyBody):
     embeddings_dtype: Literal[tuple(WIRE_DTYPES)] = "float32"  # type: ignore[valid-type]
     embeddings_rows: Literal[ROW_CHOICES] = Field(  # type: ignore[valid-type]
         "demos", description="'demos': the perturbed rows [a, b); 'all': every row of the prompt")
-    timeout_s: float | None = Field(None, gt=0, description="deadline from arrival; when it passes the best X "
-                                                               "so far is returned with stop_reason 'deadline'")
-    reuse: Literal[REUSE_MODES] | None = Field(  # type: ignore[valid-type]
-        None, description="the calibration store (docs/store.md): 'auto' reuses a stored calibration where exact, "
-                          "'on' always, 'off' never (default: the server's --reuse)")
-    time_budget_s: float | None = Field(None, ge=0, le=RANGES["time_budget_s"].hi,
-                                           description="seconds of calibration, from its start: the run stops at the "
-                                                       "first step boundary after them with the best X so far and "
-                                                       "stop_reason 'time_budget' (at least one step runs)")
 
 
 def validation_message(exc: ValidationError, body: Any) -> str:
@@ -99,4 +106,4 @@ def validation_message(exc: ValidationError, body: Any) -> str:
     return f"{head}field {loc!r}: {first['msg']}{more}"
 
 
-__all__ = ["CalibrationKnobs", "ProxyBody", "CalibrateBody", "validation_message", "REQUEST_SCHEMA"]
+__all__ = ["CalibrationKnobs", "RunOptions", "ProxyBody", "CalibrateBody", "validation_message", "REQUEST_SCHEMA"]

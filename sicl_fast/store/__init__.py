@@ -1,13 +1,16 @@
 """The calibration store: calibrations kept by content and reused (README "Calibrate once, answer many").
 
     store = CalibrationStore(max_bytes=1 << 30, directory=None)    memory LRU; with a directory also on disk
-    cal, hit = store.get_or_compute(key, compute)                  compute() -> Calibration | None, run once per
+    cal, hit = store.get_or_compute(key, compute, should_stop)     compute() -> Calibration | None, run once per
                                                                    key across threads (and processes sharing the
                                                                    directory); None: nothing to keep
-    store.get(key) / store.put(cal)
+    store.get(key, should_stop) / store.put(cal, should_stop)
 
-Lookups go memory, then disk (an entry read from disk is kept in memory). See entry.py (the stored object),
-keys.py (what a key holds), memory.py, disk.py (format, atomic writes, checksums, locking), flight.py.
+Lookups go memory, then disk (an entry read from disk is kept in memory). should_stop (optional) is the caller's
+calibration hook (sicl_fast.run_args.stop_check: its deadline, cancellation, time budget): a caller waiting for
+another's work (single flight, another process's lock) looks at it every few hundredths of a second and stops
+waiting when it fires (get_or_compute says what happens then). See entry.py (the stored object), keys.py (what a
+key holds), memory.py, disk.py (format, atomic writes, checksums, locking), flight.py, wait.py.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from .entry import Calibration
 from .flight import SingleFlight
 from .keys import calibration_key, engine_fingerprint
 from .memory import MemoryLRU
+from .wait import GaveUp
+
+StopHook = Callable[[], str | None] | None  # a calibration's should_stop (sicl_fast.run_args)
 
 DEFAULT_MAX_BYTES = 1 << 30
 
@@ -33,44 +39,70 @@ class CalibrationStore:
         self.disk = DiskStore(directory) if directory is not None else None
         self.flight = SingleFlight()
         self._count_lock = threading.Lock()
-        self.stats = {"hits": 0, "misses": 0, "computed": 0, "disk_reads": 0}
+        # gave_up: waits for another's work ended by the waiter's should_stop
+        self.stats = {"hits": 0, "misses": 0, "computed": 0, "disk_reads": 0, "gave_up": 0}
 
     def _count(self, name: str) -> None:
         with self._count_lock:
             self.stats[name] += 1
 
-    def get(self, key: str) -> Calibration | None:
-        """The entry for key from memory or disk, or None."""
+    def get(self, key: str, should_stop: StopHook = None) -> Calibration | None:
+        """The entry for key from memory or disk, or None (also when should_stop fired while another process held
+        the key's lock: the caller goes on as on a miss)."""
         cal = self.memory.get(key)
         if cal is None and self.disk is not None:
-            with self.disk.lock(key):
-                cal = self.disk.read(key)
+            try:
+                with self.disk.lock(key, should_stop):
+                    cal = self.disk.read(key)
+            except GaveUp:
+                self._count("gave_up")
+                return None
             if cal is not None:
                 self._count("disk_reads")
                 self.memory.put(cal)
         return cal
 
-    def put(self, cal: Calibration) -> None:
+    def put(self, cal: Calibration, should_stop: StopHook = None) -> None:
+        """Keep an entry in memory and on disk (only in memory when should_stop fired while another process held
+        the key's lock)."""
         self.memory.put(cal)
         if self.disk is not None:
-            with self.disk.lock(cal.key):
-                self.disk.write(cal)
+            try:
+                with self.disk.lock(cal.key, should_stop):
+                    self.disk.write(cal)
+            except GaveUp:
+                self._count("gave_up")
 
     def touch(self, cal: Calibration) -> None:
         """Re-count an entry whose K/V was attached (the memory budget covers it)."""
         self.memory.touch(cal.key)
 
-    def get_or_compute(self, key: str, compute: Callable[[], Calibration | None]) -> tuple[Calibration | None, bool]:
+    def get_or_compute(self, key: str, compute: Callable[[], Calibration | None], should_stop: StopHook = None
+                       ) -> tuple[Calibration | None, bool]:
         """(entry, hit). On a miss compute() runs once for the key; threads asking meanwhile wait for it, and so
         do processes sharing the directory (its lock is held while computing). compute() returning None (nothing
         to keep: a run stopped early, a query-dependent result) leaves no entry: a waiter then looks again and
-        computes its own. Returns (the computed entry or None, False) to the caller that computed."""
+        computes its own. Returns (the computed entry or None, False) to the caller that computed.
+
+        should_stop: the caller's calibration hook, which compute() must honour too. When it fires while this
+        caller waits for another's compute (single flight, or another process's lock), the caller stops waiting
+        and runs compute() itself at once, outside the single flight and the lock: a calibration whose hook has
+        fired runs up to the first check (one step; the static loop's first read) and ends with the hook's reason
+        (as a time budget of 0 does), so the caller gets what its own calibration would have given by then, and
+        nothing is written to disk (a run stopped from outside is not kept)."""
         while True:
             cal = self.memory.get(key)
             if cal is not None:
                 self._count("hits")
                 return cal, True
-            got, led = self.flight.run(key, lambda: self._lead(key, compute))
+            try:
+                got, led = self.flight.run(key, lambda: self._lead(key, compute, should_stop), should_stop)
+            except GaveUp:
+                self._count("gave_up")
+                cal = compute()
+                if cal is not None:  # a run that ended on its own first (the gate, max_steps): complete, kept
+                    self.memory.put(cal)
+                return cal, False
             if led:
                 cal, fresh = got
                 self._count("computed" if fresh else "hits")
@@ -80,12 +112,12 @@ class CalibrationStore:
                 return got[0], True
             # the leader kept nothing or failed: look again, and lead a call of our own if still missing
 
-    def _lead(self, key: str, compute) -> tuple[Calibration | None, bool]:
+    def _lead(self, key: str, compute, should_stop: StopHook) -> tuple[Calibration | None, bool]:
         """(entry, computed here). Under the disk lock when there is a disk: another process may have written it
-        meanwhile, or may be computing it (then this waits and reads)."""
+        meanwhile, or may be computing it (then this waits and reads, or gives up: GaveUp)."""
         if self.disk is None:
             return self._compute(compute), True
-        with self.disk.lock(key):
+        with self.disk.lock(key, should_stop):
             cal = self.disk.read(key)
             if cal is not None:
                 self._count("disk_reads")

@@ -2,21 +2,23 @@
 
     DIR/entries/<k[:2]>/<key>.safetensors   tensors "rows" [n, d] float32 and "input_ids" [n] int64
     DIR/entries/<k[:2]>/<key>.json          the sidecar: format, key, meta (Calibration.meta), the sha256 and size
-                                            of the safetensors file, and the sha256 of the meta itself
+                                            of the safetensors file, and "sha256", the checksum of all those
     DIR/locks/<key>.lock                    flock'ed while a process reads, writes or computes that key
     DIR/corrupt/                            entries that failed their checks, moved aside with a time stamp
 
 Writes are atomic: each file is written to a temporary name in its folder, flushed to disk and renamed, the
 tensors first and the sidecar last, so a reader sees a whole entry or none. Every access to a key holds its lock
 (`lock(key)`): a second process asking for a key that another computes waits for it and then reads it (single
-flight across processes); nobody reads a sidecar and the tensors of two different writes. A read checks the
-format, both checksums and the shapes; an entry failing any check is reported (a SiclWarning and the log), moved to
-corrupt/ and treated as missing, so it is recomputed and never used.
+flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook fires);
+nobody reads a sidecar and the tensors of two different writes. A read checks the sidecar's fields and their
+types, both checksums, the format and the shapes; an entry failing any check is reported (a SiclWarning and the
+log), moved to corrupt/ and treated as missing, so it is recomputed and never used.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -24,16 +26,18 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import SiclError, SiclWarning, require
 from .entry import Calibration
+from .wait import wait
 
 log = logging.getLogger("sicl_fast.store")
 
-FORMAT = "sicl_fast.calibration.v1"
+FORMAT = "sicl_fast.calibration.v2"  # v2: one checksum over the whole sidecar
 
 
 def _sha256(data: bytes) -> str:
@@ -58,8 +62,51 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _take(fd: int, timeout: float | None) -> bool:
+    """Take the exclusive flock of fd: blocking (timeout None), else one try and, when held elsewhere, a sleep of
+    timeout seconds before saying False."""
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        time.sleep(timeout)
+        return False
+
+
 class CorruptEntry(Exception):
     """An entry failed a check (the message says which)."""
+
+
+# every field of a sidecar and its JSON type; "sha256" is the checksum of all the others (canonical JSON)
+SIDECAR = {"format": str, "key": str, "meta": dict, "tensors_sha256": str, "tensors_bytes": int, "sha256": str}
+
+
+def sidecar_sha256(side: dict) -> str:
+    """The checksum of a sidecar: every field but "sha256" itself."""
+    return _sha256(_canonical({k: v for k, v in side.items() if k != "sha256"}))
+
+
+def check_sidecar(side, key: str) -> None:
+    """Raise CorruptEntry unless `side` (parsed JSON) is the sidecar of `key`: an object with exactly the fields of
+    SIDECAR, each of its type, whose checksum matches, in this format."""
+    if not isinstance(side, dict):
+        raise CorruptEntry(f"the sidecar is a JSON {type(side).__name__}, not an object")
+    missing, extra = sorted(SIDECAR.keys() - side.keys()), sorted(side.keys() - SIDECAR.keys())
+    if missing:
+        raise CorruptEntry(f"the sidecar lacks {', '.join(missing)}")
+    if extra:
+        raise CorruptEntry(f"the sidecar has unknown fields {', '.join(extra)}")
+    wrong = [name for name, typ in SIDECAR.items()
+             if not isinstance(side[name], typ) or (typ is int and isinstance(side[name], bool))]
+    if wrong:
+        raise CorruptEntry(f"the sidecar's {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} of the wrong type")
+    if sidecar_sha256(side) != side["sha256"]:
+        raise CorruptEntry("the sidecar's checksum does not match")
+    if side["format"] != FORMAT or side["key"] != key or side["meta"].get("key") != key:
+        raise CorruptEntry("wrong format or key in the sidecar")
 
 
 class DiskStore:
@@ -80,10 +127,12 @@ class DiskStore:
         return d / f"{key}.safetensors", d / f"{key}.json"
 
     @contextlib.contextmanager
-    def lock(self, key: str):
-        """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another)."""
+    def lock(self, key: str, should_stop: Callable[[], str | None] | None = None):
+        """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another). With
+        should_stop (the waiter's calibration hook), the wait tries the lock every POLL_S seconds and raises
+        GaveUp(reason) when should_stop fires first (sicl_fast.store.wait)."""
         with open(self.root / "locks" / f"{key}.lock", "a+b") as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            wait(functools.partial(_take, fh.fileno()), should_stop)
             try:
                 yield
             finally:
@@ -105,27 +154,24 @@ class DiskStore:
 
         try:
             side = json.loads(sidecar.read_bytes())
-            meta = side["meta"]
-            if side.get("format") != FORMAT or side.get("key") != key or meta.get("key") != key:
-                raise CorruptEntry("wrong format or key in the sidecar")
-            if _sha256(_canonical(meta)) != side["meta_sha256"]:
-                raise CorruptEntry("the sidecar's checksum does not match")
+        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+            raise CorruptEntry(f"unreadable sidecar ({type(exc).__name__})") from None
+        check_sidecar(side, key)
+        try:
             data = tensors.read_bytes()
-        except CorruptEntry:
-            raise
         except FileNotFoundError:
             raise CorruptEntry("the tensors file is missing") from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptEntry(f"unreadable sidecar ({type(exc).__name__})") from None
+        except OSError as exc:
+            raise CorruptEntry(f"unreadable tensors file ({exc.strerror or exc})") from None
         if len(data) != side["tensors_bytes"] or _sha256(data) != side["tensors_sha256"]:
             raise CorruptEntry(f"the tensors file's checksum does not match ({len(data)} bytes, "
                                f"{side['tensors_bytes']} written)")
         try:
             t = load_tensors(data)
-            cal = Calibration.from_parts(meta, t["rows"], t["input_ids"])
+            cal = Calibration.from_parts(side["meta"], t["rows"], t["input_ids"])
+            n = len(cal.history)
         except Exception as exc:  # noqa: BLE001 - a file that passed its checksum but not its parse
             raise CorruptEntry(f"unreadable entry ({type(exc).__name__}: {exc})") from None
-        n = len(meta["history"])
         if (cal.rows.dim() != 2 or cal.rows.dtype != torch.float32 or cal.input_ids.dtype != torch.int64
                 or cal.rows.shape[0] != cal.input_ids.numel() or n != cal.steps):
             raise CorruptEntry("tensor shapes or dtypes disagree with the sidecar")
@@ -154,9 +200,9 @@ class DiskStore:
         tensors.parent.mkdir(parents=True, exist_ok=True)
         data = save_tensors({"rows": cal.rows.contiguous(), "input_ids": cal.input_ids.contiguous()},
                             metadata={"format": FORMAT, "key": cal.key})
-        meta = cal.meta()
-        side = {"format": FORMAT, "key": cal.key, "meta": meta, "meta_sha256": _sha256(_canonical(meta)),
-                "tensors_sha256": _sha256(data), "tensors_bytes": len(data)}
+        side = {"format": FORMAT, "key": cal.key, "meta": cal.meta(), "tensors_sha256": _sha256(data),
+                "tensors_bytes": len(data)}
+        side["sha256"] = sidecar_sha256(side)
         try:
             _write_atomic(tensors, data)
             _write_atomic(sidecar, json.dumps(side, indent=1).encode())

@@ -4,10 +4,11 @@
                  every CalibrationConfig field (scale resolved), scope)
 
 The engine's fingerprint (`engine_fingerprint`, computed once per engine) names the model and a digest of its
-weights and config, a digest of the tokenizer, the backend, the implementation of the hot ops, the difference
-products' dtype, the model's dtype and the device type: everything that may change the bits of a calibration. The
-loop (static or eager), CUDA graphs and the packing do not (they are tested equal bit for bit), and torch's thread
-count is not taken in (it may move float32 sums in their last bit; README, "Scaling out").
+weights and config, a digest of the tokenizer, and the run plan's axes that may change the bits of a calibration
+(RunPlan.result_axes: the backend, the implementation of the hot ops, the attention kernel that runs, the
+difference products, the model's dtype and the device type). The plan's other axes are left out there, each with
+its reason (the loop, CUDA graphs and the packing are tested equal bit for bit; torch's thread count may move
+float32 sums in their last bit, docs/scaling.md).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 
 import torch
 
-KEY_FORMAT = 1
+KEY_FORMAT = 2  # 2: the run plan's result axes (the attention kernel added)
 
 
 def _blake(*parts: bytes) -> str:
@@ -58,12 +59,8 @@ def tokenizer_digest(tokenizer) -> str:
 def engine_fingerprint(engine) -> dict:
     """What of the engine changes a calibration's bits (module docstring); JSON-ready."""
     lm, backend = engine.lm, engine.backend
-    model = getattr(backend, "model", None)
-    diff = getattr(model, "diff_dtype", None)
     return {"model": lm.name, "weights": weights_digest(lm), "tokenizer": tokenizer_digest(lm.tokenizer),
-            "backend": backend.name, "impl": backend.ops.name,
-            "diff": None if diff is None else f"{model.diff_weights}:{diff}",
-            "dtype": str(lm.dtype), "device": lm.device.type}
+            **backend.plan.result_axes(backend.attention_kernel)}
 
 
 def calibration_key(fingerprint: dict, prompt, config, n: int, scope: str) -> str:

@@ -2,7 +2,8 @@
 
     messages   system? (user assistant)+ user: the instruction, the demonstrations (each assistant turn an output
                span), the query (sicl_fast.chat renders them with the model's chat template)
-    sicl       extra body field: CalibrationConfig knobs, "reuse" ('auto' | 'on' | 'off'), "timeout_s"
+    sicl       extra body field: CalibrationConfig knobs and /v1/calibrate's run options: "reuse" ('auto' | 'on' |
+               'off'), "timeout_s", "time_budget_s" (schema.RunOptions)
     ->         a chat.completion object (choices, finish_reason, usage) plus "sicl": the calibration's summary and
                what the store did (reused, reuse, key, exact); with "stream": true, chat.completion.chunk server-sent
                events ending with "data: [DONE]" (the last chunk carries finish_reason and "sicl"; with
@@ -23,13 +24,12 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...answer import answer_result
 from ...ascent import CalibrationConfig, CalibrationResult
 from ...chat import StreamCut, render
 from ...errors import SiclError
-from ...plan import REUSE_MODES
 from ...reuse import ReusedResult
 from ...spans import Prompt
 from ..dispatch import POLL_S, admit, read_call, run_job, timing
@@ -37,7 +37,7 @@ from ..errors import ServeHTTPError, from_sicl_error
 from ..metrics import note
 from ..openapi import body_doc
 from ..queue import Cancelled, Job, ShuttingDown
-from ..schema import CalibrationKnobs
+from ..schema import CalibrationKnobs, RunOptions
 from ..state import ServeState, serve_state
 from ..validate import LimitError
 
@@ -65,10 +65,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-SiclOptions = create_model(
-    "SiclOptions", __base__=CalibrationKnobs,
-    reuse=(Literal[REUSE_MODES] | None, Field(None, description="'auto' | 'on' | 'off' (default: --reuse)")),
-    timeout_s=(float | None, Field(None, gt=0, description="deadline from arrival: the best X by then")))
+class SiclOptions(CalibrationKnobs, RunOptions):
+    """The `sicl` extra body field: CalibrationConfig knobs, and the run options of /v1/calibrate (reuse, timeout_s,
+    time_budget_s)."""
 
 
 class ChatBody(BaseModel):
@@ -86,7 +85,7 @@ class ChatBody(BaseModel):
     top_p: float | None = Field(None, description="1 only")
     n: int | None = Field(None, description="1 only")
     user: str | None = None
-    sicl: SiclOptions | None = Field(None, description="calibration knobs, reuse, timeout_s")  # type: ignore
+    sicl: SiclOptions | None = Field(None, description="calibration knobs, reuse, timeout_s, time_budget_s")
 
 
 BODIES = (ChatBody,)
@@ -103,6 +102,7 @@ class ChatCall:
     stream: bool
     include_usage: bool
     timeout_s: float | None
+    time_budget_s: float | None
 
 
 def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
@@ -129,7 +129,7 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
     return ChatCall(prompt=prompt, config=state.validator.config(knobs, rid), reuse=sicl.get("reuse"),
                     max_new_tokens=new, stop=stop, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                    timeout_s=sicl.get("timeout_s"))
+                    timeout_s=sicl.get("timeout_s"), time_budget_s=sicl.get("time_budget_s"))
 
 
 def note_sicl(request, sicl: dict) -> None:
@@ -153,7 +153,7 @@ def run_chat(state: ServeState, call: ChatCall, job: Job, push=None) -> dict:
     """On the worker: calibrate (through the store), then decode greedily; push(delta) streams the answer."""
     engine = state.engine
     res = engine.calibrate(call.prompt, call.config, reuse=call.reuse, should_stop=job.stop_reason,
-                           on_step=lambda step, f: state.metrics.steps.inc())
+                           time_budget_s=call.time_budget_s, on_step=lambda step, f: state.metrics.steps.inc())
     if res.stop_reason == "cancelled":
         raise Cancelled()
     state.metrics.calibration_done(res.steps, res.seconds)

@@ -97,8 +97,8 @@ class QueryKV:
 
 def decoding_positions(model, at: torch.Tensor) -> Positions:
     """One decoding step at a position per row (at: int64 [B]); rotary tables [B, 1, 1, hd]."""
-    return Positions(-1, 1, {k: (r.cos.index_select(0, at)[:, None, None], r.sin.index_select(0, at)[:, None, None])
-                             for k, r in model.rotary.items()}, at)
+    return Positions(1, {k: (r.cos.index_select(0, at)[:, None, None], r.sin.index_select(0, at)[:, None, None])
+                         for k, r in model.rotary.items()}, at=at)
 
 
 def answer_batch(backend, cal, prompts, query_rows: list[torch.Tensor], max_new_tokens: int, stop_strings=(),
@@ -147,7 +147,7 @@ def answer_batch(backend, cal, prompts, query_rows: list[torch.Tensor], max_new_
         return m.logits(h[:, 0])
 
     if max_new_tokens > 0:
-        every = getattr(backend, "read_every", 1)
+        every = backend.read_every  # the plan's (FastBackend)
         logits = prefill()
         tokens = torch.empty(max_new_tokens, B, dtype=torch.int64, device=dev)
         read = 0

@@ -142,11 +142,14 @@ def _backend(g, default: str = "auto") -> None:
     g.add_argument("--backend", default=default, choices=("auto", *BACKENDS), help=text)
 
 
-def _ops(g) -> None:
+def _diff(g) -> None:
     g.add_argument("--diff-matmul", default="auto", choices=DIFF_MATMUL,
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
                         "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+) or in FP8 e4m3 "
                         "(fp8: tensor cores on sm_89+, emulated elsewhere; never chosen by auto yet)")
+
+
+def _ops(g) -> None:
     g.add_argument("--impl", default="auto", choices=IMPLS,
                    help="implementation of the hot ops (perturb, update, proxy, span head, difference epilogues): "
                         "auto (Triton on CUDA, the C++ extension on the CPU when built, else torch), torch, cpp, "
@@ -212,19 +215,23 @@ def _ray(g) -> None:
 
 def _parents() -> dict[str, argparse.ArgumentParser]:
     """The flag groups, each a parent parser (a command takes the ones it uses, #26)."""
-    ascent = [f.name for f in dataclasses.fields(CalibrationConfig) if f.name not in PROXY_KNOBS]
+    # the estimator is a group of its own: the one knob the run plan reads (estimator 'grad': differentiable ops)
+    ascent = [f.name for f in dataclasses.fields(CalibrationConfig) if f.name not in (*PROXY_KNOBS, "estimator")]
     step = [name for name in ascent if name not in RUN_KNOBS]
     return {
         "model": _group("model", _model), "tokens": _group("tokens", _tokens),
         "backend": _group("backend", _backend), "ops": _group("hot ops", _ops),
+        "diff": _group("difference products", _diff),
         "backend_fast": _group("backend", lambda g: _backend(g, "fast")),
         "threads": _group("threads", _threads),
         "loop": _group("loop", _loop), "pack": _group("packing", _pack),
         "proxy": _group("proxy weights", lambda g: _knob_flags(g, PROXY_KNOBS)),
+        "estimator": _group("estimator", lambda g: _knob_flags(g, ("estimator",))),
         "ascent": _group("ascent", lambda g: _knob_flags(g, ascent)),
         "step": _group("ascent step", lambda g: _knob_flags(g, step)),
         "generate": _group("answers", _generate),
-        "store": _group("calibration store (docs/store.md)", _store),
+        "reuse": _group("calibration store (docs/store.md)", _reuse),
+        "store": _group("calibration store: where it keeps calibrations", _store),
         "budget": _group("time budget", _budget),
         "ray": _group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")', _ray),
         "debug": _group("errors", lambda g: g.add_argument(
@@ -232,32 +239,40 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
     }
 
 
-# the flag groups of each command: only the flags it uses
+# the flag groups of each command: only the flags it uses ('proxy' runs one row, so no difference products; 'plan'
+# only the flags that change the plan, sicl_fast.plan.make_plan: of the knobs, --estimator (grad) and --reuse)
 COMMAND_GROUPS = {
-    "demo": ("model", "tokens", "backend", "ops", "threads", "loop", "proxy", "ascent", "budget", "generate"),
+    "demo": ("model", "tokens", "backend", "ops", "diff", "threads", "loop", "proxy", "estimator", "ascent", "budget",
+             "generate"),
     "proxy": ("model", "tokens", "backend", "ops", "threads", "proxy"),
-    "calibrate": ("model", "tokens", "backend", "ops", "threads", "loop", "pack", "proxy", "ascent", "budget",
-                  "generate", "ray", "store"),
-    "icleval": ("model", "backend", "ops", "threads", "loop", "pack", "proxy", "ascent", "budget", "ray", "store"),
-    "bench": ("model", "ops", "threads", "loop", "pack", "proxy", "step"),
-    "profile": ("model", "tokens", "backend_fast", "ops", "threads", "proxy", "step"),
-    "gradstudy": ("model", "tokens", "backend", "ops", "threads", "proxy", "ascent"),
-    "serve": ("model", "tokens", "backend", "ops", "threads", "loop", "store"),
-    "plan": ("model", "backend", "ops", "threads", "loop", "pack", "ascent", "store"),
+    "calibrate": ("model", "tokens", "backend", "ops", "diff", "threads", "loop", "pack", "proxy", "estimator",
+                  "ascent", "budget", "generate", "ray", "reuse", "store"),
+    "icleval": ("model", "backend", "ops", "diff", "threads", "loop", "pack", "proxy", "estimator", "ascent",
+                "budget", "ray", "reuse", "store"),
+    "bench": ("model", "ops", "diff", "threads", "loop", "pack", "proxy", "estimator", "step"),
+    "profile": ("model", "tokens", "backend_fast", "ops", "diff", "threads", "proxy", "estimator", "step"),
+    "gradstudy": ("model", "tokens", "backend", "ops", "diff", "threads", "proxy", "estimator", "ascent"),
+    "serve": ("model", "tokens", "backend", "ops", "diff", "threads", "loop", "reuse", "store"),
+    "plan": ("model", "backend", "ops", "diff", "threads", "loop", "pack", "estimator", "reuse"),
     "report": (),
 }
 
 
-def _store(g) -> None:
-    """The calibration store (sicl_fast.store, sicl_fast.reuse): --reuse, --store, --store-mib."""
+def _reuse(g) -> None:
+    """Whether calibrations go through the store (sicl_fast.reuse; a run plan choice): --reuse."""
     from .plan import REUSE_MODES
-    from .store import DEFAULT_MAX_BYTES
 
     g.add_argument("--reuse", default=None, choices=REUSE_MODES,
                    help="auto (default): requests sharing their instruction and demonstrations are calibrated once "
                         "and reused where that is exact, calibrated per query where it is not; on: reuse always "
                         "(records say when it is approximate); off: calibrate every request (the default with "
                         "--pack > 1, which calibrates packed, without the store)")
+
+
+def _store(g) -> None:
+    """Where the calibration store keeps calibrations (sicl_fast.store): --store, --store-mib."""
+    from .store import DEFAULT_MAX_BYTES
+
     g.add_argument("--store", type=folder_arg, default=None, metavar="DIR",
                    help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
                         "memory only)")
@@ -267,15 +282,14 @@ def _store(g) -> None:
 
 def _reuse_choice(args) -> str | None:
     """The store's mode as the flags ask for it (a run plan choice; None: the plan's default): off for a command
-    without the store's flags, and for icleval --answer-at, which keeps the best X along each run (a calibration
-    from the store has none)."""
+    without --reuse; with icleval --answer-at, which keeps the best X along each run, the run plan's rule
+    (sicl_fast.plan.resolve_reuse: off, and a refusal of --reuse auto / on)."""
+    from .plan import resolve_reuse
+
     if not hasattr(args, "reuse"):
         return "off"
     if getattr(args, "answer_at", None):
-        if args.reuse not in (None, "off"):
-            raise SiclError(f"--answer-at keeps the best X along each calibration, and one from the store has none: "
-                            f"use --reuse off (the default with --answer-at), not --reuse {args.reuse}")
-        return "off"
+        return resolve_reuse(args.reuse, getattr(args, "pack", 1), keeps_best=True)[0]
     return args.reuse
 
 
@@ -339,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
                          "column")
 
-    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, "
-                    "difference products, loop, graphs, pack, estimator, store, threads, OpenMP wait policy) and why")
+    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention and its check, "
+                    "difference products, loop, decoding reads, graphs, pack, estimator, store, threads, OpenMP wait "
+                    "policy) and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s and its floor "
                             "at the product rates of its precisions (float32, bf16) measured here; the step's floor; "
@@ -422,8 +437,8 @@ def _check_flags(args) -> None:
         check_stops(args.stop, "--stop")
     if hasattr(args, "reuse"):
         reuse_mode(args)
-        if args.store is not None:
-            require("safetensors")
+    if getattr(args, "store", None) is not None:
+        require("safetensors")
     if _wants_grad(args) and hasattr(args, "impl"):
         from .plan import resolve_impl
 
@@ -444,8 +459,8 @@ def _wants_grad(args) -> bool:
 
 def _plan_choices(args, **over) -> dict:
     """The run plan's choices from the flags (sicl_fast.plan.Choices; `over` replaces some)."""
-    return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=args.diff_matmul, impl=args.impl,
-                   loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
+    return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=getattr(args, "diff_matmul", "auto"),
+                   impl=args.impl, loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
                    pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
                    reuse=_reuse_choice(args), threads=getattr(args, "threads", None)),
             **over}
@@ -455,7 +470,7 @@ def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
     kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
-    if hasattr(args, "reuse"):  # the commands with the store's flags
+    if hasattr(args, "store"):  # the commands with the store's flags
         kw.update(store_dir=args.store, store_bytes=args.store_mib << 20)
     return kw
 

@@ -17,7 +17,6 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import build_backend
 from .checks import check_embeddings, check_prompt
-from .errors import SiclError
 from .generate import Generation
 from .graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
@@ -128,12 +127,10 @@ class Engine:
         counts at which the best X is kept (the result's best_at; a calibration from the store has no run: reuse
         'off' only)."""
         cfg = self.config(config, **overrides)
-        mode = self.plan.reuse if reuse is None else resolve_reuse(reuse, 1)[0]
+        # the plan's mode (or `reuse`), refused with best_at: a calibration from the store has no run to keep it from
+        mode = resolve_reuse(self.plan.reuse if reuse is None else reuse, 1, keeps_best=bool(best_at))[0]
         should_stop = stop_check(should_stop, check_budget(time_budget_s, "Engine.calibrate"), time.perf_counter())
         if mode != "off":
-            if best_at:
-                raise SiclError("best_at keeps the best X along a run, and a calibration from the store may have "
-                                "none: use reuse 'off' with it (icleval --answer-at: --reuse off)")
             return self.reuser.calibrate(prompt, cfg, mode, on_step=on_step, should_stop=should_stop)
         return self.run(prompt, cfg, on_step=on_step, should_stop=should_stop, best_at=best_at)
 

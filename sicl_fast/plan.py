@@ -11,9 +11,11 @@ The axes:
     impl          the hot ops (sicl_fast.ops): auto (Triton on CUDA, the C++ extension on the CPU when built, else
                   torch; torch for the exact gradient), torch, cpp, triton
     attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton,
-                  cpp
+                  cpp; attention_check: whether the kernel is compared with the math path when the backend is built
+                  (CUDA); per call the kernel hands what it cannot do exactly to the math path (named in explain())
     diff_matmul   the fast decoder's difference products (sicl_fast.models.diff): auto, off, bf16, fp8
     loop          static (the sync-free step, sicl_fast.static) or eager (Calibrator.run); sync_every
+    read_every    decoding: tokens between two host reads of the fast backend's greedy answer
     graphs        CUDA graphs of the static step and the decode step (sicl_fast.graphs)
     pack          prompts per packed step (sicl_fast.packed)
     estimator     whether the run takes the exact gradient (grad) and where a calibration of each estimator runs
@@ -147,6 +149,17 @@ def resolve_impl(impl: str, device, grad: bool = False) -> tuple[str, str]:
     return name, why
 
 
+# what each kernel hands to the math path, call by call (sicl_fast.models.attention.Attention): execution details of
+# one kernel, not choices, shown by explain(); every kernel's decoding steps attend through the math path (a masked
+# whole KV buffer: the same shapes at every position)
+MATH_PATH = {
+    "sdpa": "soft-capped layers, masks SDPA cannot take exactly, decoding steps",
+    "flash": "float32 inputs, masks flash-attn cannot take exactly, decoding steps",
+    "triton": "a KV cache's prefill after position 0, decoding steps",
+    "cpp": "the exact gradient's forward (autograd recording), decoding steps",
+}
+
+
 def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) -> tuple[str | None, str]:
     if kind.cls != "fast":
         return None, "transformers' own attention (not the fast decoder)"
@@ -159,6 +172,12 @@ def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) ->
         cpp_ops.require()
     if attn == "flash" and not flash_available():
         raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
+    name, why = resolve_attention_kernel(attn, dev, dtype, impl)
+    return name, why if name == "math" else f"{why}; the math path takes {MATH_PATH[name]}"
+
+
+def resolve_attention_kernel(attn: str, dev: torch.device, dtype, impl: str) -> tuple[str, str]:
+    """The fast decoder's attention kernel that `attn` names (checked by resolve_attention), and why."""
     if attn != "auto":
         return attn, "asked for"
     if impl == "triton":
@@ -167,9 +186,22 @@ def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) ->
         return "cpp", "auto: the C++ prefix + rows attention of impl 'cpp' (float32)"
     if dev.type == "cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
         return "flash", "auto: flash-attn on CUDA, fp16 / bf16"
-    # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head shapes;
-    # soft-capped layers still go to the math path
-    return "sdpa", "auto: torch's SDPA (soft-capped layers take the math path)"
+    # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head shapes
+    return "sdpa", "auto: torch's SDPA"
+
+
+def resolve_attention_check(attention: str | None, device, fallback: bool) -> tuple[bool, str]:
+    """Whether the fast backend compares its attention kernel with the math path once, when it is built
+    (Attention.verify): on CUDA, where a fused kernel may fail or differ on the machine; fallback (the kernel was
+    'auto'): a mismatch warns and takes 'math', else it is an error."""
+    if attention is None:
+        return False, "not the fast decoder"
+    if attention == "math":
+        return False, "the math path is the reference"
+    if torch.device(device).type != "cuda":
+        return False, "not CUDA: the CPU kernels are tested against the math path"
+    return True, ("CUDA: compared with the math path once, when the backend is built; "
+                  + ("'math' on a mismatch (auto)" if fallback else "a mismatch is an error (asked for)"))
 
 
 def resolve_diff(diff: str, kind: BackendKind, device, dtype) -> tuple[str, str]:
@@ -228,14 +260,21 @@ def resolve_pack(pack: int, static: bool, name: str, loop: str) -> str:
 REUSE_MODES = ("auto", "on", "off")
 
 
-def resolve_reuse(reuse: str | None, pack: int) -> tuple[str, str]:
+def resolve_reuse(reuse: str | None, pack: int, keeps_best: bool = False) -> tuple[str, str]:
     """(mode, why) of the calibration store (sicl_fast.reuse): None is the command line's default, 'auto' unless
-    packing; the packed step calibrates without the store."""
+    packing; the packed step calibrates without the store. keeps_best: the calibrations keep the best X along their
+    run (Engine.calibrate's best_at, icleval --answer-at), which a calibration from the store does not have: the
+    store is off by default then, and refused when asked for."""
     if reuse is None:
+        if keeps_best:
+            return "off", "default with best_at / --answer-at (a calibration from the store has no run)"
         if pack > 1:
             return "off", "default with pack > 1 (the packed step calibrates without the store)"
         return "auto", "default: reuse a stored calibration where that is exact, calibrate per query elsewhere"
     check_choice(reuse, REUSE_MODES, "reuse", "Engine")
+    if reuse != "off" and keeps_best:
+        raise SiclError(f"best_at (icleval --answer-at) keeps the best X along each calibration, and one from the "
+                        f"store has none: use reuse 'off' (--reuse off, the default with --answer-at), not {reuse!r}")
     if reuse != "off" and pack > 1:
         raise SiclError(f"reuse {reuse!r} with pack {pack}: packed calibration does not use the store; use reuse "
                         "'off' (--reuse off), or pack 1")
@@ -248,6 +287,18 @@ def default_sync_every(device) -> int:
     """Steps between two reads of the static step's state: 1 on the CPU (a read costs nothing there and the
     progress stays exact); 8 on a GPU (provisional: the GPU engine measures the best k)."""
     return 1 if torch.device(device).type == "cpu" else 8
+
+
+def resolve_read_every(kind: BackendKind, device) -> tuple[int, str]:
+    """Tokens the fast backend decodes between two host reads of its greedy answer (the answer is the same for any
+    count: tokens past a stop are dropped): 1 on the CPU, where a read costs nothing and no token is computed past
+    a stop; 8 on a GPU, where a read waits for the device. Other backends decode through transformers, one read a
+    token."""
+    if kind.cls != "fast":
+        return 1, "transformers' generation (not the fast decoder) reads every token"
+    if torch.device(device).type == "cpu":
+        return 1, "CPU: a read costs nothing, and no token is decoded past a stop"
+    return 8, "not the CPU: a read waits for the device"
 
 
 def grad_refusal(impl: str, name: str, lm) -> str | None:
@@ -284,11 +335,13 @@ class RunPlan:
     impl: str  # 'torch', 'cpp', 'triton'
     attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not fast
     attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
+    attention_check: bool  # compare the kernel with the math path once when the backend is built (CUDA)
     diff_matmul: str  # 'off', 'bf16', 'fp8'
     decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)
     loop: str  # 'static' or 'eager': where zeroth-order calibrations run
     loop_asked: str
     sync_every: int
+    read_every: int  # decoding: tokens between two host reads (FastBackend.generate, query-only answers)
     graphs: bool
     graph_cache: int
     pack: int
@@ -376,14 +429,16 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     dev, dtype, family = torch.device(lm.device), lm.dtype, lm.family
     backend, why_backend = resolve_backend(c.backend, family)
     kind = BACKENDS[backend]
-    decoder = DecoderConfig.from_hf(lm.text_config) if kind.cls == "fast" else None
+    decoder = DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) if kind.cls == "fast" else None
     impl, why_impl = resolve_impl(c.impl, dev, c.grad)
     attention, why_attention = resolve_attention(c.attn, kind, dev, dtype, impl)
+    check, why_check = resolve_attention_check(attention, dev, c.attn == "auto")
     diff, why_diff = resolve_diff(c.diff_matmul, kind, dev, dtype)
     loop, why_loop = resolve_loop(c.loop, backend)
     static = loop == "static"
     sync_every = c.sync_every if c.sync_every is not None else default_sync_every(dev)
     why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
+    read_every, why_read = resolve_read_every(kind, dev)
     graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
     why_pack = resolve_pack(c.pack, static, backend, c.loop)
     reuse, why_reuse = resolve_reuse(c.reuse, c.pack)
@@ -398,18 +453,20 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
         why_grad = f"forward / central on the {loop} loop; " + (f"'grad' refused: {refusal}" if refusal else
                                                                 "'grad' would run on the eager loop")
     why = (("backend", backend, why_backend), ("impl", impl, why_impl),
-           ("attention", attention or "-", why_attention), ("diff_matmul", diff, why_diff),
-           ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
+           ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
+           ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
+           ("read_every", read_every, why_read),
            ("graphs", "on" if graphs else "off", why_graphs), ("pack", c.pack, why_pack),
            ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse),
            ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
-                   attention=attention, attention_fallback=c.attn == "auto", diff_matmul=diff, decoder=decoder,
-                   loop=loop, loop_asked=c.loop, sync_every=sync_every, graphs=graphs, graph_cache=c.graph_cache,
-                   pack=c.pack, grad=c.grad, grad_refusal=refusal, reuse=reuse, threads=threads,
-                   wait_policy=wait, why=why)
+                   attention=attention, attention_fallback=c.attn == "auto", attention_check=check, diff_matmul=diff,
+                   decoder=decoder, loop=loop, loop_asked=c.loop, sync_every=sync_every, read_every=read_every,
+                   graphs=graphs, graph_cache=c.graph_cache, pack=c.pack, grad=c.grad, grad_refusal=refusal,
+                   reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
 
-__all__ = ["BACKENDS", "LOOPS", "REUSE_MODES", "resolve_reuse", "BackendKind", "Choices", "RunPlan", "make_plan",
+__all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "REUSE_MODES", "BackendKind", "Choices", "RunPlan", "make_plan",
            "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward", "resolve_attention",
-           "resolve_backend", "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack"]
+           "resolve_attention_check", "resolve_attention_kernel", "resolve_backend", "resolve_diff", "resolve_graphs",
+           "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every", "resolve_reuse"]

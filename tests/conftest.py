@@ -134,6 +134,18 @@ def first_layers(lm, n: int):
     return from_transformers(model, lm.tokenizer, name=f"{lm.name}-first-{n}-layers")
 
 
+def reference_backend(name: str, lm, prefix_cache: bool = True, **choices):
+    """The backend `name` on `lm` made from its run plan, on the torch reference ops unless `impl` is given (what
+    these tests compare every other path with); prefix_cache=False: the fast backend without its prefix K/V cache."""
+    from sicl_fast.backends import CLASSES
+    from sicl_fast.plan import make_plan
+
+    plan = make_plan(lm, backend=name, **{"impl": "torch", **choices})
+    if not prefix_cache:
+        return CLASSES[plan.kind.cls](lm, plan, prefix_cache=False)
+    return CLASSES[plan.kind.cls](lm, plan)
+
+
 def synthetic_prompt(L: int, spans, a: int, vocab: int, seed: int = 0) -> Prompt:
     """A Prompt with random token ids and the given token spans (no tokenizer involved)."""
     g = torch.Generator().manual_seed(seed)

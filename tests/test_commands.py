@@ -55,6 +55,31 @@ def test_proxy_and_calibrate(tiny_model_dir, reqs, tmp_path, capsys):
     assert main(argv) == 0 and "nothing to do: all 2 requests are already in" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["plan", "--mu", "0.5"], ["plan", "--max-steps", "7"], ["plan", "--seed", "3"], ["plan", "--perturb-query"],
+    ["plan", "--store", "DIR"], ["plan", "--store-mib", "5"], ["plan", "--alpha", "1"],
+    ["proxy", "r.jsonl", "--diff-matmul", "off"],  # the proxy runs one row: no difference products
+])
+def test_a_command_refuses_the_flags_it_does_not_use(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    flag = [a for a in argv if a.startswith("--")][0]
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_plan_takes_the_flags_that_change_the_plan(tiny_model_dir, capsys):
+    argv = ["plan", "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--backend", "fast",
+            "--impl", "torch", "--diff-matmul", "off", "--loop", "eager", "--sync-every", "2", "--graphs", "off",
+            "--pack", "1", "--threads", "1", "--estimator", "grad", "--reuse", "on"]
+    assert main(argv) == 0
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert {k: rows[k] for k in ("backend", "impl", "diff_matmul", "loop", "sync_every", "graphs", "pack", "threads",
+                                 "estimator", "reuse")} == {
+        "backend": "fast", "impl": "torch", "diff_matmul": "off", "loop": "eager", "sync_every": "2", "graphs": "off",
+        "pack": "1", "threads": "1", "estimator": "grad", "reuse": "on"}
+
+
 def test_demo(tiny_model_dir, capsys):
     argv = ["demo", "--model", str(tiny_model_dir), "--max-steps", "2", "--tau", "0", "--max-new-tokens", "2"]
     assert main(argv) == 0

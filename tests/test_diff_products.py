@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import reference_backend
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.backends.fast import FastBackend
-from sicl_fast.backends.hf import HFBackend
 from sicl_fast.errors import SiclError
 from sicl_fast.models import diff
 from sicl_fast.models.transformer import fast_low_precision
@@ -86,7 +85,7 @@ def test_forward_with_fp8_or_bf16_differences_tracks_float32(models, fmt, bound)
     """Rows' log-prob differences from row 0 against the float32 forward: bf16 within 3 %, FP8 (emulated) within
     30 % (e4m3 keeps 3 mantissa bits; the measured figures are in bench/RESULTS.md)."""
     lm = models["llama"]
-    exact, low = FastBackend(lm, diff_matmul="off"), FastBackend(lm, diff_matmul=fmt)
+    exact, low = reference_backend("fast", lm, diff_matmul="off"), reference_backend("fast", lm, diff_matmul=fmt)
     p = make_prompt(6)
     X = perturbed(exact.embed(p), 6, B=7, scale=0.02)
     ref, got = exact.span_logprobs(X, p), low.span_logprobs(X, p, near_row0=True)
@@ -103,7 +102,8 @@ def test_forward_with_difference_products_tracks_float32(models, family, impl):
     if reason:
         pytest.skip(reason)
     lm = models[family]
-    exact, fast = FastBackend(lm, diff_matmul="off"), make_backend("fast", lm, diff_matmul="bf16", impl=impl)
+    exact = reference_backend("fast", lm, diff_matmul="off")
+    fast = make_backend("fast", lm, diff_matmul="bf16", impl=impl)
     plain = make_backend("fast", lm, diff_matmul="off", impl=impl)  # the same elementwise ops, float32 products
     for a in (0, 6):  # without and with a shared prefix
         p = make_prompt(a, seed=a)
@@ -122,7 +122,7 @@ def test_forward_with_difference_products_tracks_float32(models, family, impl):
 
 def test_single_rows_and_generation_never_use_bf16(models):
     lm = models["llama"]
-    fast, exact = FastBackend(lm, diff_matmul="bf16"), FastBackend(lm, diff_matmul="off")
+    fast, exact = reference_backend("fast", lm, diff_matmul="bf16"), reference_backend("fast", lm, diff_matmul="off")
     p = make_prompt(6)
     X = fast.embed(p)
     torch.testing.assert_close(fast.span_logprobs(X[None], p, near_row0=True), exact.span_logprobs(X[None], p),
@@ -136,31 +136,32 @@ def test_seeded_calibration_with_difference_products_tracks_float32(models, fami
     lm = models[family]
     cfg = CalibrationConfig(N=4, max_steps=3, tau=0, scale=1.0, seed=1)
     p = make_prompt(6)
-    ref = Calibrator(FastBackend(lm, diff_matmul="off"), cfg).run(p)
-    got = Calibrator(FastBackend(lm, diff_matmul="bf16"), cfg).run(p)
+    ref = Calibrator(reference_backend("fast", lm, diff_matmul="off"), cfg).run(p)
+    got = Calibrator(reference_backend("fast", lm, diff_matmul="bf16"), cfg).run(p)
     assert got.history[0] == pytest.approx(ref.history[0], rel=1e-5, abs=1e-6)
     assert got.history == pytest.approx(ref.history, rel=1e-3, abs=1e-4)
-    moved = (ref.embeddings - FastBackend(lm).embed(p)).norm()
+    moved = (ref.embeddings - reference_backend("fast", lm).embed(p)).norm()
     assert float((got.embeddings - ref.embeddings).norm()) < 0.05 * float(moved)
 
 
 def test_settings_and_errors(models):
     lm = models["qwen3"]
-    auto = FastBackend(lm)
+    auto = reference_backend("fast", lm)
     assert (auto.model.diff_dtype is not None) == fast_low_precision(lm.device)
-    assert FastBackend(lm, diff_matmul="off").model.diff_dtype is None
+    assert reference_backend("fast", lm, diff_matmul="off").model.diff_dtype is None
     assert make_backend("fast-fp32", lm).model.diff_dtype is None and make_backend("fast-fp32", lm).name == "fast-fp32"
     assert make_backend("fast", lm, diff_matmul="bf16").model.diff_dtype == torch.bfloat16
     with pytest.raises(SiclError, match="diff_matmul"):
-        FastBackend(lm, diff_matmul="int4")
+        reference_backend("fast", lm, diff_matmul="int4")
     lm16 = build("llama", torch.bfloat16)
     with pytest.raises(SiclError, match="float32 models"):
-        FastBackend(lm16, diff_matmul="bf16")
-    assert FastBackend(lm16).model.diff_dtype is None  # auto: nothing to gain below float32
+        reference_backend("fast", lm16, diff_matmul="bf16")
+    assert reference_backend("fast", lm16).model.diff_dtype is None  # auto: nothing to gain below float32
     # other backends accept the promise and ignore it
     p = make_prompt(0)
-    X = perturbed(HFBackend(lm).embed(p), 0)
-    assert torch.equal(HFBackend(lm).span_logprobs(X, p, near_row0=True), HFBackend(lm).span_logprobs(X, p))
+    hf = reference_backend("hf", lm)
+    X = perturbed(hf.embed(p), 0)
+    assert torch.equal(hf.span_logprobs(X, p, near_row0=True), hf.span_logprobs(X, p))
 
 
 def test_smollm2_finite_differences_against_float64(smol):
@@ -169,7 +170,7 @@ def test_smollm2_finite_differences_against_float64(smol):
 
     p = synthetic_prompt(smol, 64)
     cfg = CalibrationConfig.for_model(smol, N=6)
-    exact = FastBackend(smol, diff_matmul="off")
+    exact = reference_backend("fast", smol, diff_matmul="off")
     X0 = exact.embed(p)
     batch = TorchStepOps().perturb(X0, 0, StepSpec.build(cfg, *X0.shape, p.demo_start, p.demo_end))
 
@@ -178,10 +179,10 @@ def test_smollm2_finite_differences_against_float64(smol):
 
     lm64 = copy.copy(smol)
     lm64.model = copy.deepcopy(smol.model).double()
-    f64 = f(HFBackend(lm64), batch.double())
+    f64 = f(reference_backend("hf", lm64), batch.double())
     d64 = f64[1:] - f64[0]
     errs = {}
-    for name, backend, kw in (("fp32", exact, {}), ("bf16", FastBackend(smol, diff_matmul="bf16"),
+    for name, backend, kw in (("fp32", exact, {}), ("bf16", reference_backend("fast", smol, diff_matmul="bf16"),
                                                    {"near_row0": True})):
         got = f(backend, batch, **kw)
         assert math.isclose(got[0], f64[0], rel_tol=1e-5)

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+from conftest import reference_backend
 from sicl_fast.ascent import CalibrationConfig, Calibrator
-from sicl_fast.backends.fast import SUPPORTED_FAMILIES, FastBackend
-from sicl_fast.backends.hf import HFBackend
+from sicl_fast.backends.fast import SUPPORTED_FAMILIES
 from sicl_fast.generate import greedy_generate
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import attend_math
@@ -98,7 +98,8 @@ def perturbed(X: torch.Tensor, a: int, B: int = 5, scale: float = 0.05, seed: in
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
 def test_span_logprobs_match_hf(models, family):
     lm = models[family]
-    hf, fast, nocache = HFBackend(lm), FastBackend(lm), FastBackend(lm, prefix_cache=False)
+    hf, fast = reference_backend("hf", lm), reference_backend("fast", lm)
+    nocache = reference_backend("fast", lm, prefix_cache=False)
     # a = 0: no prefix; 6: a prefix; 14: the first span starts at a (its first prediction is a prefix row)
     for a in (0, 6, 14):
         p = make_prompt(a, seed=a)
@@ -116,7 +117,7 @@ def test_the_prompt_exercises_window_and_softcap(models, family):
     """The parity test would catch a missing sliding window / soft-cap: turning them off changes the numbers."""
     lm = models[family]
     p = make_prompt(6)
-    hf, fast = HFBackend(lm), FastBackend(lm)
+    hf, fast = reference_backend("hf", lm), reference_backend("fast", lm)
     X = perturbed(hf.embed(p), 6)
     ref = hf.span_logprobs(X, p)
     for layer in fast.model.layers:
@@ -124,7 +125,7 @@ def test_the_prompt_exercises_window_and_softcap(models, family):
     fast.clear_cache()
     assert (fast.span_logprobs(X, p) - ref).abs().max() > 1e-3
     if family == "gemma2":
-        fast = FastBackend(lm)
+        fast = reference_backend("fast", lm)
         fast.model.attention.softcap = None
         assert (fast.span_logprobs(X, p) - ref).abs().max() > 1e-3
 
@@ -133,7 +134,8 @@ def test_prefix_cache_reused_and_invalidated(models):
     lm = models["gemma3_text"]
     a = 6
     p = make_prompt(a)
-    hf, fast, nocache = HFBackend(lm), FastBackend(lm), FastBackend(lm, prefix_cache=False)
+    hf, fast = reference_backend("hf", lm), reference_backend("fast", lm)
+    nocache = reference_backend("fast", lm, prefix_cache=False)
     X = perturbed(hf.embed(p), a)
     first = fast.span_logprobs(X, p)
     X2 = perturbed(hf.embed(p), a, seed=7)  # other directions, same prefix: reuse
@@ -162,8 +164,8 @@ def test_calibration_history_matches_hf(models, family):
     lm = models[family]
     cfg = CalibrationConfig(N=4, max_steps=3, tau=0, scale=1.0, seed=1)
     p = make_prompt(6)
-    ref = Calibrator(HFBackend(lm), cfg).run(p)  # the torch ops on both: only the backends differ
-    fast = FastBackend(lm, diff_matmul="off")  # every product in float32 (test_diff_products.py: bf16 ones)
+    ref = Calibrator(reference_backend("hf", lm), cfg).run(p)  # the torch ops on both: only the backends differ
+    fast = reference_backend("fast", lm, diff_matmul="off")  # every product in float32 (test_diff_products.py: bf16)
     got = Calibrator(fast, cfg).run(p)
     assert len(got.history) == len(ref.history) == 3
     assert all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5) for x, y in zip(got.history, ref.history))
@@ -174,7 +176,7 @@ def test_calibration_history_matches_hf(models, family):
 @pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
 def test_generation_matches_hf(models, family):
     lm = models[family]
-    fast = FastBackend(lm)
+    fast = reference_backend("fast", lm)
     p = make_prompt(6, seed=3)
     X = fast.embed(p)  # the whole prompt (query included): 48 rows, past the sliding window
     for stops in ((), ("zz",)):
@@ -188,7 +190,7 @@ def test_generation_matches_hf(models, family):
 
 def test_generation_stops_like_hf(models):
     lm = models["llama"]
-    fast = FastBackend(lm)
+    fast = reference_backend("fast", lm)
     p = make_prompt(6, seed=3)
     X = fast.embed(p)
     first = greedy_generate(lm, X, max_new_tokens=6).token_ids
@@ -207,7 +209,7 @@ def test_generation_stops_like_hf(models):
 def test_sdpa_kernels_match_math(models, family):
     """attn='sdpa' (torch's fused kernels with log-sum-exp, on the CPU) gives the math path's numbers."""
     lm = models[family]
-    math_b, sdpa_b = FastBackend(lm, attn="math"), FastBackend(lm, attn="sdpa")
+    math_b, sdpa_b = reference_backend("fast", lm, attn="math"), reference_backend("fast", lm, attn="sdpa")
     for a in (0, 6):
         p = make_prompt(a)
         X = perturbed(math_b.embed(p), a)
@@ -225,7 +227,7 @@ def test_attention_verify_falls_back_loudly_or_raises(models, monkeypatch):
 
     real = attention.attend_sdpa
     monkeypatch.setattr(attention, "attend_sdpa", lambda *a: (lambda o: (o[0] * 1.5, o[1]) if o else o)(real(*a)))
-    m = FastBackend(models["llama"], attn="sdpa").model
+    m = reference_backend("fast", models["llama"], attn="sdpa").model
     with pytest.raises(SiclError, match="'sdpa' attention kernel differs from the math path"):
         m.attention.verify(m.H, m.Hk, m.hd, fallback=False)
     with pytest.warns(RuntimeWarning, match="differs from the math path.*using 'math'"):
@@ -238,22 +240,22 @@ def test_bf16_runs_and_stays_close(models, family):
     lm32 = models[family]
     lm16 = build(family, torch.bfloat16)
     p = make_prompt(6)
-    X = perturbed(HFBackend(lm32).embed(p), 6)
-    ref32 = HFBackend(lm32).span_logprobs(X, p)
-    hf16 = HFBackend(lm16).span_logprobs(X, p)
-    got16 = FastBackend(lm16).span_logprobs(X, p)
+    X = perturbed(reference_backend("hf", lm32).embed(p), 6)
+    ref32 = reference_backend("hf", lm32).span_logprobs(X, p)
+    hf16 = reference_backend("hf", lm16).span_logprobs(X, p)
+    got16 = reference_backend("fast", lm16).span_logprobs(X, p)
     assert got16.dtype == torch.float32 and bool(torch.isfinite(got16).all())
     # bf16 vs bf16: the same computation up to rounding order; vs float32: within bf16's own error
     assert (got16 - hf16).abs().max() < 0.05
     assert (got16 - ref32).abs().max() <= max(0.05, 2 * float((hf16 - ref32).abs().max()))
-    g = FastBackend(lm16).generate(X[0], p, 4)
+    g = reference_backend("fast", lm16).generate(X[0], p, 4)
     assert len(g.token_ids) > 0 or g.stop_reason == "eos"
 
 
 def test_rope_tables_match_transformers(models):
     for family in ("llama", "gemma3_text"):
         rot = models[family].decoder.rotary_emb
-        fast = FastBackend(models[family]).model
+        fast = reference_backend("fast", models[family]).model
         for kind, r in fast.rotary.items():
             buf = rot.inv_freq if kind == "all" else getattr(rot, f"{kind}_inv_freq")
             assert torch.equal(r.inv_freq, buf)
@@ -283,7 +285,7 @@ def test_unsupported_family_is_a_clear_error():
     cfg = GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64)
     lm = from_transformers(GPT2LMHeadModel(cfg), CharTokenizer(), name="tiny-gpt2")
     with pytest.raises(UnsupportedModelError, match="llama, qwen3, gemma2, gemma3_text.*'gpt2'"):
-        FastBackend(lm)
+        reference_backend("fast", lm)
 
 
 @pytest.mark.slow
@@ -296,7 +298,7 @@ def test_smollm2_matches_hf(smol):
                                    {"input": "ten", "output": "10"}], "query": "two"})
     p = tokenize(req, smol.tokenizer)
     assert p.demo_start > 0
-    hf, fast = HFBackend(smol), FastBackend(smol)
+    hf, fast = reference_backend("hf", smol), reference_backend("fast", smol)
     X = perturbed_rows(hf.embed(p), p, B=3, scale=0.005)
     torch.testing.assert_close(fast.span_logprobs(X, p), hf.span_logprobs(X, p), **TOL)
     X0 = hf.embed(p)

@@ -9,8 +9,8 @@ agree to rtol 1e-5 and the run takes the same steps, stops, best step and projec
 import pytest
 import torch
 
+from conftest import reference_backend
 from sicl_fast.ascent import CalibrationConfig, Calibrator
-from sicl_fast.backends.fast import FastBackend
 from sicl_fast.errors import SiclError
 from sicl_fast.packed import run_packed
 from sicl_fast.requests import Request
@@ -50,7 +50,7 @@ def assert_close_result(got, ref):
 def test_packed_equals_one_by_one(models, family, impl, attn):
     if why_unavailable(impl):
         pytest.skip(why_unavailable(impl))
-    be = FastBackend(models[family], attn=attn, diff_matmul="off", prefix_cache=False, impl=impl)
+    be = reference_backend("fast", models[family], attn=attn, diff_matmul="off", prefix_cache=False, impl=impl)
     refs = [Calibrator(be, cfg).run(p) for p, cfg in ITEMS]
     for g, r in zip(run_packed(be, ITEMS, pack=1), refs):
         assert_same_result(g, r)
@@ -63,19 +63,17 @@ def test_packed_equals_one_by_one(models, family, impl, attn):
 
 
 def test_packed_arguments(models):
-    be = FastBackend(models["llama"], diff_matmul="off")
+    be = reference_backend("fast", models["llama"], diff_matmul="off")
     with pytest.raises(SiclError, match="pack must be >= 1, got 0"):
         run_packed(be, ITEMS, pack=0)
-    from sicl_fast.backends.hf import HFBackend
-
     with pytest.raises(SiclError, match="packed step needs the fast backend"):
-        run_packed(HFBackend(models["llama"]), ITEMS, pack=2)
+        run_packed(reference_backend("hf", models["llama"]), ITEMS, pack=2)
 
 
 def test_packed_time_budget_and_best_at(models):
     """Each slot's time budget from its own start, checked at each read (0: the first read), and its best X kept
     after given step counts: equal to the prompt's eager run stopped there (pack 1: bit for bit)."""
-    be = FastBackend(models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
+    be = reference_backend("fast", models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
     items = [(p, cfg.replace(patience=0)) for p, cfg in ITEMS]
     got = run_packed(be, items, pack=1, sync_every=2, time_budget_s=0, best_at=[1, 3])
     for (p, cfg), res in zip(items, got):

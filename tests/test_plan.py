@@ -1,5 +1,6 @@
 """The run plan (sicl_fast.plan): every refusal rule in one table, with the message it gives; what 'auto' resolves
 to on this machine; fast-fp32 as a plan; the engine, make_backend and the loops reading the plan."""
+import dataclasses
 import re
 
 import pytest
@@ -9,10 +10,12 @@ from sicl_fast import CalibrationConfig, Engine
 from sicl_fast.backends import FastBackend, build_backend, make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.models import from_transformers
+from sicl_fast.models.attention import Attention
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
 from sicl_fast.packed import run_packed
-from sicl_fast.plan import Choices, RunPlan, make_plan, resolve_graphs, resolve_impl
+from sicl_fast.plan import (BACKENDS, Choices, RunPlan, make_plan, resolve_attention_check, resolve_graphs,
+                            resolve_impl, resolve_read_every, resolve_reuse)
 from sicl_fast.static import StaticStep
 from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
@@ -115,6 +118,10 @@ REFUSALS = {
                                                   SiclError, "the static step needs a forward without host reads"),
     "the packed step on a backend without one": (plan_of(backend="hf", then=lambda p: p.require_sync_free("packed")),
                                                  SiclError, "the packed step needs the fast backend's sync-free"),
+    # Engine.calibrate's best_at and icleval --answer-at (tests/test_reuse.py runs both faces)
+    "best X along the run from the store": (dict(call=lambda: resolve_reuse("auto", 1, keeps_best=True)), SiclError,
+                                            r"best_at \(icleval --answer-at\) keeps the best X along each "
+                                            "calibration, and one from the store has none: use reuse 'off'"),
 }
 
 
@@ -180,9 +187,57 @@ def test_fast_fp32_is_a_plan_not_a_class(models):
 
 def test_explain_names_every_axis(models):
     text = make_plan(models["llama"], backend="fast-fp32", impl="torch").explain()
-    for axis in ("backend", "impl", "attention", "diff_matmul", "loop", "sync_every", "graphs", "pack", "estimator"):
+    for axis in ("backend", "impl", "attention", "attention_check", "diff_matmul", "loop", "sync_every", "read_every",
+                 "graphs", "pack", "estimator"):
         assert re.search(rf"^  {axis} +\S", text, re.M), axis
     assert "fast-fp32: every product in float32" in text and "tiny-llama" in text
+    # the attention kernel's per-call hand-offs to the math path are said beside it
+    assert re.search(r"^  attention +sdpa +auto: torch's SDPA; the math path takes soft-capped layers", text, re.M)
+
+
+def test_attention_check_and_read_every_are_the_plans(models, monkeypatch):
+    """Whether the fast backend checks its attention kernel against the math path when built (CUDA) and how many
+    tokens it decodes between two host reads are plan axes, resolved once; the backend only reads them."""
+    lm = models["llama"]
+    plan = make_plan(lm, backend="fast", impl="torch", attn="sdpa")
+    assert (plan.attention_check, plan.read_every) == (False, 1)  # the CPU
+    assert resolve_attention_check("sdpa", "cuda", True) == (True, "CUDA: compared with the math path once, when the "
+                                                                    "backend is built; 'math' on a mismatch (auto)")
+    assert not resolve_attention_check("math", "cuda", True)[0] and not resolve_attention_check(None, "cuda", True)[0]
+    fast, hf = BACKENDS["fast"], BACKENDS["hf"]
+    assert resolve_read_every(fast, "cuda")[0] == 8 and resolve_read_every(fast, "cpu")[0] == 1
+    assert resolve_read_every(hf, "cuda")[0] == 1  # transformers' generation reads every token
+    checked = []
+    monkeypatch.setattr(Attention, "verify", lambda self, *a, fallback: checked.append((self.impl, fallback)))
+    assert build_backend(plan, lm).read_every == 1 and checked == []
+    be = build_backend(dataclasses.replace(plan, attention_check=True, read_every=3), lm)
+    assert checked == [("sdpa", False)] and be.read_every == 3
+
+
+def test_a_backend_runs_a_plan_it_does_not_make(models):
+    """A backend is built from a RunPlan (make_plan's defaults, once): it makes none of its own."""
+    lm = models["llama"]
+    with pytest.raises(TypeError, match="plan"):
+        FastBackend(lm)
+    with pytest.raises(SiclError, match="FastBackend runs a RunPlan .sicl_fast.plan.make_plan., got str"):
+        FastBackend(lm, "fast")
+    assert make_backend("fast", lm).plan == make_plan(lm, backend="fast")
+
+
+def test_plan_and_decoder_config_are_immutable(models):
+    """A RunPlan hashes (its DecoderConfig holds no dict) and nothing changes the decoder's rope table in place."""
+    lm = models["gemma3_text"]
+    plan = make_plan(lm, backend="fast", impl="torch")
+    assert {plan: 1}[make_plan(lm, backend="fast", impl="torch")] == 1
+    dec = plan.decoder
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dec.rope = ()
+    with pytest.raises(TypeError):
+        dec.rope[0][1][0] = ("rope_theta", 1.0)
+    params = dec.rope_params("full_attention")
+    theta = params["rope_theta"]
+    params["rope_theta"] = theta * 2
+    assert dec.rope_params("full_attention")["rope_theta"] == theta
 
 
 def test_engine_backends_and_loops_read_the_plan(models):
@@ -202,14 +257,24 @@ def test_decoder_config_holds_the_family_quirks(models):
     """DecoderConfig.from_hf, made once per model (the plan holds it): sizes and quirks as fields."""
     from sicl_fast.models.decoder_config import DecoderConfig
 
-    cfgs = {f: DecoderConfig.from_hf(lm.text_config) for f, lm in models.items()}
-    assert {f: (c.gemma, c.attn_softcap, c.final_softcap, c.scales_inputs) for f, c in cfgs.items()} == {
-        "llama": (False, None, None, False), "qwen3": (False, None, None, False),
-        "gemma2": (True, 2.0, 5.0, True), "gemma3_text": (True, None, None, False)}
+    cfgs = {f: DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) for f, lm in models.items()}
+    # transformers 5's Gemma embedding modules scale their output (embed_scale): the forward multiplies nothing
+    assert {f: (c.gemma, c.attn_softcap, c.final_softcap, c.input_mult) for f, c in cfgs.items()} == {
+        "llama": (False, None, None, None), "qwen3": (False, None, None, None),
+        "gemma2": (True, 2.0, 5.0, None), "gemma3_text": (True, None, None, None)}
+    gemma2 = models["gemma2"]
+    plain = torch.nn.Embedding(4, gemma2.hidden_size)  # an embedding that does not scale (older Gemma 2 code)
+    unscaled = DecoderConfig.from_hf(gemma2.text_config, plain)
+    assert unscaled.input_mult == gemma2.hidden_size ** 0.5
+    assert DecoderConfig.from_hf(models["llama"].text_config, plain).input_mult is None  # Gemma 2's quirk only
+    plan = make_plan(gemma2, backend="fast", impl="torch")
+    assert build_backend(plan, gemma2).model.embed_mult is None  # the Transformer reads the field, nothing else
+    mult = build_backend(dataclasses.replace(plan, decoder=unscaled), gemma2).model.embed_mult
+    assert float(mult) == pytest.approx(gemma2.hidden_size ** 0.5)
     assert cfgs["llama"].attn_scale == 16 ** -0.5 and cfgs["gemma2"].attn_scale == 24 ** -0.5
     assert cfgs["gemma2"].windows == (8, None, 8) and cfgs["llama"].windows == (None, None, None)
     assert cfgs["gemma3_text"].rope_of_layer == ("sliding_attention", "full_attention", "sliding_attention")
-    assert set(cfgs["gemma3_text"].rope) == {"sliding_attention", "full_attention"} and cfgs["llama"].rope_of_layer == (
-        "all",) * 3
+    assert [key for key, _ in cfgs["gemma3_text"].rope] == ["full_attention", "sliding_attention"]
+    assert cfgs["llama"].rope_of_layer == ("all",) * 3
     assert make_plan(models["qwen3"], backend="fast").decoder == cfgs["qwen3"]
     assert make_plan(models["qwen3"], backend="hf").decoder is None

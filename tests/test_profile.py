@@ -4,6 +4,7 @@ import json
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
+from conftest import reference_backend
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.profile import PHASES, kernels_per_step, profile_step, step_flops
@@ -17,9 +18,7 @@ CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0)
 def test_decoder_flops_match_torchs_counter(models, family, a):
     """The math attention path computes every key's score (masked afterwards), so torch's counter sees
     4 H hd T N for attention where the profile counts the causal keys only; the products must agree exactly."""
-    from sicl_fast.backends.fast import FastBackend
-
-    be = FastBackend(models[family], attn="math", diff_matmul="off")
+    be = reference_backend("fast", models[family], attn="math", diff_matmul="off")
     p = make_prompt(a)
     st = StaticStep(be, Calibrator(be, CFG).config, p, be.embed(p))
     m = be.model

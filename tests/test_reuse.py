@@ -338,8 +338,8 @@ def test_answers_along_the_way_need_their_own_run(tiny_dir, tmp_path, capsys):
     argv = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out",
             str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "no-model"), "--answer-at", "1"]
     assert main([*argv, "--reuse", "auto"]) == 2
-    assert "--answer-at keeps the best X along each calibration" in capsys.readouterr().err
+    assert "best_at (icleval --answer-at) keeps the best X along each calibration" in capsys.readouterr().err
     eng = Engine(load(tiny_dir), reuse="auto")
     prompt = eng.prepare({"id": "q", "demos": [{"input": "a", "output": "b"}], "query": "c"})
-    with pytest.raises(SiclError, match="best_at keeps the best X along a run"):
+    with pytest.raises(SiclError, match=r"best_at \(icleval --answer-at\) keeps the best X along each calibration"):
         eng.calibrate(prompt, max_steps=2, best_at=[1])

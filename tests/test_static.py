@@ -169,6 +169,10 @@ def test_decode_step_has_no_host_read(models, monkeypatch):
         for _ in range(5):
             tok = m.decode_logits(tok, cache).argmax().view(1)
     assert int(cache.pos) == 25
+    from sicl_fast.models.transformer import Positions
+
+    pos = Positions.decoding(m.rotary, cache.pos)
+    assert pos.start is None and pos.at is cache.pos  # no host start, not even a sentinel: the position is the device's
 
 
 @pytest.mark.cuda

@@ -13,22 +13,24 @@ import torch
 
 from ..errors import NumericalError, SiclError
 from ..ops import make_ops
-from ..plan import RunPlan, make_plan, no_differentiable_forward
+from ..plan import RunPlan, no_differentiable_forward
 from ..spans import Prompt
 
 
 class Backend(abc.ABC):
-    """Base class. `lm` is a `sicl_fast.models.LoadedModel`; plan the RunPlan it runs (make_backend / build_backend
-    pass it). Without one, the backend makes its own from `choices` (sicl_fast.plan.make_plan's keywords; the hot
-    ops default to the torch reference here). `name` is the plan's backend ('fast-fp32' for the fast class with
-    plain products)."""
+    """Base class. `lm` is a `sicl_fast.models.LoadedModel`; plan the RunPlan it runs, made for `lm` by
+    sicl_fast.plan.make_plan (build_backend(plan, lm), or make_backend(name, lm, **choices), which makes both):
+    a backend decides nothing of its own. `name` is the plan's backend ('fast-fp32' for the fast class with plain
+    products)."""
 
     name: str = "base"
 
-    def __init__(self, lm, plan: RunPlan | None = None, **choices) -> None:
+    def __init__(self, lm, plan: RunPlan) -> None:
+        if not isinstance(plan, RunPlan):
+            raise SiclError(f"{type(self).__name__} runs a RunPlan (sicl_fast.plan.make_plan), got "
+                            f"{type(plan).__name__}; make_backend(name, lm, ...) makes both")
         self.lm = lm
-        self.plan = plan if plan is not None else make_plan(lm, backend=type(self).name, **{"impl": "torch",
-                                                                                            **choices})
+        self.plan = plan
         self.name = self.plan.backend
         self.ops, self.decoder_ops = make_ops(self.plan.impl, lm.device)
 

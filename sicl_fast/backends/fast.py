@@ -45,20 +45,20 @@ class SpanPlan:
 
 class FastBackend(Backend):
     """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text, as the run plan `plan` says: its DecoderConfig,
-    attention kernel, difference products and ops (sicl_fast.plan; without a plan, one is made from `choices`,
-    e.g. attn='math', diff_matmul='off', impl='triton'). prefix_cache=False always runs the full rows [0, b)."""
+    attention kernel (and whether to check it against the math path first), difference products, ops and the
+    tokens decoded between two host reads (sicl_fast.plan). prefix_cache=False always runs the full rows [0, b)."""
 
     name = "fast"
 
-    def __init__(self, lm, plan=None, prefix_cache: bool = True, **choices) -> None:
-        super().__init__(lm, plan, **choices)
+    def __init__(self, lm, plan, prefix_cache: bool = True) -> None:
+        super().__init__(lm, plan)
         p = self.plan
         self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul)
         m = self.model
-        if m.device.type == "cuda":  # trust a fused attention kernel only after comparing it with the math path
+        if p.attention_check:  # trust a fused attention kernel only after comparing it with the math path
             m.attention.verify(m.H, m.Hk, m.hd, fallback=p.attention_fallback)
         self.prefix_cache = prefix_cache
-        self.read_every = 1 if m.device.type == "cpu" else 8  # decoding: tokens between two host reads
+        self.read_every = p.read_every  # decoding: tokens between two host reads
         self._prefix: PrefixKV | None = None
         self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
         self.decoders: ShapeCache | None = None  # captured decode steps per cache length (use_graphs)

@@ -1,7 +1,10 @@
 """What the fast decoder needs to know of a model, read once from its transformers config (as gpt-fast's
 ModelArgs): the sizes and every family quirk as a field, and every refusal of a model the fast decoder cannot run.
 
-    cfg = DecoderConfig.from_hf(lm.text_config)     raises UnsupportedModelError naming what is not supported
+    cfg = DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings())
+                                                    raises UnsupportedModelError naming what is not supported
+
+Frozen and hashable all through (tuples, no dicts): a RunPlan holding it can be hashed, and nothing changes it.
 
 Families: Llama 3.x / SmolLM2 (llama3 rope scaling, attention biases), Qwen3 (per-head q / k norms), Gemma 2
 (norms as (1 + w), post-attention / post-MLP norms, scaled queries, attention and final soft-caps, sliding-window
@@ -76,17 +79,24 @@ class DecoderConfig:
     attn_scale: float  # query_pre_attn_scalar ** -0.5 (Gemma) or hd ** -0.5
     attn_softcap: float | None  # Gemma 2 only: transformers passes it there (Gemma 3's config has the field, unused)
     final_softcap: float | None  # the LM head's logit soft-cap
-    scales_inputs: bool  # Gemma 2: the forward multiplies inputs_embeds by sqrt(d) unless the embedding module
-    #                      scales itself (transformers 5 Gemma modules do; older Gemma 2 code did it in the forward)
+    input_mult: float | None  # the forward multiplies inputs_embeds by it: sqrt(d) for Gemma 2 when the embedding
+    #                           module does not scale itself (transformers 5's Gemma modules do, with their
+    #                           `embed_scale`; older Gemma 2 code scaled in the forward); None: no multiplication
     windows: tuple  # per layer: the sliding window (keys > query - window), or None (full attention)
     rope_of_layer: tuple  # per layer: the key of its rotary table in `rope`
-    rope: dict  # rotary key -> transformers rope parameters ('all', or one per layer type as Gemma 3's)
+    rope: tuple  # ((rotary key, its transformers rope parameters as sorted (name, value) pairs), ...) sorted by key:
+    #              one key 'all', or one per layer type as Gemma 3's; rope_params(key) gives one back as a dict
+
+    def rope_params(self, key: str) -> dict:
+        """The transformers rope parameters of rotary key `key` (a fresh dict: the config stays as it is)."""
+        return dict(dict(self.rope)[key])
 
     @classmethod
-    def from_hf(cls, config) -> DecoderConfig:
-        """From a transformers text config (LoadedModel.text_config); UnsupportedModelError for anything the fast
-        decoder does not run: another family, bidirectional attention, another activation or rope type, partial
-        rotary embeddings, a sliding-window layer without a window."""
+    def from_hf(cls, config, embedding) -> DecoderConfig:
+        """From a transformers text config (LoadedModel.text_config) and the model's input-embedding module (whether
+        it scales its output itself); UnsupportedModelError for anything the fast decoder does not run: another
+        family, bidirectional attention, another activation or rope type, partial rotary embeddings, a
+        sliding-window layer without a window."""
         family = config.model_type
         if family not in SUPPORTED_FAMILIES:
             raise unsupported(family)
@@ -104,9 +114,9 @@ class DecoderConfig:
         rp = config.rope_parameters
         per_type = isinstance(rp, dict) and "rope_theta" not in rp and all(isinstance(v, dict) for v in rp.values())
         rope_of_layer = tuple(t if per_type else "all" for t in layer_types)
-        rope = {key: (rp[key] if per_type else rp) for key in sorted(set(rope_of_layer))}
-        for params in rope.values():
-            rope_inv_freq(params, hd)  # refuses what it cannot compute
+        rope = tuple((key, _frozen(rp[key] if per_type else rp)) for key in sorted(set(rope_of_layer)))
+        for _, params in rope:
+            rope_inv_freq(dict(params), hd)  # refuses what it cannot compute
         window = getattr(config, "sliding_window", None)
         for i, t in enumerate(layer_types):
             if t == "sliding_attention" and window is None:
@@ -116,9 +126,20 @@ class DecoderConfig:
             eps=float(config.rms_norm_eps), act_name=act_name, gemma=gemma,
             attn_scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else hd ** -0.5,
             attn_softcap=getattr(config, "attn_logit_softcapping", None) if family == "gemma2" else None,
-            final_softcap=getattr(config, "final_logit_softcapping", None), scales_inputs=family == "gemma2",
+            final_softcap=getattr(config, "final_logit_softcapping", None),
+            input_mult=d ** 0.5 if family == "gemma2" and not hasattr(embedding, "embed_scale") else None,
             windows=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
             rope_of_layer=rope_of_layer, rope=rope)
+
+
+def _frozen(value):
+    """A transformers config value made immutable and hashable: dicts as sorted (name, value) pairs, lists as
+    tuples, all the way down."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 __all__ = ["DecoderConfig", "SUPPORTED_FAMILIES", "UnsupportedModelError", "rope_inv_freq", "unsupported"]

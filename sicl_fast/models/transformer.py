@@ -75,23 +75,24 @@ class Rotary:
 
 @dataclass(frozen=True)
 class Positions:
-    """Where a forward's T rows sit: start .. start+T-1 (host ints: the rotary tables are slices, the attention
-    masks cached per shape), or, decoding, the one position the int64 [1] device tensor `at` holds (start unused:
-    any position replays one captured graph). rope: rotary key -> (cos, sin) [T, 1, hd] of these positions, looked
-    up once per forward for every layer."""
+    """Where a forward's T rows sit: either `start` .. start+T-1 (host ints: the rotary tables are slices, the
+    attention masks cached per shape), or, decoding (T = 1), the position the int64 device tensor `at` holds ([1];
+    [B], one per row, for query-only answers: sicl_fast.answer_kv): no host position, so any position replays one
+    captured graph. rope: rotary key -> (cos, sin) of these positions ([T, 1, hd]), looked up once per forward for
+    every layer."""
 
-    start: int
     T: int
     rope: dict
-    at: torch.Tensor | None = None
+    start: int | None = None  # host rows (None: decoding at `at`)
+    at: torch.Tensor | None = None  # decoding (None: host rows from `start`)
 
     @classmethod
     def rows(cls, rotary: dict, start: int, T: int) -> Positions:
-        return cls(start, T, {k: r.tables(start, T) for k, r in rotary.items()})
+        return cls(T, {k: r.tables(start, T) for k, r in rotary.items()}, start=start)
 
     @classmethod
     def decoding(cls, rotary: dict, at: torch.Tensor) -> Positions:
-        return cls(-1, 1, {k: r.at(at) for k, r in rotary.items()}, at)
+        return cls(1, {k: r.at(at) for k, r in rotary.items()}, at=at)
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -172,7 +173,16 @@ class RowsKV:
 class CacheKV:
     """One layer of a StaticCache: k, v [1, max_len, Hk, hd]. Prefill (host positions) writes rows start.. in
     place and attends to everything written so far; decoding writes the device-held position and attends over the
-    whole buffer with a mask."""
+    whole buffer with a mask.
+
+    Two branches, not gpt-fast's one KVCache.update (write at a position tensor, attend over the whole buffer with
+    a mask), on purpose: run through the decoding branch, a prefill would attend over all max_len keys with the
+    math path and an explicit [T, max_len] mask instead of the plan's kernel (sdpa / cpp / triton / flash) over the
+    `end` rows written, which changes its bits (another kernel, another reduction length: hidden states moved by up
+    to 2e-6 with sdpa and cpp on the tiny test models) and costs max_len / end times the keys, and it would copy
+    each layer's K/V into the buffer (index_copy_) where the rotary op now writes them in place. Decoding cannot
+    take the prefill's branch: its position is on the device (no host read, one captured graph for every
+    position), so it cannot slice the buffer."""
 
     __slots__ = ("k", "v", "keys")
 
@@ -230,13 +240,12 @@ class Transformer:
         self.d, self.H, self.Hk, self.hd, self.eps = c.d, c.H, c.Hk, c.hd, c.eps
         self.final_softcap = c.final_softcap
         self.embed = lm.model.get_input_embeddings()
-        self.embed_mult = None
-        if c.scales_inputs and not hasattr(self.embed, "embed_scale"):
-            self.embed_mult = torch.tensor(self.d ** 0.5, dtype=self.dtype, device=self.device)
+        self.embed_mult = (None if c.input_mult is None
+                           else torch.tensor(c.input_mult, dtype=self.dtype, device=self.device))
         self.head = lm.head_weight.detach()
         # rotary tables: one per rope parameter set (Gemma 3: local for sliding layers, global for full ones)
-        self.rotary = {key: Rotary(*rope_inv_freq(params, self.hd), self.dtype, self.device)
-                       for key, params in c.rope.items()}
+        self.rotary = {key: Rotary(*rope_inv_freq(c.rope_params(key), self.hd), self.dtype, self.device)
+                       for key, _ in c.rope}
         self.layers: list[Layer] = []
         for i, layer in enumerate(dec.layers[:c.n_layers]):
             at, mlp = layer.self_attn, layer.mlp

@@ -119,6 +119,90 @@ def test_a_damaged_entry_is_moved_aside_and_rebuilt(cache_root, gguf, damage):
     assert load_quietly(gguf)[1] == []
 
 
+def _sampled_sparsely(monkeypatch) -> None:
+    """Make the load-time file check sample the tiny model's weights as it samples a real model's (files of
+    FULL_BELOW bytes or more): most bytes fall between the samples."""
+    for name, value in (("FULL_BELOW", 0), ("SAMPLE_HEAD", 64), ("SAMPLE_BLOCK", 16), ("SAMPLE_STRIDE", 4096)):
+        monkeypatch.setattr(cache, name, value)
+
+
+def _write_between_samples(path, tensor: str, value: float) -> None:
+    """Overwrite one float32 of `tensor` in a safetensors file, at a place the sample digest does not read."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    start, end = (8 + n + o for o in json.loads(raw[8:8 + n])[tensor]["data_offsets"])
+
+    def sampled(o):
+        return o < cache.SAMPLE_HEAD or o >= len(raw) - cache.SAMPLE_HEAD \
+            or (o - cache.SAMPLE_HEAD) % cache.SAMPLE_STRIDE < cache.SAMPLE_BLOCK
+
+    at = next(o for o in range(start, end, 4) if not any(sampled(o + i) for i in range(4)))
+    raw[at:at + 4] = np.float32(value).tobytes()
+    path.write_bytes(bytes(raw))
+
+
+def test_a_few_bytes_changed_in_a_tensor_are_found_on_every_load(cache_root, gguf, monkeypatch):
+    """A plausible float written over one weight of a small tensor, between the file check's samples: the tensor
+    sums of the load see it, the entry is moved aside and rebuilt (before: it loaded silently, with other results;
+    only `sicl-fast cache verify` found it)."""
+    _sampled_sparsely(monkeypatch)
+    good = proxy_of(load(gguf))
+    entry = converted_path(gguf)
+    _write_between_samples(entry / "model.safetensors", "model.layers.0.input_layernorm.weight", 3.0)
+    assert converted_path(gguf) == entry  # the file check alone misses it
+    lm, warned = load_quietly(gguf)
+    assert len(warned) == 1 and "model.layers.0.input_layernorm.weight" in warned[0], warned
+    assert "checksum mismatch" in warned[0] and "moved it to" in warned[0]
+    assert proxy_of(lm) == good and cache.verify(entry, full=True) is None
+    assert load_quietly(gguf)[1] == []
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_an_entry_without_tensor_sums_is_checked_in_full_once(cache_root, gguf, monkeypatch, damaged):
+    """An entry written before the tensor sums still loads: every byte is checked against its sha256 once and the
+    sums are added to its manifest (a damaged one is moved aside and rebuilt)."""
+    _sampled_sparsely(monkeypatch)
+    good = proxy_of(load(gguf))
+    entry = converted_path(gguf)
+    man = json.loads((entry / cache.MANIFEST).read_text())
+    sums = man.pop("tensors")
+    assert "model.embed_tokens.weight" in sums
+    (entry / cache.MANIFEST).write_text(json.dumps(man))
+    if damaged:
+        _write_between_samples(entry / "model.safetensors", "model.layers.0.post_attention_layernorm.weight", 3.0)
+    lm, warned = load_quietly(gguf)
+    assert proxy_of(lm) == good
+    if damaged:
+        assert len(warned) == 1 and "checksum mismatch" in warned[0] and "moved it to" in warned[0], warned
+    else:
+        assert warned == []
+    assert json.loads((entry / cache.MANIFEST).read_text())["tensors"] == sums
+    assert load_quietly(gguf)[1] == []
+
+
+def test_tensor_sums_see_any_change_and_swaps():
+    rng = np.random.default_rng(1)
+    import torch
+
+    for shape, dtype in (((3000, 7), torch.float32), ((5,), torch.bfloat16), ((), torch.float32), ((9,), torch.bool)):
+        t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype)
+        base = cache.tensor_sums(t)
+        assert cache.tensor_sums(t.clone()) == base
+        flat = t.reshape(-1)
+        if flat.numel() < 2:
+            continue
+        raw = flat.view(torch.uint8) if dtype != torch.bool else flat.to(torch.uint8)
+        changed = raw.clone()
+        changed[-1] ^= 1  # one bit of the last byte (in the tail of whole-word reading for odd sizes)
+        assert cache.tensor_sums(changed) != cache.tensor_sums(raw)
+        swapped = raw.clone()
+        i, j = 0, raw.numel() - 1
+        if raw[i] != raw[j]:
+            swapped[i], swapped[j] = raw[j].clone(), raw[i].clone()
+            first, second = cache.tensor_sums(swapped)
+            assert second != cache.tensor_sums(raw)[1]
+
+
 def test_the_load_check_samples_large_files_and_verify_reads_every_byte(tmp_path, monkeypatch):
     """A file of FULL_BELOW bytes or more is checked on load by sampling: any damage SAMPLE_STRIDE bytes long (or
     a change of size) is found; a one-byte change between samples only by the full check."""

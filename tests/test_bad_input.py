@@ -694,3 +694,21 @@ def test_tensors_on_another_device_are_refused(eng, prompt):
     moved = dataclasses.replace(prompt, input_ids=prompt.input_ids.to("meta"))
     with pytest.raises(SiclError, match=r"prompt.input_ids: must be an int64 tensor on the CPU"):
         eng.proxy(moved)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+@pytest.mark.parametrize("weight", ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"])
+def test_a_model_with_a_nan_weight_stops_under_every_impl(tiny_model_dir, impl, weight):
+    """A NaN in a weight (a damaged model) ends in the same NumericalError under every CPU impl. Before: the C++
+    attention turned it into zeros and impl 'cpp' (the CPU default) gave a finite, wrong proxy."""
+    from sicl_fast import load
+    from sicl_fast.errors import NumericalError
+    from sicl_fast.ops import cpp_ops
+
+    if impl == "cpp" and not cpp_ops.available():
+        pytest.skip(cpp_ops.BUILD_HINT)
+    lm = load(tiny_model_dir)
+    lm.model.state_dict()[weight].view(-1)[3] = float("nan")
+    e = Engine(lm, impl=impl)
+    with pytest.raises(NumericalError, match="span log-probabilities contain NaN"):
+        e.proxy(e.prepare(STRUCT))

@@ -685,6 +685,34 @@ def test_a_prompt_or_embeddings_of_another_model_are_refused_by_every_method(eng
             call()
 
 
+def test_answer_refuses_a_query_or_a_calibration_of_another_model(eng, prompt, tiny_eng):
+    """Engine.answer / answer_many: a query Prompt of another vocabulary is refused as every method refuses one; a
+    calibration of another width is refused naming both models and widths. Before: a raw 'ValueError: w: dim 0 is
+    32, expected 16' (same tokenizer: the token ids matched) or a message about changed tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sicl_fast.models import from_transformers
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    narrow = Engine(from_transformers(LlamaForCausalLM(cfg), eng.lm.tokenizer, name="narrow"))  # eng's tokenizer
+    ours = eng.calibrate(prompt, reuse="on", max_steps=1, N=2).calibration
+    theirs = tiny_eng.calibrate(tiny_eng.prepare(STRUCT), reuse="on", max_steps=1, N=2).calibration
+    calls = {"answer": lambda e, c, q: e.answer(c, q, max_new_tokens=1),
+             "answer_many": lambda e, c, q: e.answer_many(c, [q, q], max_new_tokens=1)}
+    for _name, call in calls.items():
+        with pytest.raises(SiclError, match=r"request 'digits': query: was tokenized for another model's vocabulary"):
+            call(eng, ours, tiny_eng.prepare(STRUCT))
+        for engine, cal, width in ((narrow, ours, 32), (eng, theirs, 16), (tiny_eng, ours, 32)):
+            for query in (STRUCT, engine.prepare(STRUCT)):
+                with pytest.raises(SiclError, match=rf"request 'digits': calibration {cal.key[:12]} was made by model "
+                                                    rf"'{cal.model}', of width {width}; this engine's model "
+                                                    rf"'{engine.lm.name}' has width {engine.lm.hidden_size}"):
+                    call(engine, cal, query)
+    assert eng.answer(ours, STRUCT, max_new_tokens=1).text is not None  # its own calibration still answers
+
+
 def test_tensors_on_another_device_are_refused(eng, prompt):
     X = eng.backend.embed(prompt)
     for bad in (X.to("meta"),):

@@ -1,7 +1,7 @@
 // Per-element float helpers shared by the extension's vectorised loops: bf16 <-> float32 bits and a vectorisable
-// exp, both carrying NaN and inf through as torch does. Forced inline: the loops that call them are target clones (or carry an optimize pragma), and GCC does not
-// inline a helper compiled for another target / other options into them otherwise; a call per element keeps a
-// loop scalar.
+// exp, both carrying NaN and inf through as torch does. Forced inline: the loops that call them are target clones
+// (or carry an optimize pragma), and GCC does not inline a helper compiled for another target / other options into
+// them otherwise; a call per element keeps a loop scalar.
 #pragma once
 #include <cstdint>
 #include <cstring>

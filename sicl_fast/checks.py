@@ -5,7 +5,7 @@ checked once here, before any work, and refused with a SiclError naming the argu
     check_tokens(prompt, lm)                           token ids inside the model's vocabulary
     check_embeddings(X, prompt, lm, "embeds")          [L, d] floating, finite, this prompt's length, the model's
                                                        width, on the model's device
-    check_calibration(cal, lm)                         a stored Calibration whose rows have the model's width
+    check_calibration(cal, lm, where)                  a stored Calibration whose rows have the model's width
     check_perturbation(config, lm)                     mu * scale large enough for float32 to perturb this model
     check_step_memory(lm, prompt, config)              refuse a step whose estimated memory exceeds what is free
 """

@@ -13,6 +13,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from sicl_fast import Engine, load
 from sicl_fast.cli import main
@@ -181,26 +182,29 @@ def test_an_entry_without_tensor_sums_is_checked_in_full_once(cache_root, gguf, 
 
 
 def test_tensor_sums_see_any_change_and_swaps():
+    """One bit changed anywhere changes the sums (the first byte, a middle one, the last, in the tail of odd
+    sizes), and so do two different bytes swapped; two int64 words swapped keep the plain sum and change the
+    position-weighted one."""
     rng = np.random.default_rng(1)
-    import torch
-
-    for shape, dtype in (((3000, 7), torch.float32), ((5,), torch.bfloat16), ((), torch.float32), ((9,), torch.bool)):
-        t = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(dtype)
-        base = cache.tensor_sums(t)
-        assert cache.tensor_sums(t.clone()) == base
-        flat = t.reshape(-1)
-        if flat.numel() < 2:
-            continue
-        raw = flat.view(torch.uint8) if dtype != torch.bool else flat.to(torch.uint8)
-        changed = raw.clone()
-        changed[-1] ^= 1  # one bit of the last byte (in the tail of whole-word reading for odd sizes)
-        assert cache.tensor_sums(changed) != cache.tensor_sums(raw)
+    for shape, dtype in (((3000, 7), torch.float32), ((5,), torch.bfloat16), ((9,), torch.bool)):
+        x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        t = x > 0 if dtype == torch.bool else x.to(dtype)
+        raw = t.reshape(-1).view(torch.uint8)
+        base = cache.tensor_sums(raw)
+        assert cache.tensor_sums(t) == base and cache.tensor_sums(t.clone()) == base
+        for at in (0, raw.numel() // 2, raw.numel() - 1):
+            changed = raw.clone()
+            changed[at] ^= 1
+            assert cache.tensor_sums(changed) != base, at
+        j = int(torch.nonzero(raw != raw[0])[-1, 0])  # the last byte that differs from the first
         swapped = raw.clone()
-        i, j = 0, raw.numel() - 1
-        if raw[i] != raw[j]:
-            swapped[i], swapped[j] = raw[j].clone(), raw[i].clone()
-            first, second = cache.tensor_sums(swapped)
-            assert second != cache.tensor_sums(raw)[1]
+        swapped[0], swapped[j] = raw[j], raw[0]
+        assert cache.tensor_sums(swapped) != base
+    words = torch.from_numpy(rng.standard_normal(4100)).view(torch.int64)  # two words swapped: the same plain sum
+    swapped = words.clone()
+    swapped[3], swapped[4000] = words[4000], words[3]
+    assert cache.tensor_sums(swapped)[0] == cache.tensor_sums(words)[0]
+    assert cache.tensor_sums(swapped)[1] != cache.tensor_sums(words)[1]
 
 
 def test_the_load_check_samples_large_files_and_verify_reads_every_byte(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@
 //   when kB == 1) at k0 .. k0+N-1 (a <= k0). A query sees the keys at positions <= its own and, with a window,
 //   > its position - window. Query head h reads key head h / (H / Hk).
 //   s = (q . k) * scale, soft-capped (softcap > 0: cap tanh(s / cap)); o = sum_j exp(s_j - max) v_j / sum_j
-//   exp(s_j - max); 0 where a query sees no key.
+//   exp(s_j - max); 0 where a query sees no key; NaN where a NaN (or a score of +inf) reaches the row, as torch's.
 //
 // q, k, v may be row-strided views (the parts of one fused q / k / v product); out is contiguous. The work is cut
 // into tiles of a few query positions x the G query heads of one key head, each over the keys its rows see (one
@@ -273,7 +273,8 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
             if (W > split) values(split, W, vb + (klo + split - a) * V_ld, V_ld);
             for (int64_t r = 0; r < rows; ++r) {
                 float* dst = op + (b * T + t0 + r / G) * H * hd + (kh * G + r % G) * hd;
-                for (int64_t d = 0; d < hd; ++d) dst[d] = l[r] > 0.0f ? Ob[r * hd + d] / l[r] : 0.0f;
+                // l is 0 only where the query sees no key (else >= 1, or NaN: a NaN or +inf score, kept as NaN)
+                for (int64_t d = 0; d < hd; ++d) dst[d] = l[r] != 0.0f ? Ob[r * hd + d] / l[r] : 0.0f;
             }
         }
     }

@@ -10,7 +10,7 @@
 // bf16 travels as its 16 bits (int16 / uint16 arrays); float -> bf16 rounds to nearest even, as torch's cast.
 // act: 0 SiLU, 1 GELU with the tanh approximation; exp is our own (Cody-Waite reduction, degree-7 polynomial,
 // ~1 ulp) so that the loops vectorise; the inner loops are compiled for AVX-512, AVX2 and plain x86-64 and
-// picked at load time. Inputs must be finite (the backend checks the embeddings).
+// picked at load time. NaN and inf flow through as in the reference (vecmath.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -23,9 +23,10 @@
 #include "arrays.h"
 #include "threads.h"
 
-// Finite inputs only (checked upstream): let the clamps and selects become vector min / max / blends.
+// Not finite-math-only: a NaN or inf in the rows (a damaged model's) must come out non-finite, as torch's, not
+// clamped into a plausible number; the clamps and selects still become vector min / max / blends.
 #pragma GCC push_options
-#pragma GCC optimize("finite-math-only", "no-signed-zeros", "no-trapping-math", "no-math-errno")
+#pragma GCC optimize("no-signed-zeros", "no-trapping-math", "no-math-errno")
 #include "vecmath.h"  // under the pragma: its helpers are compiled as the loops that inline them
 
 namespace sicl {

@@ -3,15 +3,17 @@
     engine.answer(calibration, query)          one greedy answer
     engine.answer_many(calibration, queries)   many, decoded as one batch
 
-A query is a Prompt or a request (either JSON form) whose rows [0, b) are the calibration's (same token ids, spans
-and first demonstration row; sicl_fast.reuse.fits refuses any other). Its answer is the greedy decoding of the
-full calibrated matrix: the calibration's rows [0, b), then the query's own embeddings. On the fast backends it
-runs query-only (sicl_fast.answer_kv): the query's rows are prefilled against the stored K/V of rows [0, b),
-computed once per calibration and counted in the store's memory; other backends decode the full matrix.
+A query is a Prompt of this model or a request (either JSON form) whose rows [0, b) are the calibration's (same
+token ids, spans and first demonstration row, a calibration of the model's width; sicl_fast.reuse.fits refuses any
+other). Its answer is the greedy decoding of the full calibrated matrix: the calibration's rows [0, b), then the
+query's own embeddings. On the fast backends it runs query-only (sicl_fast.answer_kv): the query's rows are
+prefilled against the stored K/V of rows [0, b), computed once per calibration and counted in the store's memory;
+other backends decode the full matrix.
 """
 from __future__ import annotations
 
 from .answer_kv import answer_batch as kv_answers, supports_kv_answers
+from .checks import check_prompt
 from .errors import SiclError
 from .generate import Generation
 from .reuse import fits, full_embeddings
@@ -29,7 +31,11 @@ def calibration_of(obj) -> Calibration:
 
 
 def query_prompt(engine, query, reserve: int) -> Prompt:
-    return query if isinstance(query, Prompt) else engine.prepare(query, reserve=reserve)
+    """A query as a Prompt of this engine's model: prepared here from a request, or a Prompt checked as every Engine
+    method checks one (sicl_fast.checks.check_prompt: another model's vocabulary is refused)."""
+    if isinstance(query, Prompt):
+        return check_prompt(query, engine.lm, "query")
+    return engine.prepare(query, reserve=reserve)
 
 
 def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",),
@@ -38,7 +44,7 @@ def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_st
     cal = calibration_of(calibration)
     prompts = [query_prompt(engine, q, max_new_tokens) for q in queries]
     for p in prompts:
-        fits(cal, p)
+        fits(cal, p, engine.lm)
     backend = engine.backend
     if not supports_kv_answers(backend):
         return [engine.generate(p, full_embeddings(engine, cal, p), max_new_tokens=max_new_tokens,

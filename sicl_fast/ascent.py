@@ -30,7 +30,7 @@ from .best import improves
 from .checks import calibration_inputs
 from .errors import NumericalError, SiclError
 from .grad import proxy_gradient
-from .knobs import F32_EPS, F32_MAX, F32_TINY, MIN_MU, check_range
+from .knobs import F32_MAX, F32_TINY, check_mu, check_range
 from .run_args import BestAt, check_budget, stop_check
 from .spans import Prompt
 from .spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice, resolve_scale
@@ -89,11 +89,8 @@ class CalibrationConfig:
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):
                 raise SiclError(f"CalibrationConfig: {name} must be finite, got {v}")
+        check_mu(self.mu, "CalibrationConfig")
         checks = [
-            (self.mu > 0, "mu must be > 0"),
-            (self.mu >= MIN_MU,
-             f"mu must be >= {MIN_MU:g} (in units of the embedding scale): a smaller perturbation is lost to the "
-             f"float32 rounding of the embeddings (relative precision {F32_EPS:.1e})"),
             (self.eta >= 0, "eta must be >= 0"),
             (self.kappa < 1, "kappa must be < 1"),
             (0.0 <= self.q <= 1.0, "q must be in [0, 1]"),

@@ -5,6 +5,7 @@ checked once here, before any work, and refused with a SiclError naming the argu
     check_tokens(prompt, lm)                           token ids inside the model's vocabulary
     check_embeddings(X, prompt, lm, "embeds")          [L, d] floating, finite, this prompt's length, the model's
                                                        width, on the model's device
+    check_calibration(cal, lm, where)                  a stored Calibration whose rows have the model's width
     check_perturbation(config, lm)                     mu * scale large enough for float32 to perturb this model
     check_step_memory(lm, prompt, config)              refuse a step whose estimated memory exceeds what is free
 """
@@ -63,6 +64,17 @@ def check_embeddings(X, prompt: Prompt, lm, name: str = "embeds") -> torch.Tenso
         row = int(torch.nonzero(~torch.isfinite(X))[0, 0])
         raise NumericalError(f"{where}: contains NaN or inf (row {row})")
     return X
+
+
+def check_calibration(cal, lm, where: str) -> None:
+    """A stored Calibration (sicl_fast.store) made by a model of this width: its rows [n, d] replace the first n
+    rows of a prompt's embeddings. One of another model with the same width and vocabulary cannot be told from
+    this one's (names differ for one model loaded two ways); another vocabulary shows in its token ids
+    (sicl_fast.reuse.fits)."""
+    w = int(cal.rows.shape[-1])
+    if cal.rows.dim() != 2 or w != lm.hidden_size:
+        raise SiclError(f"{where}: calibration {cal.key[:12]} was made by model {cal.model!r}, of width {w}; this "
+                        f"engine's model {lm.name!r} has width {lm.hidden_size}: calibrate the prompt with this engine")
 
 
 def available_memory(device: torch.device) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import statistics
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ import torch
 from .ascent import CalibrationConfig, Calibrator
 from .errors import SiclError
 from .grad import proxy_gradient
+from .knobs import check_mu
 from .spans import Prompt
 from .zo import estimate_gradient, step_directions
 
@@ -56,7 +58,8 @@ class StudySettings:
     def __post_init__(self) -> None:
         checks = [
             (bool(self.Ns) and all(isinstance(n, int) and n >= 1 for n in self.Ns), "Ns must be integers >= 1"),
-            (bool(self.mus) and all(math.isfinite(m) and m > 0 for m in self.mus), "mus must be finite and > 0"),
+            (bool(self.mus) and all(isinstance(m, numbers.Real) and math.isfinite(m) for m in self.mus),
+             "mus must be finite numbers"),
             (bool(self.estimators) and all(e in STUDY_ESTIMATORS for e in self.estimators),
              f"estimators must be among {STUDY_ESTIMATORS}"),
             (isinstance(self.seeds, int) and self.seeds >= 1, "seeds must be an integer >= 1"),
@@ -68,6 +71,8 @@ class StudySettings:
         for ok, msg in checks:
             if not ok:
                 raise SiclError(f"gradstudy: {msg}")
+        for m in self.mus:  # CalibrationConfig's rule for mu, before a model loads
+            check_mu(m, "gradstudy", f"mu {m:g}")
 
 
 def _cosine(g: torch.Tensor, ref: torch.Tensor) -> float:

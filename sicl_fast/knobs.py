@@ -3,6 +3,7 @@ pool and the server's caps all check against it, so a value is refused with the 
 before a model is loaded.
 
     check_range("max_steps", v, "CalibrationConfig")    -> v, or SiclError "CalibrationConfig: max_steps must be ..."
+    check_mu(mu, "CalibrationConfig")                   -> mu, or SiclError when float32 cannot perturb by it
     arg_type("max_steps")                               an argparse type that refuses while parsing
 
 An upper bound is what the step can use: a buffer that grows with the knob (the history: one value a step), a
@@ -94,6 +95,18 @@ def check_range(name: str, value, where: str, label: str | None = None):
     return value
 
 
+def check_mu(mu: float, where: str, label: str = "mu") -> float:
+    """A smoothing radius mu (embedding-scale units, finite) large enough for float32 to perturb: > 0 and >= MIN_MU,
+    else SiclError "{where}: {label} must be ...". The one rule for CalibrationConfig's mu and gradstudy's radii."""
+    if mu <= 0:
+        raise SiclError(f"{where}: {label} must be > 0")
+    if mu < MIN_MU:
+        raise SiclError(f"{where}: {label} must be >= {MIN_MU:g} (in units of the embedding scale): a smaller "
+                        f"perturbation is lost to the float32 rounding of the embeddings (relative precision "
+                        f"{F32_EPS:.1e})")
+    return mu
+
+
 def arg_type(name: str):
     """An argparse type for the knob `name`: the text as an integer (or number) within its range, refused while
     parsing (argparse prints "argument --flag: must be ..." and exits 2)."""
@@ -115,4 +128,4 @@ def arg_type(name: str):
 
 
 __all__ = ["RANGES", "Range", "MAX_STEPS", "MIN_MU", "F32_EPS", "F32_TINY", "F32_MAX", "MAX_BUDGET_S", "check_range",
-           "arg_type"]
+           "check_mu", "arg_type"]

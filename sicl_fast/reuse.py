@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
-from .checks import check_prompt
+from .checks import check_calibration, check_prompt
 from .errors import SiclError
 from .requests import Request
 from .spans import Prompt, tokenize
@@ -268,21 +268,24 @@ class Reuser:
 
 
 
-def fits(cal: Calibration, prompt: Prompt) -> None:
-    """Refuse a prompt that a stored calibration cannot serve: its rows [0, n) must hold the same token ids, spans
-    and first demonstration row (else the query changed them: calibrate it, Engine.calibrate says 'boundary')."""
+def fits(cal: Calibration, prompt: Prompt, lm) -> None:
+    """Refuse a prompt that a stored calibration cannot serve on model `lm`: the calibration must be of the model's
+    width (checks.check_calibration) and its rows [0, n) must hold the same token ids, spans and first
+    demonstration row (else the query changed them: calibrate it, Engine.calibrate says 'boundary')."""
+    check_calibration(cal, lm, f"request {prompt.id!r}")
     n = cal.length
     ok = (prompt.length >= n and prompt.token_spans == cal.token_spans and prompt.demo_start == cal.demo_start
           and torch.equal(prompt.input_ids[:n], cal.input_ids))
     if not ok:
+        other = f" (a calibration of model {cal.model!r}; this engine's is {lm.name!r})" if cal.model != lm.name else ""
         raise SiclError(f"request {prompt.id!r}: its first {n} tokens (instruction and demonstrations) are not those "
-                        f"of calibration {cal.key[:12]}: calibrate it (Engine.calibrate with reuse 'auto' "
+                        f"of calibration {cal.key[:12]}{other}: calibrate it (Engine.calibrate with reuse 'auto' "
                         "calibrates it on its own and says reuse 'boundary')")
 
 
 def full_embeddings(engine, cal: Calibration, prompt: Prompt) -> torch.Tensor:
     """X [L, d] float32 for `prompt` from a stored calibration: its rows [0, n), then the prompt's own embeddings."""
-    fits(cal, prompt)
+    fits(cal, prompt, engine.lm)
     X = engine.backend.embed(prompt)
     X[:cal.length] = cal.rows.to(X.device)
     return X

@@ -685,6 +685,34 @@ def test_a_prompt_or_embeddings_of_another_model_are_refused_by_every_method(eng
             call()
 
 
+def test_answer_refuses_a_query_or_a_calibration_of_another_model(eng, prompt, tiny_eng):
+    """Engine.answer / answer_many: a query Prompt of another vocabulary is refused as every method refuses one; a
+    calibration of another width is refused naming both models and widths. Before: a raw 'ValueError: w: dim 0 is
+    32, expected 16' (same tokenizer: the token ids matched) or a message about changed tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sicl_fast.models import from_transformers
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    narrow = Engine(from_transformers(LlamaForCausalLM(cfg), eng.lm.tokenizer, name="narrow"))  # eng's tokenizer
+    ours = eng.calibrate(prompt, reuse="on", max_steps=1, N=2).calibration
+    theirs = tiny_eng.calibrate(tiny_eng.prepare(STRUCT), reuse="on", max_steps=1, N=2).calibration
+    calls = {"answer": lambda e, c, q: e.answer(c, q, max_new_tokens=1),
+             "answer_many": lambda e, c, q: e.answer_many(c, [q, q], max_new_tokens=1)}
+    for _name, call in calls.items():
+        with pytest.raises(SiclError, match=r"request 'digits': query: was tokenized for another model's vocabulary"):
+            call(eng, ours, tiny_eng.prepare(STRUCT))
+        for engine, cal, width in ((narrow, ours, 32), (eng, theirs, 16), (tiny_eng, ours, 32)):
+            for query in (STRUCT, engine.prepare(STRUCT)):
+                with pytest.raises(SiclError, match=rf"request 'digits': calibration {cal.key[:12]} was made by model "
+                                                    rf"'{cal.model}', of width {width}; this engine's model "
+                                                    rf"'{engine.lm.name}' has width {engine.lm.hidden_size}"):
+                    call(engine, cal, query)
+    assert eng.answer(ours, STRUCT, max_new_tokens=1).text is not None  # its own calibration still answers
+
+
 def test_tensors_on_another_device_are_refused(eng, prompt):
     X = eng.backend.embed(prompt)
     for bad in (X.to("meta"),):
@@ -694,3 +722,21 @@ def test_tensors_on_another_device_are_refused(eng, prompt):
     moved = dataclasses.replace(prompt, input_ids=prompt.input_ids.to("meta"))
     with pytest.raises(SiclError, match=r"prompt.input_ids: must be an int64 tensor on the CPU"):
         eng.proxy(moved)
+
+
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+@pytest.mark.parametrize("weight", ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"])
+def test_a_model_with_a_nan_weight_stops_under_every_impl(tiny_model_dir, impl, weight):
+    """A NaN in a weight (a damaged model) ends in the same NumericalError under every CPU impl. Before: the C++
+    attention turned it into zeros and impl 'cpp' (the CPU default) gave a finite, wrong proxy."""
+    from sicl_fast import load
+    from sicl_fast.errors import NumericalError
+    from sicl_fast.ops import cpp_ops
+
+    if impl == "cpp" and not cpp_ops.available():
+        pytest.skip(cpp_ops.BUILD_HINT)
+    lm = load(tiny_model_dir)
+    lm.model.state_dict()[weight].view(-1)[3] = float("nan")
+    e = Engine(lm, impl=impl)
+    with pytest.raises(NumericalError, match="span log-probabilities contain NaN"):
+        e.proxy(e.prepare(STRUCT))

@@ -91,8 +91,28 @@ def test_settings_are_checked():
         StudySettings(points=(5, 0))
     with pytest.raises(SiclError, match="estimators must be among"):
         StudySettings(estimators=("grad",))
-    with pytest.raises(SiclError, match="mus must be finite and > 0"):
-        StudySettings(mus=(0.0,))
+    with pytest.raises(SiclError, match="gradstudy: mu 0 must be > 0"):
+        StudySettings(mus=(0.004, 0.0))
+    with pytest.raises(SiclError, match="mus must be finite numbers"):
+        StudySettings(mus=(math.nan,))
+
+
+def test_a_mu_too_small_to_perturb_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """CalibrationConfig's rule for mu, for every --study-mu (before: 1e-45 loaded the model, then failed as
+    'embeddings contain NaN or inf')."""
+    from sicl_fast.cli import main
+
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded before --study-mu was checked")
+
+    monkeypatch.setattr("sicl_fast.engine.load", no_model)
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps({"id": "q", "demos": [{"input": "a", "output": "b"}], "query": "c"}) + "\n")
+    assert main(["gradstudy", str(reqs), "--out", str(tmp_path / "o.jsonl"), "--study-mu", "0.004", "1e-45"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("gradstudy: mu 1e-45 must be >= 1e-06 (in units of the embedding scale): a smaller "
+                        "perturbation is lost to the float32 rounding of the embeddings (relative precision "
+                        "1.2e-07)") and "\n" not in err, err
 
 
 @pytest.mark.slow

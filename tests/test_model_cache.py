@@ -13,6 +13,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 from sicl_fast import Engine, load
 from sicl_fast.cli import main
@@ -117,6 +118,93 @@ def test_a_damaged_entry_is_moved_aside_and_rebuilt(cache_root, gguf, damage):
     assert len(list((cache_root / "converted" / ".bad").iterdir())) == 1 and leftovers(cache_root) == []
     assert proxy_of(load(gguf)) == good  # and later loads use it without a word
     assert load_quietly(gguf)[1] == []
+
+
+def _sampled_sparsely(monkeypatch) -> None:
+    """Make the load-time file check sample the tiny model's weights as it samples a real model's (files of
+    FULL_BELOW bytes or more): most bytes fall between the samples."""
+    for name, value in (("FULL_BELOW", 0), ("SAMPLE_HEAD", 64), ("SAMPLE_BLOCK", 16), ("SAMPLE_STRIDE", 4096)):
+        monkeypatch.setattr(cache, name, value)
+
+
+def _write_between_samples(path, tensor: str, value: float) -> None:
+    """Overwrite one float32 of `tensor` in a safetensors file, at a place the sample digest does not read."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    start, end = (8 + n + o for o in json.loads(raw[8:8 + n])[tensor]["data_offsets"])
+
+    def sampled(o):
+        return o < cache.SAMPLE_HEAD or o >= len(raw) - cache.SAMPLE_HEAD \
+            or (o - cache.SAMPLE_HEAD) % cache.SAMPLE_STRIDE < cache.SAMPLE_BLOCK
+
+    at = next(o for o in range(start, end, 4) if not any(sampled(o + i) for i in range(4)))
+    raw[at:at + 4] = np.float32(value).tobytes()
+    path.write_bytes(bytes(raw))
+
+
+def test_a_few_bytes_changed_in_a_tensor_are_found_on_every_load(cache_root, gguf, monkeypatch):
+    """A plausible float written over one weight of a small tensor, between the file check's samples: the tensor
+    sums of the load see it, the entry is moved aside and rebuilt (before: it loaded silently, with other results;
+    only `sicl-fast cache verify` found it)."""
+    _sampled_sparsely(monkeypatch)
+    good = proxy_of(load(gguf))
+    entry = converted_path(gguf)
+    _write_between_samples(entry / "model.safetensors", "model.layers.0.input_layernorm.weight", 3.0)
+    assert converted_path(gguf) == entry  # the file check alone misses it
+    lm, warned = load_quietly(gguf)
+    assert len(warned) == 1 and "model.layers.0.input_layernorm.weight" in warned[0], warned
+    assert "checksum mismatch" in warned[0] and "moved it to" in warned[0]
+    assert proxy_of(lm) == good and cache.verify(entry, full=True) is None
+    assert load_quietly(gguf)[1] == []
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_an_entry_without_tensor_sums_is_checked_in_full_once(cache_root, gguf, monkeypatch, damaged):
+    """An entry written before the tensor sums still loads: every byte is checked against its sha256 once and the
+    sums are added to its manifest (a damaged one is moved aside and rebuilt)."""
+    _sampled_sparsely(monkeypatch)
+    good = proxy_of(load(gguf))
+    entry = converted_path(gguf)
+    man = json.loads((entry / cache.MANIFEST).read_text())
+    sums = man.pop("tensors")
+    assert "model.embed_tokens.weight" in sums
+    (entry / cache.MANIFEST).write_text(json.dumps(man))
+    if damaged:
+        _write_between_samples(entry / "model.safetensors", "model.layers.0.post_attention_layernorm.weight", 3.0)
+    lm, warned = load_quietly(gguf)
+    assert proxy_of(lm) == good
+    if damaged:
+        assert len(warned) == 1 and "checksum mismatch" in warned[0] and "moved it to" in warned[0], warned
+    else:
+        assert warned == []
+    assert json.loads((entry / cache.MANIFEST).read_text())["tensors"] == sums
+    assert load_quietly(gguf)[1] == []
+
+
+def test_tensor_sums_see_any_change_and_swaps():
+    """One bit changed anywhere changes the sums (the first byte, a middle one, the last, in the tail of odd
+    sizes), and so do two different bytes swapped; two int64 words swapped keep the plain sum and change the
+    position-weighted one."""
+    rng = np.random.default_rng(1)
+    for shape, dtype in (((3000, 7), torch.float32), ((5,), torch.bfloat16), ((9,), torch.bool)):
+        x = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        t = x > 0 if dtype == torch.bool else x.to(dtype)
+        raw = t.reshape(-1).view(torch.uint8)
+        base = cache.tensor_sums(raw)
+        assert cache.tensor_sums(t) == base and cache.tensor_sums(t.clone()) == base
+        for at in (0, raw.numel() // 2, raw.numel() - 1):
+            changed = raw.clone()
+            changed[at] ^= 1
+            assert cache.tensor_sums(changed) != base, at
+        j = int(torch.nonzero(raw != raw[0])[-1, 0])  # the last byte that differs from the first
+        swapped = raw.clone()
+        swapped[0], swapped[j] = raw[j], raw[0]
+        assert cache.tensor_sums(swapped) != base
+    words = torch.from_numpy(rng.standard_normal(4100)).view(torch.int64)  # two words swapped: the same plain sum
+    swapped = words.clone()
+    swapped[3], swapped[4000] = words[4000], words[3]
+    assert cache.tensor_sums(swapped)[0] == cache.tensor_sums(words)[0]
+    assert cache.tensor_sums(swapped)[1] != cache.tensor_sums(words)[1]
 
 
 def test_the_load_check_samples_large_files_and_verify_reads_every_byte(tmp_path, monkeypatch):

@@ -307,6 +307,54 @@ def test_gated_diff_matches_reference(dec, dev, act_name, R, T, I):
     assert bool((err <= bound).all()), float((err - bound).max())
 
 
+NONFINITE = ["nan", "nan with every payload bit set", "+inf", "-inf"]
+
+
+def poison(t: torch.Tensor, index, value: str) -> None:
+    """Write a non-finite value (NONFINITE) at t[index]; 'nan with every payload bit set' is all one bits (bytes
+    of 0xFF, as a damaged file may hold)."""
+    if value == "nan with every payload bit set":
+        t.view({4: torch.int32, 2: torch.int16}[t.element_size()])[index] = -1
+    else:
+        t[index] = float(value)
+
+
+def same_nonfinite(got, ref) -> None:
+    """NaN, +inf and -inf at the same places (the values elsewhere are the parity tests' business)."""
+    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(got), test(ref)), (test.__name__, got, ref)
+
+
+cpp_only = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+
+
+@cpp_only
+@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("where", ["gate", "up", "difference"])
+@pytest.mark.parametrize("value", NONFINITE)
+def test_cpp_gated_diff_keeps_nan_and_inf(act_name, where, value):
+    """A non-finite pre-activation (a damaged model's) comes out where and as the reference's does (before: SiLU /
+    GELU of -inf gave -inf for the reference's NaN, and an all-ones NaN rounded to bf16 0)."""
+    I = 40
+    y = near(3, 4, 2 * I, seed=3) * 3
+    y0, yd = y[:1].clone(), (y[1:] - y[:1]).to(torch.bfloat16)
+    poison(*{"gate": (y0, (0, 2, 5)), "up": (y0, (0, 2, I + 5)), "difference": (yd, (1, 2, 5))}[where], value)
+    a0, da = make_ops("cpp", "cpu").decoder.gated_diff(y0, yd, act_name)
+    r0, rd = diff.gated_diff_reference(y0, yd, act_name)
+    same_nonfinite(a0, r0)
+    same_nonfinite(da, rd)
+
+
+@cpp_only
+@pytest.mark.parametrize("value", NONFINITE)
+def test_cpp_diff_rows_keeps_nan_and_inf(value):
+    x = near(3, 4, 40)
+    poison(x, (1, 2, 5), value)
+    poison(x, (0, 3, 7), value)  # row 0's: every difference at that place
+    same_nonfinite(make_ops("cpp", "cpu").decoder.diff_rows(x), diff.diff_rows_reference(x))
+
+
 # ------------------------------------------------------------------------------------------------- best tracking
 
 
@@ -643,6 +691,39 @@ def test_cpp_attention_matches_the_math_path(case):
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q[:1], kc, vc, a, window, cache_len=a + T)
     close(att(q[:1], kc, vc, a, window, cache_len=a + T), ref, TOL["attention"][torch.float32])
     assert att(q[:, :0], k[:, :0], v[:, :0], a, window, prefix).shape == (B, 0, H, hd)  # no query rows
+
+
+@cpp_only
+@pytest.mark.parametrize("where", ["q", "k", "v", "shared k", "shared v"])
+@pytest.mark.parametrize("value", ["nan", "nan with every payload bit set", "+inf"])
+@pytest.mark.parametrize("hd,cap", [(16, None), (20, 2.0)], ids=["hd16", "hd20-softcap"])  # AVX-512 / plain loops
+def test_cpp_attention_keeps_nan_and_inf(where, value, hd, cap):
+    """A NaN or +inf in one row of q, k or v gives the output rows it reaches what the reference gives them (NaN
+    through the softmax; before: its sum, NaN, was read as 'no key seen' and the rows came out 0, so a NaN-damaged
+    model gave a finite proxy). The rows it does not reach are the clean output, or NaN where the reference's are
+    too (a weight of 0 times NaN, for keys the row does not see but its tile reads, in both)."""
+    from sicl_fast.models.attention import Attention
+
+    B, T, a, H, Hk = 2, 6, 3, 4, 2
+    q, k, v = rand(B, T, H, hd, seed=12), rand(B, T, Hk, hd, seed=13), rand(B, T, Hk, hd, seed=14)
+    kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
+    clean = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
+    reached = torch.zeros(B, T, dtype=torch.bool)  # query row t (position a + t) sees own key j (a + j) when j <= t
+    if where == "q":
+        poison(q, (1, 2, 1, 3), value)
+        reached[1, 2] = True
+    elif where in ("k", "v"):
+        poison(k if where == "k" else v, (1, 2, 0, 3), value)
+        reached[1, 2:] = True
+    else:
+        poison(kp if where == "shared k" else vp, (0, 1, 1, 3), value)
+        reached[:] = True
+    ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
+    got = Attention("cpp", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
+    torch.testing.assert_close(got[reached], ref[reached], equal_nan=True, **TOL["attention"][torch.float32])
+    rest, nan = got[~reached], got[~reached].isnan()
+    assert bool((nan <= ref[~reached].isnan()).all())
+    close(rest[~nan], clean[~reached][~nan], TOL["attention"][torch.float32])
 
 
 def test_cpp_attention_is_a_plan_choice():

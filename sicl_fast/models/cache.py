@@ -11,10 +11,13 @@ once.
 
 key: a digest of the source's content and CACHE_VERSION, not of its path, so every checkout, virtual environment
 and copy of one file shares one entry. MANIFEST records, for every file written, its size, its sha256 and a
-sample digest. A load checks sizes and sample digests (files under FULL_BELOW bytes whole; larger ones the first
-and last SAMPLE_HEAD bytes and SAMPLE_BLOCK bytes of every SAMPLE_STRIDE, so any damage of SAMPLE_STRIDE bytes or
-more in a row, and any change of size, is found in ~1/16 of the reading); `verify(entry, full=True)` (`sicl-fast
-cache verify`) checks every byte against the sha256.
+sample digest, and for every tensor of the model its tensor_sums. A load checks sizes and sample digests (files
+under FULL_BELOW bytes whole; larger ones the first and last SAMPLE_HEAD bytes and SAMPLE_BLOCK bytes of every
+SAMPLE_STRIDE, so any damage of SAMPLE_STRIDE bytes or more in a row, and any change of size, is found in ~1/16 of
+the reading), then the sums of every tensor as loaded: any change to any weight's bytes is found (~0.1 s for
+SmolLM2's 538 MB: the tensors are in memory by then). `verify(entry, full=True)` (`sicl-fast cache verify`) checks
+every byte against the sha256. An entry whose manifest has no tensor sums (written by a version before them) is
+checked in full once and gets them.
 
 Concurrency: a conversion holds the source's lock; a process that waited for it finds the winner's entry, checks
 it and uses it. Temporary folders are removed whatever happens (and, under the lock, any left by a killed run).
@@ -34,7 +37,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
 
 from ..errors import SiclWarning
 
@@ -86,6 +91,24 @@ def sample_digest(path: Path) -> str:
             h.update(os.pread(fd, SAMPLE_BLOCK, off))
         h.update(os.pread(fd, SAMPLE_HEAD, size - SAMPLE_HEAD))
     return "sample:" + h.hexdigest()
+
+
+def tensor_sums(t: torch.Tensor) -> list[int]:
+    """Two checksums of a tensor's bytes, read as int64 words w[i] (and its last nbytes % 8 bytes as words of one
+    byte): [sum of w[i], sum of i * w[i]], both modulo 2**64 (int64 sums wrap). Any change to one word changes the
+    first; two words swapped change the second. Computed as a [m, 1024] matrix's row and column sums (i = 1024 r +
+    c): whole-tensor int64 reductions at memory speed, with no temporary the size of the tensor."""
+    b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    n8 = b.numel() // 8
+    words = b[:n8 * 8].view(torch.int64)
+    k = 1024
+    m = n8 // k
+    block = words[:m * k].view(m, k)
+    tail = torch.cat([words[m * k:], b[n8 * 8:].to(torch.int64)])
+    first = block.sum() + tail.sum()
+    second = (block.sum(1) * torch.arange(m)).sum() * k + (block.sum(0) * torch.arange(k)).sum() \
+        + (tail * torch.arange(m * k, m * k + tail.numel())).sum()
+    return [int(first), int(second)]
 
 
 def _read_json(path: Path) -> dict:
@@ -142,7 +165,7 @@ def find_entry(key: str) -> Path | None:
     return found[0] if found else None
 
 
-def _write_manifest(folder: Path, source: Path) -> None:
+def _write_manifest(folder: Path, source: Path, sums: dict[str, list[int]]) -> None:
     files = {}
     for f in sorted(folder.rglob("*")):
         if f.is_file():
@@ -150,7 +173,7 @@ def _write_manifest(folder: Path, source: Path) -> None:
                                                        "sample": sample_digest(f)}
     manifest = {"version": CACHE_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                 "source": {"name": source.name, "sha256": source_digest(source), "size": source.stat().st_size},
-                "files": files}
+                "files": files, "tensors": sums}
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
 
 
@@ -182,6 +205,32 @@ def verify(entry: Path, full: bool = False) -> str | None:
         if got != rec.get("sha256" if full else "sample"):
             return f"has a {name} that differs from what was written (checksum mismatch)"
     return None
+
+
+def _open_checked(entry: Path, open_folder: Callable[[Path], T], tensors: Callable[[T], Mapping[str, torch.Tensor]],
+                  upgrade: bool) -> tuple[T | None, str | None]:
+    """(open_folder(entry), None) when the entry's files pass verify and its tensors as loaded match the manifest's
+    tensor_sums, else (None, what is wrong). An entry without tensor sums (an older version's) is checked in full
+    and, with upgrade (the key's lock held), gets them; without upgrade it is left to the caller that holds it."""
+    m = manifest(entry)
+    recorded = m.get("tensors") if m is not None else None
+    if recorded is None and not upgrade:
+        return None, "has no tensor checksums"
+    problem = verify(entry, full=recorded is None)
+    if problem is not None:
+        return None, problem
+    result = open_folder(entry)
+    loaded = tensors(result)
+    if recorded is None:
+        with contextlib.suppress(OSError):  # not recorded: the next load checks in full again
+            _write_json_atomic(entry / MANIFEST, {**m, "tensors": {n: tensor_sums(t) for n, t in loaded.items()}})
+        return result, None
+    if set(loaded) != set(recorded):
+        return None, f"loads other tensors than were written ({len(loaded)} against {len(recorded)})"
+    for name, t in loaded.items():
+        if tensor_sums(t) != recorded[name]:
+            return None, f"has a tensor {name} that differs from what was written (checksum mismatch)"
+    return result, None
 
 
 def _move_aside(entry: Path) -> Path:
@@ -227,15 +276,18 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path], None],
-                open_folder: Callable[[Path], T]) -> T:
+                open_folder: Callable[[Path], T], tensors: Callable[[T], Mapping[str, torch.Tensor]]) -> T:
     """What `convert()` makes of `source`, through the cache: open_folder(entry) when a verified entry exists, else
-    convert() and save(result, folder) into a new entry (module docstring). A damaged entry is moved aside with one
-    warning and rebuilt; a cache that cannot be written costs the next load its speed, with one warning."""
+    convert() and save(result, folder) into a new entry (module docstring); tensors(result) are the weights whose
+    tensor_sums the manifest records. A damaged entry is moved aside with one warning and rebuilt; a cache that
+    cannot be written costs the next load its speed, with one warning."""
     key = content_key(source)
     entry = find_entry(key)
-    if entry is not None and verify(entry) is None:
+    if entry is not None:
         with contextlib.suppress(Exception):  # any failure is looked at again under the lock below
-            return open_folder(entry)
+            result, problem = _open_checked(entry, open_folder, tensors, upgrade=False)
+            if problem is None:
+                return result
     with _lock(key) as locked:
         if not locked:
             warnings.warn(f"model cache: cannot write to {converted_dir()}; converting {source.name} without caching "
@@ -244,28 +296,29 @@ def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path]
         _remove_unfinished(key)
         entry = find_entry(key)  # a process that held the lock before us may have made it
         if entry is not None:
-            problem = verify(entry)
+            try:
+                result, problem = _open_checked(entry, open_folder, tensors, upgrade=True)
+            except Exception as exc:  # noqa: BLE001 - transformers raises many types on a bad folder
+                problem = f"does not load ({_first_line(exc)})"
             if problem is None:
-                try:
-                    return open_folder(entry)
-                except Exception as exc:  # noqa: BLE001 - transformers raises many types on a bad folder
-                    problem = f"does not load ({_first_line(exc)})"
+                return result
             dest = _move_aside(entry)
             warnings.warn(f"model cache: {entry} {problem}; moved it to {dest} and converting {source.name} again",
                           SiclWarning, stacklevel=3)
         result = convert()
-        _publish(converted_dir() / f"{source.stem}-{key}", key, source, lambda folder: save(result, folder))
+        sums = {name: tensor_sums(t) for name, t in tensors(result).items()}
+        _publish(converted_dir() / f"{source.stem}-{key}", key, source, lambda folder: save(result, folder), sums)
         return result
 
 
-def _publish(target: Path, key: str, source: Path, write: Callable[[Path], None]) -> None:
+def _publish(target: Path, key: str, source: Path, write: Callable[[Path], None], sums: dict[str, list[int]]) -> None:
     """Write an entry into a temporary folder, add its manifest and rename it into place (whole or not at all);
     the temporary folder is removed in every case."""
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=converted_dir()))
         write(tmp)
-        _write_manifest(tmp, source)
+        _write_manifest(tmp, source, sums)
         os.rename(tmp, target)
     except Exception as exc:  # noqa: BLE001 - a full disk or a save error: the converted model is still returned
         warnings.warn(f"model cache: could not store {source.name} converted in {converted_dir()} "
@@ -368,4 +421,5 @@ def clear(only: Path | None = None) -> tuple[list[Path], int, list[Path]]:
 
 
 __all__ = ["cache_dir", "converted_dir", "content_key", "source_digest", "find_entry", "verify", "load_cached",
-           "entries", "Entry", "verify_entries", "clear", "file_sha256", "sample_digest", "CACHE_VERSION", "MANIFEST"]
+           "entries", "Entry", "verify_entries", "clear", "file_sha256", "sample_digest", "tensor_sums",
+           "CACHE_VERSION", "MANIFEST"]

@@ -151,7 +151,7 @@ def _save_folder(model_tok, folder: Path) -> None:
 
 def _load_gguf(gguf: Path):
     """(model, tokenizer) from a GGUF file, through the verified cache (models/cache.py)."""
-    return load_cached(gguf, lambda: _convert_gguf(gguf), _save_folder, _open_folder)
+    return load_cached(gguf, lambda: _convert_gguf(gguf), _save_folder, _open_folder, lambda mt: mt[0].state_dict())
 
 
 def _convert_gguf(gguf: Path):

@@ -108,7 +108,8 @@ def test_profile_a_requests_file(tiny_model_dir, reqs, capsys):
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
     assert out["info"]["backend"] == "fast" and out["step_ms"] > 0
-    assert "  decoder layers: " in captured.err and "  whole step: " in captured.err  # each phase as measured
+    # as measured: each round's whole step, then each phase
+    assert "  round 1/1: whole step " in captured.err and "  decoder layers: " in captured.err
 
 
 def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys):

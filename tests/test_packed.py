@@ -105,7 +105,7 @@ def test_packed_time_budget_follows_the_clock(models, monkeypatch, pack, k):
     from sicl_fast.packed import PackedStep
     from test_static import fake_clock
 
-    be = FastBackend(models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
+    be = reference_backend("fast", models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
     items = [(p, cfg.replace(patience=0, max_steps=10)) for p, cfg in ITEMS]
     clock = fake_clock(monkeypatch)
     step = PackedStep.__call__
@@ -136,7 +136,7 @@ def test_packed_min_delta_equals_eager(models, pack):
     """min_delta and min_delta_rel in the packed step: patience counts from the last step that beat its anchor by
     the margin, as in the eager loop (pack 1: bit for bit), and the margins make patience stop where the paper's
     rule goes on."""
-    be = FastBackend(models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
+    be = reference_backend("fast", models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")
     paper = [(p, cfg.replace(patience=2, max_steps=12, tau=0.0)) for p, cfg in ITEMS]
     margins = [(p, cfg.replace(**({"min_delta": 1e-5} if i % 2 else {"min_delta_rel": 8e-3})))
                for i, (p, cfg) in enumerate(paper)]

@@ -35,7 +35,9 @@ from . import _utils
 
 _F, _D, _I, _H = "*fp32", "*fp64", "*i32", "*bf16"
 
-# name -> ((module, kernel), signature, constexprs, options)
+_W = _utils.num_warps_for  # the warps launch() gives a program of that many elements (tiled kernels: their own)
+
+# name -> ((module, kernel), signature, constexprs, options): the options as the launcher runs the kernel
 SPECS = {
     "randn": (("randn", "_randn_kernel"), {"out_ptr": _F, "seed64": "i64", "n": "i32"}, {"BLOCK": 1024},
               {"num_warps": 4, "enable_fp_fusion": False}),
@@ -77,9 +79,9 @@ SPECS = {
                     {"BLOCK": 256}, {"num_warps": 4}),
     "best_copy": (("best", "_best_copy_kernel"),
                   {"f_ptr": _F, "best_f_ptr": _F, "x_ptr": _F, "best_x_ptr": _F, "n": "i32"}, {"BLOCK": 2048},
-                  {"num_warps": 4}),
+                  {"num_warps": _W(2048)}),
     "best_state": (("best", "_best_state_kernel"), {"f_ptr": _F, "best_f_ptr": _F, "counters_ptr": _I}, {},
-                   {"num_warps": 1}),
+                   {"num_warps": _W(1)}),
     # the decoder's fused kernels, at bf16 and Gemma-like settings (the most code: every branch on)
     "residual_norm": (("rms_norm", "_residual_norm_kernel"),
                       {"x_ptr": _H, "y_ptr": _H, "post_w_ptr": _F, "w_ptr": _F, "x_out_ptr": _H, "h_ptr": _H,
@@ -91,7 +93,7 @@ SPECS = {
                  "stride_ko": "i32", "stride_vo": "i32", "stride_cs": "i32", "n_rows": "i32", "T": "i32", "H": "i32",
                  "Hk": "i32", "hd": "i32", "eps": "fp32"},
                 {"HAS_NORM": True, "GEMMA": True, "BLOCK_R": 1, "BLOCK_H": 8, "BLOCK_HK": 4, "BLOCK_D": 256},
-                {"num_warps": 4, "enable_fp_fusion": False}),
+                {"num_warps": _W(1 * 8 * 256), "enable_fp_fusion": False}),
     "gated": (("gated", "_gated_kernel"),
               {"gate_ptr": _H, "up_ptr": _H, "out_ptr": _H, "n_cols": "i32", "stride_g": "i32", "stride_u": "i32"},
               {"ACT": 1, "BLOCK": 1024}, {"num_warps": 4}),
@@ -112,10 +114,10 @@ SPECS = {
                        "counters_ptr": _I, "anchor_ptr": _F, "fired_ptr": _I, "flags_ptr": _I, "N": "i32",
                        "mu": "fp32", "patience": "i32", "max_steps": "i32"},
                       {"CENTRAL": True, "HAS_SNR": True, "HAS_PATIENCE": True, "HAS_MARGIN": True, "BLOCK_N": 64},
-                      {"num_warps": 1}),
+                      {"num_warps": _W(64)}),
     "advance_copy": (("advance", "_advance_copy_kernel"),
                      {"flags_ptr": _I, "x_ptr": _F, "x_next_ptr": _F, "best_x_ptr": _F, "n": "i32"}, {"BLOCK": 2048},
-                     {"num_warps": 4}),
+                     {"num_warps": _W(2048)}),
     "diff_rows": (("diff_epilogues", "_diff_rows_kernel"), {"x_ptr": _F, "out_ptr": _H, "n": "i32", "row": "i32"},
                   {"BLOCK": 1024}, {"num_warps": 4}),
     "add_rows": (("diff_epilogues", "_add_rows_kernel"),

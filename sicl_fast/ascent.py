@@ -205,10 +205,10 @@ class Calibrator:
         self.ops = backend.ops
         self.config = resolve_scale(config, backend.lm)
 
-    def initial_embeddings(self, prompt: Prompt, X0: torch.Tensor | None = None) -> torch.Tensor:
+    def initial_embeddings(self, prompt: Prompt, X0: torch.Tensor | None = None, kept: int = 0) -> torch.Tensor:
         """X0 [L, d] float32: the prompt's input embeddings, or the given ones, checked with the prompt and the
-        memory of one step (sicl_fast.checks.calibration_inputs)."""
-        return calibration_inputs(self.backend, prompt, self.config, X0)
+        memory of one step with `kept` copies of X (sicl_fast.checks.calibration_inputs)."""
+        return calibration_inputs(self.backend, prompt, self.config, X0, kept)
 
     def step_spec(self, prompt: Prompt, X0: torch.Tensor) -> StepSpec:
         """The step's arguments for this prompt (StepSpec.for_prompt)."""
@@ -258,7 +258,7 @@ class Calibrator:
         t0 = time.perf_counter()
         should_stop = stop_check(should_stop, check_budget(time_budget_s, "Calibrator.run"), t0)
         best_at = best_at if best_at is not None else BestAt()
-        X0 = self.initial_embeddings(prompt, X0)
+        X0 = self.initial_embeddings(prompt, X0, best_at.copies(cfg.max_steps))
         spec = self.step_spec(prompt, X0)
         if spec.grad:
             self.backend.plan.check_grad()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .errors import RequestError
 from .generate import cut_at_stops
-from .requests import Request
+from .requests import Request, check_text
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 SHAPE = "an optional system message, then alternating user / assistant turns (the demonstrations, at least one " \
@@ -82,6 +82,7 @@ def chat_template(lm) -> str:
 def render(lm, messages: list[dict], rid: str) -> Request:
     """The Request of a conversation (module docstring): the rendered text, the assistant contents' spans and the
     start of the demonstrations."""
+    check_text(messages, f"request {rid!r}", "messages")  # names the turn (the rendered prompt would be named)
     msgs = check_shape(messages, rid)
     tpl = chat_template(lm)
 

@@ -415,8 +415,9 @@ def _cache_command(sub, debug) -> None:
     v.add_argument("--quick", action="store_true", help="the sampled check a load does, not every byte")
     c = acts.add_parser("clear", parents=[debug], help="remove every entry (or only MODEL's converted folder)")
     c.add_argument("model", nargs="?", default=None, help="only this model's entry")
-    pth = acts.add_parser("path", parents=[debug], help="print MODEL's transformers folder, converting it first when "
-                                                        "needed (transformers loads it as any model folder)")
+    pth = acts.add_parser("path", parents=[debug], help="print MODEL's transformers folder, every byte checked "
+                                                        "(converting it first when needed or damaged; transformers "
+                                                        "loads it as any model folder)")
     pth.add_argument("model", nargs="?", default=None, help=model_help)
 
 
@@ -443,6 +444,10 @@ def _check_flags(args) -> None:
         from .plan import resolve_impl
 
         resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
+    if getattr(args, "estimator", None) is not None:
+        from .plan import check_estimator
+
+        check_estimator(args.estimator, getattr(args, "loop", "auto"), getattr(args, "pack", 1))
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
             and from_models_dir(GEMMA3_FILE) is None):
         require(GEMMA3_PACKAGE)
@@ -734,7 +739,7 @@ def cmd_cache(args) -> int:
         return entry
 
     if args.action == "path":
-        print(model_folder(args.model))
+        print(model_folder(args.model, full=True))
         return 0
     if args.action == "list":
         found = cache.entries()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .errors import SiclError
+from .knobs import check_range
 
 GRAPH_MODES = ("auto", "on", "off")  # the run plan's choices (sicl_fast.plan.resolve_graphs)
 DEFAULT_CAPACITY = 4  # graphs kept per cache: each holds its own pool of forward temporaries
@@ -63,9 +63,7 @@ class ShapeCache:
     graph's memory pool). stats: builds and hits."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise SiclError(f"a graph cache's capacity must be an int >= 1, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = check_range("graph_cache", capacity, "ShapeCache", "capacity")
         self.entries: OrderedDict = OrderedDict()
         self.stats = {"builds": 0, "hits": 0}
 

@@ -63,6 +63,7 @@ RANGES: dict[str, Range] = {
     # how the engine runs it
     "sync_every": Range(1, MAX_STEPS, why="the largest max_steps"),
     "pack": Range(1, 1024, why="prompts calibrated at once"),
+    "graph_cache": Range(1, 1024, why="captured shapes kept, each with its graph's memory"),
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
     "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
     "time_budget_s": Range(0.0, MAX_BUDGET_S, integer=False, why="30 days; 0 runs one step"),

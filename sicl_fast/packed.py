@@ -74,6 +74,8 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     budget = check_budget(time_budget_s, "run_packed")
     BestAt(best_at, "run_packed")  # the counts checked before any work
     backend.plan.require_sync_free("packed")
+    for _, config in items:  # before any work (icleval packs its calibrations here, not through calibrate_many)
+        backend.plan.check_zeroth_order(config.estimator)
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
     # (item index, state, start time, the best X it keeps, its time budget's check)
@@ -84,9 +86,11 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
         while queue and len(active) < pack:
             i, (prompt, config) = queue.pop(0)
             config = resolve_scale(config, backend.lm)
-            st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config), use_prefix=False)
+            kept = BestAt(best_at)
+            X0 = calibration_inputs(backend, prompt, config, kept=kept.copies(config.max_steps))
+            st = StaticStep(backend, config, prompt, X0, use_prefix=False)
             t0 = time.perf_counter()
-            active.append((i, st, t0, BestAt(best_at), stop_check(None, budget, t0)))
+            active.append((i, st, t0, kept, stop_check(None, budget, t0)))
             calls[i] = 0
 
     admit()

@@ -93,6 +93,7 @@ class Choices:
         check_choice(self.loop, LOOPS, "loop", "Engine")
         check_choice(self.graphs, GRAPH_MODES, "graphs", "Engine")
         check_range("pack", self.pack, "Engine")
+        check_range("graph_cache", self.graph_cache, "Engine")
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         resolve_reuse(self.reuse, self.pack)
@@ -257,6 +258,20 @@ def resolve_pack(pack: int, static: bool, name: str, loop: str) -> str:
     return "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
 
 
+ZEROTH_ORDER_ONLY = ("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on the "
+                     "eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
+GRAD_UNPACKED = "pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a time (pack 1)"
+
+
+def check_estimator(estimator: str, loop: str, pack: int) -> None:
+    """Before any model loads (the CLI's --estimator with --loop / --pack): the exact gradient runs one prompt at a
+    time on the eager loop. The same refusals as RunPlan.check_pack and loop_for, which a plan's calibrations meet."""
+    if estimator == "grad" and pack > 1:
+        raise SiclError(GRAD_UNPACKED)
+    if estimator == "grad" and loop == "static":
+        raise SiclError(ZEROTH_ORDER_ONLY)
+
+
 REUSE_MODES = ("auto", "on", "off")
 
 
@@ -368,8 +383,7 @@ class RunPlan:
     def check_zeroth_order(self, estimator: str) -> None:
         """The static and packed steps run the zeroth-order ascent only."""
         if estimator == "grad":
-            raise SiclError("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on "
-                            "the eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
+            raise SiclError(ZEROTH_ORDER_ONLY)
 
     def require_sync_free(self, what: str) -> None:
         """The static ('step') and packed ('packed') steps need the backend's forward without host reads."""
@@ -393,8 +407,7 @@ class RunPlan:
     def check_pack(self, estimator: str) -> None:
         """calibrate_many with pack > 1 runs the zeroth-order packed step only."""
         if self.pack > 1 and estimator == "grad":
-            raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
-                            "time (pack 1)")
+            raise SiclError(GRAD_UNPACKED)
 
     def result_axes(self, attention: str | None = None) -> dict:
         """The axes whose value changes a calibration's bits, JSON-ready: the calibration store's key holds them
@@ -402,15 +415,18 @@ class RunPlan:
         fused kernel that failed its check on CUDA falls back to 'math'; the hf and naive backends run transformers'
         own attention, which the plan does not choose); None: the plan's.
 
+        The thread count on the CPU is one of them: the products and the C++ ops split their sums by thread, so
+        SmolLM2's proxy moves in its last bits between 1 and 2 threads (an entry made with one count is not what an
+        engine with another computes, and would be served to it as exact). On CUDA it is not.
+
         Left out, as they give the same bits: the loop and sync_every (the static step equals the eager loop bit
         for bit at any read interval, tests/test_static.py and bench/same_histories.py), graphs and graph_cache (a
         captured step replays the same kernels, test_static.py's capture test), grad (it picks the ops, whose impl
         is here; the estimator is a config field, in the key), reuse (how the store is used, not what a run
-        computes) and the wait policy. pack: the store never sees a packed run (reuse is off with pack > 1). threads:
-        a different thread count may move float32 sums in their last bit (docs/scaling.md), but keying on it
-        would stop engines with other thread counts from sharing anything."""
+        computes) and the wait policy. pack: the store never sees a packed run (reuse is off with pack > 1)."""
         return {"backend": self.backend, "impl": self.impl, "attention": attention or self.attention,
-                "diff_matmul": self.diff_matmul, "dtype": str(self.dtype), "device": self.device.type}
+                "diff_matmul": self.diff_matmul, "dtype": str(self.dtype), "device": self.device.type,
+                "threads": self.threads if self.device.type == "cpu" else None}
 
     def explain(self) -> str:
         """The plan as a table: every axis, its value and why."""
@@ -467,6 +483,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
 
 
 __all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "REUSE_MODES", "BackendKind", "Choices", "RunPlan", "make_plan",
-           "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward", "resolve_attention",
-           "resolve_attention_check", "resolve_attention_kernel", "resolve_backend", "resolve_diff", "resolve_graphs",
-           "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every", "resolve_reuse"]
+           "check_estimator", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
+           "resolve_attention", "resolve_attention_check", "resolve_attention_kernel", "resolve_backend",
+           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every",
+           "resolve_reuse"]

@@ -51,6 +51,10 @@ class BestAt:
         self.steps = sorted({int(check_range("max_steps", k, where, "a step count")) for k in steps})
         self.kept: dict[int, tuple[int, torch.Tensor]] = {}
 
+    def copies(self, max_steps: int) -> int:
+        """At most how many X a run of max_steps steps keeps (one per count it reaches): for the memory check."""
+        return sum(k <= max_steps for k in self.steps)
+
     def wants(self, n: int) -> bool:
         """Is the best X after n steps one to keep (and not kept yet)?"""
         return n in self.steps and n not in self.kept

@@ -284,6 +284,10 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--workers", "0"], "--workers: must be >= 1, got 0"),
     (["--store", ""], "argument --store: an empty folder name"),  # was read as no --store: memory only
     (["--export", ""], "argument --export: an empty folder name"),  # was read as no --export
+    # the exact gradient runs one prompt at a time on the eager loop: refused here, not after the model loaded
+    (["--estimator", "grad", "--pack", "2"], "estimator 'grad' calibrates one prompt at a time (pack 1)"),
+    (["--estimator", "grad", "--loop", "static"], "run the zeroth-order ascent only; estimator 'grad' runs on the "
+                                                  "eager loop"),
 ])
 def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
@@ -560,6 +564,23 @@ def test_the_memory_estimate_counts_the_history_and_the_packed_prompts(eng, prom
         check_requests(Engine(eng.lm, pack=2), [prompt.request], 0, cfg)
 
 
+@pytest.mark.parametrize("loop, pack", [("eager", 1), ("static", 1), ("static", 2)])
+def test_the_memory_estimate_counts_the_copies_of_x_kept_along_the_way(eng, prompt, monkeypatch, loop, pack):
+    """best_at (icleval's --answer-at) keeps one X [L, d] per step count the run reaches: a million counts were not
+    in the estimate, so a run went on until memory ran out. Counts past max_steps keep nothing."""
+    cfg = eng.config(max_steps=1000)
+    one_x = 4 * prompt.length * eng.lm.hidden_size
+    assert step_memory(eng.lm, prompt, cfg, kept=3) - step_memory(eng.lm, prompt, cfg) == 3 * one_x
+    free = step_memory(eng.lm, prompt, cfg) + 50 * one_x
+    monkeypatch.setattr("sicl_fast.checks.available_memory", lambda device: free)
+    engine = Engine(eng.lm, loop=loop, pack=pack)
+    counts = range(1, 1_000)
+    with pytest.raises(SiclError, match=r"one ascent step needs about .* more than the .* of memory free"):
+        engine.calibrate_many([prompt], cfg, best_at=counts)
+    res = engine.calibrate_many([prompt], eng.config(max_steps=2, tau=0.0), best_at=[1, *range(5_000, 6_000)])[0]
+    assert sorted(res.best_at) == [1]  # 1,000 counts past max_steps: nothing kept, nothing refused
+
+
 def test_sync_every_beyond_max_steps_runs_no_extra_steps(eng, prompt, monkeypatch):
     """Before: the static loop called its step sync_every times between two checks, whatever max_steps was
     (--sync-every 99999999999999999999 never returned)."""
@@ -711,6 +732,22 @@ def test_answer_refuses_a_query_or_a_calibration_of_another_model(eng, prompt, t
                                                     rf"'{engine.lm.name}' has width {engine.lm.hidden_size}"):
                     call(engine, cal, query)
     assert eng.answer(ours, STRUCT, max_new_tokens=1).text is not None  # its own calibration still answers
+
+
+def test_answer_checks_its_stop_strings_and_token_count(eng, prompt):
+    """Engine.answer / answer_many run query-only (answer_kv), not through generation's checks: an empty stop
+    string ended every answer at once (answer ''), a lone surrogate never matched, a negative count decoded
+    nothing. Each is refused as generation refuses it, before any K/V is computed."""
+    cal = eng.calibrate(prompt, reuse="on", max_steps=1, N=2).calibration
+    cal.kv = None
+    for call in (lambda **kw: eng.answer(cal, STRUCT, **kw), lambda **kw: eng.answer_many(cal, [STRUCT], **kw)):
+        with pytest.raises(SiclError, match=r"stop_strings\[0\]: an empty stop string would end every answer"):
+            call(stop_strings=[""])
+        with pytest.raises(SiclError, match=r"stop_strings\[1\]: is not valid Unicode: a lone surrogate"):
+            call(stop_strings=["\n", "\ud800"])
+        with pytest.raises(SiclError, match=r"answer: max_new_tokens must be >= 0"):
+            call(max_new_tokens=-1)
+        assert cal.kv is None  # refused before the stored rows' K/V was computed
 
 
 def test_tensors_on_another_device_are_refused(eng, prompt):

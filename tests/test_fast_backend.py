@@ -38,13 +38,16 @@ class CharTokenizer:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def build(family: str, dtype=torch.float32, layers: int = 3):
-    """layers < 3: the same model shapes with fewer decoder layers (for the slow paths: Triton's interpreter)."""
+def build(family: str, dtype=torch.float32, layers: int = 3, tokenizer=None):
+    """layers < 3: the same model shapes with fewer decoder layers (for the slow paths: Triton's interpreter).
+    tokenizer: a real one (its vocabulary sets the model's), for tests that tokenize text; else CharTokenizer."""
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
                               LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed({"llama": 1, "qwen3": 2, "gemma2": 3, "gemma3_text": 4}[family])
     common = {**COMMON, "num_hidden_layers": layers}
+    if tokenizer is not None:
+        common["vocab_size"] = len(tokenizer)
     if family == "llama":
         cls, cfg = LlamaForCausalLM, LlamaConfig(
             **common, attention_bias=True, tie_word_embeddings=False,
@@ -71,7 +74,7 @@ def build(family: str, dtype=torch.float32, layers: int = 3):
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
     model.to(dtype)
-    return from_transformers(model, CharTokenizer(), name=f"tiny-{family}")
+    return from_transformers(model, tokenizer or CharTokenizer(), name=f"tiny-{family}")
 
 
 @functools.cache

@@ -66,3 +66,45 @@ def test_knob_help_shows_the_models_preset(path):
         values = {preset[name] for preset in PRESETS.values()}
         assert "the model's preset" in text, f"--{name}: {text}"
         assert len(values) > 1 or f"{values.pop()} for every family" in text, f"--{name}: {text}"
+
+
+def flags_of(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for a in parser._actions for opt in a.option_strings}
+
+
+def minimal_args(parser: argparse.ArgumentParser) -> list[str]:
+    """Arguments a command parses without error: a value for each positional and each required option (the first
+    sub-command where it has them)."""
+    out = []
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            name = next(iter(a.choices))
+            out += [name, *minimal_args(a.choices[name])]
+        elif not a.option_strings and a.nargs not in ("?", "*"):
+            out.append(next(iter(a.choices)) if a.choices else "x")
+        elif a.option_strings and a.required:
+            out += [a.option_strings[0], "x"]
+    return out
+
+
+def test_each_command_refuses_the_flags_it_does_not_use(capsys):
+    """A command takes only its flag groups (cli.COMMAND_GROUPS, #26): every engine flag another command has is
+    refused while parsing, with the error naming it (before: every command took every flag, and `bench` ignored
+    --loop, --pack and --sync-every)."""
+    top = {path[0]: p for path, p in PARSERS.items() if len(path) == 1}
+    every = set().union(*(flags_of(p) for p in top.values()))
+    checked = 0
+    for cmd, parser in top.items():
+        own = set().union(*(flags_of(p) for path, p in PARSERS.items() if path[:1] == (cmd,)))  # sub-commands' too
+        base = minimal_args(parser)
+        build_parser().parse_args([cmd, *base])  # parses as it is
+        for flag in sorted(every - own):
+            if any(f.startswith(flag) for f in own):
+                continue  # an abbreviation of one of its own flags (--max-n of another command: --max-new-tokens)
+            with pytest.raises(SystemExit) as exc:
+                build_parser().parse_args([cmd, *base, flag, "1"])
+            err = capsys.readouterr().err
+            assert exc.value.code == 2 and f"unrecognized arguments: {flag}" in err, (cmd, flag, err)
+            checked += 1
+    assert {"--loop", "--pack", "--diff-matmul", "--N", "--store"} <= every - flags_of(top["proxy"])
+    assert checked > 100

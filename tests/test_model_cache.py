@@ -158,6 +158,23 @@ def test_a_few_bytes_changed_in_a_tensor_are_found_on_every_load(cache_root, ggu
     assert load_quietly(gguf)[1] == []
 
 
+def test_cache_path_checks_every_byte_of_the_folder_it_hands_over(cache_root, gguf, monkeypatch, capsys):
+    """`sicl-fast cache path` hands the folder to stacks that load it without our tensor sums, so it checks every
+    byte: a float changed between the load's samples is found, the entry moved aside and converted again (before:
+    the damaged folder was printed)."""
+    _sampled_sparsely(monkeypatch)
+    load(gguf)
+    entry = converted_path(gguf)
+    _write_between_samples(entry / "model.safetensors", "model.layers.0.input_layernorm.weight", 3.0)
+    assert converted_path(gguf) == entry  # the sampled check alone misses it
+    assert main(["cache", "path", str(gguf)]) == 0
+    out, err = capsys.readouterr()
+    warned = [line for line in err.splitlines() if line.startswith("sicl-fast: warning:")]
+    assert len(warned) == 1 and "checksum mismatch" in warned[0] and "moved it to" in warned[0], err
+    assert out.strip() == str(entry)  # converted again into the same place
+    assert cache.verify(entry, full=True) is None
+
+
 @pytest.mark.parametrize("damaged", [False, True])
 def test_an_entry_without_tensor_sums_is_checked_in_full_once(cache_root, gguf, monkeypatch, damaged):
     """An entry written before the tensor sums still loads: every byte is checked against its sha256 once and the

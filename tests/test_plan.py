@@ -11,11 +11,12 @@ from sicl_fast.backends import FastBackend, build_backend, make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import Attention
+from sicl_fast.models.decoder_config import DecoderConfig
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
 from sicl_fast.packed import run_packed
-from sicl_fast.plan import (BACKENDS, Choices, RunPlan, make_plan, resolve_attention_check, resolve_graphs,
-                            resolve_impl, resolve_read_every, resolve_reuse)
+from sicl_fast.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention_check,
+                            resolve_graphs, resolve_impl, resolve_read_every, resolve_reuse)
 from sicl_fast.static import StaticStep
 from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
@@ -55,6 +56,28 @@ def plan_of(model="llama", setup=None, then=None, needs=None, **choices):
 
 
 CFG = CalibrationConfig(N=2, max_steps=2, scale=1.0)
+
+
+def decoder_of(**changes):
+    """DecoderConfig.from_hf (make_plan's first step on the fast backend) of a tiny Llama config with `changes` set
+    on it."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    for name, value in changes.items():
+        setattr(cfg, name, value)
+    return lambda: DecoderConfig.from_hf(cfg, None)
+
+
+def without_a_plain_decoder():
+    """The fast decoder over a model whose decoder module has no layers (build_backend's Transformer)."""
+    from types import SimpleNamespace
+
+    from sicl_fast.models.transformer import Transformer
+
+    Transformer(SimpleNamespace(decoder=torch.nn.Module(), model=torch.nn.Module()), decoder_of()(), ops=None)
+
+
 # every refusal of the run plan: (case, the exception, the message it gives)
 REFUSALS = {
     "unknown backend": (plan_of(backend="nope"), SiclError,
@@ -75,6 +98,23 @@ REFUSALS = {
     "sync_every not a count": (plan_of(sync_every=True), SiclError, "Engine: sync_every must be an integer, got True"),
     "fast on another family": (plan_of("gpt2", backend="fast"), UnsupportedModelError,
                                "supports the model families llama, qwen3, gemma2, gemma3_text.*'gpt2'"),
+    # the fast decoder's model rules (DecoderConfig.from_hf, made by make_plan; the Transformer, by build_backend)
+    "bidirectional attention": (dict(call=decoder_of(use_bidirectional_attention=True)), UnsupportedModelError,
+                                "bidirectional attention .embedding models. is not supported by the fast backend"),
+    "another activation": (dict(call=decoder_of(hidden_act="relu")), UnsupportedModelError,
+                           "activation 'relu' is not supported by the fast backend"),
+    "another rope type": (dict(call=decoder_of(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
+                                                                "factor": 2.0})), UnsupportedModelError,
+                          r"rope_type 'yarn' is not supported by the fast backend \(default, linear, llama3\); use "
+                          "the 'hf' backend"),
+    "partial rotary embeddings": (dict(call=decoder_of(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                        "partial_rotary_factor": 0.5})),
+                                  UnsupportedModelError, "partial rotary embeddings are not supported"),
+    "a sliding-window layer without a window": (dict(call=decoder_of(layer_types=["sliding_attention"],
+                                                                     sliding_window=None)), UnsupportedModelError,
+                                                "layer 0 is a sliding-window layer but the config has no window"),
+    "a model without a plain decoder": (dict(call=without_a_plain_decoder), UnsupportedModelError,
+                                        "this model is 'llama .Module without a plain decoder.'"),
     "grad with forward-only ops": (plan_of(impl="cpp", grad=True), SiclError,
                                    "estimator 'grad' needs differentiable ops, and impl 'cpp' is forward-only"),
     "cpp off the CPU": (dict(call=lambda: resolve_impl("cpp", "cuda")), SiclError,
@@ -107,17 +147,30 @@ REFUSALS = {
     "grad on inference-mode weights": (plan_of("inference", backend="hf", grad=True), SiclError,
                                        "made under torch.inference_mode"),
     # the rules a plan keeps for the calibrations that run on it
-    "grad on a loop asked to be static": (plan_of(backend="fast", loop="static", then=lambda p: p.loop_for("grad")),
-                                          SiclError, "static and packed steps run the zeroth-order ascent only"),
+    "grad on a loop asked to be static": (plan_of(backend="fast", loop="static",
+                                                  then=lambda p, lm: p.loop_for("grad")), SiclError,
+                                          "static and packed steps run the zeroth-order ascent only"),
     "grad on forward-only ops of a zeroth-order run": (plan_of(impl="cpp", needs="cpp",
-                                                               then=lambda p: p.loop_for("grad")),
+                                                               then=lambda p, lm: p.loop_for("grad")),
                                                        SiclError, "impl 'cpp' is forward-only"),
-    "grad packed": (plan_of(backend="fast", pack=2, then=lambda p: p.check_pack("grad")), SiclError,
+    "grad packed": (plan_of(backend="fast", pack=2, then=lambda p, lm: p.check_pack("grad")), SiclError,
                     "estimator 'grad' calibrates one prompt at a time"),
-    "the static step on a backend without one": (plan_of(backend="hf", then=lambda p: p.require_sync_free("step")),
-                                                  SiclError, "the static step needs a forward without host reads"),
-    "the packed step on a backend without one": (plan_of(backend="hf", then=lambda p: p.require_sync_free("packed")),
-                                                 SiclError, "the packed step needs the fast backend's sync-free"),
+    "grad through the packed step": (plan_of(backend="fast", then=lambda p, lm: run_packed(
+        build_backend(p, lm), [(None, dataclasses.replace(CFG, estimator="grad"))], 2)), SiclError,
+        "the static and packed steps run the zeroth-order ascent only"),
+    # the same two rules before any model loads (the CLI's --estimator with --pack / --loop)
+    "grad with pack, before the model loads": (dict(call=lambda: check_estimator("grad", "auto", 2)), SiclError,
+                                               "estimator 'grad' calibrates one prompt at a time"),
+    "grad on the static loop, before the model loads": (dict(call=lambda: check_estimator("grad", "static", 1)),
+                                                        SiclError, "run the zeroth-order ascent only; estimator "
+                                                                   "'grad' runs on the eager loop"),
+    "graph cache not a count": (plan_of(graph_cache=0), SiclError, "Engine: graph_cache must be >= 1, got 0"),
+    "the static step on a backend without one": (plan_of(backend="hf",
+                                                         then=lambda p, lm: p.require_sync_free("step")), SiclError,
+                                                 "the static step needs a forward without host reads"),
+    "the packed step on a backend without one": (plan_of(backend="hf",
+                                                         then=lambda p, lm: p.require_sync_free("packed")), SiclError,
+                                                 "the packed step needs the fast backend's sync-free"),
     # Engine.calibrate's best_at and icleval --answer-at (tests/test_reuse.py runs both faces)
     "best X along the run from the store": (dict(call=lambda: resolve_reuse("auto", 1, keeps_best=True)), SiclError,
                                             r"best_at \(icleval --answer-at\) keeps the best X along each "
@@ -139,17 +192,21 @@ def test_every_refusal(name, models, odd_models, monkeypatch):
             lm = {**models, **odd_models}[case["model"]]
             plan = make_plan(lm, **case["choices"])
             if case["then"] is not None:
-                case["then"](plan)
+                case["then"](plan, lm)
 
 
 def test_the_table_keeps_up_with_the_module():
-    """A rule added to sicl_fast/plan.py without its row here fails this count: the table has a row per raise and
-    per categorical check of the module (some rules have two rows: their plan-time and calibration-time faces)."""
+    """A rule added to sicl_fast/plan.py, or to the fast decoder's model rules (decoder_config.py, the Transformer's
+    constructor), without its row here fails this count: the table has a row per raise and per categorical check of
+    those modules (some rules have two or three rows: their plan-time, calibration-time and pre-load faces)."""
+    import sicl_fast.models.decoder_config as decoder_config
     import sicl_fast.plan as plan
 
     src = open(plan.__file__).read()
     rules = len(re.findall(r"\braise SiclError\(", src)) + len(re.findall(r"\bcheck_choice\(self\.", src))
-    assert rules >= 19 and len(REFUSALS) >= rules
+    model_src = open(decoder_config.__file__).read()
+    model_rules = len(re.findall(r"\braise (UnsupportedModelError|unsupported)\(", model_src)) + 1  # + Transformer's
+    assert rules >= 21 and model_rules == 7 and len(REFUSALS) >= rules + model_rules
 
 
 def test_choices_are_checked_before_a_model_loads():

@@ -263,6 +263,12 @@ def _lock(key: str, wait: bool = True) -> Iterator[bool]:
         yield True
 
 
+def warn_moved_aside(entry: Path, problem: str, dest: Path, source: Path, stacklevel: int = 2) -> None:
+    """The one line a damaged entry gets when it is moved aside and its source is converted again."""
+    warnings.warn(f"model cache: {entry} {problem}; moved it to {dest} and converting {source.name} again",
+                  SiclWarning, stacklevel=stacklevel + 1)
+
+
 def _remove_unfinished(key: str) -> None:
     """Temporary folders of this key left by a killed conversion (only called with the key's lock held, so none
     of them is being written)."""
@@ -302,9 +308,7 @@ def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path]
                 problem = f"does not load ({_first_line(exc)})"
             if problem is None:
                 return result
-            dest = _move_aside(entry)
-            warnings.warn(f"model cache: {entry} {problem}; moved it to {dest} and converting {source.name} again",
-                          SiclWarning, stacklevel=3)
+            warn_moved_aside(entry, problem, _move_aside(entry), source, stacklevel=3)
         result = convert()
         sums = {name: tensor_sums(t) for name, t in tensors(result).items()}
         _publish(converted_dir() / f"{source.stem}-{key}", key, source, lambda folder: save(result, folder), sums)
@@ -421,5 +425,5 @@ def clear(only: Path | None = None) -> tuple[list[Path], int, list[Path]]:
 
 
 __all__ = ["cache_dir", "converted_dir", "content_key", "source_digest", "find_entry", "verify", "load_cached",
-           "entries", "Entry", "verify_entries", "clear", "file_sha256", "sample_digest", "tensor_sums",
-           "CACHE_VERSION", "MANIFEST"]
+           "entries", "Entry", "verify_entries", "warn_moved_aside", "clear", "file_sha256", "sample_digest",
+           "tensor_sums", "CACHE_VERSION", "MANIFEST"]

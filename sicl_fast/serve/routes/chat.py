@@ -30,6 +30,7 @@ from ...answer import answer_result
 from ...ascent import CalibrationConfig, CalibrationResult
 from ...chat import StreamCut, render
 from ...errors import SiclError
+from ...generate import check_stops
 from ...reuse import ReusedResult
 from ...spans import Prompt
 from ..dispatch import POLL_S, admit, read_call, run_job, timing
@@ -125,7 +126,8 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
     prompt = state.validator.prompt(request, reserve=new)
     sicl = body.sicl.model_dump(exclude_none=True) if body.sicl is not None else {}
     knobs = CalibrationKnobs(**{k: v for k, v in sicl.items() if k in KNOBS})
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    stop = check_stops((body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+                       f"request {rid!r}: field 'stop'")
     return ChatCall(prompt=prompt, config=state.validator.config(knobs, rid), reuse=sicl.get("reuse"),
                     max_new_tokens=new, stop=stop, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -15,10 +15,15 @@ from __future__ import annotations
 from .answer_kv import answer_batch as kv_answers, supports_kv_answers
 from .checks import check_prompt
 from .errors import SiclError
-from .generate import Generation
+from .generate import Generation, check_stops
+from .knobs import check_range
 from .reuse import fits, full_embeddings
 from .spans import Prompt
 from .store import Calibration
+
+# queries decoded at once: a batch's own K/V is B x (its longest query + max_new_tokens) rows a layer, so a long
+# list is answered in batches of this many (the gain of batching has flattened out well before it)
+ANSWER_BATCH = 32
 
 
 def calibration_of(obj) -> Calibration:
@@ -42,6 +47,10 @@ def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_st
                  stop_fn=None) -> list[Generation]:
     """Greedy answers to `queries` from one calibration, as one batch on the fast backends."""
     cal = calibration_of(calibration)
+    # before any query is prepared or any K/V computed; generation's own checks (greedy_decode) are not on the K/V
+    # path, where an empty stop string would end every answer at once
+    stop_strings = check_stops(stop_strings)
+    check_range("max_new_tokens", max_new_tokens, "answer")
     prompts = [query_prompt(engine, q, max_new_tokens) for q in queries]
     for p in prompts:
         fits(cal, p, engine.lm)
@@ -49,8 +58,12 @@ def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_st
     if not supports_kv_answers(backend):
         return [engine.generate(p, full_embeddings(engine, cal, p), max_new_tokens=max_new_tokens,
                                 stop_strings=stop_strings, stop_fn=stop_fn) for p in prompts]
-    rows = [backend.embed(p)[cal.length:] for p in prompts]
-    return kv_answers(backend, cal, prompts, rows, max_new_tokens, stop_strings, stop_fn, store=engine.store)
+    out = []
+    for s in range(0, len(prompts), ANSWER_BATCH):
+        part = prompts[s:s + ANSWER_BATCH]
+        rows = [backend.embed(p)[cal.length:] for p in part]
+        out += kv_answers(backend, cal, part, rows, max_new_tokens, stop_strings, stop_fn, store=engine.store)
+    return out
 
 
 def answer_one(engine, calibration, query, max_new_tokens: int = 32, stop_strings=("\n",),
@@ -69,4 +82,4 @@ def answer_result(engine, res, prompt: Prompt, max_new_tokens: int = 32, stop_st
                            stop_fn=stop_fn)
 
 
-__all__ = ["answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt"]
+__all__ = ["ANSWER_BATCH", "answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt"]

@@ -109,6 +109,7 @@ def test_chat_completion_with_the_openai_client(client, engine):
     answer, n = own_answer(engine, "five", 4)
     assert choice.message.content == answer
     assert first.usage.completion_tokens == n and first.usage.total_tokens == first.usage.prompt_tokens + n
+    assert first.usage.prompt_tokens == engine.prepare(render(engine.lm, conversation("five"), "r")).length
     sicl = first.model_extra["sicl"]
     assert sicl["reuse"] == "fresh" and sicl["exact"] and sicl["steps"] == 3
     second = client.chat.completions.create(model="tiny-llama", messages=conversation("nine"), max_tokens=4,
@@ -124,8 +125,9 @@ def test_streaming_returns_the_same_answer_as_chunks(client):
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert len(pieces) >= 2, pieces  # streamed as it is decoded, not sent whole at the end
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == whole.choices[0].finish_reason
     assert finals[0].model_extra["sicl"]["reuse"] == "hit"
@@ -166,6 +168,20 @@ def test_openai_error_objects(server, client):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_tokens=9)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"), logprobs=True)
+    # stop strings are checked before the job is queued (before: "" ended the answer of a reused calibration at
+    # once, after the whole calibration; a lone surrogate never matched)
+    with pytest.raises(openai.BadRequestError, match=r"field 'stop'\[0\]: an empty stop string"):
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"), stop="")
+    # a lone surrogate, which the openai client cannot encode: the JSON escape as another client sends it
+    body = json.dumps({"model": "tiny-llama", "messages": conversation("five"), "stop": ["\n", "\ud800"]})
+    bad = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert bad.status_code == 400 and "'stop'[1]: is not valid Unicode" in bad.json()["error"]["message"], bad.text
+    body = json.dumps({"model": "tiny-llama", "messages": conversation("fi\ud800ve")})
+    bad = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=60,
+                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert bad.status_code == 400 and "field 'messages[5].content': is not valid Unicode" in bad.json()["error"][
+        "message"], bad.text
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.chat.completions.create(model="gpt-4o", messages=conversation("five"))
     wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)

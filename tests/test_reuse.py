@@ -218,6 +218,23 @@ def test_the_key_holds_the_attention_kernel_and_not_the_loop(tiny_llama, one_thr
     assert_same(runs[1], own(sdpa, p, **BASE))
 
 
+def test_the_key_holds_the_cpu_thread_count_and_the_platform(tiny_llama, one_thread):
+    """On the CPU another thread count moves float32 sums in their last bits (SmolLM2's proxy history differs
+    between 1 and 2 threads), so engines that share a store but not their thread count do not share entries: each
+    is served only what it computes itself. The fingerprint also names torch's version and the CPU's vector
+    capability, which pick the kernels."""
+    from sicl_fast.store import CalibrationStore
+
+    store = CalibrationStore()
+    one, two, again = (Engine(tiny_llama, threads=t, store=store) for t in (1, 2, 1))
+    p = one.prepare(request("five"))
+    runs = [eng.calibrate(p, reuse="auto", **BASE) for eng in (one, two, again)]
+    assert [r.reuse for r in runs] == ["fresh", "fresh", "hit"] and runs[0].key != runs[1].key
+    fp = one.reuser.fingerprint
+    assert (fp["threads"], two.reuser.fingerprint["threads"]) == (1, 2)
+    assert fp["platform"] == {"torch": torch.__version__, "hardware": torch.backends.cpu.get_cpu_capability()}
+
+
 def test_answers_from_a_stored_calibration(engine):
     queries = [request(q) for q in ("five", "nine", "a hundred and two")]
     cal = engine.calibrate(engine.prepare(queries[0]), reuse="auto", **BASE).calibration
@@ -254,8 +271,14 @@ def write_jsonl(path, objs) -> str:
 CLI_FAST = ["--max-steps", "3", "--N", "4", "--tau", "0", "--patience", "0", "--seed", "3"]
 
 
-def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp_path, capsys):
+def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp_path, capsys, monkeypatch):
+    import sicl_fast.answer as answer
     from sicl_fast.cli import main
+
+    batches = []  # the query-only decodings: one batch per group (Engine.answer_many), not one per request
+    real = answer.kv_answers
+    monkeypatch.setattr(answer, "kv_answers", lambda be, cal, prompts, *a, **k: (
+        batches.append(len(prompts)), real(be, cal, prompts, *a, **k))[1])
 
     other = {"id": "o", "demos": [{"input": "red", "output": "rot"}], "query": "blue"}
     reqs = [request("five", "a"), {**other, "id": "o1"}, request("nine", "b"), {**other, "id": "o2",
@@ -269,6 +292,7 @@ def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp
                  *model, *CLI_FAST]) == 0
     got = {r["id"]: r for r in read_jsonl(out)}
     ref = {r["id"]: r for r in read_jsonl(off)}
+    assert batches == [3, 2]
     assert [r["id"] for r in read_jsonl(out)] == ["a", "b", "c", "o1", "o2"]  # one group after the other
     assert [got[i]["reuse"] for i in "abc"] == ["fresh", "hit", "hit"] and got["o2"]["reuse"] == "hit"
     assert len({got[i]["key"] for i in "abc"}) == 1 and got["o1"]["key"] != got["a"]["key"]
@@ -279,6 +303,28 @@ def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp
     capsys.readouterr()
     assert main(["calibrate", path, "--out", str(tmp_path / "x.jsonl"), "--pack", "2", "--reuse", "on", *model]) == 2
     assert "reuse 'on' with pack 2: packed calibration does not use the store" in capsys.readouterr().err
+
+
+def test_cli_records_a_boundary_query_as_calibrated_afresh(tiny_dir, tmp_path):
+    """The raw prompts of test_a_query_that_changes_the_boundary_tokens_is_calibrated_afresh through the command
+    line: the record of the query whose BPE merge changes rows [0, b) says reuse 'boundary', and its numbers are its
+    own calibration's."""
+    from sicl_fast.cli import main
+
+    text = "Complete the word.\n\nInput: gree\nOutput: ting\n\nInput: hel\nOutput: hel"
+    start = text.index("Output: ting") + len("Output: ")
+    spans = [[start, start + 4], [len(text) - 3, len(text)]]
+    reqs = [{"id": "plain", "prompt": text, "output_spans": spans},
+            {"id": "merged", "prompt": text + "lo", "output_spans": spans}]
+    path = write_jsonl(tmp_path / "r.jsonl", reqs)
+    for name, flags in (("auto", []), ("off", ["--reuse", "off"])):
+        assert main(["calibrate", path, "--out", str(tmp_path / f"{name}.jsonl"), "--model", tiny_dir, *CLI_FAST,
+                     *flags]) == 0
+    got = {r["id"]: r for r in read_jsonl(tmp_path / "auto.jsonl")}
+    ref = {r["id"]: r for r in read_jsonl(tmp_path / "off.jsonl")}
+    assert (got["merged"]["reuse"], got["merged"]["reused"], got["merged"]["exact"]) == ("boundary", False, True)
+    assert got["merged"]["best_proxy"] == ref["merged"]["best_proxy"]
+    assert got["merged"]["steps"] == ref["merged"]["steps"] and got["merged"]["key"] != got["plain"]["key"]
 
 
 def test_cli_store_directory_serves_a_rerun(tiny_dir, tmp_path):
@@ -343,3 +389,46 @@ def test_answers_along_the_way_need_their_own_run(tiny_dir, tmp_path, capsys):
     prompt = eng.prepare({"id": "q", "demos": [{"input": "a", "output": "b"}], "query": "c"})
     with pytest.raises(SiclError, match=r"best_at \(icleval --answer-at\) keeps the best X along each calibration"):
         eng.calibrate(prompt, max_steps=2, best_at=[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text"])
+def test_exact_reuse_bit_for_bit_on_every_family(smol, one_thread, family):
+    """Reuse on the other families the fast decoder runs (Qwen3's q / k norms, Gemma's sliding windows, soft-caps
+    and scaled embeddings): the second query answered from the first's calibration equals its own calibration bit
+    for bit (tiny random models of each family with SmolLM2's tokenizer)."""
+    from test_fast_backend import build
+
+    eng = Engine(build(family, layers=2, tokenizer=smol.tokenizer))
+    first, second = eng.prepare(request("five")), eng.prepare(request("twenty-one thousand and six"))
+    a = eng.calibrate(first, reuse="auto", **BASE)
+    assert (a.reuse, a.exact) == ("fresh", True)
+    assert_same(a, own(eng, first, **BASE))
+    b = eng.calibrate(second, reuse="auto", **BASE)
+    assert (b.reuse, b.reused, b.exact, b.key) == ("hit", True, True, a.key)
+    assert_same(b, own(eng, second, **BASE))
+
+
+def test_a_stem_whose_own_cosine_holds_but_a_query_could_fire_is_inexact(tiny_llama, one_thread, monkeypatch):
+    """The decision reads the minimum over every query norm, not the stem's own cosine. A run that moves rows
+    [0, b) to 10 X0 keeps their own cosine at 1 (the projection never fires), but a query of squared norm 10 |X0|^2
+    would bring the whole-matrix cosine to 2 sqrt(10) / 11 = 0.575 < kappa: the run is stored as inexact, and
+    `auto` calibrates the next query per query instead of reusing it. (Natural ascent steps add noise orthogonal to
+    X0, where the two minima agree, so the run here is a real one whose watched X is scaled.)"""
+    eng = Engine(tiny_llama)
+    real = eng.run
+
+    def scaling_run(prompt, cfg, on_step=None, should_stop=None, on_update=None, best_at=()):
+        res = real(prompt, cfg, on_step=on_step, should_stop=should_stop)
+        if on_update is not None:
+            X = eng.backend.embed(prompt)
+            X[:prompt.demo_end] *= 10
+            on_update(X)
+        return res
+
+    monkeypatch.setattr(eng, "run", scaling_run)
+    cfg = dict(BASE, kappa=0.9)
+    r = eng.calibrate(eng.prepare(request("five")), reuse="on", **cfg)
+    assert (r.reuse, r.exact, r.projections) == ("fresh", False, 0)
+    assert r.calibration.min_cosine == pytest.approx(2 * 10 ** 0.5 / 11, rel=1e-6)
+    nxt = eng.calibrate(eng.prepare(request("eleven")), reuse="auto", **cfg)
+    assert (nxt.reuse, nxt.reused) == ("per-query", False)

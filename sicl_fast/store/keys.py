@@ -4,11 +4,12 @@
                  every CalibrationConfig field (scale resolved), scope)
 
 The engine's fingerprint (`engine_fingerprint`, computed once per engine) names the model and a digest of its
-weights and config, a digest of the tokenizer, and the run plan's axes that may change the bits of a calibration
+weights and config, a digest of the tokenizer, the run plan's axes that may change the bits of a calibration
 (RunPlan.result_axes: the backend, the implementation of the hot ops, the attention kernel that runs, the
-difference products, the model's dtype and the device type). The plan's other axes are left out there, each with
-its reason (the loop, CUDA graphs and the packing are tested equal bit for bit; torch's thread count may move
-float32 sums in their last bit, docs/scaling.md).
+difference products, the model's dtype, the device type and, on the CPU, the thread count), and the platform the
+kernels were chosen for (`platform`: torch's version, and the CPU's vector capability or the GPU's name), so that
+processes sharing a store directory share only what each would have computed itself. The plan's other axes are
+left out there, each with its reason (the loop, CUDA graphs and the packing are tested equal bit for bit).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import json
 
 import torch
 
-KEY_FORMAT = 2  # 2: the run plan's result axes (the attention kernel added)
+KEY_FORMAT = 3  # 2: the run plan's result axes (the attention kernel added); 3: the CPU thread count and platform
 
 
 def _blake(*parts: bytes) -> str:
@@ -56,11 +57,20 @@ def tokenizer_digest(tokenizer) -> str:
     return _blake(text.encode())
 
 
+def platform(device: torch.device) -> dict:
+    """What beside the run plan picks the kernels a calibration runs: torch's version (its products and their
+    blocking), and ATen's CPU capability (AVX512, AVX2, ...: the vector paths of torch and of our C++ ops) or the
+    GPU's name (its architecture's kernels)."""
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else
+             torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type)
+    return {"torch": torch.__version__, "hardware": where}
+
+
 def engine_fingerprint(engine) -> dict:
     """What of the engine changes a calibration's bits (module docstring); JSON-ready."""
     lm, backend = engine.lm, engine.backend
     return {"model": lm.name, "weights": weights_digest(lm), "tokenizer": tokenizer_digest(lm.tokenizer),
-            **backend.plan.result_axes(backend.attention_kernel)}
+            **backend.plan.result_axes(backend.attention_kernel), "platform": platform(torch.device(lm.device))}
 
 
 def calibration_key(fingerprint: dict, prompt, config, n: int, scope: str) -> str:

@@ -258,18 +258,26 @@ def resolve_pack(pack: int, static: bool, name: str, loop: str) -> str:
     return "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
 
 
-ZEROTH_ORDER_ONLY = ("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on the "
-                     "eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
-GRAD_UNPACKED = "pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a time (pack 1)"
+def check_zeroth_order(estimator: str) -> None:
+    """The static and packed steps run the zeroth-order ascent only."""
+    if estimator == "grad":
+        raise SiclError("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on the "
+                        "eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
+
+
+def check_unpacked(estimator: str, pack: int) -> None:
+    """pack > 1 runs the zeroth-order packed step only."""
+    if pack > 1 and estimator == "grad":
+        raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
+                        "time (pack 1)")
 
 
 def check_estimator(estimator: str, loop: str, pack: int) -> None:
     """Before any model loads (the CLI's --estimator with --loop / --pack): the exact gradient runs one prompt at a
-    time on the eager loop. The same refusals as RunPlan.check_pack and loop_for, which a plan's calibrations meet."""
-    if estimator == "grad" and pack > 1:
-        raise SiclError(GRAD_UNPACKED)
-    if estimator == "grad" and loop == "static":
-        raise SiclError(ZEROTH_ORDER_ONLY)
+    time on the eager loop. The rules RunPlan.check_pack and loop_for apply to a plan's calibrations."""
+    check_unpacked(estimator, pack)
+    if loop == "static":
+        check_zeroth_order(estimator)
 
 
 REUSE_MODES = ("auto", "on", "off")
@@ -381,9 +389,8 @@ class RunPlan:
             raise SiclError(self.grad_refusal)
 
     def check_zeroth_order(self, estimator: str) -> None:
-        """The static and packed steps run the zeroth-order ascent only."""
-        if estimator == "grad":
-            raise SiclError(ZEROTH_ORDER_ONLY)
+        """The static and packed steps run the zeroth-order ascent only (check_zeroth_order)."""
+        check_zeroth_order(estimator)
 
     def require_sync_free(self, what: str) -> None:
         """The static ('step') and packed ('packed') steps need the backend's forward without host reads."""
@@ -405,9 +412,8 @@ class RunPlan:
         return "eager"
 
     def check_pack(self, estimator: str) -> None:
-        """calibrate_many with pack > 1 runs the zeroth-order packed step only."""
-        if self.pack > 1 and estimator == "grad":
-            raise SiclError(GRAD_UNPACKED)
+        """calibrate_many with pack > 1 runs the zeroth-order packed step only (check_unpacked)."""
+        check_unpacked(estimator, self.pack)
 
     def result_axes(self, attention: str | None = None) -> dict:
         """The axes whose value changes a calibration's bits, JSON-ready: the calibration store's key holds them
@@ -483,7 +489,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
 
 
 __all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "REUSE_MODES", "BackendKind", "Choices", "RunPlan", "make_plan",
-           "check_estimator", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
-           "resolve_attention", "resolve_attention_check", "resolve_attention_kernel", "resolve_backend",
-           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every",
-           "resolve_reuse"]
+           "check_estimator", "check_unpacked", "check_zeroth_order", "default_sync_every", "forward_only",
+           "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_attention_check",
+           "resolve_attention_kernel", "resolve_backend", "resolve_diff", "resolve_graphs", "resolve_impl",
+           "resolve_loop", "resolve_pack", "resolve_read_every", "resolve_reuse"]

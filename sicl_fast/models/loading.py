@@ -131,6 +131,8 @@ def model_folder(model: str | os.PathLike | None = None, full: bool = False) -> 
         return path
     if full and (entry := find_entry(content_key(path))) is not None:
         for _, problem, dest in verify_entries(only=entry, full=True):
+            if problem is None:
+                return entry  # every byte checked: converted_path's sampled check would only read it again
             if dest is not None:
                 warn_moved_aside(entry, problem, dest, path)
     folder = converted_path(path)

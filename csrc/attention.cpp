@@ -10,17 +10,21 @@
 //   s = (q . k) * scale, soft-capped (softcap > 0: cap tanh(s / cap)); o = sum_j exp(s_j - max) v_j / sum_j
 //   exp(s_j - max); 0 where a query sees no key; NaN where a NaN (or a score of +inf) reaches the row, as torch's.
 //
-// q, k, v may be row-strided views (the parts of one fused q / k / v product); out is contiguous. The work is cut
-// into tiles of a few query positions x the G query heads of one key head, each over the keys its rows see (one
-// pass: the tile's scores fit in cache); the products run on AVX-512 registers where the CPU has it (head dim a
-// multiple of 16), in plain loops elsewhere. Float32 throughout, summed in another order than the reference (a few
-// ulp); exp is vecmath.h's (about 1 ulp).
+// q, k, v may be row-strided views (the parts of one fused q / k / v product); out is contiguous. Each (batch row,
+// key head)'s keys are transposed once per call; the work is then cut into tiles of a few query positions x the
+// G query heads of one key head (12-24 rows), each over the keys its rows see (one pass: the tile's scores fit in
+// cache). Where the CPU has AVX-512 and the head dim is a multiple of 16, the products, the transposition and the
+// softmax run on its registers (the softmax too: in plain loops its exp and sum stayed scalar, a quarter of the
+// call); plain loops elsewhere. Float32 throughout, with the scale folded into q and sums in another order than
+// the reference (a few ulp); exp is vecmath.h's (about 1 ulp; on 16 lanes, the same polynomial).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -34,6 +38,10 @@
 namespace sicl {
 
 namespace {
+
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_ps in masked / shuffled forms
+// (a false positive of those headers); silenced for this file's intrinsics only
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 struct Rows {  // a row-strided float32 matrix: row i at p + i * stride, its elements contiguous
     const float* p;
@@ -57,11 +65,12 @@ Rows rows_of(const py::array& a, const char* name, int64_t n) {
 constexpr int64_t kRows = 4;   // query rows per register block
 constexpr int64_t kCols = 32;  // keys per register block of the scores
 
-// S[r][j] = sum_d Q[r][d] Kt[d][j] for r < R (a multiple of kRows), j < W (Kt rows padded to a multiple of kCols)
+// S[r][j] = sum_d Q[r][d] Kt[d][j] for r < R (a multiple of kRows), j < W (a multiple of 16)
 __attribute__((target("avx512f"))) void scores_avx512(const float* Q, const float* Kt, int64_t ldk, float* S,
                                                      int64_t lds, int64_t R, int64_t W, int64_t hd) {
     for (int64_t r0 = 0; r0 < R; r0 += kRows) {
-        for (int64_t j0 = 0; j0 < W; j0 += kCols) {
+        int64_t j0 = 0;
+        for (; j0 + kCols <= W; j0 += kCols) {
             __m512 acc[kRows][2];
             for (int64_t rr = 0; rr < kRows; ++rr) acc[rr][0] = acc[rr][1] = _mm512_setzero_ps();
             for (int64_t d = 0; d < hd; ++d) {
@@ -77,7 +86,63 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* Q, const floa
                 _mm512_storeu_ps(S + (r0 + rr) * lds + j0 + 16, acc[rr][1]);
             }
         }
+        if (j0 < W) {  // the last 16 keys
+            __m512 acc[kRows];
+            for (int64_t rr = 0; rr < kRows; ++rr) acc[rr] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < hd; ++d) {
+                const __m512 k0 = _mm512_loadu_ps(Kt + d * ldk + j0);
+                for (int64_t rr = 0; rr < kRows; ++rr)
+                    acc[rr] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r0 + rr) * hd + d]), k0, acc[rr]);
+            }
+            for (int64_t rr = 0; rr < kRows; ++rr) _mm512_storeu_ps(S + (r0 + rr) * lds + j0, acc[rr]);
+        }
     }
+}
+
+// kt[d * ldk + j] = src[j * lds + d] for j < n, d < hd (hd % 16 == 0): 16 x 16 blocks transposed in registers, the
+// last n % 16 keys one by one
+__attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64_t lds, int64_t n, int64_t hd,
+                                                        float* kt, int64_t ldk) {
+    int64_t j0 = 0;
+    for (; j0 + 16 <= n; j0 += 16) {
+        for (int64_t d0 = 0; d0 < hd; d0 += 16) {
+            __m512 r[16], t[16];
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (j0 + i) * lds + d0);
+            for (int i = 0; i < 16; i += 2) {  // per 128-bit lane L: pairs of rows' elements 4L, 4L+1 | 4L+2, 4L+3
+                t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 16; i += 4) {  // r[i + c], lane L: column 4L + c of rows i .. i+3
+                r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+                r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+                r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+                r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+            }
+            for (int c = 0; c < 4; ++c) {  // column 4L + c gathers lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+                const __m512 v0 = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0)),
+                             v1 = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1)),
+                             w0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0)),
+                             w1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+                _mm512_storeu_ps(kt + (d0 + c) * ldk + j0, _mm512_shuffle_f32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0)));
+                _mm512_storeu_ps(kt + (d0 + 4 + c) * ldk + j0, _mm512_shuffle_f32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0)));
+                _mm512_storeu_ps(kt + (d0 + 8 + c) * ldk + j0, _mm512_shuffle_f32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1)));
+                _mm512_storeu_ps(kt + (d0 + 12 + c) * ldk + j0, _mm512_shuffle_f32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+            }
+        }
+    }
+    for (; j0 < n; ++j0)
+        for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j0] = src[j0 * lds + d];
+}
+
+void transpose_plain(const float* src, int64_t lds, int64_t n, int64_t hd, float* kt, int64_t ldk) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j] = src[j * lds + d];
+}
+
+// dst[i] = src[i] * c for i < n
+__attribute__((target_clones("avx512f", "avx2", "default"))) void scaled_copy(const float* src, float* dst,
+                                                                            int64_t n, float c) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * c;
 }
 
 void scores_plain(const float* Q, const float* Kt, int64_t ldk, float* S, int64_t lds, int64_t R, int64_t W,
@@ -144,17 +209,70 @@ void values_plain(const float* P, int64_t ldp, const float* V, int64_t ldv, floa
     }
 }
 
-// one row of scores s[0, W) -> unnormalised probabilities in place over the visible keys [lo, hi) (0 elsewhere);
-// returns their sum
-__attribute__((target_clones("avx512f", "avx2", "default"))) float softmax_row(float* s, int64_t W, int64_t lo,
-                                                                             int64_t hi, float scale, float cap) {
-    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
-    for (int64_t j = hi; j < W; ++j) s[j] = 0.0f;
+// exp_f32 (vecmath.h) on 16 lanes: the same clamp, reduction and polynomial, with fused multiply-adds (within a
+// few ulp of it); NaN stays NaN (max / min return their second operand, x, on NaN), and past ln(FLT_MAX) +inf
+__attribute__((target("avx512f"))) SICL_INLINE __m512 exp16(__m512 x0) {
+    __m512 x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x0));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    p = _mm512_scalef_ps(p, n);
+    const __mmask16 big = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(88.72284f), _CMP_GT_OQ);
+    return _mm512_mask_blend_ps(big, p, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// one row of (already scaled) scores s[0, W) -> unnormalised probabilities in place over the visible keys [lo, hi)
+// (0 elsewhere); returns their sum. A NaN score makes the sum NaN (through exp), as does a score of +inf (inf - inf)
+__attribute__((target("avx512f"))) float softmax_row_avx512(float* s, int64_t W, int64_t lo, int64_t hi,
+                                                            float cap) {
+    std::fill(s, s + lo, 0.0f);
+    std::fill(s + std::max(lo, hi), s + W, 0.0f);
     if (hi <= lo) return 0.0f;
     float* t = s + lo;
     const int64_t n = hi - lo;
-    for (int64_t j = 0; j < n; ++j) t[j] *= scale;
-    if (cap > 0.0f) {  // cap tanh(s / cap) = cap (1 - 2 / (exp(2 s / cap) + 1))
+    auto lanes = [n](int64_t j) { return n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1); };
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = lanes(j);
+        __m512 x = _mm512_maskz_loadu_ps(k, t + j);
+        if (cap > 0.0f) {  // cap tanh(s / cap) = cap (1 - 2 / (exp(2 s / cap) + 1))
+            const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(2.0f / cap), x));
+            x = _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                              _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)))));
+            _mm512_mask_storeu_ps(t + j, k, x);
+        }
+        mv = _mm512_mask_max_ps(mv, k, x, mv);  // a NaN lane may or may not reach the max: exp carries it anyway
+    }
+    alignas(64) float h[16];
+    _mm512_store_ps(h, mv);
+    float mx = h[0];
+    for (int i = 1; i < 16; ++i) mx = h[i] > mx ? h[i] : mx;
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 lv = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 k = lanes(j);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, t + j), m));
+        _mm512_mask_storeu_ps(t + j, k, e);
+        lv = _mm512_mask_add_ps(lv, k, lv, e);
+    }
+    _mm512_store_ps(h, lv);
+    float l = 0.0f;
+    for (int i = 0; i < 16; ++i) l += h[i];
+    return l;
+}
+
+// softmax_row_avx512 in plain loops
+float softmax_row_plain(float* s, int64_t W, int64_t lo, int64_t hi, float cap) {
+    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
+    for (int64_t j = std::max(lo, hi); j < W; ++j) s[j] = 0.0f;
+    if (hi <= lo) return 0.0f;
+    float* t = s + lo;
+    const int64_t n = hi - lo;
+    if (cap > 0.0f) {
         const float two_over = 2.0f / cap;
         for (int64_t j = 0; j < n; ++j) t[j] = cap * (1.0f - 2.0f / (exp_f32(two_over * t[j]) + 1.0f));
     }
@@ -192,8 +310,15 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
     const int64_t Ntot = a + N;
     const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
     const bool vec = has_avx512() && hd % 16 == 0;
-    // a tile: QT query positions x G heads, about 16 rows (a multiple of kRows)
-    const int64_t QT = std::max<int64_t>(1, 16 / G), R = ((QT * G + kRows - 1) / kRows) * kRows;
+    // a tile: QT query positions x the G heads, 12-24 rows where G allows, QT chosen for the fewest padding rows
+    // (R, the rows computed, is a multiple of kRows; e.g. G 3: 8 positions, 24 rows, none padding)
+    int64_t QT = 1;
+    for (int64_t qt = std::max<int64_t>(1, 12 / G); qt * G <= 24 || qt == 1; ++qt) {
+        const auto pad = [G](int64_t x) { return ((x * G + kRows - 1) / kRows) * kRows - x * G; };
+        if (QT * G < 12 || pad(qt) * QT < pad(QT) * qt) QT = qt;
+        if (qt * G >= 24) break;
+    }
+    const int64_t R = ((QT * G + kRows - 1) / kRows) * kRows;
     const int64_t tiles = (T + QT - 1) / QT;
     auto key_pos = [&](int64_t i) { return i < a ? i : k0 + (i - a); };
     // keys [lo, hi) a query at position p sees (positions increase with the index)
@@ -219,19 +344,18 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
     // every (key batch row, key head)'s keys transposed once, Kt[d][j] for key j (shared ones first), zero-padded:
     // the tiles read their key range from it
     const int64_t ldk = ((Ntot + kCols - 1) / kCols) * kCols + kCols;
-    std::vector<float> Kt_all(kB * Hk * hd * ldk, 0.0f);
+    std::unique_ptr<float[]> Kt_all(new float[kB * Hk * hd * ldk]);  // its padding columns zeroed below
     py::gil_scoped_release nogil;
 #pragma omp parallel num_threads(threads_for(work / 4))
     {
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < kB * Hk; ++bh) {
             const int64_t b = bh / Hk, kh = bh % Hk;
-            float* kt = Kt_all.data() + bh * hd * ldk;
-            for (int64_t j = 0; j < Ntot; ++j) {
-                const float* src =
-                    j < a ? PKr.p + j * PKr.stride + kh * hd : Kr.p + (b * N + j - a) * Kr.stride + kh * hd;
-                for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j] = src[d];
-            }
+            float* kt = Kt_all.get() + bh * hd * ldk;
+            auto transpose = vec ? transpose_avx512 : transpose_plain;
+            transpose(PKr.p + kh * hd, PKr.stride, a, hd, kt, ldk);  // the shared keys, then the row's own
+            transpose(Kr.p + b * N * Kr.stride + kh * hd, Kr.stride, N, hd, kt + a, ldk);
+            for (int64_t d = 0; d < hd; ++d) std::fill(kt + d * ldk + Ntot, kt + (d + 1) * ldk, 0.0f);
         }
         std::vector<float> Qb(R * hd), S(R * ldk), Ob(R * hd), l(R);
         std::vector<int64_t> lo(R), hi(R);
@@ -246,20 +370,22 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
                     seen(pos0 + t0 + r / G, lo[r], hi[r]);
                     klo = std::min(klo, lo[r]), khi = std::max(khi, hi[r]);
                     const float* src = Qr.p + (b * T + t0 + r / G) * Qr.stride + (kh * G + r % G) * hd;
-                    std::copy(src, src + hd, Qb.data() + r * hd);
+                    scaled_copy(src, Qb.data() + r * hd, hd, sc);  // the scale folded into q
                 } else {
                     lo[r] = hi[r] = 0;
                     std::fill(Qb.data() + r * hd, Qb.data() + (r + 1) * hd, 0.0f);
                 }
             }
             if (khi <= klo) klo = khi = 0;
-            const int64_t W = khi - klo, Wp = ((W + kCols - 1) / kCols) * kCols;
-            const float* Kt = Kt_all.data() + ((kB == 1 ? 0 : b) * Hk + kh) * hd * ldk + klo;  // the tile's keys
+            const int64_t W = khi - klo, Wp = ((W + 15) / 16) * 16;
+            const float* Kt = Kt_all.get() + ((kB == 1 ? 0 : b) * Hk + kh) * hd * ldk + klo;  // the tile's keys
             if (vec) scores_avx512(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
             else scores_plain(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t l0 = std::max<int64_t>(0, lo[r] - klo), h0 = std::max<int64_t>(l0, hi[r] - klo);
-                l[r] = softmax_row(S.data() + r * ldk, Wp, l0, r < rows ? h0 : l0, sc, cap);
+                float* s = S.data() + r * ldk;
+                l[r] = vec ? softmax_row_avx512(s, Wp, l0, r < rows ? h0 : l0, cap)
+                           : softmax_row_plain(s, Wp, l0, r < rows ? h0 : l0, cap);
             }
             // the values: the shared keys' rows, then the own keys' rows (two strided runs)
             const float* vb = Vr.p + (kB == 1 ? 0 : b * N) * V_ld + kh * hd;
@@ -274,7 +400,8 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
             for (int64_t r = 0; r < rows; ++r) {
                 float* dst = op + (b * T + t0 + r / G) * H * hd + (kh * G + r % G) * hd;
                 // l is 0 only where the query sees no key (else >= 1, or NaN: a NaN or +inf score, kept as NaN)
-                for (int64_t d = 0; d < hd; ++d) dst[d] = l[r] != 0.0f ? Ob[r * hd + d] / l[r] : 0.0f;
+                if (l[r] != 0.0f) scaled_copy(Ob.data() + r * hd, dst, hd, 1.0f / l[r]);
+                else std::fill(dst, dst + hd, 0.0f);
             }
         }
     }

@@ -660,6 +660,8 @@ CPP_ATTN_CASES = ATTN_CASES + [  # B, T, a, H, Hk, hd, window, softcap: SmolLM2'
     (2, 33, 0, 6, 2, 80, None, None),
     (3, 19, 7, 3, 3, 20, 5, 3.0),
     (2, 40, 0, 8, 2, 256, 13, None),
+    (2, 45, 17, 10, 2, 32, None, 1.5),  # G 5: tiles of 20 rows; soft-capping on AVX-512 registers
+    (2, 26, 0, 7, 1, 48, 11, None),  # G 7: 14 rows and 2 of padding; hd 48: three 16 x 16 blocks of the keys
 ]
 
 

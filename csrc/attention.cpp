@@ -33,15 +33,13 @@
 
 #include "arrays.h"
 #include "threads.h"
-#include "vecmath.h"
+#include "softmax_rows.h"
+#include "vecmath512.h"
 
 namespace sicl {
 
 namespace {
 
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_ps in masked / shuffled forms
-// (a false positive of those headers); silenced for this file's intrinsics only
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 struct Rows {  // a row-strided float32 matrix: row i at p + i * stride, its elements contiguous
     const float* p;
@@ -209,81 +207,16 @@ void values_plain(const float* P, int64_t ldp, const float* V, int64_t ldv, floa
     }
 }
 
-// exp_f32 (vecmath.h) on 16 lanes: the same clamp, reduction and polynomial, with fused multiply-adds (within a
-// few ulp of it); NaN stays NaN (max / min return their second operand, x, on NaN), and past ln(FLT_MAX) +inf
-__attribute__((target("avx512f"))) SICL_INLINE __m512 exp16(__m512 x0) {
-    __m512 x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x0));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-    for (const float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    p = _mm512_scalef_ps(p, n);
-    const __mmask16 big = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(88.72284f), _CMP_GT_OQ);
-    return _mm512_mask_blend_ps(big, p, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-}
-
 // one row of (already scaled) scores s[0, W) -> unnormalised probabilities in place over the visible keys [lo, hi)
-// (0 elsewhere); returns their sum. A NaN score makes the sum NaN (through exp), as does a score of +inf (inf - inf)
-__attribute__((target("avx512f"))) float softmax_row_avx512(float* s, int64_t W, int64_t lo, int64_t hi,
-                                                            float cap) {
+// (0 elsewhere); returns their sum (softmax_rows.h: NaN and +inf make it NaN)
+float softmax_row(float* s, int64_t W, int64_t lo, int64_t hi, float cap, bool vec) {
     std::fill(s, s + lo, 0.0f);
     std::fill(s + std::max(lo, hi), s + W, 0.0f);
     if (hi <= lo) return 0.0f;
     float* t = s + lo;
     const int64_t n = hi - lo;
-    auto lanes = [n](int64_t j) { return n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1); };
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = lanes(j);
-        __m512 x = _mm512_maskz_loadu_ps(k, t + j);
-        if (cap > 0.0f) {  // cap tanh(s / cap) = cap (1 - 2 / (exp(2 s / cap) + 1))
-            const __m512 e = exp16(_mm512_mul_ps(_mm512_set1_ps(2.0f / cap), x));
-            x = _mm512_mul_ps(_mm512_set1_ps(cap), _mm512_sub_ps(_mm512_set1_ps(1.0f),
-                              _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)))));
-            _mm512_mask_storeu_ps(t + j, k, x);
-        }
-        mv = _mm512_mask_max_ps(mv, k, x, mv);  // a NaN lane may or may not reach the max: exp carries it anyway
-    }
-    alignas(64) float h[16];
-    _mm512_store_ps(h, mv);
-    float mx = h[0];
-    for (int i = 1; i < 16; ++i) mx = h[i] > mx ? h[i] : mx;
-    const __m512 m = _mm512_set1_ps(mx);
-    __m512 lv = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 k = lanes(j);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, t + j), m));
-        _mm512_mask_storeu_ps(t + j, k, e);
-        lv = _mm512_mask_add_ps(lv, k, lv, e);
-    }
-    _mm512_store_ps(h, lv);
-    float l = 0.0f;
-    for (int i = 0; i < 16; ++i) l += h[i];
-    return l;
-}
-
-// softmax_row_avx512 in plain loops
-float softmax_row_plain(float* s, int64_t W, int64_t lo, int64_t hi, float cap) {
-    for (int64_t j = 0; j < lo; ++j) s[j] = 0.0f;
-    for (int64_t j = std::max(lo, hi); j < W; ++j) s[j] = 0.0f;
-    if (hi <= lo) return 0.0f;
-    float* t = s + lo;
-    const int64_t n = hi - lo;
-    if (cap > 0.0f) {
-        const float two_over = 2.0f / cap;
-        for (int64_t j = 0; j < n; ++j) t[j] = cap * (1.0f - 2.0f / (exp_f32(two_over * t[j]) + 1.0f));
-    }
-    float m = t[0];
-    for (int64_t j = 1; j < n; ++j) m = t[j] > m ? t[j] : m;
-    float l = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-        t[j] = exp_f32(t[j] - m);
-        l += t[j];
-    }
-    return l;
+    if (vec) return exp_sum_avx512<true>(t, n, capped_max_avx512(t, n, cap));
+    return exp_sum_plain<true>(t, n, capped_max_plain(t, n, cap));
 }
 
 bool has_avx512() {
@@ -383,9 +316,7 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
             else scores_plain(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t l0 = std::max<int64_t>(0, lo[r] - klo), h0 = std::max<int64_t>(l0, hi[r] - klo);
-                float* s = S.data() + r * ldk;
-                l[r] = vec ? softmax_row_avx512(s, Wp, l0, r < rows ? h0 : l0, cap)
-                           : softmax_row_plain(s, Wp, l0, r < rows ? h0 : l0, cap);
+                l[r] = softmax_row(S.data() + r * ldk, Wp, l0, r < rows ? h0 : l0, cap, vec);
             }
             // the values: the shared keys' rows, then the own keys' rows (two strided runs)
             const float* vb = Vr.p + (kB == 1 ? 0 : b * N) * V_ld + kh * hd;

@@ -294,12 +294,14 @@ namespace sicl {
 void register_diff_ops(py::module_& m);     // diff.cpp
 void register_decoder_ops(py::module_& m);  // decoder.cpp
 void register_attention_ops(py::module_& m);  // attention.cpp
+void register_span_head_ops(py::module_& m);  // span_head.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy (sicl_fast.cpp_ops); "
               "diff_rows, add_rows, gated_diff (sicl_fast.models.diff); residual_norm, rope_qkv "
-              "(sicl_fast.models.elementwise); attention (sicl_fast.models.attention).";
+              "(sicl_fast.models.elementwise); attention (sicl_fast.models.attention); lse_chunk (the span head, "
+              "sicl_fast.ops.cpp_ops).";
     m.def("randn", &randn, py::arg("out"), py::arg("seed64"), "out[k] = N(0, 1) of Philox counter k under seed64");
     m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed"), py::arg("step"), py::arg("N"), py::arg("a"),
           py::arg("b"), py::arg("mu"), py::arg("central"), "the perturbation batch, written into out [B, n, d]");
@@ -316,4 +318,5 @@ PYBIND11_MODULE(_C, m) {
     sicl::register_diff_ops(m);
     sicl::register_decoder_ops(m);
     sicl::register_attention_ops(m);
+    sicl::register_span_head_ops(m);
 }

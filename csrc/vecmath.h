@@ -52,4 +52,7 @@ SICL_INLINE float exp_f32(float x0) {
     return x0 > 88.72284f ? std::numeric_limits<float>::infinity() : p * scale;  // ln(FLT_MAX) = 88.7228...
 }
 
+// soft-capping, cap tanh(x / cap), written as cap (1 - 2 / (exp(2 x / cap) + 1)) (exp_f32 vectorises; tanh not)
+SICL_INLINE float softcap_f32(float x, float cap) { return cap * (1.0f - 2.0f / (exp_f32(2.0f / cap * x) + 1.0f)); }
+
 }  // namespace sicl

@@ -270,6 +270,23 @@ def test_span_head_matches_reference(ops, dev, B, P, d, V, softcap):
     torch.testing.assert_close(got.cpu(), ref, **TOL["span_head"])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the Triton interpreter, on the NaN it is given
+@pytest.mark.parametrize("value", ["nan", "+inf"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_span_head_keeps_nan_and_inf(ops, dev, value, softcap):
+    """A NaN or +inf in one position's hidden state gives that position what the reference gives it: NaN (its
+    logits NaN, or +-inf), or with soft-capping and +inf the capped logits' finite value; the other positions keep
+    their values. V 1100: three chunks of the C++ path, the bad logits in all of them."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(2, 6, 16, generator=g), torch.randn(1100, 16, generator=g) * 0.3
+    t = torch.randint(0, 1100, (6,), generator=g)
+    h[1, 4, 3] = float(value)
+    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    got = ops.span_head(h.to(dev), w.to(dev), t, softcap=softcap).cpu()
+    assert bool(ref[1, 4].isnan()) == (value == "nan" or softcap is None)
+    torch.testing.assert_close(got, ref, equal_nan=True, **TOL["span_head"])
+
+
 # ------------------------------------------------------------------------------------------------- difference epilogues
 
 

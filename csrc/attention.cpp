@@ -40,7 +40,6 @@ namespace sicl {
 
 namespace {
 
-
 struct Rows {  // a row-strided float32 matrix: row i at p + i * stride, its elements contiguous
     const float* p;
     int64_t stride;
@@ -243,15 +242,13 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
     const int64_t Ntot = a + N;
     const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
     const bool vec = has_avx512() && hd % 16 == 0;
-    // a tile: QT query positions x the G heads, 12-24 rows where G allows, QT chosen for the fewest padding rows
-    // (R, the rows computed, is a multiple of kRows; e.g. G 3: 8 positions, 24 rows, none padding)
-    int64_t QT = 1;
-    for (int64_t qt = std::max<int64_t>(1, 12 / G); qt * G <= 24 || qt == 1; ++qt) {
-        const auto pad = [G](int64_t x) { return ((x * G + kRows - 1) / kRows) * kRows - x * G; };
-        if (QT * G < 12 || pad(qt) * QT < pad(QT) * qt) QT = qt;
-        if (qt * G >= 24) break;
-    }
-    const int64_t R = ((QT * G + kRows - 1) / kRows) * kRows;
+    // a tile: QT query positions x the G heads, 12-24 rows (1 position where G > 12), the QT with the fewest padding
+    // rows per row (R, the rows computed, is a multiple of kRows): G 3: 4 positions, 12 rows; G 7: 2, 14 + 2 padding
+    const auto padding = [G](int64_t qt) { return ((qt * G + kRows - 1) / kRows) * kRows - qt * G; };
+    int64_t QT = 0;
+    for (int64_t qt = std::max<int64_t>(1, (12 + G - 1) / G); qt <= std::max<int64_t>(1, 24 / G); ++qt)
+        if (QT == 0 || padding(qt) * QT < padding(QT) * qt) QT = qt;
+    const int64_t R = QT * G + padding(QT);
     const int64_t tiles = (T + QT - 1) / QT;
     auto key_pos = [&](int64_t i) { return i < a ? i : k0 + (i - a); };
     // keys [lo, hi) a query at position p sees (positions increase with the index)

@@ -1,6 +1,7 @@
 """CPU benchmarks of the hot ops: proxy and perturb+update (C++ extension vs torch reference), and the LM head at
-the span positions (chunked log-sum-exp vs full [B, P, V] logits), the difference-product epilogues (C++ vs torch
-reference). SmolLM2-135M shapes (d 576, V 49152).
+the span positions (chunked log-sum-exp vs full [B, P, V] logits, and the C++ span head), the difference-product
+epilogues (C++ vs torch reference). SmolLM2-135M shapes (d 576, V 49152). bench/cpp_ops_ab.py compares the C++ ops
+of two checkouts.
 
 Run (pytest-benchmark; not collected by the normal test run):
 
@@ -99,11 +100,12 @@ SPAN_IMPLS = {
     "full-logits": full_logits,
     "chunked-default": lambda h, w, t: gather_logprobs_chunked(h, w, t),  # max_elems 2**25: one chunk here
     "chunked-4M": lambda h, w, t: gather_logprobs_chunked(h, w, t, max_elems=1 << 22),
-    "vocab-chunked": vocab_chunked_logprobs,  # what span_head runs on the CPU
+    "vocab-chunked": vocab_chunked_logprobs,  # TorchStepOps's span head
+    "cpp": cpp_ops.span_head,  # CppStepOps's: torch's products in chunks of 512, csrc/span_head.cpp's lse_chunk
 }
 
 
-@pytest.mark.parametrize("impl", list(SPAN_IMPLS))
+@pytest.mark.parametrize("impl", [pytest.param(n, marks=need_cpp) if n == "cpp" else n for n in SPAN_IMPLS])
 def test_span_head(benchmark, head, impl):
     h, w, t = head
     benchmark.group = f"span head B{SPAN_B} P{SPAN_P} d{D} V{V}"

@@ -1,9 +1,10 @@
 """Span log-probabilities from hidden states: the LM head at span positions only.
 
 `gather_logprobs_chunked` is the torch reference (log_softmax over whole vocabulary rows, chunked along P).
-`vocab_chunked_logprobs` (the span head of TorchStepOps and CppStepOps, sicl_fast.ops) and the Triton kernel
-`sicl_fast.kernels.span_logprobs` compute the same function with an online log-sum-exp over vocabulary chunks,
-so the head weight is read once and only [B*P, chunk] logits exist; both are tested against the reference.
+`vocab_chunked_logprobs` (the span head of TorchStepOps, sicl_fast.ops), CppStepOps's span head (torch's products,
+the log-sum-exp in csrc/span_head.cpp) and the Triton kernel `sicl_fast.kernels.span_logprobs` compute the same
+function with an online log-sum-exp over vocabulary chunks, so the head weight is read once and only [B*P, chunk]
+logits exist; all are tested against the reference.
 """
 from __future__ import annotations
 

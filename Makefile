@@ -15,7 +15,7 @@ demo: setup
 test:
 	SICL_GEMMA3=1 SICL_RAY=1 bash scripts/setup.sh
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q tests -n auto --dist loadgroup --durations=15
+	.venv/bin/python -m pytest -q tests -n auto --dist loadscope --durations=15
 
 bench: setup
 	.venv/bin/python -m pytest bench/test_step_cpu.py --benchmark-only --benchmark-columns=mean,min,max,rounds

@@ -218,11 +218,6 @@ float softmax_row(float* s, int64_t W, int64_t lo, int64_t hi, float cap, bool v
     return exp_sum_plain<true>(t, n, capped_max_plain(t, n, cap));
 }
 
-bool has_avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f");
-    return yes;
-}
-
 void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv, py::array out, int64_t B,
                int64_t T, int64_t H, int64_t Hk, int64_t kB, int64_t pos0, int64_t k0, double scale,
                double softcap, int64_t window) {

@@ -15,7 +15,6 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -123,11 +122,6 @@ __attribute__((target("avx512f"))) void diff_row_avx512(const float* x, const fl
     for (; j + 16 <= n; j += 16)
         store_bf16x16(o + j, _mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(x0 + j)));
     for (; j < n; ++j) o[j] = to_bf16(x[j] - x0[j]);
-}
-
-bool has_avx512() {
-    static const bool yes = __builtin_cpu_supports("avx512f");
-    return yes;
 }
 
 }  // namespace

@@ -11,7 +11,6 @@
 
 namespace sicl {
 
-
 // t[0, n) -> cap tanh(t / cap) in place when cap > 0; returns the largest (-inf for n = 0)
 __attribute__((target("avx512f"))) inline float capped_max_avx512(float* t, int64_t n, float cap) {
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());

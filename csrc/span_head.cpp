@@ -38,7 +38,7 @@ void lse_chunk(py::array z, int64_t v0, py::array tgt, double cap, py::array m, 
     float *zp = mf(z), *mp = mf(m), *sp = mf(s), *pp = mf(picked);
     const int64_t* tp = static_cast<const int64_t*>(tgt.data());
     const float cp = static_cast<float>(cap);
-    static const bool vec = __builtin_cpu_supports("avx512f");
+    const bool vec = has_avx512();
     py::gil_scoped_release nogil;
     // an exp costs about as much as 8 plain element operations
 #pragma omp parallel for schedule(static) num_threads(threads_for(M * c * 8))

@@ -1,4 +1,5 @@
-// AVX-512 forms of vecmath.h's helpers, for the loops written with intrinsics (attention.cpp, span_head.cpp).
+// AVX-512 forms of vecmath.h's helpers, for the loops written with intrinsics (attention.cpp, diff.cpp,
+// span_head.cpp through softmax_rows.h), and the one test of whether this CPU has AVX-512.
 #pragma once
 #include <immintrin.h>
 
@@ -12,6 +13,12 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace sicl {
+
+// does this CPU run AVX-512 (the intrinsic forms are called only where it does)
+inline bool has_avx512() {
+    static const bool yes = __builtin_cpu_supports("avx512f");
+    return yes;
+}
 
 // exp_f32 (vecmath.h) on 16 lanes: the same clamp, reduction and polynomial, with fused multiply-adds (within a
 // few ulp of it); NaN stays NaN (max / min return their second operand, x, on NaN), and past ln(FLT_MAX) +inf

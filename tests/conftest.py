@@ -34,22 +34,6 @@ from sicl_fast.requests import Request
 from sicl_fast.spans import Prompt
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Keep each module that defines a module-scoped fixture on one pytest-xdist worker.
-
-    `make test` runs `--dist loadgroup`, which spreads ungrouped tests one by one; a module's own module-scoped
-    fixture (a real calibration, a running server, an ICLEval run) was then built once on each worker that got one
-    of its tests. Grouping the module by its name builds it once. Modules with a group of their own keep it."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        module_id = item.nodeid.split("::")[0]
-        defs = item._fixtureinfo.name2fixturedefs.values()  # the fixtures the test uses, by name
-        if any(d[-1].scope == "module" and d[-1].baseid == module_id for d in defs):
-            item.add_marker(pytest.mark.xdist_group(module_id))
-
-
 @pytest.fixture(scope="session")
 def K():
     """The Triton kernels package (sicl_fast.kernels); skips the test when triton is not installed."""

@@ -21,8 +21,8 @@ WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 # tau 0: a random-weight model's proxy is far under the gate; patience 0: every request runs all its steps
 TINY_KNOBS = ["--tau", "0", "--patience", "0", "--N", "2"]
 
-# one Ray cluster: the module runs on one pytest-xdist worker (`make test` runs --dist loadgroup)
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("ray")]
+# one Ray cluster: the module runs on one pytest-xdist worker (`make test` runs --dist loadscope)
+pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -110,9 +110,8 @@ def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
 
 
 def span_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap=None) -> torch.Tensor:
-    """The span head on float32 CPU tensors (other dtypes and devices, and autograd, take the reference,
-    vocab_chunked_logprobs):
-    hidden [B, P, d], weight [V, d], targets [P] -> [B, P] float32 log-probabilities of the targets. The products
+    """hidden [B, P, d], weight [V, d], targets [P] -> [B, P] float32 log-probabilities of the targets, on float32
+    CPU tensors (other dtypes and devices, and autograd, take the reference, vocab_chunked_logprobs). The products
     run a vocabulary chunk (HEAD_CHUNK rows) at a time into one reused buffer; csrc/span_head.cpp's lse_chunk
     folds each into the rows' running max and sum while it is still in cache."""
     if (hidden.dtype != torch.float32 or weight.dtype != torch.float32 or hidden.device.type != "cpu"

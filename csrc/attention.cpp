@@ -96,8 +96,13 @@ __attribute__((target("avx512f"))) void scores_avx512(const float* Q, const floa
     }
 }
 
-// kt[d * ldk + j] = src[j * lds + d] for j < n, d < hd (hd % 16 == 0): 16 x 16 blocks transposed in registers, the
-// last n % 16 keys one by one
+// kt[d * ldk + j] = src[j * lds + d] for j < n, d < hd: n keys (rows of stride lds) as columns of kt
+void transpose_plain(const float* src, int64_t lds, int64_t n, int64_t hd, float* kt, int64_t ldk) {
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j] = src[j * lds + d];
+}
+
+// transpose_plain with hd % 16 == 0: 16 x 16 blocks transposed in registers, the last n % 16 keys by the plain form
 __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64_t lds, int64_t n, int64_t hd,
                                                         float* kt, int64_t ldk) {
     int64_t j0 = 0;
@@ -127,13 +132,7 @@ __attribute__((target("avx512f"))) void transpose_avx512(const float* src, int64
             }
         }
     }
-    for (; j0 < n; ++j0)
-        for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j0] = src[j0 * lds + d];
-}
-
-void transpose_plain(const float* src, int64_t lds, int64_t n, int64_t hd, float* kt, int64_t ldk) {
-    for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < hd; ++d) kt[d * ldk + j] = src[j * lds + d];
+    transpose_plain(src + j0 * lds, lds, n - j0, hd, kt + j0, ldk);
 }
 
 // dst[i] = src[i] * c for i < n

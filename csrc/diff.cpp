@@ -57,15 +57,16 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void add_row(const 
 }
 
 // gated activations: a = act(g) * u for one token row y = (gate | up) [2I] (rows: y0 + yd, written as bf16
-// differences from a0). One function per activation and form: no branches in the loops, which vectorise.
+// differences from a0; gated_diff from element j0 on, the AVX-512 form's tail). One function per activation and
+// form: no branches in the loops, which vectorise.
 #define SICL_GATED_ROWS(ACT)                                                                                      \
     __attribute__((target_clones("avx512f", "avx2", "default"))) void gated_base_##ACT(const float* y0, float* a, \
                                                                                         int64_t I) {              \
         for (int64_t j = 0; j < I; ++j) a[j] = act_##ACT(y0[j]) * y0[I + j];                                     \
     }                                                                                                             \
     __attribute__((target_clones("avx512f", "avx2", "default"))) void gated_diff_##ACT(                          \
-        const float* y0, const uint16_t* yd, const float* a0, uint16_t* dx, int64_t I) {                          \
-        for (int64_t j = 0; j < I; ++j) {                                                                         \
+        const float* y0, const uint16_t* yd, const float* a0, uint16_t* dx, int64_t I, int64_t j0) {              \
+        for (int64_t j = j0; j < I; ++j) {                                                                        \
             const float g = y0[j] + from_bf16(yd[j]), u = y0[I + j] + from_bf16(yd[I + j]);                       \
             dx[j] = to_bf16(act_##ACT(g) * u - a0[j]);                                                            \
         }                                                                                                         \
@@ -104,24 +105,21 @@ __attribute__((target("avx512f"))) SICL_INLINE __m512 act16(__m512 g) {
 
 template <int Act>
 __attribute__((target("avx512f"))) void gated_diff_avx512(const float* y0, const uint16_t* yd, const float* a0,
-                                                         uint16_t* dx, int64_t I) {
-    int64_t j = 0;
+                                                         uint16_t* dx, int64_t I, int64_t j0) {
+    int64_t j = j0;
     for (; j + 16 <= I; j += 16) {
         const __m512 g = _mm512_add_ps(_mm512_loadu_ps(y0 + j), load_bf16x16(yd + j));
         const __m512 u = _mm512_add_ps(_mm512_loadu_ps(y0 + I + j), load_bf16x16(yd + I + j));
         store_bf16x16(dx + j, _mm512_sub_ps(_mm512_mul_ps(act16<Act>(g), u), _mm512_loadu_ps(a0 + j)));
     }
-    for (; j < I; ++j) {
-        const float g = y0[j] + from_bf16(yd[j]), u = y0[I + j] + from_bf16(yd[I + j]);
-        dx[j] = to_bf16((Act == 0 ? act_silu(g) : act_gelu_tanh(g)) * u - a0[j]);
-    }
+    (Act == 0 ? gated_diff_silu : gated_diff_gelu_tanh)(y0, yd, a0, dx, I, j);
 }
 
 __attribute__((target("avx512f"))) void diff_row_avx512(const float* x, const float* x0, uint16_t* o, int64_t n) {
     int64_t j = 0;
     for (; j + 16 <= n; j += 16)
         store_bf16x16(o + j, _mm512_sub_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(x0 + j)));
-    for (; j < n; ++j) o[j] = to_bf16(x[j] - x0[j]);
+    diff_row(x + j, x0 + j, o + j, n - j);
 }
 
 }  // namespace
@@ -192,7 +190,7 @@ void gated_diff(py::array y0, py::array yd, int act, py::array a0, py::array dx)
 #pragma omp parallel for schedule(static) num_threads(threads_for(R * M * I * 8))
     for (int64_t t = 0; t < R * M; ++t) {
         const int64_t m = t % M;
-        diff(y0p + m * I2, ydp + t * I2, a0p + m * I, dxp + t * I, I);
+        diff(y0p + m * I2, ydp + t * I2, a0p + m * I, dxp + t * I, I, 0);
     }
 }
 

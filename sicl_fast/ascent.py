@@ -214,14 +214,22 @@ class Calibrator:
         """The step's arguments for this prompt (StepSpec.for_prompt)."""
         return StepSpec.for_prompt(self.config, prompt, X0)
 
-    def evaluate(self, X: torch.Tensor, prompt: Prompt, spec: StepSpec, step: int):
+    def forward(self, prompt: Prompt, spec: StepSpec, X0: torch.Tensor):
+        """The backend's forward of this prompt's perturbation batches (Backend.step_forward), made once a run: it
+        keeps what does not change from step to step (the prefix's K/V where nothing rescales them)."""
+        return self.backend.step_forward(prompt, spec.prefix_policy, spec.B, X0)
+
+    def evaluate(self, X: torch.Tensor, prompt: Prompt, spec: StepSpec, step: int, forward=None):
         """The measuring half of a step at X [L, d]: (f [B], g). Zeroth order: f of the perturbation batch
-        (row 0 = X), g None (the update estimates it from f); grad: f [1] of X and its exact gradient g [R, d]."""
+        (row 0 = X) through `forward` (self.forward's; None: one made for this call from X), g None (the update
+        estimates it from f); grad: f [1] of X and its exact gradient g [R, d]."""
         if spec.grad:
             out, g = proxy_gradient(self.backend, prompt, X, self.config, spec)
             return out.f, g
         batch = self.ops.perturb(X, step, spec)  # [B, b, d]
-        return self.proxy_of(batch, prompt, near_row0=True).f, None
+        lp = (forward or self.forward(prompt, spec, X))(batch)
+        cfg = self.config
+        return self.ops.proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q).f, None
 
     def advance(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, g: torch.Tensor | None, spec: StepSpec,
                 step: int):
@@ -262,6 +270,7 @@ class Calibrator:
         spec = self.step_spec(prompt, X0)
         if spec.grad:
             self.backend.plan.check_grad()
+        forward = None if spec.grad else self.forward(prompt, spec, X0)
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0
         anchor = -math.inf  # f0 of the last step that counted as an improvement (sicl_fast.best.improves)
@@ -271,7 +280,7 @@ class Calibrator:
         stop = "max_steps"
         steps = 0
         for step in range(cfg.max_steps):
-            f, g = self.evaluate(X, prompt, spec, step)  # f [B]; g: the exact gradient (grad) or None
+            f, g = self.evaluate(X, prompt, spec, step, forward)  # f [B]; g: the exact gradient (grad) or None
             steps += 1
             f0 = float(f[0])
             if not math.isfinite(f0):

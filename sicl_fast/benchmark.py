@@ -127,11 +127,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor, step: int = 0):
+def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor, step: int = 0, forward=None):
     """One ascent step: perturbation batch -> forward -> proxy -> gradient estimate (or: forward and backward of
-    row 0 -> exact gradient), then clip, update, projection (Calibrator.evaluate / advance)."""
+    row 0 -> exact gradient), then clip, update, projection (Calibrator.evaluate / advance). forward: the run's
+    step forward (Calibrator.forward; None: one made for this step)."""
     spec = cal.step_spec(prompt, X0)
-    f, g = cal.evaluate(X, prompt, spec, step)
+    f, g = cal.evaluate(X, prompt, spec, step, forward)
     return cal.advance(X, X0, f, g, spec, step)[0]
 
 
@@ -144,10 +145,12 @@ def step_runner(backend, prompt: Prompt, config: CalibrationConfig) -> tuple[Cal
     X0 = calibration_inputs(backend, prompt, config)
     if plan.loop_for(config.estimator) == "eager":
         cal, steps = Calibrator(backend, config), itertools.count()
+        spec = cal.step_spec(prompt, X0)
+        forward = None if spec.grad else cal.forward(prompt, spec, X0)
 
         @torch.no_grad()
         def eager() -> None:
-            one_step(cal, prompt, X0, X0, next(steps))
+            one_step(cal, prompt, X0, X0, next(steps), forward)
         return eager, "eager"
     plan.check_pack(config.estimator)
     if plan.pack > 1:

@@ -5,6 +5,10 @@
 the log-sum-exp in csrc/span_head.cpp) and the Triton kernel `sicl_fast.kernels.span_logprobs` compute the same
 function with an online log-sum-exp over vocabulary chunks, so the head weight is read once and only [B*P, chunk]
 logits exist; all are tested against the reference.
+
+`rows_logprobs` is the span head of a difference-form pass (sicl_fast.models.rows): the hidden states come as values
+and differences in the low dtype, one low-precision product gives every row's logits in the same form, and the
+log-sum-exp runs on the float32 logits z_0 and z_0 + dz_i (StepOps.span_head_rows; the reference of its fused forms).
 """
 from __future__ import annotations
 
@@ -76,6 +80,41 @@ def vocab_chunked_logprobs(
         s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
         m = m_new
         # the target's logit, where it falls in this chunk: a select, not a data-dependent branch (no host read)
+        here = (tgt >= v0) & (tgt < v1)
+        picked = torch.where(here, z.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), picked)
+    return (picked - (m + torch.log(s))).view(B, P)
+
+
+def rows_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
+                  softcap: float | None = None, max_elems: int = 1 << 22) -> torch.Tensor:
+    """hidden [B, P, d] in difference form over the batch (anchor [B]; sicl_fast.models.rows), head_weight [V, d]
+    in the same low dtype, targets [P] -> [B, P] float32 log p(target). Per vocabulary chunk: the value rows'
+    logits are products of the low-precision values accumulated in float32 and kept in float32 (a logit of 16
+    rounded to bf16 would move by up to 0.03, and the proxy with it); the difference rows' come from the low-precision
+    product as it rounds them (their rounding is relative to the difference); then the float32 rows (z_i = z_a + dz_i
+    for a difference row i of anchor a), soft-capped, are folded into a running max and sum as vocab_chunked_logprobs
+    does."""
+    from .models.rows import from_form, is_value
+
+    B, P, d = hidden.shape
+    V = head_weight.shape[0]
+    chunk = min(8192, max(256, max_elems // max(1, B * P)))
+    tgt = targets.to(hidden.device).repeat(B)  # [B*P]
+    value = is_value(anchor).view(B, 1, 1)
+    hf = hidden.float()
+    m = torch.full((B * P,), -math.inf, device=hidden.device)
+    s = torch.zeros(B * P, device=hidden.device)
+    picked = torch.zeros(B * P, device=hidden.device)
+    for v0 in range(0, V, chunk):
+        v1 = min(V, v0 + chunk)
+        w = head_weight[v0:v1]
+        z = torch.where(value, torch.matmul(hf, w.float().t()), torch.matmul(hidden, w.t()).float())
+        z = from_form(z, anchor).view(B * P, v1 - v0)  # float32 rows
+        if softcap is not None:
+            z = torch.tanh(z / softcap) * softcap
+        m_new = torch.maximum(m, z.amax(dim=-1))
+        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
+        m = m_new
         here = (tgt >= v0) & (tgt < v1)
         picked = torch.where(here, z.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), picked)
     return (picked - (m + torch.log(s))).view(B, P)

@@ -7,14 +7,14 @@ perturbation batches stacked into one forward.
                                         whose prompt stopped (or whose time budget ran out: checked at each read,
                                         from the slot's start) is taken out and refilled at the next read
 
-Layout: the slots' batches [B_j, b_j, d] are stacked along the batch and right-padded with zeros to the longest
-b_j. Causal attention never lets a position see a later one, so the padding changes nothing of a prompt's own
-rows and needs no mask; each slot reads its span positions from its own rows. The packed forward runs the full
-rows [0, b_j) with plain products (no prefix K/V, no difference products: rows of different prompts are not
-near one row 0), so a slot computes what its prompt computes alone on a fast-fp32 backend without the prefix
-cache: bit for bit when it is packed alone, to float32 rounding beside others (torch's CPU kernels may round a
-last bit differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and stops). Between two
-reads a stopped slot's state no longer changes (StaticStep), so its result is exact whatever the read interval.
+Layout (sicl_fast.backends.step_forward.PackedForward): the slots' batches [B_j, b_j, d] are stacked along the
+batch and right-padded with zeros to the longest b_j. Causal attention never lets a position see a later one, so
+the padding changes nothing of a prompt's own rows and needs no mask; each slot reads its span positions from its
+own rows. The packed forward runs the full rows [0, b_j) (no prefix K/V); with difference products on, each slot's
+rows are differences from its own first row. A slot computes what its prompt computes alone without the prefix
+cache: bit for bit when it is packed alone, to rounding beside others (torch's CPU kernels may round a last bit
+differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and stops). Between two reads a
+stopped slot's state no longer changes (StaticStep), so its result is exact whatever the read interval.
 """
 from __future__ import annotations
 
@@ -37,28 +37,15 @@ class PackedStep:
     """One step of every slot through one batched forward (module docstring)."""
 
     def __init__(self, backend, slots: Sequence[StaticStep]) -> None:
-        m = backend.model
         self.backend, self.slots = backend, list(slots)
-        self.rows = []  # (first batch row, last + 1) of each slot
-        r = 0
-        for st in self.slots:
-            self.rows.append((r, r + st.spec.B))
-            r += st.spec.B
-        b_max = max(st.prompt.demo_end for st in self.slots)
-        self.x = torch.zeros(r, b_max, m.d, dtype=m.dtype, device=m.device)  # padding rows stay zero
+        self.forward = backend.packed_forward([st.prompt for st in self.slots], [st.spec.B for st in self.slots])
 
     @torch.no_grad()
     def __call__(self) -> None:
-        m, ops = self.backend.model, self.backend.ops
-        for st, (r0, r1) in zip(self.slots, self.rows):
+        for st in self.slots:
             st.perturb()
-            b = st.prompt.demo_end
-            self.x[r0:r1, :b].copy_(st.batch[:, :b])
-        hidden = m.forward(self.x)  # [sum B_j, b_max, d]
-        for st, (r0, r1) in zip(self.slots, self.rows):
-            h = hidden[r0:r1].index_select(1, st.span.idx)  # [B_j, P_j, d]
-            lp = ops.span_head(h, m.head, st.span.targets, softcap=m.final_softcap)
-            st.advance(ops.proxy_planned(lp, st.proxy_plan).f)
+        for st, lp in zip(self.slots, self.forward([st.batch for st in self.slots])):
+            st.advance(self.backend.ops.proxy_planned(lp, st.proxy_plan).f)
 
 
 def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,

@@ -5,24 +5,25 @@ Each phase of the static step (sicl_fast.static) is run on its own, on the step'
 see the same machine load); "host overhead" is what the whole step takes beyond the phases.
 
     perturb           ops.perturb: the [B, b, d] batch, noise drawn in place
-    prefix            the prefix rows' K/V (batch 1; every step when the projection may rescale them)
-    decoder layers    the model's forward over rows [a, b) of the B batch rows
+    decoder layers    the step forward's decoder (StepForward.decoder): the B batch rows [a, b) (or [0, b)), and the
+                      prefix rows once (batch 1) where they run every step (the projection may rescale them)
     span head         the LM head and log-sum-exp at the P span positions
     proxy             f, C, R, G from the [B, P] log-probs
     update            gradient estimate, clip, step, cosine projection
     host overhead     the whole step minus the phases above
 
 FLOPs are counted from the shapes (2 per multiply-add of every product; attention's QK^T and PV over the keys
-each query sees; the elementwise work is not counted), split by the precision each product runs in: with the
-difference products on (sicl_fast.models.diff) the perturbed rows' projections are bf16, everything else (row 0,
-attention, the prefix, the span head) is in the model dtype. Both product rates are measured here, at the step's
+each query sees; the elementwise work is not counted), split by the precision each product runs in: in the
+difference form (sicl_fast.models.rows) every projection and the span head are bf16 products and the attention is
+float32; in the plain forward everything is in the model dtype. Both product rates are measured here, at the step's
 largest product shape (`measure_rates`), and each phase is compared with its floor: its FLOPs of each precision at
 that precision's rate. The step's floor is the sum of its phases' floors (`step_floor`; `sicl-fast bench` prints it
 too). `kernels per step` counts the step's
 dispatched torch operations that launch a kernel (not views, not allocations), plus every Triton launch and C++
 extension call, in all and in the decoder's layers (on a GPU the profiler's kernel events are the count that
-matters; this count, the same on any device, is its proxy). The fast backend's budget with impl 'triton' and
-difference products off: at most 14 per decoder layer plus 40 for the rest (tests/test_fused_decoder.py).
+matters; this count, the same on any device, is its proxy). The default step's budget (the difference form with the
+fused C++ or Triton ops): at most 9 per decoder layer plus 30 for the rest (tests/test_fused_decoder.py,
+tests/test_cpp_launch_budget.py).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from .kernel_count import count_kernels, cuda_kernel_events
 from .spec import resolve_scale
 from .static import StaticStep
 
-PHASES = ("perturb", "prefix", "decoder layers", "span head", "proxy", "update", "host overhead")
+PHASES = ("perturb", "decoder layers", "span head", "proxy", "update", "host overhead")
 
 
 def _sync(device) -> None:
@@ -114,24 +115,23 @@ class KernelCount:
                 f"calls{cuda})")
 
 
-def decoder_call(st: StaticStep, prefix):
-    """The decoder's forward over the batch of the static step `st`, as the step runs it (rows [a, b) on the
-    prefix K/V `prefix` = st._prefix() when there is one, without autograd): a callable returning the hidden
-    states [B, T, d]."""
-    m, p = st.backend.model, st.prompt
-    a, x = p.demo_start, st.batch[:, :p.demo_end].to(m.dtype)
-
-    @torch.no_grad()
-    def forward() -> torch.Tensor:
-        return m.forward(x[:, a:], a, prefix, near_row0=True) if prefix is not None else m.forward(x, near_row0=True)
-    return forward
+def layers_call(st: StaticStep):
+    """The decoder's layers alone on the batch of the static step `st`, as its forward runs them: a callable (the
+    difference form's forward_rows on the step's input rows, or the plain forward of the batch rows)."""
+    fwd, m = st.forward, st.backend.model
+    if fwd.rows_on:
+        x = fwd.rows_input(st.batch)
+        return lambda: fwd.layers(x)
+    x, a = st.batch[:, :st.prompt.demo_end].to(m.dtype), st.prompt.demo_start
+    prefix = fwd.prefix if fwd.policy == "kept" else m.prefix_kv(x[0, :a]) if fwd.policy == "pass" else None
+    return (lambda: m.forward(x[:, a:], a, prefix)) if prefix is not None else (lambda: m.forward(x))
 
 
 def kernels_per_step(st: StaticStep) -> KernelCount:
-    """The KernelCount of one call of the static step `st` (a step, then the decoder's forward of its batch on
-    its own: the step's state moves on, the count is the same every step)."""
+    """The KernelCount of one call of the static step `st` (a step, then the decoder's layers on its batch on
+    their own: the step's state moves on, the count is the same every step)."""
     total = count_kernels(st)
-    layers = count_kernels(decoder_call(st, st._prefix()))
+    layers = count_kernels(torch.no_grad()(layers_call(st)))
     events = cuda_kernel_events(st) if torch.device(st.backend.device).type == "cuda" else None
     return KernelCount(total=total, layers=layers, n_layers=len(st.backend.model.layers), cuda_events=events)
 
@@ -141,23 +141,18 @@ def step_flops(st: StaticStep) -> dict[str, float]:
     return {ph: high + low for ph, (high, low) in step_flops_by_precision(st).items()}
 
 
-def low_precision_rows(st: StaticStep) -> int:
-    """How many of the step's batch rows multiply their projections in bf16 (the difference products: rows 1..,
-    when the model has them on and the batch has more than one row), else 0."""
-    m = st.backend.model
-    return st.spec.B - 1 if getattr(m, "diff_dtype", None) is not None and st.spec.B > 1 else 0
-
-
 def step_flops_by_precision(st: StaticStep) -> dict[str, tuple[float, float]]:
-    """Per phase of one step of `st`, (FLOPs in the model dtype, FLOPs of the bf16 difference products)."""
-    m, spec, p = st.backend.model, st.spec, st.prompt
+    """Per phase of one step of `st`, (FLOPs at the high precision: the model dtype's plain products, float32
+    attention; FLOPs of the difference form's bf16 products)."""
+    m, spec, p, fwd = st.backend.model, st.spec, st.prompt, st.forward
     B, a, b = spec.B, p.demo_start, p.demo_end
     d, H, Hk, hd = m.d, m.H, m.Hk, m.hd
-    inter = m.layers[0].w_gate.shape[0]
+    inter = m.layers[0].w.inter
     per_token = 2 * (d * (H + 2 * Hk) * hd + H * hd * d + 3 * d * inter)  # q, k, v, o, gate, up, down
     n_layers = len(m.layers)
-    prefix_rows = a if st.use_prefix else 0
-    rows = b - prefix_rows  # rows each batch row runs
+    start = fwd.start  # the first row each batch row runs
+    T = b - start
+    prefix_rows = a if fwd.policy == "pass" else 0  # the prefix rows that run every step, once
 
     def attention(T: int, k0: int) -> float:  # T queries at positions k0.., causal over k0 + i + 1 keys each
         keys = T * k0 + T * (T + 1) / 2
@@ -165,12 +160,14 @@ def step_flops_by_precision(st: StaticStep) -> dict[str, tuple[float, float]]:
 
     V = m.head.shape[0]
     P = int(p.positions.numel())
-    low = low_precision_rows(st) * n_layers * rows * per_token
+    att = n_layers * (B * attention(T, start) + (attention(prefix_rows, 0) if prefix_rows else 0.0))
+    products = n_layers * (B * T + prefix_rows) * per_token
+    head = 2.0 * B * P * V * d
+    rows = fwd.rows_on
     return {
         "perturb": (0.0, 0.0),
-        "prefix": (n_layers * (prefix_rows * per_token + attention(prefix_rows, 0)) if prefix_rows else 0.0, 0.0),
-        "decoder layers": (B * n_layers * (rows * per_token + attention(rows, prefix_rows)) - low, low),
-        "span head": (2.0 * B * P * V * d, 0.0),
+        "decoder layers": (att, products) if rows else (att + products, 0.0),
+        "span head": (0.0, head) if rows else (head, 0.0),
         "proxy": (0.0, 0.0),
         "update": (0.0, 0.0),
         "host overhead": (0.0, 0.0),
@@ -179,8 +176,9 @@ def step_flops_by_precision(st: StaticStep) -> dict[str, tuple[float, float]]:
 
 @dataclass(frozen=True)
 class Rates:
-    """Product rates measured on the spot (GFLOP/s) at one shape: in the model dtype (`high`) and in bf16 (`low`,
-    None when the step has no bf16 products)."""
+    """Product rates measured on the spot (GFLOP/s) at one shape: at the high precision (`high`: float32 in the
+    difference form, else the model dtype) and in bf16 (`low`, None when the step has no difference-form
+    products)."""
 
     high: float
     low: float | None
@@ -193,10 +191,11 @@ class Rates:
 
 
 def measure_rates(m, rows: int, low: bool, repeats: int = 5) -> Rates:
-    """The Rates of the step's largest product shape ([rows, d] x [d, I], F.linear) on the model m's device, in
-    its dtype and, when `low`, in bf16: the two timed alternately, so both see the same machine load."""
-    dev, dt = m.device, m.dtype
-    inter = m.layers[0].w_gate.shape[0]
+    """The Rates of the step's largest product shape ([rows, d] x [d, I], F.linear) on the model m's device, at
+    the high precision (float32 when `low`, else the model dtype) and, when `low`, in bf16: the two timed
+    alternately, so both see the same machine load."""
+    dev, dt = m.device, (torch.float32 if low else m.dtype)
+    inter = m.layers[0].w.inter
     x = torch.randn(rows, m.d, device=dev, dtype=dt)
     w = torch.randn(inter, m.d, device=dev, dtype=dt)
     fns = {"high": lambda: torch.nn.functional.linear(x, w)}
@@ -232,7 +231,7 @@ def floor_of(st: StaticStep, rates: Rates) -> Floor:
 
 def step_rows(st: StaticStep) -> int:
     """Token rows of the step's decoder forward over the batch (the product shape the rates are measured at)."""
-    return st.spec.B * (st.prompt.demo_end - (st.prompt.demo_start if st.use_prefix else 0))
+    return st.spec.B * (st.prompt.demo_end - st.forward.start)
 
 
 @torch.no_grad()
@@ -243,7 +242,7 @@ def step_floor(backend, config, prompt, repeats: int = 5) -> Floor | None:
         return None
     config = resolve_scale(config, backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
-    return floor_of(st, measure_rates(backend.model, step_rows(st), low_precision_rows(st) > 0, repeats))
+    return floor_of(st, measure_rates(backend.model, step_rows(st), st.forward.rows_on, repeats))
 
 
 @dataclass
@@ -300,27 +299,20 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     config = resolve_scale(config, backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state
-    a = prompt.demo_start
-    prefix = st._prefix()
-    layers = decoder_call(st, prefix)
-    h = layers()
-    span = st.span
-    idx = span.idx_suffix if prefix is not None and not span.from_prefix else span.idx
-    hs = h.index_select(1, idx) if not (prefix is not None and span.from_prefix) else torch.cat(
-        [prefix.hidden.expand(h.shape[0], -1, -1), h], 1).index_select(1, idx)
-    lp = ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap)
+    a, fwd = prompt.demo_start, st.forward
+    hs = fwd.decoder(st.batch)
+    lp = fwd.head(hs)
     f = ops.proxy_planned(lp, st.proxy_plan).f
     phases = {
         "perturb": lambda: ops.perturb(state.X, state.step_t, spec, out=st.batch),
-        "prefix": (lambda: m.prefix_kv(state.X[:a].to(m.dtype))) if st.use_prefix and st.prefix is None else None,
-        "decoder layers": layers,
-        "span head": lambda: ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap),
+        "decoder layers": lambda: fwd.decoder(st.batch),
+        "span head": lambda: fwd.head(hs),
         "proxy": lambda: ops.proxy_planned(lp, st.proxy_plan),
         "update": lambda: ops.update(state.X, state.X0, f, state.step_t, spec, out=state.X_next),
     }
     # the phases and the whole step timed in turn, round after round (best of each): the step minus its phases is
     # then not a difference of timings taken under different machine loads
-    best = best_in_turn({**{k: fn for k, fn in phases.items() if fn is not None}, "whole step": st}, dev, repeats,
+    best = best_in_turn({**phases, "whole step": st}, dev, repeats,
                         on_round=lambda r, n, t: say(f"round {r}/{n}: whole step {t['whole step']:.2f} ms, its "
                                                      f"phases {sum(t.values()) - t['whole step']:.2f} ms"))
     step_ms = best.pop("whole step")
@@ -329,7 +321,7 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     for k in PHASES:
         say(f"{k}: {times[k]:.2f} ms ({100 * times[k] / step_ms:.1f}% of the step's best, {step_ms:.2f} ms)")
     flops = step_flops(st)
-    floor = floor_of(st, measure_rates(m, step_rows(st), low_precision_rows(st) > 0))
+    floor = floor_of(st, measure_rates(m, step_rows(st), fwd.rows_on))
     say(floor.rates.line())
     out = Profile(step_ms=step_ms, floor=floor)
     for ph in PHASES:
@@ -353,9 +345,8 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
             prof.__enter__()
         try:
             for name, fn in phases.items():
-                if fn is not None:
-                    with nvtx(name, dev), torch.profiler.record_function(name):
-                        fn()
+                with nvtx(name, dev), torch.profiler.record_function(name):
+                    fn()
             with nvtx("whole step", dev), torch.profiler.record_function("whole step"):
                 st()
         finally:
@@ -365,5 +356,5 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     return out
 
 
-__all__ = ["Profile", "profile_step", "count_kernels", "kernels_per_step", "KernelCount", "step_flops",
+__all__ = ["Profile", "profile_step", "count_kernels", "kernels_per_step", "layers_call", "KernelCount", "step_flops",
            "step_flops_by_precision", "Rates", "measure_rates", "Floor", "floor_of", "step_floor", "PHASES"]

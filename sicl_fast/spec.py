@@ -123,6 +123,14 @@ class StepSpec:
         return self.kappa > 0
 
     @property
+    def prefix_policy(self) -> str:
+        """How a step's forward treats rows [0, a), which no step perturbs: 'kept' when nothing rescales them
+        during a run (the projection covers rows [a, b) only, or is off: their K/V are computed once), else 'pass'
+        (the whole-matrix projection may rescale them: they run in every step's pass). See
+        sicl_fast.backends.step_forward."""
+        return "kept" if not self.project or self.scope == "demos" else "pass"
+
+    @property
     def project_rows(self) -> tuple[int, int]:
         """Rows [lo, hi) the cosine projection covers."""
         return (self.a, self.b) if self.scope == "demos" else (0, self.L)

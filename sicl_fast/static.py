@@ -15,9 +15,10 @@ state, and once the run has stopped further calls change nothing, so the driver 
 two reads. The step allocates no persistent buffer after construction; the forward's temporaries come from
 the caching allocator (inside a CUDA graph, from the graph's pool).
 
-Only the fast backend has a sync-free forward (`FastBackend.span_forward`); the prefix K/V of rows [0, a) is
-computed once when nothing can change those rows (projection_scope 'demos', or no projection), and on every
-step otherwise (the eager loop recomputes it when the whole-matrix projection rescaled them).
+Only the fast backend has a sync-free forward: its StepForward (sicl_fast.backends.step_forward), the same object
+the eager loop runs, which owns the prefix policy (the prefix K/V of rows [0, a) computed once when nothing can change
+those rows, projection_scope 'demos' or no projection; else run in every step's pass), the span plan and the
+weight layout.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from .graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs
 from .knobs import check_range
 from .proxy import ProxyPlan
 from .run_args import BestAt, check_budget, stop_check
+from .backends.step_forward import StepForward
 from .spans import Prompt
 from .spec import StepSpec, resolve_scale
 from .step_state import GATE, NONFINITE, REASONS, RUNNING, StepState
@@ -48,17 +50,18 @@ class StaticStep:
         backend.plan.check_zeroth_order(config.estimator)
         self.backend, self.ops, self.prompt = backend, backend.ops, prompt
         self.config = cfg = resolve_scale(config, backend.lm)
-        dev, m = backend.device, backend.model
+        dev = backend.device
         self.spec = StepSpec.for_prompt(cfg, prompt, X0)
-        self.span = backend.span_plan(prompt)
         self.proxy_plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta,
                                           cfg.gamma, cfg.q)
         self.state = StepState.new(X0.to(dev), cfg)
         self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
-        a = prompt.demo_start
-        self.use_prefix = use_prefix and backend.prefix_cache and a > 0
-        rows_fixed = cfg.projection_scope == "demos" or cfg.kappa <= 0  # nothing rescales rows [0, a)
-        self.prefix = m.prefix_kv(self.state.X0[:a].to(m.dtype)) if self.use_prefix and rows_fixed else None
+        self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0)
+
+    @staticmethod
+    def policy(spec: StepSpec, use_prefix: bool = True) -> str:
+        """The prefix policy of the step's forward: the spec's, or 'none' (use_prefix=False: the packed step)."""
+        return spec.prefix_policy if use_prefix else "none"
 
     @staticmethod
     def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor) -> tuple:
@@ -66,39 +69,23 @@ class StaticStep:
         can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
         count or length, and their texts in everything."""
         config = resolve_scale(config, backend.lm)
-        return (config, StepSpec.for_prompt(config, prompt, X0), int(prompt.positions.numel()),
-                len(prompt.token_spans), backend.span_plan(prompt).from_prefix)
+        spec = StepSpec.for_prompt(config, prompt, X0)
+        return (config, spec, len(prompt.token_spans), StepForward.shape(prompt, StaticStep.policy(spec), spec.B))
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
         overwritten in place, so a graph captured on this step replays the new prompt, and the state starts as a
         new StaticStep's would."""
-        m, cfg, dev = self.backend.model, self.config, self.backend.device
-        span = self.backend.span_plan(prompt)
+        cfg, dev = self.config, self.backend.device
         plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta, cfg.gamma,
                                cfg.q)
         pp = self.proxy_plan
-        for mine, new in ((self.span.idx, span.idx), (self.span.idx_suffix, span.idx_suffix),
-                          (self.span.targets, span.targets), (pp.offsets, plan.offsets),
-                          (pp.offsets_dev, plan.offsets_dev), (pp.seg, plan.seg), (pp.lengths, plan.lengths)):
+        for mine, new in ((pp.offsets, plan.offsets), (pp.offsets_dev, plan.offsets_dev), (pp.seg, plan.seg),
+                          (pp.lengths, plan.lengths)):
             mine.copy_(new)
         self.prompt = prompt
         self.state.reset(X0)
-        if self.prefix is not None:
-            new = m.prefix_kv(self.state.X0[:prompt.demo_start].to(m.dtype))
-            self.prefix.rows.copy_(new.rows)
-            self.prefix.hidden.copy_(new.hidden)
-            for (k, v), (k_new, v_new) in zip(self.prefix.kv, new.kv):
-                k.copy_(k_new)
-                v.copy_(v_new)
-
-    def _prefix(self):
-        if not self.use_prefix:
-            return None
-        if self.prefix is not None:
-            return self.prefix
-        m = self.backend.model
-        return m.prefix_kv(self.state.X[:self.prompt.demo_start].to(m.dtype))
+        self.forward.load(prompt, self.state.X0)
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -111,11 +98,8 @@ class StaticStep:
         self.ops.perturb(self.state.X, self.state.step_t, self.spec, out=self.batch)
 
     def evaluate(self) -> torch.Tensor:
-        """f [B] of self.batch: the forward, the span head and the proxy."""
-        m = self.backend.model
-        x = self.batch[:, :self.prompt.demo_end].to(m.dtype)
-        lp = self.backend.span_forward(x, self.span, self._prefix(), near_row0=True)
-        return self.ops.proxy_planned(lp, self.proxy_plan).f
+        """f [B] of self.batch: the forward (decoder and span head) and the proxy."""
+        return self.ops.proxy_planned(self.forward(self.batch), self.proxy_plan).f
 
     def advance(self, f: torch.Tensor) -> None:
         """The update of X (into X_next) and the bookkeeping of the step whose batch gave f [B] (gate, best X,

@@ -3,15 +3,13 @@ the torch reference functions, on odd shapes. An implementation that is not avai
 C++ extension not built; Triton without CUDA or TRITON_INTERPRET=1, which tests/conftest.py sets on a CPU machine).
 
 Tolerances, stated once (TOL below), and why:
-  perturb, randn, diff_rows, add_rows: bit-identical (the same Philox bits, the same float32 op sequence, bf16
-      rounded to nearest even: Triton by integer arithmetic, since its CPU interpreter's own cast truncates).
+  perturb, randn: bit-identical (the same Philox bits, the same float32 op sequence).
   update: rtol 1e-5 / atol 1e-6 on X_new (the gradient's sum over directions and the row norms are reduced in
       another order than torch's einsum / norm); the projection decision must agree.
   proxy (float32 log-probs): rtol 1e-5 / atol 1e-7 (sums and the quantile's sort in another order).
   span_head (float32): rtol 1e-5 / atol 1e-5 (online log-sum-exp over vocabulary chunks vs whole rows).
-  gated_diff: a0 to 2e-6 relative + 1e-6 + 4 float32 ulps of max |g u| absolute (the C++ exp is ~1 ulp from
-      torch's; Triton's GELU-tanh builds tanh from exp, and 1 + tanh cancels to an ulp of 1); the bf16 differences to
-      1 bf16 ulp of the reference's + 4 float32 ulps of |g u| + 1e-6 (a_i - a_0 inherits the values' rounding).
+  the difference form's row ops (norm_rows, rope_rows, gated_rows, attention and span head of the rows):
+      tests/test_rows_ops.py.
   track_best, advance: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
       another order, which can only matter within an ulp of the threshold: the scripted SNRs are far from it).
   decoder elementwise ops (residual_norm, qk_rope, gated, softcap_), float32: rtol 1e-5 / atol 1e-5 (the
@@ -33,7 +31,6 @@ from sicl_fast import rng, zo
 from sicl_fast.best import BestState
 from sicl_fast.errors import NumericalError, SiclError
 from sicl_fast.logprobs import gather_logprobs_chunked
-from sicl_fast.models import diff
 from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.proxy import proxy as ref_proxy
 from sicl_fast.proxy import span_offsets
@@ -45,7 +42,6 @@ TOL = {
     "update": dict(rtol=1e-5, atol=1e-6),
     "proxy": dict(rtol=1e-5, atol=1e-7),
     "span_head": dict(rtol=1e-5, atol=1e-5),
-    "gated_a0": dict(rtol=2e-6, atol=1e-6),
     "elementwise": {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -6, atol=2 ** -6)},
     "attention": {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=0.0, atol=3e-2)},
 }
@@ -287,43 +283,6 @@ def test_span_head_keeps_nan_and_inf(ops, dev, value, softcap):
     torch.testing.assert_close(got, ref, equal_nan=True, **TOL["span_head"])
 
 
-# ------------------------------------------------------------------------------------------------- difference epilogues
-
-
-def near(B, T, k, scale=1e-2, seed=0):
-    """[B, T, k] float32 rows: row 0 plus small differences (a perturbation batch's shape)."""
-    g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(1, T, k, generator=g)
-    return torch.cat([x0, x0 + scale * torch.randn(B - 1, T, k, generator=g)])
-
-
-@pytest.mark.parametrize("B,T,k", [(2, 1, 5), (3, 7, 64), (9, 33, 4099), (5, 2, 8193)])
-def test_diff_and_add_rows_bit_identical(dec, dev, B, T, k):
-    x = near(B, T, k)
-    got = dec.diff_rows(x.to(dev))
-    assert got.dtype == torch.bfloat16 and got.shape == (B - 1, T, k)
-    assert torch.equal(got.cpu(), diff.diff_rows_reference(x))
-    y0, yd = x[:1], (0.01 * x[1:]).to(torch.bfloat16)
-    got = dec.add_rows(y0.to(dev), yd.to(dev))
-    assert got.shape == (B, T, k) and torch.equal(got.cpu(), diff.add_rows_reference(y0, yd))
-
-
-@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
-@pytest.mark.parametrize("R,T,I", [(1, 1, 3), (4, 9, 64), (8, 5, 1537)])
-def test_gated_diff_matches_reference(dec, dev, act_name, R, T, I):
-    y = near(R + 1, T, 2 * I, scale=1e-2, seed=I) * 3  # pre-activations over the functions' curved range
-    y0, yd = y[:1], (y[1:] - y[:1]).to(torch.bfloat16)
-    a0, da = dec.gated_diff(y0.to(dev), yd.to(dev), act_name)
-    r0, rd = diff.gated_diff_reference(y0, yd, act_name)
-    assert a0.shape == (1, T, I) and da.shape == (R, T, I) and da.dtype == torch.bfloat16
-    g0, u0 = y0.chunk(2, dim=-1)
-    torch.testing.assert_close(a0.cpu(), r0, rtol=TOL["gated_a0"]["rtol"],
-                               atol=TOL["gated_a0"]["atol"] + float((4 * 2 ** -23 * (g0 * u0).abs()).max()))
-    err = (da.cpu().float() - rd.float()).abs()
-    bound = rd.float().abs() * 2 ** -7 + 4 * 2 ** -23 * (g0 * u0).abs() + 1e-6
-    assert bool((err <= bound).all()), float((err - bound).max())
-
-
 NONFINITE = ["nan", "nan with every payload bit set", "+inf", "-inf"]
 
 
@@ -344,32 +303,6 @@ def same_nonfinite(got, ref) -> None:
 
 
 cpp_only = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
-
-
-@cpp_only
-@pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("where", ["gate", "up", "difference"])
-@pytest.mark.parametrize("value", NONFINITE)
-def test_cpp_gated_diff_keeps_nan_and_inf(act_name, where, value):
-    """A non-finite pre-activation (a damaged model's) comes out where and as the reference's does (before: SiLU /
-    GELU of -inf gave -inf for the reference's NaN, and an all-ones NaN rounded to bf16 0)."""
-    I = 40
-    y = near(3, 4, 2 * I, seed=3) * 3
-    y0, yd = y[:1].clone(), (y[1:] - y[:1]).to(torch.bfloat16)
-    poison(*{"gate": (y0, (0, 2, 5)), "up": (y0, (0, 2, I + 5)), "difference": (yd, (1, 2, 5))}[where], value)
-    a0, da = make_ops("cpp", "cpu").decoder.gated_diff(y0, yd, act_name)
-    r0, rd = diff.gated_diff_reference(y0, yd, act_name)
-    same_nonfinite(a0, r0)
-    same_nonfinite(da, rd)
-
-
-@cpp_only
-@pytest.mark.parametrize("value", NONFINITE)
-def test_cpp_diff_rows_keeps_nan_and_inf(value):
-    x = near(3, 4, 40)
-    poison(x, (1, 2, 5), value)
-    poison(x, (0, 3, 7), value)  # row 0's: every difference at that place
-    same_nonfinite(make_ops("cpp", "cpu").decoder.diff_rows(x), diff.diff_rows_reference(x))
 
 
 # ------------------------------------------------------------------------------------------------- best tracking

@@ -58,6 +58,13 @@ class Backend(abc.ABC):
         near_row0: a promise that rows 1.. are small perturbations of row 0 (the ascent's batch); a backend may
         use it to compute the rows' differences more cheaply (the fast backend's difference products)."""
 
+    def step_forward(self, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None):
+        """The forward of this prompt's perturbation batches (B rows, rows 1.. near row 0): a callable batch
+        [B, n, d] float32 -> [B, P] log-probs. prefix: how rows [0, a) may be treated ('kept': unchanged during the
+        run, computed from X0; 'pass': may change between calls; 'none'; StepSpec.prefix_policy). Here: the batch
+        through span_logprobs; the fast backend's own object is sicl_fast.backends.step_forward.StepForward."""
+        return lambda batch: self.span_logprobs(batch, prompt, near_row0=True)
+
     def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
         """embeds [1, n, d] (float32 or float64; may require grad) -> [1, P] log-probs (float32, or float64 from
         a float64 model) with autograd recording, so that the proxy's gradient in the embeddings can be taken

@@ -1,46 +1,25 @@
-"""`fast` backend: our own decoder forward (sicl_fast.models.transformer), with the prefix's K/V computed once.
+"""`fast` backend: our own decoder forward (sicl_fast.models.transformer).
 
 Per ascent step the batch is [X, X + mu U_1, ..., X + mu U_N] over rows [0, b); rows [0, a) (the
-demonstration-free prefix) are the same in every batch row and usually from step to step. So:
-
-    prefix rows [0, a):  run once, batch 1, keep every layer's K/V  (reused while the rows are unchanged)
-    rows [a, b):         run per batch row; attention = (prefix keys, shared) + (own keys, causal): one
-                         Triton launch with impl 'triton', else two parts merged by log-sum-exp; the prefix
-                         K/V is never copied per row
-    span positions:      hidden states at positions - 1 only go through the LM head (ops.span_head)
-    near_row0 batches:   with a float32 model and diff_matmul on, every projection multiplies row 0 in float32
-                         and the other rows' differences from it in bf16 (sicl_fast.models.diff)
-
-The cache is keyed on the prefix rows' values (torch.equal against the cached rows, in the model dtype): the
-ascent's cosine projection may rescale the whole matrix, and then the prefix is recomputed. K/V of rows [0, a)
-depend on nothing else (positions start at 0), so two prompts with equal prefix embeddings share the entry.
-A batch whose prefix rows differ between batch rows takes the full path (no cache).
+demonstration-free prefix) are the same in every batch row. One object runs a prompt's perturbation batches
+(sicl_fast.backends.step_forward.StepForward, made by `step_forward`): it owns the prefix policy (the prefix's K/V
+kept across steps, or run once per pass beside the batch rows, or not used), the span plan (only the hidden states
+at span positions go through the LM head, ops.span_head) and the weight layout (with difference products on, the
+batch runs in difference form: float32 activations, every projection one bf16 product of row 0's values and the
+other rows' differences, sicl_fast.models.rows). `span_logprobs` runs through it too; decoding and the exact
+gradient take the plain forward in the model dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
 
 import torch
 
 from ..graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
-from ..models.transformer import SUPPORTED_FAMILIES, PrefixKV, Transformer, UnsupportedModelError
+from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
 from ..spans import Prompt
 from .base import Backend
-
-
-@dataclass(frozen=True)
-class SpanPlan:
-    """Where one prompt's span predictions are read, on the device: idx [P] int64, the rows t - 1 of the span
-    tokens t among rows [0, b); idx_suffix = idx - a, the same rows among [a, b) (the prefix path's hidden
-    states, unless from_prefix: a span starts right at row a); targets [P] the span tokens."""
-
-    a: int
-    b: int
-    idx: torch.Tensor
-    idx_suffix: torch.Tensor
-    from_prefix: bool
-    targets: torch.Tensor
+from .step_forward import PackedForward, SpanPlan, StepForward
 
 
 class FastBackend(Backend):
@@ -59,8 +38,6 @@ class FastBackend(Backend):
             m.attention.verify(m.H, m.Hk, m.hd, fallback=p.attention_fallback)
         self.prefix_cache = prefix_cache
         self.read_every = p.read_every  # decoding: tokens between two host reads
-        self._prefix: PrefixKV | None = None
-        self.stats = {"prefix_builds": 0, "prefix_hits": 0, "full": 0}
         self.decoders: ShapeCache | None = None  # captured decode steps per cache length (use_graphs)
 
     @property
@@ -73,65 +50,39 @@ class FastBackend(Backend):
         (cache_rows buckets), at most `capacity` kept. The engine calls it once when its plan's graphs are on."""
         self.decoders = ShapeCache(capacity)
 
-    def clear_cache(self) -> None:
-        self._prefix = None
+    def step_forward(self, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
+                     rows: bool | None = None) -> StepForward:
+        """The forward of this prompt's perturbation batches of B rows (sicl_fast.backends.step_forward): prefix
+        policy 'kept' / 'pass' / 'none' ('none' always without the prefix cache); X0 [L, d]: the rows a kept prefix
+        is computed from; rows: the difference form (None: the plan's, when difference products are on)."""
+        return StepForward(self, prompt, prefix if self.prefix_cache else "none", B, X0, rows)
 
-    def _prefix_for(self, x: torch.Tensor, a: int) -> PrefixKV | None:
-        """The prefix K/V for x [B, b, d] (model dtype), or None when batch rows disagree on rows [0, a)."""
-        rows = x[0, :a]
-        B = x.shape[0]
-        if B > 1 and not torch.equal(x[1:, :a], rows.expand(B - 1, -1, -1)):
-            return None
-        c = self._prefix
-        if c is not None and c.length == a and c.rows.dtype == rows.dtype and torch.equal(c.rows, rows):
-            self.stats["prefix_hits"] += 1
-            return c
-        self._prefix = None  # free the old entry before building the new one
-        c = self._prefix = self.model.prefix_kv(rows)
-        self.stats["prefix_builds"] += 1
-        return c
+    def packed_forward(self, prompts, Bs) -> PackedForward:
+        """The forward of several prompts' perturbation batches in one pass (B_j rows each; the packed step)."""
+        return PackedForward(self, prompts, Bs)
 
     def span_plan(self, prompt: Prompt) -> SpanPlan:
         """The prompt's span positions and targets laid out on the device once (see SpanPlan)."""
-        a, idx = prompt.demo_start, prompt.positions - 1  # the hidden state at t-1 predicts token t
-        dev = self.model.device
-        return SpanPlan(a=a, b=prompt.demo_end, idx=idx.to(dev), idx_suffix=(idx - a).to(dev),
-                        from_prefix=a > 0 and int(idx.min()) < a, targets=prompt.targets.to(dev))
+        return SpanPlan.of(prompt, self.model.device)
 
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
+        """See Backend. Through a StepForward whose prefix rows run in the same call: the difference form when
+        near_row0 (rows 1.. near row 0) and difference products are on, else the plain forward."""
         self.check_embeds(embeds, prompt)
-        m = self.model
-        a, b = prompt.demo_start, prompt.demo_end
-        x = embeds[:, :b].to(device=m.device, dtype=m.dtype)  # [B, b, d]
-        with torch.no_grad():
-            prefix = self._prefix_for(x, a) if (self.prefix_cache and a > 0) else None
-            self.stats["full"] += prefix is None
-            return self.span_forward(x, self.span_plan(prompt), prefix, near_row0)
+        B = embeds.shape[0]
+        x = embeds[:, :prompt.demo_end].to(device=self.model.device, dtype=torch.float32)
+        rows = near_row0 and self.model.rows_on and B > 1
+        return self.step_forward(prompt, "pass", B, rows=rows)(x)
 
     def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
         """The full rows [0, b) (no prefix cache: its attention merge has no backward) through plain products (the
-        difference products are for perturbation batches), with autograd recording; see Backend."""
+        difference form is for perturbation batches), with autograd recording; see Backend."""
         self.check_embeds(embeds, prompt)
         m, plan = self.model, self.span_plan(prompt)
         x = embeds[:, :prompt.demo_end].to(device=m.device, dtype=m.dtype)  # [1, b, d]
         with torch.enable_grad():
             h = m.forward(x, checkpoint=checkpoint).index_select(1, plan.idx)  # [1, P, d]
             return self.ops.span_head(h, m.head, plan.targets, softcap=m.final_softcap)
-
-    def span_forward(self, x: torch.Tensor, plan: SpanPlan, prefix: PrefixKV | None,
-                     near_row0: bool = False) -> torch.Tensor:
-        """x [B, b, d] in the model dtype -> [B, P] float32 span log-probs, with the prefix K/V of rows [0, a)
-        (or None: the full rows). No checks and no host reads: what a loop without host synchronisation calls."""
-        m = self.model
-        if prefix is None:
-            h = m.forward(x, near_row0=near_row0).index_select(1, plan.idx)  # [B, P, d]
-        else:
-            hidden = m.forward(x[:, plan.a:], plan.a, prefix, near_row0=near_row0)  # [B, b-a, d]
-            if plan.from_prefix:  # a span starts right at row a: its first prediction is the prefix's last row
-                h = torch.cat([prefix.hidden.expand(x.shape[0], -1, -1), hidden], dim=1).index_select(1, plan.idx)
-            else:
-                h = hidden.index_select(1, plan.idx_suffix)
-        return self.ops.span_head(h, m.head, plan.targets, softcap=m.final_softcap)
 
     def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(),
                  stop_fn: Callable[[str], bool] | None = None):
@@ -165,4 +116,4 @@ class FastBackend(Backend):
         return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn, read_every=self.read_every)
 
 
-__all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError"]
+__all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError", "SpanPlan", "StepForward"]

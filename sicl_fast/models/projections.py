@@ -1,82 +1,72 @@
-"""The products of one decoder layer, as swappable objects with one interface, so the block has one path:
+"""The products of one decoder layer, over its stacked weights (sicl_fast.models.weights), in two forms:
 
-    Dense      plain products, any batch (F.linear in the model dtype)
-    DiffDense  the difference products of a perturbation batch (rows 1.. near row 0; float32 models):
-               row 0 in float32, the other rows' differences from it in bf16 (sicl_fast.models.diff), with the
-               epilogues of the model's DecoderOps
-
-    qkv(h [B, T, d]) -> q [B, T, H hd], k, v [B, T, Hk hd]
-    out(o [B, T, H hd]) -> [B, T, d]
-    mlp(h [B, T, d]) -> [B, T, d]          act(gate) * up, then down
+    Dense      plain products in the model dtype, any batch (F.linear), for the forwards whose rows are not a
+               perturbation batch (decoding, prefill, single rows, the exact gradient)
+        qkv(h [..., d]) -> q [..., H hd], k, v [..., Hk hd]     one product, split by views
+        out(o [..., H hd]) -> [..., d]
+        mlp(h [..., d]) -> [..., d]                             gate | up in one product, act(gate) * up, down
+    RowsDense  the difference form's products (sicl_fast.models.rows): every row of a pass, values and differences,
+               in one low-precision product per projection, without the bias (the row epilogue that reads the
+               product adds it to the float32 rows: a difference carries none)
+        qkv(h [R, d] low) -> [R, (H + 2 Hk) hd] low,  out(o) -> [R, d] low,  gate_up(h) -> [R, 2I] low,
+        down(a [R, I] low) -> [R, d] low
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import diff
-
-
-@dataclass
-class LowWeights:
-    """One layer's projection weights, concatenated per product and stored once in the difference format
-    (diff.Bf16Weight or diff.Fp8Weight)."""
-
-    qkv: object  # [(H + 2 Hk) hd, d]: q, k, v stacked
-    o: object  # [d, H hd]
-    gate_up: object  # [2 I, d]: gate, up stacked
-    down: object  # [d, I]
-
-    @classmethod
-    def of(cls, L, fmt: str) -> LowWeights:
-        """fmt: 'bf16' or 'fp8'."""
-        W = diff.Fp8Weight if fmt == "fp8" else diff.Bf16Weight
-        return cls(qkv=W(torch.cat([L.wq, L.wk, L.wv])), o=W(L.wo), gate_up=W(torch.cat([L.w_gate, L.w_up])),
-                   down=W(L.w_down))
+from .rows import RowLayout
+from .weights import LayerWeights, LowWeight, LowWeights
 
 
 class Dense:
-    """Plain products of one layer `L` (a transformer.Layer); the MLP's activation (act_name) by ops.gated."""
+    """Plain products of one layer's stacked weights `w`; the MLP's activation (act_name) by ops.gated."""
 
-    def __init__(self, L, act_name: str, ops) -> None:
-        self.L, self.act_name, self.ops = L, act_name, ops
+    def __init__(self, w: LayerWeights, act_name: str, ops) -> None:
+        self.w, self.act_name, self.ops = w, act_name, ops
 
     def qkv(self, h):
-        L = self.L
-        return F.linear(h, L.wq, L.bq), F.linear(h, L.wk, L.bk), F.linear(h, L.wv, L.bv)
+        w = self.w
+        return F.linear(h, w.qkv, w.qkv_bias).split([w.q_rows, w.kv_rows, w.kv_rows], dim=-1)
 
     def out(self, o):
-        return F.linear(o, self.L.wo, self.L.bo)
+        return F.linear(o, self.w.o, self.w.o_bias)
 
     def mlp(self, h):
-        L = self.L
-        a = self.ops.gated(F.linear(h, L.w_gate, L.b_gate), F.linear(h, L.w_up, L.b_up), self.act_name)
-        return F.linear(a, L.w_down, L.b_down)
+        w = self.w
+        gate, up = F.linear(h, w.gate_up, w.gate_up_bias).split([w.inter, w.inter], dim=-1)
+        return F.linear(self.ops.gated(gate, up, self.act_name), w.down, w.down_bias)
 
 
-class DiffDense(Dense):
-    """Difference products of one layer (module docstring): low = its LowWeights, ops = the model's DecoderOps."""
+def _product(low: LowWeight, x: torch.Tensor, rows: RowLayout) -> torch.Tensor:
+    """x [R, k] low (difference form) -> [R, o] low: one product of every row; with FP8 differences the difference
+    rows again through FP8 (two products)."""
+    y = low.linear(x)
+    n = rows.differences.numel()
+    if low.fp8 is not None and n:
+        diff = rows.batch(x).index_select(0, rows.differences).view(n * rows.T, -1)
+        rows.batch(y).index_copy_(0, rows.differences, low.linear_fp8(diff).view(n, rows.T, -1))
+    return y
 
-    def __init__(self, L, act_name: str, low: LowWeights, ops) -> None:
-        super().__init__(L, act_name, ops)
+
+class RowsDense:
+    """The difference form's products of one layer (module docstring): low = its LowWeights."""
+
+    def __init__(self, low: LowWeights) -> None:
         self.low = low
 
-    def qkv(self, h):
-        L = self.L
-        qkv = diff.linear(self.ops, h, (L.wq, L.wk, L.wv), (L.bq, L.bk, L.bv), self.low.qkv)
-        return qkv.split([L.wq.shape[0], L.wk.shape[0], L.wv.shape[0]], dim=-1)
+    def qkv(self, h, rows: RowLayout):
+        return _product(self.low.qkv, h, rows)
 
-    def out(self, o):
-        return diff.linear(self.ops, o, (self.L.wo,), (self.L.bo,), self.low.o)
+    def out(self, o, rows: RowLayout):
+        return _product(self.low.o, o, rows)
 
-    def mlp(self, h):
-        """The gated activations come out as row 0 and bf16 differences, ready for the down product."""
-        L, ops = self.L, self.ops
-        a0, da = ops.gated_diff(*diff.product(h[:1], ops.diff_rows(h), (L.w_gate, L.w_up), (L.b_gate, L.b_up),
-                                              self.low.gate_up), self.act_name)
-        return ops.add_rows(*diff.product(a0, da, (L.w_down,), (L.b_down,), self.low.down))
+    def gate_up(self, h, rows: RowLayout):
+        return _product(self.low.gate_up, h, rows)
+
+    def down(self, a, rows: RowLayout):
+        return _product(self.low.down, a, rows)
 
 
-__all__ = ["LowWeights", "Dense", "DiffDense"]
+__all__ = ["Dense", "RowsDense"]

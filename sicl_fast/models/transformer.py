@@ -17,13 +17,20 @@ RowsKV holds a batch's own rows' K/V buffers and the shared prefix's K/V (Prefix
 batch row without a copy); CacheKV is one layer of a StaticCache (prefill writes rows in place; decoding writes the
 device-held position and attends over the whole buffer with a mask).
 
-The elementwise work goes through the model's DecoderOps (sicl_fast.ops): the torch reference
-(sicl_fast.models.elementwise) or the fused Triton kernels, so a layer is 12 launches with impl 'triton' (3 + 1 +
-3 products, rotary, attention, two residual norms, the gated activation; tests/test_fused_decoder.py holds the
-budget). The products of each layer are a swappable object (sicl_fast.models.projections): plain, or the
-difference products of a perturbation batch (`forward(near_row0=True)` on a float32 model with difference products
-on: row 0 in float32, the other rows' differences in bf16; norms, rotary, attention and the activations stay
-float32 on every row).
+Two forwards share the layers' weights (stacked per product and held once, sicl_fast.models.weights):
+
+    forward(x [B, T, d])          plain: activations and products in the model dtype (decoding, prefill, single
+                                  rows, the exact gradient); a layer is 3 products, rotary, attention, two residual
+                                  norms and the gated activation
+    forward_rows(x [R, d], rows)  a perturbation batch (sicl_fast.models.rows): float32 activations, every product
+                                  one low-precision product of the rows in difference form, so the perturbations
+                                  (about one bf16 ulp of an embedding) survive at the bf16 rate; the prefix rows may
+                                  run in the same pass (`rows.lead`) or come as kept K/V. A layer is 9 launches with
+                                  the fused ops: 4 products, rope_rows, attention, gated_rows, two norm_rows
+
+The elementwise work goes through the model's DecoderOps (sicl_fast.ops): the torch references
+(sicl_fast.models.elementwise, sicl_fast.models.rows) or the fused C++ / Triton kernels (tests/test_ops.py,
+tests/test_fused_decoder.py and tests/test_cpp_launch_budget.py hold the parity and the launch budgets).
 """
 from __future__ import annotations
 
@@ -36,7 +43,9 @@ import torch.utils.checkpoint
 from ..errors import SiclError
 from .attention import Attention
 from .decoder_config import SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq, unsupported
-from .projections import Dense, DiffDense, LowWeights
+from .projections import Dense, RowsDense
+from .rows import LOW_DTYPE, RowLayout
+from .weights import LayerWeights, LowWeight, LowWeights
 
 DIFF_MATMUL = ("auto", "off", "bf16", "fp8")
 
@@ -45,13 +54,15 @@ DIFF_MATMUL = ("auto", "off", "bf16", "fp8")
 
 
 class Rotary:
-    """cos / sin tables [n, head_dim] in the model dtype, grown on demand (float32 math, as transformers)."""
+    """cos / sin tables [n, head_dim] in the model dtype (cos, sin) and in float32 (cos32, sin32: the difference
+    form's rows), grown on demand (float32 math, as transformers)."""
 
     def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype, device) -> None:
         self.inv_freq = inv_freq.to(device)
         self.scaling = scaling
         self.dtype = dtype
         self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
+        self.cos32 = self.sin32 = self.cos.float()
 
     def reserve(self, n: int) -> None:
         """Make the tables cover positions 0 .. n-1 (grown to a power of two, at least 64)."""
@@ -60,8 +71,8 @@ class Rotary:
             pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float)
             freqs = pos[:, None] * self.inv_freq[None, :]  # [n, hd/2]; a K=1 product, as transformers' matmul
             emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
-            self.cos = (emb.cos() * self.scaling).to(self.dtype)
-            self.sin = (emb.sin() * self.scaling).to(self.dtype)
+            self.cos32, self.sin32 = emb.cos() * self.scaling, emb.sin() * self.scaling
+            self.cos, self.sin = self.cos32.to(self.dtype), self.sin32.to(self.dtype)
 
     def tables(self, pos0: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, 1, hd] for positions pos0 .. pos0+T-1 (broadcast over heads)."""
@@ -100,28 +111,16 @@ class Positions:
 
 @dataclass
 class Layer:
-    """One decoder layer's tensors (the transformers model's own parameters) and switches."""
+    """One decoder layer's tensors (the transformers model's own parameters; the projections stacked, held once)
+    and switches."""
 
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
-    bq: torch.Tensor | None
-    bk: torch.Tensor | None
-    bv: torch.Tensor | None
-    bo: torch.Tensor | None
+    w: LayerWeights  # q | k | v, o, gate | up, down (sicl_fast.models.weights)
     attn_norm: torch.Tensor  # before attention
     mlp_norm: torch.Tensor  # before the MLP
     post_attn_norm: torch.Tensor | None  # Gemma: on the attention output
     post_mlp_norm: torch.Tensor | None  # Gemma: on the MLP output
     q_norm: torch.Tensor | None  # Qwen3 / Gemma 3: per-head RMSNorm of q and k
     k_norm: torch.Tensor | None
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-    b_gate: torch.Tensor | None
-    b_up: torch.Tensor | None
-    b_down: torch.Tensor | None
     window: int | None  # sliding window (keys > query - window), None: full attention
     rope: str  # key into Transformer.rotary
     next_norm: torch.Tensor | None = None  # the next layer's input norm (the final norm after the last layer),
@@ -140,9 +139,11 @@ def fast_low_precision(device: torch.device) -> bool:
 
 @dataclass
 class PrefixKV:
-    """K/V of the prefix rows [0, a) (batch 1), and their final hidden states, for the embeddings `rows`."""
+    """K/V of the prefix rows [0, a) (batch 1), and their final hidden states, for the embeddings `rows`. From the
+    plain forward: the model dtype; from the difference form's (Transformer.prefix_rows): float32 K/V and the hidden
+    states as values in the low dtype."""
 
-    rows: torch.Tensor  # [a, d] in the model dtype: the cache key
+    rows: torch.Tensor  # [a, d]: the cache key
     kv: list  # per layer (k, v), each [1, a, Hk, hd]
     hidden: torch.Tensor  # [1, a, d] after the final norm
 
@@ -218,16 +219,12 @@ class StaticCache:
         self.layers = [CacheKV(k, v, self.keys) for k, v in zip(self.k, self.v)]
 
 
-def _param(module, name):
-    p = getattr(module, name, None) if module is not None else None
-    return None if p is None else p.detach()
-
-
 class Transformer:
     """The decoder of a loaded transformers model, run by our own code. lm: a LoadedModel; config: its
     DecoderConfig; ops: the DecoderOps of the run plan's implementation; attention: the plan's attention kernel
     (sicl_fast.models.attention: 'math', 'sdpa', 'flash', 'triton', 'cpp'); diff_matmul: the plan's difference
-    products ('off', 'bf16', 'fp8')."""
+    products ('off': perturbation batches take the plain forward; 'bf16' / 'fp8': forward_rows, the differences in
+    bf16 or FP8 e4m3)."""
 
     def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off") -> None:
         dec = lm.decoder
@@ -248,11 +245,9 @@ class Transformer:
                        for key, _ in c.rope}
         self.layers: list[Layer] = []
         for i, layer in enumerate(dec.layers[:c.n_layers]):
-            at, mlp = layer.self_attn, layer.mlp
+            at = layer.self_attn
             self.layers.append(Layer(
-                wq=_param(at.q_proj, "weight"), wk=_param(at.k_proj, "weight"), wv=_param(at.v_proj, "weight"),
-                wo=_param(at.o_proj, "weight"), bq=_param(at.q_proj, "bias"), bk=_param(at.k_proj, "bias"),
-                bv=_param(at.v_proj, "bias"), bo=_param(at.o_proj, "bias"),
+                w=LayerWeights.of(at, layer.mlp),
                 attn_norm=self._norm_weight(layer.input_layernorm),
                 mlp_norm=self._norm_weight(layer.pre_feedforward_layernorm if self.gemma
                                            else layer.post_attention_layernorm),
@@ -260,23 +255,25 @@ class Transformer:
                 post_mlp_norm=self._norm_weight(layer.post_feedforward_layernorm) if self.gemma else None,
                 q_norm=self._norm_weight(getattr(at, "q_norm", None)),
                 k_norm=self._norm_weight(getattr(at, "k_norm", None)),
-                w_gate=_param(mlp.gate_proj, "weight"), w_up=_param(mlp.up_proj, "weight"),
-                w_down=_param(mlp.down_proj, "weight"), b_gate=_param(mlp.gate_proj, "bias"),
-                b_up=_param(mlp.up_proj, "bias"), b_down=_param(mlp.down_proj, "bias"),
                 window=c.windows[i], rope=c.rope_of_layer[i],
             ))
         self.final_norm = self._norm_weight(dec.norm)
         for L, nxt in zip(self.layers, self.layers[1:]):
             L.next_norm = nxt.attn_norm
         self.layers[-1].next_norm = self.final_norm
-        # 'fp8': the differences in FP8 e4m3, the product's output in bf16 (sicl_fast.models.diff)
-        self.diff_dtype = torch.bfloat16 if diff_matmul in ("bf16", "fp8") else None
-        self.diff_weights = "fp8" if diff_matmul == "fp8" else "bf16"
-        self.ops = ops  # the elementwise work and the epilogues of the difference products
-        self.dense = [Dense(L, c.act_name, ops) for L in self.layers]
-        self._diff: list[DiffDense] | None = None  # built on the first difference forward
+        self.diff_matmul = diff_matmul
+        self.ops = ops  # the elementwise work and the row epilogues
+        self.dense = [Dense(L.w, c.act_name, ops) for L in self.layers]
+        self._rows_dense: list[RowsDense] | None = None  # the difference form's products, made on first use
+        self._head_low: LowWeight | None = None
         self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device)
         self._rows_kv: tuple = ((), [])  # ((B, T), per layer (k, v) [B, T, Hk, hd]): see rows_kv
+        self._pass_kv: tuple = (None, [])  # (R, per layer (k, v) [R, Hk, hd] float32): see pass_kv
+
+    @property
+    def rows_on(self) -> bool:
+        """Do perturbation batches take the difference form's forward (forward_rows)?"""
+        return self.diff_matmul != "off"
 
     # ----------------------------------------------------------------------------------------- pieces
 
@@ -305,29 +302,45 @@ class Transformer:
         """The device tensors this model caches between forwards (rotary tables, the rows' K/V buffers, attention
         masks) and may later replace or drop: a captured CUDA graph reads them by address, so it keeps these
         references (sicl_fast.graphs)."""
-        out = [t for r in self.rotary.values() for t in (r.cos, r.sin)]
+        out = [t for r in self.rotary.values() for t in (r.cos, r.sin, r.cos32, r.sin32)]
         out += [t for kv in self._rows_kv[1] for t in kv]
+        out += [t for kv in self._pass_kv[1] for t in kv]
         out += [t for got in self.attention._masks.values() for t in got if isinstance(t, torch.Tensor)]
         return out
 
-    def diff_projections(self) -> list[DiffDense]:
-        """Per layer, the difference-product projections, with the stacked weights in the difference dtype (made
-        once: half the float32 weights' memory in bf16)."""
-        if self._diff is None:
-            self._diff = [DiffDense(L, self.config.act_name, LowWeights.of(L, self.diff_weights), self.ops)
-                          for L in self.layers]
-        return self._diff
+    def rows_dense(self) -> list[RowsDense]:
+        """Per layer, the difference form's products over the stacked weights in the low dtype (made once: the
+        model's own tensors for a bf16 model, one bf16 copy for a float32 model)."""
+        if self._rows_dense is None:
+            fp8 = self.diff_matmul == "fp8"
+            self._rows_dense = [RowsDense(LowWeights.of(L.w, fp8)) for L in self.layers]
+        return self._rows_dense
 
-    def block(self, x: torch.Tensor, h: torch.Tensor, layer: Dense, pos: Positions, kv) -> tuple:
-        """One decoder layer (`layer`: its products, plain or difference, over its weights layer.L) on x [B, T, d]
-        at `pos`, whose input norm h = rms_norm(x, L.attn_norm) the previous op made, with its K/V object `kv`
-        (RowsKV or CacheKV). Returns (x, rms_norm(x, L.next_norm)): the next layer's input norm (or the final
-        norm) is fused with this layer's last residual add. Temporaries are dropped as soon as they are used
-        (`del`): the peak memory is that of one sub-block (v is a view of the fused q / k / v product, so keeping it
+    @property
+    def head_low(self) -> LowWeight:
+        """The LM head [V, d] in the low dtype, for the span head of the difference form (made once)."""
+        if self._head_low is None:
+            self._head_low = LowWeight(self.head)
+        return self._head_low
+
+    def pass_kv(self, R: int) -> list:
+        """Per layer, the float32 K/V buffers [R, Hk, hd] of a difference-form pass of R rows, allocated once per R
+        and written in place by rope_rows every step."""
+        if self._pass_kv[0] != R:
+            self._pass_kv = (None, [])
+            mk = lambda: torch.empty(R, self.Hk, self.hd, dtype=torch.float32, device=self.device)  # noqa: E731
+            self._pass_kv = (R, [(mk(), mk()) for _ in self.layers])
+        return self._pass_kv[1]
+
+    def block(self, x: torch.Tensor, h: torch.Tensor, L: Layer, P: Dense, pos: Positions, kv) -> tuple:
+        """One decoder layer `L` (its plain products P) on x [B, T, d] at `pos`, whose input norm
+        h = rms_norm(x, L.attn_norm) the previous op made, with its K/V object `kv` (RowsKV, CacheKV or
+        answer_kv's QueryKV). Returns (x, rms_norm(x, L.next_norm)): the next layer's input norm (or the final norm)
+        is fused with this layer's last residual add. Temporaries are dropped as soon as they are used (`del`): the
+        peak memory is that of one sub-block (q, k, v are views of the stacked q / k / v product, so keeping one
         would keep that whole product through the MLP)."""
-        L = layer.L
         B, T, _ = x.shape
-        q, k, v = layer.qkv(h)
+        q, k, v = P.qkv(h)
         del h
         q = q.view(B, T, self.H, self.hd)
         k = k.view(B, T, self.Hk, self.hd)
@@ -336,37 +349,56 @@ class Transformer:
         q, k, v = self.ops.qk_rope(q, k, v, cos, sin, L.q_norm, L.k_norm, self.eps, self.gemma, *kv.targets(pos))
         o = kv.attend(self.attention, q, k, v, pos, L.window)
         del q, k, v
-        o = layer.out(o.reshape(B, T, self.H * self.hd))
+        o = P.out(o.reshape(B, T, self.H * self.hd))
         x, h = self.residual_norm(x, o, L.post_attn_norm, L.mlp_norm)
         del o
-        m = layer.mlp(h)
+        m = P.mlp(h)
         del h
         return self.residual_norm(x, m, L.post_mlp_norm, L.next_norm)
 
+    def block_rows(self, x: torch.Tensor, h: torch.Tensor, L: Layer, P: RowsDense, rows: RowLayout, kv: tuple,
+                   prefix) -> tuple:
+        """One decoder layer on the rows of a difference-form pass (sicl_fast.models.rows): x [R, d] float32, h its
+        input norm in difference form [R, d] (low dtype); kv: this layer's float32 K/V buffers [R, Hk, hd], which
+        rope_rows fills; prefix: the kept prefix's (k, v) [1, a, Hk, hd] when the prefix rows do not run in this
+        pass, else None. Returns (x, next norm of x in difference form). Nine launches with the fused ops."""
+        rot, w, ops = self.rotary[L.rope], L.w, self.ops
+        q = ops.rope_rows(P.qkv(h, rows), w.qkv_bias, rows, rot.cos32, rot.sin32, L.q_norm, L.k_norm, self.eps,
+                          self.gemma, self.H, self.Hk, kv[0], kv[1])
+        del h
+        o = self.attention.rows(q, kv[0], kv[1], rows, L.window, prefix)
+        del q
+        x, h = ops.norm_rows(x, P.out(o, rows), w.o_bias, L.post_attn_norm, L.mlp_norm, self.eps, self.gemma, rows)
+        del o
+        a = ops.gated_rows(P.gate_up(h, rows), w.gate_up_bias, self.config.act_name, rows)
+        del h
+        return ops.norm_rows(x, P.down(a, rows), w.down_bias, L.post_mlp_norm, L.next_norm, self.eps, self.gemma,
+                             rows)
+
     # ----------------------------------------------------------------------------------------- forwards
 
-    def run(self, x: torch.Tensor, pos: Positions, kvs, layers, checkpoint: bool = False) -> torch.Tensor:
-        """Every layer on x [B, T, d] (model dtype) at `pos`, with per-layer K/V objects `kvs` and products
-        `layers` -> final-normed hidden [B, T, d]. checkpoint: with autograd recording, recompute each layer in the
-        backward instead of keeping its activations (torch.utils.checkpoint): one layer's activations at a time."""
+    def run(self, x: torch.Tensor, pos: Positions, kvs, products=None, checkpoint: bool = False) -> torch.Tensor:
+        """Every layer on x [B, T, d] (model dtype) at `pos`, with per-layer K/V objects `kvs` and plain products
+        (default: the model's) -> final-normed hidden [B, T, d]. checkpoint: with autograd recording, recompute each
+        layer in the backward instead of keeping its activations (torch.utils.checkpoint): one layer's activations
+        at a time."""
         if self.embed_mult is not None:
             x = x * self.embed_mult
         _, h = self.residual_norm(x, None, None, self.layers[0].attn_norm)
         remat = checkpoint and torch.is_grad_enabled()
-        for layer, kv in zip(layers, kvs):
+        for L, P, kv in zip(self.layers, products or self.dense, kvs):
             if remat:
-                x, h = torch.utils.checkpoint.checkpoint(self.block, x, h, layer, pos, kv, use_reentrant=False)
+                x, h = torch.utils.checkpoint.checkpoint(self.block, x, h, L, P, pos, kv, use_reentrant=False)
             else:
-                x, h = self.block(x, h, layer, pos, kv)
+                x, h = self.block(x, h, L, P, pos, kv)
         return h
 
     def forward(self, x: torch.Tensor, pos0: int = 0, prefix: PrefixKV | None = None,
-                cache: StaticCache | None = None, collect: bool = False, near_row0: bool = False,
-                checkpoint: bool = False):
+                cache: StaticCache | None = None, collect: bool = False, checkpoint: bool = False):
         """x [B, T, d] (model dtype) at positions pos0 .. -> final-normed hidden [B, T, d]; with collect, also
         the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: a StaticCache that the rows
-        are prefilled into (decoding: decode_logits). near_row0: rows 1.. are small perturbations of row 0, so
-        difference products may be used (when on; see the module docstring).
+        are prefilled into (decoding: decode_logits). Plain products (a perturbation batch's difference form is
+        forward_rows).
         Differentiable in x (the exact-gradient ascent, sicl_fast.grad): autograd records only when x requires
         grad (the weights are detached), so the callers that never differentiate run it under no_grad or with
         inputs that need none. checkpoint: see `run`."""
@@ -381,18 +413,49 @@ class Transformer:
             bufs = (self.rows_kv(B, T) if self.ops.kv_in_place and not collect and not torch.is_grad_enabled()
                     else [None] * len(self.layers))
             kvs = [RowsKV(None if prefix is None else prefix.kv[i], bufs[i], collect) for i in range(len(bufs))]
-        use_diff = near_row0 and self.diff_dtype is not None and B > 1 and cache is None
-        h = self.run(x, Positions.rows(self.rotary, pos0, T), kvs, self.diff_projections() if use_diff else self.dense,
-                     checkpoint)
+        h = self.run(x, Positions.rows(self.rotary, pos0, T), kvs, checkpoint=checkpoint)
         if cache is not None:
             cache.length = pos0 + T
         return (h, [kv.kept for kv in kvs]) if collect else h
+
+    @torch.no_grad()
+    def forward_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False):
+        """The difference form's forward (module docstring): x [R, d] float32, the pass's rows (the lead rows, then
+        the batch rows), at the positions `rows` gives -> the final-normed hidden states [R, d] in difference form
+        (low dtype). prefix: the kept prefix K/V (from prefix_rows) the batch rows attend to, when rows.lead is 0
+        and the batch starts after a prefix. keep: also return the pass's K/V, per layer (k, v) [R, Hk, hd] (fresh
+        tensors, not the shared buffers the next pass writes)."""
+        if rows.lead and prefix is not None:
+            raise SiclError("a difference-form pass takes its prefix either as lead rows or as kept K/V, not both")
+        if prefix is not None and prefix.length != rows.pos0:
+            raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {rows.pos0}")
+        for r in self.rotary.values():
+            r.reserve(max(rows.lead, rows.pos0 + rows.T))
+        if self.embed_mult is not None:
+            x = x * float(self.embed_mult)  # the normalizer rounded to the model dtype, as transformers'
+        x, h = self.ops.norm_rows(x, None, None, None, self.layers[0].attn_norm, self.eps, self.gemma, rows)
+        if keep:
+            mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=torch.float32, device=self.device)  # noqa: E731
+            kvs = [(mk(), mk()) for _ in self.layers]
+        else:
+            kvs = self.pass_kv(rows.R)
+        for i, (L, P) in enumerate(zip(self.layers, self.rows_dense())):
+            x, h = self.block_rows(x, h, L, P, rows, kvs[i], None if prefix is None else prefix.kv[i])
+        return (h, kvs) if keep else h
 
     @torch.no_grad()  # a cache of constants: never differentiated
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:
         """Run the prefix rows [a, d] (model dtype) once, batch 1, keeping every layer's K/V."""
         h, kvs = self.forward(rows.unsqueeze(0), 0, collect=True)
         return PrefixKV(rows=rows.clone(), kv=kvs, hidden=h)
+
+    @torch.no_grad()
+    def prefix_rows(self, rows: torch.Tensor) -> PrefixKV:
+        """The prefix rows [a, d] float32 through the difference form's forward once (lead rows only), keeping its
+        float32 K/V and its hidden states (values, low dtype): what a pass whose prefix is kept attends to."""
+        a = rows.shape[0]
+        h, kvs = self.forward_rows(rows.float(), RowLayout.build(a, 0, 0, a, device=self.device), keep=True)
+        return PrefixKV(rows=rows.clone(), kv=[(k[None], v[None]) for k, v in kvs], hidden=h[None])
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -412,10 +475,11 @@ class Transformer:
         """Feed one token (int64 [1] device tensor) at position cache.pos, advance it; -> next-token logits [V].
         Same shapes at every position and no host read: capturable in a CUDA graph."""
         x = self.embed(token.view(1, 1))  # [1, 1, d], as the model embeds input_ids
-        h = self.run(x, Positions.decoding(self.rotary, cache.pos), cache.layers, self.dense)
+        h = self.run(x, Positions.decoding(self.rotary, cache.pos), cache.layers)
         cache.pos += 1
         return self.logits(h[:, -1])[0]
 
 
-__all__ = ["SUPPORTED_FAMILIES", "DIFF_MATMUL", "Transformer", "DecoderConfig", "Positions", "RowsKV", "CacheKV",
-           "PrefixKV", "StaticCache", "UnsupportedModelError", "fast_low_precision", "rope_inv_freq", "unsupported"]
+__all__ = ["SUPPORTED_FAMILIES", "DIFF_MATMUL", "LOW_DTYPE", "Transformer", "DecoderConfig", "Positions", "RowsKV",
+           "CacheKV", "PrefixKV", "StaticCache", "UnsupportedModelError", "fast_low_precision", "rope_inv_freq",
+           "unsupported"]

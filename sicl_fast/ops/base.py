@@ -20,13 +20,18 @@ StepOps (shapes and dtypes):
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (sicl_fast.proxy)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
+    span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None) -> [B, P] f32
+                                the span head of a difference-form pass: hidden as values and differences over the
+                                batch (sicl_fast.models.rows), the logits made float32 rows before the log-sum-exp
+                                (sicl_fast.logprobs.rows_logprobs)
     track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.best)
     advance(state: StepState, f [B], fired int32 [1], cfg) -> None        the static step's bookkeeping, in place
                                                                           (sicl_fast.step_state.advance_reference)
     cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
                                 address, so it holds these references (sicl_fast.graphs)
 
-DecoderOps (sicl_fast.models.elementwise and sicl_fast.models.diff hold the references; model dtype):
+DecoderOps (sicl_fast.models.elementwise and sicl_fast.models.rows hold the references; the plain ops in the model
+dtype, the row epilogues on float32 rows and the difference form's low dtype):
     residual_norm(x [.., d], y [.., d] or None, post_w [d] or None, w [d], eps, gemma) -> (x', h)
         x' = x + (rms_norm(y, post_w) or y), h = rms_norm(x', w); y None: (x, rms_norm(x, w))
     qk_rope(q [B, T, H, hd], k, v [B, T, Hk, hd], cos, sin [T, 1, hd], q_norm, k_norm, eps, gemma,
@@ -34,9 +39,12 @@ DecoderOps (sicl_fast.models.elementwise and sicl_fast.models.diff hold the refe
             a fused implementation may overwrite q
     gated(gate [.., I], up [.., I], act_name) -> act(gate) * up
     softcap_(x, cap) -> cap tanh(x / cap)                 a fused implementation overwrites x
-    diff_rows(x [B, T, k] f32) -> [B-1, T, k] bf16                       (difference products, models/diff.py)
-    add_rows(y0 [1, T, o] f32, yd [R, T, o] bf16) -> [R+1, T, o] f32
-    gated_diff(y0 [1, T, 2I] f32, yd [R, T, 2I] bf16, act_name) -> (a0 [1, T, I] f32, da [R, T, I] bf16)
+    norm_rows(x [R, d] f32, y [R, d] low or None, bias, post_w, w, eps, gemma, rows) -> (x' [R, d] f32,
+              h [R, d] low)
+    rope_rows(qkv [R, (H + 2 Hk) hd] low, bias, rows, cos, sin [n, hd] f32, q_norm, k_norm, eps, gemma, H, Hk,
+              k_out, v_out [R, Hk, hd] f32) -> q [R, H, hd] f32
+    gated_rows(y [R, 2I] low, bias, act_name, rows) -> [R, I] low
+        (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout)
     kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
@@ -69,6 +77,9 @@ class StepOps(Protocol):
     def span_head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                   softcap: float | None = None) -> torch.Tensor: ...
 
+    def span_head_rows(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                       anchor: torch.Tensor, softcap: float | None = None) -> torch.Tensor: ...
+
     def track_best(self, f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState: ...
 
     def advance(self, state, f: torch.Tensor, fired: torch.Tensor, cfg) -> None: ...
@@ -89,11 +100,13 @@ class DecoderOps(Protocol):
 
     def softcap_(self, x: torch.Tensor, cap: float) -> torch.Tensor: ...
 
-    def diff_rows(self, x: torch.Tensor) -> torch.Tensor: ...
+    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
 
-    def add_rows(self, y0: torch.Tensor, yd: torch.Tensor) -> torch.Tensor: ...
+    def rope_rows(self, qkv, bias, rows, cos, sin, q_norm, k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out,
+                  v_out) -> torch.Tensor: ...
 
-    def gated_diff(self, y0: torch.Tensor, yd: torch.Tensor, act_name: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows) -> torch.Tensor: ...
 
 
 class Ops(NamedTuple):

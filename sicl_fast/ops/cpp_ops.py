@@ -275,35 +275,6 @@ class CppDecoderOps(TorchDecoderOps):
             v_out.copy_(vw.view(B, T, Hk, hd))
         return q, k_out, v_out
 
-    def diff_rows(self, x):
-        x = _cpu(x, "x", "cpp diff_rows")
-        B = x.shape[0]
-        out = torch.empty((B - 1,) + tuple(x.shape[1:]), dtype=torch.bfloat16)
-        _ext().diff_rows(x.view(B, -1).numpy(), _bits(out.view(B - 1, -1)))
-        return out
-
-    def add_rows(self, y0, yd):
-        op = "cpp add_rows"
-        y0, yd = _cpu(y0, "y0", op), _cpu(yd, "yd", op, torch.bfloat16)
-        R = yd.shape[0]
-        out = torch.empty((R + 1,) + tuple(y0.shape[1:]), dtype=torch.float32)
-        _ext().add_rows(y0.view(-1).numpy(), _bits(yd.view(R, -1)), out.view(R + 1, -1).numpy())
-        return out
-
-    def gated_diff(self, y0, yd, act_name: str):
-        """The C++ path has its own exp (about 1 ulp from torch's); activations it lacks take the reference."""
-        code = CPP_ACTIVATIONS.get(act_name)
-        if code is None:
-            return super().gated_diff(y0, yd, act_name)
-        op = "cpp gated_diff"
-        y0, yd = _cpu(y0, "y0", op), _cpu(yd, "yd", op, torch.bfloat16)
-        _, T, I2 = y0.shape
-        R = yd.shape[0]
-        a0 = torch.empty(1, T, I2 // 2, dtype=torch.float32)
-        da = torch.empty(R, T, I2 // 2, dtype=torch.bfloat16)
-        _ext().gated_diff(y0.view(T, I2).numpy(), _bits(yd), code, a0.view(T, -1).numpy(), _bits(da))
-        return a0, da
-
 
 __all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "attention", "span_head", "CppStepOps",
            "CppDecoderOps", "BUILD_HINT", "CPP_ACTIVATIONS"]

@@ -1,19 +1,19 @@
 """The reference implementation of both ops protocols (sicl_fast.ops.base), in plain torch (any device).
 
 TorchStepOps materialises the directions U with the counter-based RNG (sicl_fast.rng) and calls the reference
-functions: sicl_fast.zo (step), sicl_fast.proxy, sicl_fast.logprobs (span head), sicl_fast.best (best-X tracking),
+functions: sicl_fast.zo (step), sicl_fast.proxy, sicl_fast.logprobs (span heads), sicl_fast.best (best-X tracking),
 sicl_fast.step_state (the static step's bookkeeping). TorchDecoderOps calls sicl_fast.models.elementwise (the
-decoder's norms, rotary, activation, soft-cap) and sicl_fast.models.diff (the difference epilogues). Neither ever
-calls C++ or Triton code. The C++ and Triton implementations subclass them for the ops they lack.
+decoder's norms, rotary, activation, soft-cap) and sicl_fast.models.rows (the difference form's row epilogues).
+Neither ever calls C++ or Triton code. The C++ and Triton implementations subclass them for the ops they lack.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import best, zo
-from ..logprobs import vocab_chunked_logprobs
-from ..models import diff
+from ..logprobs import rows_logprobs, vocab_chunked_logprobs
 from ..models import elementwise as ew
+from ..models import rows
 from ..proxy import ProxyOut, checked_proxy, proxy_planned
 from ..spec import StepSpec
 from ..step_state import advance_reference
@@ -26,6 +26,7 @@ class TorchStepOps:
     name = "torch"
     proxy_planned = staticmethod(proxy_planned)
     span_head = staticmethod(vocab_chunked_logprobs)
+    span_head_rows = staticmethod(rows_logprobs)
     track_best = staticmethod(best.track_best)
     advance = staticmethod(advance_reference)
 
@@ -69,9 +70,9 @@ class TorchDecoderOps:
     kv_in_place = False  # qk_rope's k_out / v_out cost a copy here: the decoder passes none
     gated = staticmethod(ew.gated)
     softcap_ = staticmethod(ew.softcap)
-    diff_rows = staticmethod(diff.diff_rows_reference)
-    add_rows = staticmethod(diff.add_rows_reference)
-    gated_diff = staticmethod(diff.gated_diff_reference)
+    norm_rows = staticmethod(rows.norm_rows_reference)
+    rope_rows = staticmethod(rows.rope_rows_reference)
+    gated_rows = staticmethod(rows.gated_rows_reference)
 
     def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
         if y is None:

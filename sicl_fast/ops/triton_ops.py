@@ -14,7 +14,7 @@ import torch
 
 from ..errors import SiclError
 from ..spec import StepSpec
-from .torch_ops import TorchStepOps
+from .torch_ops import TorchDecoderOps, TorchStepOps
 
 
 def load_kernels(device=None, what: str = "impl 'triton'", instead: str = "impl 'torch' / 'cpp'"):
@@ -64,7 +64,9 @@ class TritonDecoderOps:
     def __init__(self, device="cuda") -> None:
         K = load_kernels(device)
         self.residual_norm, self.qk_rope, self.gated, self.softcap_ = K.residual_norm, K.qk_rope, K.gated, K.softcap_
-        self.diff_rows, self.add_rows, self.gated_diff = K.diff_rows, K.add_rows, K.gated_diff
+        # the difference form's row epilogues: the kernels where they exist, else the references
+        for name in ("norm_rows", "rope_rows", "gated_rows"):
+            setattr(self, name, getattr(K, name, getattr(TorchDecoderOps, name)))
 
 
 __all__ = ["TritonStepOps", "TritonDecoderOps", "load_kernels"]

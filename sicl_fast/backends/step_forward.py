@@ -1,0 +1,215 @@
+"""One step's forward on the fast decoder: a perturbation batch of embeddings -> the span log-probabilities, with the
+prefix policy, the span plan and the weight layout in one object. The eager loop (Calibrator), the static step, the
+packed step and FastBackend.span_logprobs all call this, and nothing else reaches into the model for a step.
+
+    fwd = backend.step_forward(prompt, prefix)      (FastBackend.step_forward)
+    lp = fwd(batch [B, b', d] float32)  -> [B, P] float32      no checks and no host reads: capturable
+    fwd.load(prompt, X0)                              re-arm for another prompt of the same shape
+
+The prefix policy (rows [0, a), the demonstration-free prefix, are never perturbed):
+
+    'kept'  the rows never change during a run (projection scope 'demos', or no projection): their K/V are computed
+            once, at construction and at load, from X0, and every pass runs the batch rows [a, b) only
+    'pass'  the rows may change between steps (the whole-matrix projection may rescale them): with the difference
+            form they run in every pass as its lead rows, once (batch 1), beside the batch rows (one decoder pass a
+            step); with plain products, as a batch-1 prefix forward before the batch's
+    'none'  no prefix K/V: every batch row runs the full rows [0, b) (a = 0, the packed step, prefix_cache=False)
+
+The weight layout: with difference products on (model.rows_on) the batch goes through the difference form
+(Transformer.forward_rows: float32 activations, every product one bf16 product of values and differences, the span
+head on the same form); with them off through the plain forward in the model dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.rows import LOW_DTYPE, RowLayout, is_value
+from ..spans import Prompt
+
+PREFIX_POLICIES = ("kept", "pass", "none")
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """Where one prompt's span predictions are read, on the device: idx [P] int64, the rows t - 1 of the span
+    tokens t among rows [0, b); idx_suffix = idx - a, the same rows among [a, b) (the prefix path's hidden
+    states, unless from_prefix: a span starts right at row a); targets [P] the span tokens."""
+
+    a: int
+    b: int
+    idx: torch.Tensor
+    idx_suffix: torch.Tensor
+    from_prefix: bool
+    targets: torch.Tensor
+
+    @classmethod
+    def of(cls, prompt: Prompt, device) -> SpanPlan:
+        a, idx = prompt.demo_start, prompt.positions - 1  # the hidden state at t-1 predicts token t
+        return cls(a=a, b=prompt.demo_end, idx=idx.to(device), idx_suffix=(idx - a).to(device),
+                   from_prefix=a > 0 and int(idx.min()) < a, targets=prompt.targets.to(device))
+
+    def copy_(self, other: SpanPlan) -> None:
+        """Take another prompt's plan of the same shape, in place (a captured graph reads these tensors)."""
+        for mine, new in ((self.idx, other.idx), (self.idx_suffix, other.idx_suffix), (self.targets, other.targets)):
+            mine.copy_(new)
+
+
+def resolve_policy(prompt: Prompt, prefix: str) -> str:
+    """The policy a prompt runs: 'none' where it has no prefix rows."""
+    if prefix not in PREFIX_POLICIES:
+        raise ValueError(f"prefix policy {prefix!r}; one of {PREFIX_POLICIES}")
+    return "none" if prompt.demo_start == 0 else prefix
+
+
+class StepForward:
+    """One prompt's step forward (module docstring). backend: a FastBackend; B: the batch rows of the passes (the
+    rows layout is made for it); X0 [L, d] float32: the rows a 'kept' prefix is computed from (None: the prompt's
+    own embeddings); rows: the difference form (None: when the model has difference products on)."""
+
+    def __init__(self, backend, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
+                 rows: bool | None = None) -> None:
+        m = self.model = backend.model
+        self.backend, self.ops = backend, backend.ops
+        self.policy = resolve_policy(prompt, prefix)
+        self.B = B
+        self.rows_on = m.rows_on if rows is None else rows
+        self.prompt = prompt
+        self.span = SpanPlan.of(prompt, m.device)
+        a, b = prompt.demo_start, prompt.demo_end
+        self.start = 0 if self.policy == "none" else a  # the first row each batch row runs
+        if self.rows_on:
+            self.rows = RowLayout.build(a if self.policy == "pass" else 0, B, b - self.start, self.start,
+                                        device=m.device)
+            # where a span's first prediction is the prefix's last row: its value in the value rows, no difference
+            self._value_mask = is_value(self.rows.anchor).to(LOW_DTYPE).view(B, 1, 1)
+        self.prefix = self._kept_prefix(prompt, X0) if self.policy == "kept" else None
+
+    @staticmethod
+    def shape(prompt: Prompt, prefix: str, B: int) -> tuple:
+        """What a forward's buffers and launches depend on: prompts of one shape can share one StepForward (load)."""
+        return (resolve_policy(prompt, prefix), B, prompt.demo_start, prompt.demo_end, int(prompt.positions.numel()),
+                SpanPlan.of(prompt, "cpu").from_prefix)
+
+    def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor | None):
+        m = self.model
+        rows = (X0 if X0 is not None else self.backend.embed(prompt))[:prompt.demo_start].to(m.device)
+        return m.prefix_rows(rows) if self.rows_on else m.prefix_kv(rows.to(m.dtype))
+
+    def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
+        """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten
+        in place, so a graph captured on this forward replays the new prompt."""
+        self.span.copy_(SpanPlan.of(prompt, self.model.device))
+        self.prompt = prompt
+        if self.prefix is not None:
+            new = self._kept_prefix(prompt, X0)
+            self.prefix.rows.copy_(new.rows)
+            self.prefix.hidden.copy_(new.hidden)
+            for (k, v), (k_new, v_new) in zip(self.prefix.kv, new.kv):
+                k.copy_(k_new)
+                v.copy_(v_new)
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        """batch [B, b', d] float32 (b' >= b; rows 1.. near row 0) -> [B, P] float32 span log-probs."""
+        return self.head(self.decoder(batch))
+
+    @torch.no_grad()
+    def decoder(self, batch: torch.Tensor) -> torch.Tensor:
+        """The decoder's part of a call: batch [B, b', d] float32 -> the final-normed hidden states at the span
+        rows [B, P, d] (difference form in the low dtype, or the model dtype's plain rows)."""
+        return self._rows(batch) if self.rows_on else self._plain(batch)
+
+    @torch.no_grad()
+    def head(self, hs: torch.Tensor) -> torch.Tensor:
+        """The span head's part: hidden states at the span rows [B, P, d] -> [B, P] float32 log-probs."""
+        m, span = self.model, self.span
+        if self.rows_on:
+            return self.ops.span_head_rows(hs, m.head_low.w, span.targets, self.rows.anchor, softcap=m.final_softcap)
+        return self.ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap)
+
+    # ------------------------------------------------------------------------------------------------ forms
+
+    def rows_input(self, batch: torch.Tensor) -> torch.Tensor:
+        """The difference form's input rows x [R, d] float32 of a batch: the prefix rows once (lead rows, policy
+        'pass'), then each batch row's rows from its first run row on."""
+        rows, a = self.rows, self.span.a
+        own = batch[:, self.start:self.span.b].reshape(self.B * rows.T, -1)  # a copy when start > 0
+        return torch.cat([batch[0, :a], own]) if rows.lead else own
+
+    def layers(self, x: torch.Tensor) -> torch.Tensor:
+        """The decoder's layers on the input rows x [R, d] -> the final-normed hidden states [R, d] (difference
+        form). What the launch budget counts per layer (sicl_fast.profile.kernels_per_step)."""
+        return self.model.forward_rows(x, self.rows, self.prefix)
+
+    def _rows(self, batch: torch.Tensor) -> torch.Tensor:
+        rows, span = self.rows, self.span
+        h = self.layers(self.rows_input(batch))  # [R, d]
+        hb = rows.batch(h)  # [B, T, d]
+        if self.start == 0:
+            return hb.index_select(1, span.idx)
+        if span.from_prefix:  # a span starts right at row a: its first prediction is the prefix's last row
+            last = h[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]  # [d]
+            return torch.cat([last * self._value_mask, hb], dim=1).index_select(1, span.idx_suffix + 1)
+        return hb.index_select(1, span.idx_suffix)
+
+    def _plain(self, batch: torch.Tensor) -> torch.Tensor:
+        m, span = self.model, self.span
+        x = batch[:, :span.b].to(m.dtype)
+        if self.policy == "none":
+            return m.forward(x).index_select(1, span.idx)  # [B, P, d]
+        prefix = self.prefix if self.policy == "kept" else m.prefix_kv(x[0, :span.a])
+        hidden = m.forward(x[:, span.a:], span.a, prefix)  # [B, b-a, d]
+        if span.from_prefix:
+            return torch.cat([prefix.hidden.expand(x.shape[0], -1, -1), hidden], dim=1).index_select(1, span.idx)
+        return hidden.index_select(1, span.idx_suffix)
+
+
+class PackedForward:
+    """Several prompts' perturbation batches through one pass (the packed step, sicl_fast.packed): prompt j's B_j
+    rows stacked after the previous prompts', each right-padded with zeros to the longest b_j (causal attention
+    never lets a real row see the padding after it), no prefix K/V (every row runs its rows [0, b_j)). In difference
+    form each prompt's rows are differences from its own first row (the layout's anchors); plain otherwise.
+
+        fwd = backend.packed_forward(prompts, Bs)
+        lps = fwd([batch_j [B_j, b_j', d] float32 ...])  -> [lp_j [B_j, P_j] float32 ...]"""
+
+    def __init__(self, backend, prompts, Bs) -> None:
+        m = self.model = backend.model
+        self.ops = backend.ops
+        self.rows_on = m.rows_on
+        self.spans = [SpanPlan.of(p, m.device) for p in prompts]
+        self.blocks = []  # (first batch row, last + 1) of each prompt
+        r = 0
+        for B in Bs:
+            self.blocks.append((r, r + B))
+            r += B
+        b_max = max(p.demo_end for p in prompts)
+        dtype = torch.float32 if self.rows_on else m.dtype
+        self.x = torch.zeros(r, b_max, m.d, dtype=dtype, device=m.device)  # padding rows stay zero
+        if self.rows_on:
+            self.rows = RowLayout.build(0, r, b_max, 0, [r0 for r0, r1 in self.blocks for _ in range(r1 - r0)],
+                                        device=m.device)
+            self.anchors = [torch.zeros(r1 - r0, dtype=torch.int64, device=m.device) for r0, r1 in self.blocks]
+
+    @torch.no_grad()
+    def __call__(self, batches) -> list:
+        m = self.model
+        for (r0, r1), span, batch in zip(self.blocks, self.spans, batches):
+            self.x[r0:r1, :span.b].copy_(batch[:, :span.b])
+        if self.rows_on:
+            h = self.rows.batch(m.forward_rows(self.x.view(-1, m.d), self.rows))  # [sum B_j, b_max, d]
+        else:
+            h = m.forward(self.x)
+        out = []
+        for i, ((r0, r1), span) in enumerate(zip(self.blocks, self.spans)):
+            hs = h[r0:r1].index_select(1, span.idx)  # [B_j, P_j, d]
+            if self.rows_on:
+                out.append(self.ops.span_head_rows(hs, m.head_low.w, span.targets, self.anchors[i],
+                                                   softcap=m.final_softcap))
+            else:
+                out.append(self.ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap))
+        return out
+
+
+__all__ = ["StepForward", "PackedForward", "SpanPlan", "PREFIX_POLICIES", "resolve_policy"]

@@ -1,0 +1,177 @@
+"""Difference rows: how the fast decoder carries a perturbation batch through its low-precision products.
+
+In the ascent's batch, row 0 is X and rows 1.. are X + mu U_i: every activation of row i is row 0's plus a change
+of about one bf16 ulp. Rounded to bf16 as they are, the rows lose that change (a plain bf16 ascent keeps 4-12 % of
+the float32 gain: bench/RESULTS.md, the precision study). So the forward keeps its activations in float32 and hands
+each product its rows in *difference form*, in the low dtype (bf16):
+
+    value row       bf16(x_0)                 (the prefix rows of the pass, and batch row 0)
+    difference row  bf16(x_i - x_0)           (batch rows 1..: their change from their anchor row)
+
+One product of the stacked weights then gives every row at once, y = form @ W^T, and the float32 rows are
+
+    y_0 = y[value row]        y_i = y_0 + y[difference row i]
+
+Row 0's rounding (of its input and of its output) is shared by every row, so the differences y_i - y_0 never see
+it: they are exact up to bf16's 2^-8 relative on the difference itself. The nonlinearities (norms, rotary,
+attention, the gated activation, the span head's log-sum-exp) run in float32 on the reconstructed rows.
+
+The rows of one pass, R = lead + B * T in all, in this order:
+
+    lead rows      value rows at positions 0 .. lead-1: the demonstration-free prefix when it runs in the same pass
+                   (its K/V are then this pass's, read by every batch row); 0 when the prefix K/V are kept from an
+                   earlier pass, or there is no prefix
+    batch rows     B rows of T tokens each, at positions pos0 .. pos0+T-1; anchor[j] is the batch row that row j is
+                   a difference from (anchor[j] == j: a value row). One prompt: anchor 0 for all; packed prompts:
+                   the first row of each prompt's block
+
+The references here are the oracle of the fused ops (sicl_fast.ops: TorchDecoderOps binds them; the C++ and Triton
+forms are tested against them). Float32 and bf16 tensors, contiguous rows.
+
+    to_rows(x [R, k] f32, rows) -> [R, k] low          the difference form
+    from_rows(y [R, k] low, rows) -> [R, k] f32        the float32 rows
+
+and the references of the decoder's three row epilogues (DecoderOps.norm_rows, rope_rows, gated_rows), each one
+launch in the fused forms: it reads the products' difference form, works on float32 rows and writes the form the
+next product takes:
+
+    norm_rows(x [R, d] f32, y [R, d] low or None, bias [d] or None, post_w, w, eps, gemma, rows)
+            -> (x' [R, d] f32, h [R, d] low)
+        x' = x + (rms_norm(y', post_w) or y') with y' the float32 rows of y plus the product's bias; h = the
+        difference form of rms_norm(x', w)
+    rope_rows(qkv [R, (H + 2 Hk) hd] low, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, hd] f32, q_norm,
+              k_norm, eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32) -> q [R, H, hd] f32
+        the float32 rows of q, k, v (plus the bias); q / k per-head norms (Qwen3, Gemma 3) and rotary at each
+        row's position (the tables from position 0); k and v written into k_out / v_out
+    gated_rows(y [R, 2I] low, bias [2I] or None, act_name, rows) -> [R, I] low
+        act(gate) * up on the float32 rows of y (plus the bias), in difference form
+
+A product's bias belongs to every row's value, so it is added to the float32 rows here (a difference carries none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .elementwise import ACTIVATIONS, rms_norm, rope
+
+LOW_DTYPE = torch.bfloat16  # the dtype of the difference form and of the products that take it
+
+
+@dataclass(frozen=True, eq=False)
+class RowLayout:
+    """The rows of one difference-form pass (module docstring). anchor: int64 [B] on the device; value_rows: the
+    indices among the R rows that hold values (lead rows and the batch rows whose anchor is themselves), int64 on the
+    device, for adding a bias to them; differences: the batch rows that hold differences (int64 on the device);
+    anchors: the anchors as host ints (the C++ ops and the shapes read them)."""
+
+    lead: int
+    B: int
+    T: int
+    pos0: int
+    anchor: torch.Tensor
+    value_rows: torch.Tensor
+    differences: torch.Tensor
+    anchors: tuple = field(repr=False)
+
+    @classmethod
+    def build(cls, lead: int, B: int, T: int, pos0: int, anchors=None, device="cpu") -> RowLayout:
+        """anchors: the anchor of each batch row (None: every row a difference from row 0, one prompt)."""
+        anchors = tuple(int(a) for a in (anchors if anchors is not None else [0] * B))
+        if len(anchors) != B or any(not 0 <= a <= j or anchors[a] != a for j, a in enumerate(anchors)):
+            raise ValueError(f"anchors {anchors} must name, for each of the {B} batch rows, an earlier or the same "
+                             "row that is its own anchor")
+        values = list(range(lead)) + [lead + j * T + t for j in range(B) if anchors[j] == j for t in range(T)]
+        ints = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(lead=lead, B=B, T=T, pos0=pos0, anchor=ints(anchors), value_rows=ints(values),
+                   differences=ints([j for j in range(B) if anchors[j] != j]), anchors=anchors)
+
+    @property
+    def R(self) -> int:
+        return self.lead + self.B * self.T
+
+    @property
+    def key(self) -> tuple:
+        """What the shapes and kernels of a pass depend on (for caches of buffers and graphs)."""
+        return (self.lead, self.B, self.T, self.pos0, self.anchors)
+
+    def batch(self, t: torch.Tensor) -> torch.Tensor:
+        """The batch part of t [R, ...] as [B, T, ...] (a view)."""
+        return t[self.lead:].view(self.B, self.T, *t.shape[1:])
+
+    def positions(self) -> torch.Tensor:
+        """The position of each of the R rows (int64 [R], on the anchor's device)."""
+        dev = self.anchor.device
+        return torch.cat([torch.arange(self.lead, device=dev),
+                          (self.pos0 + torch.arange(self.T, device=dev)).repeat(self.B)])
+
+
+def is_value(anchor: torch.Tensor) -> torch.Tensor:
+    """bool [B]: which batch rows are their own anchor."""
+    return anchor == torch.arange(anchor.numel(), device=anchor.device)
+
+
+def to_form(x: torch.Tensor, anchor: torch.Tensor, dtype=LOW_DTYPE) -> torch.Tensor:
+    """x [B, ...] float32 -> [B, ...] dtype in difference form over its first dimension (anchor [B])."""
+    keep = is_value(anchor).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, x, x - x.index_select(0, anchor)).to(dtype)
+
+
+def from_form(y: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """y [B, ...] in difference form over its first dimension -> the float32 rows [B, ...]."""
+    yf = y.float()
+    keep = is_value(anchor).view(-1, *([1] * (y.dim() - 1)))
+    return torch.where(keep, yf, yf + yf.index_select(0, anchor))
+
+
+def to_rows(x: torch.Tensor, rows: RowLayout, dtype=LOW_DTYPE) -> torch.Tensor:
+    """x [R, k] float32 -> [R, k] in difference form (lead rows as values)."""
+    return torch.cat([x[:rows.lead].to(dtype), to_form(rows.batch(x), rows.anchor, dtype).view(-1, x.shape[-1])])
+
+
+def from_rows(y: torch.Tensor, rows: RowLayout) -> torch.Tensor:
+    """y [R, k] in difference form -> the float32 rows [R, k]."""
+    return torch.cat([y[:rows.lead].float(), from_form(rows.batch(y), rows.anchor).view(-1, y.shape[-1])])
+
+
+def _rows_with_bias(y: torch.Tensor, bias, rows: RowLayout) -> torch.Tensor:
+    yf = from_rows(y, rows)
+    return yf if bias is None else yf + bias.float()
+
+
+def norm_rows_reference(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w, eps: float, gemma: bool,
+                        rows: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', h): see the module docstring. The norms in float32 with the weights as float32 (Gemma's 1 + w is)."""
+    if y is not None:
+        yf = _rows_with_bias(y, bias, rows)
+        x = x + (rms_norm(yf, post_w.float(), eps, gemma) if post_w is not None else yf)
+    return x, to_rows(rms_norm(x, w.float(), eps, gemma), rows)
+
+
+def rope_rows_reference(qkv: torch.Tensor, bias, rows: RowLayout, cos: torch.Tensor, sin: torch.Tensor, q_norm,
+                        k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out: torch.Tensor, v_out: torch.Tensor
+                        ) -> torch.Tensor:
+    """q [R, H, hd] float32, k and v written into k_out / v_out [R, Hk, hd] (module docstring)."""
+    R = qkv.shape[0]
+    hd = k_out.shape[-1]
+    f = _rows_with_bias(qkv, bias, rows)
+    q, k, v = f.split([H * hd, Hk * hd, Hk * hd], dim=-1)
+    q, k = q.reshape(R, H, hd), k.reshape(R, Hk, hd)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm.float(), eps, gemma), rms_norm(k, k_norm.float(), eps, gemma)
+    pos = rows.positions()
+    c, s = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]  # [R, 1, hd]
+    k_out.copy_(rope(k, c, s))
+    v_out.copy_(v.view(R, Hk, hd))
+    return rope(q, c, s)
+
+
+def gated_rows_reference(y: torch.Tensor, bias, act_name: str, rows: RowLayout) -> torch.Tensor:
+    """act(gate) * up of the float32 rows of y [R, 2I] (gate | up) plus the bias, in difference form [R, I]."""
+    g, u = _rows_with_bias(y, bias, rows).chunk(2, dim=-1)
+    return to_rows(ACTIVATIONS[act_name](g) * u, rows)
+
+
+__all__ = ["LOW_DTYPE", "RowLayout", "is_value", "to_form", "from_form", "to_rows", "from_rows",
+           "norm_rows_reference", "rope_rows_reference", "gated_rows_reference"]

@@ -13,7 +13,8 @@ The axes:
     attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton,
                   cpp; attention_check: whether the kernel is compared with the math path when the backend is built
                   (CUDA); per call the kernel hands what it cannot do exactly to the math path (named in explain())
-    diff_matmul   the fast decoder's difference products (sicl_fast.models.diff): auto, off, bf16, fp8
+    diff_matmul   the fast decoder's difference form for perturbation batches (sicl_fast.models.rows): auto, off
+                  (plain products in the model dtype), bf16, fp8 (the differences in FP8 e4m3)
     loop          static (the sync-free step, sicl_fast.static) or eager (Calibrator.run); sync_every
     read_every    decoding: tokens between two host reads of the fast backend's greedy answer
     graphs        CUDA graphs of the static step and the decode step (sicl_fast.graphs)
@@ -28,11 +29,12 @@ decide nothing themselves.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import SiclError
+from .errors import SiclError, SiclWarning
 from .graphs import DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
 from .models.attention import ATTN_IMPLS, flash_available
@@ -157,7 +159,7 @@ MATH_PATH = {
     "sdpa": "soft-capped layers, masks SDPA cannot take exactly, decoding steps",
     "flash": "float32 inputs, masks flash-attn cannot take exactly, decoding steps",
     "triton": "a KV cache's prefill after position 0, decoding steps",
-    "cpp": "the exact gradient's forward (autograd recording), decoding steps",
+    "cpp": "the exact gradient's forward (autograd recording), a bf16 / fp16 model's plain forward, decoding steps",
 }
 
 
@@ -167,8 +169,8 @@ def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) ->
     dev = torch.device(device)
     if attn == "triton":
         load_kernels(dev, "attention implementation 'triton'", "'sdpa' / 'math'")
-    if attn == "cpp" and (dev.type != "cpu" or dtype != torch.float32):
-        raise SiclError(f"attention implementation 'cpp' runs on float32 CPU models; this one is {dtype} on {dev}")
+    if attn == "cpp" and dev.type != "cpu":
+        raise SiclError(f"attention implementation 'cpp' runs on the CPU; this model is on {dev}")
     if attn == "cpp":
         cpp_ops.require()
     if attn == "flash" and not flash_available():
@@ -183,8 +185,8 @@ def resolve_attention_kernel(attn: str, dev: torch.device, dtype, impl: str) -> 
         return attn, "asked for"
     if impl == "triton":
         return "triton", "auto: the fused prefix + rows kernel of impl 'triton'"
-    if impl == "cpp" and dtype == torch.float32:
-        return "cpp", "auto: the C++ prefix + rows attention of impl 'cpp' (float32)"
+    if impl == "cpp":
+        return "cpp", "auto: the C++ prefix + rows attention of impl 'cpp'"
     if dev.type == "cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
         return "flash", "auto: flash-attn on CUDA, fp16 / bf16"
     # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head shapes
@@ -205,21 +207,37 @@ def resolve_attention_check(attention: str | None, device, fallback: bool) -> tu
                   + ("'math' on a mismatch (auto)" if fallback else "a mismatch is an error (asked for)"))
 
 
+# what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17)
+PLAIN_LOW_PRECISION = ("a plain {dtype} ascent keeps only a few per cent of the float32 gain (the perturbation is "
+                       "about one bf16 ulp of an embedding; bench/RESULTS.md section 17: 4-12 %); diff_matmul 'bf16' "
+                       "(the default) keeps it")
+
+
+def plain_low_precision(dtype) -> bool:
+    """Would a plain ascent on a model of this dtype lose its perturbations to rounding (below float32)?"""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def resolve_diff(diff: str, kind: BackendKind, device, dtype) -> tuple[str, str]:
+    """The fast decoder's products for perturbation batches: the difference form ('bf16', 'fp8') or plain ('off').
+    The plain form on a bf16 / fp16 model (asked for, or fast-fp32) warns with what the precision study measured."""
+    low = plain_low_precision(dtype)
+    name = str(dtype).replace("torch.", "")
     if kind.cls != "fast":
         return "off", "not the fast decoder"
-    if kind.plain:
-        return "off", "fast-fp32: every product in float32"
-    if diff in ("bf16", "fp8") and dtype != torch.float32:
-        raise SiclError(f"diff_matmul={diff!r} is for float32 models; this one is {dtype} (use 'off')")
+    if kind.plain or diff == "off":
+        if low:
+            warnings.warn(PLAIN_LOW_PRECISION.format(dtype=name), SiclWarning, stacklevel=3)
+        return "off", ("fast-fp32: every product plain, in the model dtype" if kind.plain else "asked for")
     if diff != "auto":
         return diff, "asked for"
-    # 'fp8' is never chosen by 'auto': its accuracy is measured (bench/diff_accuracy.py) but its speed is not yet
-    if dtype != torch.float32:
-        return "off", "auto: nothing to gain below float32"
+    # 'fp8' is never chosen by 'auto': its accuracy is measured (bench/precision_fidelity.py) but not its speed yet
+    if low:
+        return "bf16", (f"auto: a plain {name} ascent loses the perturbations to rounding; the difference form "
+                        "keeps them")
     if fast_low_precision(torch.device(device)):
         return "bf16", "auto: bf16 products are fast here (AVX512-BF16 / AMX, or CUDA sm_80+)"
-    return "off", "auto: bf16 products are not faster here"
+    return "off", "auto: bf16 products are not faster here (plain float32)"
 
 
 def resolve_loop(loop: str, name: str) -> tuple[str, str]:
@@ -488,7 +506,8 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
                    reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
 
-__all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "REUSE_MODES", "BackendKind", "Choices", "RunPlan", "make_plan",
+__all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES", "BackendKind", "Choices", "RunPlan",
+           "make_plan", "plain_low_precision",
            "check_estimator", "check_unpacked", "check_zeroth_order", "default_sync_every", "forward_only",
            "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_attention_check",
            "resolve_attention_kernel", "resolve_backend", "resolve_diff", "resolve_graphs", "resolve_impl",

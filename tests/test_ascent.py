@@ -208,7 +208,7 @@ def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatc
         f = f0 + 0.01 * torch.randn(cal.config.batch, generator=g)
         f[0] = f0
         script.append((f, torch.randn(X0.shape, generator=g), torch.tensor([step % 2], dtype=torch.int32)))
-    monkeypatch.setattr(cal, "evaluate", lambda X, prompt, spec, step: (script[step][0], None))
+    monkeypatch.setattr(cal, "evaluate", lambda X, prompt, spec, step, forward=None: (script[step][0], None))
     monkeypatch.setattr(cal, "advance", lambda X, X0, f, g, spec, step: script[step][1:])
     st = StepState.new(X0, cal.config)
     for f, X_next, fired in script:

@@ -1,12 +1,15 @@
-"""Difference products (sicl_fast.models.diff): row 0 in float32, the other rows' differences in bf16.
+"""The difference form of a perturbation batch (sicl_fast.models.rows, Transformer.forward_rows): float32
+activations, every projection one bf16 product of values and differences, the span head on the same form; the
+stacked weights it multiplies (sicl_fast.models.weights).
 
-Tolerances, and why (the epilogues of each implementation against the reference: tests/test_ops.py):
-  A whole forward, tiny random models: row 0 to 1e-5 (float32 path, only the C++ activation's ulps differ);
-      rows' log-prob differences from row 0 to 3 % of their norm (bf16 rounds each layer's difference term
-      by 2^-9; measured 0.2-1 % here).
-  SmolLM2 against float64: finite differences f_i - f_0 of the proxy within 5 % of float64's (measured 0.8 %
-      at L = 128 in bench/RESULTS.md); the all-float32 path within 0.1 % (measured 0.008 %).
+Tolerances, and why (each row op of each implementation against its reference: tests/test_rows_ops.py):
+  A whole forward, tiny random models: row 0 (a bf16 product of bf16-rounded values at every projection) within
+      0.05 of the float32 log-probs; the rows' log-prob differences from row 0 within 3 % of their norm (bf16 rounds
+      each layer's difference term by 2^-9; measured 1-2 % here).
+  SmolLM2 against float64: the finite differences f_i - f_0 of the proxy within 5 % of float64's, f_0 within 1 %;
+      the all-float32 path within 0.1 %.
 """
+import contextlib
 import copy
 import math
 
@@ -17,52 +20,49 @@ import torch.nn.functional as F
 from conftest import reference_backend
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.errors import SiclError
-from sicl_fast.models import diff
+from sicl_fast.errors import SiclError, SiclWarning
+from sicl_fast.models.rows import RowLayout, from_rows, to_rows
 from sicl_fast.models.transformer import fast_low_precision
-from sicl_fast.ops import TorchDecoderOps, TorchStepOps
+from sicl_fast.models.weights import LowWeight, fp8_rows
+from sicl_fast.ops import TorchStepOps
 from sicl_fast.proxy import proxy as ref_proxy
 from sicl_fast.spec import StepSpec
 
 from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, perturbed
 from test_ops import why_unavailable
 
-GELU_TANH = lambda x: F.gelu(x, approximate="tanh")  # noqa: E731
+
+def test_the_form_keeps_a_change_of_one_bf16_ulp():
+    """Rows that differ from their anchor by less than a bf16 ulp come back with that difference (to 2^-8 of it),
+    where rounding the rows themselves to bf16 loses it."""
+    rows = RowLayout.build(2, 4, 5, 2, [0, 0, 2, 2])
+    g = torch.Generator().manual_seed(0)
+    x = 3 * torch.randn(rows.R, 32, generator=g)
+    xb = rows.batch(x)
+    for j, a in enumerate(rows.anchors):
+        if a != j:
+            xb[j] = xb[a] + 1e-3 * torch.randn(5, 32, generator=g)  # below a bf16 ulp of 3 (2^-6)
+    back = from_rows(to_rows(x, rows), rows)
+    change, kept = rows.batch(x)[1] - rows.batch(x)[0], rows.batch(back)[1] - rows.batch(back)[0]
+    assert float((kept - change).abs().max()) <= 2 ** -8 * float(change.abs().max()) + 1e-9
+    plain = x.bfloat16().float()
+    assert float(((rows.batch(plain)[1] - rows.batch(plain)[0]) - change).abs().max()) > 0.5 * float(
+        change.abs().max())
+    assert torch.equal(back[:2], x[:2].bfloat16().float())  # lead rows: values
 
 
-def near(B, T, k, scale=1e-2, seed=0):
-    """[B, T, k] float32 rows: row 0 plus small differences (a perturbation batch's shape)."""
-    g = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(1, T, k, generator=g)
-    return torch.cat([x0, x0 + scale * torch.randn(B - 1, T, k, generator=g)])
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_difference_product_equals_plain_product_up_to_bf16_on_the_difference(bias):
-    x = near(6, 11, 96, scale=1e-2, seed=3)
-    g = torch.Generator().manual_seed(1)
-    ws = [torch.randn(40, 96, generator=g) * 0.1, torch.randn(24, 96, generator=g) * 0.1]
-    bs = [torch.randn(40, generator=g), torch.randn(24, generator=g)] if bias else [None, None]
-    y = diff.linear(TorchDecoderOps(), x, ws, bs, diff.Bf16Weight(torch.cat(ws)))
-    ref = torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
-    # row 0 is a float32 product (of one row: the BLAS blocking, hence the last bits, may differ from the batch's)
-    torch.testing.assert_close(y[0], ref[0], rtol=1e-6, atol=1e-6)
-    change = (ref[1:] - ref[:1]).abs().max()
-    assert float((y[1:] - ref[1:]).abs().max()) < 0.02 * float(change)
-    assert float((y[1:] - ref[1:]).abs().max()) > 0  # the bf16 path really ran
-
-
-@pytest.mark.parametrize("R,T,k,o", [(3, 7, 37, 21), (8, 33, 96, 160)])
-def test_bf16_weight_packed_once_same_bits(R, T, k, o):
-    """The bf16 weight is cast once; where oneDNN packs it, the packed product gives F.linear's bits (the same
-    kernel without the per-call reorder), for odd shapes and row-strided differences."""
+@pytest.mark.parametrize("R,k,o", [(3, 37, 21), (8, 96, 160)])
+def test_low_weight_packed_once_same_bits(R, k, o):
+    """The bf16 weight is made once (the tensor itself when it is bf16 already); where oneDNN packs it, the packed
+    product gives F.linear's bits (the same kernel without the per-call reorder), for odd shapes and strides."""
     g = torch.Generator().manual_seed(R)
     w = torch.randn(o, k, generator=g)
-    low = diff.Bf16Weight(w)
+    low = LowWeight(w)
     assert low.w.dtype == torch.bfloat16 and torch.equal(low.w, w.bfloat16())
+    assert LowWeight(low.w).w is low.w  # a bf16 model's weights are not copied
     if fast_low_precision(torch.device("cpu")) and torch.backends.mkldnn.is_available():
-        assert low.packed is not None  # the machines the difference products are for
-    dx = torch.randn(R, T, k + 5, generator=g).bfloat16()[..., 5:]  # not contiguous
+        assert low.packed is not None  # the machines the difference form is for
+    dx = torch.randn(R, k + 5, generator=g).bfloat16()[..., 5:]  # not contiguous
     for x in (dx, dx.contiguous(), dx[:0]):
         got = low.linear(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], o)
@@ -71,13 +71,30 @@ def test_bf16_weight_packed_once_same_bits(R, T, k, o):
 
 def test_fp8_rows_round_trip():
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 7)[:, None]
-    q, scale = diff.fp8_rows(x)
+    q, scale = fp8_rows(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (7, 1)
     back = q.float() * scale
     big = x.abs() > scale * 2 ** -6  # e4m3's normal range: 3 mantissa bits, half an ulp = 2^-4 relative
     assert bool(((back - x).abs() <= 2 ** -4 * x.abs() + 1e-12)[big].all())
     assert bool(((back - x).abs() <= scale * 2 ** -9)[~big].all())  # subnormals: absolute, 2^-9 of the scale
-    assert torch.equal(diff.fp8_rows(torch.zeros(2, 5))[0].float(), torch.zeros(2, 5))
+    assert torch.equal(fp8_rows(torch.zeros(2, 5))[0].float(), torch.zeros(2, 5))
+
+
+def test_stacked_weights_are_held_once(models):
+    """q | k | v and gate | up are one tensor each, and the transformers modules' parameters are views of it (no
+    copy of the model's weights); a second backend on the same model finds them stacked and reuses them."""
+    lm = models["qwen3"]
+    before = sum(p.numel() for p in lm.model.parameters())
+    w = reference_backend("fast", lm).model.layers[0].w
+    attn, mlp = lm.decoder.layers[0].self_attn, lm.decoder.layers[0].mlp
+    for mod, off in ((attn.q_proj, 0), (attn.k_proj, w.q_rows), (attn.v_proj, w.q_rows + w.kv_rows)):
+        assert mod.weight.data_ptr() == w.qkv[off:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == w.gate_up[w.inter:].data_ptr()
+    again = reference_backend("fast", lm).model.layers[0].w
+    assert again.qkv.data_ptr() == w.qkv.data_ptr() and again.gate_up.data_ptr() == w.gate_up.data_ptr()
+    assert sum(p.numel() for p in lm.model.parameters()) == before
+    stored = {p.untyped_storage().data_ptr() for p in lm.model.parameters()}
+    assert len(stored) < len(list(lm.model.parameters()))  # shared storages: held once
 
 
 @pytest.mark.parametrize("fmt,bound", [("bf16", 0.03), ("fp8", 0.3)])
@@ -89,7 +106,7 @@ def test_forward_with_fp8_or_bf16_differences_tracks_float32(models, fmt, bound)
     p = make_prompt(6)
     X = perturbed(exact.embed(p), 6, B=7, scale=0.02)
     ref, got = exact.span_logprobs(X, p), low.span_logprobs(X, p, near_row0=True)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)  # row 0 stays float32
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0.05)  # row 0: a bf16 product
     d_ref, d_got = ref[1:] - ref[:1], got[1:] - got[:1]
     rel = float((d_got - d_ref).norm() / d_ref.norm())
     assert 0 < rel < bound, rel
@@ -110,14 +127,13 @@ def test_forward_with_difference_products_tracks_float32(models, family, impl):
         X = perturbed(exact.embed(p), a, B=7, scale=0.02, seed=a)
         ref = exact.span_logprobs(X, p)
         got = fast.span_logprobs(X, p, near_row0=True)
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0.05)
         d_ref, d_got = ref[1:] - ref[:1], got[1:] - got[:1]
         rel = float((d_got - d_ref).norm() / d_ref.norm())
         assert 0 < rel < 0.03, rel
-        # without the promise the fast backend takes the float32 products (bit for bit those of its impl; the C++
-        # norms sum in another order than the reference's)
+        # without the promise the fast backend takes the plain float32 products (bit for bit those of its impl)
         torch.testing.assert_close(fast.span_logprobs(X, p), plain.span_logprobs(X, p), rtol=0, atol=0)
-    assert fast.model._diff is not None and exact.model._diff is None
+    assert fast.model._rows_dense is not None and exact.model._rows_dense is None
 
 
 def test_single_rows_and_generation_never_use_bf16(models):
@@ -128,35 +144,57 @@ def test_single_rows_and_generation_never_use_bf16(models):
     torch.testing.assert_close(fast.span_logprobs(X[None], p, near_row0=True), exact.span_logprobs(X[None], p),
                                rtol=0, atol=0)
     assert fast.generate(X, p, 6).token_ids == exact.generate(X, p, 6).token_ids
-    assert fast.model._diff is None  # the bf16 weights were never made
+    assert fast.model._rows_dense is None  # the bf16 weights were never made
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_seeded_calibration_with_difference_products_tracks_float32(models, family):
+def test_seeded_calibration_in_difference_form_tracks_float32(models, family):
+    """The ascent's moves (X after each update: they read only the rows' differences) follow the float32 path's: the
+    first to 5 % of the distance moved, the later ones to 15 % (the gradients of these random models are nearly
+    noise, so small differences in one step's estimate change the next steps'; measured 1-2.5 %, then up to 11 %).
+    The best X may come from another step: here a step changes f_0 by about 1e-6, below the rounding of a bf16 row
+    0 (the precision study measures real prompts)."""
     lm = models[family]
-    cfg = CalibrationConfig(N=4, max_steps=3, tau=0, scale=1.0, seed=1)
+    cfg = CalibrationConfig(N=4, max_steps=4, tau=0, scale=1.0, seed=1)
     p = make_prompt(6)
-    ref = Calibrator(reference_backend("fast", lm, diff_matmul="off"), cfg).run(p)
-    got = Calibrator(reference_backend("fast", lm, diff_matmul="bf16"), cfg).run(p)
-    assert got.history[0] == pytest.approx(ref.history[0], rel=1e-5, abs=1e-6)
-    assert got.history == pytest.approx(ref.history, rel=1e-3, abs=1e-4)
-    moved = (ref.embeddings - reference_backend("fast", lm).embed(p)).norm()
-    assert float((got.embeddings - ref.embeddings).norm()) < 0.05 * float(moved)
+    moves = {}
+    for diff in ("off", "bf16"):
+        seen = moves[diff] = []
+        Calibrator(reference_backend("fast", lm, diff_matmul=diff), cfg).run(p, on_update=lambda X: seen.append(
+            X.clone()))
+    X0 = reference_backend("fast", lm).embed(p)
+    assert len(moves["off"]) == len(moves["bf16"]) == 3
+    for i, (ref, got) in enumerate(zip(moves["off"], moves["bf16"])):
+        assert float((got - ref).norm()) < (0.05 if i == 0 else 0.15) * float((ref - X0).norm())
+
+
+def test_bf16_model_in_difference_form_tracks_float32(models):
+    """A bf16 model's perturbation batch in difference form keeps its rows' differences (a plain bf16 forward
+    rounds them away): against the float32 model's, within what the rounding of its weights allows."""
+    lm32, lm16 = models["llama"], build("llama", torch.bfloat16)
+    exact = reference_backend("fast", lm32, diff_matmul="off")
+    p = make_prompt(6)
+    X = perturbed(exact.embed(p), 6, B=7, scale=0.02)
+    ref = exact.span_logprobs(X, p)
+    d_ref = ref[1:] - ref[:1]
+    errs = {}
+    for diff in ("bf16", "off"):
+        with pytest.warns(SiclWarning, match="plain bfloat16") if diff == "off" else contextlib.nullcontext():
+            got = reference_backend("fast", lm16, diff_matmul=diff).span_logprobs(X, p, near_row0=True)
+        errs[diff] = float(((got[1:] - got[:1]) - d_ref).norm() / d_ref.norm())
+    assert errs["bf16"] < 0.1 and errs["off"] > 3 * errs["bf16"], errs
 
 
 def test_settings_and_errors(models):
     lm = models["qwen3"]
     auto = reference_backend("fast", lm)
-    assert (auto.model.diff_dtype is not None) == fast_low_precision(lm.device)
-    assert reference_backend("fast", lm, diff_matmul="off").model.diff_dtype is None
-    assert make_backend("fast-fp32", lm).model.diff_dtype is None and make_backend("fast-fp32", lm).name == "fast-fp32"
-    assert make_backend("fast", lm, diff_matmul="bf16").model.diff_dtype == torch.bfloat16
+    assert auto.model.rows_on == fast_low_precision(lm.device)
+    assert not reference_backend("fast", lm, diff_matmul="off").model.rows_on
+    assert not make_backend("fast-fp32", lm).model.rows_on and make_backend("fast-fp32", lm).name == "fast-fp32"
+    assert make_backend("fast", lm, diff_matmul="bf16").model.rows_on
     with pytest.raises(SiclError, match="diff_matmul"):
         reference_backend("fast", lm, diff_matmul="int4")
-    lm16 = build("llama", torch.bfloat16)
-    with pytest.raises(SiclError, match="float32 models"):
-        reference_backend("fast", lm16, diff_matmul="bf16")
-    assert reference_backend("fast", lm16).model.diff_dtype is None  # auto: nothing to gain below float32
+    assert reference_backend("fast", build("llama", torch.bfloat16)).model.rows_on  # auto: below float32, always
     # other backends accept the promise and ignore it
     p = make_prompt(0)
     hf = reference_backend("hf", lm)
@@ -182,9 +220,10 @@ def test_smollm2_finite_differences_against_float64(smol):
     f64 = f(reference_backend("hf", lm64), batch.double())
     d64 = f64[1:] - f64[0]
     errs = {}
-    for name, backend, kw in (("fp32", exact, {}), ("bf16", reference_backend("fast", smol, diff_matmul="bf16"),
-                                                   {"near_row0": True})):
+    for name, backend, kw, rel in (("fp32", exact, {}, 1e-5),
+                                   ("bf16", reference_backend("fast", smol, diff_matmul="bf16"),
+                                    {"near_row0": True}, 1e-2)):
         got = f(backend, batch, **kw)
-        assert math.isclose(got[0], f64[0], rel_tol=1e-5)
+        assert math.isclose(got[0], f64[0], rel_tol=rel), (name, float(got[0]), float(f64[0]))
         errs[name] = float(((got[1:] - got[0]) - d64).norm() / d64.norm())
     assert errs["fp32"] < 1e-3 and errs["bf16"] < 0.05, errs

@@ -2,6 +2,7 @@
 to on this machine; fast-fp32 as a plan; the engine, make_backend and the loops reading the plan."""
 import dataclasses
 import re
+import warnings
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from sicl_fast.models.decoder_config import DecoderConfig
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
 from sicl_fast.packed import run_packed
-from sicl_fast.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention_check,
-                            resolve_graphs, resolve_impl, resolve_read_every, resolve_reuse)
+from sicl_fast.errors import SiclWarning
+from sicl_fast.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention,
+                            resolve_attention_check, resolve_graphs, resolve_impl, resolve_read_every, resolve_reuse)
 from sicl_fast.static import StaticStep
 from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
@@ -129,10 +131,9 @@ REFUSALS = {
         "attention implementation 'triton' runs on CUDA.*'sdpa' / 'math'"),
     "flash attention not installed": (plan_of(attn="flash", impl="torch"), SiclError,
                                       "attention implementation 'flash' needs flash-attn"),
-    "cpp attention below float32": (plan_of("bf16", backend="fast", attn="cpp", impl="torch"), SiclError,
-                                    "attention implementation 'cpp' runs on float32 CPU models"),
-    "difference products below float32": (plan_of("bf16", backend="fast", diff_matmul="bf16", impl="torch"),
-                                          SiclError, "diff_matmul='bf16' is for float32 models"),
+    "cpp attention off the CPU": (dict(call=lambda: resolve_attention("cpp", BACKENDS["fast"], "cuda", torch.float32,
+                                                                      "torch")), SiclError,
+                                  "attention implementation 'cpp' runs on the CPU; this model is on cuda"),
     "static loop without a sync-free forward": (plan_of(backend="hf", loop="static"), SiclError,
                                                 "loop 'static' needs the fast backend's sync-free forward; 'hf'"),
     "graphs on without CUDA": (plan_of(graphs="on"), SiclError, "graphs 'on' needs a CUDA device; the model is on cpu"),
@@ -228,7 +229,8 @@ def test_auto_on_this_machine(models, odd_models):
     g = make_plan(lm, grad=True)
     assert g.impl == "torch" and g.grad_refusal is None and g.loop_for("grad") == "eager"
     assert g.loop_for("forward") == "static"
-    assert make_plan(odd_models["bf16"], backend="fast", impl="torch").diff_matmul == "off"  # nothing to gain
+    # a bf16 model: the difference form wherever it runs (a plain bf16 ascent loses the perturbations)
+    assert make_plan(odd_models["bf16"], backend="fast", impl="torch").diff_matmul == "bf16"
     if why_unavailable("triton") is None:
         assert make_plan(lm, impl="triton").attention == "triton"  # the fused kernel of the Triton ops
 
@@ -237,9 +239,21 @@ def test_fast_fp32_is_a_plan_not_a_class(models):
     lm = models["qwen3"]
     be = make_backend("fast-fp32", lm, impl="torch")
     assert type(be) is FastBackend and be.name == be.plan.backend == "fast-fp32"
-    assert be.plan.diff_matmul == "off" and be.model.diff_dtype is None
-    assert make_backend("fast", lm, diff_matmul="bf16", impl="torch").model.diff_dtype == torch.bfloat16
+    assert be.plan.diff_matmul == "off" and not be.model.rows_on
+    assert make_backend("fast", lm, diff_matmul="bf16", impl="torch").model.rows_on
     assert make_plan(lm, backend="fast-fp32", diff_matmul="bf16").diff_matmul == "off"  # plain products, always
+
+
+def test_the_plain_low_precision_ascent_says_what_it_loses(odd_models, models):
+    """Not a default anywhere; asked for (diff_matmul 'off', or fast-fp32) on a bf16 model, it warns in one line
+    with what the precision study measured. A float32 model's plain form is the exact reference: no word."""
+    for choices in (dict(backend="fast", diff_matmul="off"), dict(backend="fast-fp32")):
+        with pytest.warns(SiclWarning, match=r"a plain bfloat16 ascent keeps only a few per cent of the float32 gain"):
+            make_plan(odd_models["bf16"], impl="torch", **choices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_plan(models["llama"], backend="fast-fp32", impl="torch")
+        make_plan(odd_models["bf16"], backend="fast", impl="torch")
 
 
 def test_explain_names_every_axis(models):
@@ -247,7 +261,7 @@ def test_explain_names_every_axis(models):
     for axis in ("backend", "impl", "attention", "attention_check", "diff_matmul", "loop", "sync_every", "read_every",
                  "graphs", "pack", "estimator"):
         assert re.search(rf"^  {axis} +\S", text, re.M), axis
-    assert "fast-fp32: every product in float32" in text and "tiny-llama" in text
+    assert "fast-fp32: every product plain, in the model dtype" in text and "tiny-llama" in text
     # the attention kernel's per-call hand-offs to the math path are said beside it
     assert re.search(r"^  attention +sdpa +auto: torch's SDPA; the math path takes soft-capped layers", text, re.M)
 

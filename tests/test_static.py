@@ -111,7 +111,8 @@ def test_no_host_read_inside_the_step(models, monkeypatch, impl):
     if why_unavailable(impl):
         pytest.skip(why_unavailable(impl))
     be = make_backend("fast", models["gemma2"], diff_matmul="bf16", impl=impl)
-    cfg = Calibrator(be, CalibrationConfig(**{**BASE, "snr_threshold": 0.5, "patience": 2, "kappa": 0.9})).config
+    # patience 4: the SNR skips and patience are live in the step, and no stop can come before the fourth call
+    cfg = Calibrator(be, CalibrationConfig(**{**BASE, "snr_threshold": 0.5, "patience": 4, "kappa": 0.9})).config
     p = make_prompt(6)
     st = StaticStep(be, cfg, p, be.embed(p))
     with HostReadGuard(monkeypatch):

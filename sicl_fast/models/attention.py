@@ -8,7 +8,8 @@ being copied) and the rows themselves (or a KV cache's keys). Kernels:
   triton the fused kernel kernels/attention.py: prefix and rows in one launch, soft-cap and window included
          (CUDA, or the CPU under TRITON_INTERPRET=1; what the run plan picks with impl 'triton')
   cpp    the C++ extension's (csrc/attention.cpp): prefix and rows in one call, soft-cap and window included
-         (float32 CPU tensors; what the run plan picks with impl 'cpp' on a float32 model)
+         (float32 CPU tensors, as every difference-form pass is; what the run plan picks with impl 'cpp'; a bf16
+         model's plain forward takes the math path)
 
 Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
 o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.
@@ -246,7 +247,8 @@ class Attention:
         T = q.shape[1]
         if impl == "triton" and (cache_len is None or (pos0 == 0 and cache_len == T)):
             return self._kernels.prefix_attention(q, k, v, prefix, pos0, window, self.scale, self.softcap)
-        if impl == "cpp" and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        if impl == "cpp" and q.dtype == torch.float32 and not (torch.is_grad_enabled() and (q.requires_grad
+                                                                                          or k.requires_grad)):
             return self._cpp.attention(q, k, v, prefix, pos0, 0 if cache_len is not None else pos0, self.scale,
                                        self.softcap, window)
         parts = [(k, v, 0 if cache_len is not None else pos0)]

@@ -738,6 +738,7 @@ def cmd_cache(args) -> int:
             raise SiclError(f"{path.name} has no cache entry yet (the first load converts it)")
         return entry
 
+    cache.check_cache_dir()  # before anything is hashed into it: a file, a dangling link, a converted/ that is a file
     if args.action == "path":
         print(model_folder(args.model, full=True))
         return 0

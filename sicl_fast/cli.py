@@ -276,8 +276,38 @@ def _store(g) -> None:
     g.add_argument("--store", type=folder_arg, default=None, metavar="DIR",
                    help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
                         "memory only)")
-    g.add_argument("--store-mib", type=arg_type("store_mib"), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
+    g.add_argument("--store-mib", type=arg_type("store_mib"), default=None, metavar="MIB",
                    help=f"memory the store may hold, in MiB (default {DEFAULT_MAX_BYTES >> 20})")
+
+
+def _store_mib(args) -> int:
+    """--store-mib, or its default (None in args: told apart from a value given, which _check_store refuses where
+    the store is not used)."""
+    from .store import DEFAULT_MAX_BYTES
+
+    return args.store_mib if args.store_mib is not None else DEFAULT_MAX_BYTES >> 20
+
+
+def _check_store(args) -> None:
+    """--store and --store-mib before any work: refused where no calibration goes through the store (calibrate and
+    icleval with --reuse off, the default with --pack > 1 and with --answer-at: they would only make empty
+    folders; serve keeps them, as a request may ask for reuse), then --store checked as --export is (a file, a
+    dangling link, no permission: sicl_fast.records.check_out_dir)."""
+    from .records import check_out_dir
+
+    given = [(f, v) for f, v in (("--store", args.store), ("--store-mib", args.store_mib)) if v is not None]
+    if given and args.cmd != "serve" and reuse_mode(args) == "off":
+        if args.reuse == "off":
+            why, fix = "--reuse off calibrates every request on its own, without the store", ", or use --reuse auto"
+        elif getattr(args, "answer_at", None):
+            why, fix = "--answer-at keeps the best X along each run, so no calibration goes through the store", ""
+        else:
+            why, fix = f"--pack {args.pack} calibrates packed, without the store", ", or use --pack 1"
+        raise SiclError(f"{' and '.join(f'{f} {v}' for f, v in given)} would have no effect: {why}; drop "
+                        f"{' and '.join(f for f, _ in given)}{fix}")
+    if args.store is not None:
+        require("safetensors")
+        check_out_dir(args.store, "--store", "the calibrations")
 
 
 def _reuse_choice(args) -> str | None:
@@ -438,8 +468,8 @@ def _check_flags(args) -> None:
         check_stops(args.stop, "--stop")
     if hasattr(args, "reuse"):
         reuse_mode(args)
-    if getattr(args, "store", None) is not None:
-        require("safetensors")
+    if hasattr(args, "store"):  # after --reuse: its own refusals first
+        _check_store(args)
     if _wants_grad(args) and hasattr(args, "impl"):
         from .plan import resolve_impl
 
@@ -474,9 +504,12 @@ def _plan_choices(args, **over) -> dict:
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
-    kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
+    # reuse resolved here (the command line's default, sicl_fast.plan.resolve_reuse): Engine's own default depends
+    # on whether a store is given, the command line's does not
+    kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast,
+              **_plan_choices(args, reuse=reuse_mode(args)))
     if hasattr(args, "store"):  # the commands with the store's flags
-        kw.update(store_dir=args.store, store_bytes=args.store_mib << 20)
+        kw.update(store_dir=args.store, store_bytes=_store_mib(args) << 20)
     return kw
 
 

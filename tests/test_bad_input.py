@@ -79,6 +79,27 @@ def test_resume_keeps_every_good_record_and_moves_bad_lines_aside(tmp_path):
     assert not (tmp_path / "out.jsonl.resume-tmp").exists()
 
 
+def test_a_resume_killed_while_it_rewrote_the_file_loses_no_record(tmp_path):
+    """#40's neighbour (a command that deletes): a resume that repairs the file rewrites it in place from a copy,
+    FILE.resume-tmp; killed after the truncation, the next open used the part in the file and overwrote the copy:
+    the other records were lost. Now the copy is restored; a copy torn while it was written is dropped (the file
+    was not touched yet)."""
+    out = tmp_path / "out.jsonl"
+    whole = b"".join(b'{"id": "%d"}\n' % i for i in range(4))
+    (tmp_path / "out.jsonl.resume-tmp").write_bytes(whole)
+    out.write_bytes(whole[:15])  # killed while the kept lines were written back: a part, its last line torn
+    with pytest.warns(SiclWarning, match="an earlier resume was interrupted while it rewrote the file"):
+        w = ResultWriter(out)
+    w.close()
+    assert w.done == {"0", "1", "2", "3"} and out.read_bytes() == whole
+    assert not (tmp_path / "out.jsonl.resume-tmp").exists() and not (tmp_path / "out.jsonl.bad").exists()
+    (tmp_path / "out.jsonl.resume-tmp").write_bytes(whole[:20])  # torn copy: the file is whole
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ResultWriter(out).close()
+    assert out.read_bytes() == whole and not (tmp_path / "out.jsonl.resume-tmp").exists()
+
+
 def test_a_clean_file_is_left_untouched(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a"}\n{"id": "b"}\n')
@@ -200,6 +221,26 @@ def test_embeddings_that_do_not_belong_to_the_prompt(eng, prompt):
     with pytest.raises(SiclError, match="X0: contains NaN"):
         c.run(prompt, X0=torch.full_like(X, float("nan")))
     assert cal(prompt, max_steps=1, N=2).steps == 1  # the checks pass the prompt's own embeddings
+
+
+def test_engine_given_a_path_or_conflicting_arguments(tiny_llama, tmp_path, no_model):
+    """#40: Engine("a path string") raised AttributeError: 'str' object has no attribute 'device' (the first
+    argument is a loaded model); arguments that a given lm or store would ignore are refused too."""
+    from pathlib import Path
+
+    from sicl_fast.store import CalibrationStore
+
+    for given in ("a path string", Path("m.gguf")):
+        with pytest.raises(SiclError, match=rf"Engine: the first argument is a loaded model .*pass model=: "
+                                            rf"Engine\(model='{given}'\)"):
+            Engine(given)
+    with pytest.raises(SiclError, match="the first argument must be a LoadedModel .* got dict"):
+        Engine({})
+    with pytest.raises(SiclError, match=r"Engine: model and dtype would be ignored beside lm \(a loaded model\)"):
+        Engine(tiny_llama, model="smollm2", dtype="bfloat16")
+    with pytest.raises(SiclError, match=r"store_dir and store_bytes would be ignored beside store"):
+        Engine(tiny_llama, store=CalibrationStore(), store_dir=str(tmp_path / "sd"), store_bytes=1)
+    assert not (tmp_path / "sd").exists()
 
 
 def test_api_misuse_names_the_argument(eng, prompt):

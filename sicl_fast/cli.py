@@ -620,7 +620,7 @@ def cmd_icleval(args) -> int:
     from .evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
 
     _check_flags(args)
-    check_icleval_args(args)
+    check_icleval_args(args, {k: v for k, v in _overrides(args).items() if v is not None})
     done = finished_run(args, _overrides(args))
     if done is not None:  # a finished run resumed: its report, without loading the model
         print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)

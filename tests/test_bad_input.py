@@ -310,7 +310,7 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--scale", "1e-300"], "mu * scale = 4e-303 is below float32's smallest normal number"),
     (["--scale", "1e300"], "mu * scale and eta * scale must be <= 3.4e+38"),
     (["--alpha", "0", "--beta", "0", "--gamma", "0"], "alpha, beta and gamma sum to 0"),
-    (["--stop="], "--stop[0]: an empty stop string would end every answer"),
+    (["--generate", "--stop="], "--stop[0]: an empty stop string would end every answer"),
     # issue 29: every knob has a range (sicl_fast.knobs), checked while parsing
     (["--max-steps", "1000001"], "--max-steps: must be <= 1000000"),
     (["--max-steps", "1e30"], "--max-steps: must be an integer, got '1e30'"),
@@ -401,6 +401,37 @@ def test_an_output_folder_that_cannot_be_one_is_one_line_before_any_work(tmp_pat
         main(["report", results, "--report", ""])
     assert exc.value.code == 2
     one_line_error(capsys, "argument --report: an empty folder name")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["calibrate", "R", "--out", "O", "--stop", "x"], "--stop has no effect in this run: only --generate decodes"),
+    (["calibrate", "R", "--out", "O", "--max-new-tokens", "4"], "--max-new-tokens has no effect in this run"),
+    (["calibrate", "R", "--out", "O", "--cpus-per-worker", "2"], "--cpus-per-worker has no effect in this run: it "
+                                                                 "shapes the Ray pool (--ray)"),
+    (["calibrate", "R", "--out", "O", "--max-retries", "0"], "--max-retries has no effect in this run"),
+    (["profile", "R", "--length", "64"], "--length has no effect in this run: it sizes the synthetic prompt"),
+    (["profile", "R", "--prefix", "3"], "--prefix has no effect in this run"),
+    (["icleval", "D", "--out", "O", "--method", "base", "--answer-at", "1"],
+     "--answer-at has no effect: it is read by --method sicl or sicl-grad only, and this run's is --method base;"),
+    (["icleval", "D", "--out", "O", "--method", "sicl", "--demo-orders", "3"],
+     "--demo-orders has no effect: it is read by --method demo only, and this run's is --method sicl; add that"),
+    (["icleval", "D", "--out", "O", "--method", "sicl-grad", "--ablate", "alpha"], "--ablate has no effect: it is "
+                                                                                    "read by --method sicl only"),
+    (["icleval", "D", "--out", "O", "--method", "base", "cc", "--max-steps", "3", "--mu", "0.1"],
+     "--mu, --max-steps have no effect: --method base cc runs no calibration"),
+    (["icleval", "D", "--out", "O", "--no-reference"], "--no-reference has no effect without --ablate"),
+])
+def test_a_flag_that_this_run_would_not_read_is_one_line_before_any_work(tmp_path, capsys, no_model, argv, needle):
+    """#40's neighbours: flags a mode does not read (answers' flags without --generate, the Ray pool's without
+    --ray, the synthetic prompt's beside REQUESTS, a method's settings without that method, knobs without a
+    calibration) were ignored without a word."""
+    from conftest import ICLEVAL_EXCERPTS
+
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    names = {"R": reqs, "O": str(tmp_path / "o.jsonl"), "D": str(ICLEVAL_EXCERPTS)}
+    assert main([names.get(a, a) for a in argv]) == 2
+    one_line_error(capsys, needle)
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_directory_as_input(tmp_path, capsys, no_model):
@@ -558,8 +589,9 @@ def test_a_lone_surrogate_in_the_api_and_the_stop_strings(eng, tmp_path, capsys,
     with pytest.raises(TextError, match=r"request: field 'demos\[2\].output'"):
         eng.prepare(dict(STRUCT, demos=[*STRUCT["demos"], {"input": "x", "output": "\udc00"}]))
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
-    assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--stop", "\udcff"]) == 2  # an undecodable
-    one_line_error(capsys, "--stop[0]", "not valid Unicode")  # byte of an argument arrives as a lone surrogate
+    out = str(tmp_path / "o.jsonl")
+    assert main(["calibrate", reqs, "--out", out, "--generate", "--stop", "\udcff"]) == 2  # an undecodable byte
+    one_line_error(capsys, "--stop[0]", "not valid Unicode")  # of an argument arrives as a lone surrogate
 
 
 # --------------------------------------------------------------------------------------- issue 29: knob ranges

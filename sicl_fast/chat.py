@@ -24,21 +24,53 @@ SHAPE = "an optional system message, then alternating user / assistant turns (th
         "pair), ending with a user turn (the query)"
 
 
+# what the OpenAI API sends that a few-shot prompt of text cannot hold, in words: content parts by type, and the
+# fields and roles of tool calling
+NOT_TEXT = {"image_url": "images are", "input_image": "images are", "image": "images are", "input_audio": "audio is",
+            "audio": "audio is", "file": "files are", "input_file": "files are"}
+TOOL_FIELDS = ("tool_calls", "function_call")
+TOOL_ROLES = ("tool", "function")
+
+
 def message_text(content, where: str) -> str:
-    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...})."""
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}). Anything else is
+    refused naming the part: an image, audio or a file is not supported (the prompt is text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(f"{where}: content must be a string or a list of text parts")
+    if not isinstance(content, list):
+        got = "null" if content is None else type(content).__name__
+        raise RequestError(f"{where}: content must be a string or a list of text parts, got {got}")
+    for k, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in NOT_TEXT:
+            raise RequestError(f"{where}: content[{k}] is a part of type {kind!r}: {NOT_TEXT[kind]} not supported "
+                               "(the calibrated prompt is text); send text parts ({\"type\": \"text\", \"text\": "
+                               "...}) or a string")
+        if kind != "text" or not isinstance(p.get("text"), str):
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "not a text part"
+            raise RequestError(f"{where}: content[{k}] is {what}; content must be a string or a list of text parts "
+                               "({\"type\": \"text\", \"text\": ...})")
+    return "".join(p["text"] for p in content)
+
+
+def check_tools(messages: list[dict], rid: str) -> None:
+    """Refuse tool calling in one line naming the turn: a tool / function role, or an assistant turn that carries
+    tool_calls (or the older function_call). A conversation of demonstrations is text turns only."""
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        field = next((f for f in TOOL_FIELDS if m.get(f)), None)
+        if role in TOOL_ROLES or field is not None:
+            what = f"role {role!r}" if role in TOOL_ROLES else f"an assistant turn with {field}"
+            raise RequestError(f"request {rid!r}: field 'messages[{i}]': {what}: tool calls are not supported (the "
+                               f"conversation is the few-shot prompt: {SHAPE}, text only)")
 
 
 def check_shape(messages: list[dict], rid: str) -> list[dict]:
     """[{'role', 'content'}] with roles normalised (developer -> system) and contents as text, in the shape
-    system? (user assistant)+ user; anything else is refused with one line."""
+    system? (user assistant)+ user; anything else (tool calls, images among them) is refused with one line."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise RequestError(f"request {rid!r}: field 'messages': must be a list of messages")
+    check_tools(messages, rid)
     roles = [ROLES.get(m.get("role"), str(m.get("role"))) for m in messages]
     body = roles[1:] if roles[:1] == ["system"] else roles
     pairs = (len(body) - 1) // 2
@@ -142,4 +174,4 @@ class StreamCut:
         return answer[len(self.sent):] if answer.startswith(self.sent) else ""
 
 
-__all__ = ["render", "check_shape", "chat_template", "StreamCut", "ROLES", "SHAPE"]
+__all__ = ["render", "check_shape", "check_tools", "message_text", "chat_template", "StreamCut", "ROLES", "SHAPE"]

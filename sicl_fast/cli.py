@@ -181,7 +181,7 @@ def _budget(g) -> None:
 
 
 def _generate(g) -> None:
-    g.add_argument("--max-new-tokens", type=arg_type("max_new_tokens"), default=32,
+    g.add_argument("--max-new-tokens", type=arg_type("max_new_tokens"), default=None,
                    help="at most this many tokens per answer (default 32)")
     g.add_argument("--stop", action="append", default=None,
                    help="stop string, at least one character (repeatable; default: a newline)")
@@ -208,7 +208,7 @@ def _ray(g) -> None:
                    help="default: the cluster's CPUs // --workers (each actor's --threads match it unless given)")
     g.add_argument("--gpus-per-worker", type=arg_type("gpus_per_worker"), default=None,
                    help="default: 1 with --device cuda, else 0")
-    g.add_argument("--max-retries", type=arg_type("max_retries"), default=2,
+    g.add_argument("--max-retries", type=arg_type("max_retries"), default=None,
                    help="times a request is retried after its worker died before it is recorded as an error "
                         "(default 2)")
 
@@ -276,8 +276,38 @@ def _store(g) -> None:
     g.add_argument("--store", type=folder_arg, default=None, metavar="DIR",
                    help="also keep calibrations on disk in DIR, for reruns and for processes sharing it (default: "
                         "memory only)")
-    g.add_argument("--store-mib", type=arg_type("store_mib"), default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
+    g.add_argument("--store-mib", type=arg_type("store_mib"), default=None, metavar="MIB",
                    help=f"memory the store may hold, in MiB (default {DEFAULT_MAX_BYTES >> 20})")
+
+
+def _store_mib(args) -> int:
+    """--store-mib, or its default (None in args: told apart from a value given, which _check_store refuses where
+    the store is not used)."""
+    from .store import DEFAULT_MAX_BYTES
+
+    return args.store_mib if args.store_mib is not None else DEFAULT_MAX_BYTES >> 20
+
+
+def _check_store(args) -> None:
+    """--store and --store-mib before any work: refused where no calibration goes through the store (calibrate and
+    icleval with --reuse off, the default with --pack > 1 and with --answer-at: they would only make empty
+    folders; serve keeps them, as a request may ask for reuse), then --store checked as --export is (a file, a
+    dangling link, no permission: sicl_fast.records.check_out_dir)."""
+    from .records import check_out_dir
+
+    given = [(f, v) for f, v in (("--store", args.store), ("--store-mib", args.store_mib)) if v is not None]
+    if given and args.cmd != "serve" and reuse_mode(args) == "off":
+        if args.reuse == "off":
+            why, fix = "--reuse off calibrates every request on its own, without the store", ", or use --reuse auto"
+        elif getattr(args, "answer_at", None):
+            why, fix = "--answer-at keeps the best X along each run, so no calibration goes through the store", ""
+        else:
+            why, fix = f"--pack {args.pack} calibrates packed, without the store", ", or use --pack 1"
+        raise SiclError(f"{' and '.join(f'{f} {v}' for f, v in given)} would have no effect: {why}; drop "
+                        f"{' and '.join(f for f, _ in given)}{fix}")
+    if args.store is not None:
+        require("safetensors")
+        check_out_dir(args.store, "--store", "the calibrations")
 
 
 def _reuse_choice(args) -> str | None:
@@ -362,10 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "peak memory; kernels per step")
     pr.add_argument("requests", nargs="?", default=None,
                     help="requests JSONL (the first request is profiled); default: a synthetic prompt of --length")
-    pr.add_argument("--length", type=arg_type("profile_length"), default=512,
-                    help="synthetic prompt length in tokens (default 512)")
-    pr.add_argument("--prefix", type=arg_type("prefix"), default=0,
-                    help="synthetic prompt: tokens of instruction before the demos")
+    pr.add_argument("--length", type=arg_type("profile_length"), default=None,
+                    help="synthetic prompt length in tokens (default 512; without REQUESTS only)")
+    pr.add_argument("--prefix", type=arg_type("prefix"), default=None,
+                    help="synthetic prompt: tokens of instruction before the demos (default 0; without REQUESTS only)")
     pr.add_argument("--repeats", type=arg_type("repeats"), default=5,
                     help="timed calls per phase (the best is kept; default 5)")
     pr.add_argument("--trace", default=None, metavar="OUT.json",
@@ -426,6 +456,36 @@ def _overrides(args) -> dict:
     return {f.name: getattr(args, f.name, None) for f in dataclasses.fields(CalibrationConfig)}
 
 
+DEFAULT_NEW_TOKENS = 32
+
+
+def _max_new_tokens(args) -> int:
+    """--max-new-tokens, or its default (None in args: told apart from a value given, see _check_read)."""
+    return DEFAULT_NEW_TOKENS if args.max_new_tokens is None else args.max_new_tokens
+
+
+# flags a command reads in some modes only: (command or None for every command that has the flag, dest, flag,
+# whether this run reads it, what reads it); given where nothing reads them, they are refused before any work
+MODE_FLAGS = (
+    ("calibrate", "max_new_tokens", "--max-new-tokens", lambda a: a.generate, "only --generate decodes answers"),
+    ("calibrate", "stop", "--stop", lambda a: a.generate, "only --generate decodes answers"),
+    (None, "cpus_per_worker", "--cpus-per-worker", lambda a: a.ray is not None, "it shapes the Ray pool (--ray)"),
+    (None, "gpus_per_worker", "--gpus-per-worker", lambda a: a.ray is not None, "it shapes the Ray pool (--ray)"),
+    (None, "max_retries", "--max-retries", lambda a: a.ray is not None, "it retries the Ray pool's work (--ray)"),
+    ("profile", "length", "--length", lambda a: a.requests is None,
+     "it sizes the synthetic prompt, and REQUESTS is profiled as it is"),
+    ("profile", "prefix", "--prefix", lambda a: a.requests is None,
+     "it shapes the synthetic prompt, and REQUESTS is profiled as it is"),
+)
+
+
+def _check_read(args) -> None:
+    """Refuse a flag given where this run does not read it (MODE_FLAGS): it would be ignored without a word."""
+    for cmd, dest, flag, read, why in MODE_FLAGS:
+        if (cmd is None or cmd == args.cmd) and getattr(args, dest, None) is not None and not read(args):
+            raise SiclError(f"{flag} has no effect in this run: {why}; drop {flag}")
+
+
 def _check_flags(args) -> None:
     """Every flag checked before any model is loaded: the calibration values (CalibrationConfig's own checks on the
     values given; the integer ranges were checked while parsing, sicl_fast.knobs), the stop strings and the
@@ -433,13 +493,14 @@ def _check_flags(args) -> None:
     from .generate import check_stops
     from .models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
 
+    _check_read(args)
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
     if getattr(args, "stop", None) is not None:
         check_stops(args.stop, "--stop")
     if hasattr(args, "reuse"):
         reuse_mode(args)
-    if getattr(args, "store", None) is not None:
-        require("safetensors")
+    if hasattr(args, "store"):  # after --reuse: its own refusals first
+        _check_store(args)
     if _wants_grad(args) and hasattr(args, "impl"):
         from .plan import resolve_impl
 
@@ -474,9 +535,12 @@ def _plan_choices(args, **over) -> dict:
 def _engine_kwargs(args, add_special_tokens=None) -> dict:
     """The Engine's arguments from the flags (what a Ray worker builds its own engine from)."""
     ast = getattr(args, "add_special_tokens", False) if add_special_tokens is None else add_special_tokens
-    kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast, **_plan_choices(args))
+    # reuse resolved here (the command line's default, sicl_fast.plan.resolve_reuse): Engine's own default depends
+    # on whether a store is given, the command line's does not
+    kw = dict(model=args.model, dtype=args.dtype, device=args.device, add_special_tokens=ast,
+              **_plan_choices(args, reuse=reuse_mode(args)))
     if hasattr(args, "store"):  # the commands with the store's flags
-        kw.update(store_dir=args.store, store_bytes=args.store_mib << 20)
+        kw.update(store_dir=args.store, store_bytes=_store_mib(args) << 20)
     return kw
 
 
@@ -498,19 +562,20 @@ def _workers(args, add_special_tokens=None):
 
     return RayPool(_engine_kwargs(args, add_special_tokens), workers=args.workers, address=args.ray,
                    cpus_per_worker=args.cpus_per_worker, gpus_per_worker=args.gpus_per_worker,
-                   max_retries=args.max_retries)
+                   max_retries=2 if args.max_retries is None else args.max_retries)
 
 
 def cmd_demo(args) -> int:
     _check_flags(args)
     eng = _engine(args)
-    prompt = eng.prepare(DEMO_REQUEST, reserve=args.max_new_tokens)
+    new = _max_new_tokens(args)
+    prompt = eng.prepare(DEMO_REQUEST, reserve=new)
     over = _overrides(args)
     if over["max_steps"] is None:
         over["max_steps"] = 15  # a short demo; --max-steps for more
     cfg = eng.config(**over)
     stops = args.stop or ["\n"]
-    base = eng.generate(prompt, max_new_tokens=args.max_new_tokens, stop_strings=stops)
+    base = eng.generate(prompt, max_new_tokens=new, stop_strings=stops)
     print(f"model: {eng.lm.name}  backend: {eng.backend.name}  impl: {eng.backend.ops.name}  prompt: "
           f"{prompt.length} tokens, {prompt.num_demos} demonstrations, perturbed rows [{prompt.demo_start}, "
           f"{prompt.demo_end})")
@@ -519,7 +584,7 @@ def cmd_demo(args) -> int:
     print("--------------")
     res = eng.calibrate(prompt, cfg, on_step=lambda s, f: print(f"  step {s:3d}  proxy {f:.4f}", file=sys.stderr),
                         time_budget_s=args.time_budget)
-    cal = eng.generate(prompt, res.embeddings, max_new_tokens=args.max_new_tokens, stop_strings=stops)
+    cal = eng.generate(prompt, res.embeddings, max_new_tokens=new, stop_strings=stops)
     print(f"proxy before: {res.initial_proxy:.4f}   after: {res.best_proxy:.4f}   "
           f"({res.steps} steps, stopped by {res.stop_reason}, {res.seconds:.1f} s)")
     print(f"answer before: {base.answer!r}")
@@ -562,8 +627,8 @@ def cmd_calibrate(args) -> int:
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
-        workers.call(check_requests, requests, args.max_new_tokens if args.generate else 0, cfg)
-        work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=args.max_new_tokens,
+        workers.call(check_requests, requests, _max_new_tokens(args) if args.generate else 0, cfg)
+        work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=_max_new_tokens(args),
                                  stop_strings=args.stop, generate=args.generate, export=bool(args.export),
                                  time_budget_s=args.time_budget)
         with ResultWriter(args.out) as out:
@@ -587,7 +652,7 @@ def cmd_icleval(args) -> int:
     from .evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
 
     _check_flags(args)
-    check_icleval_args(args)
+    check_icleval_args(args, {k: v for k, v in _overrides(args).items() if v is not None})
     done = finished_run(args, _overrides(args))
     if done is not None:  # a finished run resumed: its report, without loading the model
         print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
@@ -661,7 +726,7 @@ def cmd_profile(args) -> int:
     if first is not None:
         prompt = eng.prepare(first)
     else:
-        prompt = synthetic_prompt(eng.lm, args.length, seed=args.seed or 0, prefix=args.prefix)
+        prompt = synthetic_prompt(eng.lm, args.length or 512, seed=args.seed or 0, prefix=args.prefix or 0)
     prof = profile_step(eng.backend, eng.config(**_overrides(args)), prompt, repeats=args.repeats, trace=args.trace,
                         progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     if args.json:
@@ -738,6 +803,7 @@ def cmd_cache(args) -> int:
             raise SiclError(f"{path.name} has no cache entry yet (the first load converts it)")
         return entry
 
+    cache.check_cache_dir()  # before anything is hashed into it: a file, a dangling link, a converted/ that is a file
     if args.action == "path":
         print(model_folder(args.model, full=True))
         return 0

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import build_backend
 from .checks import check_embeddings, check_prompt
+from .errors import SiclError
 from .generate import Generation
 from .graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
@@ -33,7 +35,8 @@ from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 
 class Engine:
-    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`). Every other argument is a choice of the
+    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`, default float32 on the CPU; a name or a
+    path given as lm, or those three beside lm, are refused: check_engine_args). Every other argument is a choice of the
     run plan (sicl_fast.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
     backend; impl, the implementation of the hot ops ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops); attn and
     diff_matmul, the fast decoder's attention kernel and difference products; loop, how calibrations run: 'static'
@@ -47,9 +50,10 @@ class Engine:
     decodes through captured graphs (sicl_fast.graphs); at most `graph_cache` graphs of each kind are kept. Results
     equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
     reuse: what `calibrate` does by default with the calibration store (sicl_fast.reuse): 'off' (calibrate every
-    prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always). store: a CalibrationStore
-    (shared between engines if you like); else one is made with `store_bytes` of memory and, with `store_dir`,
-    a directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
+    prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always); unset, 'auto' when a store
+    or store_dir is given (else 'off'). store: a CalibrationStore (shared between engines if you like); else one is
+    made with `store_bytes` of memory (default sicl_fast.store.DEFAULT_MAX_BYTES) and, with `store_dir`, a
+    directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
     (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.threads)."""
 
     def __init__(
@@ -57,9 +61,9 @@ class Engine:
         lm: LoadedModel | None = None,
         backend: str = "auto",
         add_special_tokens: bool = False,
-        model: str | None = None,
-        dtype: str = "float32",
-        device: str = "cpu",
+        model: str | os.PathLike | None = None,
+        dtype: str | None = None,
+        device: str | None = None,
         diff_matmul: str = "auto",
         impl: str = "auto",
         loop: str = "auto",
@@ -69,18 +73,22 @@ class Engine:
         graphs: str = "auto",
         graph_cache: int = DEFAULT_CAPACITY,
         attn: str = "auto",
-        reuse: str | None = "off",
+        reuse: str | None = None,
         store: CalibrationStore | None = None,
-        store_dir: str | None = None,
-        store_bytes: int = DEFAULT_MAX_BYTES,
+        store_dir: str | os.PathLike | None = None,
+        store_bytes: int | None = None,
         threads: int | None = None,
     ) -> None:
-        self.store = store if store is not None else CalibrationStore(store_bytes, store_dir)
-        self._reuser = None
+        check_engine_args(lm, model=model, dtype=dtype, device=device, store=store, store_dir=store_dir,
+                          store_bytes=store_bytes)
+        reuse = default_reuse(reuse, store is not None or store_dir is not None, pack)
         choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
                           sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad,
-                          reuse=reuse, threads=threads)
-        self.lm = lm if lm is not None else load(model, dtype=dtype, device=device)
+                          reuse=reuse, threads=threads)  # every choice checked before the store or the model
+        self.store = store if store is not None else CalibrationStore(
+            DEFAULT_MAX_BYTES if store_bytes is None else store_bytes, store_dir)
+        self._reuser = None
+        self.lm = lm if lm is not None else load(model, dtype=dtype or "float32", device=device or "cpu")
         self.plan = make_plan(self.lm, choices)
         self.backend = build_backend(self.plan, self.lm)
         self.add_special_tokens = add_special_tokens
@@ -194,3 +202,34 @@ class Engine:
         """Greedy answer from `embeds` [L, d] (default: the prompt's own embeddings)."""
         X = self._embeddings(prompt, embeds)
         return self.backend.generate(X, prompt, max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn)
+
+
+def check_engine_args(lm, **given) -> None:
+    """Engine's arguments that cannot work together, refused before anything is made: `lm` must be a loaded model
+    (a name or a path goes to model=); model, dtype and device load one, so they are refused beside `lm`; a ready
+    `store` is refused beside store_dir and store_bytes, which make one. `given`: those arguments (None: not
+    given)."""
+    if lm is not None and not isinstance(lm, LoadedModel):
+        if isinstance(lm, (str, os.PathLike)):
+            raise SiclError(f"Engine: the first argument is a loaded model (sicl_fast.load(...)), got the "
+                            f"{type(lm).__name__} {str(lm)!r}; to load it pass model=: Engine(model={str(lm)!r})")
+        raise SiclError(f"Engine: the first argument must be a LoadedModel (sicl_fast.load(...), or "
+                        f"sicl_fast.models.from_transformers(model, tokenizer)), got {type(lm).__name__}")
+    for uses, names in ((lm, ("model", "dtype", "device")), (given["store"], ("store_dir", "store_bytes"))):
+        both = [n for n in names if given[n] is not None]
+        if uses is not None and both:
+            what = "lm (a loaded model)" if uses is lm else "store (a CalibrationStore)"
+            raise SiclError(f"Engine: {' and '.join(both)} would be ignored beside {what}: they make what it "
+                            "already is; pass one or the other")
+
+
+def default_reuse(reuse: str | None, has_store: bool, pack: int) -> str | None:
+    """Engine's reuse: as given; unset, 'off', or the plan's default ('auto') when a store is given (store or
+    store_dir: a store asked for is meant to be used). A store with pack > 1 and no reuse is refused: the packed
+    step calibrates without it, and nothing would go into it."""
+    if reuse is not None or not has_store:
+        return reuse if reuse is not None else "off"
+    if pack > 1:
+        raise SiclError(f"Engine: a store with pack {pack} is not used (the packed step calibrates without it); "
+                        "pass reuse='off' to keep it for calibrate(..., reuse='auto') calls, or pack=1")
+    return None

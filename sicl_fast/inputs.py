@@ -4,6 +4,9 @@ streams.
     with open_input(path, "requests file", hint) as fh:   binary lines
         ...
 
+    env_path("SICL_FAST_CACHE")                           the folder a variable names, absolute; None when unset,
+                                                          empty or blank
+
 A regular file is opened; a pipe (a FIFO, `/dev/stdin` on a pipe, a process substitution `<(cat f)`), a terminal
 and `-` (standard input) are read once, as a stream; anything else is refused with what it is: a directory, a
 socket, a device; a dangling symbolic link, a symbolic link loop, a missing file, one that cannot be read.
@@ -35,6 +38,16 @@ def _kind(mode: int) -> str | None:
     if stat.S_ISCHR(mode):
         return "a character device"
     return None
+
+
+def env_path(name: str) -> Path | None:
+    """The path the environment variable `name` holds, ~ expanded and made absolute (links kept), or None when it is
+    unset, empty or blank: `VAR=` or an unset shell variable expanded into it means "unset", never the current
+    folder (which a cache would fill, and `cache clear` would clear)."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return None
+    return Path(value).expanduser().absolute()
 
 
 def describe_missing(path: Path) -> str:
@@ -94,4 +107,4 @@ def _is_tty(p: Path) -> bool:
         os.close(fd)
 
 
-__all__ = ["open_input", "describe_missing", "STDIN"]
+__all__ = ["open_input", "describe_missing", "env_path", "STDIN"]

@@ -43,7 +43,7 @@ from .models.transformer import DIFF_MATMUL, fast_low_precision
 from .ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
 from .ops.triton_ops import load_kernels
 from .spec import check_choice
-from .threads import choose_wait_policy, resolve_threads
+from .threads import choose_wait_policy, resolve_threads, warn_oversubscribed
 
 LOOPS = ("auto", "static", "eager")
 
@@ -99,7 +99,8 @@ class Choices:
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         resolve_reuse(self.reuse, self.pack)
-        resolve_threads(self.threads)  # --threads, or OMP_NUM_THREADS beyond the table's limit, before a model loads
+        # --threads, or OMP_NUM_THREADS beyond the table's limit refused, beyond the cores warned, before a model loads
+        warn_oversubscribed(self.threads)
 
 
 # ------------------------------------------------------------------------------------------- the rules, once
@@ -462,6 +463,23 @@ class RunPlan:
         return "\n".join(lines)
 
 
+def without_effect(c: Choices, backend: str, loop: str) -> list[str]:
+    """The choices asked for that the plan of `backend` on `loop` does not read, one line each (make_plan warns
+    them; a refusal would stop `sicl-fast bench`, which runs one set of flags on several backends): the difference
+    products and the attention kernel belong to the fast decoder (not 'fast-fp32''s float32 products), and the
+    eager loop reads its state every step, whatever sync_every says."""
+    kind, out = BACKENDS[backend], []
+    if c.diff_matmul in ("bf16", "fp8") and (kind.cls != "fast" or kind.plain):
+        out.append(f"diff_matmul {c.diff_matmul!r} has no effect on backend {backend!r}: only the 'fast' backend "
+                   "multiplies differences in lower precision")
+    if c.attn != "auto" and kind.cls != "fast":
+        out.append(f"attn {c.attn!r} has no effect on backend {backend!r}, which runs transformers' own attention")
+    if c.sync_every is not None and loop == "eager":
+        out.append(f"sync_every {c.sync_every} has no effect on the eager loop, which reads its state every step "
+                   "(it sets the static loop's reads)")
+    return out
+
+
 def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     """The RunPlan of `choices` (or Choices(**kw)) on the loaded model `lm` (module docstring). Raises a SiclError
     (UnsupportedModelError for a model the fast backend cannot run) naming what cannot be done and what to do."""
@@ -483,6 +501,10 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     why_pack = resolve_pack(c.pack, static, backend, c.loop)
     reuse, why_reuse = resolve_reuse(c.reuse, c.pack)
     threads, why_threads = resolve_threads(c.threads)
+    for line in without_effect(c, backend, loop):  # legal, but nothing reads them here: one line each
+        warnings.warn(line, SiclWarning, stacklevel=2)
+    if c.sync_every is not None and loop == "eager":
+        why_sync = "asked for; no effect on the eager loop, which reads its state every step"
     wait, why_wait = choose_wait_policy()
     refusal = grad_refusal(impl, backend, lm)
     if c.grad and refusal:
@@ -511,4 +533,4 @@ __all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES
            "check_estimator", "check_unpacked", "check_zeroth_order", "default_sync_every", "forward_only",
            "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_attention_check",
            "resolve_attention_kernel", "resolve_backend", "resolve_diff", "resolve_graphs", "resolve_impl",
-           "resolve_loop", "resolve_pack", "resolve_read_every", "resolve_reuse"]
+           "resolve_loop", "resolve_pack", "resolve_read_every", "resolve_reuse", "without_effect"]

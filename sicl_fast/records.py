@@ -79,8 +79,10 @@ def folder_arg(text: str) -> str:
 
 def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
     """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
-    it cannot be a writable folder: a file, a dangling link or a link loop, no permission. `what`: what goes in
-    it, for the message."""
+    it cannot be a writable folder: an empty name, a file, a dangling link or a link loop, no permission. `what`:
+    what goes in it, for the message."""
+    if not str(directory).strip():  # Path("") is the current folder, which would fill with the outputs
+        raise SiclError(f"{flag}: an empty folder name; give a folder for {what}")
     path = Path(directory)
     if path.is_symlink() and not path.exists():
         raise SiclError(f"{flag} {path}: {describe_missing(path)}")
@@ -160,7 +162,19 @@ class ResultWriter:
         keep: list[bytes] = []
         bad: list[bytes] = []
         duplicates = 0
-        for line in data.splitlines(keepends=True):
+        backup = self.path.with_name(self.path.name + ".resume-tmp")
+        # a repair killed while it rewrote the file (below) left its copy of the kept records, and the file only a
+        # part of them: the copy's records come first, and the file's lines that repeat them are not duplicates
+        saved = backup.read_bytes() if backup.is_file() else b""
+        if not saved.endswith(b"\n"):  # none, or killed while the copy was written: the file was not touched yet
+            backup.unlink(missing_ok=True)
+            saved = b""
+        restored = set()
+        rest = b"" if saved.startswith(data) else data  # the file holds a part of the copy (a torn line at most)
+        for line in saved.splitlines(keepends=True) + [b""] + rest.splitlines(keepends=True):
+            if not line:
+                restored = set(self.done)  # the copy's records: their repeats in the file are no duplicates
+                continue
             if not line.strip():
                 continue
             if not line.endswith(b"\n"):
@@ -169,12 +183,15 @@ class ResultWriter:
             if parsed is None:
                 bad.append(line)
             elif parsed[0] in self.done:
-                duplicates += 1
+                duplicates += parsed[0] not in restored
             else:
                 self.done.add(parsed[0])
                 keep.append(line)
         self.resumed = len(keep)
-        if not bad and not duplicates and sum(map(len, keep)) == len(data):
+        if saved:
+            warnings.warn(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy "
+                          f"{backup} restored ({len(keep)} record(s) kept)", SiclWarning, stacklevel=4)
+        if not saved and not bad and not duplicates and sum(map(len, keep)) == len(data):
             return
         if bad:
             bad_path = self.path.with_name(self.path.name + ".bad")
@@ -188,9 +205,9 @@ class ResultWriter:
         if duplicates:
             warnings.warn(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)",
                           SiclWarning, stacklevel=4)
-        # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done
-        backup = self.path.with_name(self.path.name + ".resume-tmp")
-        backup.write_bytes(b"".join(keep))
+        # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done (a kill
+        # meanwhile: the next open restores it, above)
+        _write_synced(backup, b"".join(keep))
         fh.seek(0)
         fh.truncate()
         fh.writelines(keep)
@@ -230,6 +247,14 @@ class ResultWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write a whole file and flush it to disk (the copy a rewrite relies on)."""
+    with path.open("wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], object] = lambda r: r["id"]) -> bool:

@@ -24,7 +24,9 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_I
 # ICLEval data. The clone ships excerpts (a few unmodified samples of three files, tests/data/icleval, with the
 # ICLEval license); tests that need the complete files take them from SICL_ICLEVAL_DIR and skip when it is unset.
 ICLEVAL_EXCERPTS = Path(__file__).resolve().parent / "data" / "icleval"
-ICLEVAL_FULL = Path(os.environ["SICL_ICLEVAL_DIR"]) if os.environ.get("SICL_ICLEVAL_DIR") else None
+from sicl_fast.inputs import env_path  # noqa: E402 - after OMP_NUM_THREADS and TRITON_INTERPRET are set
+
+ICLEVAL_FULL = env_path("SICL_ICLEVAL_DIR")  # unset, empty or blank: the checks that need it are skipped
 needs_icleval_full = pytest.mark.skipif(
     ICLEVAL_FULL is None, reason="needs the complete ICLEval task files: set SICL_ICLEVAL_DIR to ICLEval's "
                                  "data/tasks_data folder (https://github.com/RUCBM/ICLEval)")

@@ -79,6 +79,27 @@ def test_resume_keeps_every_good_record_and_moves_bad_lines_aside(tmp_path):
     assert not (tmp_path / "out.jsonl.resume-tmp").exists()
 
 
+def test_a_resume_killed_while_it_rewrote_the_file_loses_no_record(tmp_path):
+    """#40's neighbour (a command that deletes): a resume that repairs the file rewrites it in place from a copy,
+    FILE.resume-tmp; killed after the truncation, the next open used the part in the file and overwrote the copy:
+    the other records were lost. Now the copy is restored; a copy torn while it was written is dropped (the file
+    was not touched yet)."""
+    out = tmp_path / "out.jsonl"
+    whole = b"".join(b'{"id": "%d"}\n' % i for i in range(4))
+    (tmp_path / "out.jsonl.resume-tmp").write_bytes(whole)
+    out.write_bytes(whole[:15])  # killed while the kept lines were written back: a part, its last line torn
+    with pytest.warns(SiclWarning, match="an earlier resume was interrupted while it rewrote the file"):
+        w = ResultWriter(out)
+    w.close()
+    assert w.done == {"0", "1", "2", "3"} and out.read_bytes() == whole
+    assert not (tmp_path / "out.jsonl.resume-tmp").exists() and not (tmp_path / "out.jsonl.bad").exists()
+    (tmp_path / "out.jsonl.resume-tmp").write_bytes(whole[:20])  # torn copy: the file is whole
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ResultWriter(out).close()
+    assert out.read_bytes() == whole and not (tmp_path / "out.jsonl.resume-tmp").exists()
+
+
 def test_a_clean_file_is_left_untouched(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a"}\n{"id": "b"}\n')
@@ -202,6 +223,26 @@ def test_embeddings_that_do_not_belong_to_the_prompt(eng, prompt):
     assert cal(prompt, max_steps=1, N=2).steps == 1  # the checks pass the prompt's own embeddings
 
 
+def test_engine_given_a_path_or_conflicting_arguments(tiny_llama, tmp_path, no_model):
+    """#40: Engine("a path string") raised AttributeError: 'str' object has no attribute 'device' (the first
+    argument is a loaded model); arguments that a given lm or store would ignore are refused too."""
+    from pathlib import Path
+
+    from sicl_fast.store import CalibrationStore
+
+    for given in ("a path string", Path("m.gguf")):
+        with pytest.raises(SiclError, match=rf"Engine: the first argument is a loaded model .*pass model=: "
+                                            rf"Engine\(model='{given}'\)"):
+            Engine(given)
+    with pytest.raises(SiclError, match="the first argument must be a LoadedModel .* got dict"):
+        Engine({})
+    with pytest.raises(SiclError, match=r"Engine: model and dtype would be ignored beside lm \(a loaded model\)"):
+        Engine(tiny_llama, model="smollm2", dtype="bfloat16")
+    with pytest.raises(SiclError, match=r"store_dir and store_bytes would be ignored beside store"):
+        Engine(tiny_llama, store=CalibrationStore(), store_dir=str(tmp_path / "sd"), store_bytes=1)
+    assert not (tmp_path / "sd").exists()
+
+
 def test_api_misuse_names_the_argument(eng, prompt):
     with pytest.raises(SiclError, match=r"prompt: must be a Prompt .*got dict"):
         eng.calibrate(STRUCT)
@@ -269,7 +310,7 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--scale", "1e-300"], "mu * scale = 4e-303 is below float32's smallest normal number"),
     (["--scale", "1e300"], "mu * scale and eta * scale must be <= 3.4e+38"),
     (["--alpha", "0", "--beta", "0", "--gamma", "0"], "alpha, beta and gamma sum to 0"),
-    (["--stop="], "--stop[0]: an empty stop string would end every answer"),
+    (["--generate", "--stop="], "--stop[0]: an empty stop string would end every answer"),
     # issue 29: every knob has a range (sicl_fast.knobs), checked while parsing
     (["--max-steps", "1000001"], "--max-steps: must be <= 1000000"),
     (["--max-steps", "1e30"], "--max-steps: must be an integer, got '1e30'"),
@@ -360,6 +401,37 @@ def test_an_output_folder_that_cannot_be_one_is_one_line_before_any_work(tmp_pat
         main(["report", results, "--report", ""])
     assert exc.value.code == 2
     one_line_error(capsys, "argument --report: an empty folder name")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["calibrate", "R", "--out", "O", "--stop", "x"], "--stop has no effect in this run: only --generate decodes"),
+    (["calibrate", "R", "--out", "O", "--max-new-tokens", "4"], "--max-new-tokens has no effect in this run"),
+    (["calibrate", "R", "--out", "O", "--cpus-per-worker", "2"], "--cpus-per-worker has no effect in this run: it "
+                                                                 "shapes the Ray pool (--ray)"),
+    (["calibrate", "R", "--out", "O", "--max-retries", "0"], "--max-retries has no effect in this run"),
+    (["profile", "R", "--length", "64"], "--length has no effect in this run: it sizes the synthetic prompt"),
+    (["profile", "R", "--prefix", "3"], "--prefix has no effect in this run"),
+    (["icleval", "D", "--out", "O", "--method", "base", "--answer-at", "1"],
+     "--answer-at has no effect: it is read by --method sicl or sicl-grad only, and this run's is --method base;"),
+    (["icleval", "D", "--out", "O", "--method", "sicl", "--demo-orders", "3"],
+     "--demo-orders has no effect: it is read by --method demo only, and this run's is --method sicl; add that"),
+    (["icleval", "D", "--out", "O", "--method", "sicl-grad", "--ablate", "alpha"], "--ablate has no effect: it is "
+                                                                                    "read by --method sicl only"),
+    (["icleval", "D", "--out", "O", "--method", "base", "cc", "--max-steps", "3", "--mu", "0.1"],
+     "--mu, --max-steps have no effect: --method base cc runs no calibration"),
+    (["icleval", "D", "--out", "O", "--no-reference"], "--no-reference has no effect without --ablate"),
+])
+def test_a_flag_that_this_run_would_not_read_is_one_line_before_any_work(tmp_path, capsys, no_model, argv, needle):
+    """#40's neighbours: flags a mode does not read (answers' flags without --generate, the Ray pool's without
+    --ray, the synthetic prompt's beside REQUESTS, a method's settings without that method, knobs without a
+    calibration) were ignored without a word."""
+    from conftest import ICLEVAL_EXCERPTS
+
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    names = {"R": reqs, "O": str(tmp_path / "o.jsonl"), "D": str(ICLEVAL_EXCERPTS)}
+    assert main([names.get(a, a) for a in argv]) == 2
+    one_line_error(capsys, needle)
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 def test_directory_as_input(tmp_path, capsys, no_model):
@@ -517,8 +589,9 @@ def test_a_lone_surrogate_in_the_api_and_the_stop_strings(eng, tmp_path, capsys,
     with pytest.raises(TextError, match=r"request: field 'demos\[2\].output'"):
         eng.prepare(dict(STRUCT, demos=[*STRUCT["demos"], {"input": "x", "output": "\udc00"}]))
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
-    assert main(["calibrate", reqs, "--out", str(tmp_path / "o.jsonl"), "--stop", "\udcff"]) == 2  # an undecodable
-    one_line_error(capsys, "--stop[0]", "not valid Unicode")  # byte of an argument arrives as a lone surrogate
+    out = str(tmp_path / "o.jsonl")
+    assert main(["calibrate", reqs, "--out", out, "--generate", "--stop", "\udcff"]) == 2  # an undecodable byte
+    one_line_error(capsys, "--stop[0]", "not valid Unicode")  # of an argument arrives as a lone surrogate
 
 
 # --------------------------------------------------------------------------------------- issue 29: knob ranges

@@ -194,6 +194,42 @@ def test_openai_error_objects(server, client):
     assert auth.value.status_code == 401 and auth.value.body["type"] == "authentication_error"
 
 
+def _post_chat(server, messages, **extra) -> httpx.Response:
+    return httpx.post(server.url + "/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny-llama", "messages": messages, **extra})
+
+
+@pytest.mark.parametrize("turn,needles", [
+    ({"role": "user", "content": [{"type": "text", "text": "five "},
+                                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+     ("messages[5]': content[1] is a part of type 'image_url': images are not supported",)),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]},
+     ("content[0] is a part of type 'input_audio': audio is not supported",)),
+    ({"role": "user", "content": 5}, ("field 'messages.5.content': Input should be a valid string",)),
+])
+def test_images_and_other_parts_are_refused_by_name(server, turn, needles):
+    """#40: an image part gave `field 'messages.5.content.str': Input should be a valid string (and 3 more)`: the
+    schema library's branches, not what is wrong."""
+    bad = _post_chat(server, conversation("five")[:5] + [turn])
+    msg = bad.json()["error"]["message"]
+    assert bad.status_code == 400 and all(n in msg for n in needles), msg
+    assert ".str'" not in msg and "list[" not in msg and "more)" not in msg, msg
+
+
+def test_tool_calls_are_refused_by_name(server):
+    """#40: an assistant turn with tool_calls (content null) gave the same branch names; a tool turn a shape error."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    convo = conversation("five")
+    with_calls = convo[:4] + [{"role": "assistant", "content": None, "tool_calls": [call]}] + convo[5:]
+    bad = _post_chat(server, with_calls)
+    msg = bad.json()["error"]["message"]
+    assert bad.status_code == 400 and "'messages[4]': an assistant turn with tool_calls: tool calls are not " \
+        "supported" in msg, msg
+    tool = convo[:5] + [{"role": "tool", "tool_call_id": "c1", "content": "7"}, convo[5]]
+    msg = _post_chat(server, tool).json()["error"]["message"]
+    assert "'messages[5]': role 'tool': tool calls are not supported" in msg, msg
+
+
 def test_calibrate_endpoint_reuses(server, engine):
     req = {"id": "c1", "instruction": "Write each number word as a digit.",
            "demos": [{"input": "one", "output": "1"}, {"input": "four", "output": "4"}], "query": "five"}

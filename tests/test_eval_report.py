@@ -319,6 +319,50 @@ def test_report_refuses_duplicates(tmp_path):
         build_report([Run("x", recs + recs[:1])])
 
 
+def test_report_refuses_one_variant_run_with_other_settings(tmp_path, capsys):
+    """#40: records of `sicl` run with --max-steps 2 (uids 0-2) and --max-steps 3 --seed 5 (uids 3-4) were pooled
+    into one run, exit 0; icleval refuses the same mix on resume, and so does the report, naming each setting."""
+    from sicl_fast.cli import main
+
+    recs = synthetic_records(3, n=5)
+    for r in recs:
+        r["config"] = {"N": 2, "max_steps": 2} if r["uid"] < 3 else {"N": 2, "max_steps": 3, "seed": 5}
+    path = _write_jsonl(tmp_path / "mixed.jsonl", recs)
+    assert main(["report", str(path), "--report", str(tmp_path / "RUN"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "variant 'sicl' holds records run with other settings" in err
+    assert "max_steps 2 / 3" in err and "seed 0 / 5" in err and "own results file" in err
+    assert not (tmp_path / "RUN" / "report.md").exists()
+    for r in recs:  # one setting, the time budget, a failed sample's record (no budget, no answers): one run
+        r["config"] = {"N": 2, "max_steps": 2}
+        r["time_budget_s"] = 1.5
+    build_report([Run("ok", recs + [{**recs[0], "uid": 99, "error": "lost"}])])
+    recs[-1]["time_budget_s"] = 3.0
+    with pytest.raises(ValueError, match=r"time_budget_s 1.5 / 3.0"):
+        build_report([Run("budgets", recs)])
+
+
+def test_summary_into_a_folder_a_missing_file_or_markers_twice_is_one_line(tmp_path, capsys):
+    """#40: `--summary-into DIR` said "no file DIR"; a file holding the markers twice had its first pair filled
+    and the second left stale, exit 0; --summary-name without --summary-into was ignored."""
+    from sicl_fast.cli import main
+
+    res = _write_jsonl(tmp_path / "r.jsonl", synthetic_records(6))
+    begin, end = "<!-- sicl-report:s:begin -->", "<!-- sicl-report:s:end -->"
+    twice = tmp_path / "twice.md"
+    twice.write_text(f"{begin}\nold\n{end}\ntext\n{begin}\nold\n{end}\n")
+    cases = [(tmp_path, "is a directory, not a file"), (tmp_path / "none.md", "--summary-into not found"),
+             (twice, "holds the begin marker 2 time(s) and the end marker 2 time(s)")]
+    for target, needle in cases:
+        assert main(["report", str(res), "--report", str(tmp_path / "RUN"), "--no-plots", "--summary-into",
+                     str(target), "--summary-name", "s"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and "\n" not in err.split("\n<!--")[0], err  # the markers to copy on lines of their own
+    assert twice.read_text().count("old") == 2 and not (tmp_path / "RUN").exists()  # refused before writing
+    assert main(["report", str(res), "--report", str(tmp_path / "RUN"), "--summary-name", "s"]) == 2
+    assert "--summary-name s has no effect without --summary-into" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # ablation variants
 

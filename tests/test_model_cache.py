@@ -321,3 +321,98 @@ def test_cache_command(cache_root, gguf, tmp_path, capsys):
     assert main(["cache", "clear"]) == 0
     assert f"removed {len(items)} item(s)" in capsys.readouterr().out
     assert cache.entries() == [] and not (cache_root / cache.SOURCES).exists()
+
+
+# ------------------------------------------------------------------------------------------------ #40: what is ours
+
+
+def _user_files(folder) -> dict:
+    """A user's own files in a folder the cache is pointed at (a converted/ folder and a sources.json of theirs, a
+    GGUF of their own, a folder named like an old entry's move aside): `cache clear` must leave every one."""
+    files = {folder / "converted" / "mystuff" / "notes.txt": "precious", folder / cache.SOURCES: "mine",
+             folder / "own.gguf": "weights", folder / "converted" / ".bad" / "keep" / "x.txt": "x",
+             folder / "converted" / "link-0123456789abcdef": None}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if text is None:
+            path.symlink_to(folder / "converted" / "mystuff")  # a link is never an entry: the cache makes none
+        else:
+            path.write_text(text)
+    return files
+
+
+def test_an_empty_or_blank_cache_variable_means_unset(tmp_path, monkeypatch, capsys):
+    """#40: SICL_FAST_CACHE= made the cache the current folder: `cache clear` deleted the user's converted/ and
+    sources.json there, and `cache path` converted into ./converted and printed a relative path."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    files = _user_files(tmp_path)
+    for value in ("", "  "):
+        monkeypatch.setenv("SICL_FAST_CACHE", value)
+        assert cache.cache_dir() == tmp_path / "home" / ".cache" / "sicl_fast"
+        assert main(["cache", "clear"]) == 0
+        assert f"from {tmp_path / 'home' / '.cache' / 'sicl_fast'}" in capsys.readouterr().out
+    monkeypatch.setenv("SICL_FAST_CACHE", "rel")
+    assert cache.cache_dir() == tmp_path / "rel" and cache.cache_dir().is_absolute()
+    assert all((p.read_text() if p.is_file() else p.is_symlink()) for p in files)
+
+
+def test_cache_clear_removes_only_what_the_cache_wrote(tmp_path, monkeypatch, capsys):
+    """#40: `cache clear` removed every folder in converted/, every *.gguf and sources.json of the folder it was
+    pointed at; now only what the cache writes, by its names (and sources.json by its content)."""
+    monkeypatch.setenv("SICL_FAST_CACHE", str(tmp_path))
+    files = _user_files(tmp_path)
+    conv = tmp_path / "converted"
+    ours = [conv / "old-0123456789abcdef", conv / ".tmp-0123456789abcdef-x1y2",
+            conv / ".bad" / "m-0123456789abcdef-20260101-120000-42",
+            tmp_path / cache.ASSEMBLED["gemma3-270m"], tmp_path / f".{cache.ASSEMBLED['gemma3-270m']}.ab12.part"]
+    for p in ours:
+        if p.suffix in (".gguf", ".part"):
+            p.write_bytes(b"GGUF")
+        else:
+            p.mkdir(parents=True)
+            (p / "config.json").write_text("{}")
+    (tmp_path / "sources.json").unlink()
+    cache._write_json_atomic(tmp_path / cache.SOURCES, {"/x.gguf": {"size": 1, "mtime_ns": 2, "sha256": "ab"}})
+    assert sorted(e.path for e in cache.entries()) == sorted(ours)
+    assert main(["cache", "clear"]) == 0
+    assert f"removed {len(ours)} item(s)" in capsys.readouterr().out
+    assert not any(p.exists() for p in ours) and not (tmp_path / cache.SOURCES).exists()
+    (tmp_path / cache.SOURCES).write_text("mine")  # not the cache's memo: kept
+    assert main(["cache", "clear"]) == 0 and "removed 0 item(s)" in capsys.readouterr().out
+    assert all((p.read_text() if p.is_file() else p.is_symlink()) for p in files)
+
+
+def test_an_assembly_removes_a_killed_assemblys_temporary(cache_root):
+    """A killed gemma3-270m assembly left its .part (270 MB) in the cache for ever; the next assembly (under the
+    file's lock) removes it, and `cache clear` leaves one that is being written alone."""
+    name = cache.ASSEMBLED["gemma3-270m"]
+    cache_root.mkdir()
+    stale = cache_root / f".{name}.k1ll.part"
+    stale.write_bytes(b"half")
+    with cache.assembling(name) as locked:
+        assert locked and not stale.exists()
+        stale.write_bytes(b"being written")
+        removed, _, skipped = cache.clear()
+        assert skipped == [stale] and removed == [] and stale.exists()
+
+
+@pytest.mark.parametrize("where", ["a file", "a dangling link", "converted is a file"])
+def test_cache_commands_on_a_cache_that_is_not_a_folder(tmp_path, monkeypatch, capsys, where):
+    """#40: `cache clear` on a file was an internal NotADirectoryError; `cache list` / `verify` said "0 item(s)" /
+    "no converted models", exit 0, for a file, a dangling link or a converted/ that is a file."""
+    root = tmp_path / "c"
+    if where == "a file":
+        root.write_text("x")
+    elif where == "a dangling link":
+        root.symlink_to(tmp_path / "gone")
+    else:
+        root.mkdir()
+        (root / "converted").write_text("x")
+    monkeypatch.setenv("SICL_FAST_CACHE", str(root))
+    needle = "is a symbolic link to" if where == "a dangling link" else "is a file, not a folder"
+    for action in ("list", "verify", "clear", "path"):
+        assert main(["cache", action]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "model cache " in err and "(from SICL_FAST_CACHE)" in err and needle in err, err
+    assert root.is_symlink() or root.is_file() or (root / "converted").read_text() == "x"

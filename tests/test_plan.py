@@ -9,7 +9,7 @@ import torch
 
 from sicl_fast import CalibrationConfig, Engine
 from sicl_fast.backends import FastBackend, build_backend, make_backend
-from sicl_fast.errors import SiclError
+from sicl_fast.errors import SiclError, SiclWarning
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import Attention
 from sicl_fast.models.decoder_config import DecoderConfig
@@ -241,7 +241,31 @@ def test_fast_fp32_is_a_plan_not_a_class(models):
     assert type(be) is FastBackend and be.name == be.plan.backend == "fast-fp32"
     assert be.plan.diff_matmul == "off" and not be.model.rows_on
     assert make_backend("fast", lm, diff_matmul="bf16", impl="torch").model.rows_on
-    assert make_plan(lm, backend="fast-fp32", diff_matmul="bf16").diff_matmul == "off"  # plain products, always
+    with pytest.warns(SiclWarning, match="diff_matmul 'bf16' has no effect on backend 'fast-fp32'"):
+        assert make_plan(lm, backend="fast-fp32", diff_matmul="bf16").diff_matmul == "off"  # plain products, always
+
+
+def test_a_choice_the_plan_does_not_read_is_said_once(models):
+    """#40's neighbours: diff_matmul or attn asked of a backend without the fast decoder's products and kernels,
+    and sync_every of the eager loop, were taken without a word (warned, not refused: `bench` runs one set of
+    flags on several backends)."""
+    import warnings
+
+    lm = models["llama"]
+    cases = [(dict(backend="hf", diff_matmul="fp8"), "diff_matmul 'fp8' has no effect on backend 'hf'"),
+             (dict(backend="naive", attn="sdpa"), "attn 'sdpa' has no effect on backend 'naive'"),
+             (dict(backend="fast", loop="eager", sync_every=4), "sync_every 4 has no effect on the eager loop")]
+    for kw, needle in cases:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            plan = make_plan(lm, impl="torch", **kw)
+        assert [str(w.message) for w in got if needle in str(w.message)] and len(got) == 1, [str(w.message)
+                                                                                               for w in got]
+    assert "no effect on the eager loop" in dict((a, w) for a, _, w in plan.why)["sync_every"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what the plan reads: no word
+        make_plan(lm, impl="torch", backend="fast", attn="math", diff_matmul="off", loop="static", sync_every=4)
+        make_plan(lm, impl="torch", backend="hf", diff_matmul="off")
 
 
 def test_the_plain_low_precision_ascent_says_what_it_loses(odd_models, models):
@@ -313,9 +337,11 @@ def test_plan_and_decoder_config_are_immutable(models):
 
 def test_engine_backends_and_loops_read_the_plan(models):
     lm = models["llama"]
-    eng = Engine(lm, backend="fast-fp32", impl="torch", loop="eager", sync_every=3)
+    with pytest.warns(SiclWarning, match="sync_every 3 has no effect on the eager loop"):
+        eng = Engine(lm, backend="fast-fp32", impl="torch", loop="eager", sync_every=3)
     assert isinstance(eng.plan, RunPlan) and eng.backend.plan is eng.plan
-    assert eng.plan == make_plan(lm, backend="fast-fp32", impl="torch", loop="eager", sync_every=3)
+    with pytest.warns(SiclWarning, match="sync_every 3 has no effect"):
+        assert eng.plan == make_plan(lm, backend="fast-fp32", impl="torch", loop="eager", sync_every=3)
     assert build_backend(eng.plan, lm).name == "fast-fp32" and eng.plan.loop_for("forward") == "eager"
     p = make_prompt(0)
     with pytest.raises(SiclError, match="the static step needs a forward without host reads.*'hf'"):

@@ -202,6 +202,20 @@ def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
     assert_same(rb, own(b, second, **BASE))
 
 
+def test_a_store_directory_alone_means_reuse(tiny_llama, one_thread, tmp_path):
+    """#40: Engine(store_dir=...) without reuse= never wrote to the store (reuse defaulted to 'off'), while
+    docs/store.md presented store_dir as enough; a store given now means reuse 'auto' unless reuse= says otherwise,
+    and a store with pack > 1 (which never uses it) is refused."""
+    eng = Engine(tiny_llama, store_dir=str(tmp_path / "sd"))
+    assert eng.plan.reuse == "auto" and Engine(tiny_llama).plan.reuse == "off"
+    res = eng.calibrate(eng.prepare(request("five")), **BASE)
+    assert (res.reuse, res.exact) == ("fresh", True) and len(list((tmp_path / "sd" / "entries").rglob("*.json"))) == 1
+    assert Engine(tiny_llama, store_dir=str(tmp_path / "sd"), reuse="off").plan.reuse == "off"
+    with pytest.raises(SiclError, match="a store with pack 2 is not used"):
+        Engine(tiny_llama, store_dir=str(tmp_path / "other"), pack=2)
+    assert not (tmp_path / "other").exists()  # refused before the store made its folders
+
+
 def test_the_key_holds_the_attention_kernel_and_not_the_loop(tiny_llama, one_thread):
     """Engines that differ only in their attention kernel compute other bits, so a shared store must not serve one's
     calibration to the other; engines that differ only in the loop compute the same bits and share it."""
@@ -373,6 +387,32 @@ def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_dir, tmp_path,
     assert runs["off"] == runs["first"] == runs["rerun"]
     assert "store: 0 calibration(s) reused, 2 run" in runs["first_err"]
     assert "store: 2 calibration(s) reused, 0 run" in runs["rerun_err"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--store", "SD", "--reuse", "off"], "--store SD would have no effect: --reuse off calibrates every request on "
+                                          "its own, without the store; drop --store, or use --reuse auto"),
+    (["--store", "SD", "--pack", "2"], "--store SD would have no effect: --pack 2 calibrates packed"),
+    (["--store-mib", "8", "--reuse", "off"], "--store-mib 8 would have no effect"),
+    (["--store", "SD", "--answer-at", "1"], "--answer-at keeps the best X along each run"),
+])
+def test_store_flags_that_would_do_nothing_are_refused_before_any_work(tmp_path, capsys, monkeypatch, flags,
+                                                                         needle):
+    """#40: `calibrate --store DIR --reuse off` (and with --pack 2) made empty store folders, stored nothing and
+    said nothing."""
+    from conftest import ICLEVAL_EXCERPTS
+    from sicl_fast.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sicl_fast.engine.load", lambda *a, **k: pytest.fail("a model was loaded"))
+    reqs = write_jsonl(tmp_path / "r.jsonl", [request("five")])
+    cmds = [["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1"]] if "--answer-at" in flags else \
+        [["calibrate", reqs], ["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1"]]
+    for cmd in cmds:
+        assert main([*cmd, "--out", str(tmp_path / "o.jsonl"), *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err
+    assert not (tmp_path / "SD").exists() and not (tmp_path / "o.jsonl").exists()
 
 
 def test_answers_along_the_way_need_their_own_run(tiny_dir, tmp_path, capsys):

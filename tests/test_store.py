@@ -328,3 +328,44 @@ def test_bad_store_arguments(tmp_path):
     f.write_text("x")
     with pytest.raises(SiclError, match="cannot create"):
         CalibrationStore(1, f / "sub")
+
+
+def test_a_store_folder_that_cannot_be_one_says_what_it_is(tmp_path):
+    """#40: a store on a dangling link said only "cannot create it: File exists" (--export and --report name the
+    link); now the same check as theirs, also for a sub-folder that is a file."""
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(SiclError, match=r"store .*dangling: is a symbolic link to .*gone, which does not exist"):
+        CalibrationStore(1, tmp_path / "dangling")
+    for empty in ("", " "):  # the current folder would fill with entries/, locks/ and corrupt/
+        with pytest.raises(SiclError, match="store: an empty folder name; give a folder"):
+            CalibrationStore(1, empty)
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "entries").write_text("x")
+    with pytest.raises(SiclError, match=r"store .*s/entries: is a file; give a folder"):
+        CalibrationStore(1, tmp_path / "s")
+
+
+def test_a_killed_writers_temporaries_are_removed(tmp_path):
+    """#40: kill -9 during a store write left entries/<xx>/<key>.safetensors.*.tmp or <key>.json.*.tmp for ever.
+    A store that opens removes those of every key no one holds; a read of a key removes that key's."""
+    import fcntl
+
+    first = CalibrationStore(1 << 20, tmp_path)
+    cal = entry("a" * 40)
+    first.put(cal)
+    tensors, sidecar = first.disk.paths(cal.key)
+    held_key = "b" * 40
+    left = [tensors.with_name(tensors.name + ".x1.tmp"), sidecar.with_name(sidecar.name + ".x2.tmp")]
+    held = first.disk.paths(held_key)[0]
+    held.parent.mkdir(parents=True, exist_ok=True)
+    held = held.with_name(held.name + ".x3.tmp")  # a live writer's: its key's lock is held
+    for p in (*left, held):
+        p.write_bytes(b"half")
+    with open(tmp_path / "locks" / f"{held_key}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        CalibrationStore(1 << 20, tmp_path)  # a new process opening the store
+        assert not any(p.exists() for p in left) and held.exists()
+    left[0].write_bytes(b"half")
+    fresh = CalibrationStore(1 << 20, tmp_path)
+    left[0].write_bytes(b"half")  # killed after this store opened: its next read of the key removes it
+    assert same(fresh.get(cal.key), cal) and not left[0].exists()

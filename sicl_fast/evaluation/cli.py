@@ -16,8 +16,8 @@ import sys
 from ..knobs import arg_type
 from ..records import check_out_dir, folder_arg
 from .ablations import ABLATIONS, make_variants
-from .icleval_cls import CONTENT_FREE_INPUTS, DCPMI_PREMISES
-from .methods import METHODS, BaselineOptions, run_methods
+from .icleval_cls import DCPMI_PREMISES
+from .methods import CALIBRATIONS, METHODS, BaselineOptions, run_methods
 
 
 def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
@@ -36,19 +36,19 @@ def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
                    help="extra calibration variants, one per smoothing radius")
     g.add_argument("--no-reference", action="store_true",
                    help="with --ablate / --sweep-*, do not also run the unablated calibration")
-    g.add_argument("--cf-inputs", nargs="+", default=list(CONTENT_FREE_INPUTS), metavar="TEXT",
+    g.add_argument("--cf-inputs", nargs="+", default=None, metavar="TEXT",
                    help="content-free inputs of cc and demo (default: 'N/A' '' '[MASK]')")
-    g.add_argument("--dcpmi-premise", default="delimiter", choices=DCPMI_PREMISES,
+    g.add_argument("--dcpmi-premise", default=None, choices=DCPMI_PREMISES,
                    help="DC-PMI domain premise: the answer delimiter 'Output:' alone (default) or the "
                         "demonstrations followed by it")
-    g.add_argument("--demo-orders", type=arg_type("demo_orders"), default=24,
-                   help="DEmO: candidate orders (all of them if n! is smaller)")
-    g.add_argument("--demo-top-k", type=arg_type("demo_top_k"), default=4,
-                   help="DEmO: orders kept by the label-fairness stage")
-    g.add_argument("--demo-seed", type=arg_type("seed"), default=0)
-    g.add_argument("--demo-influence", default="zeroshot", choices=("zeroshot", "content_free"),
-                   help="DEmO: reference distribution of the influence KL")
-    g.add_argument("--demo-predict", default="score", choices=("score", "generate"),
+    g.add_argument("--demo-orders", type=arg_type("demo_orders"), default=None,
+                   help="DEmO: candidate orders (all of them if n! is smaller; default 24)")
+    g.add_argument("--demo-top-k", type=arg_type("demo_top_k"), default=None,
+                   help="DEmO: orders kept by the label-fairness stage (default 4)")
+    g.add_argument("--demo-seed", type=arg_type("seed"), default=None, help="DEmO: the seed of its orders (default 0)")
+    g.add_argument("--demo-influence", default=None, choices=("zeroshot", "content_free"),
+                   help="DEmO: reference distribution of the influence KL (default zeroshot)")
+    g.add_argument("--demo-predict", default=None, choices=("score", "generate"),
                    help="DEmO: argmax label (default) or greedy decoding with the chosen order")
     g.add_argument("--answer-at", dest="answer_at", nargs="+", type=arg_type("max_steps"), default=[],
                    metavar="STEPS", help="also decode each calibration's answer from its best embeddings after these "
@@ -57,17 +57,55 @@ def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args) -> BaselineOptions:
-    return BaselineOptions(cf_inputs=tuple(args.cf_inputs), dcpmi_premise=args.dcpmi_premise,
-                           demo_orders=args.demo_orders, demo_top_k=args.demo_top_k, demo_seed=args.demo_seed,
-                           demo_influence=args.demo_influence, demo_predict=args.demo_predict)
+    """The baselines' settings from their flags (BaselineOptions' defaults for those not given)."""
+    given = {f: getattr(args, f) for f in ("dcpmi_premise", "demo_orders", "demo_top_k", "demo_seed",
+                                           "demo_influence", "demo_predict") if getattr(args, f) is not None}
+    if args.cf_inputs is not None:
+        given["cf_inputs"] = tuple(args.cf_inputs)
+    return BaselineOptions(**given)
 
 
-def check_icleval_args(args) -> None:
-    """Everything `sicl-fast icleval` can check before a model is loaded: --out, the data folder, --tasks and
-    --limit (the samples are selected once here), and the optional packages of the tables and plots."""
+# the evaluation flags only some methods read: (dest, flag, the methods that read it); given to a run of none of
+# them, they are refused before any work (check_method_flags)
+METHOD_FLAGS = (("cf_inputs", "--cf-inputs", ("cc", "demo")), ("dcpmi_premise", "--dcpmi-premise", ("dcpmi",)),
+                *((f"demo_{x}", f"--demo-{x.replace('_', '-')}", ("demo",))
+                  for x in ("orders", "top_k", "seed", "influence", "predict")),
+                ("ablate", "--ablate", ("sicl",)), ("sweep_N", "--sweep-N", ("sicl",)),
+                ("sweep_mu", "--sweep-mu", ("sicl",)), ("no_reference", "--no-reference", ("sicl",)),
+                ("answer_at", "--answer-at", CALIBRATIONS), ("time_budget", "--time-budget", CALIBRATIONS))
+
+
+def check_method_flags(args, knobs: dict) -> None:
+    """Refuse an evaluation flag (METHOD_FLAGS) or a calibration knob (`knobs`: those given) that no method of
+    --method reads, and --no-reference without a variant to run instead: each would be ignored without a word."""
+    from ..errors import SiclError
+
+    methods = set(args.method)
+    asked = f"--method {' '.join(args.method)}"  # as given
+    for dest, flag, readers in METHOD_FLAGS:
+        if getattr(args, dest, None) not in (None, [], False) and not methods & set(readers):
+            raise SiclError(f"{flag} has no effect: it is read by --method {' or '.join(readers)} only, and this "
+                            f"run's is {asked}; add that method or drop {flag}")
+    if not methods & set(CALIBRATIONS):
+        flags = [f"--{k.replace('_', '-')}" for k in knobs] + (["--store"] if getattr(args, "store", None) else [])
+        if flags:
+            one = len(flags) == 1
+            raise SiclError(f"{', '.join(flags)} {'has' if one else 'have'} no effect: {asked} runs no calibration "
+                            f"(sicl, sicl-grad); drop {'it' if one else 'them'} or add a calibration method")
+    if args.no_reference and not (args.ablate or args.sweep_N or args.sweep_mu):
+        raise SiclError("--no-reference has no effect without --ablate, --sweep-N or --sweep-mu (the variants run "
+                        "instead of the reference calibration); drop it or add them")
+
+
+def check_icleval_args(args, knobs: dict | None = None) -> None:
+    """Everything `sicl-fast icleval` can check before a model is loaded: flags no method of the run reads
+    (check_method_flags; `knobs`: the calibration knobs given), the baselines' settings, --out, the data folder,
+    --tasks and --limit (the samples are selected once here), and the optional packages of the tables and plots."""
     from ..errors import require
     from .methods import check_records_out, select_samples
 
+    check_method_flags(args, knobs or {})
+    options_from_args(args)
     require("scipy")
     if args.report:
         require("matplotlib")
@@ -147,7 +185,8 @@ def add_report_command(subparsers, parents=()) -> argparse.ArgumentParser:
                    help="also put the one-row-per-variant summary table into FILE.md, between the lines "
                         "<!-- sicl-report:NAME:begin --> and <!-- sicl-report:NAME:end --> (as docs/usage.md "
                         "and docs/gpu.md hold them)")
-    r.add_argument("--summary-name", default="icleval", metavar="NAME", help="the markers' NAME (default: icleval)")
+    r.add_argument("--summary-name", default=None, metavar="NAME",
+                   help="the markers' NAME (default: icleval; with --summary-into only)")
     return r
 
 
@@ -155,21 +194,27 @@ def report_from_args(args, file=None) -> int:
     from ..errors import require
     from .report import check_summary_target, load_runs, write_report, write_summary_into
 
+    from ..errors import SiclError
+
+    if args.summary_name is not None and not args.summary_into:
+        raise SiclError(f"--summary-name {args.summary_name} has no effect without --summary-into FILE.md (it names "
+                        "the markers in that file); give both or neither")
+    name = args.summary_name or "icleval"
     require("scipy")
     if not args.no_plots:
         require("matplotlib")
     runs = load_runs(args.results, args.names)
     if args.summary_into:  # refused before anything is written when the file or its markers are missing
-        check_summary_target(args.summary_into, args.summary_name)
+        check_summary_target(args.summary_into, name)
     check_out_dir(args.report, "--report", "report.md, report.json and plots/")
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:
-        write_summary_into(args.summary_into, args.summary_name, rep, source=", ".join(map(str, args.results)))
+        write_summary_into(args.summary_into, name, rep, source=", ".join(map(str, args.results)))
     with open(f"{args.report}/report.md", encoding="utf-8") as fh:
         print(fh.read(), file=file or sys.stdout)
     return 0
 
 
-__all__ = ["add_icleval_eval_args", "check_icleval_args", "run_icleval_from_args", "finished_run", "print_report",
-           "add_report_command", "report_from_args",
+__all__ = ["add_icleval_eval_args", "check_icleval_args", "check_method_flags", "METHOD_FLAGS",
+           "run_icleval_from_args", "finished_run", "print_report", "add_report_command", "report_from_args",
            "options_from_args"]

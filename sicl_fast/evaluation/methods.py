@@ -312,9 +312,13 @@ def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], op
     return out
 
 
-def lost_records(chunk: Sequence[tuple[Sample, Sequence[Variant]]], message: str, model: str) -> list[dict]:
-    """The error records of samples whose worker died too often: one per variant, with the message."""
-    return [{**_common(sample, v, model), "config": v.config_dict(), "error": message}
+def lost_records(chunk: Sequence[tuple[Sample, Sequence[Variant]]], message: str, model: str,
+                 time_budget_s: float | None = None) -> list[dict]:
+    """The error records of samples whose worker died too often: one per variant, with the message (and the time
+    budget of the calibrations, a setting of the run as record_settings reads it)."""
+    budget = {"time_budget_s": time_budget_s} if time_budget_s is not None else {}
+    return [{**_common(sample, v, model), "config": v.config_dict(), "error": message,
+             **(budget if v.method in CALIBRATIONS else {})}
             for sample, variants in chunk for v in variants]
 
 
@@ -346,14 +350,30 @@ def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model:
         name = rec.get("variant", "sicl")
         if name not in want or "config" not in rec:
             continue
-        answers = None if "error" in rec else rec.get("answers_at") or {}
-        got = _settings(rec["config"], rec.get("method", "sicl"), rec.get("time_budget_s"), answers)
-        if "answers_at" in want[name] and answers is None:  # a failed sample's record: no answers, not compared
-            got["answers_at"] = want[name]["answers_at"]
-        if _norm(got) != _norm(want[name]):
-            diff = sorted(k for k in set(got) | set(want[name]) if _norm(got.get(k)) != _norm(want[name].get(k)))
+        diff = settings_diff(record_settings(rec, want[name]), want[name])
+        if diff:
             raise SiclError(f"{path}: variant {name!r} was run with other settings ({', '.join(diff)} differ); "
                             f"use another --out or the same settings")
+
+
+def record_settings(rec: dict, like: dict | None = None) -> dict:
+    """What the record `rec` (with a "config") was run with (_settings). A failed sample's record (lost_records)
+    holds no answers along the way, and an older version's no time budget: those are taken from `like` (the
+    settings it is compared with), not compared."""
+    failed = "error" in rec
+    answers = None if failed else rec.get("answers_at") or {}
+    got = _settings(rec["config"], rec.get("method", "sicl"), rec.get("time_budget_s"), answers)
+    if failed and like is not None:
+        for name in ("answers_at",) + (() if "time_budget_s" in rec else ("time_budget_s",)):
+            if name in like:
+                got[name] = like[name]
+    return got
+
+
+def settings_diff(got: dict, want: dict) -> list[str]:
+    """The names of the settings (record_settings) in which two runs of a variant differ, sorted; [] when none: the
+    one rule of a resumed icleval run and of `report` (which refuses to pool records of other settings)."""
+    return sorted(k for k in set(got) | set(want) if _norm(got.get(k)) != _norm(want.get(k)))
 
 
 def _norm(v):
@@ -439,7 +459,7 @@ def run_methods(
         with progress_bar(n_todo, "icleval", unit="rec", disable=not progress) as bar:
             write_all(workers, functools.partial(sample_records, options=options, time_budget_s=time_budget_s,
                                                  answer_at=tuple(answer_at)), chunks, out,
-                      functools.partial(lost_records, model=model), bar,
+                      functools.partial(lost_records, model=model, time_budget_s=time_budget_s), bar,
                       StepProgress(bar, max_steps) if progress else None)
     wanted = set(wanted_keys(samples, variants))
     return [r for r in read_records(out_path) if record_key(r) in wanted]
@@ -453,6 +473,8 @@ __all__ = [
     "BaselineOptions",
     "build_variants",
     "record_key",
+    "record_settings",
+    "settings_diff",
     "run_methods",
     "check_records_out",
     "select_samples",

@@ -130,7 +130,8 @@ def drop_failed(records: Sequence[dict], where: str = "") -> list[dict]:
 
 
 def check_records(records: Sequence[dict], where: str = "") -> None:
-    """Every record needs the fields the report reads; one (variant, task, uid) at most once."""
+    """Every record needs the fields the report reads; one (variant, task, uid) at most once; the records of one
+    variant were run with one setting (check_settings)."""
     need = ("task", "uid", "correct_base", "correct_calibrated")
     seen = set()
     for i, r in enumerate(records):
@@ -141,6 +142,36 @@ def check_records(records: Sequence[dict], where: str = "") -> None:
         if key in seen:
             raise SiclError(f"{where} record {i}: duplicate record for variant {key[0]!r}, {key[1]}:{key[2]}")
         seen.add(key)
+    check_settings(records, where)
+
+
+def check_settings(records: Sequence[dict], where: str = "") -> None:
+    """Refuse a variant whose records were run with other settings (its config, time budget, --answer-at: the rule
+    a resumed icleval run applies, sicl_fast.evaluation.methods.settings_diff): pooled, they would read as one run
+    of the first record's settings. The message names each setting that differs with both values. Records
+    without a config (written by hand, or by an older version) are not compared."""
+    from .methods import record_settings, settings_diff
+
+    first: dict[str, tuple[dict, dict]] = {}
+    for r in records:
+        if not isinstance(r.get("config"), dict):
+            continue
+        name = variant_of(r)
+        if name not in first:
+            first[name] = (r, record_settings(r))
+            continue
+        r0, want = first[name]
+        got = record_settings(r, want)
+        diff = settings_diff(got, want)
+        if diff:
+            shown = ", ".join(f"{k} {_fmt_setting(want.get(k))} / {_fmt_setting(got.get(k))}" for k in diff)
+            raise SiclError(f"{where}: variant {name!r} holds records run with other settings: {shown} "
+                            f"({r0['task']}:{r0['uid']} / {r['task']}:{r['uid']}); a report pools one run's "
+                            "records: give each run its own results file")
+
+
+def _fmt_setting(v) -> str:
+    return "unset" if v is None else json.dumps(v)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -293,7 +324,7 @@ def build_report(runs: Sequence[Run]) -> dict:
     """Everything the report shows, as plain data (NaN kept; `write_report` turns it into null)."""
     out_runs = []
     for run in runs:
-        check_records(run.records, run.name)
+        check_records(run.records, run.source or run.name)  # the file, where there is one
         groups = group_variants(run.records)
         out_runs.append({"name": run.name, "source": run.source, "n_records": len(run.records),
                          "models": sorted({r["model"] for r in run.records if r.get("model")}),
@@ -563,17 +594,33 @@ def summary_markers(name: str) -> tuple[str, str]:
 
 
 def check_summary_target(path: str | os.PathLike, name: str) -> tuple[str, int, int]:
-    """(text, start of the begin marker, start of the end marker) of the Markdown file `path`; a missing file or
-    markers (both, in order) is a SiclError that says which lines to add."""
+    """(text, start of the begin marker, start of the end marker) of the Markdown file `path`. Refused (SiclError)
+    when it cannot be read or rewritten: missing, a directory or anything else that is not a regular file (said as
+    sicl_fast.inputs.open_input says it), not UTF-8; or when it lacks the markers, holds them out of order, or
+    holds them more than once (only one pair could be filled, and the others would stay stale)."""
+    from ..inputs import STDIN, open_input
+
     begin, end = summary_markers(name)
+    if str(path) == STDIN or (Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file()):
+        # standard input, a pipe, a device: a stream open_input would read, but not a file to rewrite in place
+        raise SiclError(f"--summary-into {path}: is not a regular file; give the Markdown file that holds the "
+                        "markers")
     path = Path(path)
-    if not path.is_file():
-        raise SiclError(f"--summary-into: no file {path}")
-    text = path.read_text(encoding="utf-8")
-    i, j = text.find(begin), text.find(end)
-    if i < 0 or j < i:
-        raise SiclError(f"--summary-into: {path} lacks the markers; put these two lines where the table goes:\n"
+    with open_input(path, "--summary-into") as fh:
+        try:
+            text = fh.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SiclError(f"--summary-into {path}: not UTF-8 text (byte {exc.start})") from None
+    counts = (text.count(begin), text.count(end))
+    if counts != (1, 1):
+        where = "lacks the markers" if counts == (0, 0) else \
+            f"holds the begin marker {counts[0]} time(s) and the end marker {counts[1]} time(s)"
+        raise SiclError(f"--summary-into {path}: {where}; it needs this pair exactly once, where the table goes:\n"
                         f"{begin}\n{end}")
+    i, j = text.find(begin), text.find(end)
+    if j < i:
+        raise SiclError(f"--summary-into {path}: its end marker comes before its begin marker; put them in order "
+                        f"where the table goes:\n{begin}\n{end}")
     return text, i, j
 
 

@@ -2,12 +2,14 @@
 load, moved aside and rebuilt when it is damaged, written whole or not at all, safe for processes converting at
 once.
 
-    cache_dir()                             SICL_FAST_CACHE, default ~/.cache/sicl_fast
+    cache_dir()                             SICL_FAST_CACHE (an absolute path; unset, empty or blank: the
+                                            default), default ~/.cache/sicl_fast
         sources.json                        the sha256 of each source GGUF, remembered against (path, size, mtime)
+        <ASSEMBLED file>.gguf               a GGUF assembled from packages (gemma3-270m's four chunks)
         converted/<stem>-<key>/             config.json, model.safetensors, tokenizer files, MANIFEST
-        converted/.<key>.lock               the conversion lock of one source (flock)
+        converted/.<key>.lock               the conversion lock of one source (flock); .<file>.lock: an assembly's
         converted/.tmp-<key>-XXXX/          a conversion being written (renamed into place when whole)
-        converted/.bad/<entry>-<time>/      entries found damaged, moved aside (`sicl-fast cache clear` frees them)
+        converted/.bad/<entry>-<time>-<pid>/  entries found damaged, moved aside (`sicl-fast cache clear` frees them)
 
 key: a digest of the source's content and CACHE_VERSION, not of its path, so every checkout, virtual environment
 and copy of one file shares one entry. MANIFEST records, for every file written, its size, its sha256 and a
@@ -21,6 +23,10 @@ checked in full once and gets them.
 
 Concurrency: a conversion holds the source's lock; a process that waited for it finds the winner's entry, checks
 it and uses it. Temporary folders are removed whatever happens (and, under the lock, any left by a killed run).
+
+Ownership: the cache's folder may hold other things (SICL_FAST_CACHE can name any folder). `entries()` (and so
+`cache list`, `verify` and `clear`) sees only what the cache writes, recognised by its names above (a key is 16
+hex digits) and, for sources.json, by its content; nothing else in the folder is listed or ever deleted.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -41,7 +48,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from ..errors import SiclWarning
+from ..errors import SiclError, SiclWarning
+from ..inputs import describe_missing, env_path
 
 CACHE_VERSION = 3  # bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder; v3: content key)
 MANIFEST = ".sicl_fast_manifest.json"
@@ -51,11 +59,23 @@ SAMPLE_HEAD = 64 << 10  # the safetensors header and the first tensors, and the 
 SAMPLE_BLOCK = 4 << 10
 SAMPLE_STRIDE = 64 << 10
 
+CACHE_ENV = "SICL_FAST_CACHE"
+# GGUF files the cache assembles from packages (sicl_fast.models.loading), by short name: besides sources.json the
+# only files it writes at the top of its folder
+ASSEMBLED = {"gemma3-270m": "gemma-3-270m-q4_k_m.gguf"}
+# the names of what the cache writes (module docstring): nothing else is listed or deleted
+_KEY = r"[0-9a-f]{16}"
+ENTRY_NAME = re.compile(rf".+-{_KEY}")  # converted/<stem>-<key> (and an older version's, without a manifest)
+UNFINISHED_NAME = re.compile(rf"\.tmp-{_KEY}-.+")  # converted/.tmp-<key>-XXXX
+MOVED_NAME = re.compile(rf".+-{_KEY}-\d{{8}}-\d{{6}}-\d+")  # converted/.bad/<entry>-<date>-<time>-<pid>
+
 T = TypeVar("T")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SICL_FAST_CACHE", Path.home() / ".cache" / "sicl_fast"))
+    """The cache's folder: SICL_FAST_CACHE made absolute, or ~/.cache/sicl_fast when it is unset, empty or blank (an
+    empty value never means the current folder: sicl_fast.inputs.env_path)."""
+    return env_path(CACHE_ENV) or Path.home() / ".cache" / "sicl_fast"
 
 
 def converted_dir() -> Path:
@@ -64,6 +84,23 @@ def converted_dir() -> Path:
 
 def _bad_dir() -> Path:
     return converted_dir() / ".bad"
+
+
+def check_cache_dir() -> Path:
+    """cache_dir(), refused (SiclError) when it or its converted/ is there but is not a folder: a file, a dangling
+    link, a link loop. A folder that does not exist yet is an empty cache. `cache list|verify|clear|path` call it;
+    a model load does not (a cache it cannot use costs only speed, with a warning)."""
+    for d in (cache_dir(), converted_dir()):
+        if d.is_symlink() and not d.exists():
+            problem = describe_missing(d)
+        elif d.exists() and not d.is_dir():
+            problem = "is a file, not a folder"
+        else:
+            continue
+        named = f" (from {CACHE_ENV})" if env_path(CACHE_ENV) is not None else ""
+        raise SiclError(f"model cache {d}{named}: {problem}; point {CACHE_ENV} at a folder (or unset it for "
+                        "~/.cache/sicl_fast)")
+    return cache_dir()
 
 
 # ------------------------------------------------------------------------------------------------ digests
@@ -337,14 +374,16 @@ def _publish(target: Path, key: str, source: Path, write: Callable[[Path], None]
 
 @dataclass(frozen=True)
 class Entry:
-    """One thing in the cache: path, bytes on disk, the source it was made from (None: unknown) and its state:
-    'converted', 'no manifest' (an older version's or unfinished), 'unfinished' (a killed conversion's temporary
-    folder), 'moved aside' (found damaged), 'source' (a GGUF assembled from packages)."""
+    """One thing the cache wrote: path, bytes on disk, the source it was made from (None: unknown), its state:
+    'converted', 'no manifest' (an older version's or unfinished), 'unfinished' (a killed conversion's or
+    assembly's temporary), 'moved aside' (found damaged), 'source' (a GGUF assembled from packages); and lock, the
+    key whose lock guards it (None: none), which `clear` takes without waiting."""
 
     path: Path
     size: int
     source: str | None
     state: str
+    lock: str | None = None
 
 
 def _size(path: Path) -> int:
@@ -353,26 +392,46 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def entries() -> list[Entry]:
-    """Everything in the cache, converted entries first."""
-    out: list[Entry] = []
+def _own(path: Path, name: re.Pattern, folder: bool = True) -> bool:
+    """Is `path` something the cache wrote: a real folder (or file) with one of its names (module docstring)? A
+    link is never the cache's: it makes none."""
+    kind = path.is_dir() if folder else path.is_file()
+    return kind and not path.is_symlink() and name.fullmatch(path.name) is not None
+
+
+def _converted_entries() -> Iterator[Entry]:
     d = converted_dir()
-    if d.is_dir():
-        for p in sorted(d.iterdir()):
-            if not p.is_dir() or p.name == _bad_dir().name:
-                continue
-            if p.name.startswith(".tmp-"):
-                out.append(Entry(p, _size(p), None, "unfinished"))
-                continue
+    if not d.is_dir():
+        return
+    for p in sorted(d.iterdir()):
+        if _own(p, UNFINISHED_NAME):
+            yield Entry(p, _size(p), None, "unfinished", key_of_entry(p))
+        elif _own(p, ENTRY_NAME):
             m = manifest(p)
-            out.append(Entry(p, _size(p), m["source"].get("name") if m else None,
-                             "converted" if m else "no manifest"))
-        if _bad_dir().is_dir():
-            out += [Entry(p, _size(p), None, "moved aside") for p in sorted(_bad_dir().iterdir())]
+            yield Entry(p, _size(p), m["source"].get("name") if m else None, "converted" if m else "no manifest",
+                        key_of_entry(p))
+    bad = _bad_dir()
+    if bad.is_dir() and not bad.is_symlink():
+        yield from (Entry(p, _size(p), None, "moved aside") for p in sorted(bad.iterdir()) if _own(p, MOVED_NAME))
+
+
+def _source_entries() -> Iterator[Entry]:
     root = cache_dir()
-    if root.is_dir():
-        out += [Entry(p, _size(p), p.name, "source") for p in sorted(root.glob("*.gguf")) if p.is_file()]
-    return out
+    for name in ASSEMBLED.values():
+        p = root / name
+        if _own(p, re.compile(re.escape(name)), folder=False):
+            yield Entry(p, _size(p), p.name, "source", name)
+        part = re.compile(rf"\.{re.escape(name)}\..+\.part")  # a killed assembly's temporary
+        if root.is_dir():
+            yield from (Entry(t, _size(t), name, "unfinished", name) for t in sorted(root.iterdir())
+                        if _own(t, part, folder=False))
+
+
+def entries() -> list[Entry]:
+    """Everything the cache wrote (module docstring: nothing else in its folder), converted entries first.
+    Raises SiclError when the cache's folder is not one (check_cache_dir)."""
+    check_cache_dir()
+    return [*_converted_entries(), *_source_entries()]
 
 
 def key_of_entry(entry: Path) -> str:
@@ -380,6 +439,30 @@ def key_of_entry(entry: Path) -> str:
     if entry.name.startswith(".tmp-"):
         return entry.name[len(".tmp-"):].split("-", 1)[0]
     return entry.name.rsplit("-", 1)[-1]
+
+
+def _is_memo(path: Path) -> bool:
+    """Is `path` the cache's sources.json: a file holding a JSON object of {"size", "mtime_ns", "sha256"} records
+    (what source_digest writes), not a file of the same name that someone else put there?"""
+    if not path.is_file() or path.is_symlink():
+        return False
+    memo = _read_json(path)
+    return bool(memo) and all(isinstance(r, dict) and {"size", "mtime_ns", "sha256"} <= r.keys()
+                              for r in memo.values())
+
+
+@contextlib.contextmanager
+def assembling(name: str) -> Iterator[bool]:
+    """Hold the lock of the source file `name` the cache assembles (ASSEMBLED; yields False when the cache cannot
+    be written): one assembly at a time, `clear` leaves it alone meanwhile, and the temporaries of a killed
+    assembly (.NAME.*.part) are removed first."""
+    with _lock(name) as locked:
+        if locked:
+            part = re.compile(rf"\.{re.escape(name)}\..+\.part")
+            for t in cache_dir().iterdir():
+                if _own(t, part, folder=False):
+                    t.unlink(missing_ok=True)
+        yield locked
 
 
 def verify_entries(only: Path | None = None, full: bool = True) -> list[tuple[Path, str | None, Path | None]]:
@@ -401,29 +484,29 @@ def verify_entries(only: Path | None = None, full: bool = True) -> list[tuple[Pa
 
 
 def clear(only: Path | None = None) -> tuple[list[Path], int, list[Path]]:
-    """Remove everything in the cache (or only the entry `only`): (removed, bytes freed, skipped because a
-    conversion holds their lock)."""
+    """Remove everything the cache wrote (entries(); or only the entry `only`), and its sources.json when it is
+    the cache's own (_is_memo): (removed, bytes freed, skipped because a conversion or assembly holds their lock).
+    Nothing else in the folder is touched."""
     removed, skipped, freed = [], [], 0
     for e in entries():
         if only is not None and e.path != only:
             continue
-        if e.state in ("converted", "no manifest", "unfinished"):
-            with _lock(key_of_entry(e.path), wait=False) as locked:
-                if not locked:
-                    skipped.append(e.path)
-                    continue
+        with contextlib.ExitStack() as held:
+            if e.lock is not None and not held.enter_context(_lock(e.lock, wait=False)):
+                skipped.append(e.path)
+                continue
+            if e.path.is_dir():
                 shutil.rmtree(e.path, ignore_errors=True)
-        elif e.state == "moved aside":
-            shutil.rmtree(e.path, ignore_errors=True)
-        else:
-            e.path.unlink(missing_ok=True)
+            else:
+                e.path.unlink(missing_ok=True)
         removed.append(e.path)
         freed += e.size
-    if only is None:
-        (cache_dir() / SOURCES).unlink(missing_ok=True)
+    memo = cache_dir() / SOURCES
+    if only is None and _is_memo(memo):
+        memo.unlink(missing_ok=True)
     return removed, freed, skipped
 
 
 __all__ = ["cache_dir", "converted_dir", "content_key", "source_digest", "find_entry", "verify", "load_cached",
-           "entries", "Entry", "verify_entries", "warn_moved_aside", "clear", "file_sha256", "sample_digest",
-           "tensor_sums", "CACHE_VERSION", "MANIFEST"]
+           "entries", "Entry", "verify_entries", "warn_moved_aside", "clear", "check_cache_dir", "assembling",
+           "ASSEMBLED", "CACHE_ENV", "file_sha256", "sample_digest", "tensor_sums", "CACHE_VERSION", "MANIFEST"]

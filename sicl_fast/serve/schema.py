@@ -93,17 +93,35 @@ class CalibrateBody(ProxyBody, RunOptions):
         "demos", description="'demos': the perturbed rows [a, b); 'all': every row of the prompt")
 
 
+def _field_path(loc: tuple, body: Any, missing: bool) -> str:
+    """The dotted path of an error's location in the body, without pydantic's union branch names ('str',
+    'list[dict[str,any]]', a model's name), which are no field of the body: a part of `loc` names a field when the
+    body has it there (a key of that object, an index of that list), or when it is the missing field itself (the
+    last part of a 'missing' error); any other part is a branch and is left out."""
+    parts, here = [], body
+    for k, p in enumerate(loc):
+        if isinstance(here, dict) and p in here:
+            here = here[p]
+        elif isinstance(here, list) and isinstance(p, int) and 0 <= p < len(here):
+            here = here[p]
+        elif not (missing and k == len(loc) - 1):
+            continue  # a union branch's name
+        parts.append(str(p))
+    return ".".join(parts) or "body"
+
+
 def validation_message(exc: ValidationError, body: Any) -> str:
-    """One line in the CLI's style: request id, the field's dotted path, what is wrong."""
+    """One line in the CLI's style: request id, the field's dotted path, what is wrong. A value that fits no
+    branch of a union (content: a string or a list of parts) is one error of that field, not one per branch."""
     errs = exc.errors()
+    paths = list(dict.fromkeys(_field_path(tuple(e["loc"]), body, e["type"] == "missing") for e in errs))
     first = errs[0]
-    loc = ".".join(str(p) for p in first["loc"]) or "body"
     rid = (
         body.get("request", {}).get("id") if isinstance(body, dict) and isinstance(body.get("request"), dict) else None
     )
     head = f"request {str(rid)!r}: " if rid is not None else ""
-    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-    return f"{head}field {loc!r}: {first['msg']}{more}"
+    more = f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
+    return f"{head}field {paths[0]!r}: {first['msg']}{more}"
 
 
 __all__ = ["CalibrationKnobs", "RunOptions", "ProxyBody", "CalibrateBody", "validation_message", "REQUEST_SCHEMA"]

@@ -6,11 +6,13 @@
     DIR/locks/<key>.lock                    flock'ed while a process reads, writes or computes that key
     DIR/corrupt/                            entries that failed their checks, moved aside with a time stamp
 
-Writes are atomic: each file is written to a temporary name in its folder, flushed to disk and renamed, the
-tensors first and the sidecar last, so a reader sees a whole entry or none. Every access to a key holds its lock
-(`lock(key)`): a second process asking for a key that another computes waits for it and then reads it (single
-flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook fires);
-nobody reads a sidecar and the tensors of two different writes. A read checks the sidecar's fields and their
+Writes are atomic: each file is written to a temporary name in its folder (<key>.safetensors.XXXX.tmp,
+<key>.json.XXXX.tmp), flushed to disk and renamed, the tensors first and the sidecar last, so a reader sees a whole
+entry or none. A temporary left by a killed writer is removed by the next process that holds its key's lock: a
+read of that key, or the sweep a DiskStore makes when it opens (of every key no one holds). Every access to a key
+holds its lock (`lock(key)`): a second process asking for a key that another computes waits for it and then reads
+it (single flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook
+fires); nobody reads a sidecar and the tensors of two different writes. A read checks the sidecar's fields and their
 types, both checksums, the format and the shapes; an entry failing any check is reported (a SiclWarning and the
 log), moved to corrupt/ and treated as missing, so it is recomputed and never used.
 """
@@ -31,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import SiclError, SiclWarning, require
+from ..errors import SiclWarning, require
+from ..records import check_out_dir
 from .entry import Calibration
 from .wait import wait
 
@@ -112,15 +115,15 @@ def check_sidecar(side, key: str) -> None:
 class DiskStore:
     def __init__(self, directory: str | os.PathLike) -> None:
         require("safetensors")
-        self.root = Path(directory).expanduser()
-        try:
-            for sub in ("entries", "locks", "corrupt"):
-                (self.root / sub).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SiclError(f"store {self.root}: cannot create it: {exc.strerror or exc}") from None
-        if not os.access(self.root / "entries", os.W_OK | os.X_OK):
-            raise SiclError(f"store {self.root}: cannot write to it (permission denied)")
+        # the --export / --report folder check: an empty name (not the current folder), a file, a dangling link, a
+        # link loop, no permission, said plainly
+        root = os.path.expanduser(os.fspath(directory))
+        check_out_dir(root, "store", "the calibrations")
+        self.root = Path(root)
+        for sub in ("entries", "locks", "corrupt"):
+            check_out_dir(self.root / sub, "store", "the calibrations")
         self.corrupted = 0
+        self._sweep()
 
     def paths(self, key: str) -> tuple[Path, Path]:
         d = self.root / "entries" / key[:2]
@@ -138,8 +141,37 @@ class DiskStore:
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
+    def _temporaries(self, key: str = "*") -> list[Path]:
+        """The temporary files of `key`'s writes (of every key with "*"): <key>.safetensors.XXXX.tmp and
+        <key>.json.XXXX.tmp (_write_atomic's names)."""
+        return [p for suffix in ("safetensors", "json")
+                for p in self.root.glob(f"entries/{key[:2] if key != '*' else '*'}/{key}.{suffix}.*.tmp")]
+
+    def _remove_temporaries(self, key: str) -> None:
+        """Remove what a writer of `key` killed mid-write left (call with lock(key) held: no one else writes it)."""
+        for p in self._temporaries(key):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+    def _sweep(self) -> None:
+        """Remove the temporaries of every key whose lock no one holds (a killed writer's): the keys of this run may
+        never come up again, so waiting for a read of each would leave the others for ever."""
+        for key in sorted({p.name.split(".", 1)[0] for p in self._temporaries()}):
+            try:
+                fh = open(self.root / "locks" / f"{key}.lock", "a+b")
+            except OSError:
+                continue
+            with fh:
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # held: a live writer, its temporary is not stale
+                self._remove_temporaries(key)
+
     def read(self, key: str) -> Calibration | None:
-        """The entry (call with lock(key) held), or None when there is none or it was corrupt (moved aside)."""
+        """The entry (call with lock(key) held), or None when there is none or it was corrupt (moved aside). The
+        temporaries a killed writer of this key left are removed first (the lock says no one writes them)."""
+        self._remove_temporaries(key)
         tensors, sidecar = self.paths(key)
         if not sidecar.exists():
             return None

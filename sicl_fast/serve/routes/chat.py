@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -48,17 +48,19 @@ log = logging.getLogger("sicl_fast.serve")
 _OPEN = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-class TextPart(BaseModel):
-    model_config = _OPEN
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(BaseModel):
+    """One message. What the OpenAI API allows beyond text (image, audio and file parts; tool calls) is taken here
+    and refused by sicl_fast.chat with a message that names it, not with the schema's branches."""
+
     model_config = _OPEN
     role: str = Field(description="system (or developer), user, assistant")
-    content: str | list[TextPart]
+    content: str | list[dict[str, Any]] | None = Field(
+        None, description='a string or a list of text parts {"type": "text", "text": ...}; other parts (images, '
+                          'audio, files) are not supported')
     name: str | None = None
+    tool_calls: list[Any] | None = Field(None, description="not supported (refused): the turns are text")
+    function_call: Any = Field(None, description="not supported (refused)")
+    tool_call_id: str | None = Field(None, description="not supported (refused)")
 
 
 class StreamOptions(BaseModel):

@@ -1,5 +1,6 @@
 // Attention of the fast decoder on float32 rows, in one call per layer (sicl_fast/models/attention.py holds the
-// torch reference, attend_math; the Python wrapper is sicl_fast/ops/cpp_ops.py's attention):
+// torch references, attend_math and attention_rows_reference; the Python wrappers are sicl_fast/ops/cpp_ops.py's
+// attention and attention_rows):
 //
 //   attention(q[B*T, H*hd], k[kB*N, Hk*hd], v[kB*N, Hk*hd], pk[a, Hk*hd], pv[a, Hk*hd], out[B*T, H*hd],
 //             B, T, H, Hk, kB, pos0, k0, scale, softcap, window)
@@ -9,6 +10,12 @@
 //   > its position - window. Query head h reads key head h / (H / Hk).
 //   s = (q . k) * scale, soft-capped (softcap > 0: cap tanh(s / cap)); o = sum_j exp(s_j - max) v_j / sum_j
 //   exp(s_j - max); 0 where a query sees no key; NaN where a NaN (or a score of +inf) reaches the row, as torch's.
+//   attention_rows(q[R, H*hd], k[R, Hk*hd], v[R, Hk*hd], pk[a, Hk*hd], pv[a, Hk*hd], anchor[B], lead, T, pos0, H,
+//                  Hk, scale, softcap, window, out[R, H*hd] bf16)
+//   a difference-form pass (rows.h): the lead rows attend causally among themselves, the batch rows to the prefix
+//   (the lead rows' keys, or the kept pk / pv when lead is 0) and causally to their own keys; out: the rows in
+//   difference form. Both query sets in one parallel region, then the epilogue after a barrier (its differences
+//   read their anchors' float32 outputs).
 //
 // q, k, v may be row-strided views (the parts of one fused q / k / v product); out is contiguous. Each (batch row,
 // key head)'s keys are transposed once per call; the work is then cut into tiles of a few query positions x the
@@ -32,8 +39,9 @@
 #include <immintrin.h>
 
 #include "arrays.h"
-#include "threads.h"
+#include "rows.h"
 #include "softmax_rows.h"
+#include "threads.h"
 #include "vecmath512.h"
 
 namespace sicl {
@@ -217,116 +225,228 @@ float softmax_row(float* s, int64_t W, int64_t lo, int64_t hi, float cap, bool v
     return exp_sum_plain<true>(t, n, capped_max_plain(t, n, cap));
 }
 
-void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv, py::array out, int64_t B,
-               int64_t T, int64_t H, int64_t Hk, int64_t kB, int64_t pos0, int64_t k0, double scale,
-               double softcap, int64_t window) {
-    if (B < 1 || T < 1 || H < 1 || Hk < 1 || H % Hk) throw std::invalid_argument("attention: bad B, T, H or Hk");
-    const int64_t Hd = q.ndim() == 2 ? q.shape(1) : 0, hd = Hd / H, G = H / Hk;
-    if (hd < 1 || Hd != H * hd) throw std::invalid_argument("attention: q must be [B*T, H*hd]");
-    const Rows Qr = rows_of(q, "q", H * hd), Kr = rows_of(k, "k", Hk * hd), Vr = rows_of(v, "v", Hk * hd),
-               PKr = rows_of(pk, "pk", Hk * hd), PVr = rows_of(pv, "pv", Hk * hd);
-    if (q.shape(0) != B * T) throw std::invalid_argument("attention: q must have B*T rows");
-    const int64_t a = pk.shape(0), kn = k.shape(0);
-    if (pv.shape(0) != a || v.shape(0) != kn) throw std::invalid_argument("attention: k / v rows differ");
-    if ((kB != 1 && kB != B) || kn % kB) throw std::invalid_argument("attention: kB must be 1 or B, dividing k's rows");
-    const int64_t N = kn / kB;
-    if (a > 0 && a > k0) throw std::invalid_argument("attention: the shared keys must come before the own keys");
-    check_array(out, "out", 'f', {B * T, H * hd}, true);
-    float* op = mf(out);
-    const int64_t Ntot = a + N;
-    const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-    const bool vec = has_avx512() && hd % 16 == 0;
+// What every query set of a call shares: the heads, the scale, the soft-cap and window, the tile shape.
+struct Config {
+    int64_t H, Hk, hd, G;
+    float scale, cap;
+    int64_t window;  // 0: none
+    bool vec;        // AVX-512 and hd % 16 == 0
+    int64_t QT, R;   // a tile: QT query positions x the G heads of one key head, R rows (padded to kRows)
+};
+
+Config make_config(int64_t H, int64_t Hk, int64_t hd, double scale, double softcap, int64_t window) {
+    if (H < 1 || Hk < 1 || H % Hk || hd < 1) throw std::invalid_argument("attention: bad H, Hk or head dim");
+    const int64_t G = H / Hk;
     // a tile: QT query positions x the G heads, 12-24 rows (1 position where G > 12), the QT with the fewest padding
     // rows per row (R, the rows computed, is a multiple of kRows): G 3: 4 positions, 12 rows; G 7: 2, 14 + 2 padding
     const auto padding = [G](int64_t qt) { return ((qt * G + kRows - 1) / kRows) * kRows - qt * G; };
     int64_t QT = 0;
     for (int64_t qt = std::max<int64_t>(1, (12 + G - 1) / G); qt <= std::max<int64_t>(1, 24 / G); ++qt)
         if (QT == 0 || padding(qt) * QT < padding(QT) * qt) QT = qt;
-    const int64_t R = QT * G + padding(QT);
-    const int64_t tiles = (T + QT - 1) / QT;
-    auto key_pos = [&](int64_t i) { return i < a ? i : k0 + (i - a); };
+    return {H, Hk, hd, G, static_cast<float>(scale), static_cast<float>(softcap), window, has_avx512() && hd % 16 == 0,
+            QT, QT * G + padding(QT)};
+}
+
+// One set of query rows and the keys they see: B batch rows of T queries at positions pos0 ..; each sees the shared
+// keys PK / PV (positions 0 .. a-1) and its own keys K / V (rows b*N .., or the only ones when kB == 1) at k0 ..
+// (a <= k0); out: its B*T rows of H*hd, contiguous.
+struct Problem {
+    Rows Q, K, V, PK, PV;
+    int64_t B, T, kB, N, a, pos0, k0;
+    float* out;
+    // set by prepare(): keys in all, Kt's row length, tiles per (batch row, key head), every (key batch row, key
+    // head)'s keys transposed, Kt[d][j] for key j (the shared ones first), zero-padded
+    int64_t Ntot = 0, ldk = 0, tiles = 0;
+    std::unique_ptr<float[]> Kt;
+
+    void prepare(const Config& c) {
+        if ((kB != 1 && kB != B) || a > k0) throw std::invalid_argument("attention: bad key batch or key positions");
+        Ntot = a + N;
+        ldk = ((Ntot + kCols - 1) / kCols) * kCols + kCols;
+        tiles = (T + c.QT - 1) / c.QT;
+        Kt.reset(new float[kB * c.Hk * c.hd * ldk]);  // its padding columns zeroed by transpose()
+    }
+    int64_t key_pos(int64_t i) const { return i < a ? i : k0 + (i - a); }
     // keys [lo, hi) a query at position p sees (positions increase with the index)
-    auto seen = [&](int64_t p, int64_t& lo, int64_t& hi) {
-        int64_t l = 0, h;
-        int64_t x = 0, y = Ntot;  // h: the first key after p
+    void seen(int64_t p, int64_t window, int64_t& lo, int64_t& hi) const {
+        int64_t x = 0, y = Ntot;  // hi: the first key after p
         while (x < y) {
             const int64_t mid = (x + y) / 2;
             if (key_pos(mid) <= p) x = mid + 1; else y = mid;
         }
-        h = x;
+        hi = x, lo = 0;
         if (window > 0) {
-            x = 0, y = h;
+            x = 0, y = hi;
             while (x < y) {
                 const int64_t mid = (x + y) / 2;
                 if (key_pos(mid) <= p - window) x = mid + 1; else y = mid;
             }
-            l = x;
+            lo = x;
         }
-        lo = l, hi = h;
+    }
+    int64_t work(const Config& c) const { return B * c.Hk * T * c.G * Ntot * c.hd * 2; }
+};
+
+struct Scratch {  // one thread's tile buffers
+    std::vector<float> Qb, S, Ob, l;
+    std::vector<int64_t> lo, hi;
+    Scratch(const Config& c, int64_t ldk) : Qb(c.R * c.hd), S(c.R * ldk), Ob(c.R * c.hd), l(c.R), lo(c.R), hi(c.R) {}
+};
+
+// the keys of (key batch row, key head) bh transposed into P.Kt
+void transpose_keys(const Config& c, Problem& P, int64_t bh) {
+    const int64_t b = bh / c.Hk, kh = bh % c.Hk, hd = c.hd;
+    float* kt = P.Kt.get() + bh * hd * P.ldk;
+    auto transpose = c.vec ? transpose_avx512 : transpose_plain;
+    transpose(P.PK.p + kh * hd, P.PK.stride, P.a, hd, kt, P.ldk);  // the shared keys, then the row's own
+    transpose(P.K.p + b * P.N * P.K.stride + kh * hd, P.K.stride, P.N, hd, kt + P.a, P.ldk);
+    for (int64_t d = 0; d < hd; ++d) std::fill(kt + d * P.ldk + P.Ntot, kt + (d + 1) * P.ldk, 0.0f);
+}
+
+// one tile of P: batch row b, key head kh, query positions t0 .. t0+QT-1 (task = (b * Hk + kh) * tiles + tile)
+void attend_tile(const Config& c, const Problem& P, int64_t task, Scratch& w) {
+    const int64_t hd = c.hd, G = c.G, R = c.R, ldk = P.ldk;
+    const int64_t b = task / (c.Hk * P.tiles), kh = (task / P.tiles) % c.Hk, t0 = (task % P.tiles) * c.QT;
+    const int64_t nt = std::min(c.QT, P.T - t0), rows = nt * G;
+    int64_t klo = P.Ntot, khi = 0;
+    for (int64_t r = 0; r < R; ++r) {
+        if (r < rows) {
+            P.seen(P.pos0 + t0 + r / G, c.window, w.lo[r], w.hi[r]);
+            klo = std::min(klo, w.lo[r]), khi = std::max(khi, w.hi[r]);
+            const float* src = P.Q.p + (b * P.T + t0 + r / G) * P.Q.stride + (kh * G + r % G) * hd;
+            scaled_copy(src, w.Qb.data() + r * hd, hd, c.scale);  // the scale folded into q
+        } else {
+            w.lo[r] = w.hi[r] = 0;
+            std::fill(w.Qb.data() + r * hd, w.Qb.data() + (r + 1) * hd, 0.0f);
+        }
+    }
+    if (khi <= klo) klo = khi = 0;
+    const int64_t W = khi - klo, Wp = ((W + 15) / 16) * 16;
+    const float* Kt = P.Kt.get() + ((P.kB == 1 ? 0 : b) * c.Hk + kh) * hd * ldk + klo;  // the tile's keys
+    float* S = w.S.data();
+    if (c.vec) scores_avx512(w.Qb.data(), Kt, ldk, S, ldk, R, Wp, hd);
+    else scores_plain(w.Qb.data(), Kt, ldk, S, ldk, R, Wp, hd);
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t l0 = std::max<int64_t>(0, w.lo[r] - klo), h0 = std::max<int64_t>(l0, w.hi[r] - klo);
+        w.l[r] = softmax_row(S + r * ldk, Wp, l0, r < rows ? h0 : l0, c.cap, c.vec);
+    }
+    // the values: the shared keys' rows, then the own keys' rows (two strided runs)
+    const int64_t V_ld = P.V.stride;
+    const float* vb = P.V.p + (P.kB == 1 ? 0 : b * P.N) * V_ld + kh * hd;
+    std::fill(w.Ob.begin(), w.Ob.end(), 0.0f);
+    auto values = [&](int64_t j0, int64_t j1, const float* V0, int64_t ldv) {  // keys klo+j0 .. klo+j1
+        if (c.vec) values_avx512(S + j0, ldk, V0, ldv, w.Ob.data(), R, j1 - j0, hd);
+        else values_plain(S + j0, ldk, V0, ldv, w.Ob.data(), R, j1 - j0, hd);
     };
-    const int64_t work = B * Hk * T * G * Ntot * hd * 2;
-    // every (key batch row, key head)'s keys transposed once, Kt[d][j] for key j (shared ones first), zero-padded:
-    // the tiles read their key range from it
-    const int64_t ldk = ((Ntot + kCols - 1) / kCols) * kCols + kCols;
-    std::unique_ptr<float[]> Kt_all(new float[kB * Hk * hd * ldk]);  // its padding columns zeroed below
+    const int64_t split = std::clamp<int64_t>(P.a - klo, 0, W);  // tile keys [0, split) are shared ones
+    if (split > 0) values(0, split, P.PV.p + klo * P.PV.stride + kh * hd, P.PV.stride);
+    if (W > split) values(split, W, vb + (klo + split - P.a) * V_ld, V_ld);
+    for (int64_t r = 0; r < rows; ++r) {
+        float* dst = P.out + (b * P.T + t0 + r / G) * c.H * hd + (kh * G + r % G) * hd;
+        // l is 0 only where the query sees no key (else >= 1, or NaN: a NaN or +inf score, kept as NaN)
+        if (w.l[r] != 0.0f) scaled_copy(w.Ob.data() + r * hd, dst, hd, 1.0f / w.l[r]);
+        else std::fill(dst, dst + hd, 0.0f);
+    }
+}
+
+// The problems' attention in one parallel region: every key transposition, then every tile (dynamically
+// scheduled), then, when `epilogue_rows` > 0, epilogue(r) for each r < epilogue_rows (after every tile is done).
+template <class Epilogue>
+void run_attention(const Config& c, std::vector<Problem*> problems, int64_t epilogue_rows, Epilogue epilogue) {
+    int64_t work = 0, ldk = kCols, transposes = 0, tiles = 0;
+    for (Problem* P : problems) {
+        P->prepare(c);
+        work += P->work(c);
+        ldk = std::max(ldk, P->ldk);
+        transposes += P->kB * c.Hk;
+        tiles += P->B * c.Hk * P->tiles;
+    }
+    // index i of the problems' joint list of n(P) items each -> (problem, its own index)
+    auto locate = [&](int64_t i, auto n) {
+        for (Problem* P : problems) {
+            if (i < n(*P)) return std::make_pair(P, i);
+            i -= n(*P);
+        }
+        throw std::logic_error("attention: bad index");
+    };
+    auto n_transposes = [&](const Problem& P) { return P.kB * c.Hk; };
+    auto n_tiles = [&](const Problem& P) { return P.B * c.Hk * P.tiles; };
     py::gil_scoped_release nogil;
 #pragma omp parallel num_threads(threads_for(work / 4))
     {
 #pragma omp for schedule(static)
-        for (int64_t bh = 0; bh < kB * Hk; ++bh) {
-            const int64_t b = bh / Hk, kh = bh % Hk;
-            float* kt = Kt_all.get() + bh * hd * ldk;
-            auto transpose = vec ? transpose_avx512 : transpose_plain;
-            transpose(PKr.p + kh * hd, PKr.stride, a, hd, kt, ldk);  // the shared keys, then the row's own
-            transpose(Kr.p + b * N * Kr.stride + kh * hd, Kr.stride, N, hd, kt + a, ldk);
-            for (int64_t d = 0; d < hd; ++d) std::fill(kt + d * ldk + Ntot, kt + (d + 1) * ldk, 0.0f);
+        for (int64_t i = 0; i < transposes; ++i) {
+            auto [P, bh] = locate(i, n_transposes);
+            transpose_keys(c, *P, bh);
         }
-        std::vector<float> Qb(R * hd), S(R * ldk), Ob(R * hd), l(R);
-        std::vector<int64_t> lo(R), hi(R);
-        const int64_t V_ld = Vr.stride;
+        Scratch w(c, ldk);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * Hk * tiles; ++task) {
-            const int64_t b = task / (Hk * tiles), kh = (task / tiles) % Hk, t0 = (task % tiles) * QT;
-            const int64_t nt = std::min(QT, T - t0), rows = nt * G;
-            int64_t klo = Ntot, khi = 0;
-            for (int64_t r = 0; r < R; ++r) {
-                if (r < rows) {
-                    seen(pos0 + t0 + r / G, lo[r], hi[r]);
-                    klo = std::min(klo, lo[r]), khi = std::max(khi, hi[r]);
-                    const float* src = Qr.p + (b * T + t0 + r / G) * Qr.stride + (kh * G + r % G) * hd;
-                    scaled_copy(src, Qb.data() + r * hd, hd, sc);  // the scale folded into q
-                } else {
-                    lo[r] = hi[r] = 0;
-                    std::fill(Qb.data() + r * hd, Qb.data() + (r + 1) * hd, 0.0f);
-                }
-            }
-            if (khi <= klo) klo = khi = 0;
-            const int64_t W = khi - klo, Wp = ((W + 15) / 16) * 16;
-            const float* Kt = Kt_all.get() + ((kB == 1 ? 0 : b) * Hk + kh) * hd * ldk + klo;  // the tile's keys
-            if (vec) scores_avx512(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
-            else scores_plain(Qb.data(), Kt, ldk, S.data(), ldk, R, Wp, hd);
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t l0 = std::max<int64_t>(0, lo[r] - klo), h0 = std::max<int64_t>(l0, hi[r] - klo);
-                l[r] = softmax_row(S.data() + r * ldk, Wp, l0, r < rows ? h0 : l0, cap, vec);
-            }
-            // the values: the shared keys' rows, then the own keys' rows (two strided runs)
-            const float* vb = Vr.p + (kB == 1 ? 0 : b * N) * V_ld + kh * hd;
-            std::fill(Ob.begin(), Ob.end(), 0.0f);
-            auto values = [&](int64_t j0, int64_t j1, const float* V0, int64_t ldv) {  // keys klo+j0 .. klo+j1
-                if (vec) values_avx512(S.data() + j0, ldk, V0, ldv, Ob.data(), R, j1 - j0, hd);
-                else values_plain(S.data() + j0, ldk, V0, ldv, Ob.data(), R, j1 - j0, hd);
-            };
-            const int64_t split = std::clamp<int64_t>(a - klo, 0, W);  // tile keys [0, split) are shared ones
-            if (split > 0) values(0, split, PVr.p + klo * PVr.stride + kh * hd, PVr.stride);
-            if (W > split) values(split, W, vb + (klo + split - a) * V_ld, V_ld);
-            for (int64_t r = 0; r < rows; ++r) {
-                float* dst = op + (b * T + t0 + r / G) * H * hd + (kh * G + r % G) * hd;
-                // l is 0 only where the query sees no key (else >= 1, or NaN: a NaN or +inf score, kept as NaN)
-                if (l[r] != 0.0f) scaled_copy(Ob.data() + r * hd, dst, hd, 1.0f / l[r]);
-                else std::fill(dst, dst + hd, 0.0f);
-            }
+        for (int64_t i = 0; i < tiles; ++i) {
+            auto [P, task] = locate(i, n_tiles);
+            attend_tile(c, *P, task, w);
+        }
+        if (epilogue_rows > 0) {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < epilogue_rows; ++r) epilogue(r);
         }
     }
+}
+
+void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv, py::array out, int64_t B,
+               int64_t T, int64_t H, int64_t Hk, int64_t kB, int64_t pos0, int64_t k0, double scale,
+               double softcap, int64_t window) {
+    if (B < 1 || T < 1 || H < 1 || Hk < 1 || H % Hk) throw std::invalid_argument("attention: bad B, T, H or Hk");
+    const int64_t Hd = q.ndim() == 2 ? q.shape(1) : 0, hd = Hd / H;
+    if (hd < 1 || Hd != H * hd) throw std::invalid_argument("attention: q must be [B*T, H*hd]");
+    const Config c = make_config(H, Hk, hd, scale, softcap, window);
+    const Rows Qr = rows_of(q, "q", H * hd), Kr = rows_of(k, "k", Hk * hd), Vr = rows_of(v, "v", Hk * hd),
+               PKr = rows_of(pk, "pk", Hk * hd), PVr = rows_of(pv, "pv", Hk * hd);
+    if (q.shape(0) != B * T) throw std::invalid_argument("attention: q must have B*T rows");
+    const int64_t a = pk.shape(0), kn = k.shape(0);
+    if (pv.shape(0) != a || v.shape(0) != kn) throw std::invalid_argument("attention: k / v rows differ");
+    if ((kB != 1 && kB != B) || kn % kB) throw std::invalid_argument("attention: kB must be 1 or B, dividing k's rows");
+    if (a > 0 && a > k0) throw std::invalid_argument("attention: the shared keys must come before the own keys");
+    check_array(out, "out", 'f', {B * T, H * hd}, true);
+    Problem P{Qr, Kr, Vr, PKr, PVr, B, T, kB, kn / kB, a, pos0, k0, mf(out)};
+    run_attention(c, {&P}, 0, [](int64_t) {});
+}
+
+// The attention of a difference-form pass (rows.h): q [R, H*hd], k, v [R, Hk*hd] float32 rows of the pass (lead
+// rows, then B x T batch rows); pk, pv [a, Hk*hd] the kept prefix's keys (a = 0 with lead rows: the lead rows' own
+// keys are the batch rows' prefix then) -> out [R, H*hd] bf16 in difference form. The lead rows attend causally
+// among themselves (positions 0 ..); the batch rows to the prefix and causally to their own keys (pos0 ..). Both
+// sets of queries in one parallel region, their float32 outputs into a scratch, then the rows minus their anchor
+// rows, rounded to bf16.
+void attention_rows(py::array q, py::array k, py::array v, py::array pk, py::array pv, py::array anchor,
+                    int64_t lead, int64_t T, int64_t pos0, int64_t H, int64_t Hk, double scale, double softcap,
+                    int64_t window, py::array out) {
+    const RowForm f = row_form(anchor, lead, T, "attention_rows");
+    const int64_t R = f.R();
+    const int64_t Hd = q.ndim() == 2 ? q.shape(1) : 0, hd = H > 0 ? Hd / H : 0;
+    if (hd < 1 || Hd != H * hd || q.shape(0) != R) throw std::invalid_argument("attention_rows: q must be [R, H*hd]");
+    const Config c = make_config(H, Hk, hd, scale, softcap, window);
+    const Rows Qr = rows_of(q, "q", H * hd), Kr = rows_of(k, "k", Hk * hd), Vr = rows_of(v, "v", Hk * hd),
+               PKr = rows_of(pk, "pk", Hk * hd), PVr = rows_of(pv, "pv", Hk * hd);
+    if (k.shape(0) != R || v.shape(0) != R) throw std::invalid_argument("attention_rows: k / v must have R rows");
+    const int64_t a = pk.shape(0);
+    if (pv.shape(0) != a || (lead > 0 && a > 0)) {
+        throw std::invalid_argument("attention_rows: the prefix is the lead rows or a kept one, not both");
+    }
+    check_array(out, "out", 'h', {R, H * hd}, true);
+    std::unique_ptr<float[]> o(new float[R * H * hd]);  // the float32 outputs
+    auto at = [](const Rows& x, int64_t r) { return Rows{x.p + r * x.stride, x.stride}; };
+    Problem L{Qr, Kr, Vr, PKr, PVr, 1, lead, 1, lead, 0, 0, 0, o.get()};  // the lead rows: no shared keys
+    Problem Bt{at(Qr, lead), at(Kr, lead), at(Vr, lead), lead ? Kr : PKr, lead ? Vr : PVr, f.B, T, f.B, T,
+               lead ? lead : a, pos0, pos0, o.get() + lead * H * hd};
+    std::vector<Problem*> problems;
+    if (lead > 0) problems.push_back(&L);
+    if (f.B > 0) problems.push_back(&Bt);
+    uint16_t* op = mh(out);
+    const float* of = o.get();
+    run_attention(c, problems, R, [&](int64_t r) {
+        const int64_t ar = f.anchor_row(r);
+        form_row(of + r * Hd, ar != r ? of + ar * Hd : nullptr, op + r * Hd, Hd);
+    });
 }
 
 }  // namespace
@@ -337,6 +457,10 @@ void register_attention_ops(py::module_& m) {
           py::arg("k0"),
           py::arg("scale"), py::arg("softcap"), py::arg("window"),
           "causal attention over shared keys (positions 0..a-1) and each batch row's own keys (k0..), float32 rows");
+    m.def("attention_rows", &attention_rows, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pk"), py::arg("pv"),
+          py::arg("anchor"), py::arg("lead"), py::arg("T"), py::arg("pos0"), py::arg("H"), py::arg("Hk"),
+          py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("out"),
+          "the attention of a difference-form pass (lead rows, batch rows over the prefix), out in difference form");
 }
 
 }  // namespace sicl

@@ -11,7 +11,8 @@
 // q, k, v may be row-strided views (the three parts of one fused q / k / v product), and k_out / v_out too (a KV
 // cache's rows): rows at any stride, each row's elements contiguous. The rotary products and sum are the
 // reference's operations one by one (no FMA contraction: -ffp-contract=off), so rope_qkv is bit-identical to it;
-// the norm's sum of squares runs in another order than torch's (a few ulp).
+// the norm's sum of squares runs in another order than torch's (a few ulp). The row helpers (sums of squares,
+// scaling, rotary of a head) are defined here once and shared with the difference form's row ops (rowmath.h).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -23,26 +24,12 @@
 #include <vector>
 
 #include "arrays.h"
+#include "rowmath.h"
 #include "threads.h"
 
 namespace sicl {
 
-namespace {
-
-// rows [M, n] float32 whose elements are contiguous within a row; returns the row stride in elements
-int64_t row_stride(const py::array& a, const char* name, int64_t M, int64_t n, bool writable) {
-    if (!a.dtype().is(py::dtype::of<float>())) throw std::invalid_argument(std::string(name) + " must be float32");
-    if (a.ndim() != 2 || a.shape(0) != M || a.shape(1) != n) {
-        throw std::invalid_argument(std::string(name) + " must be [" + std::to_string(M) + ", " + std::to_string(n) +
-                                    "]");
-    }
-    if (n > 1 && a.strides(1) != 4) {
-        throw std::invalid_argument(std::string(name) + ": a row's elements must be contiguous");
-    }
-    if (a.strides(0) % 4 || a.strides(0) < 4 * n) throw std::invalid_argument(std::string(name) + ": bad row stride");
-    if (writable && !a.writeable()) throw std::invalid_argument(std::string(name) + " must be writable");
-    return a.strides(0) / 4;
-}
+// ----------------------------------------------------------------------------------------- rowmath.h's helpers
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) float sum_squares(const float* z, int64_t n) {
     float acc[16] = {0};  // 16 partial sums: the loop vectorises without reassociation flags
@@ -65,8 +52,31 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void add_row(const 
     for (int64_t j = 0; j < n; ++j) o[j] = x[j] + y[j];
 }
 
-inline float inv_rms(const float* z, int64_t n, float eps) {
-    return 1.0f / std::sqrt(sum_squares(z, n) / static_cast<float>(n) + eps);
+// one head: o = rope(z) (o may be z: the rotated values go through a local copy)
+__attribute__((target_clones("avx512f", "avx2", "default"))) void rope_head(const float* z, const float* c,
+                                                                          const float* s, float* o, int64_t hd) {
+    float buf[kMaxHeadDim];
+    const int64_t half = hd / 2;
+    for (int64_t j = 0; j < half; ++j) buf[j] = z[j] * c[j] + (-z[j + half]) * s[j];
+    for (int64_t j = half; j < hd; ++j) buf[j] = z[j] * c[j] + z[j - half] * s[j];
+    std::memcpy(o, buf, sizeof(float) * hd);
+}
+
+namespace {
+
+// rows [M, n] float32 whose elements are contiguous within a row; returns the row stride in elements
+int64_t row_stride(const py::array& a, const char* name, int64_t M, int64_t n, bool writable) {
+    if (!a.dtype().is(py::dtype::of<float>())) throw std::invalid_argument(std::string(name) + " must be float32");
+    if (a.ndim() != 2 || a.shape(0) != M || a.shape(1) != n) {
+        throw std::invalid_argument(std::string(name) + " must be [" + std::to_string(M) + ", " + std::to_string(n) +
+                                    "]");
+    }
+    if (n > 1 && a.strides(1) != 4) {
+        throw std::invalid_argument(std::string(name) + ": a row's elements must be contiguous");
+    }
+    if (a.strides(0) % 4 || a.strides(0) < 4 * n) throw std::invalid_argument(std::string(name) + ": bad row stride");
+    if (writable && !a.writeable()) throw std::invalid_argument(std::string(name) + " must be writable");
+    return a.strides(0) / 4;
 }
 
 void residual_norm(py::array x, py::array y, py::array post_w, py::array w, double eps, bool has_y, bool has_post,
@@ -108,22 +118,12 @@ void residual_norm(py::array x, py::array y, py::array post_w, py::array w, doub
     }
 }
 
-// one head: o = rope(z) (o may be z: the rotated values go through a local copy)
-__attribute__((target_clones("avx512f", "avx2", "default"))) void rope_head(const float* z, const float* c,
-                                                                          const float* s, float* o, int64_t hd) {
-    float buf[512];
-    const int64_t half = hd / 2;
-    for (int64_t j = 0; j < half; ++j) buf[j] = z[j] * c[j] + (-z[j + half]) * s[j];
-    for (int64_t j = half; j < hd; ++j) buf[j] = z[j] * c[j] + z[j - half] * s[j];
-    std::memcpy(o, buf, sizeof(float) * hd);
-}
-
 void rope_qkv(py::array q, py::array k, py::array v, py::array cos, py::array sin, int64_t H, int64_t Hk,
               py::array k_out, py::array v_out) {
     check_array(cos, "cos", 'f', {-1, -1}, false);
     const int64_t T = cos.shape(0), hd = cos.shape(1);
     check_array(sin, "sin", 'f', {T, hd}, false);
-    if (hd % 2 || hd > 512) throw std::invalid_argument("rope_qkv: head_dim must be even and at most 512");
+    if (hd % 2 || hd > kMaxHeadDim) throw std::invalid_argument("rope_qkv: head_dim must be even and at most 512");
     const int64_t M = q.shape(0);
     if (T < 1 || M % T) throw std::invalid_argument("rope_qkv: rows must be a multiple of the positions");
     const int64_t sq = row_stride(q, "q", M, H * hd, true), sk = row_stride(k, "k", M, Hk * hd, false),

@@ -291,17 +291,18 @@ void set_num_threads(int n) {
 }  // namespace
 
 namespace sicl {
-void register_diff_ops(py::module_& m);     // diff.cpp
-void register_decoder_ops(py::module_& m);  // decoder.cpp
-void register_attention_ops(py::module_& m);  // attention.cpp
-void register_span_head_ops(py::module_& m);  // span_head.cpp
+void register_rows_ops(py::module_& m);        // rows.cpp
+void register_decoder_ops(py::module_& m);     // decoder.cpp
+void register_attention_ops(py::module_& m);   // attention.cpp
+void register_span_head_ops(py::module_& m);   // span_head.cpp
+void register_step_state_ops(py::module_& m);  // step_state.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy (sicl_fast.cpp_ops); "
-              "diff_rows, add_rows, gated_diff (sicl_fast.models.diff); residual_norm, rope_qkv "
-              "(sicl_fast.models.elementwise); attention (sicl_fast.models.attention); lse_chunk (the span head, "
-              "sicl_fast.ops.cpp_ops).";
+    m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy, advance (sicl_fast.ops.cpp_ops); "
+              "norm_rows, rope_rows, gated_rows (sicl_fast.models.rows); residual_norm, rope_qkv "
+              "(sicl_fast.models.elementwise); attention, attention_rows (sicl_fast.models.attention); lse_chunk, "
+              "lse_chunk_rows (the span heads, sicl_fast.ops.cpp_ops).";
     m.def("randn", &randn, py::arg("out"), py::arg("seed64"), "out[k] = N(0, 1) of Philox counter k under seed64");
     m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed"), py::arg("step"), py::arg("N"), py::arg("a"),
           py::arg("b"), py::arg("mu"), py::arg("central"), "the perturbation batch, written into out [B, n, d]");
@@ -315,8 +316,9 @@ PYBIND11_MODULE(_C, m) {
     m.def("num_threads", &num_threads, "threads the ops use at most (csrc/threads.h)");
     m.def("set_num_threads", &set_num_threads, py::arg("n"), "the ops' thread count, for every calling thread");
     m.attr("FMA_CONTRACTION") = py::bool_(false);
-    sicl::register_diff_ops(m);
+    sicl::register_rows_ops(m);
     sicl::register_decoder_ops(m);
     sicl::register_attention_ops(m);
     sicl::register_span_head_ops(m);
+    sicl::register_step_state_ops(m);
 }

@@ -8,9 +8,11 @@
 
 #include "vecmath.h"
 
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized on their own _mm512_undefined_ps in masked and shuffled
-// forms (a false positive of those headers); off for the files that include this one, which use those forms
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized and -Wuninitialized on their own _mm512_undefined_ps in
+// masked, unpacked and shuffled forms (a false positive of those headers); off for the files that include this
+// one, which use those forms
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace sicl {
 

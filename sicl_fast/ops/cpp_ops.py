@@ -1,15 +1,15 @@
-"""The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy) and
-CppDecoderOps (the difference-product epilogues), on float32 (and bf16) CPU tensors; the span head's products are
-torch's, a vocabulary chunk at a time, its log-sum-exp the extension's; best tracking and the bookkeeping are the
-reference's (TorchStepOps); the decoder's residual norms and rotary run in C++ on float32
-models (one pass each, K / V written straight into the decoder's buffers), the rest of its elementwise work is the
-reference's (TorchDecoderOps).
+"""The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy, the static
+step's bookkeeping `advance`, the span heads) and CppDecoderOps (the difference form's row epilogues norm_rows,
+rope_rows, gated_rows; the plain forward's residual norms and rotary), on float32 activations and the difference
+form's bf16 rows, CPU tensors. The span heads' products are torch's, a vocabulary chunk at a time, their
+log-sum-exp the extension's; best tracking is the reference's (TorchStepOps); the rest of the decoder's elementwise
+work is the reference's (TorchDecoderOps), and so is any op on other dtypes or devices, or under autograd.
 
-Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.models.diff) and the same noise
-as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton kernels,
-on a GPU. The directions U are regenerated inside the ops, never stored. Multithreaded with OpenMP; results do
-not depend on the thread count. Argument checks live in StepSpec and ProxyPlan / check_logprobs; the extension
-itself only guards its raw buffers.
+Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.step_state, sicl_fast.models.rows,
+sicl_fast.logprobs) and the same noise as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the
+CPU and, through the Triton kernels, on a GPU. The directions U are regenerated inside the ops, never stored.
+Multithreaded with OpenMP; results do not depend on the thread count. Argument checks live in StepSpec and
+ProxyPlan / check_logprobs; the extension itself only guards its raw buffers.
 
 Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the extension this module still
 imports; `available()` is False and CppStepOps() raises a SiclError saying how to build it.
@@ -17,7 +17,9 @@ imports; `available()` is False and CppStepOps() raises a SiclError saying how t
     available() -> bool                        the extension is importable
     randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.rng.directions)
     attention(q, k, v, prefix, pos0, k0, scale, softcap, window) -> o   the fast decoder's attention 'cpp'
+    attention_rows(q, k, v, rows, prefix, scale, softcap, window) -> o   the same on a difference-form pass
     span_head(hidden, weight, targets, softcap) -> [B, P]   CppStepOps's span head
+    span_head_rows(hidden, weight, targets, anchor, softcap) -> [B, P]   ... of a difference-form pass
     CppStepOps, CppDecoderOps                  the ops protocols (sicl_fast.ops.base)
 """
 from __future__ import annotations
@@ -27,8 +29,10 @@ import math
 import numpy as np
 import torch
 
+from .. import step_state
 from ..errors import SiclError
-from ..logprobs import vocab_chunked_logprobs
+from ..logprobs import rows_logprobs, vocab_chunked_logprobs
+from ..models.rows import LOW_DTYPE
 from ..proxy import ProxyOut, ProxyPlan
 from ..rng import check_counter_range, step_seed
 from ..spec import StepSpec, f32
@@ -48,8 +52,11 @@ BUILD_HINT = "build it with `pip install -e .` or `python setup.py build_ext --i
 # that follows (at SmolLM2's head, B*P 297 and 648, the product ran at 185 / 193 GFLOP/s in chunks of 512, 149 / 170
 # in chunks of 8192 on this project's 2-core CPU, 2026-11-26)
 HEAD_CHUNK = 512
-# activation codes of csrc/diff.cpp's gated_diff; other activations take the reference
+# activation codes of csrc/rows.cpp's gated_rows; other activations take the reference
 CPP_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+# the stop reasons as sicl_fast.step_state stores them, in the order csrc/step_state.cpp's advance reads them
+STOP_CODES = np.array([step_state.RUNNING, step_state.GATE, step_state.PATIENCE, step_state.SNR, step_state.MAX_STEPS,
+                       step_state.NONFINITE], dtype=np.int64)
 
 
 def available() -> bool:
@@ -89,6 +96,28 @@ def _cpu(t: torch.Tensor, name: str, op: str, dtype=torch.float32) -> torch.Tens
 def _bits(t: torch.Tensor):
     """A bf16 tensor's bits as an int16 numpy view (no copy)."""
     return t.view(torch.int16).numpy()
+
+
+def _arr(t: torch.Tensor | None, name: str, op: str, dtype=torch.float32):
+    """An input as the extension takes it: a contiguous CPU tensor's numpy view (bf16 as its bits), None as None (an
+    absent bias or norm); a float32 input of another float dtype (a bf16 model's norm weight) as a float32 copy."""
+    if t is None:
+        return None
+    if dtype == torch.float32 and t.dtype != dtype and t.is_floating_point():
+        t = t.float()
+    t = _cpu(t, name, op, dtype)
+    return _bits(t) if dtype == LOW_DTYPE else t.numpy()
+
+
+def _anchors(rows) -> np.ndarray:
+    """A RowLayout's anchors [B] as the extension reads them (int64, on the host)."""
+    return np.asarray(rows.anchors, dtype=np.int64)
+
+
+def _on_cpu_rows(*ts) -> bool:
+    """Do the C++ row ops take these (float32 or bf16 CPU tensors, no autograd recording through them)?"""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    return not grad and all(t.device.type == "cpu" and t.dtype in (torch.float32, LOW_DTYPE) for t in ts)
 
 
 def _step(step, op: str):
@@ -132,6 +161,47 @@ def span_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
     return (picked - (m + torch.log(s))).view(B, P)
 
 
+def _leading_values(anchors: np.ndarray) -> int:
+    """The batch rows before the first difference row when every row after it is a difference (one prompt: 1, the
+    rows a product of the differences alone skips), else 0 (packed prompts: the product takes every row)."""
+    value = anchors == np.arange(anchors.size)
+    k = int(np.argmin(value)) if not value.all() else anchors.size
+    return 0 if value[k:].any() else k
+
+
+def span_head_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
+                   softcap=None) -> torch.Tensor:
+    """hidden [B, P, d] in difference form over the batch (anchor [B]: sicl_fast.models.rows), weight [V, d], both
+    bf16, targets [P] -> [B, P] float32 log-probabilities of the targets, as sicl_fast.logprobs.rows_logprobs (its
+    reference; other dtypes and devices, and autograd, take it). Per vocabulary chunk (HEAD_CHUNK rows) two calls:
+    torch's bf16 product of the difference rows into one reused buffer, then csrc/span_head.cpp's lse_chunk_rows,
+    which makes the value rows' logits in float32 (their bf16 rows times the chunk, accumulated in float32), every
+    difference row's as its anchor's plus its bf16 difference, and folds them into the rows' running max and sum
+    (the first chunk starts them, the last writes the result)."""
+    if not _on_cpu_rows(hidden, weight) or hidden.dtype != LOW_DTYPE or weight.dtype != LOW_DTYPE:
+        return rows_logprobs(hidden, weight, targets, anchor, softcap)
+    op = "cpp span_head_rows"
+    B, P, d = hidden.shape
+    V, M = weight.shape[0], B * P
+    h = _cpu(hidden, "hidden", op, LOW_DTYPE).view(M, d)
+    weight = _cpu(weight, "weight", op, LOW_DTYPE)
+    anchors = _cpu(anchor, "anchor", op, torch.int64).numpy()
+    tgt = _cpu(targets, "targets", op, torch.int64).numpy()
+    r0 = P * _leading_values(anchors)  # the product's rows start here
+    c = min(V, HEAD_CHUNK)
+    zd, zf = torch.empty((M - r0) * c, dtype=LOW_DTYPE), torch.empty(M * c)
+    m, s, picked, out = (torch.empty(M) for _ in range(4))
+    for v0 in range(0, V, HEAD_CHUNK):
+        v1 = min(V, v0 + HEAD_CHUNK)
+        w, z = weight[v0:v1], zd[: (M - r0) * (v1 - v0)].view(M - r0, v1 - v0)
+        if M > r0:
+            torch.mm(h[r0:], w.t(), out=z)
+        _ext().lse_chunk_rows(_bits(z), r0, _bits(h), _bits(w), zf[: M * (v1 - v0)].view(M, v1 - v0).numpy(), v0,
+                              V, tgt, anchors, float(softcap or 0.0), m.numpy(), s.numpy(), picked.numpy(),
+                              out.numpy())
+    return out.view(B, P)
+
+
 class CppStepOps(TorchStepOps):
     """The step ops on the C++ extension (module docstring)."""
 
@@ -150,6 +220,7 @@ class CppStepOps(TorchStepOps):
         return out
 
     span_head = staticmethod(span_head)
+    span_head_rows = staticmethod(span_head_rows)
 
     def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         op = "cpp update"
@@ -174,6 +245,18 @@ class CppStepOps(TorchStepOps):
         _ext().proxy(lp.numpy(), plan.offsets.numpy(), float(plan.alpha), float(plan.beta), float(plan.gamma),
                      float(plan.q), f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
         return ProxyOut(f=f, C=C, R=R, G=G, c=c)
+
+    def advance(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
+        """The static step's bookkeeping (sicl_fast.step_state.advance_reference) on the StepState st in place, in
+        one call of csrc/step_state.cpp's advance, bit for bit the reference's; f [B] float32, fired int32 [1]."""
+        op = "cpp advance"
+        best = st.best
+        _ext().advance(_cpu(f.reshape(-1), "f", op).numpy(), _cpu(fired, "fired", op, torch.int32).numpy(),
+                       st.X.numpy(), st.X_next.numpy(), best.best_X.numpy(), best.best_f.numpy(),
+                       best.counters.numpy(), st.step_t.numpy(), st.steps_run.numpy(), st.reason.numpy(),
+                       st.low_snr.numpy(), st.projections.numpy(), st.history.numpy(), st.anchor.numpy(), STOP_CODES,
+                       float(cfg.tau), float(cfg.snr_threshold), float(cfg.min_delta), float(cfg.min_delta_rel),
+                       int(cfg.patience), int(cfg.max_steps), float(cfg.mu_eff), cfg.estimator == "central")
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -217,10 +300,31 @@ def attention(q, k, v, prefix, pos0: int, k0: int, scale: float, softcap, window
     return out
 
 
+def attention_rows(q, k, v, rows, prefix, scale: float, softcap, window) -> torch.Tensor:
+    """The attention of a difference-form pass in one call (csrc/attention.cpp's attention_rows; the reference is
+    sicl_fast.models.attention.attention_rows_reference): q [R, H, hd], k, v [R, Hk, hd] float32, the pass's rows
+    (rows: its RowLayout); prefix: the kept prefix's (k, v) [1, a, Hk, hd] float32 when the lead rows do not hold
+    it, else None -> o [R, H hd] bf16 in difference form. The lead rows attend causally among themselves; each batch
+    row to the prefix and causally to its own keys."""
+    R, H, hd = q.shape
+    Hk = k.shape[1]
+    op = "cpp attention_rows"
+    if prefix is None:
+        pk = pv = torch.empty(0, Hk * hd)
+    else:
+        pk, pv = _rows(prefix[0], Hk * hd), _rows(prefix[1], Hk * hd)
+    out = torch.empty(R, H * hd, dtype=LOW_DTYPE)
+    _ext().attention_rows(_cpu(q, "q", op).view(R, H * hd).numpy(), _rows(k, Hk * hd).numpy(),
+                          _rows(v, Hk * hd).numpy(), pk.numpy(), pv.numpy(), _anchors(rows), rows.lead, rows.T,
+                          rows.pos0, H, Hk, float(scale), float(softcap or 0.0), int(window or 0), _bits(out))
+    return out
+
+
 class CppDecoderOps(TorchDecoderOps):
-    """The difference epilogues, residual norms and rotary on the C++ extension (module docstring); float32 only
-    for the norms and rotary (other dtypes, and Qwen3 / Gemma 3's per-head q / k norms, take the reference); the
-    rest is the reference's. Never differentiated (the plan gives autograd runs impl 'torch')."""
+    """The difference form's row epilogues, the plain forward's residual norms and rotary on the C++ extension
+    (module docstring): the row ops on float32 rows and bf16 products, the plain ones on float32 models (other
+    dtypes, and the plain rotary's Qwen3 / Gemma 3 per-head q / k norms, take the reference); the rest is the
+    reference's. Never differentiated (the plan gives autograd runs impl 'torch')."""
 
     name = "cpp"
     kv_in_place = True  # qk_rope writes K / V into the decoder's buffers as it rotates
@@ -275,6 +379,56 @@ class CppDecoderOps(TorchDecoderOps):
             v_out.copy_(vw.view(B, T, Hk, hd))
         return q, k_out, v_out
 
+    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows):
+        """(x' [R, d] float32, h [R, d] bf16) as sicl_fast.models.rows.norm_rows_reference, one call (csrc/rows.cpp);
+        y None: x' is x. gemma: the same formula in float32 ((z r) w, Gemma's 1 + w already in w)."""
+        if not _on_cpu_rows(x, *([] if y is None else [y])) or x.dtype != torch.float32 or \
+                (y is not None and y.dtype != LOW_DTYPE):
+            return super().norm_rows(x, y, bias, post_w, w, eps, gemma, rows)
+        op = "cpp norm_rows"
+        x = _cpu(x, "x", op)
+        h = torch.empty(x.shape, dtype=LOW_DTYPE)
+        x_out = None if y is None else torch.empty_like(x)
+        _ext().norm_rows(x.numpy(), _arr(y, "y", op, LOW_DTYPE), _arr(bias, "bias", op), _arr(post_w, "post_w", op),
+                         _arr(w, "w", op), float(eps), _anchors(rows), rows.lead, rows.T,
+                         None if x_out is None else x_out.numpy(), _bits(h))
+        return (x if x_out is None else x_out), h
 
-__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "attention", "span_head", "CppStepOps",
-           "CppDecoderOps", "BUILD_HINT", "CPP_ACTIVATIONS"]
+    def rope_rows(self, qkv, bias, rows, cos, sin, q_norm, k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out,
+                  v_out):
+        """q [R, H, hd] float32, k and v written into k_out / v_out [R, Hk, hd] float32, as
+        sicl_fast.models.rows.rope_rows_reference (the per-head q / k norms included), one call (csrc/rows.cpp);
+        cos, sin [n, hd] from position 0."""
+        if not _on_cpu_rows(qkv) or qkv.dtype != LOW_DTYPE:
+            return super().rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out)
+        op = "cpp rope_rows"
+        R, hd = qkv.shape[0], k_out.shape[-1]
+        q = torch.empty(R, H, hd)
+        ko, vo = _out_rows(k_out, Hk * hd), _out_rows(v_out, Hk * hd)
+        kw = ko if ko is not None and ko.is_contiguous() else torch.empty(R, Hk * hd)
+        vw = vo if vo is not None and vo.is_contiguous() else torch.empty(R, Hk * hd)
+        _ext().rope_rows(_arr(qkv, "qkv", op, LOW_DTYPE), _arr(bias, "bias", op), _anchors(rows), rows.lead,
+                         rows.T, rows.pos0, _arr(cos, "cos", op), _arr(sin, "sin", op), _arr(q_norm, "q_norm", op),
+                         _arr(k_norm, "k_norm", op), float(eps), H, Hk, q.view(R, H * hd).numpy(), kw.numpy(),
+                         vw.numpy())
+        if kw is not ko:
+            k_out.copy_(kw.view(k_out.shape))
+        if vw is not vo:
+            v_out.copy_(vw.view(v_out.shape))
+        return q
+
+    def gated_rows(self, y, bias, act_name: str, rows):
+        """act(gate) * up of y [R, 2I] bf16 (gate | up) plus the bias, in difference form [R, I] bf16, as
+        sicl_fast.models.rows.gated_rows_reference, one call (csrc/rows.cpp); activations other than
+        CPP_ACTIVATIONS' take the reference."""
+        if not _on_cpu_rows(y) or y.dtype != LOW_DTYPE or act_name not in CPP_ACTIVATIONS:
+            return super().gated_rows(y, bias, act_name, rows)
+        op = "cpp gated_rows"
+        out = torch.empty(y.shape[0], y.shape[1] // 2, dtype=LOW_DTYPE)
+        _ext().gated_rows(_arr(y, "y", op, LOW_DTYPE), _arr(bias, "bias", op), CPP_ACTIVATIONS[act_name],
+                          _anchors(rows), rows.lead, rows.T, _bits(out))
+        return out
+
+
+__all__ = ["available", "require", "num_threads", "set_num_threads", "randn", "attention", "attention_rows",
+           "span_head", "span_head_rows", "CppStepOps", "CppDecoderOps", "BUILD_HINT", "CPP_ACTIVATIONS", "STOP_CODES"]

@@ -1,7 +1,7 @@
 """CPU benchmarks of the hot ops: proxy and perturb+update (C++ extension vs torch reference), and the LM head at
-the span positions (chunked log-sum-exp vs full [B, P, V] logits, and the C++ span head), the difference-product
-epilogues (C++ vs torch reference). SmolLM2-135M shapes (d 576, V 49152). bench/cpp_ops_ab.py compares the C++ ops
-of two checkouts.
+the span positions (chunked log-sum-exp vs full [B, P, V] logits, and the C++ span head), the difference form's
+row epilogues norm_rows and gated_rows (C++ vs torch reference). SmolLM2-135M shapes (d 576, V 49152).
+bench/cpp_ops_ab.py compares the C++ ops of two checkouts.
 
 Run (pytest-benchmark; not collected by the normal test run):
 
@@ -22,6 +22,7 @@ import torch
 
 from sicl_fast.benchmark import peak_mb
 from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
+from sicl_fast.models.rows import RowLayout, to_rows
 from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.proxy import span_offsets
 from sicl_fast.spec import StepSpec
@@ -112,26 +113,33 @@ def test_span_head(benchmark, head, impl):
     run(benchmark, f"span head {impl}", lambda: SPAN_IMPLS[impl](h, w, t), rounds=3)
 
 
-# ---------------------------------------------------------------- difference-product epilogues
-# SmolLM2's MLP at L = 512, N = 8: R = 8 difference rows of T = 502 tokens, I = 1536 (gate | up stacked)
-DIFF_R, DIFF_T, DIFF_I = 8, 502, 1536
+# ---------------------------------------------------------------- the difference form's row epilogues
+# SmolLM2 at L = 512, N = 8: B = 9 batch rows of T = 502 tokens (every row a difference from row 0), d = 576, the MLP's
+# gate | up stacked (I = 1536)
+ROWS_B, ROWS_T, ROWS_I = 9, 502, 1536
 
 
 @pytest.fixture(scope="module")
-def gated_inputs():
+def rows_inputs():
+    rows = RowLayout.build(0, ROWS_B, ROWS_T, 10)
     g = torch.Generator().manual_seed(0)
-    y0 = torch.randn(1, DIFF_T, 2 * DIFF_I, generator=g)
-    yd = (1e-2 * torch.randn(DIFF_R, DIFF_T, 2 * DIFF_I, generator=g)).to(torch.bfloat16)
-    return y0, yd
+
+    def near(k):  # [R, k] float32: row 0 random, the others it plus a change of about a bf16 ulp
+        x = torch.randn(1, ROWS_T, k, generator=g)
+        return (x + 1e-2 * torch.randn(ROWS_B, ROWS_T, k, generator=g) * (torch.arange(ROWS_B) > 0).view(-1, 1, 1)
+                ).view(rows.R, k)
+
+    return rows, near(D), to_rows(near(D), rows), to_rows(near(2 * ROWS_I), rows), torch.rand(D) + 0.5
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
-@pytest.mark.parametrize("op", ["add_rows", "gated_diff"])
-def test_diff_epilogues(benchmark, gated_inputs, impl, op):
-    y0, yd = gated_inputs
+@pytest.mark.parametrize("op", ["norm_rows", "gated_rows"])
+def test_row_epilogues(benchmark, rows_inputs, impl, op):
+    rows, x, y, gu, w = rows_inputs
     ops = make_ops(impl).decoder
-    fn = {"add_rows": lambda: ops.add_rows(y0, yd), "gated_diff": lambda: ops.gated_diff(y0, yd, "silu")}[op]
-    benchmark.group = f"{op} R{DIFF_R} T{DIFF_T} I{DIFF_I}"
+    fn = {"norm_rows": lambda: ops.norm_rows(x, y, None, None, w, 1e-5, False, rows),
+          "gated_rows": lambda: ops.gated_rows(gu, None, "silu", rows)}[op]
+    benchmark.group = f"{op} B{ROWS_B} T{ROWS_T} d{D} I{ROWS_I}"
     run(benchmark, f"{op} {impl}", fn, rounds=5)
 
 

@@ -214,15 +214,20 @@ void values_plain(const float* P, int64_t ldp, const float* V, int64_t ldv, floa
 }
 
 // one row of (already scaled) scores s[0, W) -> unnormalised probabilities in place over the visible keys [lo, hi)
-// (0 elsewhere); returns their sum (softmax_rows.h: NaN and +inf make it NaN)
+// (0 elsewhere); returns their sum (softmax_rows.h: NaN and +inf make it NaN), 0 where the query sees no key or
+// only scores of -inf (as the reference: its row of 0 then; a NaN among them still makes the sum NaN)
 float softmax_row(float* s, int64_t W, int64_t lo, int64_t hi, float cap, bool vec) {
     std::fill(s, s + lo, 0.0f);
     std::fill(s + std::max(lo, hi), s + W, 0.0f);
     if (hi <= lo) return 0.0f;
     float* t = s + lo;
     const int64_t n = hi - lo;
-    if (vec) return exp_sum_avx512<true>(t, n, capped_max_avx512(t, n, cap));
-    return exp_sum_plain<true>(t, n, capped_max_plain(t, n, cap));
+    const float m = vec ? capped_max_avx512(t, n, cap) : capped_max_plain(t, n, cap);
+    if (m == -std::numeric_limits<float>::infinity() && std::none_of(t, t + n, [](float x) { return x != x; })) {
+        std::fill(t, t + n, 0.0f);
+        return 0.0f;
+    }
+    return vec ? exp_sum_avx512<true>(t, n, m) : exp_sum_plain<true>(t, n, m);
 }
 
 // What every query set of a call shares: the heads, the scale, the soft-cap and window, the tile shape.

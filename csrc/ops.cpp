@@ -25,6 +25,7 @@
 
 #include "arrays.h"
 #include "threads.h"
+#include "vecmath512.h"
 #include "philox.h"  // after pybind11: its no-FMA pragma applies to everything below
 
 namespace py = pybind11;
@@ -151,7 +152,8 @@ bool update(py::array X, py::array X0, py::array f, py::array out, uint64_t seed
                     for (int64_t i = 0; i < N; ++i) {
                         const uint32_t base = static_cast<uint32_t>((i * R + r) * d);
                         const float wi = w[i];
-                        for (int64_t c = 0; c < d; ++c) g[c] = g[c] + wi * sicl::randn_f32(seed64, base + static_cast<uint32_t>(c));
+                        for (int64_t c = 0; c < d; ++c)
+                            g[c] = g[c] + wi * sicl::randn_f32(seed64, base + static_cast<uint32_t>(c));
                     }
                     double ss = 0.0;
                     for (int64_t c = 0; c < d; ++c) {
@@ -304,16 +306,20 @@ PYBIND11_MODULE(_C, m) {
               "(sicl_fast.models.elementwise); attention, attention_rows (sicl_fast.models.attention); lse_chunk, "
               "lse_chunk_rows (the span heads, sicl_fast.ops.cpp_ops).";
     m.def("randn", &randn, py::arg("out"), py::arg("seed64"), "out[k] = N(0, 1) of Philox counter k under seed64");
-    m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed"), py::arg("step"), py::arg("N"), py::arg("a"),
-          py::arg("b"), py::arg("mu"), py::arg("central"), "the perturbation batch, written into out [B, n, d]");
-    m.def("update", &update, py::arg("X"), py::arg("X0"), py::arg("f"), py::arg("out"), py::arg("seed"), py::arg("step"),
-          py::arg("N"), py::arg("a"), py::arg("b"), py::arg("mu"), py::arg("eta"), py::arg("kappa"),
+    m.def("perturb", &perturb, py::arg("X"), py::arg("out"), py::arg("seed"), py::arg("step"), py::arg("N"),
+          py::arg("a"), py::arg("b"), py::arg("mu"), py::arg("central"),
+          "the perturbation batch, written into out [B, n, d]");
+    m.def("update", &update, py::arg("X"), py::arg("X0"), py::arg("f"), py::arg("out"), py::arg("seed"),
+          py::arg("step"), py::arg("N"), py::arg("a"), py::arg("b"), py::arg("mu"), py::arg("eta"), py::arg("kappa"),
           py::arg("central"), py::arg("normalize"), py::arg("clip_norm"), py::arg("demos_scope"),
           "one ascent step written into out [L, d]; returns whether the cosine projection fired");
     m.def("proxy", &proxy, py::arg("logprobs"), py::arg("offsets"), py::arg("alpha"), py::arg("beta"),
           py::arg("gamma"), py::arg("q"), py::arg("f"), py::arg("C"), py::arg("R"), py::arg("G"), py::arg("c"),
           "the ICL proxy, written into f, C, R, G [B] and c [B, T]");
     m.def("num_threads", &num_threads, "threads the ops use at most (csrc/threads.h)");
+    m.def("set_plain_forms", [](bool on) { sicl::g_plain_forms.store(on); }, py::arg("on"),
+          "the plain loops instead of the AVX-512 forms (for tests of them on an AVX-512 CPU; results within a few "
+          "ulp)");
     m.def("set_num_threads", &set_num_threads, py::arg("n"), "the ops' thread count, for every calling thread");
     m.attr("FMA_CONTRACTION") = py::bool_(false);
     sicl::register_rows_ops(m);

@@ -18,9 +18,10 @@
 // float32); act: 0 SiLU, g / (1 + exp(-g)), 1 GELU with the tanh approximation, torch's formula operation for
 // operation (its 1 + tanh cancels for g below about -3: the differences of such rows are that rounding, which the
 // form's rows must share with the reference); exp is our own (Cody-Waite reduction, degree-7 polynomial, ~1 ulp) so
-// that the loops vectorise, the tanh rounded from float64 as torch's (Sleef's) is to within half an ulp. A difference needs its anchor's float32 result (the norm's, the activation's): norm_rows and
-// gated_rows make a position's B batch rows in one task (rows.h, for_position_tasks); rope_rows reads the anchor's
-// bf16 row from memory, row by row. Float32 throughout; the rotary and the reconstruction are the reference's
+// that the loops vectorise, the tanh rounded from float64 as torch's (Sleef's) is to within half an ulp. A
+// difference needs its anchor's float32 result (the norm's, the activation's): norm_rows and gated_rows make a
+// position's B batch rows in one task (rows.h, for_position_tasks); rope_rows reads the anchor's bf16 row from
+// memory, row by row. Float32 throughout; the rotary and the reconstruction are the reference's
 // operations one by one, the norms' sums of squares and the activations within a few ulp of torch's. NaN and inf
 // flow through as in the reference.
 #include <pybind11/numpy.h>

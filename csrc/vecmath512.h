@@ -3,6 +3,7 @@
 #pragma once
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -16,10 +17,13 @@
 
 namespace sicl {
 
-// does this CPU run AVX-512 (the intrinsic forms are called only where it does)
+// the plain forms everywhere, as on a CPU without AVX-512 (set_plain_forms: so that tests run them here too)
+inline std::atomic<bool> g_plain_forms{false};
+
+// does this CPU run AVX-512, and are its forms on (the intrinsic forms are called only where it does)
 inline bool has_avx512() {
     static const bool yes = __builtin_cpu_supports("avx512f");
-    return yes;
+    return yes && !g_plain_forms.load(std::memory_order_relaxed);
 }
 
 // exp_f32 (vecmath.h) on 16 lanes: the same clamp, reduction and polynomial, with fused multiply-adds (within a

@@ -1,6 +1,6 @@
 """Where the decoder's part of one ascent step goes, op by op: the forward over the step's batch (the static step's
 own buffers, as `sicl-fast profile` times it as "decoder layers") under cProfile, so that the C++ extension's calls
-(attention, norms, rotary, difference epilogues), which torch's profiler does not see, are listed beside torch's.
+(attention, the row epilogues), which torch's profiler does not see, are listed beside torch's.
 
     python bench/decoder_ops.py --length 512 [--repeats 2]
 
@@ -18,7 +18,7 @@ import torch
 from sicl_fast import Engine
 from sicl_fast.benchmark import synthetic_prompt
 from sicl_fast.checks import calibration_inputs
-from sicl_fast.profile import decoder_call
+from sicl_fast.profile import layers_call
 from sicl_fast.spec import resolve_scale
 from sicl_fast.static import StaticStep
 
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     prompt = synthetic_prompt(eng.lm, args.length, seed=0)
     config = resolve_scale(eng.config(), be.lm)
     st = StaticStep(be, config, prompt, calibration_inputs(be, prompt, config))
-    forward = decoder_call(st, st._prefix())
+    forward = layers_call(st)
     with torch.no_grad():
         forward()
         for _ in range(max(1, args.repeats)):

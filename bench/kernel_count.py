@@ -44,9 +44,14 @@ st = StaticStep(be, cal.config, p, cal.initial_embeddings(p))
 st()
 total = rules.count_kernels(st)
 m, a = be.model, p.demo_start
-x, prefix = st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
+try:  # the decoder's layers alone, as each checkout's profile counts them
+    from sicl_fast.profile import layers_call
+    forward = layers_call(st)
+except ImportError:  # before the step forward object (1269398 and earlier)
+    x, prefix = st.batch[:, :p.demo_end].to(m.dtype), st._prefix()
+    forward = lambda: m.forward(x[:, a:], a, prefix, near_row0=True)  # noqa: E731
 with torch.no_grad():
-    layers = rules.count_kernels(lambda: m.forward(x[:, a:], a, prefix, near_row0=True))
+    layers = rules.count_kernels(forward)
 print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "L": p.length, "a": a}))
 """
 

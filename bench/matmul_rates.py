@@ -1,6 +1,6 @@
 """float32 vs bf16 matrix-product rates on this machine at SmolLM2's projection shapes (why the fast backend's
 difference products pay on CPUs with AVX512-BF16 / AMX), and the bf16 weight in oneDNN's packed layout (what
-sicl_fast.models.diff.Bf16Weight keeps) against plain F.linear.
+sicl_fast.models.weights.LowWeight keeps) against plain F.linear.
 
     OMP_NUM_THREADS=1 python bench/matmul_rates.py
 
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sicl_fast.models.diff import mkldnn_packed, packed_linear
+from sicl_fast.models.weights import mkldnn_packed, packed_linear
 
 
 def best_seconds(fns, repeats: int = 20) -> list[float]:

@@ -1,7 +1,7 @@
 """sicl_fast: fast self-improving in-context learning (test-time calibration of a fixed few-shot prompt).
 
 Public API:
-    load(model=None, dtype="float32", device="cpu") -> LoadedModel     the embedded SmolLM2-135M by default
+    load(model=None, dtype="auto", device="auto") -> LoadedModel       the embedded SmolLM2-135M by default
     Engine(lm=None, backend="auto")                                    prepare / proxy / calibrate / generate
     CalibrationConfig, Calibrator, CalibrationResult                   Algorithm 1 and its knobs
     Request, parse_request, read_requests, render_structured           the two request forms

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from .backends.step_forward import fixed_rows_kv
 from .errors import SiclError
 from .generate import Generation, _take, check_inputs, cut_at_stops
 from .models.attention import attend_math, merge
@@ -45,7 +46,7 @@ def stored_kv(model, cal, store=None) -> StoredKV:
     store re-counts it, `store.touch`, and drops it again when the entry with it would not fit)."""
     if cal.kv is not None:
         return cal.kv
-    prefix = model.prefix_kv(cal.rows.to(device=model.device, dtype=model.dtype))
+    prefix = fixed_rows_kv(model, cal.rows)  # the rows' K/V as the step forward makes a kept prefix's
     kv = cal.kv = StoredKV(prefix.kv, prefix.hidden[0, -1])
     if store is not None:
         store.touch(cal)
@@ -135,14 +136,14 @@ def answer_batch(backend, cal, prompts, query_rows: list[torch.Tensor], max_new_
             x = torch.zeros(B, Tmax, m.d, dtype=dt, device=dev)
             for j, rows in enumerate(query_rows):
                 x[j, :T[j]] = rows.to(device=dev, dtype=dt)
-            h = m.run(x, Positions.rows(m.rotary, b, Tmax), kvs, m.dense)
+            h = m.run(x, Positions.rows(m.rotary, b, Tmax), kvs)
             own = [j for j in range(B) if T[j] > 0]
             last[own] = h[own, [T[j] - 1 for j in own]]
         return m.logits(last)  # [B, V]
 
     @torch.no_grad()
     def step(tokens: torch.Tensor) -> torch.Tensor:
-        h = m.run(m.embed(tokens.view(B, 1)), decoding_positions(m, b + slot), kvs, m.dense)
+        h = m.run(m.embed(tokens.view(B, 1)), decoding_positions(m, b + slot), kvs)
         slot.add_(1)
         return m.logits(h[:, 0])
 

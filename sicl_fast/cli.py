@@ -127,8 +127,11 @@ def _group(title: str, build) -> argparse.ArgumentParser:
 def _model(g) -> None:
     g.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M; also 'gemma3-270m', a "
                                                  "transformers model folder (with config.json) or a .gguf file")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    g.add_argument("--device", default="auto", help="auto (CUDA where there is one, else the CPU), cpu, cuda, "
+                                                    "cuda:1, ...")
+    g.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="the weights' dtype; auto: bfloat16 on CUDA, float32 on the CPU (the perturbation batches' "
+                        "products are bf16 in difference form on both where bf16 is fast: bench/RESULTS.md 17)")
 
 
 def _tokens(g) -> None:
@@ -502,9 +505,11 @@ def _check_flags(args) -> None:
     if hasattr(args, "store"):  # after --reuse: its own refusals first
         _check_store(args)
     if _wants_grad(args) and hasattr(args, "impl"):
+        from .models.loading import resolve_device
         from .plan import resolve_impl
 
-        resolve_impl(args.impl, args.device, grad=True)  # refuses forward-only ops before the model loads
+        # refuses forward-only ops before the model loads
+        resolve_impl(args.impl, resolve_device(args.device)[0], grad=True)
     if getattr(args, "estimator", None) is not None:
         from .plan import check_estimator
 
@@ -682,7 +687,8 @@ def cmd_bench(args) -> int:
     lm = load(args.model, dtype=args.dtype, device=args.device)
     cfg = CalibrationConfig.for_model(lm, **_overrides(args))
     plans = [make_plan(lm, c) for c in choices]  # every backend's plan (and refusal) before any timing
-    print(f"# model {lm.name}, {args.dtype}, {args.device}, N={cfg.N}, B={cfg.batch}, threads {plans[0].threads}, "
+    dtype = str(lm.dtype).replace("torch.", "")
+    print(f"# model {lm.name}, {dtype}, {lm.device}, N={cfg.N}, B={cfg.batch}, threads {plans[0].threads}, "
           f"OpenMP wait policy {plans[0].wait_policy}", flush=True)
     calib = args.calibration_steps > 0  # the whole-calibration column only when one is timed
     print("| backend | impl | loop | L | prefix | P | ms/step (mean) | ms/step (min) | peak MiB "

@@ -96,8 +96,9 @@ class RayPool(Workers):
             self._started_ray = True
         res = ray.cluster_resources()
         cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
-        if gpus_per_worker is None:
-            gpus_per_worker = 1 if str(self.engine_kwargs.get("device", "cpu")).startswith("cuda") else 0
+        if gpus_per_worker is None:  # a GPU each where the engines run on CUDA ('auto': where the cluster has GPUs)
+            device = self.engine_kwargs.get("device") or "auto"
+            gpus_per_worker = int(gpus > 0) if device == "auto" else int(str(device).startswith("cuda"))
         if cpus_per_worker is None:
             cpus_per_worker = max(1, cpus // workers)
         for what, per, have in (("CPU", cpus_per_worker, cpus), ("GPU", gpus_per_worker, gpus)):

@@ -35,7 +35,8 @@ from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 
 class Engine:
-    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`, default float32 on the CPU; a name or a
+    """lm: a LoadedModel (or None to load `model` with `dtype` / `device`, default 'auto': CUDA where there is one,
+    and the precision that calibrates as float32 does there, sicl_fast.models.loading.resolve_dtype; a name or a
     path given as lm, or those three beside lm, are refused: check_engine_args). Every other argument is a choice of the
     run plan (sicl_fast.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
     backend; impl, the implementation of the hot ops ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops); attn and
@@ -88,7 +89,7 @@ class Engine:
         self.store = store if store is not None else CalibrationStore(
             DEFAULT_MAX_BYTES if store_bytes is None else store_bytes, store_dir)
         self._reuser = None
-        self.lm = lm if lm is not None else load(model, dtype=dtype or "float32", device=device or "cpu")
+        self.lm = lm if lm is not None else load(model, dtype=dtype or "auto", device=device or "auto")
         self.plan = make_plan(self.lm, choices)
         self.backend = build_backend(self.plan, self.lm)
         self.add_special_tokens = add_special_tokens

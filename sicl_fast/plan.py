@@ -514,7 +514,10 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     else:
         why_grad = f"forward / central on the {loop} loop; " + (f"'grad' refused: {refusal}" if refusal else
                                                                 "'grad' would run on the eager loop")
-    why = (("backend", backend, why_backend), ("impl", impl, why_impl),
+    loaded = lm.extra.get("why", {})  # how the model's device and dtype were chosen (sicl_fast.models.loading)
+    why = (("device", str(dev), loaded.get("device", "the loaded model's")),
+           ("dtype", str(dtype).replace("torch.", ""), loaded.get("dtype", "the loaded model's")),
+           ("backend", backend, why_backend), ("impl", impl, why_impl),
            ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
            ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("read_every", read_every, why_read),

@@ -117,14 +117,18 @@ class KernelCount:
 
 def layers_call(st: StaticStep):
     """The decoder's layers alone on the batch of the static step `st`, as its forward runs them: a callable (the
-    difference form's forward_rows on the step's input rows, or the plain forward of the batch rows)."""
+    difference form's forward_rows on the step's input rows; or the plain forward of the batch rows, after the
+    prefix rows' own forward where they run every step)."""
     fwd, m = st.forward, st.backend.model
     if fwd.rows_on:
         x = fwd.rows_input(st.batch)
         return lambda: fwd.layers(x)
     x, a = st.batch[:, :st.prompt.demo_end].to(m.dtype), st.prompt.demo_start
-    prefix = fwd.prefix if fwd.policy == "kept" else m.prefix_kv(x[0, :a]) if fwd.policy == "pass" else None
-    return (lambda: m.forward(x[:, a:], a, prefix)) if prefix is not None else (lambda: m.forward(x))
+    if fwd.policy == "none":
+        return lambda: m.forward(x)
+    if fwd.policy == "kept":
+        return lambda: m.forward(x[:, a:], a, fwd.prefix)
+    return lambda: m.forward(x[:, a:], a, m.prefix_kv(x[0, :a]))  # 'pass': the prefix's own batch-1 forward too
 
 
 def kernels_per_step(st: StaticStep) -> KernelCount:

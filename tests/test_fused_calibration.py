@@ -2,10 +2,13 @@
 backend runs on that one StepOps object, and a seeded calibration through the C++ and Triton implementations
 matches the torch reference step for step.
 
-Tolerance: the proxy history f0(step) to rtol 1e-5 / atol 1e-7, the returned embeddings to atol 1e-5 (1e-4 on
-the fast backend with bf16 difference products: there the C++ activation's ~1 ulp can flip the bf16 rounding of
-a difference term, 2^-8 of it, which moves that step's gradient estimate a little), and the same steps, best
-step, stop reason and projection count (float32 differences of ~1e-7 per step).
+Tolerance: the proxy history f0(step) to rtol 1e-5 / atol 1e-7 and the returned embeddings to atol 1e-5 on the
+hf backend (float32 differences of ~1e-7 per step). On the fast backend in difference form, rtol 1e-3 and atol
+5e-4 (a step moves an element by about 0.06 here; measured 1.5e-4): row 0 itself is a bf16 product of bf16-rounded values there, and an implementation's float32 sum in another
+order can flip a value's bf16 rounding (2^-8 of that element: f0 moved by up to 2.8e-4 relative, measured); the
+C++ activation's ~1 ulp can flip a difference term's rounding, which moves that step's gradient estimate a little.
+The same steps, stop reason and projection count; the same best step where the reference's best f0 leads the
+runner-up by more than the tolerance (on these random models a step changes f0 by about 1e-6).
 """
 import os
 import subprocess
@@ -62,10 +65,12 @@ def reference_run(lm, prompt, backend: str, cfg):
     return _REFERENCE[key]
 
 
-def assert_same_run(got, ref, emb_atol=1e-5):
-    assert got.steps == ref.steps and got.stop_reason == ref.stop_reason
-    assert got.best_step == ref.best_step and got.projections == ref.projections
-    torch.testing.assert_close(torch.tensor(got.history), torch.tensor(ref.history), rtol=1e-5, atol=1e-7)
+def assert_same_run(got, ref, emb_atol=1e-5, rtol=1e-5):
+    assert got.steps == ref.steps and got.stop_reason == ref.stop_reason and got.projections == ref.projections
+    torch.testing.assert_close(torch.tensor(got.history), torch.tensor(ref.history), rtol=rtol, atol=1e-7)
+    top = sorted(ref.history, reverse=True)
+    if len(top) < 2 or top[0] - top[1] > 2 * rtol * abs(top[0]):
+        assert got.best_step == ref.best_step
     torch.testing.assert_close(got.embeddings.cpu(), ref.embeddings, rtol=0, atol=emb_atol)
 
 
@@ -87,7 +92,7 @@ def test_impl_matches_torch_reference(setup, impl, backend, name):
     be = make_backend(backend, lm, diff_matmul="bf16" if backend == "fast" else "auto", impl=impl)
     got = Calibrator(be, cfg).run(prompt)
     assert got.impl == impl and Calibrator(be, cfg).ops is be.ops
-    assert_same_run(got, ref, emb_atol=1e-4 if backend == "fast" else 1e-5)
+    assert_same_run(got, ref, *((5e-4, 1e-3) if backend == "fast" else (1e-5, 1e-5)))
 
 
 def test_auto_follows_the_model_device_and_names_are_checked():

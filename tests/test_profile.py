@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import reference_backend
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.profile import PHASES, kernels_per_step, profile_step, step_flops
+from sicl_fast.profile import PHASES, kernels_per_step, layers_call, profile_step, step_flops
 from sicl_fast.static import StaticStep
 from test_fast_backend import make_prompt
 
@@ -20,12 +20,12 @@ def test_decoder_flops_match_torchs_counter(models, family, a):
     4 H hd T N for attention where the profile counts the causal keys only; the products must agree exactly."""
     be = reference_backend("fast", models[family], attn="math", diff_matmul="off")
     p = make_prompt(a)
-    st = StaticStep(be, Calibrator(be, CFG).config, p, be.embed(p))
+    # scope 'demos': the prefix's K/V are kept, computed once before the steps
+    st = StaticStep(be, Calibrator(be, CFG.replace(projection_scope="demos")).config, p, be.embed(p))
     m = be.model
     T, k0 = p.demo_end - a, a
-    x, prefix = st.batch[:, :p.demo_end], st._prefix()  # the prefix is its own phase
     with FlopCounterMode(display=False) as fc:
-        m.forward(x[:, a:], a, prefix) if a else m.forward(x)
+        layers_call(st)()
     causal = 2 * 2 * m.H * m.hd * (T * k0 + T * (T + 1) / 2)
     full = 2 * 2 * m.H * m.hd * T * (T + k0)  # scores of every key, prefix keys included
     expected = step_flops(st)["decoder layers"] + st.spec.B * len(m.layers) * (full - causal)
@@ -33,8 +33,9 @@ def test_decoder_flops_match_torchs_counter(models, family, a):
 
 
 def test_flops_split_by_precision_and_the_floor(models):
-    """With difference products the perturbed rows' projections are counted as bf16, the rest in the model dtype;
-    the totals do not change, and a phase's floor is its FLOPs of each precision at that precision's rate."""
+    """In the difference form every projection (the prefix rows of the pass included) and the span head are bf16
+    products and the attention stays float32; plain, everything is in the model dtype. The totals do not change,
+    and a phase's floor is its FLOPs of each precision at that precision's rate."""
     from sicl_fast.profile import Rates, floor_of, step_flops_by_precision
 
     lm, p = models["llama"], make_prompt(6)
@@ -44,16 +45,17 @@ def test_flops_split_by_precision_and_the_floor(models):
         st = StaticStep(be, Calibrator(be, CFG).config, p, be.embed(p))
         splits.append((st, step_flops_by_precision(st)))
     (_, off), (st, on) = splits
-    assert all(low == 0 for _, low in off.values()) and on["decoder layers"][1] > 0
-    assert all(on[ph][1] == 0 for ph in on if ph != "decoder layers")
+    assert all(low == 0 for _, low in off.values()) and on["decoder layers"][1] > 0 and on["span head"][0] == 0
+    assert all(on[ph] == (0.0, 0.0) for ph in on if ph not in ("decoder layers", "span head"))
     assert {ph: sum(v) for ph, v in on.items()} == pytest.approx({ph: sum(v) for ph, v in off.items()}, rel=1e-12)
-    m, T = st.backend.model, p.demo_end - p.demo_start
-    per_token = 2 * (m.d * (m.H + 2 * m.Hk) * m.hd + m.H * m.hd * m.d + 3 * m.d * m.layers[0].w_gate.shape[0])
-    assert on["decoder layers"][1] == (st.spec.B - 1) * len(m.layers) * T * per_token
+    m, a, T = st.backend.model, p.demo_start, p.demo_end - p.demo_start
+    per_token = 2 * (m.d * (m.H + 2 * m.Hk) * m.hd + m.H * m.hd * m.d + 3 * m.d * m.layers[0].w.inter)
+    # scope 'prompt': the prefix rows run once in every step's pass, beside the B batch rows
+    assert on["decoder layers"][1] == len(m.layers) * (st.spec.B * T + a) * per_token
     high, low = on["decoder layers"]
     floor = floor_of(st, Rates(high=10.0, low=40.0, shape="-", high_dtype="float32"))
     assert floor.phases["decoder layers"] == pytest.approx(high / 10e6 + low / 40e6, rel=1e-12)
-    assert floor.ms == pytest.approx(sum(h / 10e6 for h, _ in on.values()) + low / 40e6, rel=1e-12)
+    assert floor.ms == pytest.approx(sum(h / 10e6 + lo / 40e6 for h, lo in on.values()), rel=1e-12)
 
 
 def test_profile_table_and_counts(models):

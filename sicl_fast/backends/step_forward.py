@@ -56,6 +56,15 @@ class SpanPlan:
             mine.copy_(new)
 
 
+def fixed_rows_kv(model, rows: torch.Tensor, rows_form: bool = False):
+    """The K/V of rows that no step changes, [n, d] (batch 1, once): a kept prefix, and a stored calibration's rows
+    [0, b) that queries are answered against (sicl_fast.answer_kv). rows_form: through the difference form's forward
+    (float32 K/V, what its batch rows attend to), else the plain forward in the model dtype. -> PrefixKV."""
+    if rows_form:
+        return model.prefix_rows(rows.float())
+    return model.prefix_kv(rows.to(device=model.device, dtype=model.dtype))
+
+
 def resolve_policy(prompt: Prompt, prefix: str) -> str:
     """The policy a prompt runs: 'none' where it has no prefix rows."""
     if prefix not in PREFIX_POLICIES:
@@ -93,9 +102,8 @@ class StepForward:
                 SpanPlan.of(prompt, "cpu").from_prefix)
 
     def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor | None):
-        m = self.model
-        rows = (X0 if X0 is not None else self.backend.embed(prompt))[:prompt.demo_start].to(m.device)
-        return m.prefix_rows(rows) if self.rows_on else m.prefix_kv(rows.to(m.dtype))
+        rows = (X0 if X0 is not None else self.backend.embed(prompt))[:prompt.demo_start].to(self.model.device)
+        return fixed_rows_kv(self.model, rows, self.rows_on)
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten
@@ -212,4 +220,4 @@ class PackedForward:
         return out
 
 
-__all__ = ["StepForward", "PackedForward", "SpanPlan", "PREFIX_POLICIES", "resolve_policy"]
+__all__ = ["StepForward", "PackedForward", "SpanPlan", "PREFIX_POLICIES", "fixed_rows_kv", "resolve_policy"]

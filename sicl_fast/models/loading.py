@@ -294,24 +294,52 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load(
-    model: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu"
-) -> LoadedModel:
-    """Load a causal LM and its tokenizer. See HOW_TO_POINT for the accepted `model` values."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _quiet_transformers()
-
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
-        dtype = DTYPES[dtype]
+def resolve_device(device: str | torch.device | None) -> tuple[torch.device, str]:
+    """(the device `device` names, why): 'auto' (or None) is CUDA where this machine has it, else the CPU."""
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda"), "auto: CUDA is available"
+        return torch.device("cpu"), "auto: no CUDA device here"
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ModelLoadError(f"unknown device {device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available on this machine")
+    return dev, "asked for"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device) -> tuple[torch.dtype, str]:
+    """(the weights' dtype, why): 'auto' (or None) is the fastest that calibrates as float32 does on `dev`, as the
+    precision study measured (bench/precision_fidelity.py; bench/RESULTS.md section 17): a bf16 model on CUDA (its
+    perturbation batches in difference form at the tensor cores' rate), float32 weights on the CPU (the difference
+    form's products are bf16 there too; float32 answers and plain forwards)."""
+    if dtype is None or dtype == "auto":
+        if dev.type == "cuda":
+            return torch.bfloat16, ("auto: CUDA: bf16 weights, the perturbation batches in difference form "
+                                    "(calibrates as float32 does: RESULTS 17)")
+        return torch.float32, ("auto: CPU: float32 weights, the perturbation batches' products in bf16 difference "
+                               "form where bf16 is fast (RESULTS 17)")
+    if isinstance(dtype, torch.dtype):
+        return dtype, "asked for"
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[dtype], "asked for"
+
+
+def load(
+    model: str | os.PathLike | None = None, dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device | None = "auto"
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer. See HOW_TO_POINT for the accepted `model` values. device and dtype:
+    resolve_device / resolve_dtype ('auto': CUDA where there is one; the precision the device calibrates best at);
+    what they resolved to and why is kept in `extra['why']` (`sicl-fast plan` prints it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
+
+    dev, why_device = resolve_device(device)
+    dtype, why_dtype = resolve_dtype(dtype, dev)
     name, path, kind = resolve(model)
     if kind == "gguf":
         m, tok = _load_gguf(path)
@@ -323,7 +351,8 @@ def load(
             raise ModelLoadError(f"could not load model directory {path}: {exc}") from exc
     m = m.to(device=dev, dtype=dtype).eval()
     m.requires_grad_(False)
-    return LoadedModel(model=m, tokenizer=tok, name=name, extra={"path": str(path)})
+    return LoadedModel(model=m, tokenizer=tok, name=name,
+                       extra={"path": str(path), "why": {"device": why_device, "dtype": why_dtype}})
 
 
 def from_transformers(model, tokenizer, name: str = "custom") -> LoadedModel:
@@ -338,4 +367,4 @@ def describe(lm: LoadedModel) -> dict:
 
 
 __all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "model_folder", "converted_path",
-           "HOW_TO_POINT", "cache_dir"]
+           "HOW_TO_POINT", "cache_dir", "resolve_device", "resolve_dtype"]

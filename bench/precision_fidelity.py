@@ -1,0 +1,164 @@
+"""The precision study: which paths calibrate as float32 does. For ICLEval samples and each precision path, the
+gain of a seeded calibration by its own proxy and by the float32 proxy of the X it returns (the measure that
+counts: a low-precision proxy can climb its own rounding), and the greedy answer decoded from that X.
+
+    python bench/precision_fidelity.py ICLEval/data/tasks_data --models smollm2 --per-file 3 --steps 20 \\
+        --out bench/precision_fidelity/records.jsonl --report bench/precision_fidelity/report.md
+
+The paths (each an Engine configuration; `fp32` is the reference):
+    fp32         float32 model, every product in float32 (backend fast-fp32)
+    fp32-rows    float32 model, the difference form (diff_matmul bf16: float32 activations, every projection one bf16
+                 product of the rows' values and differences)
+    bf16-rows    bf16 model, the difference form
+    bf16-plain   bf16 model, plain bf16 rows (diff_matmul off): the ascent the difference form replaces
+    fp32-fp8     float32 model, the difference form with FP8 e4m3 differences (emulated without FP8 hardware)
+
+Every run: tau 0 and patience 0 (the full --steps, no gate), the preset's other settings (N 8 below 1B
+parameters), the same seed on every path. Records are appended one per (model, path, sample) and a rerun skips what
+is done (resumable); the report is made from every record in the file. The float32 gain of a run is
+f32(X_best) - f32(X0), both read by the fp32 path's engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+PATHS = {  # name -> (model dtype, Engine choices)
+    "fp32": ("float32", dict(backend="fast-fp32")),
+    "fp32-rows": ("float32", dict(backend="fast", diff_matmul="bf16")),
+    "bf16-rows": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
+    "bf16-plain": ("bfloat16", dict(backend="fast", diff_matmul="off")),
+    "fp32-fp8": ("float32", dict(backend="fast", diff_matmul="fp8")),
+}
+MODELS = {"smollm2": None, "gemma3-270m": "gemma3-270m"}  # name -> sicl_fast.models.load's model argument
+
+
+def pick_samples(folder: str, per_file: int, max_tokens: int, tokenizer, max_context):
+    """The first `per_file` samples of each ICLEval task file in `folder` whose prompt has at most max_tokens
+    tokens (a CPU-sized study), in file order."""
+    from sicl_fast.icleval import load_dir, tokenize_sample
+
+    out = []
+    for name, samples in sorted(load_dir(folder).items()):
+        got = 0
+        for s in samples:
+            if got == per_file:
+                break
+            if tokenize_sample(s, tokenizer, max_context).length <= max_tokens:
+                out.append((name, s))
+                got += 1
+    return out
+
+
+def done_keys(path: str) -> set:
+    if not os.path.exists(path):
+        return set()
+    with open(path) as f:
+        return {(r["model"], r["path"], r["sample"]) for r in map(json.loads, f) if r.get("path")}
+
+
+def run(args) -> None:
+    from sicl_fast import Engine
+    from sicl_fast.evaluation.methods import sample_prompt
+    from sicl_fast.icleval import max_gen_len, score, should_stop
+    from sicl_fast.models import load
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    done = done_keys(args.out)
+    for model in args.models:
+        lms = {"float32": load(MODELS[model], dtype="float32")}
+        ref = Engine(lms["float32"], backend="fast-fp32", threads=args.threads)
+        samples = pick_samples(args.icleval, args.per_file, args.max_tokens, ref.lm.tokenizer, ref.lm.max_context)
+        print(f"# {model}: {len(samples)} samples, paths {', '.join(args.paths)}", flush=True)
+        engines = {}
+        for path in args.paths:
+            dtype, choices = PATHS[path]
+            if dtype not in lms:
+                lms[dtype] = load(MODELS[model], dtype=dtype)
+            engines[path] = Engine(lms[dtype], threads=args.threads, **choices)
+        for name, s in samples:
+            key = f"{name}:{s.uid}"
+            prompt = sample_prompt(ref, s)
+            f32_0 = None
+            for path in args.paths:
+                if (model, path, key) in done:
+                    continue
+                eng = engines[path]
+                if f32_0 is None:
+                    f32_0 = float(ref.proxy(prompt).f[0])
+                t0 = time.perf_counter()
+                res = eng.calibrate(prompt, max_steps=args.steps, tau=0.0, patience=0)
+                seconds = time.perf_counter() - t0
+                f32_best = float(ref.proxy(prompt, embeds=res.embeddings.float()).f[0])
+                stop = lambda text, s=s: should_stop(s, text)  # noqa: E731
+                gen = eng.generate(prompt, res.embeddings.to(eng.lm.dtype), max_new_tokens=max_gen_len(s),
+                                   stop_strings=(), stop_fn=stop)
+                rec = {"model": model, "path": path, "sample": key, "L": prompt.length, "steps": res.steps,
+                       "seconds": round(seconds, 3), "own_initial": res.initial_proxy, "own_best": res.best_proxy,
+                       "f32_initial": f32_0, "f32_best": f32_best, "own_gain": res.best_proxy - res.initial_proxy,
+                       "f32_gain": f32_best - f32_0, "answer": gen.text, "correct": bool(score(s, gen.text)),
+                       "best_step": res.best_step}
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(f"{model} {path:10s} {key:34s} L {prompt.length:4d} f32 gain {rec['f32_gain']:+.3e} "
+                      f"own {rec['own_gain']:+.3e} ({seconds:.0f} s)", flush=True)
+
+
+def report(records: list[dict]) -> str:
+    """The study's tables: per model and path, the float32 gain kept (sum over samples against fp32's, and the
+    median of the per-sample ratios), the answers equal to fp32's, the own gain against the float32 one, the time."""
+    lines = []
+    for model in sorted({r["model"] for r in records}):
+        rs = [r for r in records if r["model"] == model]
+        ref = {r["sample"]: r for r in rs if r["path"] == "fp32"}
+        lines += [f"### {model}: {len(ref)} samples", "",
+                  "| path | float32 gain kept (sum) | median per sample | answers = fp32's | own gain / float32 gain "
+                  "| correct | s / step |", "|---|---|---|---|---|---|---|"]
+        for path in [p for p in PATHS if any(r["path"] == p for r in rs)]:
+            got = [r for r in rs if r["path"] == path and r["sample"] in ref]
+            if not got:
+                continue
+            kept = sum(r["f32_gain"] for r in got) / sum(ref[r["sample"]]["f32_gain"] for r in got)
+            ratios = [r["f32_gain"] / ref[r["sample"]]["f32_gain"] for r in got if ref[r["sample"]]["f32_gain"] > 0]
+            same = sum(r["answer"] == ref[r["sample"]]["answer"] for r in got)
+            own = sum(r["own_gain"] for r in got) / max(1e-12, sum(r["f32_gain"] for r in got))
+            step = sum(r["seconds"] for r in got) / sum(r["steps"] for r in got)
+            lines.append(f"| {path} | {100 * kept:.1f} % | {100 * statistics.median(ratios):.1f} % | "
+                         f"{same} / {len(got)} | {own:.2f} | {sum(r['correct'] for r in got)} / {len(got)} | "
+                         f"{step:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("icleval", help="ICLEval's data/tasks_data folder (the task files)")
+    ap.add_argument("--models", nargs="+", default=["smollm2"], choices=sorted(MODELS))
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--per-file", type=int, default=3, help="samples taken from each task file")
+    ap.add_argument("--max-tokens", type=int, default=400, help="longest prompt taken (tokens)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="bench/precision_fidelity/records.jsonl")
+    ap.add_argument("--report", default=None, help="write the tables (markdown) here")
+    ap.add_argument("--report-only", action="store_true", help="make the tables from --out, run nothing")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    if not args.report_only:
+        run(args)
+    with open(args.out) as f:
+        text = report([json.loads(line) for line in f if line.strip()])
+    print(text)
+    if args.report:
+        with open(args.report, "w") as f:
+            f.write(f"<!-- {' '.join(sys.argv)} -->\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -255,6 +255,22 @@ def test_one_call_per_row_op(dec):
     assert all(n == 1 for n in counts.values()), counts
 
 
+def test_bf16_weights_converted_once(dec):
+    """A bf16 model's norm weights and biases: a float32 copy made once per tensor (one call per op after the first),
+    made again when the weight changes in place."""
+    rows, d = layout(LAYOUTS[2]), 40
+    x, y = near_rows(rows, d, seed=1), to_rows(near_rows(rows, d, seed=2), rows)
+    w, b = (torch.rand(d) + 0.5).to(torch.bfloat16), torch.randn(d).to(torch.bfloat16)
+    dec.norm_rows(x, y, b, w, w, 1e-6, False, rows)
+    assert count_kernels(lambda: dec.norm_rows(x, y, b, w, w, 1e-6, False, rows)) == 1
+    for _ in range(2):
+        got, ref = dec.norm_rows(x, y, b, w, w, 1e-6, False, rows), norm_rows_reference(x, y, b, w, w, 1e-6, False,
+                                                                                         rows)
+        torch.testing.assert_close(got[0], ref[0], **contract.F32)
+        contract.assert_form_close(got[1], ref[1], rows)
+        w.mul_(2.0)
+
+
 @pytest.mark.parametrize("anchors", [[0, 0, 0], [0, 0, 2], [0, 1, 2]], ids=["one-prompt", "packed", "values"])
 def test_span_head_rows_two_calls_a_chunk(anchors):
     V = 2 * HEAD_CHUNK + 7

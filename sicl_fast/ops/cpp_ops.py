@@ -28,6 +28,7 @@ import math
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import step_state
 from ..errors import SiclError
@@ -98,13 +99,20 @@ def _bits(t: torch.Tensor):
     return t.view(torch.int16).numpy()
 
 
+_F32_COPIES = WeakIdKeyDictionary()  # tensor -> (its version, its float32 copy): see _arr
+
+
 def _arr(t: torch.Tensor | None, name: str, op: str, dtype=torch.float32):
     """An input as the extension takes it: a contiguous CPU tensor's numpy view (bf16 as its bits), None as None (an
-    absent bias or norm); a float32 input of another float dtype (a bf16 model's norm weight) as a float32 copy."""
+    absent bias or norm). A float32 input of another float dtype (a bf16 model's norm weight or bias) as its float32
+    copy, made once per tensor and version: a model's constant weights cost no conversion per call."""
     if t is None:
         return None
     if dtype == torch.float32 and t.dtype != dtype and t.is_floating_point():
-        t = t.float()
+        got = _F32_COPIES.get(t)
+        if got is None or got[0] != t._version:
+            got = _F32_COPIES[t] = (t._version, t.detach().float())
+        t = got[1]
     t = _cpu(t, name, op, dtype)
     return _bits(t) if dtype == LOW_DTYPE else t.numpy()
 
@@ -185,8 +193,8 @@ def span_head_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     V, M = weight.shape[0], B * P
     h = _cpu(hidden, "hidden", op, LOW_DTYPE).view(M, d)
     weight = _cpu(weight, "weight", op, LOW_DTYPE)
-    anchors = _cpu(anchor, "anchor", op, torch.int64).numpy()
-    tgt = _cpu(targets, "targets", op, torch.int64).numpy()
+    anchors = _cpu(anchor.to(torch.int64), "anchor", op, torch.int64).numpy()
+    tgt = _cpu(targets.to(torch.int64), "targets", op, torch.int64).numpy()
     r0 = P * _leading_values(anchors)  # the product's rows start here
     c = min(V, HEAD_CHUNK)
     zd, zf = torch.empty((M - r0) * c, dtype=LOW_DTYPE), torch.empty(M * c)

@@ -125,8 +125,6 @@ __attribute__((target("avx512f"))) void dots4x4_avx512(const float* const* h, co
             for (int cc = 0; cc < 4; ++cc) z[4 * rr + cc] += h[rr][k] * from_bf16(w[cc][k]);
 }
 
-constexpr int64_t kDotCols = 128;  // weight rows per task of the value rows' logits
-
 void lse_chunk_rows(py::array zd, int64_t r0, py::array h, py::array w, py::array zf, int64_t v0, int64_t V,
                     py::array targets, py::array anchor, double cap, py::array m, py::array s, py::array picked,
                     py::array out) {
@@ -154,48 +152,49 @@ void lse_chunk_rows(py::array zd, int64_t r0, py::array h, py::array w, py::arra
     std::vector<int64_t> values;  // the value batch rows
     for (int64_t j = 0; j < f.B; ++j)
         if (f.anchor[j] == j) values.push_back(j);
-    const int64_t blocks = (P + 3) / 4, col_tasks = (c + kDotCols - 1) / kDotCols;
-    const int64_t dot_tasks = static_cast<int64_t>(values.size()) * blocks * col_tasks;
     const float cp = static_cast<float>(cap);
     const bool vec = has_avx512(), first = v0 == 0, last = v0 + c == V;
     auto dots = vec ? dots4x4_avx512 : dots4x4_plain;
+    const int64_t nv = static_cast<int64_t>(values.size()), tasks = (P + 3) / 4;
     py::gil_scoped_release nogil;
-#pragma omp parallel num_threads(threads_for(static_cast<int64_t>(values.size()) * P * c * d * 2 + M * c * 8))
+    // a task: 4 positions of every batch row (a difference's anchor row is at its own position: in the same task, so
+    // that the call has no barrier but its end; on a machine shared with other work a barrier waits for whichever
+    // thread the scheduler took off its core)
+#pragma omp parallel num_threads(threads_for(nv * P * c * d * 2 + M * c * 8))
     {
         std::vector<float> hf(4 * d);
-        // the value rows' float32 logits: a task is 4 positions of one value row x kDotCols vocabulary entries
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < dot_tasks; ++task) {
-            const int64_t jv = values[task / (blocks * col_tasks)], p0 = (task / col_tasks) % blocks * 4;
-            const int64_t c0 = task % col_tasks * kDotCols, c1 = std::min(c, c0 + kDotCols);
-            const float* hr[4];
-            for (int rr = 0; rr < 4; ++rr) {  // past the row's last position: its last row again (not stored)
-                const int64_t r = jv * P + std::min(p0 + rr, P - 1);
-                for (int64_t k = 0; k < d; ++k) hf[rr * d + k] = from_bf16(hp[r * d + k]);
-                hr[rr] = hf.data() + rr * d;
+        for (int64_t task = 0; task < tasks; ++task) {
+            const int64_t p0 = task * 4, np = std::min<int64_t>(4, P - p0);
+            for (const int64_t jv : values) {  // the value rows' float32 logits
+                const float* hr[4];
+                for (int rr = 0; rr < 4; ++rr) {  // past the last position: the last row again (not stored)
+                    const int64_t r = jv * P + p0 + std::min<int64_t>(rr, np - 1);
+                    for (int64_t k = 0; k < d; ++k) hf[rr * d + k] = from_bf16(hp[r * d + k]);
+                    hr[rr] = hf.data() + rr * d;
+                }
+                for (int64_t j0 = 0; j0 < c; j0 += 4) {
+                    const uint16_t* wr[4];
+                    for (int cc = 0; cc < 4; ++cc) wr[cc] = wp + std::min(j0 + cc, c - 1) * d;
+                    float z[16];
+                    dots(hr, wr, d, z);
+                    for (int64_t rr = 0; rr < np; ++rr)
+                        for (int cc = 0; cc < 4 && j0 + cc < c; ++cc)
+                            zp[(jv * P + p0 + rr) * c + j0 + cc] = z[4 * rr + cc];
+                }
             }
-            for (int64_t j0 = c0; j0 < c1; j0 += 4) {
-                const uint16_t* wr[4];
-                for (int cc = 0; cc < 4; ++cc) wr[cc] = wp + std::min(j0 + cc, c1 - 1) * d;
-                float z[16];
-                dots(hr, wr, d, z);
-                for (int rr = 0; rr < 4 && p0 + rr < P; ++rr)
-                    for (int cc = 0; cc < 4 && j0 + cc < c1; ++cc)
-                        zp[(jv * P + p0 + rr) * c + j0 + cc] = z[4 * rr + cc];
+            for (int64_t j = 0; j < f.B; ++j) {  // the differences' from their anchors' (before any is soft-capped)
+                if (f.anchor[j] == j) continue;
+                for (int64_t r = j * P + p0; r < j * P + p0 + np; ++r)
+                    anchored_row(zp + f.anchor_row(r) * c, zdp + (r - r0) * c, zp + r * c, c);
             }
-        }
-        // the difference rows' float32 logits from their anchors'
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; ++r) {
-            const int64_t a = f.anchor_row(r);
-            if (a != r) anchored_row(zp + a * c, zdp + (r - r0) * c, zp + r * c, c);
-        }
-        // every row folded into its running max and sum (an exp costs about 8 plain element operations)
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; ++r) {
-            if (first) mp[r] = -std::numeric_limits<float>::infinity(), sp[r] = 0.0f, pp[r] = 0.0f;
-            fold_row(zp + r * c, c, cp, vec, tp[r % P] - v0, mp[r], sp[r], pp[r]);
-            if (last) op[r] = pp[r] - (mp[r] + std::log(sp[r]));
+            for (int64_t j = 0; j < f.B; ++j) {  // every row folded into its running max and sum
+                for (int64_t r = j * P + p0; r < j * P + p0 + np; ++r) {
+                    if (first) mp[r] = -std::numeric_limits<float>::infinity(), sp[r] = 0.0f, pp[r] = 0.0f;
+                    fold_row(zp + r * c, c, cp, vec, tp[r % P] - v0, mp[r], sp[r], pp[r]);
+                    if (last) op[r] = pp[r] - (mp[r] + std::log(sp[r]));
+                }
+            }
         }
     }
 }

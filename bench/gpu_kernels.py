@@ -15,6 +15,15 @@ The perturb / update rows: a prompt of L = 4 P tokens with the demonstration blo
     perturb        Triton (noise in the kernel)       vs  torch (materialised U: sicl_fast.rng + zo.perturb)
     zo_update      Triton (noise regenerated)         vs  torch (materialised U: zo.update)
 
+The difference form's kernels (sicl_fast.models.rows; one decoder layer's epilogues, its attention and the span head
+of a perturbation pass of B = N + 1 rows of T = P tokens after a kept prefix of 16 rows; SmolLM2-135M's shapes
+besides: d 576, 9 / 3 heads of 64, I 1536, V 49152), each against the torch reference it replaces:
+
+    norm_rows / rope_rows / gated_rows   Triton (one launch)        vs  sicl_fast.models.rows' references
+    attention_rows                       Triton (one launch, float32 IEEE products; also tf32x3 and 1 row a
+                                         program)                   vs  attention_rows_reference (math path)
+    span_logprobs_rows                   Triton (two launches)      vs  sicl_fast.logprobs.rows_logprobs
+
 Columns: time (ms, do_bench mean), TFLOP/s and % of the bf16 dense peak (span_logprobs: 2 B P V d), GB/s and
 % of the memory bandwidth peak (bytes that must move at least once: weights + inputs + outputs). Peaks come from
 the device name (H100 SXM / H200 / A100 tables below) or --peak-tflops / --peak-gbps.
@@ -33,6 +42,14 @@ MODELS = {
     "Qwen3-4B": dict(d=2560, V=151936, softcap=None),
     "Gemma-2-2B": dict(d=2304, V=256000, softcap=30.0),
 }
+# the difference form's layer shapes: heads H / Hk of hd, MLP I, attention soft-cap, q / k norms
+ROWS_MODELS = {
+    "SmolLM2-135M": dict(d=576, V=49152, softcap=None, H=9, Hk=3, hd=64, I=1536, attn_cap=None, qk_norm=False),
+    "Llama-3.1-8B": dict(d=4096, V=128256, softcap=None, H=32, Hk=8, hd=128, I=14336, attn_cap=None, qk_norm=False),
+    "Qwen3-4B": dict(d=2560, V=151936, softcap=None, H=32, Hk=8, hd=128, I=9728, attn_cap=None, qk_norm=True),
+    "Gemma-2-2B": dict(d=2304, V=256000, softcap=30.0, H=8, Hk=4, hd=256, I=9216, attn_cap=50.0, qk_norm=False),
+}
+ROWS_PREFIX = 16  # the kept prefix the batch rows attend to
 PEAKS = {  # name fragment -> (bf16 dense TFLOP/s, GB/s)
     "H200": (989.0, 4800.0),
     "H100 PCIe": (756.0, 2000.0),
@@ -71,12 +88,138 @@ def compile_only() -> int:
     return 0
 
 
+def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, check: bool = True) -> list:
+    """The difference form's kernels (module docstring) at each model of `models` (ROWS_MODELS entries), N in Ns
+    (B = N + 1), T in Ts: rows of `add` (time, TFLOP/s, GB/s), and [(what, ok)] parity checks against the references
+    when `check`. dev: a CUDA device (or the CPU under TRITON_INTERPRET=1 with a stand-in do_bench: the smoke test)."""
+    import math
+
+    import torch
+
+    from sicl_fast import kernels as K
+    from sicl_fast.logprobs import rows_logprobs
+    from sicl_fast.models.attention import Attention, attention_rows_reference
+    from sicl_fast.models.rows import (RowLayout, gated_rows_reference, norm_rows_reference, rope_rows_reference,
+                                       to_rows)
+
+    checks = []
+
+    def near(R, k, B, T, scale=1.0):  # [R, k] float32: row 0's tokens random, the other rows near them
+        x = scale * torch.randn(1, T, k, device=dev)
+        return (x + 1e-2 * scale * torch.randn(B, T, k, device=dev) * (torch.arange(B, device=dev) > 0).view(-1, 1, 1)
+                ).view(R, k)
+
+    for model, m in models.items():
+        d, H, Hk, hd, I = m["d"], m["H"], m["Hk"], m["hd"], m["I"]
+        W = (torch.randn(m["V"], d, device=dev) * 0.02).to(torch.bfloat16)
+        for N in Ns:
+            B = N + 1
+            for T in Ts:
+                rows = RowLayout.build(0, B, T, ROWS_PREFIX, device=dev)
+                R = rows.R
+                w = torch.rand(d, device=dev) + 0.5
+                x = near(R, d, B, T)
+                y = to_rows(near(R, d, B, T), rows)
+                nb = R * d * (4 + 2 + 4 + 2)
+                add(model, "norm_rows", N, T, B, "triton", do_bench(lambda: K.norm_rows(x, y, None, w, w, 1e-6, False,
+                                                                                        rows)), None, nb)
+                if torch_too:
+                    add(model, "norm_rows", N, T, B, "torch reference",
+                        do_bench(lambda: norm_rows_reference(x, y, None, w, w, 1e-6, False, rows)), None, nb)
+                if check:
+                    got, ref = K.norm_rows(x, y, None, w, w, 1e-6, False, rows), norm_rows_reference(
+                        x, y, None, w, w, 1e-6, False, rows)
+                    checks.append((f"{model} norm_rows vs reference", torch.allclose(got[0], ref[0], rtol=1e-5,
+                                                                                      atol=1e-5)))
+                x = y = None
+                n_qkv = (H + 2 * Hk) * hd
+                qkv = to_rows(near(R, n_qkv, B, T), rows)
+                pos = torch.arange(ROWS_PREFIX + T, device=dev, dtype=torch.float32)[:, None] / (
+                    1 + torch.arange(hd // 2, device=dev))[None]
+                cos, sin = torch.cat([pos.cos()] * 2, 1), torch.cat([pos.sin()] * 2, 1)
+                qn = kn = (torch.rand(hd, device=dev) + 0.5) if m["qk_norm"] else None
+                k_out, v_out = (torch.empty(R, Hk, hd, device=dev) for _ in range(2))
+                nb = R * n_qkv * (2 + 4)
+                rope = lambda: K.rope_rows(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_out,  # noqa: E731
+                                           v_out)
+                add(model, "rope_rows", N, T, B, "triton", do_bench(rope), None, nb)
+                if torch_too:
+                    add(model, "rope_rows", N, T, B, "torch reference", do_bench(
+                        lambda: rope_rows_reference(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_out,
+                                                    v_out)), None, nb)
+                if check:
+                    q = rope()
+                    k_ref, v_ref = torch.empty_like(k_out), torch.empty_like(v_out)
+                    q_ref = rope_rows_reference(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_ref, v_ref)
+                    checks.append((f"{model} rope_rows vs reference", all(
+                        torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in ((q, q_ref), (k_out, k_ref),
+                                                                                (v_out, v_ref)))))
+                qkv = None
+                gu = to_rows(near(R, 2 * I, B, T), rows)
+                nb = R * I * (4 + 2)
+                add(model, "gated_rows", N, T, B, "triton", do_bench(lambda: K.gated_rows(gu, None, "silu", rows)),
+                    None, nb)
+                if torch_too:
+                    add(model, "gated_rows", N, T, B, "torch reference",
+                        do_bench(lambda: gated_rows_reference(gu, None, "silu", rows)), None, nb)
+                if check:
+                    got, ref = K.gated_rows(gu, None, "silu", rows).float(), gated_rows_reference(gu, None, "silu",
+                                                                                                 rows).float()
+                    checks.append((f"{model} gated_rows vs reference (a bf16 ulp)",
+                                   bool(((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-5).all())))
+                gu = None
+                # attention: the batch rows over a kept prefix, causal among their own keys
+                q = near(R, H * hd, B, T).view(R, H, hd)
+                k, v = (near(R, Hk * hd, B, T).view(R, Hk, hd) for _ in range(2))
+                prefix = tuple(torch.randn(1, ROWS_PREFIX, Hk, hd, device=dev) for _ in range(2))
+                scale, cap = hd ** -0.5, m["attn_cap"]
+                flops = 4.0 * H * hd * B * (T * ROWS_PREFIX + T * (T + 1) / 2)
+                nb = R * (H + 2 * Hk) * hd * 4 + R * H * hd * 2
+                for impl, kw in (("triton", {}), ("triton tf32x3", {"precision": "tf32x3"}),
+                                 ("triton 1 row a program", {"rows_per_program": 1})):
+                    add(model, "attention_rows", N, T, B, impl, do_bench(
+                        lambda kw=kw: K.attention_rows(q, k, v, rows, prefix, scale, cap, None, **kw)), flops, nb)
+                ref_attn = Attention("math", scale, cap, torch.float32, dev)
+                if torch_too:
+                    add(model, "attention_rows", N, T, B, "torch reference (math)", do_bench(
+                        lambda: attention_rows_reference(ref_attn, q, k, v, rows, None, prefix)), flops, nb)
+                if check:
+                    ref = attention_rows_reference(ref_attn, q, k, v, rows, None, prefix).float()
+                    for impl, kw in (("ieee", {}), ("tf32x3", {"precision": "tf32x3"})):
+                        got = K.attention_rows(q, k, v, rows, prefix, scale, cap, None, **kw).float()
+                        err = float(((got - ref).abs() - ref.abs() * 2 ** -7).max())
+                        checks.append((f"{model} attention_rows ({impl}) vs reference: {err:.2e} beyond a bf16 ulp",
+                                       err <= 1e-5))
+                q = k = v = prefix = None
+                # span head: P = T / 4 span positions of the pass
+                P = max(1, T // 4)
+                hid = to_rows(near(B * P, d, B, P, scale=2.0), RowLayout.build(0, B, P, 0, device=dev)).view(B, P, d)
+                tgt = torch.randint(0, m["V"], (P,), device=dev)
+                flops, nb = 2.0 * B * P * m["V"] * d, m["V"] * d * 2 + B * P * d * 2 + B * P * 4
+                add(model, "span_logprobs_rows", N, P, B, "triton", do_bench(
+                    lambda: K.span_logprobs_rows(hid, W, tgt, rows.anchor, softcap=m["softcap"])), flops, nb)
+                if torch_too:
+                    add(model, "span_logprobs_rows", N, P, B, "torch reference", do_bench(
+                        lambda: rows_logprobs(hid, W, tgt, rows.anchor, m["softcap"])), flops, nb)
+                if check:
+                    got = K.span_logprobs_rows(hid, W, tgt, rows.anchor, softcap=m["softcap"])
+                    ref = rows_logprobs(hid, W, tgt, rows.anchor, m["softcap"])
+                    checks.append((f"{model} span_logprobs_rows vs rows_logprobs (1e-4)",
+                                   torch.allclose(got, ref, rtol=0, atol=1e-4) and not math.isnan(float(got.sum()))))
+                hid = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+        W = None
+    return checks
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Llama-3.1-8B only, P = 64")
     ap.add_argument("--compile-only", action="store_true", help="no GPU: compile for sm_90 and report resources")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU parity checks")
+    ap.add_argument("--rows-only", action="store_true", help="only the difference form's kernels")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--peak-gbps", type=float, default=None)
     args = ap.parse_args()
@@ -156,7 +299,7 @@ def main() -> int:
         rows.append((model, op, N, P, B, impl, f"{ms:.3f}", f"{tf:.1f}" if tf else "-", pct(tf, peak_t) if tf else "-",
                      f"{gbps:.0f}" if gbps else "-", pct(gbps, peak_bw) if gbps else "-"))
 
-    models = {"Llama-3.1-8B": MODELS["Llama-3.1-8B"]} if args.quick else MODELS
+    models = {} if args.rows_only else {"Llama-3.1-8B": MODELS["Llama-3.1-8B"]} if args.quick else MODELS
     Ps = (64,) if args.quick else (64, 512)
     for model, m in models.items():
         d, V, cap = m["d"], m["V"], m["softcap"]
@@ -204,6 +347,14 @@ def main() -> int:
                 torch.cuda.empty_cache()
         W = None
         torch.cuda.empty_cache()
+
+    rows_models = {k: ROWS_MODELS[k] for k in ("SmolLM2-135M", "Llama-3.1-8B")} if args.quick else ROWS_MODELS
+    checks = rows_section(add, dev, do_bench, rows_models, (8,) if args.quick else (8, 16), (256,) if args.quick
+                          else (256, 1024), torch_too=not args.no_torch, check=not args.no_check)
+    for what, ok in checks:
+        print(f"- {'PASS' if ok else 'FAIL'}: {what}")
+    print("\n(the difference form's rows: P is the tokens a batch row runs, T; span_logprobs_rows: its span "
+          "positions, T / 4)\n")
 
     print("| model | op | N | P | B | impl | time (ms) | TFLOP/s | % peak FLOP/s | GB/s | % peak BW |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

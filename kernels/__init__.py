@@ -5,6 +5,8 @@ One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dt
 _utils.launch (the warps from the block size; on CUDA, on the tensors' own device):
 
     span_logprobs(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] float32
+    span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None)
+                                                        the span head of a difference-form pass -> [B, P] float32
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q) -> ProxyOut(f, C, R, G, c)
     proxy_planned(logprobs [B, P], plan: sicl_fast.proxy.ProxyPlan) -> ProxyOut   (no checks, no host reads)
     perturb(X [L, d] float32, step, spec: StepSpec) -> [B, b, d] float32
@@ -22,7 +24,15 @@ The decoder's fused kernels (references in sicl_fast.models.elementwise and sicl
     gated(gate, up, act_name) -> act(gate) * up                                    SwiGLU / GeGLU
     softcap_(x, cap)                                                               logit soft-cap in place
     prefix_attention(q, k, v, prefix, pos0, window, scale, softcap) -> o           shared-prefix attention
-    diff_rows, add_rows, gated_diff                      the difference products' epilogues (models/diff.py)
+
+and the difference form's (sicl_fast.models.rows: float32 rows, every product's input and output in bf16 values and
+differences; references there and in sicl_fast.models.attention), one launch each:
+
+    norm_rows(x, y, bias, post_w, w, eps, gemma, rows) -> (x', h)                  residual + RMSNorm
+    rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out) -> q
+                                                                                   q / k norms + rotary, K/V out
+    gated_rows(y, bias, act_name, rows) -> a                                       SwiGLU / GeGLU
+    attention_rows(q, k, v, rows, prefix, scale, softcap, window) -> o            lead + batch rows, o in the form
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -31,14 +41,16 @@ from .best import BestState, track_best
 from .perturb import perturb
 from .proxy import proxy, proxy_planned
 from .randn import randn
-from .span_logprobs import span_logprobs
+from .span_logprobs import span_logprobs, span_logprobs_rows
 from .zo_update import cached_tensors, zo_update
 from .advance import advance
-from .attention import prefix_attention
-from .diff_epilogues import add_rows, diff_rows, gated_diff
+from .attention import attention_rows, prefix_attention
 from .gated import gated
+from .gated_rows import gated_rows
+from .norm_rows import norm_rows
 from .rms_norm import residual_norm
 from .rope import qk_rope
+from .rope_rows import rope_rows
 from .softcap import softcap_
 
 __all__ = [
@@ -53,9 +65,11 @@ __all__ = [
     "interpreting",
     "cached_tensors",
     "advance",
-    "diff_rows",
-    "add_rows",
-    "gated_diff",
+    "span_logprobs_rows",
+    "norm_rows",
+    "rope_rows",
+    "gated_rows",
+    "attention_rows",
     "residual_norm",
     "qk_rope",
     "gated",

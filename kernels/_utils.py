@@ -75,6 +75,12 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 
 
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (what a launcher sizes its grid for; torch caches the
+    properties, no device call per launch)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def num_warps_for(block: int) -> int:
     """Warps for a program that handles `block` elements at once (a power of two), as Liger-Kernel's
     calculate_settings chooses them: 4 up to 1024 elements, 8 from 2048, 16 from 8192, 32 from 32768, so a wide

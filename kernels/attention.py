@@ -1,4 +1,5 @@
-"""Attention of a perturbation batch over a shared prefix, in one launch: no merge, no copy of the prefix.
+"""Attention in one launch: of a perturbation batch over a shared prefix (no merge, no copy of the prefix), and of a
+difference-form pass (the lead rows and the batch rows together, the output in difference form).
 
     prefix_attention(q [B, T, H, hd], k, v [B, T, Hk, hd], prefix (kp, vp [1, a, Hk, hd]) or None, pos0,
                      window, scale, softcap) -> o [B, T, H, hd] in q's dtype
@@ -9,8 +10,33 @@ window, only to keys at positions > its own - window (transformers' sliding wind
 then soft-capped (cap * tanh(s / cap)) when softcap is set. Softmax statistics and the output accumulator are
 float32 (online softmax, as flash attention); in bf16 the probabilities are rounded to bf16 for the product with
 v. GQA: head h reads K/V head h // (H / Hk). The last dimension of every input must be contiguous.
-
 Reference: sicl_fast.models.attention (attend_math over the two key sets, merged by log-sum-exp).
+
+    attention_rows(q [R, H, hd] f32, k, v [R, Hk, hd] f32, rows, prefix (kp, vp [1, a, Hk, hd] f32) or None, scale,
+                   softcap, window) -> o [R, H hd] bf16 in difference form
+
+The rows of a difference-form pass (sicl_fast.models.rows.RowLayout: R = lead + B T). The lead rows (positions
+0 .. lead-1) attend causally among themselves; batch row j's query t (position pos0 + t) attends to the prefix (the
+lead rows' keys when lead > 0, else the kept prefix `prefix`, keys at positions 0 .. a-1) and causally to its own
+row's keys; window and soft-cap as above. Everything float32 (IEEE float32 products: a difference row's output is
+its anchor's plus a change of about a bf16 ulp, which TF32's 2^-11 would drown). Output: bf16(o) on value rows (lead
+rows, and batch rows that are their own anchor), bf16(o_j - o_anchor(j)) on difference rows, rounded to nearest
+even (kernels._math.to_bf16). Reference: sicl_fast.models.attention.attention_rows_reference.
+
+attention_rows' design (sm_90). The difference o_j - o_a needs the anchor row's output, which is as costly as o_j.
+A program takes one (query tile, head) of a *group* of consecutive batch rows and walks them in order, keeping the
+current anchor's output tile in registers: a value row computes its tile once, stores it and keeps it; a difference
+row computes its own tile and stores the difference; an anchor outside the group is computed first (once per group).
+So the anchors' work is repeated once per group, not once per difference row. Groups trade that repeat for
+parallelism: one group of all B rows repeats nothing but gives only (T / BLOCK_M) x H programs (SmolLM2, T 256,
+BLOCK_M 32, H 9: 72 programs for 132 SMs, each 9 tiles long); one row a group (every program recomputing its anchor)
+doubles the work of the B - 1 difference rows. The launcher picks the fewest groups that give about two programs per
+SM (SmolLM2 at B 9: 3 groups of 3 rows, 216 programs, 11 tiles of work for 9, against 72 programs or 17 tiles);
+under the interpreter, which pays per program, one group. The lead rows' tiles are extra programs of the same grid
+(value rows, no anchor). The tiles (_ROWS_TILES) are the largest the sm_90 compile keeps in registers. Worth measuring
+on an H100 / H200: rows a group (rows_per_program), the tiles, packing the G = H / Hk query heads of one K/V head
+into one program's M tile (the K/V tiles read once for G heads: SmolLM2's G = 3), and input_precision 'tf32x3' (3
+TF32 products: tensor cores at about float32's accuracy; `precision=`) against IEEE float32 on the CUDA cores.
 """
 from __future__ import annotations
 
@@ -18,8 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._math import tanh
-from ._utils import interpreting, launch, next_pow2
+from sicl_fast.errors import SiclError
+
+from ._math import tanh, to_bf16
+from ._rows import check_rows
+from ._utils import check_device, check_dtype, interpreting, launch, next_pow2, sm_count
 
 
 @triton.jit
@@ -126,5 +155,151 @@ def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: floa
         HAS_PREFIX=prefix is not None and a > 0, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
         UPCAST=interp and q.dtype != torch.float32, PRECISION="ieee", BLOCK_M=BM, BLOCK_N=BN,
         BLOCK_D=max(16, next_pow2(hd)), device=q.device, num_warps=4,  # tiles of BM x BN scores: 4 warps
+    )
+    return o
+
+
+@triton.jit
+def _attend_tile(q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, q_row0, k_row0, n_rows, a, pos_q, m0, h, kh,
+                 sq_r, sk_r, sv_r, skp_t, svp_t, hd, scale, cap, window,
+                 PREFIX_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The normalised float32 output [BLOCK_M, BLOCK_D] of head h for the queries at rows q_row0 + m0 + i (i <
+    BLOCK_M, m0 + i < n_rows; positions pos_q + m0 + i) over the prefix keys 0 .. a-1 (kp / vp rows, positions
+    0 ..) and causally over the row's own keys at rows k_row0 + n (n < n_rows, positions pos_q + n)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (offs_m[:, None] < n_rows) & (offs_d[None, :] < hd)
+    q = tl.load(q_ptr + (q_row0 + offs_m)[:, None].to(tl.int64) * sq_r + h * hd + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    q_pos = pos_q + offs_m
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, pos_q + m0 - window + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(lo, a, BLOCK_N):  # the prefix (a == 0 for the lead rows' tiles)
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, kp_ptr + kh * hd, vp_ptr + kh * hd, skp_t, svp_t, n0, a, 0,
+                                      q_pos, hd, scale, cap, window, HAS_SOFTCAP, HAS_WINDOW, PREFIX_CAUSAL, False,
+                                      PRECISION, BLOCK_N, BLOCK_D)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, m0 - window + 1) // BLOCK_N * BLOCK_N
+    k_base = k_ptr + k_row0.to(tl.int64) * sk_r + kh * hd
+    v_base = v_ptr + k_row0.to(tl.int64) * sv_r + kh * hd
+    for n0 in range(lo, tl.minimum(n_rows, m0 + BLOCK_M), BLOCK_N):  # the row's own keys, causal
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base, v_base, sk_r, sv_r, n0, n_rows, pos_q, q_pos, hd,
+                                      scale, cap, window, HAS_SOFTCAP, HAS_WINDOW, True, False, PRECISION, BLOCK_N,
+                                      BLOCK_D)
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real query sees its own key; padding rows stay 0
+
+
+@triton.jit
+def _attention_rows_kernel(
+    q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, anchor_ptr, o_ptr,
+    sq_r, sk_r, sv_r, skp_t, svp_t,
+    lead, B, T, pos0, a, H, G, hd, n_lead_tiles, n_groups, rows_per_group, scale, cap, window,
+    PREFIX_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // G
+    is_lead = pid < n_lead_tiles
+    task = tl.maximum(pid - n_lead_tiles, 0)
+    m0 = tl.where(is_lead, pid, task // n_groups) * BLOCK_M
+    j = tl.where(is_lead, 0, task % n_groups * rows_per_group)
+    j_end = tl.where(is_lead, 1, tl.minimum(B, j + rows_per_group))
+    n_rows = tl.where(is_lead, lead, T)
+    pos_q = tl.where(is_lead, 0, pos0)
+    a_eff = tl.where(is_lead, 0, a)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_mask = (offs_m[:, None] < n_rows) & (offs_d[None, :] < hd)
+    o_anchor = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    cur = j * 0 - 1  # the batch row whose output o_anchor holds (none yet)
+    while j < j_end:  # one row's tile an iteration: the anchor first when it is not the one held
+        aj = tl.load(anchor_ptr + j, mask=is_lead == 0, other=0).to(tl.int32)
+        r = tl.where(aj != cur, aj, j)
+        row0 = tl.where(is_lead, 0, lead + r * T)
+        o = _attend_tile(q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, row0, row0, n_rows, a_eff, pos_q, m0, h, kh, sq_r, sk_r,
+                         sv_r, skp_t, svp_t, hd, scale, cap, window, PREFIX_CAUSAL, HAS_SOFTCAP, HAS_WINDOW,
+                         PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+        if r == aj:
+            o_anchor = o
+            cur = aj
+        if r == j:  # this row's output: a value, or its difference from the anchor's held tile
+            out = tl.where(aj == j, o, o - o_anchor)
+            rows_out = tl.where(is_lead, 0, lead + j * T) + offs_m
+            tl.store(o_ptr + rows_out[:, None].to(tl.int64) * (H * hd) + h * hd + offs_d[None, :], to_bf16(out),
+                     mask=o_mask)
+            j += 1
+
+
+# attention_rows' tiles by head size (BLOCK_D): (BLOCK_M, BLOCK_N, num_warps, num_stages). The float32 products run
+# on the CUDA cores (IEEE), whose operand layouts take many registers: the sm_90 compile (ptxas -v, bench/gpu_kernels.py
+# --compile-only) spills at 64 x 64 tiles on 4 warps (31 KB) and wherever the key loop is software-pipelined
+# (num_stages 2: 0.3 - 6 KB); these are the largest tiles without a spill: 117 / 157 / 212 registers. Untimed.
+_ROWS_TILES = {16: (32, 64, 8, 1), 32: (32, 64, 8, 1), 64: (32, 64, 8, 1), 128: (32, 32, 8, 1), 256: (32, 16, 8, 1)}
+
+
+def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, window: int | None,
+                   block: int | None = None, rows_per_program: int | None = None,
+                   precision: str = "ieee") -> torch.Tensor:
+    """o [R, H hd] bf16 in difference form (module docstring). One launch. block: the query and key tile (default
+    _ROWS_TILES' by head size; the tests use 16 for the multi-block paths); rows_per_program: batch rows a program
+    walks (default: as the module docstring says); precision: tl.dot's input_precision ('ieee', or 'tf32x3' to
+    measure)."""
+    op = "triton attention_rows"
+    dev = check_device(q, k, v, *(prefix or ()), op=op)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dtype(t, torch.float32, name, op)
+    R, H, hd = q.shape
+    Hk = k.shape[1]
+    anchor = check_rows(rows, R, dev, op)
+    if tuple(k.shape) != (R, Hk, hd) or tuple(v.shape) != (R, Hk, hd) or H % Hk:
+        raise SiclError(f"{op}: k and v must be [{R}, Hk, {hd}] with Hk dividing {H}, got {list(k.shape)} and "
+                        f"{list(v.shape)}")
+    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == hd else t.contiguous() for t in (q, k, v))
+    lead, B, T, pos0 = rows.lead, rows.B, rows.T, rows.pos0
+    if lead and prefix is not None:
+        raise SiclError(f"{op}: the prefix comes as lead rows or as kept K/V, not both")
+    if lead:
+        kp, vp, a = k, v, lead
+    elif prefix is not None:
+        kp, vp = (t[0] if t.stride(-1) == 1 and t.stride(-2) == hd else t[0].contiguous() for t in prefix)
+        check_dtype(kp, torch.float32, "prefix k", op)
+        check_dtype(vp, torch.float32, "prefix v", op)
+        a = kp.shape[0]
+        if tuple(kp.shape) != (a, Hk, hd) or tuple(vp.shape) != (a, Hk, hd):
+            raise SiclError(f"{op}: the prefix K/V must be [1, a, {Hk}, {hd}], got {list(prefix[0].shape)}")
+    else:
+        kp, vp, a = k, v, 0
+    o = torch.empty(R, H * hd, dtype=torch.bfloat16, device=dev)
+    if R == 0:
+        return o
+    interp = interpreting()
+    BD = max(16, next_pow2(hd))
+    BM, BN, warps, stages = (64, 64, 4, 1) if interp else _ROWS_TILES[min(BD, 256)] if BD <= 256 else (16, 16, 8, 1)
+    if block:
+        BM = BN = block
+    n_lead_tiles = triton.cdiv(lead, BM)
+    n_tiles = triton.cdiv(T, BM) if B else 0
+    if rows_per_program is None:
+        if interp or n_tiles == 0:
+            rows_per_program = max(B, 1)
+        else:  # the fewest groups that give about two programs an SM
+            groups = min(B, max(1, triton.cdiv(2 * sm_count(dev), n_tiles * H)))
+            rows_per_program = triton.cdiv(B, groups)
+    rpg = max(1, min(int(rows_per_program), max(B, 1)))
+    n_groups = triton.cdiv(B, rpg) if B else 0
+    grid = (n_lead_tiles + n_tiles * n_groups, H)
+    launch(
+        _attention_rows_kernel, grid, q, k, v, kp, vp, anchor, o,
+        q.stride(0), k.stride(0), v.stride(0), kp.stride(0), vp.stride(0),
+        lead, B, T, pos0, a, H, H // Hk, hd, n_lead_tiles, max(n_groups, 1), rpg, float(scale), float(softcap or 1.0),
+        int(window or 0), PREFIX_CAUSAL=a - 1 > pos0, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+        PRECISION=precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, device=dev, num_warps=warps, num_stages=stages,
     )
     return o

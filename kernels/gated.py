@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._math import gated_act
-from ._utils import launch
+from ._utils import EXACT, launch
 
 ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
 
@@ -49,5 +49,5 @@ def gated(gate: torch.Tensor, up: torch.Tensor, act_name: str) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     BLOCK = min(1024, triton.next_power_of_2(n))
     launch(_gated_kernel, (M, triton.cdiv(n, BLOCK)), g, u, out, n, g.stride(0), u.stride(0), device=out.device,
-           block=BLOCK, ACT=ACT_CODES[act_name], BLOCK=BLOCK)
+           block=BLOCK, ACT=ACT_CODES[act_name], BLOCK=BLOCK, **EXACT)  # torch's roundings: kernels._math.gated_act
     return out

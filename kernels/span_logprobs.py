@@ -13,6 +13,21 @@ B*P is small; programs of one split run side by side so the weight tiles they st
 
 Reference: sicl_fast.logprobs.gather_logprobs_chunked (tested against it). Targets outside [0, V) are
 rejected when targets are on the CPU; on the GPU they are not checked (no host sync) and give garbage.
+
+    span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None)
+        -> [B, P] float32                                     the span head of a difference-form pass
+
+hidden in difference form over the batch (anchor [B] int64 on the device; sicl_fast.models.rows): row j a value
+(anchor[j] == j) or the difference from row anchor[j]. The same bf16 product with a float32 accumulator gives
+every row's logits; a value row's are kept in float32, a difference row's rounded to bf16 (to nearest even, as a
+bf16 product returns them), then z_j = z_anchor(j) + dz_j in float32, soft-capped, and the online log-sum-exp and
+the combine kernel as above (two launches). Reference: sicl_fast.logprobs.rows_logprobs.
+Design: a program's M tile holds whole span positions, the B rows of each (BLOCK_M // B positions: B 9 in 64 rows
+holds 7), so a difference row's anchor sits in the same accumulator tile and its float32 logits are taken with a
+register gather along M (tl.gather; on sm_90 a shared-memory round trip of the [BLOCK_M, BLOCK_V] tile, small next to
+the BLOCK_V x d weight tile it follows), not recomputed nor written out. The hidden rows are gathered by pointer
+(row j, position p at j * P + p); the weight streams through block pointers as in span_logprobs, split over the
+vocabulary for occupancy (B P / 7 tiles are few: SmolLM2, B 9, P 64: 10 tiles x the splits).
 """
 from __future__ import annotations
 
@@ -23,8 +38,8 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.spec import f32
 
-from ._math import tanh
-from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, launch, next_pow2
+from ._math import tanh, to_bf16
+from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, launch, next_pow2, sm_count
 
 
 @triton.jit
@@ -185,4 +200,139 @@ def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     BLOCK = 1024 if interpreting() else 256
     launch(_lse_combine_kernel, (triton.cdiv(M, BLOCK),), parts[0], parts[1], parts[2], out, M, n_splits, device=dev,
            block=BLOCK, BLOCK=BLOCK)
+    return out
+
+
+@triton.jit
+def _lse_rows_partial_kernel(
+    h_ptr, stride_hb, stride_hp,  # [B, P, d] hidden states in difference form (unit column stride)
+    w_ptr, stride_wv,  # [V, d] LM head weight
+    tgt_ptr, anchor_ptr,  # [P] target ids; [B] each row's anchor
+    m_ptr, s_ptr, t_ptr,  # [SPLITS, B * P] float32 partials (row b * P + p), as _lse_partial_kernel's
+    B, P, V, d, per_tile, v_per_split,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    r = tl.arange(0, BLOCK_M)
+    pl = r // B  # the tile's span position of local row r, and its batch row
+    j = r % B
+    p = pid_m * per_tile + pl
+    rmask = (pl < per_tile) & (p < P)
+    aj = tl.load(anchor_ptr + j, mask=rmask, other=0).to(tl.int32)
+    aj = tl.where(rmask, aj, j)
+    diff = aj != j
+    a_local = pl * B + aj  # the anchor's row in this tile (same position); itself for value and padding rows
+    a_idx = tl.broadcast_to(a_local[:, None], (BLOCK_M, BLOCK_V))
+    h_rows = h_ptr + j.to(tl.int64) * stride_hb + p.to(tl.int64) * stride_hp
+    tgt = tl.load(tgt_ptr + p, mask=rmask, other=-1).to(tl.int32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    t_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    v_start = split * v_per_split
+    v_end = tl.minimum(V, v_start + v_per_split)
+    for v0 in range(v_start, v_end, BLOCK_V):
+        vs = v0 + tl.arange(0, BLOCK_V)
+        vmask = vs < v_end
+        w_blk = tl.make_block_ptr(w_ptr, shape=(V, d), strides=(stride_wv, 1), offsets=(v0, 0),
+                                  block_shape=(BLOCK_V, BLOCK_K), order=(1, 0))
+        acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            h = tl.load(h_rows[:, None] + kk[None, :], mask=rmask[:, None] & (kk[None, :] < d), other=0.0)
+            w = tl.load(w_blk, boundary_check=(0, 1), padding_option="zero")
+            if UPCAST:
+                h = h.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+            w_blk = tl.advance(w_blk, (0, BLOCK_K))
+        za = tl.gather(acc, a_idx, axis=0)  # each row's anchor's float32 logits
+        z = tl.where(diff[:, None], za + to_bf16(acc).to(tl.float32), acc)
+        if HAS_SOFTCAP:
+            z = softcap * tanh(z / softcap)
+        z = tl.where(vmask[None, :], z, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(z, axis=1))
+        s_i = s_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m_i = m_new
+        t_i += tl.sum(tl.where(vs[None, :] == tgt[:, None], z, 0.0), axis=1)
+    out = split.to(tl.int64) * (B * P) + j * P + p
+    tl.store(m_ptr + out, m_i, mask=rmask)
+    tl.store(s_ptr + out, s_i, mask=rmask)
+    tl.store(t_ptr + out, t_i, mask=rmask)
+
+
+def _rows_block_m(B: int, P: int) -> int:
+    """The M tile of the rows head: whole positions of B rows each, the fewest padding rows among 64 and 128 (a
+    power of two at least B beyond); the interpreter: about 64 rows."""
+    if interpreting():
+        return max(next_pow2(B), min(64, next_pow2(B * P)))
+    if B > 128:
+        return next_pow2(B)
+    fits = [bm for bm in (64, 128) if bm >= B]
+    return max(fits, key=lambda bm: ((bm // B) * B / bm, -bm))
+
+
+def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
+                       softcap: float | None = None, splits: int | None = None, config: dict | None = None,
+                       check_targets: bool = True) -> torch.Tensor:
+    """[B, P] float32 log p(targets[p]) of a difference-form pass (module docstring). hidden [B, P, d] and weight
+    [V, d] bf16 on one device (CUDA, or the CPU under TRITON_INTERPRET=1); anchor [B] int64 on it (never read
+    back); targets [P]; softcap, splits, check_targets as span_logprobs'; config: BLOCK_M (at least B), BLOCK_V,
+    BLOCK_K, num_warps, num_stages overrides. Two launches."""
+    op = "triton span_logprobs_rows"
+    if targets.device.type == "cpu":
+        check_device(hidden, weight, anchor, op=op)
+    else:
+        check_device(hidden, weight, targets, anchor, op=op)
+    check_shape(hidden, (None, None, None), "hidden", op)
+    B, P, d = hidden.shape
+    check_shape(weight, (None, d), "weight", op)
+    V = weight.shape[0]
+    check_shape(targets, (P,), "targets", op)
+    check_shape(anchor, (B,), "anchor", op)
+    check_dtype(hidden, torch.bfloat16, "hidden", op)
+    check_dtype(weight, torch.bfloat16, "weight", op)
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise SiclError(f"{op}: targets must be integer token ids, got {targets.dtype}")
+    if softcap is not None and not softcap > 0:
+        raise SiclError(f"{op}: softcap must be > 0 (or None), got {softcap}")
+    if V < 1 or d < 1:
+        raise SiclError(f"{op}: empty weight {list(weight.shape)}")
+    if check_targets and targets.device.type == "cpu" and P and (int(targets.min()) < 0 or int(targets.max()) >= V):
+        raise SiclError(f"{op}: targets must be in [0, V={V}), got {int(targets.min())}..{int(targets.max())}")
+    dev = hidden.device
+    targets = targets.to(dev).contiguous()
+    out = torch.empty(B, P, dtype=torch.float32, device=dev)
+    if B * P == 0:
+        return out
+    h = hidden if hidden.stride(2) == 1 else hidden.contiguous()
+    w = weight if weight.stride(1) == 1 else weight.contiguous()
+    cfg = dict(_config(B * P, V, d, hidden.dtype, dev), BLOCK_M=_rows_block_m(B, P))
+    if not interpreting():  # sm_90 compile (ptxas -v): 64 x 128 x 64 tiles on 8 warps, 247 registers, no spill
+        cfg.update(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if config:
+        cfg.update(config)
+    bm, bv, bk, warps = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K"), cfg.pop("num_warps")
+    if bm < B:
+        raise SiclError(f"{op}: BLOCK_M {bm} holds no position of {B} rows")
+    per_tile = bm // B
+    m_tiles = triton.cdiv(P, per_tile)
+    chunks = triton.cdiv(V, bv)
+    if splits is None:
+        splits = 1 if interpreting() else triton.cdiv(2 * sm_count(dev), m_tiles)
+    n_splits = max(1, min(int(splits), chunks))
+    v_per_split = triton.cdiv(chunks, n_splits) * bv
+    n_splits = triton.cdiv(V, v_per_split)
+    parts = torch.empty(3, n_splits, B * P, dtype=torch.float32, device=dev)
+    launch(
+        _lse_rows_partial_kernel, (m_tiles, n_splits),
+        h, h.stride(0), h.stride(1), w, w.stride(0), targets, anchor, parts[0], parts[1], parts[2], B, P, V, d,
+        per_tile, v_per_split, f32(softcap) if softcap is not None else 1.0, device=dev, num_warps=warps,
+        HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(), BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, **cfg,
+    )
+    BLOCK = 1024 if interpreting() else 256
+    launch(_lse_combine_kernel, (triton.cdiv(B * P, BLOCK),), parts[0], parts[1], parts[2], out, B * P, n_splits,
+           device=dev, block=BLOCK, BLOCK=BLOCK)
     return out

@@ -130,7 +130,7 @@ def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
 
 
 DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "advance_state", "advance_copy",
-                   "diff_rows", "add_rows", "gated_diff"]
+                   "norm_rows", "rope_rows", "gated_rows", "attention_rows", "lse_rows_partial"]
 
 
 def test_decoder_kernels_compile_for_sm90(tmp_path):

@@ -1,8 +1,9 @@
 """The ops protocols on the Triton kernels (`sicl_fast.kernels`): TritonStepOps (perturb, update, proxy, span head,
 best tracking and the static step's bookkeeping, with the noise regenerated in the kernels, bit-identical to
-sicl_fast.rng's) and TritonDecoderOps (the decoder's fused elementwise kernels: norm + residual, rotary, gated
-activation, soft-cap; and the difference products' epilogues). The fused attention kernel is the run plan's
-attention 'triton' (sicl_fast.models.attention).
+sicl_fast.rng's; the span heads of plain and difference-form passes) and TritonDecoderOps (the decoder's fused
+elementwise kernels: norm + residual, rotary, gated activation, soft-cap; and the difference form's row epilogues
+norm_rows, rope_rows, gated_rows, one launch each). The fused attention kernels (prefix_attention, attention_rows)
+are the run plan's attention 'triton' (sicl_fast.models.attention).
 
 The kernels run on CUDA, or on the CPU through Triton's interpreter when TRITON_INTERPRET=1 was set before
 triton was first imported (slow: for tests). Nothing here synchronises with the host except the proxy's
@@ -14,7 +15,7 @@ import torch
 
 from ..errors import SiclError
 from ..spec import StepSpec
-from .torch_ops import TorchDecoderOps, TorchStepOps
+from .torch_ops import TorchStepOps
 
 
 def load_kernels(device=None, what: str = "impl 'triton'", instead: str = "impl 'torch' / 'cpp'"):
@@ -54,6 +55,10 @@ class TritonStepOps(TorchStepOps):
         # a prompt's targets: checked once by sicl_fast.checks.check_tokens, never read back per step
         return self.K.span_logprobs(hidden, weight, targets, softcap=softcap, check_targets=False)
 
+    def span_head_rows(self, hidden, weight, targets, anchor, softcap=None) -> torch.Tensor:
+        # the difference form's span head (kernels/span_logprobs.py: span_logprobs_rows); targets as span_head's
+        return self.K.span_logprobs_rows(hidden, weight, targets, anchor, softcap=softcap, check_targets=False)
+
 
 class TritonDecoderOps:
     """The decoder ops: the fused kernels themselves (module docstring)."""
@@ -64,9 +69,7 @@ class TritonDecoderOps:
     def __init__(self, device="cuda") -> None:
         K = load_kernels(device)
         self.residual_norm, self.qk_rope, self.gated, self.softcap_ = K.residual_norm, K.qk_rope, K.gated, K.softcap_
-        # the difference form's row epilogues: the kernels where they exist, else the references
-        for name in ("norm_rows", "rope_rows", "gated_rows"):
-            setattr(self, name, getattr(K, name, getattr(TorchDecoderOps, name)))
+        self.norm_rows, self.rope_rows, self.gated_rows = K.norm_rows, K.rope_rows, K.gated_rows  # the rows' epilogues
 
 
 __all__ = ["TritonStepOps", "TritonDecoderOps", "load_kernels"]

@@ -1,0 +1,121 @@
+"""The difference form's q / k / v epilogue (DecoderOps.rope_rows): per-head norms and rotary, one launch.
+
+    rope_rows(qkv [R, (H + 2 Hk) hd] bf16, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, hd] f32, q_norm [hd] or
+              None, k_norm, eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32) -> q [R, H, hd] f32
+    f = the float32 rows of qkv (value rows as they are, difference rows plus their anchor's row) plus the bias
+    q, k, v = f split by heads; q, k per-head RMS-normed (Qwen3, Gemma 3: q_norm / k_norm given); then rotated at each
+    row's position (lead rows 0 .., batch rows pos0 + t): x cos + rotate_half(x) sin with the tables' row there;
+    k, v written into k_out / v_out (contiguous), q returned (a fresh contiguous tensor)
+
+Every output is a float32 row (no difference form out), so a difference row needs only its anchor's *input* row,
+read from memory. float32 arithmetic throughout. Reference: sicl_fast.models.rows.rope_rows_reference.
+
+GPU design. Memory-bound: one read of qkv (plus the anchor rows, L1 / L2 hits: rows walked position-major,
+kernels/_rows.py), one write of q, k, v in float32. A program takes BLOCK_R rows and every q and k head of each as
+[BLOCK_R, heads, hd] tiles (the per-head norm is a reduction over the tile's last axis, in registers); rotate_half's
+partner element is a second, shifted load of the same (cached) row instead of a register shuffle. One row a program
+on a GPU when the row is wide (SmolLM2: (9 + 6) x 64 = 960 elements, 4 warps), many under the interpreter.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sicl_fast.errors import SiclError
+
+from ._rows import check_low, check_rows, layout_rows, row_values
+from ._utils import check_device, check_dtype, interpreting, launch, next_pow2
+
+
+@triton.jit
+def _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, col0, n_heads, w_ptr, cos_ptr, sin_ptr, out_ptr,
+               out_row, hd, eps, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ROTATE: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The n_heads heads at column col0 of the rows (own / anc: [BR, 1, 1] element offsets of each row and its
+    anchor's row in qkv) -> float32, normed (HAS_NORM) and rotated (ROTATE) at positions pos [BR, 1, 1], stored at
+    out_ptr + out_row [BR, 1, 1] + head * hd + i."""
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    i = tl.arange(0, BLOCK_D)[None, None, :]
+    m = rmask & (h < n_heads) & (i < hd)
+    c = col0 + h * hd + i
+    x = row_values(qkv_ptr, own, anc, diff, c, m, bias_ptr, c, HAS_BIAS)
+    if ROTATE:
+        half = hd // 2
+        j = tl.where(i < half, i + half, i - half)  # rotate_half's source of element i
+        cj = col0 + h * hd + j
+        xr = row_values(qkv_ptr, own, anc, diff, cj, m, bias_ptr, cj, HAS_BIAS)
+        if HAS_NORM:
+            r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
+            x = x * r * tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
+            xr = xr * r * tl.load(w_ptr + j, mask=i < hd, other=0.0).to(tl.float32)
+        xr = tl.where(i < half, -xr, xr)
+        cm = rmask & (i < hd)
+        cs = pos.to(tl.int64) * hd + i
+        cosv = tl.load(cos_ptr + cs, mask=cm, other=0.0)
+        sinv = tl.load(sin_ptr + cs, mask=cm, other=0.0)
+        x = x * cosv + xr * sinv
+    tl.store(out_ptr + out_row + h * hd + i, x, mask=m)
+
+
+@triton.jit
+def _rope_rows_kernel(qkv_ptr, bias_ptr, anchor_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr,
+                      R, lead, B, T, pos0, H, Hk, hd, eps,
+                      HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                      BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+    q = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row, arow, pos, valid = layout_rows(q, R, lead, B, T, pos0, anchor_ptr)
+    width = (H + 2 * Hk) * hd
+    own = (row * width)[:, None, None]
+    anc = (arow * width)[:, None, None]
+    diff = (row != arow)[:, None, None]
+    rmask = valid[:, None, None]
+    pos = pos[:, None, None]
+    r3 = row[:, None, None]
+    _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, 0, H, qn_ptr, cos_ptr, sin_ptr, q_ptr, r3 * (H * hd),
+               hd, eps, HAS_BIAS, HAS_NORM, True, BLOCK_H, BLOCK_D)
+    _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, H * hd, Hk, kn_ptr, cos_ptr, sin_ptr, k_ptr,
+               r3 * (Hk * hd), hd, eps, HAS_BIAS, HAS_NORM, True, BLOCK_HK, BLOCK_D)
+    _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, (H + Hk) * hd, Hk, kn_ptr, cos_ptr, sin_ptr, v_ptr,
+               r3 * (Hk * hd), hd, eps, HAS_BIAS, False, False, BLOCK_HK, BLOCK_D)
+
+
+def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, eps: float,
+              gemma: bool, H: int, Hk: int, k_out: torch.Tensor, v_out: torch.Tensor) -> torch.Tensor:
+    """q [R, H, hd] float32; k_out / v_out written (module docstring). One launch. gemma: the norms' weights are
+    already Gemma's 1 + w (the float32 arithmetic is the same either way)."""
+    op = "triton rope_rows"
+    del gemma
+    qkv = check_low(qkv, None, "qkv", op)
+    R, width = qkv.shape
+    if width % (H + 2 * Hk):
+        raise SiclError(f"{op}: qkv has {width} columns, not a multiple of H + 2 Hk = {H + 2 * Hk}")
+    hd = width // (H + 2 * Hk)
+    dev = check_device(*(t for t in (qkv, bias, cos, sin, q_norm, k_norm, k_out, v_out) if t is not None), op=op)
+    anchor = check_rows(rows, R, dev, op)
+    for name, t in (("k_out", k_out), ("v_out", v_out)):
+        check_dtype(t, torch.float32, name, op)
+        if tuple(t.shape) != (R, Hk, hd) or not t.is_contiguous():
+            raise SiclError(f"{op}: {name} must be a contiguous [{R}, {Hk}, {hd}] tensor, got {list(t.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise SiclError(f"{op}: q_norm and k_norm come together")
+    if bias is not None and tuple(bias.shape) != (width,):
+        raise SiclError(f"{op}: bias must have shape [{width}], got {list(bias.shape)}")
+    n = max(rows.lead, rows.pos0 + rows.T)
+    if cos.shape[0] < n or sin.shape[0] < n:
+        raise SiclError(f"{op}: the rotary tables have {cos.shape[0]} positions, the rows reach {n}")
+    cos = cos.reshape(cos.shape[0], hd).float().contiguous()
+    sin = sin.reshape(sin.shape[0], hd).float().contiguous()
+    qkv = qkv.contiguous()
+    q = torch.empty(R, H, hd, dtype=torch.float32, device=dev)
+    if R == 0:
+        return q
+    BLOCK_H, BLOCK_HK, BLOCK_D = next_pow2(H), next_pow2(Hk), next_pow2(hd)
+    per_row = (BLOCK_H + 2 * BLOCK_HK) * BLOCK_D
+    BR = min(next_pow2(R), 64) if interpreting() else max(1, min(16, 1024 // per_row))
+    launch(_rope_rows_kernel, (triton.cdiv(R, BR),), qkv, bias if bias is not None else cos, anchor, cos, sin,
+           q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, q, k_out, v_out, R,
+           rows.lead, max(rows.B, 1), max(rows.T, 1), rows.pos0, H, Hk, hd, float(eps), device=dev,
+           block=BR * BLOCK_H * BLOCK_D, HAS_BIAS=bias is not None, HAS_NORM=q_norm is not None, BLOCK_R=BR,
+           BLOCK_H=BLOCK_H, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D)
+    return q

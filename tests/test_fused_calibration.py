@@ -4,11 +4,12 @@ matches the torch reference step for step.
 
 Tolerance: the proxy history f0(step) to rtol 1e-5 / atol 1e-7 and the returned embeddings to atol 1e-5 on the
 hf backend (float32 differences of ~1e-7 per step). On the fast backend in difference form, rtol 1e-3 and atol
-5e-4 (a step moves an element by about 0.06 here; measured 1.5e-4): row 0 itself is a bf16 product of bf16-rounded values there, and an implementation's float32 sum in another
-order can flip a value's bf16 rounding (2^-8 of that element: f0 moved by up to 2.8e-4 relative, measured); the
-C++ activation's ~1 ulp can flip a difference term's rounding, which moves that step's gradient estimate a little.
-The same steps, stop reason and projection count; the same best step where the reference's best f0 leads the
-runner-up by more than the tolerance (on these random models a step changes f0 by about 1e-6).
+5e-4 (a step moves an element by about 0.06 here; measured 1.5e-4): row 0 itself is a bf16 product of bf16-rounded
+values there, and an implementation's float32 sum in another order can flip a value's bf16 rounding (2^-8 of that
+element: f0 moved by up to 2.8e-4 relative, measured); the C++ activation's ~1 ulp can flip a difference term's
+rounding, which moves that step's gradient estimate a little. The same steps, stop reason and projection count; the
+same best step where the reference's best f0 leads the runner-up by more than the tolerance (on these random models
+a step changes f0 by about 1e-6).
 """
 import os
 import subprocess

@@ -16,7 +16,6 @@ from sicl_fast.models.decoder_config import DecoderConfig
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
 from sicl_fast.packed import run_packed
-from sicl_fast.errors import SiclWarning
 from sicl_fast.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention,
                             resolve_attention_check, resolve_graphs, resolve_impl, resolve_read_every, resolve_reuse)
 from sicl_fast.static import StaticStep

@@ -280,6 +280,8 @@ class Calibrator:
         stop = "max_steps"
         steps = 0
         for step in range(cfg.max_steps):
+            if forward is not None and forward.refresh_every and step and step % forward.refresh_every == 0:
+                forward.refresh(X)  # what the forward keeps of X (the fast backend's value-row reference)
             f, g = self.evaluate(X, prompt, spec, step, forward)  # f [B]; g: the exact gradient (grad) or None
             steps += 1
             f0 = float(f[0])

@@ -86,13 +86,16 @@ def vocab_chunked_logprobs(
 
 
 def rows_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
-                  softcap: float | None = None, max_elems: int = 1 << 22) -> torch.Tensor:
+                  softcap: float | None = None, z_ref: torch.Tensor | None = None,
+                  value_slot: torch.Tensor | None = None, max_elems: int = 1 << 22) -> torch.Tensor:
     """hidden [B, P, d] in difference form over the batch (anchor [B]; sicl_fast.models.rows), head_weight [V, d]
-    in the same low dtype, targets [P] -> [B, P] float32 log p(target). Per vocabulary chunk: the value rows'
-    logits are products of the low-precision values accumulated in float32 and kept in float32 (a logit of 16
-    rounded to bf16 would move by up to 0.03, and the proxy with it); the difference rows' come from the low-precision
-    product as it rounds them (their rounding is relative to the difference); then the float32 rows (z_i = z_a + dz_i
-    for a difference row i of anchor a), soft-capped, are folded into a running max and sum as vocab_chunked_logprobs
+    in the same low dtype, targets [P] -> [B, P] float32 log p(target). z_ref [Vb, P, V] float32: the value rows'
+    reference logits (value batch row j's at z_ref[value_slot[j]]; its hidden states are then changes from the
+    reference's); None: none, the value rows' hidden states are values and their logits are their float32 products
+    with the low-precision weights (a logit of 16 rounded to bf16 would move by up to 0.03, and the proxy with it).
+    Per vocabulary chunk, one low-precision product of every row gives the changes (rounded as the product rounds
+    them: relative to a change); the value rows' logits are the reference's plus their change, a difference row's
+    its anchor's plus its own; soft-capped, then folded into a running max and sum as vocab_chunked_logprobs
     does."""
     from .models.rows import from_form, is_value
 
@@ -101,15 +104,19 @@ def rows_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torc
     chunk = min(8192, max(256, max_elems // max(1, B * P)))
     tgt = targets.to(hidden.device).repeat(B)  # [B*P]
     value = is_value(anchor).view(B, 1, 1)
-    hf = hidden.float()
+    ref = z_ref.index_select(0, value_slot) if z_ref is not None else None  # [B, P, V]
     m = torch.full((B * P,), -math.inf, device=hidden.device)
     s = torch.zeros(B * P, device=hidden.device)
     picked = torch.zeros(B * P, device=hidden.device)
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         w = head_weight[v0:v1]
-        z = torch.where(value, torch.matmul(hf, w.float().t()), torch.matmul(hidden, w.t()).float())
-        z = from_form(z, anchor).view(B * P, v1 - v0)  # float32 rows
+        if ref is None:
+            z = torch.where(value, torch.matmul(hidden.float(), w.float().t()), torch.matmul(hidden, w.t()).float())
+            z = from_form(z, anchor)
+        else:
+            z = from_form(torch.matmul(hidden, w.t()), anchor, ref[..., v0:v1])
+        z = z.view(B * P, v1 - v0)  # float32 rows
         if softcap is not None:
             z = torch.tanh(z / softcap) * softcap
         m_new = torch.maximum(m, z.amax(dim=-1))

@@ -38,10 +38,16 @@ class PackedStep:
 
     def __init__(self, backend, slots: Sequence[StaticStep]) -> None:
         self.backend, self.slots = backend, list(slots)
-        self.forward = backend.packed_forward([st.prompt for st in self.slots], [st.spec.B for st in self.slots])
+        self.forward = backend.packed_forward([st.prompt for st in self.slots], [st.spec.B for st in self.slots],
+                                              [st.state.X for st in self.slots])
+        self.calls = 0
 
     @torch.no_grad()
     def __call__(self) -> None:
+        every = self.forward.refresh_every
+        if every and self.calls and self.calls % every == 0:  # the value rows' reference, every few steps
+            self.forward.refresh([st.state.X for st in self.slots])
+        self.calls += 1
         for st in self.slots:
             st.perturb()
         for st, lp in zip(self.slots, self.forward([st.batch for st in self.slots])):

@@ -168,11 +168,15 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
         st = run = StaticStep(backend, config, prompt, X0)
     else:
         st, run = steps.get(backend, config, prompt, X0)
-    reported = n = 0
+    reported = n = calls = 0
+    every = st.forward.refresh_every
     while True:
         # no calls past the last step the run can take; a read on each step count best_at keeps
         for _ in range(min(sync_every, config.max_steps - n, best_at.until_next(n))):
+            if every and calls and calls % every == 0:  # as the eager loop: the forward's reference of X, outside
+                st.forward.refresh(st.state.X)           # the captured step (its tensors are refreshed in place)
             run()
+            calls += 1
             if on_update is not None:
                 on_update(st.state.X)
         code, n = int(st.state.reason), int(st.state.steps_run)  # the one read per sync_every steps

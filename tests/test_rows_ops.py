@@ -1,14 +1,16 @@
 """The difference form's ops (sicl_fast.models.rows: norm_rows, rope_rows, gated_rows; Attention.rows; StepOps
 span_head_rows) of every implementation against the torch references, on odd shapes and layouts: lead rows or
-not, one prompt (every row anchored at row 0) or packed blocks (anchors at each block's first row), a batch of one.
+not, one prompt (every row anchored at row 0) or packed blocks (anchors at each block's first row), a batch of one;
+without and with the value rows' float32 reference (the products' input and output references, the span head's
+reference logits).
 
 Tolerances, and why:
   float32 outputs (the residual x', rotary's q and the K / V written, the span log-probs): rtol 1e-5 / atol 1e-5
-      (sums and rsqrt / exp / tanh in another order or form than torch's; the inputs are the same bf16 bits).
-  difference-form outputs (bf16): each value within one bf16 ulp of the reference's (2^-7 relative, both round a
-      float32 that may differ in its last bits) plus 1e-6; each difference within one bf16 ulp of the reference's
-      difference plus 16 float32 ulps of its anchor's value (a difference inherits the rounding of the two float32
-      rows it is taken between).
+      (sums and rsqrt / exp / tanh in another order or form than torch's; the inputs are the same bits).
+  difference-form outputs (bf16): each entry within one bf16 ulp of the reference's (2^-7 relative: both round a
+      float32 that may differ in its last bits) plus 1e-6, plus 16 float32 ulps of the float32 row it was taken
+      from (a change from an anchor or a reference inherits the rounding of the two float32 rows it is taken
+      between).
 """
 import math
 
@@ -17,7 +19,7 @@ import torch
 
 from sicl_fast.logprobs import rows_logprobs
 from sicl_fast.models.attention import Attention, attention_rows_reference
-from sicl_fast.models.rows import (RowLayout, from_rows, gated_rows_reference, is_value, norm_rows_reference,
+from sicl_fast.models.rows import (RowLayout, from_rows, gated_rows_reference, norm_rows_reference,
                                    rope_rows_reference, to_rows)
 from sicl_fast.ops import make_ops
 from test_ops import device_of, why_unavailable
@@ -32,6 +34,7 @@ LAYOUTS = [
     (0, 5, 4, 0, [0, 0, 2, 2, 2]),  # two packed prompts
 ]
 LAYOUT_IDS = ["one-row", "one-prompt", "lead-rows", "after-kept-prefix", "packed"]
+WITH_REF = pytest.mark.parametrize("with_ref", [False, True], ids=["values", "reference"])
 
 
 @pytest.fixture(params=["torch", "cpp", "triton"])
@@ -59,64 +62,88 @@ def near_rows(rows: RowLayout, k: int, scale: float = 3.0, step: float = 1e-2, s
     return x
 
 
-def assert_form_close(got: torch.Tensor, ref: torch.Tensor, rows: RowLayout) -> None:
-    """Difference-form outputs (module docstring's tolerance)."""
+def value_rows(x: torch.Tensor, rows: RowLayout) -> torch.Tensor:
+    """The value rows of x [R, k] in a reference's order: [V, k]."""
+    xb = rows.batch(x)
+    return torch.cat([x[:rows.lead]] + [xb[j] for j, a in enumerate(rows.anchors) if a == j])
+
+
+def reference_of(x: torch.Tensor, rows: RowLayout, with_ref: bool, seed: int) -> torch.Tensor | None:
+    """A float32 reference of x's value rows [V, k] (their values moved by a few per cent, as between two
+    references of a run), or None."""
+    if not with_ref:
+        return None
+    v = value_rows(x, rows)
+    return v + 0.03 * v.abs().mean() * torch.randn(v.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def form_of(x: torch.Tensor, rows: RowLayout, with_ref: bool, seed: int):
+    """(x's difference form against its reference, the reference or None): a product's output and its reference
+    (the reference of an output being, in a run, its reference input's product)."""
+    ref = reference_of(x, rows, with_ref, seed)
+    return to_rows(x, rows, ref=ref), ref
+
+
+def assert_form_close(got: torch.Tensor, ref: torch.Tensor, rows: RowLayout, ref_in=None) -> None:
+    """Difference-form outputs (the module docstring's tolerance); ref_in: the value rows' reference the forms
+    were taken against (None: none)."""
     assert got.dtype == ref.dtype and got.shape == ref.shape
     got, ref = got.detach().cpu().float(), ref.float()
-    value = torch.ones(rows.R, dtype=torch.bool)
-    rows.batch(value)[:] = is_value(rows.anchor.cpu())[:, None]
-    anchor_rows = from_rows(ref.to(torch.bfloat16), rows) - torch.where(value[:, None], 0.0, ref)  # each row's anchor
+    rows_f32 = from_rows(ref.to(torch.bfloat16), rows, ref_in)  # the float32 rows the forms were taken from
     err = (got - ref).abs()
-    bound = ref.abs() * 2 ** -7 + 1e-6 + torch.where(value[:, None], 0.0, 16 * 2 ** -23 * anchor_rows.abs())
+    bound = ref.abs() * 2 ** -7 + 1e-6 + 16 * 2 ** -23 * rows_f32.abs()
     assert bool((err <= bound).all()), float((err - bound).max())
 
 
-def low(x: torch.Tensor, rows: RowLayout) -> torch.Tensor:
-    return to_rows(x, rows)
+def to(t, dev):
+    return None if t is None else t.to(dev)
 
 
 @pytest.mark.parametrize("spec", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("gemma,post,bias", [(False, False, False), (False, False, True), (True, True, False)])
 @pytest.mark.parametrize("d", [8, 131])
-def test_norm_rows(impl, spec, gemma, post, bias, d):
+@WITH_REF
+def test_norm_rows(impl, spec, gemma, post, bias, d, with_ref):
     dev = device_of(impl)
-    rows = layout(spec, dev)
+    rows, cpu = layout(spec, dev), layout(spec)
     g = torch.Generator().manual_seed(d)
-    x = near_rows(rows, d, seed=1)
-    y = low(near_rows(rows, d, seed=2), rows)
+    x = near_rows(cpu, d, seed=1)
+    y, y_ref = form_of(near_rows(cpu, d, seed=2), cpu, with_ref, 3)
+    h_ref = reference_of(norm_rows_reference(x, None, None, None, torch.ones(d), 1e-6, gemma, cpu,
+                                             dtype=torch.float32)[1], cpu, with_ref, 4)  # near the rows' norms
     w = torch.randn(d, generator=g).abs() + 0.5
     post_w = torch.randn(d, generator=g).abs() + 0.5 if post else None
     b = torch.randn(d, generator=g) if bias else None
     ops = make_ops(impl, dev).decoder
-    for yy in (None, y):
-        rx, rh = norm_rows_reference(x, yy, b, post_w, w, 1e-6, gemma, layout(spec))
-        to = lambda t: None if t is None else t.to(dev)  # noqa: E731
-        gx, gh = ops.norm_rows(x.to(dev), to(yy), to(b), to(post_w), w.to(dev), 1e-6, gemma, rows)
+    for yy, yr in ((None, None), (y, y_ref)):
+        rx, rh = norm_rows_reference(x, yy, b, post_w, w, 1e-6, gemma, cpu, yr, h_ref)
+        gx, gh = ops.norm_rows(x.to(dev), to(yy, dev), to(b, dev), to(post_w, dev), w.to(dev), 1e-6, gemma, rows,
+                               to(yr, dev), to(h_ref, dev))
         torch.testing.assert_close(gx.cpu(), rx, **F32)
-        assert_form_close(gh, rh, layout(spec))
+        assert_form_close(gh, rh, cpu, h_ref)
 
 
 @pytest.mark.parametrize("spec", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("H,Hk,hd", [(4, 2, 8), (3, 1, 24), (2, 2, 64)])
 @pytest.mark.parametrize("qk_norm,gemma,bias", [(False, False, True), (True, False, False), (True, True, False)])
-def test_rope_rows(impl, spec, H, Hk, hd, qk_norm, gemma, bias):
+@WITH_REF
+def test_rope_rows(impl, spec, H, Hk, hd, qk_norm, gemma, bias, with_ref):
     dev = device_of(impl)
-    rows = layout(spec, dev)
+    rows, cpu = layout(spec, dev), layout(spec)
     n = (H + 2 * Hk) * hd
     g = torch.Generator().manual_seed(hd)
-    qkv = low(near_rows(rows, n, seed=3), rows)
+    qkv, qkv_ref = form_of(near_rows(cpu, n, seed=3), cpu, with_ref, 5)
     b = torch.randn(n, generator=g) if bias else None
     pos = torch.arange(64, dtype=torch.float32)[:, None] / (1 + torch.arange(hd // 2))[None]
     cos, sin = torch.cat([pos.cos()] * 2, 1), torch.cat([pos.sin()] * 2, 1)  # [64, hd]
     qn = torch.randn(hd, generator=g).abs() + 0.5 if qk_norm else None
     kn = torch.randn(hd, generator=g).abs() + 0.5 if qk_norm else None
     rk, rv = torch.empty(rows.R, Hk, hd), torch.empty(rows.R, Hk, hd)
-    rq = rope_rows_reference(qkv, b, layout(spec), cos, sin, qn, kn, 1e-6, gemma, H, Hk, rk, rv)
+    rq = rope_rows_reference(qkv, b, cpu, cos, sin, qn, kn, 1e-6, gemma, H, Hk, rk, rv, qkv_ref)
     gk = torch.full((rows.R, Hk, hd), math.nan, device=dev)
     gv = torch.full((rows.R, Hk, hd), math.nan, device=dev)
-    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
-    gq = make_ops(impl, dev).decoder.rope_rows(qkv.to(dev), to(b), rows, cos.to(dev), sin.to(dev), to(qn), to(kn),
-                                              1e-6, gemma, H, Hk, gk, gv)
+    gq = make_ops(impl, dev).decoder.rope_rows(qkv.to(dev), to(b, dev), rows, cos.to(dev), sin.to(dev), to(qn, dev),
+                                              to(kn, dev), 1e-6, gemma, H, Hk, gk, gv, to(qkv_ref, dev))
     for got, ref in ((gq, rq), (gk, rk), (gv, rv)):
         torch.testing.assert_close(got.cpu(), ref, **F32)
 
@@ -124,58 +151,73 @@ def test_rope_rows(impl, spec, H, Hk, hd, qk_norm, gemma, bias):
 @pytest.mark.parametrize("spec", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("I,bias", [(3, False), (67, True), (1537, False)])
-def test_gated_rows(impl, spec, act_name, I, bias):
+@WITH_REF
+def test_gated_rows(impl, spec, act_name, I, bias, with_ref):
     dev = device_of(impl)
-    rows = layout(spec, dev)
-    y = low(near_rows(rows, 2 * I, seed=4), rows)
+    rows, cpu = layout(spec, dev), layout(spec)
+    y, y_ref = form_of(near_rows(cpu, 2 * I, seed=4), cpu, with_ref, 6)
+    a_ref = reference_of(near_rows(cpu, I, seed=7), cpu, with_ref, 8)
     b = torch.randn(2 * I, generator=torch.Generator().manual_seed(I)) if bias else None
-    ref = gated_rows_reference(y, b, act_name, layout(spec))
-    got = make_ops(impl, dev).decoder.gated_rows(y.to(dev), None if b is None else b.to(dev), act_name, rows)
-    assert_form_close(got, ref, layout(spec))
+    ref = gated_rows_reference(y, b, act_name, cpu, y_ref, a_ref)
+    got = make_ops(impl, dev).decoder.gated_rows(y.to(dev), to(b, dev), act_name, rows, to(y_ref, dev),
+                                                 to(a_ref, dev))
+    assert_form_close(got, ref, cpu, a_ref)
 
 
 @pytest.mark.parametrize("spec", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("H,Hk,hd", [(4, 2, 16), (6, 3, 24)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 20.0)])
-def test_attention_rows(impl, spec, H, Hk, hd, window, softcap):
+@WITH_REF
+def test_attention_rows(impl, spec, H, Hk, hd, window, softcap, with_ref):
     dev = device_of(impl)
-    rows = layout(spec, dev)
+    rows, cpu = layout(spec, dev), layout(spec)
     g = torch.Generator().manual_seed(H + hd)
-    q = near_rows(rows, H * hd, scale=1.0, seed=5).view(rows.R, H, hd)
-    k = near_rows(rows, Hk * hd, scale=1.0, seed=6).view(rows.R, Hk, hd)
-    v = near_rows(rows, Hk * hd, scale=1.0, seed=7).view(rows.R, Hk, hd)
+    q = near_rows(cpu, H * hd, scale=1.0, seed=5).view(rows.R, H, hd)
+    k = near_rows(cpu, Hk * hd, scale=1.0, seed=6).view(rows.R, Hk, hd)
+    v = near_rows(cpu, Hk * hd, scale=1.0, seed=7).view(rows.R, Hk, hd)
     kept = rows.lead == 0 and rows.pos0 > 0
     prefix = (torch.randn(1, rows.pos0, Hk, hd, generator=g), torch.randn(1, rows.pos0, Hk, hd, generator=g)) \
         if kept else None
-    ref = attention_rows_reference(Attention("math", hd ** -0.5, softcap, torch.float32, "cpu"), q, k, v,
-                                   layout(spec), window, prefix)
+    math_attn = Attention("math", hd ** -0.5, softcap, torch.float32, "cpu")
+    o_ref = reference_of(attention_rows_reference(math_attn, q, k, v, cpu, window, prefix, dtype=torch.float32), cpu,
+                         with_ref, 9)
+    ref = attention_rows_reference(math_attn, q, k, v, cpu, window, prefix, o_ref)
     attn = Attention({"torch": "math", "cpp": "cpp", "triton": "triton"}[impl], hd ** -0.5, softcap, torch.float32,
                      dev)
     got = attn.rows(q.to(dev), k.to(dev), v.to(dev), rows, window,
-                    None if prefix is None else tuple(t.to(dev) for t in prefix))
-    assert_form_close(got, ref, layout(spec))
+                    None if prefix is None else tuple(t.to(dev) for t in prefix), to(o_ref, dev))
+    assert_form_close(got, ref, cpu, o_ref)
 
 
 @pytest.mark.parametrize("B,P,d,V,anchors", [(1, 3, 16, 50, None), (4, 5, 40, 300, None),
                                              (5, 2, 24, 1100, [0, 0, 2, 2, 2])])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_span_head_rows(impl, B, P, d, V, anchors, softcap):
+@WITH_REF
+def test_span_head_rows(impl, B, P, d, V, anchors, softcap, with_ref):
     dev = device_of(impl)
     g = torch.Generator().manual_seed(V)
-    anchor = torch.tensor(anchors if anchors is not None else [0] * B)
-    h = 2.0 * torch.randn(B, P, d, generator=g)
-    for j, a in enumerate(anchor.tolist()):
-        if a != j:
-            h[j] = h[a] + 1e-2 * torch.randn(P, d, generator=g)
+    rows = RowLayout.build(0, B, P, 0, anchors)  # the span rows, as a layout: for the value slots and the form
+    h = near_rows(rows, d, scale=2.0, seed=V)
     w = (torch.randn(V, d, generator=g) / d ** 0.5).to(torch.bfloat16)
-    hl = torch.where(is_value(anchor)[:, None, None], h, h - h[anchor]).to(torch.bfloat16)
+    h_ref = reference_of(h, rows, with_ref, 10)
+    # the reference logits: the reference hidden states' float32 product with the weights
+    z_ref = None if h_ref is None else (h_ref @ w.float().t()).view(-1, P, V)
+    hl = rows.batch(to_rows(h, rows, ref=h_ref))
     t = torch.randint(0, V, (P,), generator=g)
-    ref = rows_logprobs(hl, w, t, anchor, softcap)
-    got = make_ops(impl, dev).step.span_head_rows(hl.to(dev), w.to(dev), t.to(dev), anchor.to(dev), softcap=softcap)
+    ref = rows_logprobs(hl, w, t, rows.anchor, softcap, z_ref, rows.value_slot)
+    got = make_ops(impl, dev).step.span_head_rows(hl.to(dev), w.to(dev), t.to(dev), rows.anchor.to(dev),
+                                                  softcap=softcap, z_ref=to(z_ref, dev),
+                                                  value_slot=rows.value_slot.to(dev))
     torch.testing.assert_close(got.cpu(), ref, **F32)
     # the differences between rows carry the perturbation: each row's change from its anchor to 1 % of its size
-    dr, dg = ref - ref[anchor], got.cpu() - got.cpu()[anchor]
+    a = rows.anchor
+    dr, dg = ref - ref[a], got.cpu() - got.cpu()[a]
     assert float((dg - dr).abs().max()) <= 1e-2 * float(dr.abs().max()) + 1e-5
+    if with_ref:  # against the float32 logits of the rows themselves: the reference takes the values' rounding away
+        exact = torch.log_softmax((h @ w.float().t()).view(B, P, V) if softcap is None else
+                                  softcap * torch.tanh((h @ w.float().t()).view(B, P, V) / softcap), -1)
+        exact = exact.gather(-1, t.view(1, P, 1).expand(B, P, 1)).squeeze(-1)
+        assert float((ref - exact).abs().max()) < 1e-3
 
 
 def test_layout_refuses_bad_anchors():
@@ -183,3 +225,10 @@ def test_layout_refuses_bad_anchors():
         RowLayout.build(0, 3, 2, 0, [0, 2, 2])  # row 1 names a later row
     with pytest.raises(ValueError, match="anchors"):
         RowLayout.build(0, 3, 2, 0, [0, 0, 1])  # row 2's anchor is itself a difference
+
+
+def test_value_slots_and_the_value_layout():
+    rows = RowLayout.build(2, 5, 3, 2, [0, 0, 2, 2, 4])
+    assert rows.value_slot.tolist() == [0, 0, 1, 0, 2] and rows.values == 2 + 3 * 3
+    v = rows.value_layout()
+    assert (v.lead, v.B, v.T, v.pos0, v.anchors) == (2, 3, 3, 2, (0, 1, 2)) and v.R == rows.values

@@ -17,6 +17,22 @@ from ..plan import RunPlan, no_differentiable_forward
 from ..spans import Prompt
 
 
+class SpanLogprobsForward:
+    """The step forward of a backend without one of its own: each batch through span_logprobs; nothing kept, so
+    nothing to refresh."""
+
+    refresh_every = 0
+
+    def __init__(self, backend, prompt: Prompt) -> None:
+        self.backend, self.prompt = backend, prompt
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.backend.span_logprobs(batch, self.prompt, near_row0=True)
+
+    def refresh(self, X: torch.Tensor) -> None:
+        pass
+
+
 class Backend(abc.ABC):
     """Base class. `lm` is a `sicl_fast.models.LoadedModel`; plan the RunPlan it runs, made for `lm` by
     sicl_fast.plan.make_plan (build_backend(plan, lm), or make_backend(name, lm, **choices), which makes both):
@@ -60,10 +76,11 @@ class Backend(abc.ABC):
 
     def step_forward(self, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None):
         """The forward of this prompt's perturbation batches (B rows, rows 1.. near row 0): a callable batch
-        [B, n, d] float32 -> [B, P] log-probs. prefix: how rows [0, a) may be treated ('kept': unchanged during the
-        run, computed from X0; 'pass': may change between calls; 'none'; StepSpec.prefix_policy). Here: the batch
-        through span_logprobs; the fast backend's own object is sicl_fast.backends.step_forward.StepForward."""
-        return lambda batch: self.span_logprobs(batch, prompt, near_row0=True)
+        [B, n, d] float32 -> [B, P] log-probs, with refresh(X) and refresh_every (the steps between two calls of
+        refresh the loops make). prefix: how rows [0, a) may be treated ('kept': unchanged during the run, computed
+        from X0; 'pass': may change between calls; 'none'; StepSpec.prefix_policy). Here: SpanLogprobsForward; the
+        fast backend's own object is sicl_fast.backends.step_forward.StepForward."""
+        return SpanLogprobsForward(self, prompt)
 
     def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
         """embeds [1, n, d] (float32 or float64; may require grad) -> [1, P] log-probs (float32, or float64 from

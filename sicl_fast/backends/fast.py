@@ -57,9 +57,10 @@ class FastBackend(Backend):
         is computed from; rows: the difference form (None: the plan's, when difference products are on)."""
         return StepForward(self, prompt, prefix if self.prefix_cache else "none", B, X0, rows)
 
-    def packed_forward(self, prompts, Bs) -> PackedForward:
-        """The forward of several prompts' perturbation batches in one pass (B_j rows each; the packed step)."""
-        return PackedForward(self, prompts, Bs)
+    def packed_forward(self, prompts, Bs, Xs) -> PackedForward:
+        """The forward of several prompts' perturbation batches in one pass (B_j rows each, from X_j; the packed
+        step)."""
+        return PackedForward(self, prompts, Bs, Xs)
 
     def span_plan(self, prompt: Prompt) -> SpanPlan:
         """The prompt's span positions and targets laid out on the device once (see SpanPlan)."""

@@ -16,8 +16,11 @@ The prefix policy (rows [0, a), the demonstration-free prefix, are never perturb
     'none'  no prefix K/V: every batch row runs the full rows [0, b) (a = 0, the packed step, prefix_cache=False)
 
 The weight layout: with difference products on (model.rows_on) the batch goes through the difference form
-(Transformer.forward_rows: float32 activations, every product one bf16 product of values and differences, the span
-head on the same form); with them off through the plain forward in the model dtype.
+(Transformer.forward_rows: float32 activations, every product one bf16 product of the rows' changes, the span head
+on the same form), its value rows taken against a float32 reference of them (sicl_fast.models.rows.RowsReference):
+made from X0 when the forward is made or loaded, and again by `refresh(X)` every REFRESH_EVERY steps, which the
+loops call at the same step counts (the eager loop, the static step between two calls of its graph, the packed
+step); with them off through the plain forward in the model dtype.
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ from ..models.rows import LOW_DTYPE, RowLayout, is_value
 from ..spans import Prompt
 
 PREFIX_POLICIES = ("kept", "pass", "none")
+# steps between two references of the value rows: the values' changes from their reference (the rounding applies
+# to those) stay within a few steps' moves; a reference costs a float32 forward of the value rows (1 / B of a step's
+# rows) and the step's error from it was below the measured noise after 20 steps without one (RESULTS 17)
+REFRESH_EVERY = 16
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,9 @@ def resolve_policy(prompt: Prompt, prefix: str) -> str:
 
 class StepForward:
     """One prompt's step forward (module docstring). backend: a FastBackend; B: the batch rows of the passes (the
-    rows layout is made for it); X0 [L, d] float32: the rows a 'kept' prefix is computed from (None: the prompt's
-    own embeddings); rows: the difference form (None: when the model has difference products on)."""
+    rows layout is made for it); X0 [L, d] float32: the rows a 'kept' prefix and the first reference are made from
+    (None: the prompt's own embeddings); rows: the difference form (None: when the model has difference products
+    on)."""
 
     def __init__(self, backend, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
                  rows: bool | None = None) -> None:
@@ -84,16 +92,19 @@ class StepForward:
         self.policy = resolve_policy(prompt, prefix)
         self.B = B
         self.rows_on = m.rows_on if rows is None else rows
+        self.refresh_every = REFRESH_EVERY if self.rows_on else 0
         self.prompt = prompt
         self.span = SpanPlan.of(prompt, m.device)
         a, b = prompt.demo_start, prompt.demo_end
         self.start = 0 if self.policy == "none" else a  # the first row each batch row runs
+        X0 = X0 if X0 is not None else backend.embed(prompt)
+        self.prefix = self._kept_prefix(prompt, X0) if self.policy == "kept" else None
         if self.rows_on:
             self.rows = RowLayout.build(a if self.policy == "pass" else 0, B, b - self.start, self.start,
                                         device=m.device)
-            # where a span's first prediction is the prefix's last row: its value in the value rows, no difference
+            # where a span's first prediction is the prefix's last row: its change in the value rows, none elsewhere
             self._value_mask = is_value(self.rows.anchor).to(LOW_DTYPE).view(B, 1, 1)
-        self.prefix = self._kept_prefix(prompt, X0) if self.policy == "kept" else None
+            self.ref, self.z_ref = self._reference(X0)
 
     @staticmethod
     def shape(prompt: Prompt, prefix: str, B: int) -> tuple:
@@ -101,9 +112,32 @@ class StepForward:
         return (resolve_policy(prompt, prefix), B, prompt.demo_start, prompt.demo_end, int(prompt.positions.numel()),
                 SpanPlan.of(prompt, "cpu").from_prefix)
 
-    def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor | None):
-        rows = (X0 if X0 is not None else self.backend.embed(prompt))[:prompt.demo_start].to(self.model.device)
-        return fixed_rows_kv(self.model, rows, self.rows_on)
+    def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor):
+        return fixed_rows_kv(self.model, X0[:prompt.demo_start].to(self.model.device), self.rows_on)
+
+    def _reference(self, X: torch.Tensor):
+        """(the value rows' RowsReference, their reference logits at the span rows [1, P, V] float32) at X [L, d]:
+        the value rows are batch row 0's, X itself."""
+        m, rows, span = self.model, self.rows, self.span
+        X = X.to(m.device, torch.float32)
+        x = torch.cat([X[:span.a], X[self.start:span.b]]) if rows.lead else X[self.start:span.b]
+        ref = m.reference_rows(x, rows.value_layout(), self.prefix)
+        hb = ref.hidden[rows.lead:].view(1, rows.T, -1)
+        if self.start == 0:
+            h = hb.index_select(1, span.idx)
+        elif span.from_prefix:
+            last = ref.hidden[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]
+            h = torch.cat([last.view(1, 1, -1), hb], dim=1).index_select(1, span.idx_suffix + 1)
+        else:
+            h = hb.index_select(1, span.idx_suffix)
+        return ref, m.reference_logits(h)
+
+    def refresh(self, X: torch.Tensor) -> None:
+        """Take the value rows' reference again at X [L, d] (the X the next call's row 0 is), in place."""
+        if self.rows_on:
+            ref, z_ref = self._reference(X)
+            self.ref.copy_(ref)
+            self.z_ref.copy_(z_ref)
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten
@@ -117,6 +151,7 @@ class StepForward:
             for (k, v), (k_new, v_new) in zip(self.prefix.kv, new.kv):
                 k.copy_(k_new)
                 v.copy_(v_new)
+        self.refresh(X0)
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         """batch [B, b', d] float32 (b' >= b; rows 1.. near row 0) -> [B, P] float32 span log-probs."""
@@ -133,7 +168,8 @@ class StepForward:
         """The span head's part: hidden states at the span rows [B, P, d] -> [B, P] float32 log-probs."""
         m, span = self.model, self.span
         if self.rows_on:
-            return self.ops.span_head_rows(hs, m.head_low.w, span.targets, self.rows.anchor, softcap=m.final_softcap)
+            return self.ops.span_head_rows(hs, m.head_low.w, span.targets, self.rows.anchor, softcap=m.final_softcap,
+                                           z_ref=self.z_ref, value_slot=self.rows.value_slot)
         return self.ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap)
 
     # ------------------------------------------------------------------------------------------------ forms
@@ -148,7 +184,7 @@ class StepForward:
     def layers(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder's layers on the input rows x [R, d] -> the final-normed hidden states [R, d] (difference
         form). What the launch budget counts per layer (sicl_fast.profile.kernels_per_step)."""
-        return self.model.forward_rows(x, self.rows, self.prefix)
+        return self.model.forward_rows(x, self.rows, self.prefix, self.ref)
 
     def _rows(self, batch: torch.Tensor) -> torch.Tensor:
         rows, span = self.rows, self.span
@@ -157,8 +193,9 @@ class StepForward:
         if self.start == 0:
             return hb.index_select(1, span.idx)
         if span.from_prefix:  # a span starts right at row a: its first prediction is the prefix's last row
-            last = h[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]  # [d]
-            return torch.cat([last * self._value_mask, hb], dim=1).index_select(1, span.idx_suffix + 1)
+            # its change from the reference: the lead row's (in the value rows) or none (a kept prefix: exact)
+            col = h[span.a - 1] * self._value_mask if rows.lead else torch.zeros_like(hb[:, :1])
+            return torch.cat([col, hb], dim=1).index_select(1, span.idx_suffix + 1)
         return hb.index_select(1, span.idx_suffix)
 
     def _plain(self, batch: torch.Tensor) -> torch.Tensor:
@@ -177,28 +214,49 @@ class PackedForward:
     """Several prompts' perturbation batches through one pass (the packed step, sicl_fast.packed): prompt j's B_j
     rows stacked after the previous prompts', each right-padded with zeros to the longest b_j (causal attention
     never lets a real row see the padding after it), no prefix K/V (every row runs its rows [0, b_j)). In difference
-    form each prompt's rows are differences from its own first row (the layout's anchors); plain otherwise.
+    form each prompt's rows are differences from its own first row (the layout's anchors), whose values are taken
+    against a float32 reference made from Xs (each prompt's X [L_j, d]) and again by refresh(Xs); plain otherwise.
 
-        fwd = backend.packed_forward(prompts, Bs)
+        fwd = backend.packed_forward(prompts, Bs, Xs)
         lps = fwd([batch_j [B_j, b_j', d] float32 ...])  -> [lp_j [B_j, P_j] float32 ...]"""
 
-    def __init__(self, backend, prompts, Bs) -> None:
+    def __init__(self, backend, prompts, Bs, Xs) -> None:
         m = self.model = backend.model
         self.ops = backend.ops
         self.rows_on = m.rows_on
+        self.refresh_every = REFRESH_EVERY if self.rows_on else 0
         self.spans = [SpanPlan.of(p, m.device) for p in prompts]
         self.blocks = []  # (first batch row, last + 1) of each prompt
         r = 0
         for B in Bs:
             self.blocks.append((r, r + B))
             r += B
-        b_max = max(p.demo_end for p in prompts)
+        self.b_max = max(p.demo_end for p in prompts)
         dtype = torch.float32 if self.rows_on else m.dtype
-        self.x = torch.zeros(r, b_max, m.d, dtype=dtype, device=m.device)  # padding rows stay zero
+        self.x = torch.zeros(r, self.b_max, m.d, dtype=dtype, device=m.device)  # padding rows stay zero
         if self.rows_on:
-            self.rows = RowLayout.build(0, r, b_max, 0, [r0 for r0, r1 in self.blocks for _ in range(r1 - r0)],
+            self.rows = RowLayout.build(0, r, self.b_max, 0, [r0 for r0, r1 in self.blocks for _ in range(r1 - r0)],
                                         device=m.device)
             self.anchors = [torch.zeros(r1 - r0, dtype=torch.int64, device=m.device) for r0, r1 in self.blocks]
+            self.ref, self.z_refs = self._reference(Xs)
+
+    def _reference(self, Xs):
+        """(the value rows' RowsReference, each prompt's reference logits at its span rows [1, P_j, V])."""
+        m = self.model
+        x = torch.zeros(len(Xs), self.b_max, m.d, device=m.device)
+        for j, (X, span) in enumerate(zip(Xs, self.spans)):
+            x[j, :span.b] = X[:span.b]
+        ref = m.reference_rows(x.view(-1, m.d), self.rows.value_layout())
+        hb = ref.hidden.view(len(Xs), self.b_max, -1)
+        return ref, [m.reference_logits(hb[j:j + 1].index_select(1, span.idx)) for j, span in enumerate(self.spans)]
+
+    def refresh(self, Xs) -> None:
+        """Take the value rows' reference again at each prompt's X (Xs, in order), in place."""
+        if self.rows_on:
+            ref, z_refs = self._reference(Xs)
+            self.ref.copy_(ref)
+            for mine, new in zip(self.z_refs, z_refs):
+                mine.copy_(new)
 
     @torch.no_grad()
     def __call__(self, batches) -> list:
@@ -206,7 +264,7 @@ class PackedForward:
         for (r0, r1), span, batch in zip(self.blocks, self.spans, batches):
             self.x[r0:r1, :span.b].copy_(batch[:, :span.b])
         if self.rows_on:
-            h = self.rows.batch(m.forward_rows(self.x.view(-1, m.d), self.rows))  # [sum B_j, b_max, d]
+            h = self.rows.batch(m.forward_rows(self.x.view(-1, m.d), self.rows, ref=self.ref))  # [sum B_j, b_max, d]
         else:
             h = m.forward(self.x)
         out = []
@@ -214,10 +272,12 @@ class PackedForward:
             hs = h[r0:r1].index_select(1, span.idx)  # [B_j, P_j, d]
             if self.rows_on:
                 out.append(self.ops.span_head_rows(hs, m.head_low.w, span.targets, self.anchors[i],
-                                                   softcap=m.final_softcap))
+                                                   softcap=m.final_softcap, z_ref=self.z_refs[i],
+                                                   value_slot=self.anchors[i]))
             else:
                 out.append(self.ops.span_head(hs, m.head, span.targets, softcap=m.final_softcap))
         return out
 
 
-__all__ = ["StepForward", "PackedForward", "SpanPlan", "PREFIX_POLICIES", "fixed_rows_kv", "resolve_policy"]
+__all__ = ["StepForward", "PackedForward", "SpanPlan", "PREFIX_POLICIES", "REFRESH_EVERY", "fixed_rows_kv",
+           "resolve_policy"]

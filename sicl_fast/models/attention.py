@@ -168,10 +168,12 @@ def merge(o1, lse1, o2, lse2):
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
 
 
-def attention_rows_reference(attention: Attention, q, k, v, rows, window, prefix=None) -> torch.Tensor:
+def attention_rows_reference(attention: Attention, q, k, v, rows, window, prefix=None, o_ref=None,
+                             dtype=None) -> torch.Tensor:
     """Attention.rows composed from the kernel's own calls (lead rows, then the batch rows over the prefix) and the
-    difference form of its output (sicl_fast.models.rows.to_rows): the reference of the fused forms."""
-    from .rows import to_rows
+    difference form of its output (sicl_fast.models.rows.to_rows, in `dtype`: the low dtype by default, float32 for
+    the reference pass): the reference of the fused forms."""
+    from .rows import LOW_DTYPE, to_rows
 
     lead, B, T = rows.lead, rows.B, rows.T
     H, hd = q.shape[1:]
@@ -183,7 +185,7 @@ def attention_rows_reference(attention: Attention, q, k, v, rows, window, prefix
         pos0 = rows.pos0
         o = attention(rows.batch(q), rows.batch(k), rows.batch(v), pos0, window, prefix)
         parts.append(o.reshape(B * T, H * hd))
-    return to_rows(torch.cat(parts) if len(parts) > 1 else parts[0], rows)
+    return to_rows(torch.cat(parts) if len(parts) > 1 else parts[0], rows, dtype or LOW_DTYPE, o_ref)
 
 
 def rows_need_math(q) -> bool:
@@ -268,18 +270,19 @@ class Attention:
             out = res if out is None else (merge(out[0], out[1], res[0], res[1]), None)
         return out[0]
 
-    def rows(self, q, k, v, rows, window, prefix=None) -> torch.Tensor:
+    def rows(self, q, k, v, rows, window, prefix=None, o_ref=None) -> torch.Tensor:
         """The attention of a difference-form pass (sicl_fast.models.rows): q [R, H, hd] float32 and the pass's own
         K/V k, v [R, Hk, hd] float32 (the lead rows first, then the B x T batch rows) -> o [R, H hd] in difference
-        form (low dtype). The lead rows attend causally among themselves (positions 0 ..); each batch row attends to
-        the prefix (the lead rows' K/V, or `prefix` (k, v) [1, a, Hk, hd] kept from an earlier pass) and causally
-        to its own keys. The C++ and Triton kernels do it in one call (csrc/attention.cpp, kernels/attention.py);
-        the other kernels compose it: attention_rows_reference."""
-        if self.impl == "cpp" and hasattr(self._cpp, "attention_rows") and not rows_need_math(q):
-            return self._cpp.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window)
-        if self.impl == "triton" and hasattr(self._kernels, "attention_rows"):
-            return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window)
-        return attention_rows_reference(self, q, k, v, rows, window, prefix)
+        form (low dtype; the value rows against o_ref [V, H hd], their reference, when given). The lead rows attend
+        causally among themselves (positions 0 ..); each batch row attends to the prefix (the lead rows' K/V, or
+        `prefix` (k, v) [1, a, Hk, hd] kept from an earlier pass) and causally to its own keys. The C++ and Triton
+        kernels do it in one call (csrc/attention.cpp, kernels/attention.py); the other kernels compose it:
+        attention_rows_reference."""
+        if self.impl == "cpp" and not rows_need_math(q):
+            return self._cpp.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
+        if self.impl == "triton":
+            return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
+        return attention_rows_reference(self, q, k, v, rows, window, prefix, o_ref)
 
     def decode(self, q, k, v, keys: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor:
         """One query q [1, 1, H, hd] at the position held in pos (int64 [1] device tensor) over a whole KV buffer

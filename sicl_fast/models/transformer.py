@@ -44,7 +44,7 @@ from ..errors import SiclError
 from .attention import Attention
 from .decoder_config import SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq, unsupported
 from .projections import Dense, RowsDense
-from .rows import LOW_DTYPE, RowLayout
+from .rows import LOW_DTYPE, RowLayout, RowsReference
 from .weights import LayerWeights, LowWeight, LowWeights
 
 DIFF_MATMUL = ("auto", "off", "bf16", "fp8")
@@ -357,23 +357,28 @@ class Transformer:
         return self.residual_norm(x, m, L.post_mlp_norm, L.next_norm)
 
     def block_rows(self, x: torch.Tensor, h: torch.Tensor, L: Layer, P: RowsDense, rows: RowLayout, kv: tuple,
-                   prefix) -> tuple:
+                   prefix, ref: dict | None = None, next_ref=None) -> tuple:
         """One decoder layer on the rows of a difference-form pass (sicl_fast.models.rows): x [R, d] float32, h its
         input norm in difference form [R, d] (low dtype); kv: this layer's float32 K/V buffers [R, Hk, hd], which
         rope_rows fills; prefix: the kept prefix's (k, v) [1, a, Hk, hd] when the prefix rows do not run in this
-        pass, else None. Returns (x, next norm of x in difference form). Nine launches with the fused ops."""
+        pass, else None; ref: this layer's value-row references (RowsReference.layers[i]: each product's (input,
+        output)), next_ref: the next product's input reference (the next layer's qkv input, or the final hidden
+        states'); None: none. Returns (x, next norm of x in difference form). Nine launches with the fused ops."""
         rot, w, ops = self.rotary[L.rope], L.w, self.ops
+        r = ref or {"qkv": (None, None), "o": (None, None), "gate_up": (None, None), "down": (None, None)}
         q = ops.rope_rows(P.qkv(h, rows), w.qkv_bias, rows, rot.cos32, rot.sin32, L.q_norm, L.k_norm, self.eps,
-                          self.gemma, self.H, self.Hk, kv[0], kv[1])
+                          self.gemma, self.H, self.Hk, kv[0], kv[1], r["qkv"][1])
         del h
-        o = self.attention.rows(q, kv[0], kv[1], rows, L.window, prefix)
+        o = self.attention.rows(q, kv[0], kv[1], rows, L.window, prefix, r["o"][0])
         del q
-        x, h = ops.norm_rows(x, P.out(o, rows), w.o_bias, L.post_attn_norm, L.mlp_norm, self.eps, self.gemma, rows)
+        x, h = ops.norm_rows(x, P.out(o, rows), w.o_bias, L.post_attn_norm, L.mlp_norm, self.eps, self.gemma, rows,
+                             r["o"][1], r["gate_up"][0])
         del o
-        a = ops.gated_rows(P.gate_up(h, rows), w.gate_up_bias, self.config.act_name, rows)
+        a = ops.gated_rows(P.gate_up(h, rows), w.gate_up_bias, self.config.act_name, rows, r["gate_up"][1],
+                           r["down"][0])
         del h
         return ops.norm_rows(x, P.down(a, rows), w.down_bias, L.post_mlp_norm, L.next_norm, self.eps, self.gemma,
-                             rows)
+                             rows, r["down"][1], next_ref)
 
     # ----------------------------------------------------------------------------------------- forwards
 
@@ -419,29 +424,72 @@ class Transformer:
         return (h, [kv.kept for kv in kvs]) if collect else h
 
     @torch.no_grad()
-    def forward_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False):
+    def forward_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None,
+                     ref: RowsReference | None = None) -> torch.Tensor:
         """The difference form's forward (module docstring): x [R, d] float32, the pass's rows (the lead rows, then
         the batch rows), at the positions `rows` gives -> the final-normed hidden states [R, d] in difference form
-        (low dtype). prefix: the kept prefix K/V (from prefix_rows) the batch rows attend to, when rows.lead is 0
-        and the batch starts after a prefix. keep: also return the pass's K/V, per layer (k, v) [R, Hk, hd] (fresh
-        tensors, not the shared buffers the next pass writes)."""
+        (low dtype; its value rows against ref.hidden). prefix: the kept prefix K/V (prefix_rows) the batch rows
+        attend to, when rows.lead is 0 and the batch starts after a prefix. ref: the value rows' float32 reference
+        (reference_rows; None: the values rounded as they are)."""
+        self._check_prefix(rows, prefix)
+        if self.embed_mult is not None:
+            x = x * float(self.embed_mult)  # the normalizer rounded to the model dtype, as transformers'
+        refs = ref.layers if ref is not None else [None] * len(self.layers)
+        nexts = [r["qkv"][0] for r in refs[1:]] + [ref.hidden] if ref is not None else refs
+        x, h = self.ops.norm_rows(x, None, None, None, self.layers[0].attn_norm, self.eps, self.gemma, rows, None,
+                                  refs[0]["qkv"][0] if ref is not None else None)
+        kvs = self.pass_kv(rows.R)
+        for i, (L, P) in enumerate(zip(self.layers, self.rows_dense())):
+            x, h = self.block_rows(x, h, L, P, rows, kvs[i], None if prefix is None else prefix.kv[i], refs[i],
+                                   nexts[i])
+        return h
+
+    def _check_prefix(self, rows: RowLayout, prefix: PrefixKV | None) -> None:
         if rows.lead and prefix is not None:
             raise SiclError("a difference-form pass takes its prefix either as lead rows or as kept K/V, not both")
         if prefix is not None and prefix.length != rows.pos0:
             raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {rows.pos0}")
         for r in self.rotary.values():
             r.reserve(max(rows.lead, rows.pos0 + rows.T))
+
+    @torch.no_grad()
+    def reference_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False):
+        """The float32 reference of a pass's value rows (sicl_fast.models.rows.RowsReference): x [V, d] float32, the
+        value rows alone (rows: their layout, RowLayout.value_layout()), through every layer with float32 products
+        of the model's own weights (a bf16 model's made float32 one product at a time) and the torch references of
+        the row epilogues on float32 rows; each product's input and output kept. What forward_rows' value rows are
+        taken against (a few per cent of a step's work, made when a run starts and every few steps). keep: also
+        return the pass's K/V, per layer (k, v) [V, Hk, hd] (a kept prefix's: prefix_rows)."""
+        from .attention import attention_rows_reference
+        from .rows import gated_rows_reference, norm_rows_reference, rope_rows_reference
+
+        f32 = torch.float32
+        self._check_prefix(rows, prefix)
         if self.embed_mult is not None:
-            x = x * float(self.embed_mult)  # the normalizer rounded to the model dtype, as transformers'
-        x, h = self.ops.norm_rows(x, None, None, None, self.layers[0].attn_norm, self.eps, self.gemma, rows)
-        if keep:
-            mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=torch.float32, device=self.device)  # noqa: E731
-            kvs = [(mk(), mk()) for _ in self.layers]
-        else:
-            kvs = self.pass_kv(rows.R)
-        for i, (L, P) in enumerate(zip(self.layers, self.rows_dense())):
-            x, h = self.block_rows(x, h, L, P, rows, kvs[i], None if prefix is None else prefix.kv[i])
-        return (h, kvs) if keep else h
+            x = x * float(self.embed_mult)
+        eps, gemma = self.eps, self.gemma
+        x, h = norm_rows_reference(x, None, None, None, self.layers[0].attn_norm, eps, gemma, rows, dtype=f32)
+        mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=f32, device=self.device)  # noqa: E731
+        layers, kvs = [], []
+        for i, L in enumerate(self.layers):
+            w, rot, k, v = L.w, self.rotary[L.rope], mk(), mk()
+            qkv = F.linear(h, w.qkv.float())
+            q = rope_rows_reference(qkv, w.qkv_bias, rows, rot.cos32, rot.sin32, L.q_norm, L.k_norm, eps, gemma,
+                                    self.H, self.Hk, k, v)
+            o = attention_rows_reference(self.attention, q, k, v, rows, L.window,
+                                         None if prefix is None else prefix.kv[i], dtype=f32)
+            o_out = F.linear(o, w.o.float())
+            x, h2 = norm_rows_reference(x, o_out, w.o_bias, L.post_attn_norm, L.mlp_norm, eps, gemma, rows, dtype=f32)
+            gu = F.linear(h2, w.gate_up.float())
+            a = gated_rows_reference(gu, w.gate_up_bias, self.config.act_name, rows, dtype=f32)
+            d_out = F.linear(a, w.down.float())
+            x, h_next = norm_rows_reference(x, d_out, w.down_bias, L.post_mlp_norm, L.next_norm, eps, gemma, rows,
+                                            dtype=f32)
+            layers.append({"qkv": (h, qkv), "o": (o, o_out), "gate_up": (h2, gu), "down": (a, d_out)})
+            kvs.append((k, v))
+            h = h_next
+        ref = RowsReference(layers=layers, hidden=h)
+        return (ref, kvs) if keep else ref
 
     @torch.no_grad()  # a cache of constants: never differentiated
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:
@@ -450,12 +498,24 @@ class Transformer:
         return PrefixKV(rows=rows.clone(), kv=kvs, hidden=h)
 
     @torch.no_grad()
+    def reference_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's float32 product of reference hidden states h [..., d] float32 (the model's own head
+        weight, made float32 a vocabulary chunk at a time) -> [..., V] float32, before any soft-cap: the value rows'
+        reference logits of the difference form's span head (sicl_fast.logprobs.rows_logprobs)."""
+        V = self.head.shape[0]
+        out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
+        for v0 in range(0, V, 8192):
+            out[..., v0:v0 + 8192] = F.linear(h.float(), self.head[v0:v0 + 8192].float())
+        return out
+
+    @torch.no_grad()
     def prefix_rows(self, rows: torch.Tensor) -> PrefixKV:
-        """The prefix rows [a, d] float32 through the difference form's forward once (lead rows only), keeping its
-        float32 K/V and its hidden states (values, low dtype): what a pass whose prefix is kept attends to."""
+        """The prefix rows [a, d] float32 through the float32 reference forward once (the value rows of a lead-only
+        pass, reference_rows), keeping its float32 K/V and its float32 hidden states: what the batch rows of a pass
+        whose prefix is kept attend to."""
         a = rows.shape[0]
-        h, kvs = self.forward_rows(rows.float(), RowLayout.build(a, 0, 0, a, device=self.device), keep=True)
-        return PrefixKV(rows=rows.clone(), kv=[(k[None], v[None]) for k, v in kvs], hidden=h[None])
+        ref, kvs = self.reference_rows(rows.float(), RowLayout.build(a, 0, 0, a, device=self.device), keep=True)
+        return PrefixKV(rows=rows.clone(), kv=[(k[None], v[None]) for k, v in kvs], hidden=ref.hidden[None])
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:

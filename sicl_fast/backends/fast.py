@@ -73,7 +73,7 @@ class FastBackend(Backend):
         B = embeds.shape[0]
         x = embeds[:, :prompt.demo_end].to(device=self.model.device, dtype=torch.float32)
         rows = near_row0 and self.model.rows_on and B > 1
-        return self.step_forward(prompt, "pass", B, rows=rows)(x)
+        return self.step_forward(prompt, "pass", B, x[0], rows=rows)(x)  # its references at this batch's row 0
 
     def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
         """The full rows [0, b) (no prefix cache: its attention merge has no backward) through plain products (the

@@ -171,9 +171,10 @@ def _loop(g) -> None:
 
 
 def _pack(g) -> None:
-    g.add_argument("--pack", type=arg_type("pack"), default=1, metavar="P",
+    g.add_argument("--pack", type=arg_type("pack", auto=True), default="auto", metavar="P",
                    help="calibrate up to P prompts at once through one batched forward (throughput mode, fast "
-                        "backend; default 1; bench times one packed step of P copies of the prompt)")
+                        "backend; bench times one packed step of P copies of the prompt); auto (the default): 8 on "
+                        "CUDA for a model under 1B parameters, where it pays, else 1 (sicl-fast plan says why)")
 
 
 def _budget(g) -> None:
@@ -489,6 +490,33 @@ def _check_read(args) -> None:
             raise SiclError(f"{flag} has no effect in this run: {why}; drop {flag}")
 
 
+def _resolve_pack(args) -> None:
+    """--pack auto made a count before any model loads (what the request chunks, the store's flags and the
+    estimator's rules read), by the run plan's rule (sicl_fast.plan.auto_pack): from the device --device resolves to
+    and the model's size without its weights (sicl_fast.models.facts; off CUDA the count is 1 without looking). A
+    store asked for (--store, or --reuse auto / on) is used, not packed past: 1."""
+    if getattr(args, "pack", None) != "auto":
+        return
+    if getattr(args, "store", None) is not None or getattr(args, "reuse", None) in ("auto", "on"):
+        args.pack = 1
+        return
+    from .models.decoder_config import SUPPORTED_FAMILIES
+    from .models.loading import resolve_device
+    from .plan import BACKENDS, auto_pack
+
+    dev = resolve_device(args.device)[0]
+    if dev.type != "cuda":
+        args.pack = 1
+        return
+    from .models.facts import model_facts
+
+    _, family, n_params = model_facts(args.model)
+    backend = getattr(args, "backend", "auto")
+    sync_free = BACKENDS[backend].sync_free if backend != "auto" else family in SUPPORTED_FAMILIES
+    static = sync_free and getattr(args, "loop", "auto") != "eager"
+    args.pack = auto_pack(dev, n_params, static, _wants_grad(args))[0]
+
+
 def _check_flags(args) -> None:
     """Every flag checked before any model is loaded: the calibration values (CalibrationConfig's own checks on the
     values given; the integer ranges were checked while parsing, sicl_fast.knobs), the stop strings and the
@@ -497,6 +525,8 @@ def _check_flags(args) -> None:
     from .models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
 
     _check_read(args)
+    if args.cmd != "plan":  # plan shows 'auto' resolved by the run plan itself, with its reason
+        _resolve_pack(args)
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
     if getattr(args, "stop", None) is not None:
         check_stops(args.stop, "--stop")

@@ -43,7 +43,8 @@ class Engine:
     diff_matmul, the fast decoder's attention kernel and difference products; loop, how calibrations run: 'static'
     (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the reference
     loop, Calibrator.run), 'auto' (static where the backend supports it); both give the same result. pack:
-    calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed). grad: this
+    calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed); 'auto': where
+    it pays (8 on CUDA for a model under 1B parameters, else 1: sicl_fast.plan.auto_pack). grad: this
     engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the differentiable torch
     ops, and a backend, impl or model that cannot be differentiated is refused here; its calibrations run on the
     eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for CUDA), 'on', 'off':
@@ -69,7 +70,7 @@ class Engine:
         impl: str = "auto",
         loop: str = "auto",
         sync_every: int | None = None,
-        pack: int = 1,
+        pack: int | str = 1,
         grad: bool = False,
         graphs: str = "auto",
         graph_cache: int = DEFAULT_CAPACITY,
@@ -224,13 +225,13 @@ def check_engine_args(lm, **given) -> None:
                             "already is; pass one or the other")
 
 
-def default_reuse(reuse: str | None, has_store: bool, pack: int) -> str | None:
-    """Engine's reuse: as given; unset, 'off', or the plan's default ('auto') when a store is given (store or
-    store_dir: a store asked for is meant to be used). A store with pack > 1 and no reuse is refused: the packed
-    step calibrates without it, and nothing would go into it."""
+def default_reuse(reuse: str | None, has_store: bool, pack: int | str) -> str | None:
+    """Engine's reuse: as given; unset, 'off', or the plan's default ('auto' unless the plan packs) when a store is
+    given (store or store_dir: a store asked for is meant to be used). A store with pack > 1 and no reuse is
+    refused: the packed step calibrates without it, and nothing would go into it."""
     if reuse is not None or not has_store:
         return reuse if reuse is not None else "off"
-    if pack > 1:
+    if pack != "auto" and pack > 1:
         raise SiclError(f"Engine: a store with pack {pack} is not used (the packed step calibrates without it); "
                         "pass reuse='off' to keep it for calibrate(..., reuse='auto') calls, or pack=1")
     return None

@@ -108,12 +108,14 @@ def check_mu(mu: float, where: str, label: str = "mu") -> float:
     return mu
 
 
-def arg_type(name: str):
+def arg_type(name: str, auto: bool = False):
     """An argparse type for the knob `name`: the text as an integer (or number) within its range, refused while
-    parsing (argparse prints "argument --flag: must be ..." and exits 2)."""
+    parsing (argparse prints "argument --flag: must be ..." and exits 2); auto: the word 'auto' too, as it is."""
     rng = RANGES[name]
 
     def conv(text: str):
+        if auto and text == "auto":
+            return text
         try:
             value = int(text) if rng.integer else float(text)
         except ValueError:

@@ -79,7 +79,7 @@ class Choices:
     sync_every: int | None = None
     graphs: str = "auto"
     graph_cache: int = DEFAULT_CAPACITY
-    pack: int = 1
+    pack: int | str = 1  # or 'auto': packed where it pays (auto_pack)
     grad: bool = False  # the run takes the exact gradient (estimator 'grad')
     reuse: str | None = "off"  # the calibration store: 'auto', 'on', 'off'; None: 'auto' unless packing
     threads: int | None = None  # None: OMP_NUM_THREADS, else the cores this process may use (sicl_fast.threads)
@@ -94,11 +94,13 @@ class Choices:
             raise SiclError(f"unknown diff_matmul {self.diff_matmul!r}; choose one of {DIFF_MATMUL}")
         check_choice(self.loop, LOOPS, "loop", "Engine")
         check_choice(self.graphs, GRAPH_MODES, "graphs", "Engine")
-        check_range("pack", self.pack, "Engine")
+        if self.pack != "auto":
+            check_range("pack", self.pack, "Engine")
         check_range("graph_cache", self.graph_cache, "Engine")
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
-        resolve_reuse(self.reuse, self.pack)
+        if self.pack != "auto":  # with 'auto', once the plan knows the pack
+            resolve_reuse(self.reuse, self.pack)
         # --threads, or OMP_NUM_THREADS beyond the table's limit refused, beyond the cores warned, before a model loads
         warn_oversubscribed(self.threads)
 
@@ -271,10 +273,39 @@ def resolve_graphs(mode: str, device, static: bool, name: str, loop: str) -> tup
     return static, "auto: CUDA and the static loop" if static else "auto: no static step to capture"
 
 
-def resolve_pack(pack: int, static: bool, name: str, loop: str) -> str:
+# prompts through one forward where packing pays (auto_pack): the GPU's measurements (bench/RESULTS.md section 4)
+AUTO_PACK = 8
+PACK_MAX_PARAMS = 1e9  # at and above, one prompt's products run at the bf16 rate already: packing gains nothing
+
+
+def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) -> tuple[int, str]:
+    """(prompts per forward, why) for pack 'auto': 8 on CUDA for a model under 1B parameters with the static loop
+    (a SmolLM2-shape mix of 24 prompts packed 8 at a time: 180 ms a prompt against 527 one by one on an H200),
+    else 1 (the CPU: packing loses there, the padding and the attention growing with the square, RESULTS 10; 1B
+    parameters and more: nothing to gain, Llama-3.1-8B 3,040 vs 2,977 ms; Gemma-2-2B packed slower; the exact
+    gradient and the eager loop run one prompt at a time). The one rule for the plan and for the command line,
+    which decides before the model loads (sicl_fast.models.facts gives the size)."""
+    if grad:
+        return 1, "auto: the exact gradient calibrates one prompt at a time"
+    if not static:
+        return 1, "auto: packing needs the static loop"
+    if torch.device(device).type != "cuda":
+        return 1, "auto: not CUDA (on the CPU packing loses: RESULTS 10)"
+    if n_params >= PACK_MAX_PARAMS:
+        return 1, (f"auto: {n_params / 1e9:.1f}B parameters: one prompt's products run at the bf16 rate already "
+                   "(RESULTS 4)")
+    return AUTO_PACK, (f"auto: CUDA and {n_params / 1e6:.0f}M parameters: up to {AUTO_PACK} prompts through one "
+                       "forward (2.9x one by one at SmolLM2's shape, RESULTS 4)")
+
+
+def resolve_pack(pack, static: bool, name: str, loop: str, device=None, n_params: int = 0,
+                 grad: bool = False) -> tuple[int, str]:
+    """(prompts per packed step, why): 'auto' by auto_pack; a count as asked, > 1 only on the static loop."""
+    if pack == "auto":
+        return auto_pack(device, n_params, static, grad)
     if pack > 1 and not static:
         raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {name!r}, loop {loop!r})")
-    return "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
+    return pack, "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
 
 
 def check_zeroth_order(estimator: str) -> None:
@@ -498,8 +529,9 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
     read_every, why_read = resolve_read_every(kind, dev)
     graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
-    why_pack = resolve_pack(c.pack, static, backend, c.loop)
-    reuse, why_reuse = resolve_reuse(c.reuse, c.pack)
+    n_params = sum(p.numel() for p in lm.model.parameters()) if c.pack == "auto" else 0
+    pack, why_pack = resolve_pack(c.pack, static, backend, c.loop, dev, n_params, c.grad)
+    reuse, why_reuse = resolve_reuse(c.reuse, pack)
     threads, why_threads = resolve_threads(c.threads)
     for line in without_effect(c, backend, loop):  # legal, but nothing reads them here: one line each
         warnings.warn(line, SiclWarning, stacklevel=2)
@@ -521,19 +553,19 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
            ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("read_every", read_every, why_read),
-           ("graphs", "on" if graphs else "off", why_graphs), ("pack", c.pack, why_pack),
+           ("graphs", "on" if graphs else "off", why_graphs), ("pack", pack, why_pack),
            ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse),
            ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
                    attention=attention, attention_fallback=c.attn == "auto", attention_check=check, diff_matmul=diff,
                    decoder=decoder, loop=loop, loop_asked=c.loop, sync_every=sync_every, read_every=read_every,
-                   graphs=graphs, graph_cache=c.graph_cache, pack=c.pack, grad=c.grad, grad_refusal=refusal,
+                   graphs=graphs, graph_cache=c.graph_cache, pack=pack, grad=c.grad, grad_refusal=refusal,
                    reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
 
-__all__ = ["BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES", "BackendKind", "Choices", "RunPlan",
-           "make_plan", "plain_low_precision",
-           "check_estimator", "check_unpacked", "check_zeroth_order", "default_sync_every", "forward_only",
-           "grad_refusal", "no_differentiable_forward", "resolve_attention", "resolve_attention_check",
-           "resolve_attention_kernel", "resolve_backend", "resolve_diff", "resolve_graphs", "resolve_impl",
-           "resolve_loop", "resolve_pack", "resolve_read_every", "resolve_reuse", "without_effect"]
+__all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES", "BackendKind",
+           "Choices", "RunPlan", "auto_pack", "make_plan", "plain_low_precision", "check_estimator", "check_unpacked",
+           "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
+           "resolve_attention", "resolve_attention_check", "resolve_attention_kernel", "resolve_backend",
+           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every",
+           "resolve_reuse", "without_effect"]

@@ -374,3 +374,31 @@ def test_decoder_config_holds_the_family_quirks(models):
     assert cfgs["llama"].rope_of_layer == ("all",) * 3
     assert make_plan(models["qwen3"], backend="fast").decoder == cfgs["qwen3"]
     assert make_plan(models["qwen3"], backend="hf").decoder is None
+
+
+def test_pack_auto_packs_where_it_pays(models, monkeypatch):
+    """#38: pack 'auto' (the command line's default) packs on CUDA for a model under 1B parameters with the static
+    loop (measured 2.9x one by one there), one prompt at a time elsewhere, each with its reason; the command line
+    decides before the model loads, by the same rule, and a store asked for is used rather than packed past."""
+    import argparse
+
+    from sicl_fast import cli
+    from sicl_fast.plan import auto_pack
+
+    cuda = torch.device("cuda")
+    assert auto_pack(cuda, 135_000_000)[0] == 8 and "2.9x" in auto_pack(cuda, 135_000_000)[1]
+    for args, why in (((cuda, 8_000_000_000), "8.0B parameters"), ((torch.device("cpu"), 135_000_000), "not CUDA"),
+                      ((cuda, 135_000_000, False), "static loop"), ((cuda, 135_000_000, True, True), "gradient")):
+        n, reason = auto_pack(*args)
+        assert n == 1 and why in reason, reason
+    plan = make_plan(models["llama"], impl="torch", pack="auto")
+    assert plan.pack == 1 and "not CUDA" in dict((a, w) for a, _, w in plan.why)["pack"]
+    assert plan.reuse == "off"  # Engine's own default without a store
+    monkeypatch.setattr("sicl_fast.models.loading.resolve_device", lambda device: (cuda, "test"))
+    monkeypatch.setattr("sicl_fast.models.facts.model_facts", lambda model: ("tiny", "llama", 135_000_000))
+    for extra, want in (({}, 8), ({"store": "/tmp/s"}, 1), ({"reuse": "on"}, 1), ({"loop": "eager"}, 1)):
+        args = argparse.Namespace(cmd="calibrate", pack="auto", device="auto", model=None, backend="auto",
+                                  loop="auto", reuse=None, store=None, estimator=None, method=None)
+        vars(args).update(extra)
+        cli._resolve_pack(args)
+        assert args.pack == want, (extra, args.pack)

@@ -8,7 +8,9 @@ counts: a low-precision proxy can climb its own rounding), and the greedy answer
 The paths (each an Engine configuration; `fp32` is the reference):
     fp32         float32 model, every product in float32 (backend fast-fp32)
     fp32-rows    float32 model, the difference form (diff_matmul bf16: float32 activations, every projection one bf16
-                 product of the rows' values and differences)
+                 product of the rows' changes: rows 1.. from row 0, the value rows from their float32 reference)
+    fp32-rows-rounded   the same without the value rows' reference (their values rounded to bf16 as they are):
+                 what the reference buys
     bf16-rows    bf16 model, the difference form
     bf16-plain   bf16 model, plain bf16 rows (diff_matmul off): the ascent the difference form replaces
     fp32-fp8     float32 model, the difference form with FP8 e4m3 differences (emulated without FP8 hardware)
@@ -32,6 +34,7 @@ import torch
 PATHS = {  # name -> (model dtype, Engine choices)
     "fp32": ("float32", dict(backend="fast-fp32")),
     "fp32-rows": ("float32", dict(backend="fast", diff_matmul="bf16")),
+    "fp32-rows-rounded": ("float32", dict(backend="fast", diff_matmul="bf16")),  # StepForward.references off
     "bf16-rows": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
     "bf16-plain": ("bfloat16", dict(backend="fast", diff_matmul="off")),
     "fp32-fp8": ("float32", dict(backend="fast", diff_matmul="fp8")),
@@ -65,6 +68,7 @@ def done_keys(path: str) -> set:
 
 def run(args) -> None:
     from sicl_fast import Engine
+    from sicl_fast.backends.step_forward import StepForward
     from sicl_fast.evaluation.methods import sample_prompt
     from sicl_fast.icleval import max_gen_len, score, should_stop
     from sicl_fast.models import load
@@ -93,7 +97,11 @@ def run(args) -> None:
                 if f32_0 is None:
                     f32_0 = float(ref.proxy(prompt).f[0])
                 t0 = time.perf_counter()
-                res = eng.calibrate(prompt, max_steps=args.steps, tau=0.0, patience=0)
+                StepForward.references = path != "fp32-rows-rounded"
+                try:
+                    res = eng.calibrate(prompt, max_steps=args.steps, tau=0.0, patience=0)
+                finally:
+                    StepForward.references = True
                 seconds = time.perf_counter() - t0
                 f32_best = float(ref.proxy(prompt, embeds=res.embeddings.float()).f[0])
                 stop = lambda text, s=s: should_stop(s, text)  # noqa: E731

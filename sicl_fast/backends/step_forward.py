@@ -85,6 +85,10 @@ class StepForward:
     (None: the prompt's own embeddings); rows: the difference form (None: when the model has difference products
     on)."""
 
+    # the value rows against a float32 reference (the design); False: their values rounded as they are, which the
+    # precision study (bench/precision_fidelity.py, path 'fp32-rows-rounded') sets to measure what the reference buys
+    references = True
+
     def __init__(self, backend, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
                  rows: bool | None = None) -> None:
         m = self.model = backend.model
@@ -92,7 +96,7 @@ class StepForward:
         self.policy = resolve_policy(prompt, prefix)
         self.B = B
         self.rows_on = m.rows_on if rows is None else rows
-        self.refresh_every = REFRESH_EVERY if self.rows_on else 0
+        self.refresh_every = REFRESH_EVERY if self.rows_on and self.references else 0
         self.prompt = prompt
         self.span = SpanPlan.of(prompt, m.device)
         a, b = prompt.demo_start, prompt.demo_end
@@ -104,7 +108,7 @@ class StepForward:
                                         device=m.device)
             # where a span's first prediction is the prefix's last row: its change in the value rows, none elsewhere
             self._value_mask = is_value(self.rows.anchor).to(LOW_DTYPE).view(B, 1, 1)
-            self.ref, self.z_ref = self._reference(X0)
+            self.ref, self.z_ref = self._reference(X0) if self.references else (None, None)
 
     @staticmethod
     def shape(prompt: Prompt, prefix: str, B: int) -> tuple:
@@ -134,7 +138,7 @@ class StepForward:
 
     def refresh(self, X: torch.Tensor) -> None:
         """Take the value rows' reference again at X [L, d] (the X the next call's row 0 is), in place."""
-        if self.rows_on:
+        if self.rows_on and self.ref is not None:
             ref, z_ref = self._reference(X)
             self.ref.copy_(ref)
             self.z_ref.copy_(z_ref)
@@ -193,8 +197,14 @@ class StepForward:
         if self.start == 0:
             return hb.index_select(1, span.idx)
         if span.from_prefix:  # a span starts right at row a: its first prediction is the prefix's last row
-            # its change from the reference: the lead row's (in the value rows) or none (a kept prefix: exact)
-            col = h[span.a - 1] * self._value_mask if rows.lead else torch.zeros_like(hb[:, :1])
+            # its change from the reference: the lead row's (in the value rows) or none (a kept prefix: exact);
+            # without references, the kept prefix's last hidden row itself in the value rows
+            if rows.lead:
+                col = h[span.a - 1] * self._value_mask
+            elif self.ref is None:
+                col = self.prefix.hidden[0, span.a - 1].to(LOW_DTYPE) * self._value_mask
+            else:
+                col = torch.zeros_like(hb[:, :1])
             return torch.cat([col, hb], dim=1).index_select(1, span.idx_suffix + 1)
         return hb.index_select(1, span.idx_suffix)
 

@@ -1,7 +1,7 @@
 """CPU benchmarks of the hot ops: proxy and perturb+update (C++ extension vs torch reference), and the LM head at
 the span positions (chunked log-sum-exp vs full [B, P, V] logits, and the C++ span head), the difference form's
-row epilogues norm_rows and gated_rows (C++ vs torch reference). SmolLM2-135M shapes (d 576, V 49152).
-bench/cpp_ops_ab.py compares the C++ ops of two checkouts.
+row epilogues norm_rows and gated_rows with the value rows' references (C++ vs torch reference). SmolLM2-135M
+shapes (d 576, V 49152). bench/cpp_ops_ab.py compares the C++ ops of two checkouts.
 
 Run (pytest-benchmark; not collected by the normal test run):
 
@@ -129,16 +129,22 @@ def rows_inputs():
         return (x + 1e-2 * torch.randn(ROWS_B, ROWS_T, k, generator=g) * (torch.arange(ROWS_B) > 0).view(-1, 1, 1)
                 ).view(rows.R, k)
 
-    return rows, near(D), to_rows(near(D), rows), to_rows(near(2 * ROWS_I), rows), torch.rand(D) + 0.5
+    def ref(k):  # [V, k] float32: a reference of the value rows (row 0's T rows), as the step passes them
+        return torch.randn(rows.values, k, generator=g)
+
+    refs = {"y": ref(D), "h": ref(D), "gu": ref(2 * ROWS_I), "a": ref(ROWS_I)}
+    return (rows, near(D), to_rows(near(D), rows, ref=refs["y"]), to_rows(near(2 * ROWS_I), rows, ref=refs["gu"]),
+            torch.rand(D) + 0.5, refs)
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("cpp", marks=need_cpp)])
 @pytest.mark.parametrize("op", ["norm_rows", "gated_rows"])
 def test_row_epilogues(benchmark, rows_inputs, impl, op):
-    rows, x, y, gu, w = rows_inputs
+    """The row epilogues with the value rows' references (what the step passes)."""
+    rows, x, y, gu, w, r = rows_inputs
     ops = make_ops(impl).decoder
-    fn = {"norm_rows": lambda: ops.norm_rows(x, y, None, None, w, 1e-5, False, rows),
-          "gated_rows": lambda: ops.gated_rows(gu, None, "silu", rows)}[op]
+    fn = {"norm_rows": lambda: ops.norm_rows(x, y, None, None, w, 1e-5, False, rows, r["y"], r["h"]),
+          "gated_rows": lambda: ops.gated_rows(gu, None, "silu", rows, r["gu"], r["a"])}[op]
     benchmark.group = f"{op} B{ROWS_B} T{ROWS_T} d{D} I{ROWS_I}"
     run(benchmark, f"{op} {impl}", fn, rounds=5)
 

@@ -11,11 +11,12 @@
 //   s = (q . k) * scale, soft-capped (softcap > 0: cap tanh(s / cap)); o = sum_j exp(s_j - max) v_j / sum_j
 //   exp(s_j - max); 0 where a query sees no key; NaN where a NaN (or a score of +inf) reaches the row, as torch's.
 //   attention_rows(q[R, H*hd], k[R, Hk*hd], v[R, Hk*hd], pk[a, Hk*hd], pv[a, Hk*hd], anchor[B], lead, T, pos0, H,
-//                  Hk, scale, softcap, window, out[R, H*hd] bf16)
+//                  Hk, scale, softcap, window, out[R, H*hd] bf16, o_ref[V, H*hd] f32 | None)
 //   a difference-form pass (rows.h): the lead rows attend causally among themselves, the batch rows to the prefix
 //   (the lead rows' keys, or the kept pk / pv when lead is 0) and causally to their own keys; out: the rows in
-//   difference form. Both query sets in one parallel region, then the epilogue after a barrier (its differences
-//   read their anchors' float32 outputs).
+//   difference form, the value rows against o_ref (the output projection's input reference; None: none). Both
+//   query sets in one parallel region, then the epilogue after a barrier (its differences read their anchors'
+//   float32 outputs).
 //
 // q, k, v may be row-strided views (the parts of one fused q / k / v product); out is contiguous. Each (batch row,
 // key head)'s keys are transposed once per call; the work is then cut into tiles of a few query positions x the
@@ -421,10 +422,10 @@ void attention(py::array q, py::array k, py::array v, py::array pk, py::array pv
 // keys are the batch rows' prefix then) -> out [R, H*hd] bf16 in difference form. The lead rows attend causally
 // among themselves (positions 0 ..); the batch rows to the prefix and causally to their own keys (pos0 ..). Both
 // sets of queries in one parallel region, their float32 outputs into a scratch, then the rows minus their anchor
-// rows, rounded to bf16.
+// rows (the value rows minus their rows of o_ref [V, H*hd], when given), rounded to bf16.
 void attention_rows(py::array q, py::array k, py::array v, py::array pk, py::array pv, py::array anchor,
                     int64_t lead, int64_t T, int64_t pos0, int64_t H, int64_t Hk, double scale, double softcap,
-                    int64_t window, py::array out) {
+                    int64_t window, py::array out, py::object o_ref) {
     const RowForm f = row_form(anchor, lead, T, "attention_rows");
     const int64_t R = f.R();
     const int64_t Hd = q.ndim() == 2 ? q.shape(1) : 0, hd = H > 0 ? Hd / H : 0;
@@ -438,6 +439,7 @@ void attention_rows(py::array q, py::array k, py::array v, py::array pk, py::arr
         throw std::invalid_argument("attention_rows: the prefix is the lead rows or a kept one, not both");
     }
     check_array(out, "out", 'h', {R, H * hd}, true);
+    const float* orf = row_reference(o_ref, f, H * hd, "o_ref");
     std::unique_ptr<float[]> o(new float[R * H * hd]);  // the float32 outputs
     auto at = [](const Rows& x, int64_t r) { return Rows{x.p + r * x.stride, x.stride}; };
     Problem L{Qr, Kr, Vr, PKr, PVr, 1, lead, 1, lead, 0, 0, 0, o.get()};  // the lead rows: no shared keys
@@ -450,7 +452,7 @@ void attention_rows(py::array q, py::array k, py::array v, py::array pk, py::arr
     const float* of = o.get();
     run_attention(c, problems, R, [&](int64_t r) {
         const int64_t ar = f.anchor_row(r);
-        form_row(of + r * Hd, ar != r ? of + ar * Hd : nullptr, op + r * Hd, Hd);
+        form_row(of + r * Hd, ar != r ? of + ar * Hd : f.ref_of(orf, r, Hd), op + r * Hd, Hd);
     });
 }
 
@@ -464,7 +466,7 @@ void register_attention_ops(py::module_& m) {
           "causal attention over shared keys (positions 0..a-1) and each batch row's own keys (k0..), float32 rows");
     m.def("attention_rows", &attention_rows, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pk"), py::arg("pv"),
           py::arg("anchor"), py::arg("lead"), py::arg("T"), py::arg("pos0"), py::arg("H"), py::arg("Hk"),
-          py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("out"),
+          py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("out"), py::arg("o_ref") = py::none(),
           "the attention of a difference-form pass (lead rows, batch rows over the prefix), out in difference form");
 }
 

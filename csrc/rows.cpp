@@ -4,15 +4,23 @@
 // rows and writes what the next product or the attention takes, in one call:
 //
 //   norm_rows(x[R,d] f32, y[R,d] bf16 | None, bias[d] | None, post_w[d] | None, w[d], eps, anchor[B], lead, T,
-//             x_out[R,d] f32 | None, h[R,d] bf16)
-//       y given: x_out = x + (rms_norm(y', post_w) or y'), y' the float32 rows of y plus the bias; h = the
-//       difference form of rms_norm(x_out, w). y None: h = the difference form of rms_norm(x, w) (x_out unused)
+//             x_out[R,d] f32 | None, h[R,d] bf16, y_ref[V,d] f32 | None, h_ref[V,d] f32 | None)
+//       y given: x_out = x + (rms_norm(y', post_w) or y'), y' the float32 rows of y (its value rows against y_ref)
+//       plus the bias; h = the difference form of rms_norm(x_out, w) (its value rows against h_ref). y None: h =
+//       the difference form of rms_norm(x, w) (x_out and y_ref unused)
 //   rope_rows(qkv[R,(H+2Hk)hd] bf16, bias | None, anchor[B], lead, T, pos0, cos[n,hd], sin[n,hd], q_norm[hd] | None,
-//             k_norm[hd] | None, eps, H, Hk, q[R,H*hd] f32, k_out[R,Hk*hd] f32, v_out[R,Hk*hd] f32)
-//       the float32 rows of q | k | v (plus the bias); q / k per-head rms norms (Qwen3, Gemma 3) when given; q and
-//       k rotated at each row's position (lead row r: r; batch rows: pos0 + t), v copied
-//   gated_rows(y[R,2I] bf16, bias[2I] | None, act, anchor[B], lead, T, out[R,I] bf16)
-//       act(gate) * up on the float32 rows of y (gate | up stacked) plus the bias, in difference form
+//             k_norm[hd] | None, eps, H, Hk, q[R,H*hd] f32, k_out[R,Hk*hd] f32, v_out[R,Hk*hd] f32,
+//             qkv_ref[V,(H+2Hk)hd] f32 | None)
+//       the float32 rows of q | k | v (the value rows against qkv_ref; plus the bias); q / k per-head rms norms
+//       (Qwen3, Gemma 3) when given; q and k rotated at each row's position (lead row r: r; batch rows: pos0 + t),
+//       v copied
+//   gated_rows(y[R,2I] bf16, bias[2I] | None, act, anchor[B], lead, T, out[R,I] bf16, y_ref[V,2I] f32 | None,
+//              a_ref[V,I] f32 | None)
+//       act(gate) * up on the float32 rows of y (gate | up stacked; the value rows against y_ref) plus the bias, in
+//       difference form (the value rows against a_ref)
+//
+// The references (rows.h) are the value rows' float32 rows of the same products, V of them; None: the value rows
+// are rounded as they are. A reference changes what a value row reads and writes, not the work: the same one call.
 //
 // rms_norm(z, w) = (z / sqrt(mean(z^2) + eps)) * w in float32 (Gemma's 1 + w comes as w: the same formula in
 // float32); act: 0 SiLU, g / (1 + exp(-g)), 1 GELU with the tanh approximation, torch's formula operation for
@@ -163,7 +171,8 @@ float* out_f32(py::array& a, const char* name, int64_t rows, int64_t n) {
 }
 
 void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py::array w, double eps,
-               py::array anchor, int64_t lead, int64_t T, py::object x_out, py::array h) {
+               py::array anchor, int64_t lead, int64_t T, py::object x_out, py::array h, py::object y_ref,
+               py::object h_ref) {
     const RowForm f = row_form(anchor, lead, T, "norm_rows");
     const int64_t R = f.R();
     check_array(x, "x", 'f', {R, -1}, false);
@@ -173,6 +182,8 @@ void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py
     const auto* yp = static_cast<const uint16_t*>(optional_data(y, "y", 'h', {R, d}));
     const auto* bp = static_cast<const float*>(optional_data(bias, "bias", 'f', {d}));
     const auto* pw = static_cast<const float*>(optional_data(post_w, "post_w", 'f', {d}));
+    const float* yr = yp ? row_reference(y_ref, f, d, "y_ref") : nullptr;
+    const float* hr = row_reference(h_ref, f, d, "h_ref");
     float* xo = nullptr;
     if (yp) {
         if (x_out.is_none()) throw std::invalid_argument("norm_rows: x_out is needed with y");
@@ -191,7 +202,7 @@ void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py
             float* s = nrm + i * d;
             const float* z = xp + r * d;
             if (yp) {
-                float_row(yp + r * d, anc[i] != i ? yp + rows[anc[i]] * d : nullptr, bp, s, d);
+                float_row(yp + r * d, anc[i] != i ? yp + rows[anc[i]] * d : nullptr, f.ref_of(yr, r, d), bp, s, d);
                 if (pw) scale_row(s, inv_rms(s, d, e), pw, s, d);
                 add_row(z, s, xo + r * d, d);
                 z = xo + r * d;
@@ -199,13 +210,13 @@ void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py
             scale_row(z, inv_rms(z, d, e), wp, s, d);
         }
         for (int64_t i = 0; i < n; ++i)
-            form_row(nrm + i * d, anc[i] != i ? nrm + anc[i] * d : nullptr, hp + rows[i] * d, d);
+            form_row(nrm + i * d, anc[i] != i ? nrm + anc[i] * d : f.ref_of(hr, rows[i], d), hp + rows[i] * d, d);
     });
 }
 
 void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, int64_t T, int64_t pos0,
                py::array cos, py::array sin, py::object q_norm, py::object k_norm, double eps, int64_t H, int64_t Hk,
-               py::array q, py::array k_out, py::array v_out) {
+               py::array q, py::array k_out, py::array v_out, py::object qkv_ref) {
     const RowForm f = row_form(anchor, lead, T, "rope_rows");
     const int64_t R = f.R();
     check_array(cos, "cos", 'f', {-1, -1}, false);
@@ -217,6 +228,7 @@ void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, i
     if (R > 0 && std::max(lead, pos0 + T) > npos) throw std::invalid_argument("rope_rows: cos / sin too short");
     check_array(qkv, "qkv", 'h', {R, n}, false);
     const auto* bp = static_cast<const float*>(optional_data(bias, "bias", 'f', {n}));
+    const float* yr = row_reference(qkv_ref, f, n, "qkv_ref");
     const auto* qn = static_cast<const float*>(optional_data(q_norm, "q_norm", 'f', {hd}));
     const auto* kn = static_cast<const float*>(optional_data(k_norm, "k_norm", 'f', {hd}));
     if (!qn != !kn) throw std::invalid_argument("rope_rows: q_norm and k_norm come together");
@@ -234,7 +246,7 @@ void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, i
         for (int64_t r = 0; r < R; ++r) {
             const int64_t a = f.anchor_row(r);
             float* z = row.data();
-            float_row(yp + r * n, a != r ? yp + a * n : nullptr, bp, z, n);
+            float_row(yp + r * n, a != r ? yp + a * n : nullptr, f.ref_of(yr, r, n), bp, z, n);
             const int64_t p = r < lead ? r : pos0 + (r - lead) % T;
             const float *c = cp + p * hd, *s = sp + p * hd;
             for (int64_t hh = 0; hh < H + Hk; ++hh) {  // q's heads, then k's
@@ -248,7 +260,8 @@ void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, i
     }
 }
 
-void gated_rows(py::array y, py::object bias, int act, py::array anchor, int64_t lead, int64_t T, py::array out) {
+void gated_rows(py::array y, py::object bias, int act, py::array anchor, int64_t lead, int64_t T, py::array out,
+                py::object y_ref, py::object a_ref) {
     const RowForm f = row_form(anchor, lead, T, "gated_rows");
     const int64_t R = f.R();
     check_array(y, "y", 'h', {R, -1}, false);
@@ -257,6 +270,8 @@ void gated_rows(py::array y, py::object bias, int act, py::array anchor, int64_t
     if (act != 0 && act != 1) throw std::invalid_argument("gated_rows: act must be 0 (silu) or 1 (gelu_tanh)");
     check_array(out, "out", 'h', {R, I}, true);
     const auto* bp = static_cast<const float*>(optional_data(bias, "bias", 'f', {I2}));
+    const float* yr = row_reference(y_ref, f, I2, "y_ref");
+    const float* ar = row_reference(a_ref, f, I, "a_ref");
     const uint16_t* yp = ch(y);
     uint16_t* op = mh(out);
     auto gate = has_avx512() ? (act == 0 ? gated_row_avx512<0> : gated_row_avx512<1>)
@@ -268,11 +283,12 @@ void gated_rows(py::array y, py::object bias, int act, py::array anchor, int64_t
         for (int64_t i = 0; i < n; ++i) {
             const int64_t r = rows[i];
             float* yf = sc + i * 3 * I;
-            float_row(yp + r * I2, anc[i] != i ? yp + rows[anc[i]] * I2 : nullptr, bp, yf, I2);
+            float_row(yp + r * I2, anc[i] != i ? yp + rows[anc[i]] * I2 : nullptr, f.ref_of(yr, r, I2), bp, yf, I2);
             gate(yf, yf + I2, I, 0);
         }
         for (int64_t i = 0; i < n; ++i) {
-            form_row(sc + i * 3 * I + I2, anc[i] != i ? sc + anc[i] * 3 * I + I2 : nullptr, op + rows[i] * I, I);
+            const float* xa = anc[i] != i ? sc + anc[i] * 3 * I + I2 : f.ref_of(ar, rows[i], I);
+            form_row(sc + i * 3 * I + I2, xa, op + rows[i] * I, I);
         }
     });
 }
@@ -282,14 +298,17 @@ void gated_rows(py::array y, py::object bias, int act, py::array anchor, int64_t
 void register_rows_ops(py::module_& m) {
     m.def("norm_rows", &norm_rows, py::arg("x"), py::arg("y"), py::arg("bias"), py::arg("post_w"), py::arg("w"),
           py::arg("eps"), py::arg("anchor"), py::arg("lead"), py::arg("T"), py::arg("x_out"), py::arg("h"),
+          py::arg("y_ref") = py::none(), py::arg("h_ref") = py::none(),
           "x_out = x + (rms_norm(y', post_w) or y'), h = rms_norm(x_out, w) in difference form (bf16 bits)");
     m.def("rope_rows", &rope_rows, py::arg("qkv"), py::arg("bias"), py::arg("anchor"), py::arg("lead"), py::arg("T"),
           py::arg("pos0"), py::arg("cos"), py::arg("sin"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
           py::arg("H"), py::arg("Hk"), py::arg("q"), py::arg("k_out"), py::arg("v_out"),
+          py::arg("qkv_ref") = py::none(),
           "the float32 rows of a q | k | v product in difference form, per-head normed and rotated into q, k_out, "
           "v_out");
     m.def("gated_rows", &gated_rows, py::arg("y"), py::arg("bias"), py::arg("act"), py::arg("anchor"),
-          py::arg("lead"), py::arg("T"), py::arg("out"),
+          py::arg("lead"), py::arg("T"), py::arg("out"), py::arg("y_ref") = py::none(),
+          py::arg("a_ref") = py::none(),
           "act(gate) * up of a gate | up product's float32 rows, in difference form (bf16 bits)");
 }
 

@@ -10,15 +10,19 @@
 //     The torch reference: sicl_fast.logprobs.gather_logprobs_chunked (the same online form: vocab_chunked_logprobs).
 //
 //   lse_chunk_rows(zd[M-r0, c] bf16, r0, h[M, d] bf16, w[c, d] bf16, zf[M, c] f32, v0, V, targets[P] i64,
-//                  anchor[B] i64, cap, m[M], s[M], picked[M], out[M] f32)                (CppStepOps.span_head_rows)
+//                  anchor[B] i64, cap, m[M], s[M], picked[M], out[M] f32, z_ref[Vb, P, V] f32 | None,
+//                  value_slot[B] i64 | None)                                           (CppStepOps.span_head_rows)
 //     the same fold for a difference-form pass (rows.h: B batch rows of P positions, M = B*P rows, anchor[B]):
-//     h holds the hidden rows as values and differences, w the chunk's weight rows; zd the bf16 product h[r0:] @
-//     w^T (torch's, rows from r0 on: every row before r0 is a value row). The value rows' logits are made here in
-//     float32 (their bf16 hidden rows times w, accumulated in float32: a logit rounded to bf16 would move by up to
-//     0.03), every difference row's as its anchor's plus its own bf16 difference, z_r = z_a + float(zd_r), into
-//     zf; then soft-capped and folded as lse_chunk. m, s, picked start at -inf, 0, 0 at the first chunk (v0 == 0);
-//     the last (v0 + c == V) writes out = picked - (m + log s). The torch reference: sicl_fast.logprobs
-//     .rows_logprobs.
+//     h holds the hidden rows as values (or their changes from a reference) and differences, w the chunk's weight
+//     rows; zd the bf16 product h[r0:] @ w^T (torch's, rows from r0 on: every row before r0 is a value row). With
+//     z_ref, the value rows' reference logits (value batch row j's at z_ref[value_slot[j]]; value_slot None: the
+//     value rows' order), r0 is 0 and a value row's logits are its reference's chunk plus its change from the
+//     same product as the differences, z_r = float(zd_r) + z_ref[slot, p, v0 ..] (the chunk read in place, row
+//     stride V). Without it the value rows' logits are made here in float32 (their bf16 hidden rows times w,
+//     accumulated in float32: a logit rounded to bf16 would move by up to 0.03). Every difference row's as its
+//     anchor's plus its own bf16 difference, z_r = z_a + float(zd_r), into zf; then soft-capped and folded as
+//     lse_chunk. m, s, picked start at -inf, 0, 0 at the first chunk (v0 == 0); the last (v0 + c == V) writes
+//     out = picked - (m + log s). The torch reference: sicl_fast.logprobs.rows_logprobs.
 //
 // One pass of the chunk for the max, one for the sum (softmax_rows.h), on AVX-512 registers where the CPU has it;
 // rows in parallel. Float32, summed in another order than the reference (a few ulp); NaN and +inf logits give a
@@ -127,7 +131,7 @@ __attribute__((target("avx512f"))) void dots4x4_avx512(const float* const* h, co
 
 void lse_chunk_rows(py::array zd, int64_t r0, py::array h, py::array w, py::array zf, int64_t v0, int64_t V,
                     py::array targets, py::array anchor, double cap, py::array m, py::array s, py::array picked,
-                    py::array out) {
+                    py::array out, py::object z_ref, py::object value_slot) {
     check_array(targets, "targets", 'i', {-1}, false);
     const int64_t P = targets.shape(0);
     const RowForm f = row_form(anchor, 0, std::max<int64_t>(P, 1), "lse_chunk_rows");
@@ -146,6 +150,18 @@ void lse_chunk_rows(py::array zd, int64_t r0, py::array h, py::array w, py::arra
     check_array(s, "s", 'f', {M}, true);
     check_array(picked, "picked", 'f', {M}, true);
     check_array(out, "out", 'f', {M}, true);
+    const auto* zr = static_cast<const float*>(optional_data(z_ref, "z_ref", 'f', {-1, P, V}));
+    std::vector<int64_t> slot = f.slot;  // the value rows' places in z_ref
+    if (zr) {
+        if (r0 != 0) throw std::invalid_argument("lse_chunk_rows: with z_ref, zd must hold every row (r0 0)");
+        const auto* vs = static_cast<const int64_t*>(optional_data(value_slot, "value_slot", 'i', {f.B}));
+        const int64_t Vb = py::reinterpret_borrow<py::array>(z_ref).shape(0);
+        for (int64_t j = 0; j < f.B; ++j) {
+            if (vs) slot[j] = vs[j];
+            if (f.anchor[j] == j && (slot[j] < 0 || slot[j] >= Vb))
+                throw std::invalid_argument("lse_chunk_rows: a value slot outside z_ref");
+        }
+    }
     const uint16_t *zdp = ch(zd), *hp = ch(h), *wp = ch(w);
     const int64_t* tp = ci(targets);
     float *zp = mf(zf), *mp = mf(m), *sp = mf(s), *pp = mf(picked), *op = mf(out);
@@ -160,13 +176,19 @@ void lse_chunk_rows(py::array zd, int64_t r0, py::array h, py::array w, py::arra
     // a task: 4 positions of every batch row (a difference's anchor row is at its own position: in the same task, so
     // that the call has no barrier but its end; on a machine shared with other work a barrier waits for whichever
     // thread the scheduler took off its core)
-#pragma omp parallel num_threads(threads_for(nv * P * c * d * 2 + M * c * 8))
+#pragma omp parallel num_threads(threads_for((zr ? 0 : nv * P * c * d * 2) + M * c * 8))
     {
-        std::vector<float> hf(4 * d);
+        std::vector<float> hf(zr ? 0 : 4 * d);
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; ++task) {
             const int64_t p0 = task * 4, np = std::min<int64_t>(4, P - p0);
             for (const int64_t jv : values) {  // the value rows' float32 logits
+                if (zr) {  // the reference's plus the change
+                    for (int64_t t = p0; t < p0 + np; ++t)
+                        anchored_row(zr + (slot[jv] * P + t) * V + v0, zdp + (jv * P + t) * c, zp + (jv * P + t) * c,
+                                     c);
+                    continue;
+                }
                 const float* hr[4];
                 for (int rr = 0; rr < 4; ++rr) {  // past the last position: the last row again (not stored)
                     const int64_t r = jv * P + p0 + std::min<int64_t>(rr, np - 1);
@@ -207,7 +229,8 @@ void register_span_head_ops(py::module_& m) {
           "the span head's online log-sum-exp over one vocabulary chunk z [M, c] float32 (soft-capped in place)");
     m.def("lse_chunk_rows", &lse_chunk_rows, py::arg("zd"), py::arg("r0"), py::arg("h"), py::arg("w"), py::arg("zf"),
           py::arg("v0"), py::arg("V"), py::arg("targets"), py::arg("anchor"), py::arg("cap"), py::arg("m"),
-          py::arg("s"), py::arg("picked"), py::arg("out"),
+          py::arg("s"), py::arg("picked"), py::arg("out"), py::arg("z_ref") = py::none(),
+          py::arg("value_slot") = py::none(),
           "the span head's online log-sum-exp over one vocabulary chunk of a difference-form pass (bf16 rows)");
 }
 

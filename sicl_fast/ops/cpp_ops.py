@@ -17,9 +17,10 @@ imports; `available()` is False and CppStepOps() raises a SiclError saying how t
     available() -> bool                        the extension is importable
     randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.rng.directions)
     attention(q, k, v, prefix, pos0, k0, scale, softcap, window) -> o   the fast decoder's attention 'cpp'
-    attention_rows(q, k, v, rows, prefix, scale, softcap, window) -> o   the same on a difference-form pass
+    attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o   the same on a difference-form pass
     span_head(hidden, weight, targets, softcap) -> [B, P]   CppStepOps's span head
-    span_head_rows(hidden, weight, targets, anchor, softcap) -> [B, P]   ... of a difference-form pass
+    span_head_rows(hidden, weight, targets, anchor, softcap, z_ref, value_slot) -> [B, P]
+                                               ... of a difference-form pass (z_ref: the value rows' reference logits)
     CppStepOps, CppDecoderOps                  the ops protocols (sicl_fast.ops.base)
 """
 from __future__ import annotations
@@ -123,7 +124,9 @@ def _anchors(rows) -> np.ndarray:
 
 
 def _on_cpu_rows(*ts) -> bool:
-    """Do the C++ row ops take these (float32 or bf16 CPU tensors, no autograd recording through them)?"""
+    """Do the C++ row ops take these (float32 or bf16 CPU tensors, no autograd recording through them; None: an
+    absent reference, taken)?"""
+    ts = [t for t in ts if t is not None]
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
     return not grad and all(t.device.type == "cpu" and t.dtype in (torch.float32, LOW_DTYPE) for t in ts)
 
@@ -178,16 +181,21 @@ def _leading_values(anchors: np.ndarray) -> int:
 
 
 def span_head_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
-                   softcap=None) -> torch.Tensor:
+                   softcap=None, z_ref: torch.Tensor | None = None, value_slot: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """hidden [B, P, d] in difference form over the batch (anchor [B]: sicl_fast.models.rows), weight [V, d], both
     bf16, targets [P] -> [B, P] float32 log-probabilities of the targets, as sicl_fast.logprobs.rows_logprobs (its
-    reference; other dtypes and devices, and autograd, take it). Per vocabulary chunk (HEAD_CHUNK rows) two calls:
-    torch's bf16 product of the difference rows into one reused buffer, then csrc/span_head.cpp's lse_chunk_rows,
-    which makes the value rows' logits in float32 (their bf16 rows times the chunk, accumulated in float32), every
-    difference row's as its anchor's plus its bf16 difference, and folds them into the rows' running max and sum
-    (the first chunk starts them, the last writes the result)."""
-    if not _on_cpu_rows(hidden, weight) or hidden.dtype != LOW_DTYPE or weight.dtype != LOW_DTYPE:
-        return rows_logprobs(hidden, weight, targets, anchor, softcap)
+    reference; other dtypes and devices, and autograd, take it). z_ref [Vb, P, V] float32: the value rows' reference
+    logits (value batch row j's at z_ref[value_slot[j]]; value_slot None: the value rows in order), the value rows of
+    hidden their changes from the reference's hidden states; None: the value rows are values. Per vocabulary chunk
+    (HEAD_CHUNK rows) two calls: torch's bf16 product into one reused buffer (of every row with z_ref, of the
+    difference rows without), then csrc/span_head.cpp's lse_chunk_rows, which makes the value rows' logits (z_ref's
+    chunk, read in place, plus their change from the product; without z_ref in float32, their bf16 rows times the
+    chunk accumulated in float32), every difference row's as its anchor's plus its bf16 difference, and folds them
+    into the rows' running max and sum (the first chunk starts them, the last writes the result)."""
+    if not _on_cpu_rows(hidden, weight, z_ref) or hidden.dtype != LOW_DTYPE or weight.dtype != LOW_DTYPE or \
+            (z_ref is not None and z_ref.dtype != torch.float32):
+        return rows_logprobs(hidden, weight, targets, anchor, softcap, z_ref, value_slot)
     op = "cpp span_head_rows"
     B, P, d = hidden.shape
     V, M = weight.shape[0], B * P
@@ -195,7 +203,10 @@ def span_head_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     weight = _cpu(weight, "weight", op, LOW_DTYPE)
     anchors = _cpu(anchor.to(torch.int64), "anchor", op, torch.int64).numpy()
     tgt = _cpu(targets.to(torch.int64), "targets", op, torch.int64).numpy()
-    r0 = P * _leading_values(anchors)  # the product's rows start here
+    zr = None if z_ref is None else _cpu(z_ref, "z_ref", op).numpy()
+    slots = None if z_ref is None or value_slot is None else \
+        _cpu(value_slot.to(torch.int64), "value_slot", op, torch.int64).numpy()
+    r0 = 0 if z_ref is not None else P * _leading_values(anchors)  # the product's rows start here
     c = min(V, HEAD_CHUNK)
     zd, zf = torch.empty((M - r0) * c, dtype=LOW_DTYPE), torch.empty(M * c)
     m, s, picked, out = (torch.empty(M) for _ in range(4))
@@ -206,7 +217,7 @@ def span_head_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
             torch.mm(h[r0:], w.t(), out=z)
         _ext().lse_chunk_rows(_bits(z), r0, _bits(h), _bits(w), zf[: M * (v1 - v0)].view(M, v1 - v0).numpy(), v0,
                               V, tgt, anchors, float(softcap or 0.0), m.numpy(), s.numpy(), picked.numpy(),
-                              out.numpy())
+                              out.numpy(), zr, slots)
     return out.view(B, P)
 
 
@@ -308,12 +319,13 @@ def attention(q, k, v, prefix, pos0: int, k0: int, scale: float, softcap, window
     return out
 
 
-def attention_rows(q, k, v, rows, prefix, scale: float, softcap, window) -> torch.Tensor:
+def attention_rows(q, k, v, rows, prefix, scale: float, softcap, window, o_ref=None) -> torch.Tensor:
     """The attention of a difference-form pass in one call (csrc/attention.cpp's attention_rows; the reference is
     sicl_fast.models.attention.attention_rows_reference): q [R, H, hd], k, v [R, Hk, hd] float32, the pass's rows
     (rows: its RowLayout); prefix: the kept prefix's (k, v) [1, a, Hk, hd] float32 when the lead rows do not hold
-    it, else None -> o [R, H hd] bf16 in difference form. The lead rows attend causally among themselves; each batch
-    row to the prefix and causally to its own keys."""
+    it, else None -> o [R, H hd] bf16 in difference form, its value rows against o_ref [V, H hd] float32 (None:
+    none). The lead rows attend causally among themselves; each batch row to the prefix and causally to its own
+    keys."""
     R, H, hd = q.shape
     Hk = k.shape[1]
     op = "cpp attention_rows"
@@ -324,7 +336,8 @@ def attention_rows(q, k, v, rows, prefix, scale: float, softcap, window) -> torc
     out = torch.empty(R, H * hd, dtype=LOW_DTYPE)
     _ext().attention_rows(_cpu(q, "q", op).view(R, H * hd).numpy(), _rows(k, Hk * hd).numpy(),
                           _rows(v, Hk * hd).numpy(), pk.numpy(), pv.numpy(), _anchors(rows), rows.lead, rows.T,
-                          rows.pos0, H, Hk, float(scale), float(softcap or 0.0), int(window or 0), _bits(out))
+                          rows.pos0, H, Hk, float(scale), float(softcap or 0.0), int(window or 0), _bits(out),
+                          _arr(o_ref, "o_ref", op))
     return out
 
 
@@ -387,28 +400,32 @@ class CppDecoderOps(TorchDecoderOps):
             v_out.copy_(vw.view(B, T, Hk, hd))
         return q, k_out, v_out
 
-    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows):
+    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows, y_ref=None, h_ref=None):
         """(x' [R, d] float32, h [R, d] bf16) as sicl_fast.models.rows.norm_rows_reference, one call (csrc/rows.cpp);
-        y None: x' is x. gemma: the same formula in float32 ((z r) w, Gemma's 1 + w already in w)."""
-        if not _on_cpu_rows(x, *([] if y is None else [y])) or x.dtype != torch.float32 or \
+        y None: x' is x. y_ref, h_ref [V, d] float32: the value rows' references of y and of h (None: none). gemma:
+        the same formula in float32 ((z r) w, Gemma's 1 + w already in w)."""
+        if not _on_cpu_rows(x, y, y_ref, h_ref) or x.dtype != torch.float32 or \
                 (y is not None and y.dtype != LOW_DTYPE):
-            return super().norm_rows(x, y, bias, post_w, w, eps, gemma, rows)
+            return super().norm_rows(x, y, bias, post_w, w, eps, gemma, rows, y_ref, h_ref)
         op = "cpp norm_rows"
         x = _cpu(x, "x", op)
         h = torch.empty(x.shape, dtype=LOW_DTYPE)
         x_out = None if y is None else torch.empty_like(x)
         _ext().norm_rows(x.numpy(), _arr(y, "y", op, LOW_DTYPE), _arr(bias, "bias", op), _arr(post_w, "post_w", op),
                          _arr(w, "w", op), float(eps), _anchors(rows), rows.lead, rows.T,
-                         None if x_out is None else x_out.numpy(), _bits(h))
+                         None if x_out is None else x_out.numpy(), _bits(h),
+                         None if y is None else _arr(y_ref, "y_ref", op), _arr(h_ref, "h_ref", op))
         return (x if x_out is None else x_out), h
 
     def rope_rows(self, qkv, bias, rows, cos, sin, q_norm, k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out,
-                  v_out):
+                  v_out, qkv_ref=None):
         """q [R, H, hd] float32, k and v written into k_out / v_out [R, Hk, hd] float32, as
         sicl_fast.models.rows.rope_rows_reference (the per-head q / k norms included), one call (csrc/rows.cpp);
-        cos, sin [n, hd] from position 0."""
-        if not _on_cpu_rows(qkv) or qkv.dtype != LOW_DTYPE:
-            return super().rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out)
+        cos, sin [n, hd] from position 0; qkv_ref [V, (H + 2 Hk) hd] float32: the value rows' reference (None:
+        none)."""
+        if not _on_cpu_rows(qkv, qkv_ref) or qkv.dtype != LOW_DTYPE:
+            return super().rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out,
+                                     qkv_ref)
         op = "cpp rope_rows"
         R, hd = qkv.shape[0], k_out.shape[-1]
         q = torch.empty(R, H, hd)
@@ -418,23 +435,25 @@ class CppDecoderOps(TorchDecoderOps):
         _ext().rope_rows(_arr(qkv, "qkv", op, LOW_DTYPE), _arr(bias, "bias", op), _anchors(rows), rows.lead,
                          rows.T, rows.pos0, _arr(cos, "cos", op), _arr(sin, "sin", op), _arr(q_norm, "q_norm", op),
                          _arr(k_norm, "k_norm", op), float(eps), H, Hk, q.view(R, H * hd).numpy(), kw.numpy(),
-                         vw.numpy())
+                         vw.numpy(), _arr(qkv_ref, "qkv_ref", op))
         if kw is not ko:
             k_out.copy_(kw.view(k_out.shape))
         if vw is not vo:
             v_out.copy_(vw.view(v_out.shape))
         return q
 
-    def gated_rows(self, y, bias, act_name: str, rows):
+    def gated_rows(self, y, bias, act_name: str, rows, y_ref=None, a_ref=None):
         """act(gate) * up of y [R, 2I] bf16 (gate | up) plus the bias, in difference form [R, I] bf16, as
-        sicl_fast.models.rows.gated_rows_reference, one call (csrc/rows.cpp); activations other than
-        CPP_ACTIVATIONS' take the reference."""
-        if not _on_cpu_rows(y) or y.dtype != LOW_DTYPE or act_name not in CPP_ACTIVATIONS:
-            return super().gated_rows(y, bias, act_name, rows)
+        sicl_fast.models.rows.gated_rows_reference, one call (csrc/rows.cpp); y_ref [V, 2I], a_ref [V, I] float32:
+        the value rows' references of y and of the output (None: none); activations other than CPP_ACTIVATIONS'
+        take the reference."""
+        if not _on_cpu_rows(y, y_ref, a_ref) or y.dtype != LOW_DTYPE or act_name not in CPP_ACTIVATIONS:
+            return super().gated_rows(y, bias, act_name, rows, y_ref, a_ref)
         op = "cpp gated_rows"
         out = torch.empty(y.shape[0], y.shape[1] // 2, dtype=LOW_DTYPE)
         _ext().gated_rows(_arr(y, "y", op, LOW_DTYPE), _arr(bias, "bias", op), CPP_ACTIVATIONS[act_name],
-                          _anchors(rows), rows.lead, rows.T, _bits(out))
+                          _anchors(rows), rows.lead, rows.T, _bits(out), _arr(y_ref, "y_ref", op),
+                          _arr(a_ref, "a_ref", op))
         return out
 
 

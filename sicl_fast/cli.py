@@ -314,6 +314,13 @@ def _check_store(args) -> None:
         check_out_dir(args.store, "--store", "the calibrations")
 
 
+def _pack_count(args) -> int:
+    """--pack as a count: 'auto' is one before the plan has resolved it (the plan command's own: its model loads
+    with the plan; every other command resolves it first, _resolve_pack)."""
+    pack = getattr(args, "pack", 1)
+    return 1 if pack == "auto" else pack
+
+
 def _reuse_choice(args) -> str | None:
     """The store's mode as the flags ask for it (a run plan choice; None: the plan's default): off for a command
     without --reuse; with icleval --answer-at, which keeps the best X along each run, the run plan's rule
@@ -323,7 +330,7 @@ def _reuse_choice(args) -> str | None:
     if not hasattr(args, "reuse"):
         return "off"
     if getattr(args, "answer_at", None):
-        return resolve_reuse(args.reuse, getattr(args, "pack", 1), keeps_best=True)[0]
+        return resolve_reuse(args.reuse, _pack_count(args), keeps_best=True)[0]
     return args.reuse
 
 
@@ -331,7 +338,7 @@ def reuse_mode(args) -> str:
     """--reuse resolved by the run plan's rule (sicl_fast.plan.resolve_reuse: auto unless packing)."""
     from .plan import resolve_reuse
 
-    return resolve_reuse(_reuse_choice(args), getattr(args, "pack", 1))[0]
+    return resolve_reuse(_reuse_choice(args), _pack_count(args))[0]
 
 
 def _store_line(workers, args) -> None:
@@ -543,7 +550,7 @@ def _check_flags(args) -> None:
     if getattr(args, "estimator", None) is not None:
         from .plan import check_estimator
 
-        check_estimator(args.estimator, getattr(args, "loop", "auto"), getattr(args, "pack", 1))
+        check_estimator(args.estimator, getattr(args, "loop", "auto"), _pack_count(args))
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
             and from_models_dir(GEMMA3_FILE) is None):
         require(GEMMA3_PACKAGE)

@@ -273,18 +273,20 @@ def resolve_graphs(mode: str, device, static: bool, name: str, loop: str) -> tup
     return static, "auto: CUDA and the static loop" if static else "auto: no static step to capture"
 
 
-# prompts through one forward where packing pays (auto_pack): the GPU's measurements (bench/RESULTS.md section 4)
+# prompts through one forward where packing pays (auto_pack): the H200 measurements issue #38 quotes (bench/RESULTS.md
+# section 18 lists them, not re-measured here) and RESULTS 4 / 10
 AUTO_PACK = 8
 PACK_MAX_PARAMS = 1e9  # at and above, one prompt's products run at the bf16 rate already: packing gains nothing
 
 
 def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) -> tuple[int, str]:
     """(prompts per forward, why) for pack 'auto': 8 on CUDA for a model under 1B parameters with the static loop
-    (a SmolLM2-shape mix of 24 prompts packed 8 at a time: 180 ms a prompt against 527 one by one on an H200),
-    else 1 (the CPU: packing loses there, the padding and the attention growing with the square, RESULTS 10; 1B
-    parameters and more: nothing to gain, Llama-3.1-8B 3,040 vs 2,977 ms; Gemma-2-2B packed slower; the exact
-    gradient and the eager loop run one prompt at a time). The one rule for the plan and for the command line,
-    which decides before the model loads (sicl_fast.models.facts gives the size)."""
+    (a SmolLM2-shape mix of 24 prompts packed 8 at a time: 180 ms a prompt against 527 one by one on an H200, as
+    issue #38 measured it: RESULTS 18), else 1 (the CPU: packing loses there, the padding and the attention growing
+    with the square, RESULTS 10; 1B parameters and more: nothing to gain, Llama-3.1-8B 3,040 vs 2,977 ms (issue
+    #38), Gemma-2-2B packed slower (RESULTS 4); the exact gradient and the eager loop run one prompt at a time).
+    The one rule for the plan and for the command line, which decides before the model loads
+    (sicl_fast.models.facts gives the size)."""
     if grad:
         return 1, "auto: the exact gradient calibrates one prompt at a time"
     if not static:
@@ -293,9 +295,9 @@ def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) ->
         return 1, "auto: not CUDA (on the CPU packing loses: RESULTS 10)"
     if n_params >= PACK_MAX_PARAMS:
         return 1, (f"auto: {n_params / 1e9:.1f}B parameters: one prompt's products run at the bf16 rate already "
-                   "(RESULTS 4)")
+                   "(RESULTS 4, 18)")
     return AUTO_PACK, (f"auto: CUDA and {n_params / 1e6:.0f}M parameters: up to {AUTO_PACK} prompts through one "
-                       "forward (2.9x one by one at SmolLM2's shape, RESULTS 4)")
+                       "forward (2.9x one by one at SmolLM2's shape on an H200, RESULTS 18)")
 
 
 def resolve_pack(pack, static: bool, name: str, loop: str, device=None, n_params: int = 0,

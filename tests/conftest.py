@@ -56,8 +56,9 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smol():
-    """The embedded SmolLM2-135M (float32, CPU)."""
-    return load()
+    """The embedded SmolLM2-135M (float32, CPU: asked for, as the defaults would pick CUDA and bf16 on a GPU
+    machine)."""
+    return load(dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")

@@ -135,7 +135,8 @@ def test_plan_and_bench_read_the_run_plan(capsys):
     refuses what the plan refuses, before any timing."""
     assert main(["plan", "--backend", "fast-fp32", "--loop", "eager", "--sync-every", "3"]) == 0
     out = capsys.readouterr().out
-    assert "model smollm2-135m" in out and "fast-fp32: every product in float32" in out
+    assert "model smollm2-135m" in out and "fast-fp32: every product plain, in the model dtype" in out
+    assert "auto: not CUDA" in out and "auto: no CUDA device here" in out  # --pack and --device: the defaults
     assert all(f"  {axis} " in out for axis in ("backend", "impl", "attention", "diff_matmul", "loop", "sync_every",
                                                 "graphs", "pack", "estimator"))
     assert main(["plan", "--backend", "hf", "--pack", "2"]) == 2

@@ -17,12 +17,15 @@ The perturb / update rows: a prompt of L = 4 P tokens with the demonstration blo
 
 The difference form's kernels (sicl_fast.models.rows; one decoder layer's epilogues, its attention and the span head
 of a perturbation pass of B = N + 1 rows of T = P tokens after a kept prefix of 16 rows; SmolLM2-135M's shapes
-besides: d 576, 9 / 3 heads of 64, I 1536, V 49152), each against the torch reference it replaces:
+besides: d 576, 9 / 3 heads of 64, I 1536, V 49152), the value rows against their float32 references as a run calls
+them, each against the torch reference it replaces:
 
-    norm_rows / rope_rows / gated_rows   Triton (one launch)        vs  sicl_fast.models.rows' references
+    norm_rows / rope_rows / gated_rows   Triton (one launch; norm_rows also without references)
+                                                                    vs  sicl_fast.models.rows' references
     attention_rows                       Triton (one launch, float32 IEEE products; also tf32x3 and 1 row a
                                          program)                   vs  attention_rows_reference (math path)
-    span_logprobs_rows                   Triton (two launches)      vs  sicl_fast.logprobs.rows_logprobs
+    span_logprobs_rows                   Triton (two launches; also 64 x 128 tiles, and without the reference
+                                         logits)                    vs  sicl_fast.logprobs.rows_logprobs
 
 Columns: time (ms, do_bench mean), TFLOP/s and % of the bf16 dense peak (span_logprobs: 2 B P V d), GB/s and
 % of the memory bandwidth peak (bytes that must move at least once: weights + inputs + outputs). Peaks come from
@@ -60,7 +63,9 @@ PEAKS = {  # name fragment -> (bf16 dense TFLOP/s, GB/s)
 
 
 def compile_only() -> int:
-    """Compile every kernel for sm_90 (no GPU) and print registers / spills / shared memory."""
+    """Compile every kernel for sm_90 (no GPU) and print registers / spills / shared memory: unspecialised (what odd
+    shapes get) and, for the kernels with _aot.ALIGNED_INTS, as the JIT specialises them at real shapes (pointers
+    16-byte aligned, dimensions and strides multiples of 16)."""
     import subprocess
     import tempfile
 
@@ -69,11 +74,8 @@ def compile_only() -> int:
     os.environ["TRITON_INTERPRET"] = "0"
     from sicl_fast.kernels import _aot as aot
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    print("| kernel | registers | spill stores (B) | shared (B) | f32 ops (PTX) |")
-    print("|---|---|---|---|---|")
-    for name in aot.SPECS:
-        k = aot.compile_kernel(name)
-        info = ""
+
+    def resources(k) -> tuple[str, str]:
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "k.ptx"
             src.write_text(k.asm["ptx"])
@@ -83,15 +85,25 @@ def compile_only() -> int:
         regs = next((ln.split("Used ")[1].split(" registers")[0] for ln in info.splitlines() if "Used " in ln), "?")
         spill = next((ln.split("bytes stack frame, ")[1].split(" bytes spill stores")[0]
                       for ln in info.splitlines() if "spill stores" in ln), "?")
+        return regs, spill
+
+    print("| kernel | registers | spill stores (B) | registers, spill (B) specialised | shared (B) | f32 ops (PTX) |")
+    print("|---|---|---|---|---|---|")
+    for name in aot.SPECS:
+        k = aot.compile_kernel(name)
+        regs, spill = resources(k)
+        aligned = "/".join(resources(aot.compile_kernel(name, aligned=True))) if name in aot.ALIGNED_INTS else "-"
         ops = ", ".join(f"{op} {n}" for op, n in sorted(aot.float_ops(k.asm["ptx"]).items()))
-        print(f"| {name} | {regs} | {spill} | {k.metadata.shared} | {ops} |")
+        print(f"| {name} | {regs} | {spill} | {aligned} | {k.metadata.shared} | {ops} |")
     return 0
 
 
 def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, check: bool = True) -> list:
     """The difference form's kernels (module docstring) at each model of `models` (ROWS_MODELS entries), N in Ns
     (B = N + 1), T in Ts: rows of `add` (time, TFLOP/s, GB/s), and [(what, ok)] parity checks against the references
-    when `check`. dev: a CUDA device (or the CPU under TRITON_INTERPRET=1 with a stand-in do_bench: the smoke test)."""
+    when `check`. dev: a CUDA device (or the CPU under TRITON_INTERPRET=1 with a stand-in do_bench: the smoke test).
+    As a run calls them: the value rows (batch row 0) against their float32 references (each product's input and
+    output reference, the span head's reference logits); 'no reference': the values rounded as they are."""
     import math
 
     import torch
@@ -109,6 +121,14 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
         return (x + 1e-2 * scale * torch.randn(B, T, k, device=dev) * (torch.arange(B, device=dev) > 0).view(-1, 1, 1)
                 ).view(R, k)
 
+    def ref_of(x, T):  # a float32 reference of x's value rows (batch row 0's T rows) [T, k], a few per cent away
+        v = x[:T]
+        return v + 0.03 * v.abs().mean() * torch.randn_like(v)
+
+    def form_close(got, ref):  # difference-form outputs: within a bf16 ulp (tests/test_rows_ops.py's bound, roughly)
+        got, ref = got.float(), ref.float()
+        return bool(((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-5).all())
+
     for model, m in models.items():
         d, H, Hk, hd, I = m["d"], m["H"], m["Hk"], m["hd"], m["I"]
         W = (torch.randn(m["V"], d, device=dev) * 0.02).to(torch.bfloat16)
@@ -118,95 +138,120 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
                 rows = RowLayout.build(0, B, T, ROWS_PREFIX, device=dev)
                 R = rows.R
                 w = torch.rand(d, device=dev) + 0.5
-                x = near(R, d, B, T)
-                y = to_rows(near(R, d, B, T), rows)
-                nb = R * d * (4 + 2 + 4 + 2)
-                add(model, "norm_rows", N, T, B, "triton", do_bench(lambda: K.norm_rows(x, y, None, w, w, 1e-6, False,
-                                                                                        rows)), None, nb)
+                x, yf = near(R, d, B, T), near(R, d, B, T)
+                y_ref, h_ref = ref_of(yf, T), ref_of(x, T)
+                y, y0 = to_rows(yf, rows, ref=y_ref), to_rows(yf, rows)
+                nb = R * d * (4 + 2 + 4 + 2) + 2 * T * d * 4
+                add(model, "norm_rows", N, T, B, "triton", do_bench(
+                    lambda: K.norm_rows(x, y, None, w, w, 1e-6, False, rows, y_ref, h_ref)), None, nb)
+                add(model, "norm_rows", N, T, B, "triton, no reference", do_bench(
+                    lambda: K.norm_rows(x, y0, None, w, w, 1e-6, False, rows)), None, nb - 2 * T * d * 4)
                 if torch_too:
                     add(model, "norm_rows", N, T, B, "torch reference",
-                        do_bench(lambda: norm_rows_reference(x, y, None, w, w, 1e-6, False, rows)), None, nb)
+                        do_bench(lambda: norm_rows_reference(x, y, None, w, w, 1e-6, False, rows, y_ref, h_ref)), None,
+                        nb)
                 if check:
-                    got, ref = K.norm_rows(x, y, None, w, w, 1e-6, False, rows), norm_rows_reference(
-                        x, y, None, w, w, 1e-6, False, rows)
+                    got = K.norm_rows(x, y, None, w, w, 1e-6, False, rows, y_ref, h_ref)
+                    ref = norm_rows_reference(x, y, None, w, w, 1e-6, False, rows, y_ref, h_ref)
                     checks.append((f"{model} norm_rows vs reference", torch.allclose(got[0], ref[0], rtol=1e-5,
-                                                                                      atol=1e-5)))
-                x = y = None
+                                                                                      atol=1e-5)
+                                   and form_close(got[1], ref[1])))
+                x = y = y0 = yf = y_ref = h_ref = None
                 n_qkv = (H + 2 * Hk) * hd
-                qkv = to_rows(near(R, n_qkv, B, T), rows)
+                f = near(R, n_qkv, B, T)
+                qkv_ref = ref_of(f, T)
+                qkv = to_rows(f, rows, ref=qkv_ref)
+                f = None
                 pos = torch.arange(ROWS_PREFIX + T, device=dev, dtype=torch.float32)[:, None] / (
                     1 + torch.arange(hd // 2, device=dev))[None]
                 cos, sin = torch.cat([pos.cos()] * 2, 1), torch.cat([pos.sin()] * 2, 1)
                 qn = kn = (torch.rand(hd, device=dev) + 0.5) if m["qk_norm"] else None
                 k_out, v_out = (torch.empty(R, Hk, hd, device=dev) for _ in range(2))
-                nb = R * n_qkv * (2 + 4)
+                nb = R * n_qkv * (2 + 4) + T * n_qkv * 4
                 rope = lambda: K.rope_rows(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_out,  # noqa: E731
-                                           v_out)
+                                           v_out, qkv_ref)
                 add(model, "rope_rows", N, T, B, "triton", do_bench(rope), None, nb)
                 if torch_too:
                     add(model, "rope_rows", N, T, B, "torch reference", do_bench(
                         lambda: rope_rows_reference(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_out,
-                                                    v_out)), None, nb)
+                                                    v_out, qkv_ref)), None, nb)
                 if check:
                     q = rope()
                     k_ref, v_ref = torch.empty_like(k_out), torch.empty_like(v_out)
-                    q_ref = rope_rows_reference(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_ref, v_ref)
+                    q_ref = rope_rows_reference(qkv, None, rows, cos, sin, qn, kn, 1e-6, False, H, Hk, k_ref, v_ref,
+                                                qkv_ref)
                     checks.append((f"{model} rope_rows vs reference", all(
                         torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in ((q, q_ref), (k_out, k_ref),
                                                                                 (v_out, v_ref)))))
-                qkv = None
-                gu = to_rows(near(R, 2 * I, B, T), rows)
-                nb = R * I * (4 + 2)
-                add(model, "gated_rows", N, T, B, "triton", do_bench(lambda: K.gated_rows(gu, None, "silu", rows)),
-                    None, nb)
+                qkv = qkv_ref = None
+                f = near(R, 2 * I, B, T)
+                gu_ref, a_ref = ref_of(f, T), ref_of(near(R, I, B, T), T)
+                gu = to_rows(f, rows, ref=gu_ref)
+                f = None
+                nb = R * I * (4 + 2) + T * I * 4 * 3
+                add(model, "gated_rows", N, T, B, "triton", do_bench(
+                    lambda: K.gated_rows(gu, None, "silu", rows, gu_ref, a_ref)), None, nb)
                 if torch_too:
                     add(model, "gated_rows", N, T, B, "torch reference",
-                        do_bench(lambda: gated_rows_reference(gu, None, "silu", rows)), None, nb)
+                        do_bench(lambda: gated_rows_reference(gu, None, "silu", rows, gu_ref, a_ref)), None, nb)
                 if check:
-                    got, ref = K.gated_rows(gu, None, "silu", rows).float(), gated_rows_reference(gu, None, "silu",
-                                                                                                 rows).float()
-                    checks.append((f"{model} gated_rows vs reference (a bf16 ulp)",
-                                   bool(((got - ref).abs() <= ref.abs() * 2 ** -7 + 1e-5).all())))
-                gu = None
+                    got = K.gated_rows(gu, None, "silu", rows, gu_ref, a_ref)
+                    ref = gated_rows_reference(gu, None, "silu", rows, gu_ref, a_ref)
+                    checks.append((f"{model} gated_rows vs reference (a bf16 ulp)", form_close(got, ref)))
+                gu = gu_ref = a_ref = None
                 # attention: the batch rows over a kept prefix, causal among their own keys
                 q = near(R, H * hd, B, T).view(R, H, hd)
                 k, v = (near(R, Hk * hd, B, T).view(R, Hk, hd) for _ in range(2))
                 prefix = tuple(torch.randn(1, ROWS_PREFIX, Hk, hd, device=dev) for _ in range(2))
                 scale, cap = hd ** -0.5, m["attn_cap"]
+                ref_attn = Attention("math", scale, cap, torch.float32, dev)
+                o_ref = ref_of(attention_rows_reference(ref_attn, q, k, v, rows, None, prefix, dtype=torch.float32), T)
                 flops = 4.0 * H * hd * B * (T * ROWS_PREFIX + T * (T + 1) / 2)
-                nb = R * (H + 2 * Hk) * hd * 4 + R * H * hd * 2
+                nb = R * (H + 2 * Hk) * hd * 4 + R * H * hd * 2 + T * H * hd * 4
                 for impl, kw in (("triton", {}), ("triton tf32x3", {"precision": "tf32x3"}),
                                  ("triton 1 row a program", {"rows_per_program": 1})):
                     add(model, "attention_rows", N, T, B, impl, do_bench(
-                        lambda kw=kw: K.attention_rows(q, k, v, rows, prefix, scale, cap, None, **kw)), flops, nb)
-                ref_attn = Attention("math", scale, cap, torch.float32, dev)
+                        lambda kw=kw: K.attention_rows(q, k, v, rows, prefix, scale, cap, None, o_ref, **kw)), flops,
+                        nb)
                 if torch_too:
                     add(model, "attention_rows", N, T, B, "torch reference (math)", do_bench(
-                        lambda: attention_rows_reference(ref_attn, q, k, v, rows, None, prefix)), flops, nb)
+                        lambda: attention_rows_reference(ref_attn, q, k, v, rows, None, prefix, o_ref)), flops, nb)
                 if check:
-                    ref = attention_rows_reference(ref_attn, q, k, v, rows, None, prefix).float()
+                    ref = attention_rows_reference(ref_attn, q, k, v, rows, None, prefix, o_ref).float()
                     for impl, kw in (("ieee", {}), ("tf32x3", {"precision": "tf32x3"})):
-                        got = K.attention_rows(q, k, v, rows, prefix, scale, cap, None, **kw).float()
+                        got = K.attention_rows(q, k, v, rows, prefix, scale, cap, None, o_ref, **kw).float()
                         err = float(((got - ref).abs() - ref.abs() * 2 ** -7).max())
                         checks.append((f"{model} attention_rows ({impl}) vs reference: {err:.2e} beyond a bf16 ulp",
                                        err <= 1e-5))
-                q = k = v = prefix = None
-                # span head: P = T / 4 span positions of the pass
+                q = k = v = prefix = o_ref = None
+                # span head: P = T / 4 span positions of the pass; the value row's reference logits [1, P, V]
                 P = max(1, T // 4)
-                hid = to_rows(near(B * P, d, B, P, scale=2.0), RowLayout.build(0, B, P, 0, device=dev)).view(B, P, d)
+                span = RowLayout.build(0, B, P, 0, device=dev)
+                hf = near(B * P, d, B, P, scale=2.0)
+                h_ref = ref_of(hf, P)
+                z_ref = (h_ref @ W.float().t()).view(1, P, m["V"])
+                hid = to_rows(hf, span, ref=h_ref).view(B, P, d)
+                hid0 = to_rows(hf, span).view(B, P, d)
+                hf = h_ref = None
                 tgt = torch.randint(0, m["V"], (P,), device=dev)
-                flops, nb = 2.0 * B * P * m["V"] * d, m["V"] * d * 2 + B * P * d * 2 + B * P * 4
-                add(model, "span_logprobs_rows", N, P, B, "triton", do_bench(
-                    lambda: K.span_logprobs_rows(hid, W, tgt, rows.anchor, softcap=m["softcap"])), flops, nb)
+                flops, nb = 2.0 * B * P * m["V"] * d, m["V"] * d * 2 + B * P * d * 2 + B * P * 4 + P * m["V"] * 4
+                for impl, kw in (("triton", {}), ("triton 64 x 128", {"config": {"BLOCK_V": 128}})):
+                    add(model, "span_logprobs_rows", N, P, B, impl, do_bench(
+                        lambda kw=kw: K.span_logprobs_rows(hid, W, tgt, span.anchor, m["softcap"], z_ref,
+                                                           span.value_slot, **kw)), flops, nb)
+                add(model, "span_logprobs_rows", N, P, B, "triton, no reference", do_bench(
+                    lambda: K.span_logprobs_rows(hid0, W, tgt, span.anchor, softcap=m["softcap"])), flops,
+                    nb - P * m["V"] * 4)
                 if torch_too:
                     add(model, "span_logprobs_rows", N, P, B, "torch reference", do_bench(
-                        lambda: rows_logprobs(hid, W, tgt, rows.anchor, m["softcap"])), flops, nb)
+                        lambda: rows_logprobs(hid, W, tgt, span.anchor, m["softcap"], z_ref, span.value_slot)), flops,
+                        nb)
                 if check:
-                    got = K.span_logprobs_rows(hid, W, tgt, rows.anchor, softcap=m["softcap"])
-                    ref = rows_logprobs(hid, W, tgt, rows.anchor, m["softcap"])
+                    got = K.span_logprobs_rows(hid, W, tgt, span.anchor, m["softcap"], z_ref, span.value_slot)
+                    ref = rows_logprobs(hid, W, tgt, span.anchor, m["softcap"], z_ref, span.value_slot)
                     checks.append((f"{model} span_logprobs_rows vs rows_logprobs (1e-4)",
                                    torch.allclose(got, ref, rtol=0, atol=1e-4) and not math.isnan(float(got.sum()))))
-                hid = None
+                hid = hid0 = z_ref = None
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         W = None

@@ -5,8 +5,9 @@ One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dt
 _utils.launch (the warps from the block size; on CUDA, on the tensors' own device):
 
     span_logprobs(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] float32
-    span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None)
-                                                        the span head of a difference-form pass -> [B, P] float32
+    span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None, z_ref=None,
+                       value_slot=None)                 the span head of a difference-form pass -> [B, P] float32
+                                                        (z_ref [Vb, P, V]: the value rows' reference logits)
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q) -> ProxyOut(f, C, R, G, c)
     proxy_planned(logprobs [B, P], plan: sicl_fast.proxy.ProxyPlan) -> ProxyOut   (no checks, no host reads)
     perturb(X [L, d] float32, step, spec: StepSpec) -> [B, b, d] float32
@@ -25,14 +26,15 @@ The decoder's fused kernels (references in sicl_fast.models.elementwise and sicl
     softcap_(x, cap)                                                               logit soft-cap in place
     prefix_attention(q, k, v, prefix, pos0, window, scale, softcap) -> o           shared-prefix attention
 
-and the difference form's (sicl_fast.models.rows: float32 rows, every product's input and output in bf16 values and
+and the difference form's (sicl_fast.models.rows: float32 rows, every product's input and output in bf16 values'
+changes from their float32 reference (optional: the *_ref [V, k] arguments, None: the values as they are) and
 differences; references there and in sicl_fast.models.attention), one launch each:
 
-    norm_rows(x, y, bias, post_w, w, eps, gemma, rows) -> (x', h)                  residual + RMSNorm
-    rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out) -> q
+    norm_rows(x, y, bias, post_w, w, eps, gemma, rows, y_ref, h_ref) -> (x', h)   residual + RMSNorm
+    rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out, qkv_ref) -> q
                                                                                    q / k norms + rotary, K/V out
-    gated_rows(y, bias, act_name, rows) -> a                                       SwiGLU / GeGLU
-    attention_rows(q, k, v, rows, prefix, scale, softcap, window) -> o            lead + batch rows, o in the form
+    gated_rows(y, bias, act_name, rows, y_ref, a_ref) -> a                         SwiGLU / GeGLU
+    attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o     lead + batch rows, o in the form
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """

@@ -3,7 +3,8 @@
 Used by tests (the RNG kernels' PTX must contain no FMA and no approximate division / sqrt, or the GPU would
 not reproduce sicl_fast.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
 
-    compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions)
+    compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions; with
+                                                                         aligned=True as the JIT specialises them)
     compile_ptx(name, arch=90) -> {"ptx": str, "shared": int}            (works under TRITON_INTERPRET=1 too)
     compile_many(names, arch=90) -> {name: that dict}                    several, in one separate interpreter
     spec_mismatches() -> list of str: where SPECS disagrees with the kernels' own parameters (tested empty)
@@ -121,37 +122,58 @@ SPECS = {
     # the difference form's kernels (float32 rows, bf16 values and differences), every branch on
     "norm_rows": (("norm_rows", "_norm_rows_kernel"),
                   {"x_ptr": _F, "y_ptr": _H, "bias_ptr": _F, "post_w_ptr": _F, "w_ptr": _F, "anchor_ptr": "*i64",
-                   "x_out_ptr": _F, "h_ptr": _H, "R": "i32", "lead": "i32", "B": "i32", "T": "i32", "d": "i32",
+                   "slot_ptr": "*i64", "y_ref_ptr": _F, "h_ref_ptr": _F, "x_out_ptr": _F, "h_ptr": _H, "R": "i32",
+                   "lead": "i32", "B": "i32", "T": "i32", "d": "i32", "s_yref": "i32", "s_href": "i32",
                    "eps": "fp32"},
-                  {"HAS_Y": True, "HAS_BIAS": True, "HAS_POST": True, "BLOCK_R": 2, "BLOCK": 1024},
+                  {"HAS_Y": True, "HAS_BIAS": True, "HAS_POST": True, "Y_REF": True, "H_REF": True, "BLOCK_R": 2,
+                   "BLOCK": 1024},
                   {"num_warps": _W(2 * 1024)}),
     "rope_rows": (("rope_rows", "_rope_rows_kernel"),
-                  {"qkv_ptr": _H, "bias_ptr": _F, "anchor_ptr": "*i64", "cos_ptr": _F, "sin_ptr": _F, "qn_ptr": _F,
-                   "kn_ptr": _F, "q_ptr": _F, "k_ptr": _F, "v_ptr": _F, "R": "i32", "lead": "i32", "B": "i32",
-                   "T": "i32", "pos0": "i32", "H": "i32", "Hk": "i32", "hd": "i32", "eps": "fp32"},
-                  {"HAS_BIAS": True, "HAS_NORM": True, "BLOCK_R": 1, "BLOCK_H": 16, "BLOCK_HK": 4, "BLOCK_D": 64},
+                  {"qkv_ptr": _H, "bias_ptr": _F, "anchor_ptr": "*i64", "slot_ptr": "*i64", "ref_ptr": _F,
+                   "cos_ptr": _F, "sin_ptr": _F, "qn_ptr": _F, "kn_ptr": _F, "q_ptr": _F, "k_ptr": _F, "v_ptr": _F,
+                   "R": "i32", "lead": "i32", "B": "i32", "T": "i32", "pos0": "i32", "H": "i32", "Hk": "i32",
+                   "hd": "i32", "s_ref": "i32", "eps": "fp32"},
+                  {"HAS_BIAS": True, "HAS_REF": True, "HAS_NORM": True, "BLOCK_R": 1, "BLOCK_H": 16, "BLOCK_HK": 4,
+                   "BLOCK_D": 64},
                   {"num_warps": _W(1 * 16 * 64)}),
     "gated_rows": (("gated_rows", "_gated_rows_kernel"),
-                   {"y_ptr": _H, "bias_ptr": _F, "anchor_ptr": "*i64", "out_ptr": _H, "R": "i32", "lead": "i32",
-                    "B": "i32", "T": "i32", "I": "i32"},
-                   {"ACT": 1, "HAS_BIAS": True, "BLOCK_R": 2, "BLOCK_C": 1024}, {"num_warps": _W(2 * 1024)}),
+                   {"y_ptr": _H, "bias_ptr": _F, "anchor_ptr": "*i64", "slot_ptr": "*i64", "y_ref_ptr": _F,
+                    "a_ref_ptr": _F, "out_ptr": _H, "R": "i32", "lead": "i32", "B": "i32", "T": "i32", "I": "i32",
+                    "s_yref": "i32", "s_aref": "i32"},
+                   {"ACT": 1, "HAS_BIAS": True, "Y_REF": True, "A_REF": True, "BLOCK_R": 2, "BLOCK_C": 1024},
+                   {"num_warps": _W(2 * 1024), "enable_fp_fusion": False}),
     "attention_rows": (("attention", "_attention_rows_kernel"),
-                       {**{p: _F for p in ("q_ptr", "k_ptr", "v_ptr", "kp_ptr", "vp_ptr")}, "anchor_ptr": "*i64",
-                        "o_ptr": _H,
-                        **{p: "i32" for p in ("sq_r", "sk_r", "sv_r", "skp_t", "svp_t", "lead", "B", "T", "pos0", "a",
-                                              "H", "G", "hd", "n_lead_tiles", "n_groups", "rows_per_group",
-                                              "window")},
+                       {**{p: _F for p in ("q_ptr", "k_ptr", "v_ptr", "kp_ptr", "vp_ptr", "o_ref_ptr")},
+                        "anchor_ptr": "*i64", "slot_ptr": "*i64", "o_ptr": _H,
+                        **{p: "i32" for p in ("sq_r", "sk_r", "sv_r", "skp_t", "svp_t", "s_oref", "lead", "B", "T",
+                                              "pos0", "a", "H", "G", "hd", "n_lead_tiles", "n_groups",
+                                              "rows_per_group", "window")},
                         "scale": "fp32", "cap": "fp32"},
-                       {"PREFIX_CAUSAL": False, "HAS_SOFTCAP": True, "HAS_WINDOW": True, "PRECISION": "ieee",
-                        "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_D": 64},
+                       {"PREFIX_CAUSAL": False, "HAS_SOFTCAP": True, "HAS_WINDOW": True, "HAS_REF": True,
+                        "PRECISION": "ieee", "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_D": 64},
                        {"num_warps": 8, "num_stages": 1}),
     "lse_rows_partial": (("span_logprobs", "_lse_rows_partial_kernel"),
                          {"h_ptr": _H, "stride_hb": "i32", "stride_hp": "i32", "w_ptr": _H, "stride_wv": "i32",
-                          "tgt_ptr": "*i64", "anchor_ptr": "*i64", "m_ptr": _F, "s_ptr": _F, "t_ptr": _F, "B": "i32",
-                          "P": "i32", "V": "i32", "d": "i32", "per_tile": "i32", "v_per_split": "i32",
+                          "tgt_ptr": "*i64", "anchor_ptr": "*i64", "z_ref_ptr": _F, "stride_zb": "i32",
+                          "stride_zp": "i32", "slot_ptr": "*i64", "m_ptr": _F, "s_ptr": _F, "t_ptr": _F, "B": "i32",
+                          "P": "i32", "V": "i32", "d": "i32", "per_tile": "i32", "v_per_split": "i32", "Vb": "i32",
                           "softcap": "fp32"},
-                         {"HAS_SOFTCAP": True, "UPCAST": False, "BLOCK_M": 64, "BLOCK_V": 128, "BLOCK_K": 64},
+                         {"HAS_SOFTCAP": True, "HAS_REF": True, "UPCAST": False, "BLOCK_M": 64, "BLOCK_MV": 8,
+                          "BLOCK_V": 64, "BLOCK_K": 64},
                          {"num_warps": 8, "num_stages": 3}),
+}
+
+
+# The integer arguments the JIT sees as multiples of 16 at real model shapes (d, V, head sizes, row strides), by
+# kernel: with every pointer 16-byte aligned (torch's allocations), what compile_kernel(aligned=True) gives
+# tt.divisibility 16, as triton's launcher specialises them (vectorised loads and fewer address registers: the
+# register counts of the code that runs; the unspecialised compile is the one of odd shapes).
+ALIGNED_INTS = {
+    "norm_rows": ("d", "s_yref", "s_href"),
+    "rope_rows": ("hd", "s_ref"),
+    "gated_rows": ("I", "s_yref", "s_aref"),
+    "attention_rows": ("sq_r", "sk_r", "sv_r", "skp_t", "svp_t", "s_oref", "hd"),
+    "lse_rows_partial": ("stride_hb", "stride_hp", "stride_wv", "stride_zb", "stride_zp", "V", "d", "v_per_split"),
 }
 
 
@@ -172,12 +194,15 @@ def spec_mismatches() -> list[str]:
             out.append(f"{name}: constexprs {sorted(consts)} != kernel's {sorted(want_const)}")
         if set(sig) != set(params) - want_const:
             out.append(f"{name}: signature {sorted(sig)} != kernel's {sorted(set(params) - want_const)}")
+        if not set(ALIGNED_INTS.get(name, ())) <= {p for p in sig if sig[p] == "i32"}:
+            out.append(f"{name}: ALIGNED_INTS names {sorted(set(ALIGNED_INTS[name]) - set(sig))}, not i32 arguments")
     return out
 
 
 def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, constexprs: dict | None = None,
-                   options: dict | None = None):
-    """Compile one kernel of SPECS for CUDA sm_<arch> (no GPU needed). Overrides update the spec's dicts.
+                   options: dict | None = None, aligned: bool = False):
+    """Compile one kernel of SPECS for CUDA sm_<arch> (no GPU needed). Overrides update the spec's dicts. aligned:
+    every pointer and the kernel's ALIGNED_INTS given tt.divisibility 16, as the JIT specialises them at real shapes.
     Needs the kernels as JIT functions (TRITON_INTERPRET unset or 0 at import); see compile_ptx otherwise."""
     if _utils.interpreting():
         raise SiclError("compile_kernel needs the kernels as JIT functions; under TRITON_INTERPRET=1 use "
@@ -188,7 +213,12 @@ def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, con
     consts = {**consts, **(constexprs or {})}
     opts = {**opts, **(options or {})}
     full_sig = {arg: "constexpr" if arg in consts else sig[arg] for arg in fn.arg_names}
-    src = ASTSource(fn, full_sig, constexprs=consts)
+    attrs = {}
+    if aligned:
+        ints = set(ALIGNED_INTS.get(name, ()))
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+                 if arg not in consts and (sig[arg].startswith("*") or arg in ints)}
+    src = ASTSource(fn, full_sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 

@@ -13,15 +13,17 @@ v. GQA: head h reads K/V head h // (H / Hk). The last dimension of every input m
 Reference: sicl_fast.models.attention (attend_math over the two key sets, merged by log-sum-exp).
 
     attention_rows(q [R, H, hd] f32, k, v [R, Hk, hd] f32, rows, prefix (kp, vp [1, a, Hk, hd] f32) or None, scale,
-                   softcap, window) -> o [R, H hd] bf16 in difference form
+                   softcap, window, o_ref [V, H hd] f32 or None) -> o [R, H hd] bf16 in difference form
 
 The rows of a difference-form pass (sicl_fast.models.rows.RowLayout: R = lead + B T). The lead rows (positions
 0 .. lead-1) attend causally among themselves; batch row j's query t (position pos0 + t) attends to the prefix (the
 lead rows' keys when lead > 0, else the kept prefix `prefix`, keys at positions 0 .. a-1) and causally to its own
 row's keys; window and soft-cap as above. Everything float32 (IEEE float32 products: a difference row's output is
-its anchor's plus a change of about a bf16 ulp, which TF32's 2^-11 would drown). Output: bf16(o) on value rows (lead
-rows, and batch rows that are their own anchor), bf16(o_j - o_anchor(j)) on difference rows, rounded to nearest
-even (kernels._math.to_bf16). Reference: sicl_fast.models.attention.attention_rows_reference.
+its anchor's plus a change of about a bf16 ulp, which TF32's 2^-11 would drown). Output: on value rows (lead rows,
+and batch rows that are their own anchor) bf16(o - o_ref[v]), their change from the value rows' float32 reference
+(o_ref: the o product's input reference; v: a value row's reference row, kernels/_rows.py), bf16(o) without o_ref;
+bf16(o_j - o_anchor(j)) on difference rows; rounded to nearest even (kernels._math.to_bf16). Reference:
+sicl_fast.models.attention.attention_rows_reference.
 
 attention_rows' design (sm_90). The difference o_j - o_a needs the anchor row's output, which is as costly as o_j.
 A program takes one (query tile, head) of a *group* of consecutive batch rows and walks them in order, keeping the
@@ -33,10 +35,12 @@ BLOCK_M 32, H 9: 72 programs for 132 SMs, each 9 tiles long); one row a group (e
 doubles the work of the B - 1 difference rows. The launcher picks the fewest groups that give about two programs per
 SM (SmolLM2 at B 9: 3 groups of 3 rows, 216 programs, 11 tiles of work for 9, against 72 programs or 17 tiles);
 under the interpreter, which pays per program, one group. The lead rows' tiles are extra programs of the same grid
-(value rows, no anchor). The tiles (_ROWS_TILES) are the largest the sm_90 compile keeps in registers. Worth measuring
-on an H100 / H200: rows a group (rows_per_program), the tiles, packing the G = H / Hk query heads of one K/V head
-into one program's M tile (the K/V tiles read once for G heads: SmolLM2's G = 3), and input_precision 'tf32x3' (3
-TF32 products: tensor cores at about float32's accuracy; `precision=`) against IEEE float32 on the CUDA cores.
+(value rows, no anchor). A value row's o_ref tile is read where its tile is stored, row-contiguous like o (a masked
+load: a difference row reads nothing; it needs only its anchor's output, held in registers). The tiles (_ROWS_TILES)
+are the largest the sm_90 compile keeps in registers. Worth measuring on an H100 / H200: rows a group
+(rows_per_program), the tiles, packing the G = H / Hk query heads of one K/V head into one program's M tile (the K/V
+tiles read once for G heads: SmolLM2's G = 3), and input_precision 'tf32x3' (3 TF32 products: tensor cores at about
+float32's accuracy; `precision=`) against IEEE float32 on the CUDA cores.
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 
 from ._math import tanh, to_bf16
-from ._rows import check_rows
+from ._rows import check_ref, check_rows, value_slots
 from ._utils import check_device, check_dtype, interpreting, launch, next_pow2, sm_count
 
 
@@ -197,11 +201,11 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, q_row0, k_row0, n_rows, a,
 
 @triton.jit
 def _attention_rows_kernel(
-    q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, anchor_ptr, o_ptr,
-    sq_r, sk_r, sv_r, skp_t, svp_t,
+    q_ptr, k_ptr, v_ptr, kp_ptr, vp_ptr, anchor_ptr, slot_ptr, o_ref_ptr, o_ptr,
+    sq_r, sk_r, sv_r, skp_t, svp_t, s_oref,
     lead, B, T, pos0, a, H, G, hd, n_lead_tiles, n_groups, rows_per_group, scale, cap, window,
-    PREFIX_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PREFIX_CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_REF: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -230,7 +234,14 @@ def _attention_rows_kernel(
             o_anchor = o
             cur = aj
         if r == j:  # this row's output: a value, or its difference from the anchor's held tile
-            out = tl.where(aj == j, o, o - o_anchor)
+            if HAS_REF:  # a value row's change from its reference rows (read by value rows only: a masked load)
+                slot = tl.load(slot_ptr + j, mask=is_lead == 0, other=0).to(tl.int32)
+                v_out = (tl.where(is_lead, 0, lead + slot * T) + offs_m)[:, None].to(tl.int64)
+                o_ref = tl.load(o_ref_ptr + v_out * s_oref + h * hd + offs_d[None, :], mask=o_mask & (aj == j),
+                                other=0.0)
+                out = o - tl.where(aj == j, o_ref, o_anchor)
+            else:
+                out = tl.where(aj == j, o, o - o_anchor)
             rows_out = tl.where(is_lead, 0, lead + j * T) + offs_m
             tl.store(o_ptr + rows_out[:, None].to(tl.int64) * (H * hd) + h * hd + offs_d[None, :], to_bf16(out),
                      mask=o_mask)
@@ -240,17 +251,20 @@ def _attention_rows_kernel(
 # attention_rows' tiles by head size (BLOCK_D): (BLOCK_M, BLOCK_N, num_warps, num_stages). The float32 products run
 # on the CUDA cores (IEEE), whose operand layouts take many registers: the sm_90 compile (ptxas -v, bench/gpu_kernels.py
 # --compile-only) spills at 64 x 64 tiles on 4 warps (31 KB) and wherever the key loop is software-pipelined
-# (num_stages 2: 0.3 - 6 KB); these are the largest tiles without a spill: 117 / 157 / 212 registers. Untimed.
+# (num_stages 2: 0.3 - 6 KB); these are the largest tiles without a spill: 117 / 157 / 212 registers (head 64 / 128 /
+# 256) unspecialised. With o_ref (the value rows' reference, its tile read at the store): 115 / 158 / 255 and a 28-byte
+# spill at 256, which the compile as the JIT specialises it at real shapes (strides multiples of 16) does not have:
+# 90 / 80 / 169 (ptxas then picks 80 registers at 128 and spills 12 bytes, 36 without o_ref). Untimed.
 _ROWS_TILES = {16: (32, 64, 8, 1), 32: (32, 64, 8, 1), 64: (32, 64, 8, 1), 128: (32, 32, 8, 1), 256: (32, 16, 8, 1)}
 
 
 def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, window: int | None,
-                   block: int | None = None, rows_per_program: int | None = None,
+                   o_ref: torch.Tensor | None = None, block: int | None = None, rows_per_program: int | None = None,
                    precision: str = "ieee") -> torch.Tensor:
-    """o [R, H hd] bf16 in difference form (module docstring). One launch. block: the query and key tile (default
-    _ROWS_TILES' by head size; the tests use 16 for the multi-block paths); rows_per_program: batch rows a program
-    walks (default: as the module docstring says); precision: tl.dot's input_precision ('ieee', or 'tf32x3' to
-    measure)."""
+    """o [R, H hd] bf16 in difference form (module docstring; o_ref [V, H hd] float32: the value rows' reference,
+    or None). One launch. block: the query and key tile (default _ROWS_TILES' by head size; the tests use 16 for the
+    multi-block paths); rows_per_program: batch rows a program walks (default: as the module docstring says);
+    precision: tl.dot's input_precision ('ieee', or 'tf32x3' to measure)."""
     op = "triton attention_rows"
     dev = check_device(q, k, v, *(prefix or ()), op=op)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -276,6 +290,7 @@ def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, w
             raise SiclError(f"{op}: the prefix K/V must be [1, a, {Hk}, {hd}], got {list(prefix[0].shape)}")
     else:
         kp, vp, a = k, v, 0
+    o_ref, s_oref = check_ref(o_ref, rows, H * hd, dev, "o_ref", op)
     o = torch.empty(R, H * hd, dtype=torch.bfloat16, device=dev)
     if R == 0:
         return o
@@ -296,10 +311,11 @@ def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, w
     n_groups = triton.cdiv(B, rpg) if B else 0
     grid = (n_lead_tiles + n_tiles * n_groups, H)
     launch(
-        _attention_rows_kernel, grid, q, k, v, kp, vp, anchor, o,
-        q.stride(0), k.stride(0), v.stride(0), kp.stride(0), vp.stride(0),
+        _attention_rows_kernel, grid, q, k, v, kp, vp, anchor, value_slots(rows, dev, op),
+        o_ref if o_ref is not None else q, o, q.stride(0), k.stride(0), v.stride(0), kp.stride(0), vp.stride(0), s_oref,
         lead, B, T, pos0, a, H, H // Hk, hd, n_lead_tiles, max(n_groups, 1), rpg, float(scale), float(softcap or 1.0),
         int(window or 0), PREFIX_CAUSAL=a - 1 > pos0, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        PRECISION=precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, device=dev, num_warps=warps, num_stages=stages,
+        HAS_REF=o_ref is not None, PRECISION=precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, device=dev,
+        num_warps=warps, num_stages=stages,
     )
     return o

@@ -1,20 +1,25 @@
 """The difference form's q / k / v epilogue (DecoderOps.rope_rows): per-head norms and rotary, one launch.
 
     rope_rows(qkv [R, (H + 2 Hk) hd] bf16, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, hd] f32, q_norm [hd] or
-              None, k_norm, eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32) -> q [R, H, hd] f32
-    f = the float32 rows of qkv (value rows as they are, difference rows plus their anchor's row) plus the bias
+              None, k_norm, eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32, qkv_ref [V, (H + 2 Hk) hd] f32 or None)
+        -> q [R, H, hd] f32
+    f = the float32 rows of qkv plus the bias: a value row qkv_ref[v] + qkv (qkv without qkv_ref), a difference row
+        its anchor's so rebuilt plus its own change
     q, k, v = f split by heads; q, k per-head RMS-normed (Qwen3, Gemma 3: q_norm / k_norm given); then rotated at each
     row's position (lead rows 0 .., batch rows pos0 + t): x cos + rotate_half(x) sin with the tables' row there;
     k, v written into k_out / v_out (contiguous), q returned (a fresh contiguous tensor)
 
-Every output is a float32 row (no difference form out), so a difference row needs only its anchor's *input* row,
-read from memory. float32 arithmetic throughout. Reference: sicl_fast.models.rows.rope_rows_reference.
+qkv_ref: the value rows' float32 reference of the qkv product's output (v: a value row's reference row,
+kernels/_rows.py). Every output is a float32 row (no difference form out), so a difference row needs only its
+anchor's *input* row (and its anchor's reference row), read from memory. float32 arithmetic throughout. Reference:
+sicl_fast.models.rows.rope_rows_reference.
 
-GPU design. Memory-bound: one read of qkv (plus the anchor rows, L1 / L2 hits: rows walked position-major,
-kernels/_rows.py), one write of q, k, v in float32. A program takes BLOCK_R rows and every q and k head of each as
-[BLOCK_R, heads, hd] tiles (the per-head norm is a reduction over the tile's last axis, in registers); rotate_half's
-partner element is a second, shifted load of the same (cached) row instead of a register shuffle. One row a program
-on a GPU when the row is wide (SmolLM2: (9 + 6) x 64 = 960 elements, 4 warps), many under the interpreter.
+GPU design. Memory-bound: one read of qkv and of qkv_ref (plus the anchor rows and their reference rows, L1 / L2 hits:
+rows walked position-major, kernels/_rows.py), one write of q, k, v in float32. A program takes BLOCK_R rows and
+every q and k head of each as [BLOCK_R, heads, hd] tiles (the per-head norm is a reduction over the tile's last axis,
+in registers); rotate_half's partner element is a second, shifted load of the same (cached) rows instead of a
+register shuffle. One row a program on a GPU when the row is wide (SmolLM2: (9 + 6) x 64 = 960 elements, 4 warps),
+many under the interpreter.
 """
 from __future__ import annotations
 
@@ -24,27 +29,27 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 
-from ._rows import check_low, check_rows, layout_rows, row_values
+from ._rows import check_low, check_ref, check_rows, layout_rows, row_values, value_slots
 from ._utils import check_device, check_dtype, interpreting, launch, next_pow2
 
 
 @triton.jit
-def _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, col0, n_heads, w_ptr, cos_ptr, sin_ptr, out_ptr,
-               out_row, hd, eps, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, ROTATE: tl.constexpr,
-               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The n_heads heads at column col0 of the rows (own / anc: [BR, 1, 1] element offsets of each row and its
-    anchor's row in qkv) -> float32, normed (HAS_NORM) and rotated (ROTATE) at positions pos [BR, 1, 1], stored at
-    out_ptr + out_row [BR, 1, 1] + head * hd + i."""
+def _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, col0, n_heads, w_ptr, cos_ptr,
+               sin_ptr, out_ptr, out_row, hd, eps, HAS_BIAS: tl.constexpr, HAS_REF: tl.constexpr,
+               HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The n_heads heads at column col0 of the rows (own / anc / ref_off: [BR, 1, 1] element offsets of each row
+    and its anchor's row in qkv, and of its anchor's reference row in qkv_ref) -> float32, normed (HAS_NORM) and
+    rotated (ROTATE) at positions pos [BR, 1, 1], stored at out_ptr + out_row [BR, 1, 1] + head * hd + i."""
     h = tl.arange(0, BLOCK_H)[None, :, None]
     i = tl.arange(0, BLOCK_D)[None, None, :]
     m = rmask & (h < n_heads) & (i < hd)
     c = col0 + h * hd + i
-    x = row_values(qkv_ptr, own, anc, diff, c, m, bias_ptr, c, HAS_BIAS)
+    x = row_values(qkv_ptr, own, anc, diff, c, m, bias_ptr, ref_ptr, ref_off, HAS_BIAS, HAS_REF)
     if ROTATE:
         half = hd // 2
         j = tl.where(i < half, i + half, i - half)  # rotate_half's source of element i
         cj = col0 + h * hd + j
-        xr = row_values(qkv_ptr, own, anc, diff, cj, m, bias_ptr, cj, HAS_BIAS)
+        xr = row_values(qkv_ptr, own, anc, diff, cj, m, bias_ptr, ref_ptr, ref_off, HAS_BIAS, HAS_REF)
         if HAS_NORM:
             r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
             x = x * r * tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
@@ -59,31 +64,34 @@ def _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, col0, n_heads, w_p
 
 
 @triton.jit
-def _rope_rows_kernel(qkv_ptr, bias_ptr, anchor_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, v_ptr,
-                      R, lead, B, T, pos0, H, Hk, hd, eps,
-                      HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_rows_kernel(qkv_ptr, bias_ptr, anchor_ptr, slot_ptr, ref_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr,
+                      k_ptr, v_ptr, R, lead, B, T, pos0, H, Hk, hd, s_ref, eps,
+                      HAS_BIAS: tl.constexpr, HAS_REF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     q = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row, arow, pos, valid = layout_rows(q, R, lead, B, T, pos0, anchor_ptr)
+    row, arow, vrow, pos, valid = layout_rows(q, R, lead, B, T, pos0, anchor_ptr, slot_ptr, HAS_REF)
     width = (H + 2 * Hk) * hd
     own = (row * width)[:, None, None]
     anc = (arow * width)[:, None, None]
+    ref_off = (vrow * s_ref)[:, None, None]
     diff = (row != arow)[:, None, None]
     rmask = valid[:, None, None]
     pos = pos[:, None, None]
     r3 = row[:, None, None]
-    _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, 0, H, qn_ptr, cos_ptr, sin_ptr, q_ptr, r3 * (H * hd),
-               hd, eps, HAS_BIAS, HAS_NORM, True, BLOCK_H, BLOCK_D)
-    _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, H * hd, Hk, kn_ptr, cos_ptr, sin_ptr, k_ptr,
-               r3 * (Hk * hd), hd, eps, HAS_BIAS, HAS_NORM, True, BLOCK_HK, BLOCK_D)
-    _rope_part(qkv_ptr, bias_ptr, own, anc, diff, rmask, pos, (H + Hk) * hd, Hk, kn_ptr, cos_ptr, sin_ptr, v_ptr,
-               r3 * (Hk * hd), hd, eps, HAS_BIAS, False, False, BLOCK_HK, BLOCK_D)
+    _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, 0, H, qn_ptr, cos_ptr, sin_ptr,
+               q_ptr, r3 * (H * hd), hd, eps, HAS_BIAS, HAS_REF, HAS_NORM, True, BLOCK_H, BLOCK_D)
+    _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, H * hd, Hk, kn_ptr, cos_ptr, sin_ptr,
+               k_ptr, r3 * (Hk * hd), hd, eps, HAS_BIAS, HAS_REF, HAS_NORM, True, BLOCK_HK, BLOCK_D)
+    _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, (H + Hk) * hd, Hk, kn_ptr, cos_ptr,
+               sin_ptr, v_ptr, r3 * (Hk * hd), hd, eps, HAS_BIAS, HAS_REF, False, False, BLOCK_HK, BLOCK_D)
 
 
 def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, eps: float,
-              gemma: bool, H: int, Hk: int, k_out: torch.Tensor, v_out: torch.Tensor) -> torch.Tensor:
+              gemma: bool, H: int, Hk: int, k_out: torch.Tensor, v_out: torch.Tensor,
+              qkv_ref: torch.Tensor | None = None) -> torch.Tensor:
     """q [R, H, hd] float32; k_out / v_out written (module docstring). One launch. gemma: the norms' weights are
-    already Gemma's 1 + w (the float32 arithmetic is the same either way)."""
+    already Gemma's 1 + w (the float32 arithmetic is the same either way); qkv_ref: the value rows' float32
+    reference of qkv ([V, (H + 2 Hk) hd], or None)."""
     op = "triton rope_rows"
     del gemma
     qkv = check_low(qkv, None, "qkv", op)
@@ -104,6 +112,7 @@ def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tenso
     n = max(rows.lead, rows.pos0 + rows.T)
     if cos.shape[0] < n or sin.shape[0] < n:
         raise SiclError(f"{op}: the rotary tables have {cos.shape[0]} positions, the rows reach {n}")
+    qkv_ref, s_ref = check_ref(qkv_ref, rows, width, dev, "qkv_ref", op)
     cos = cos.reshape(cos.shape[0], hd).float().contiguous()
     sin = sin.reshape(sin.shape[0], hd).float().contiguous()
     qkv = qkv.contiguous()
@@ -113,9 +122,10 @@ def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tenso
     BLOCK_H, BLOCK_HK, BLOCK_D = next_pow2(H), next_pow2(Hk), next_pow2(hd)
     per_row = (BLOCK_H + 2 * BLOCK_HK) * BLOCK_D
     BR = min(next_pow2(R), 64) if interpreting() else max(1, min(16, 1024 // per_row))
-    launch(_rope_rows_kernel, (triton.cdiv(R, BR),), qkv, bias if bias is not None else cos, anchor, cos, sin,
+    launch(_rope_rows_kernel, (triton.cdiv(R, BR),), qkv, bias if bias is not None else cos, anchor,
+           value_slots(rows, dev, op), qkv_ref if qkv_ref is not None else cos, cos, sin,
            q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, q, k_out, v_out, R,
-           rows.lead, max(rows.B, 1), max(rows.T, 1), rows.pos0, H, Hk, hd, float(eps), device=dev,
-           block=BR * BLOCK_H * BLOCK_D, HAS_BIAS=bias is not None, HAS_NORM=q_norm is not None, BLOCK_R=BR,
-           BLOCK_H=BLOCK_H, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D)
+           rows.lead, max(rows.B, 1), max(rows.T, 1), rows.pos0, H, Hk, hd, s_ref, float(eps), device=dev,
+           block=BR * BLOCK_H * BLOCK_D, HAS_BIAS=bias is not None, HAS_REF=qkv_ref is not None,
+           HAS_NORM=q_norm is not None, BLOCK_R=BR, BLOCK_H=BLOCK_H, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D)
     return q

@@ -14,20 +14,29 @@ B*P is small; programs of one split run side by side so the weight tiles they st
 Reference: sicl_fast.logprobs.gather_logprobs_chunked (tested against it). Targets outside [0, V) are
 rejected when targets are on the CPU; on the GPU they are not checked (no host sync) and give garbage.
 
-    span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None)
-        -> [B, P] float32                                     the span head of a difference-form pass
+    span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None,
+                       z_ref [Vb, P, V] f32 or None, value_slot [B] or None) -> [B, P] float32
+                                                              the span head of a difference-form pass
 
 hidden in difference form over the batch (anchor [B] int64 on the device; sicl_fast.models.rows): row j a value
 (anchor[j] == j) or the difference from row anchor[j]. The same bf16 product with a float32 accumulator gives
-every row's logits; a value row's are kept in float32, a difference row's rounded to bf16 (to nearest even, as a
-bf16 product returns them), then z_j = z_anchor(j) + dz_j in float32, soft-capped, and the online log-sum-exp and
-the combine kernel as above (two launches). Reference: sicl_fast.logprobs.rows_logprobs.
+every row's logits. Without z_ref a value row's hidden states are values and its logits that float32 product; with
+z_ref (the value rows' float32 reference logits, value batch row j's at z_ref[value_slot[j]]; its hidden states
+then the change from the reference's) a value row's logits are z_ref's plus its change's product rounded to bf16
+(no float32 product per step: the reference's is made every few steps, sicl_fast.backends.step_forward). A
+difference row's product is rounded to bf16 (to nearest even, as a bf16 product returns it) and
+z_j = z_anchor(j) + dz_j in float32; then soft-capped, the online log-sum-exp and the combine kernel as above (two
+launches). Reference: sicl_fast.logprobs.rows_logprobs.
 Design: a program's M tile holds whole span positions, the B rows of each (BLOCK_M // B positions: B 9 in 64 rows
-holds 7), so a difference row's anchor sits in the same accumulator tile and its float32 logits are taken with a
-register gather along M (tl.gather; on sm_90 a shared-memory round trip of the [BLOCK_M, BLOCK_V] tile, small next to
-the BLOCK_V x d weight tile it follows), not recomputed nor written out. The hidden rows are gathered by pointer
-(row j, position p at j * P + p); the weight streams through block pointers as in span_logprobs, split over the
-vocabulary for occupancy (B P / 7 tiles are few: SmolLM2, B 9, P 64: 10 tiles x the splits).
+holds 7), so a difference row's anchor sits in the same accumulator tile and its logits are taken with a register
+gather along M (tl.gather; on sm_90 a shared-memory round trip of the [BLOCK_M, BLOCK_V] tile, small next to the
+BLOCK_V x d weight tile it follows), not recomputed nor written out. The reference logits are read for the value
+rows alone: a [BLOCK_MV, BLOCK_V] tile of the tile's positions x the Vb value slots (Vb 1 for one prompt: 7 rows of
+the 63), row-contiguous, coalesced loads, then gathered to each row's anchor (a second gather, of that small tile);
+a masked [BLOCK_M, BLOCK_V] load would take a full tile of registers (and its addresses) for the few value rows.
+The hidden rows are gathered by pointer (row j, position p at j * P + p); the weight streams through block pointers
+as in span_logprobs, split over the vocabulary for occupancy (B P / 7 tiles are few: SmolLM2, B 9, P 64: 10 tiles x
+the splits). Tiles: _ROWS_ACC.
 """
 from __future__ import annotations
 
@@ -208,11 +217,12 @@ def _lse_rows_partial_kernel(
     h_ptr, stride_hb, stride_hp,  # [B, P, d] hidden states in difference form (unit column stride)
     w_ptr, stride_wv,  # [V, d] LM head weight
     tgt_ptr, anchor_ptr,  # [P] target ids; [B] each row's anchor
+    z_ref_ptr, stride_zb, stride_zp, slot_ptr,  # [Vb, P, V] value rows' reference logits (unit V stride); [B] slots
     m_ptr, s_ptr, t_ptr,  # [SPLITS, B * P] float32 partials (row b * P + p), as _lse_partial_kernel's
-    B, P, V, d, per_tile, v_per_split,
+    B, P, V, d, per_tile, v_per_split, Vb,
     softcap,
-    HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_REF: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_MV: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
@@ -227,6 +237,15 @@ def _lse_rows_partial_kernel(
     a_local = pl * B + aj  # the anchor's row in this tile (same position); itself for value and padding rows
     a_idx = tl.broadcast_to(a_local[:, None], (BLOCK_M, BLOCK_V))
     h_rows = h_ptr + j.to(tl.int64) * stride_hb + p.to(tl.int64) * stride_hp
+    if HAS_REF:
+        # the value rows' reference logits, a [BLOCK_MV, BLOCK_V] tile of the tile's positions x the Vb value slots
+        # (local row i: slot i % Vb at the tile's position i // Vb), and each row's anchor's row in it
+        iv = tl.arange(0, BLOCK_MV)
+        pv = pid_m * per_tile + iv // Vb
+        zr_mask = (iv // Vb < per_tile) & (pv < P)
+        zr_rows = z_ref_ptr + (iv % Vb).to(tl.int64) * stride_zb + pv.to(tl.int64) * stride_zp
+        slot_a = tl.load(slot_ptr + aj, mask=rmask, other=0).to(tl.int32)
+        r_idx = tl.broadcast_to(tl.where(rmask, pl * Vb + slot_a, 0)[:, None], (BLOCK_M, BLOCK_V))
     tgt = tl.load(tgt_ptr + p, mask=rmask, other=-1).to(tl.int32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -248,8 +267,14 @@ def _lse_rows_partial_kernel(
                 w = w.to(tl.float32)
             acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
             w_blk = tl.advance(w_blk, (0, BLOCK_K))
-        za = tl.gather(acc, a_idx, axis=0)  # each row's anchor's float32 logits
-        z = tl.where(diff[:, None], za + to_bf16(acc).to(tl.float32), acc)
+        if HAS_REF:  # every row's change rounded to bf16; a value row's logits its reference's plus its change
+            zr = tl.load(zr_rows[:, None] + vs[None, :], mask=zr_mask[:, None] & vmask[None, :], other=0.0)
+            zr = tl.gather(zr, r_idx, axis=0)  # each row's anchor's reference logits
+            zc = to_bf16(acc).to(tl.float32)
+            z = zc + tl.where(diff[:, None], tl.gather(zc, a_idx, axis=0) + zr, zr)  # z_a = zr_a + dz_a
+        else:  # a value row's logits the float32 product itself
+            za = tl.gather(acc, a_idx, axis=0)
+            z = tl.where(diff[:, None], za + to_bf16(acc).to(tl.float32), acc)
         if HAS_SOFTCAP:
             z = softcap * tanh(z / softcap)
         z = tl.where(vmask[None, :], z, float("-inf"))
@@ -261,6 +286,16 @@ def _lse_rows_partial_kernel(
     tl.store(m_ptr + out, m_i, mask=rmask)
     tl.store(s_ptr + out, s_i, mask=rmask)
     tl.store(t_ptr + out, t_i, mask=rmask)
+
+
+# The rows head's accumulator tile (BLOCK_M x BLOCK_V elements) on 8 warps, BLOCK_K 64, 3 stages, by whether the value
+# rows' reference logits are read (their [BLOCK_MV, BLOCK_V] tile and its gather: about 80 more registers at 64 x 128).
+# The sm_90 compile (ptxas -v; bench/gpu_kernels.py --compile-only), unspecialised / as specialised at real shapes
+# (pointers, V, d and strides multiples of 16): without the reference, 64 x 128: 247 / 172 registers, 128 x 64: 251 /
+# 223, where 128 x 128 (B 17's M tile: N 16) spills 512 / 136 bytes; with it, 64 x 64: 240 / 173 and 128 x 32: 254 /
+# 194, no spill at any BLOCK_MV (8 to 64), where 64 x 128 takes 255 and spills 244 bytes at BLOCK_MV 64 (a batch of
+# one, unspecialised) and 128 x 64 68 to 228 bytes. Untimed: bench/gpu_kernels.py times 64 x 128 against these.
+_ROWS_ACC = {False: 64 * 128, True: 64 * 64}
 
 
 def _rows_block_m(B: int, P: int) -> int:
@@ -275,12 +310,14 @@ def _rows_block_m(B: int, P: int) -> int:
 
 
 def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
-                       softcap: float | None = None, splits: int | None = None, config: dict | None = None,
+                       softcap: float | None = None, z_ref: torch.Tensor | None = None,
+                       value_slot: torch.Tensor | None = None, splits: int | None = None, config: dict | None = None,
                        check_targets: bool = True) -> torch.Tensor:
     """[B, P] float32 log p(targets[p]) of a difference-form pass (module docstring). hidden [B, P, d] and weight
     [V, d] bf16 on one device (CUDA, or the CPU under TRITON_INTERPRET=1); anchor [B] int64 on it (never read
-    back); targets [P]; softcap, splits, check_targets as span_logprobs'; config: BLOCK_M (at least B), BLOCK_V,
-    BLOCK_K, num_warps, num_stages overrides. Two launches."""
+    back); targets [P]; z_ref [Vb, P, V] float32 with value_slot [B] int64 (both on the device, never read back):
+    the value rows' reference logits, or None; softcap, splits, check_targets as span_logprobs'; config: BLOCK_M
+    (at least B), BLOCK_V, BLOCK_K, num_warps, num_stages overrides. Two launches."""
     op = "triton span_logprobs_rows"
     if targets.device.type == "cpu":
         check_device(hidden, weight, anchor, op=op)
@@ -303,6 +340,18 @@ def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     if check_targets and targets.device.type == "cpu" and P and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise SiclError(f"{op}: targets must be in [0, V={V}), got {int(targets.min())}..{int(targets.max())}")
     dev = hidden.device
+    if z_ref is not None:
+        if value_slot is None:
+            raise SiclError(f"{op}: z_ref comes with value_slot (each value row's place in it)")
+        check_device(hidden, z_ref, value_slot, op=op)
+        check_shape(z_ref, (None, P, V), "z_ref", op)
+        check_dtype(z_ref, torch.float32, "z_ref", op)
+        if not 1 <= z_ref.shape[0] <= B:
+            raise SiclError(f"{op}: z_ref holds {z_ref.shape[0]} value rows' logits; a batch of {B} has 1 to {B}")
+        check_shape(value_slot, (B,), "value_slot", op)
+        if value_slot.dtype.is_floating_point or value_slot.dtype == torch.bool:
+            raise SiclError(f"{op}: value_slot must be integer slots, got {value_slot.dtype}")
+        z_ref = z_ref if z_ref.stride(2) == 1 else z_ref.contiguous()
     targets = targets.to(dev).contiguous()
     out = torch.empty(B, P, dtype=torch.float32, device=dev)
     if B * P == 0:
@@ -310,14 +359,16 @@ def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     h = hidden if hidden.stride(2) == 1 else hidden.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
     cfg = dict(_config(B * P, V, d, hidden.dtype, dev), BLOCK_M=_rows_block_m(B, P))
-    if not interpreting():  # sm_90 compile (ptxas -v): 64 x 128 x 64 tiles on 8 warps, 247 registers, no spill
-        cfg.update(BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)
+    if not interpreting():  # the M x V accumulator tile that compiles for sm_90 without a spill (_ROWS_ACC)
+        bm = cfg["BLOCK_M"]
+        cfg.update(BLOCK_V=max(16, _ROWS_ACC[z_ref is not None] // bm), BLOCK_K=64, num_warps=8, num_stages=3)
     if config:
         cfg.update(config)
     bm, bv, bk, warps = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K"), cfg.pop("num_warps")
     if bm < B:
         raise SiclError(f"{op}: BLOCK_M {bm} holds no position of {B} rows")
     per_tile = bm // B
+    Vb = z_ref.shape[0] if z_ref is not None else 1
     m_tiles = triton.cdiv(P, per_tile)
     chunks = triton.cdiv(V, bv)
     if splits is None:
@@ -328,9 +379,13 @@ def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
     parts = torch.empty(3, n_splits, B * P, dtype=torch.float32, device=dev)
     launch(
         _lse_rows_partial_kernel, (m_tiles, n_splits),
-        h, h.stride(0), h.stride(1), w, w.stride(0), targets, anchor, parts[0], parts[1], parts[2], B, P, V, d,
-        per_tile, v_per_split, f32(softcap) if softcap is not None else 1.0, device=dev, num_warps=warps,
-        HAS_SOFTCAP=softcap is not None, UPCAST=interpreting(), BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, **cfg,
+        h, h.stride(0), h.stride(1), w, w.stride(0), targets, anchor,
+        z_ref if z_ref is not None else out, z_ref.stride(0) if z_ref is not None else 0,
+        z_ref.stride(1) if z_ref is not None else 0, value_slot if z_ref is not None else anchor,
+        parts[0], parts[1], parts[2], B, P, V, d, per_tile, v_per_split, Vb,
+        f32(softcap) if softcap is not None else 1.0, device=dev, num_warps=warps, HAS_SOFTCAP=softcap is not None,
+        HAS_REF=z_ref is not None, UPCAST=interpreting(), BLOCK_M=bm, BLOCK_MV=max(8, next_pow2(per_tile * Vb)),
+        BLOCK_V=bv, BLOCK_K=bk, **cfg,
     )
     BLOCK = 1024 if interpreting() else 256
     launch(_lse_combine_kernel, (triton.cdiv(B * P, BLOCK),), parts[0], parts[1], parts[2], out, B * P, n_splits,

@@ -55,9 +55,12 @@ class TritonStepOps(TorchStepOps):
         # a prompt's targets: checked once by sicl_fast.checks.check_tokens, never read back per step
         return self.K.span_logprobs(hidden, weight, targets, softcap=softcap, check_targets=False)
 
-    def span_head_rows(self, hidden, weight, targets, anchor, softcap=None) -> torch.Tensor:
-        # the difference form's span head (kernels/span_logprobs.py: span_logprobs_rows); targets as span_head's
-        return self.K.span_logprobs_rows(hidden, weight, targets, anchor, softcap=softcap, check_targets=False)
+    def span_head_rows(self, hidden, weight, targets, anchor, softcap=None, z_ref=None, value_slot=None
+                       ) -> torch.Tensor:
+        # the difference form's span head (kernels/span_logprobs.py: span_logprobs_rows; z_ref [Vb, P, V] float32
+        # with value_slot [B]: the value rows' reference logits, or None); targets as span_head's
+        return self.K.span_logprobs_rows(hidden, weight, targets, anchor, softcap=softcap, z_ref=z_ref,
+                                         value_slot=value_slot, check_targets=False)
 
 
 class TritonDecoderOps:

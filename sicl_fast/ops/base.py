@@ -20,10 +20,12 @@ StepOps (shapes and dtypes):
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (sicl_fast.proxy)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
-    span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None) -> [B, P] f32
-                                the span head of a difference-form pass: hidden as values and differences over the
-                                batch (sicl_fast.models.rows), the logits made float32 rows before the log-sum-exp
-                                (sicl_fast.logprobs.rows_logprobs)
+    span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None, z_ref=None,
+                   value_slot=None) -> [B, P] f32
+                                the span head of a difference-form pass: hidden as changes over the batch
+                                (sicl_fast.models.rows), the value rows' against their reference logits z_ref
+                                [Vb, P, V] f32 (value_slot [B]: each value row's), the logits made float32 rows
+                                before the log-sum-exp (sicl_fast.logprobs.rows_logprobs)
     track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.best)
     advance(state: StepState, f [B], fired int32 [1], cfg) -> None        the static step's bookkeeping, in place
                                                                           (sicl_fast.step_state.advance_reference)
@@ -39,12 +41,14 @@ dtype, the row epilogues on float32 rows and the difference form's low dtype):
             a fused implementation may overwrite q
     gated(gate [.., I], up [.., I], act_name) -> act(gate) * up
     softcap_(x, cap) -> cap tanh(x / cap)                 a fused implementation overwrites x
-    norm_rows(x [R, d] f32, y [R, d] low or None, bias, post_w, w, eps, gemma, rows) -> (x' [R, d] f32,
-              h [R, d] low)
+    norm_rows(x [R, d] f32, y [R, d] low or None, bias, post_w, w, eps, gemma, rows, y_ref=None, h_ref=None)
+              -> (x' [R, d] f32, h [R, d] low)
     rope_rows(qkv [R, (H + 2 Hk) hd] low, bias, rows, cos, sin [n, hd] f32, q_norm, k_norm, eps, gemma, H, Hk,
-              k_out, v_out [R, Hk, hd] f32) -> q [R, H, hd] f32
-    gated_rows(y [R, 2I] low, bias, act_name, rows) -> [R, I] low
-        (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout)
+              k_out, v_out [R, Hk, hd] f32, qkv_ref=None) -> q [R, H, hd] f32
+    gated_rows(y [R, 2I] low, bias, act_name, rows, y_ref=None, a_ref=None) -> [R, I] low
+        (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout; the
+        *_ref the value rows' float32 references [V, k]: a product's output one to read its rows against, the next
+        product's input one to write them against; None: none)
     kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
@@ -78,7 +82,8 @@ class StepOps(Protocol):
                   softcap: float | None = None) -> torch.Tensor: ...
 
     def span_head_rows(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       anchor: torch.Tensor, softcap: float | None = None) -> torch.Tensor: ...
+                       anchor: torch.Tensor, softcap: float | None = None, z_ref: torch.Tensor | None = None,
+                       value_slot: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def track_best(self, f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState: ...
 
@@ -100,13 +105,13 @@ class DecoderOps(Protocol):
 
     def softcap_(self, x: torch.Tensor, cap: float) -> torch.Tensor: ...
 
-    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        ...
+    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows, y_ref=None,
+                  h_ref=None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rope_rows(self, qkv, bias, rows, cos, sin, q_norm, k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out,
-                  v_out) -> torch.Tensor: ...
+                  v_out, qkv_ref=None) -> torch.Tensor: ...
 
-    def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows) -> torch.Tensor: ...
+    def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows, y_ref=None, a_ref=None) -> torch.Tensor: ...
 
 
 class Ops(NamedTuple):

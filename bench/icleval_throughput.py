@@ -5,7 +5,7 @@ time the whole set would take at that rate.
     python bench/icleval_throughput.py ICLEval/data/tasks_data --out docs/icleval_gpu/smollm2 [--model ...]
     python bench/icleval_throughput.py tests/data/icleval --out /tmp/tp --smoke          # the CPU's quick form
 
-Flags it does not know go to `sicl-fast icleval` as they are (e.g. --threads 4, --device cuda).
+Flags after `--` go to `sicl-fast icleval` as they are (e.g. `-- --threads 4 --device cuda`).
 
 It runs `sicl-fast icleval DIR --method base sicl --out OUT/records.jsonl` (resumable: a rerun, e.g. the next
 device session, continues where the records end) under a wall clock and a --budget-s of its own (the icleval
@@ -66,7 +66,8 @@ def main() -> int:
     ap.add_argument("--tasks", nargs="*", default=None)
     ap.add_argument("--budget-s", type=float, default=None, help="stop the icleval run after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="2 samples per file, 3 steps: the machinery, not a figure")
-    args, extra = ap.parse_known_args()  # any other flag goes to sicl-fast icleval as it is
+    ap.add_argument("extra", nargs="*", metavar="-- FLAG", help="after --: more sicl-fast icleval flags, as they are")
+    args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = out / "records.jsonl"
@@ -78,7 +79,7 @@ def main() -> int:
         cmd += ["--tasks", *args.tasks]
     if args.smoke:
         cmd += ["--limit", "2", "--max-steps", "3"]
-    cmd += extra
+    cmd += args.extra
     before = count_records(records)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)

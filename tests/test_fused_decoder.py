@@ -70,8 +70,8 @@ def assert_rows_close(got, ref, lp0_atol=1e-4, f0_rtol=1e-4, dlp_rel=0.02, df_re
         assert float((d - d_ref).abs().max()) <= rel * float(d_ref.abs().max()), (d, d_ref)
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
-@pytest.mark.parametrize("a", [0, 6])
+# every family with a prefix; without one, Llama (the prefix-free path is family-independent)
+@pytest.mark.parametrize("family,a", [(f, 6) for f in SUPPORTED_FAMILIES] + [("llama", 0)])
 def test_fused_decoder_equals_unfused_float32(models, family, a):
     lm, p = models[family], make_prompt(a, seed=a + 2)
     fused = make_backend("fast-fp32", lm, impl="triton")
@@ -96,7 +96,7 @@ def test_fused_rows_equal_reference_rows(models, family, scope, a):
     assert_rows_close(got, ref)
 
 
-@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])  # q / k norms; soft-caps, post-norms, (1 + w) norms
 def test_fused_rows_equal_reference_rows_bf16(family):
     """bf16 models: the difference form is the plan's default for them (float32 rows, their own bf16 weights)."""
     lm, p = build(family, torch.bfloat16), make_prompt(6, seed=8)
@@ -125,7 +125,7 @@ def test_fused_decoder_equals_unfused_on_smollm2(smol, diff):
         assert_rows_close(got, ref)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma2"])  # the family with the most elementwise work
 def test_launch_budget(family):
     """Plain products: at most 14 kernels per decoder layer plus 40 for the rest, the prefix fixed (projection_scope
     'demos'). Two decoder layers: a count per layer from more than one, at two thirds of the interpreter's time for

@@ -104,7 +104,8 @@ def test_a_fired_projection_is_approximate_under_on_and_per_query_under_auto(eng
     ref = own(engine, second, **FIRES)
     assert ref.projections > 0
     on = engine.calibrate(first, reuse="on", **FIRES)  # rows [0, b) alone: the stem's own projection fires too
-    assert (on.reuse, on.exact) == ("fresh", False) and on.calibration.min_cosine < 0.9
+    # the projection put X on the cosine floor kappa 0.9 (to float64 rounding of the projected matrix's cosine)
+    assert (on.reuse, on.exact) == ("fresh", False) and on.calibration.min_cosine < 0.9 + 1e-6
     approx = engine.calibrate(second, reuse="on", **FIRES)
     assert (approx.reuse, approx.reused, approx.exact) == ("hit", True, False)
     assert not torch.equal(approx.embeddings, ref.embeddings)  # it is an approximation, and says so

@@ -52,21 +52,26 @@ def test_the_form_keeps_a_change_of_one_bf16_ulp():
 
 
 @pytest.mark.parametrize("R,k,o", [(3, 37, 21), (8, 96, 160)])
-def test_low_weight_packed_once_same_bits(R, k, o):
-    """The bf16 weight is made once (the tensor itself when it is bf16 already); where oneDNN packs it, the packed
-    product gives F.linear's bits (the same kernel without the per-call reorder), for odd shapes and strides."""
+def test_low_weight_made_once_same_bits(R, k, o):
+    """A float32 weight's bf16 copy is made once, and kept only in oneDNN's packed layout where the CPU has its bf16
+    kernels: the packed product gives F.linear's bits (the same kernel without the per-call reorder), for odd shapes
+    and strides. A bf16 weight (a bf16 model's own) is used as it is: never copied, never packed (held once)."""
     g = torch.Generator().manual_seed(R)
     w = torch.randn(o, k, generator=g)
     low = LowWeight(w)
-    assert low.w.dtype == torch.bfloat16 and torch.equal(low.w, w.bfloat16())
-    assert LowWeight(low.w).w is low.w  # a bf16 model's weights are not copied
-    if fast_low_precision(torch.device("cpu")) and torch.backends.mkldnn.is_available():
-        assert low.packed is not None  # the machines the difference form is for
+    packs = fast_low_precision(torch.device("cpu")) and torch.backends.mkldnn.is_available()
+    if packs:  # the machines the difference form is for
+        assert low.packed is not None and low.w is None
+    else:
+        assert low.packed is None and torch.equal(low.w, w.bfloat16())
+    own = w.bfloat16()
+    assert LowWeight(own).w is own and LowWeight(own).packed is None
+    assert LowWeight(w, pack=False).w is not None and LowWeight(w, pack=False).packed is None
     dx = torch.randn(R, k + 5, generator=g).bfloat16()[..., 5:]  # not contiguous
     for x in (dx, dx.contiguous(), dx[:0]):
         got = low.linear(x)
         assert got.dtype == torch.bfloat16 and got.shape == (*x.shape[:-1], o)
-        assert torch.equal(got, F.linear(x, low.w))
+        assert torch.equal(got, F.linear(x, w.bfloat16()))
 
 
 def test_fp8_rows_round_trip():
@@ -227,3 +232,17 @@ def test_smollm2_finite_differences_against_float64(smol):
         assert math.isclose(got[0], f64[0], rel_tol=rel), (name, float(got[0]), float(f64[0]))
         errs[name] = float(((got[1:] - got[0]) - d64).norm() / d64.norm())
     assert errs["fp32"] < 1e-3 and errs["bf16"] < 0.05, errs
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux's /proc/self/maps and madvise")
+def test_stacked_away_pages_of_a_mapped_checkpoint_are_given_back(tmp_path):
+    """The weights held once on a mapped checkpoint (transformers maps safetensors files): the resident pages of the
+    weights stack_params copied away are given back; anonymous memory (the allocator's) is never touched."""
+    from sicl_fast.models.weights import release_file_pages
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(torch.arange(1 << 20, dtype=torch.float32).numpy().tobytes())  # 4 MiB
+    mapped = torch.from_file(str(path), shared=False, size=1 << 20, dtype=torch.float32)
+    assert float(mapped.sum()) > 0  # resident now
+    assert release_file_pages([mapped[1000:200_000]]) > 0
+    assert release_file_pages([torch.ones(1 << 20)]) == 0

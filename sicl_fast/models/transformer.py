@@ -320,7 +320,7 @@ class Transformer:
     def head_low(self) -> LowWeight:
         """The LM head [V, d] in the low dtype, for the span head of the difference form (made once)."""
         if self._head_low is None:
-            self._head_low = LowWeight(self.head)
+            self._head_low = LowWeight(self.head, pack=False)  # the span heads read its rows a chunk at a time
         return self._head_low
 
     def pass_kv(self, R: int) -> list:

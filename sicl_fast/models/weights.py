@@ -8,16 +8,61 @@
 The loaded transformers model keeps working on the same memory: its q / k / v and gate / up parameters become views
 of the stacked tensors (`stack_params`), so the stacking costs no copy of the model dtype's weights. The difference
 form's products (sicl_fast.models.rows) take the weights in the low dtype (bf16): for a bf16 model those are the
-stacked tensors themselves, for a float32 model one bf16 copy made once (`LowWeights`), as the LM head's.
+stacked tensors themselves, for a float32 model one bf16 copy made once (`LowWeights`; in oneDNN's packed layout
+on CPUs that have its bf16 kernels), and the LM head's bf16 copy.
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .rows import LOW_DTYPE
+
+MADV_DONTNEED = 4  # Linux's
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's mappings of files (Linux: /proc/self/maps; elsewhere none)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                a, b = (int(x, 16) for x in fields[0].split("-"))
+                out.append((a, b))
+    return out
+
+
+def release_file_pages(tensors: list[torch.Tensor]) -> int:
+    """Give back the resident pages of tensors that no longer hold weights (stacked away by stack_params) where they
+    are views of a file mapping: transformers maps a safetensors checkpoint and its parameters are views of that
+    mapping, which the other parameters keep alive, so the stacked-away weights' pages would stay resident beside
+    their stacked copy (RSS +267 MiB at SmolLM2 float32). Only whole pages inside each tensor, only in file mappings
+    (never anonymous memory, which the allocator may reuse); the caller holds the last references. -> bytes given
+    back (0 off Linux)."""
+    maps = _file_mappings()
+    if not maps:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    page, done = mmap.PAGESIZE, 0
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if not any(a <= start and end <= b for a, b in maps):
+            continue
+        lo, hi = -(-start // page) * page, end // page * page
+        if hi > lo and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0:
+            done += hi - lo
+    return done
 
 
 def _consecutive(ts: list[torch.Tensor]) -> bool:
@@ -54,6 +99,7 @@ def stack_params(modules: list, name: str) -> torch.Tensor | None:
     for p, t in zip(ps, ts):
         p.data = stacked[off:off + t.shape[0]]  # the module's parameter now views the stacked tensor
         off += t.shape[0]
+    release_file_pages(ts)  # the weights held once: a mapped checkpoint's pages of the old ones given back
     return stacked
 
 
@@ -125,16 +171,19 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class LowWeight:
     """One stacked weight [o, k] in the low dtype, for the difference form's product: y = x [M, k] low @ w.T ->
-    [M, o] low. Made once: the weight itself when it is already bf16, else a bf16 copy; on CPUs with oneDNN's bf16
-    kernels also its packed layout (mkldnn_packed).
+    [M, o] low. Held once: a bf16 model's own stacked tensor is used as it is; a float32 model's one bf16 copy is
+    made here, and on CPUs with oneDNN's bf16 kernels kept only in their packed layout (mkldnn_packed: the same
+    kernel and bits as F.linear without its per-call reorder, 1-7 % faster at SmolLM2's shapes, RESULTS 18); then
+    `w` is None. pack=False: the plain bf16 copy (the LM head's, which the span heads read a chunk at a time).
 
     fp8: the difference rows go through FP8 e4m3 instead (a scale per token row for them, per output row for the
     weight; torch._scaled_mm on CUDA sm_89+, elsewhere emulated: the quantised values dequantised and multiplied
     exactly in float32, to measure what FP8 does to the ascent); the value rows stay bf16."""
 
-    def __init__(self, w: torch.Tensor, fp8: bool = False) -> None:
-        self.w = w if w.dtype == LOW_DTYPE else w.to(LOW_DTYPE)
-        self.packed = mkldnn_packed(self.w)
+    def __init__(self, w: torch.Tensor, fp8: bool = False, pack: bool = True) -> None:
+        low = w if w.dtype == LOW_DTYPE else w.to(LOW_DTYPE)
+        self.packed = mkldnn_packed(low) if pack and low is not w else None
+        self.w = low if self.packed is None else None
         self.fp8 = None
         if fp8:
             self.fp8 = fp8_rows(w)  # (q [o, k], scale [o, 1])
@@ -142,7 +191,7 @@ class LowWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., k] bf16 -> [..., o] bf16 (every row in bf16)."""
-        if self.packed is not None and x.device.type == "cpu":
+        if self.packed is not None:  # packed only for CPU weights, which take CPU rows
             return packed_linear(x, self.packed)
         return F.linear(x, self.w)
 
@@ -172,5 +221,5 @@ class LowWeights:
                    down=LowWeight(w.down, fp8))
 
 
-__all__ = ["LayerWeights", "LowWeight", "LowWeights", "stack_params", "mkldnn_packed", "packed_linear", "fp8_rows",
-           "FP8", "FP8_MAX"]
+__all__ = ["LayerWeights", "LowWeight", "LowWeights", "stack_params", "release_file_pages", "mkldnn_packed",
+           "packed_linear", "fp8_rows", "FP8", "FP8_MAX"]

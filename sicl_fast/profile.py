@@ -278,7 +278,7 @@ class Profile:
                       f"{total / self.step_ms * 1e3:.1f} GFLOP/s; floor {fl.ms:.2f} ms (the step is "
                       f"{self.step_ms / fl.ms:.2f}x its floor)",
                   fl.rates.line() + "; a phase's floor: its FLOPs of each precision at that precision's rate "
-                  "(bf16: the difference products of the perturbed rows)",
+                  "(bf16: the difference form's products and span head)",
                   f"peak extra memory of one step: {self.peak_mb:.1f} MiB",
                   self.kernels.line()]
         return "\n".join(lines)

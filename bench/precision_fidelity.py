@@ -5,6 +5,8 @@ counts: a low-precision proxy can climb its own rounding), and the greedy answer
     python bench/precision_fidelity.py ICLEval/data/tasks_data --models smollm2 --per-file 3 --steps 20 \\
         --out bench/precision_fidelity/records.jsonl --report bench/precision_fidelity/report.md
 
+(add --shard 0/2 and --shard 1/2 to run two processes side by side on one --out file)
+
 The paths (each an Engine configuration; `fp32` is the reference):
     fp32         float32 model, every product in float32 (backend fast-fp32)
     fp32-rows    float32 model, the difference form (diff_matmul bf16: float32 activations, every projection one bf16
@@ -16,8 +18,8 @@ The paths (each an Engine configuration; `fp32` is the reference):
     fp32-fp8     float32 model, the difference form with FP8 e4m3 differences (emulated without FP8 hardware)
 
 Every run: tau 0 and patience 0 (the full --steps, no gate), the preset's other settings (N 8 below 1B
-parameters), the same seed on every path. Records are appended one per (model, path, sample) and a rerun skips what
-is done (resumable); the report is made from every record in the file. The float32 gain of a run is
+parameters), the same seed on every path. Records are appended one per (model, path, sample, steps) and a rerun
+skips what is done (resumable); the report is made from every record in the file, one table per model and step count. The float32 gain of a run is
 f32(X_best) - f32(X0), both read by the fp32 path's engine.
 """
 from __future__ import annotations
@@ -44,26 +46,22 @@ MODELS = {"smollm2": None, "gemma3-270m": "gemma3-270m"}  # name -> sicl_fast.mo
 
 def pick_samples(folder: str, per_file: int, max_tokens: int, tokenizer, max_context):
     """The first `per_file` samples of each ICLEval task file in `folder` whose prompt has at most max_tokens
-    tokens (a CPU-sized study), in file order."""
+    tokens (a CPU-sized study), the files taken in turn (each file's first, then each file's second, ...: a study
+    stopped early still spans the files)."""
     from sicl_fast.icleval import load_dir, tokenize_sample
 
-    out = []
+    per = []
     for name, samples in sorted(load_dir(folder).items()):
-        got = 0
-        for s in samples:
-            if got == per_file:
-                break
-            if tokenize_sample(s, tokenizer, max_context).length <= max_tokens:
-                out.append((name, s))
-                got += 1
-    return out
+        short = (s for s in samples if tokenize_sample(s, tokenizer, max_context).length <= max_tokens)
+        per.append([(name, s) for _, s in zip(range(per_file), short)])
+    return [got[i] for i in range(per_file) for got in per if i < len(got)]
 
 
 def done_keys(path: str) -> set:
     if not os.path.exists(path):
         return set()
     with open(path) as f:
-        return {(r["model"], r["path"], r["sample"]) for r in map(json.loads, f) if r.get("path")}
+        return {(r["model"], r["path"], r["sample"], r["max_steps"]) for r in map(json.loads, f) if r.get("path")}
 
 
 def run(args) -> None:
@@ -79,6 +77,7 @@ def run(args) -> None:
         lms = {"float32": load(MODELS[model], dtype="float32")}
         ref = Engine(lms["float32"], backend="fast-fp32", threads=args.threads)
         samples = pick_samples(args.icleval, args.per_file, args.max_tokens, ref.lm.tokenizer, ref.lm.max_context)
+        samples = samples[args.shard[0]::args.shard[1]]
         print(f"# {model}: {len(samples)} samples, paths {', '.join(args.paths)}", flush=True)
         engines = {}
         for path in args.paths:
@@ -91,7 +90,7 @@ def run(args) -> None:
             prompt = sample_prompt(ref, s)
             f32_0 = None
             for path in args.paths:
-                if (model, path, key) in done:
+                if (model, path, key, args.steps) in done:
                     continue
                 eng = engines[path]
                 if f32_0 is None:
@@ -107,7 +106,8 @@ def run(args) -> None:
                 stop = lambda text, s=s: should_stop(s, text)  # noqa: E731
                 gen = eng.generate(prompt, res.embeddings.to(eng.lm.dtype), max_new_tokens=max_gen_len(s),
                                    stop_strings=(), stop_fn=stop)
-                rec = {"model": model, "path": path, "sample": key, "L": prompt.length, "steps": res.steps,
+                rec = {"model": model, "path": path, "sample": key, "L": prompt.length, "max_steps": args.steps,
+                       "steps": res.steps,
                        "seconds": round(seconds, 3), "own_initial": res.initial_proxy, "own_best": res.best_proxy,
                        "f32_initial": f32_0, "f32_best": f32_best, "own_gain": res.best_proxy - res.initial_proxy,
                        "f32_gain": f32_best - f32_0, "answer": gen.text, "correct": bool(score(s, gen.text)),
@@ -122,10 +122,10 @@ def report(records: list[dict]) -> str:
     """The study's tables: per model and path, the float32 gain kept (sum over samples against fp32's, and the
     median of the per-sample ratios), the answers equal to fp32's, the own gain against the float32 one, the time."""
     lines = []
-    for model in sorted({r["model"] for r in records}):
-        rs = [r for r in records if r["model"] == model]
+    for model, max_steps in sorted({(r["model"], r["max_steps"]) for r in records}):
+        rs = [r for r in records if r["model"] == model and r["max_steps"] == max_steps]
         ref = {r["sample"]: r for r in rs if r["path"] == "fp32"}
-        lines += [f"### {model}: {len(ref)} samples", "",
+        lines += [f"### {model}: {len(ref)} samples, {max_steps} steps", "",
                   "| path | float32 gain kept (sum) | median per sample | answers = fp32's | own gain / float32 gain "
                   "| correct | s / step |", "|---|---|---|---|---|---|---|"]
         for path in [p for p in PATHS if any(r["path"] == p for r in rs)]:
@@ -144,6 +144,17 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N), 0 <= I < N."""
+    try:
+        i, n = map(int, text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: I must be in 0..N-1")
+    return i, n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("icleval", help="ICLEval's data/tasks_data folder (the task files)")
@@ -153,6 +164,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=400, help="longest prompt taken (tokens)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--shard", type=shard, default=(0, 1), metavar="I/N",
+                    help="run the samples I, I + N, I + 2N, ... (processes side by side, one --out file)")
     ap.add_argument("--out", default="bench/precision_fidelity/records.jsonl")
     ap.add_argument("--report", default=None, help="write the tables (markdown) here")
     ap.add_argument("--report-only", action="store_true", help="make the tables from --out, run nothing")

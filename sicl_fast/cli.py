@@ -130,8 +130,9 @@ def _model(g) -> None:
     g.add_argument("--device", default="auto", help="auto (CUDA where there is one, else the CPU), cpu, cuda, "
                                                     "cuda:1, ...")
     g.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                   help="the weights' dtype; auto: bfloat16 on CUDA, float32 on the CPU (the perturbation batches' "
-                        "products are bf16 in difference form on both where bf16 is fast: bench/RESULTS.md 17)")
+                   help="the weights' dtype; auto: float32, or bfloat16 on CUDA where the weights are bf16 values "
+                        "(the perturbation batches' products are bf16 in difference form on both where bf16 is "
+                        "fast: bench/RESULTS.md 17)")
 
 
 def _tokens(g) -> None:

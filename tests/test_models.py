@@ -63,3 +63,42 @@ def test_gemma3_270m_loads():
     assert cfg.vocab_size == 262144
     ids = lm.tokenizer("Hello world").input_ids
     assert ids[0] == lm.tokenizer.bos_token_id  # its tokenizer adds BOS
+
+
+def test_auto_dtype_rounds_only_weights_that_are_bf16_values(tiny_dir, tmp_path, monkeypatch):
+    """dtype 'auto' (bench/RESULTS.md 17): float32 on the CPU; on CUDA bf16 only where every weight is a bf16 value
+    (the bf16 copy is the same model), else float32 (rounding the weights makes another model). An explicit dtype
+    is taken as given. load() decides once the weights are read: checked through a resolve_dtype that decides as
+    on CUDA while the model stays on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from sicl_fast.models import loading
+    from sicl_fast.models.loading import bf16_exact, resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    rounded = torch.nn.Linear(8, 8)
+    assert not bf16_exact(rounded)  # random float32 weights
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    assert bf16_exact(rounded)
+    assert resolve_dtype("auto", cpu, lambda: True)[0] == torch.float32
+    assert resolve_dtype("auto", cuda, lambda: True)[0] == torch.bfloat16
+    dtype, why = resolve_dtype(None, cuda, lambda: False)
+    assert dtype == torch.float32 and "not all bf16 values" in why
+    assert resolve_dtype("auto", cuda)[0] == torch.float32  # nothing known of the weights: not rounded
+    assert resolve_dtype("bf16", cpu) == (torch.bfloat16, "asked for")
+
+    exact_dir = tmp_path / "exact"  # the tiny model with every weight rounded to a bf16 value
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(p.bfloat16().float())
+    m.save_pretrained(exact_dir)
+    load(tiny_dir).tokenizer.save_pretrained(exact_dir)
+    real = loading.resolve_dtype
+    monkeypatch.setattr(loading, "resolve_dtype", lambda dtype, dev, exact=None: real(dtype, cuda, exact))
+    lm = load(str(exact_dir), device="cpu")
+    assert lm.dtype == torch.bfloat16 and "bf16 values" in lm.extra["why"]["dtype"]
+    lm = load(tiny_dir, device="cpu")
+    assert lm.dtype == torch.float32 and "not all bf16 values" in lm.extra["why"]["dtype"]

@@ -1,12 +1,13 @@
 """The precision study's guard (bench/precision_fidelity.py, bench/RESULTS.md section 17): the default path calibrates
 as plain float32 does: on two prompts of the real SmolLM2, the float32 proxy of the X it returns gains within 5 % of
-what plain float32's X gains (the study's target; measured 0.05 % and 0.02 %). The GPU's default, a bf16 model in the
-difference form, within 10 %: its weights are rounded, so it climbs a slightly different function (measured +4.4 %
-and +2.5 % here; the study's figure over its samples is in RESULTS 17). The plain bf16 ascent, which the defaults
-replaced, keeps less than half (measured 7 % and 37 %).
+what plain float32's X gains (the study's target; measured 0.05 % and 0.02 %). A bf16 model in the difference form
+(the GPU's default for a checkpoint of bf16 values), within 10 %: SmolLM2's weights are not bf16 values, so the
+rounded model climbs a slightly different function (measured +4.4 % and +2.5 % here; the study's figures, and
+Gemma 3 270M's, where the rounding moves more than a calibration gains, are in RESULTS 17). The plain bf16 ascent,
+which the defaults replaced, keeps less than half (measured 7 % and 37 %).
 
 A seeded run with the paper's step sizes, N 8, tau 0 and patience 0 (the whole budget) on short prompts: 6 steps
-(the study runs 20 on ICLEval samples). The float32 gain of a run is f32(X_best) - f32(X0), both read by the plain
+(the study runs 12 on ICLEval samples). The float32 gain of a run is f32(X_best) - f32(X0), both read by the plain
 float32 engine.
 """
 import pytest

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -309,17 +310,30 @@ def resolve_device(device: str | torch.device | None) -> tuple[torch.device, str
     return dev, "asked for"
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device) -> tuple[torch.dtype, str]:
+def bf16_exact(model: torch.nn.Module) -> bool:
+    """Is every floating-point parameter of `model` a bf16 value (its bf16 copy the same model)?"""
+    return all(torch.equal(p, p.to(torch.bfloat16).to(p.dtype)) for p in model.parameters() if p.is_floating_point())
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device,
+                  weights_exact: Callable[[], bool] | None = None) -> tuple[torch.dtype, str]:
     """(the weights' dtype, why): 'auto' (or None) is the fastest that calibrates as float32 does on `dev`, as the
-    precision study measured (bench/precision_fidelity.py; bench/RESULTS.md section 17): a bf16 model on CUDA (its
-    perturbation batches in difference form at the tensor cores' rate), float32 weights on the CPU (the difference
-    form's products are bf16 there too; float32 answers and plain forwards)."""
+    precision study measured (bench/precision_fidelity.py; bench/RESULTS.md section 17). The perturbation batches'
+    products are bf16 in difference form on every device; what 'auto' decides is whether the weights are rounded.
+    On CUDA: bf16 where `weights_exact()` says they are bf16 values already (a bf16 checkpoint: the same model, half
+    the memory and bf16 plain forwards), else float32: rounding the weights makes another model, whose proxy moved
+    by +-3e-4 on Gemma 3 270M where a float32 ascent gains 1e-5..2e-4 (the study: its X kept a median 46 % of the
+    float32 gain; float32 weights with bf16 difference products, 100 %). On the CPU: float32."""
     if dtype is None or dtype == "auto":
-        if dev.type == "cuda":
-            return torch.bfloat16, ("auto: CUDA: bf16 weights, the perturbation batches in difference form "
-                                    "(calibrates as float32 does: RESULTS 17)")
-        return torch.float32, ("auto: CPU: float32 weights, the perturbation batches' products in bf16 difference "
-                               "form where bf16 is fast (RESULTS 17)")
+        if dev.type != "cuda":
+            return torch.float32, ("auto: CPU: float32 weights, the perturbation batches' products in bf16 "
+                                   "difference form where bf16 is fast (RESULTS 17)")
+        if weights_exact is not None and weights_exact():
+            return torch.bfloat16, ("auto: CUDA, the weights are bf16 values: bf16 weights (the same model), the "
+                                    "perturbation batches in difference form (RESULTS 17)")
+        return torch.float32, ("auto: CUDA, the weights are not all bf16 values: float32 weights (rounding them "
+                               "changes the model: RESULTS 17), the perturbation batches' products in bf16 "
+                               "difference form")
     if isinstance(dtype, torch.dtype):
         return dtype, "asked for"
     if dtype not in DTYPES:
@@ -332,14 +346,17 @@ def load(
     device: str | torch.device | None = "auto"
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. See HOW_TO_POINT for the accepted `model` values. device and dtype:
-    resolve_device / resolve_dtype ('auto': CUDA where there is one; the precision the device calibrates best at);
+    resolve_device / resolve_dtype ('auto': CUDA where there is one; the precision the device calibrates best at,
+    decided once the weights are read);
     what they resolved to and why is kept in `extra['why']` (`sicl-fast plan` prints it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
 
     dev, why_device = resolve_device(device)
-    dtype, why_dtype = resolve_dtype(dtype, dev)
+    auto = dtype is None or dtype == "auto"
+    if not auto:  # an unknown name is refused before the weights load
+        dtype, why_dtype = resolve_dtype(dtype, dev)
     name, path, kind = resolve(model)
     if kind == "gguf":
         m, tok = _load_gguf(path)
@@ -349,6 +366,8 @@ def load(
             m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except Exception as exc:
             raise ModelLoadError(f"could not load model directory {path}: {exc}") from exc
+    if auto:  # the weights loaded in float32: whether they are bf16 values decides (resolve_dtype)
+        dtype, why_dtype = resolve_dtype("auto", dev, lambda: bf16_exact(m))
     m = m.to(device=dev, dtype=dtype).eval()
     m.requires_grad_(False)
     return LoadedModel(model=m, tokenizer=tok, name=name,
@@ -367,4 +386,4 @@ def describe(lm: LoadedModel) -> dict:
 
 
 __all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "model_folder", "converted_path",
-           "HOW_TO_POINT", "cache_dir", "resolve_device", "resolve_dtype"]
+           "HOW_TO_POINT", "cache_dir", "resolve_device", "resolve_dtype", "bf16_exact"]

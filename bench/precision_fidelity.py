@@ -19,8 +19,11 @@ The paths (each an Engine configuration; `fp32` is the reference):
 
 Every run: tau 0 and patience 0 (the full --steps, no gate), the preset's other settings (N 8 below 1B
 parameters), the same seed on every path. Records are appended one per (model, path, sample, steps) and a rerun
-skips what is done (resumable); the report is made from every record in the file, one table per model and step count. The float32 gain of a run is
-f32(X_best) - f32(X0), both read by the fp32 path's engine.
+skips what is done (resumable); the report is made from every record in the file, one table per model and step
+count. The float32 gain of a run is f32(X_best) - f32(X0'), both read by the fp32 path's engine, where X0' is the
+path's own start: the prompt's embeddings as its model makes them (on a bf16 model, bf16 values). f32(X0') - f32(X0)
+is the start's offset, the same for every run of that model dtype on the sample and not the ascent's doing (on
+Gemma 3 270M as large as a calibration's gain); `--fill-starts` adds X0' to records made before it was recorded.
 """
 from __future__ import annotations
 
@@ -64,27 +67,67 @@ def done_keys(path: str) -> set:
         return {(r["model"], r["path"], r["sample"], r["max_steps"]) for r in map(json.loads, f) if r.get("path")}
 
 
-def run(args) -> None:
+def make_engines(model: str, paths, threads):
+    """(the float32 reference engine, {path: its Engine}) for one model, each model dtype loaded once."""
     from sicl_fast import Engine
+    from sicl_fast.models import load
+
+    lms = {"float32": load(MODELS[model], dtype="float32")}
+    ref = Engine(lms["float32"], backend="fast-fp32", threads=threads)
+    engines = {}
+    for path in paths:
+        dtype, choices = PATHS[path]
+        if dtype not in lms:
+            lms[dtype] = load(MODELS[model], dtype=dtype)
+        engines[path] = Engine(lms[dtype], threads=threads, **choices)
+    return ref, engines
+
+
+def f32_of_start(ref, eng, prompt) -> float:
+    """f32(X0'): the float32 proxy of the path's own start, the prompt's embeddings as its model makes them."""
+    return float(ref.proxy(prompt, embeds=eng.backend.embed(prompt)).f[0])
+
+
+def fill_starts(args) -> None:
+    """Records made before f32_start was recorded: add it (one proxy a sample and model dtype), set f32_gain from
+    it, and rewrite --out (no run may be appending to it)."""
+    from sicl_fast.evaluation.methods import sample_prompt
+    from sicl_fast.icleval import load_dir
+
+    with open(args.out) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    todo = [r for r in records if "f32_start" not in r]
+    by_key = {f"{name}:{s.uid}": s for name, samples in load_dir(args.icleval).items() for s in samples}
+    for model in sorted({r["model"] for r in todo}):
+        paths = sorted({r["path"] for r in todo if r["model"] == model})
+        ref, engines = make_engines(model, paths, args.threads)
+        starts = {}
+        for r in (r for r in todo if r["model"] == model):
+            dtype = PATHS[r["path"]][0]
+            if (r["sample"], dtype) not in starts:
+                prompt = sample_prompt(ref, by_key[r["sample"]])
+                starts[r["sample"], dtype] = f32_of_start(ref, engines[r["path"]], prompt)
+            r["f32_start"] = starts[r["sample"], dtype]
+            r["f32_gain"] = r["f32_best"] - r["f32_start"]
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, args.out)
+    print(f"{len(todo)} records given their start", flush=True)
+
+
+def run(args) -> None:
     from sicl_fast.backends.step_forward import StepForward
     from sicl_fast.evaluation.methods import sample_prompt
     from sicl_fast.icleval import max_gen_len, score, should_stop
-    from sicl_fast.models import load
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     done = done_keys(args.out)
     for model in args.models:
-        lms = {"float32": load(MODELS[model], dtype="float32")}
-        ref = Engine(lms["float32"], backend="fast-fp32", threads=args.threads)
+        ref, engines = make_engines(model, args.paths, args.threads)
         samples = pick_samples(args.icleval, args.per_file, args.max_tokens, ref.lm.tokenizer, ref.lm.max_context)
         samples = samples[args.shard[0]::args.shard[1]]
         print(f"# {model}: {len(samples)} samples, paths {', '.join(args.paths)}", flush=True)
-        engines = {}
-        for path in args.paths:
-            dtype, choices = PATHS[path]
-            if dtype not in lms:
-                lms[dtype] = load(MODELS[model], dtype=dtype)
-            engines[path] = Engine(lms[dtype], threads=args.threads, **choices)
         for name, s in samples:
             key = f"{name}:{s.uid}"
             prompt = sample_prompt(ref, s)
@@ -95,6 +138,7 @@ def run(args) -> None:
                 eng = engines[path]
                 if f32_0 is None:
                     f32_0 = float(ref.proxy(prompt).f[0])
+                f32_start = f32_of_start(ref, eng, prompt)
                 t0 = time.perf_counter()
                 StepForward.references = path != "fp32-rows-rounded"
                 try:
@@ -107,11 +151,10 @@ def run(args) -> None:
                 gen = eng.generate(prompt, res.embeddings.to(eng.lm.dtype), max_new_tokens=max_gen_len(s),
                                    stop_strings=(), stop_fn=stop)
                 rec = {"model": model, "path": path, "sample": key, "L": prompt.length, "max_steps": args.steps,
-                       "steps": res.steps,
-                       "seconds": round(seconds, 3), "own_initial": res.initial_proxy, "own_best": res.best_proxy,
-                       "f32_initial": f32_0, "f32_best": f32_best, "own_gain": res.best_proxy - res.initial_proxy,
-                       "f32_gain": f32_best - f32_0, "answer": gen.text, "correct": bool(score(s, gen.text)),
-                       "best_step": res.best_step}
+                       "steps": res.steps, "seconds": round(seconds, 3), "own_initial": res.initial_proxy,
+                       "own_best": res.best_proxy, "f32_initial": f32_0, "f32_start": f32_start, "f32_best": f32_best,
+                       "own_gain": res.best_proxy - res.initial_proxy, "f32_gain": f32_best - f32_start,
+                       "answer": gen.text, "correct": bool(score(s, gen.text)), "best_step": res.best_step}
                 with open(args.out, "a") as f:
                     f.write(json.dumps(rec) + "\n")
                 print(f"{model} {path:10s} {key:34s} L {prompt.length:4d} f32 gain {rec['f32_gain']:+.3e} "
@@ -120,14 +163,15 @@ def run(args) -> None:
 
 def report(records: list[dict]) -> str:
     """The study's tables: per model and path, the float32 gain kept (sum over samples against fp32's, and the
-    median of the per-sample ratios), the answers equal to fp32's, the own gain against the float32 one, the time."""
+    median of the per-sample ratios), the answers equal to fp32's, the own gain against the float32 one, the
+    start's offset (mean |f32(X0') - f32(X0)|, the model dtype's doing, not the ascent's), the time."""
     lines = []
     for model, max_steps in sorted({(r["model"], r["max_steps"]) for r in records}):
         rs = [r for r in records if r["model"] == model and r["max_steps"] == max_steps]
         ref = {r["sample"]: r for r in rs if r["path"] == "fp32"}
         lines += [f"### {model}: {len(ref)} samples, {max_steps} steps", "",
                   "| path | float32 gain kept (sum) | median per sample | answers = fp32's | own gain / float32 gain "
-                  "| correct | s / step |", "|---|---|---|---|---|---|---|"]
+                  "| start's offset | correct | s / step |", "|---|---|---|---|---|---|---|---|"]
         for path in [p for p in PATHS if any(r["path"] == p for r in rs)]:
             got = [r for r in rs if r["path"] == path and r["sample"] in ref]
             if not got:
@@ -135,11 +179,13 @@ def report(records: list[dict]) -> str:
             kept = sum(r["f32_gain"] for r in got) / sum(ref[r["sample"]]["f32_gain"] for r in got)
             ratios = [r["f32_gain"] / ref[r["sample"]]["f32_gain"] for r in got if ref[r["sample"]]["f32_gain"] > 0]
             same = sum(r["answer"] == ref[r["sample"]]["answer"] for r in got)
-            own = sum(r["own_gain"] for r in got) / max(1e-12, sum(r["f32_gain"] for r in got))
+            own = sum(r["own_gain"] for r in got) / sum(r["f32_gain"] for r in got)  # shown where it means a ratio
+            own = f"{own:.2f}" if kept > 0.05 else "-"
             step = sum(r["seconds"] for r in got) / sum(r["steps"] for r in got)
+            offset = statistics.mean(abs(r.get("f32_start", r["f32_initial"]) - r["f32_initial"]) for r in got)
             lines.append(f"| {path} | {100 * kept:.1f} % | {100 * statistics.median(ratios):.1f} % | "
-                         f"{same} / {len(got)} | {own:.2f} | {sum(r['correct'] for r in got)} / {len(got)} | "
-                         f"{step:.2f} |")
+                         f"{same} / {len(got)} | {own} | {offset:.1e} | {sum(r['correct'] for r in got)} / "
+                         f"{len(got)} | {step:.2f} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -169,9 +215,13 @@ def main() -> None:
     ap.add_argument("--out", default="bench/precision_fidelity/records.jsonl")
     ap.add_argument("--report", default=None, help="write the tables (markdown) here")
     ap.add_argument("--report-only", action="store_true", help="make the tables from --out, run nothing")
+    ap.add_argument("--fill-starts", action="store_true",
+                    help="add f32_start to the records of --out made without it (then the report), run nothing else")
     args = ap.parse_args()
     torch.manual_seed(0)
-    if not args.report_only:
+    if args.fill_starts:
+        fill_starts(args)
+    elif not args.report_only:
         run(args)
     with open(args.out) as f:
         text = report([json.loads(line) for line in f if line.strip()])

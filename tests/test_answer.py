@@ -1,4 +1,4 @@
-"""Query-only answering (sicl_fast.answer_kv): a query's prefill against the stored K/V of the calibrated rows
+"""Query-only answering (sicl_fast.answering.answer_kv): a query's prefill against the stored K/V of the calibrated rows
 [0, b) and greedy decoding, many ragged queries as one batch, give the tokens of decoding the full calibrated matrix
 (FastBackend.generate): on tiny random-weight models of all four families (sliding windows and soft-caps
 included), and on SmolLM2 after a real calibration. The K/V is counted in the store's memory budget."""
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from sicl_fast import Engine
-from sicl_fast.answer_kv import answer_batch
-from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.answering.answer_kv import answer_batch
+from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.errors import SiclError
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
 from sicl_fast.store import Calibration, CalibrationStore
 
 from test_fast_backend import SUPPORTED_FAMILIES, V, tiny_models  # noqa: E402

@@ -5,7 +5,7 @@ import torch
 from conftest import synthetic_prompt
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
+from sicl_fast.calibration.step.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
 from sicl_fast.models import from_transformers
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -47,8 +47,8 @@ def test_tiny_llama_matches_full_logits(tiny_llama):
 
 @pytest.mark.slow
 def test_smollm2_matches_full_logits(smol):
-    from sicl_fast.requests import parse_request
-    from sicl_fast.spans import tokenize
+    from sicl_fast.formats.requests import parse_request
+    from sicl_fast.formats.spans import tokenize
 
     req = parse_request({"id": "s", "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"},
                                               {"input": "ten", "output": "10"}], "query": "two"})

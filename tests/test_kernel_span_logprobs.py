@@ -13,7 +13,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from sicl_fast.errors import SiclError  # noqa: E402
-from sicl_fast.logprobs import gather_logprobs_chunked  # noqa: E402
+from sicl_fast.calibration.step.logprobs import gather_logprobs_chunked  # noqa: E402
 from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sicl_fast import Engine, load
-from sicl_fast.cli import main
+from sicl_fast.commands.cli import main
 from sicl_fast.errors import SiclWarning
 from sicl_fast.models import cache
 from sicl_fast.models.loading import converted_path

@@ -27,15 +27,15 @@ import os
 import pytest
 import torch
 
-from sicl_fast import rng, zo
-from sicl_fast.best import BestState
+from sicl_fast.calibration.step import rng, zo
+from sicl_fast.calibration.step.best import BestState
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.logprobs import gather_logprobs_chunked
+from sicl_fast.calibration.step.logprobs import gather_logprobs_chunked
 from sicl_fast.ops import cpp_ops, make_ops
-from sicl_fast.proxy import proxy as ref_proxy
-from sicl_fast.proxy import span_offsets
-from sicl_fast.spec import StepSpec
-from sicl_fast.step_state import RUNNING, StepState, advance_reference
+from sicl_fast.calibration.step.proxy import proxy as ref_proxy
+from sicl_fast.formats.spans import span_offsets
+from sicl_fast.calibration.step.spec import StepSpec
+from sicl_fast.calibration.step.step_state import RUNNING, StepState, advance_reference
 from conftest import TRITON_DEVICE
 
 TOL = {
@@ -360,7 +360,7 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
 
 @pytest.mark.parametrize("name", list(ADVANCE_SCRIPTS))
 def test_advance_matches_the_reference(ops, dev, name):
-    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast.calibration.ascent import CalibrationConfig
 
     kw, f0s = ADVANCE_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
@@ -403,7 +403,7 @@ def test_the_smallest_margin_is_the_papers_rule(name):
     """min_delta 0 skips the anchor (no op); the smallest positive min_delta takes the anchor path, where f0 counts
     when it beats the anchor by more than 5e-324: for float32 proxies that is any gain, so both give the same state
     bit for bit at every step (the anchor aside: the path without a margin never writes it)."""
-    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast.calibration.ascent import CalibrationConfig
 
     kw, f0s = ADVANCE_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
@@ -420,8 +420,8 @@ def test_min_delta_costs_no_launch(dev, impl):
     """The fused bookkeeping is two launches with or without min_delta in Triton (the anchor is compiled in or out of
     the first) and one C++ call; the torch reference adds its anchor ops only when min_delta or min_delta_rel is
     set."""
-    from sicl_fast.ascent import CalibrationConfig
-    from sicl_fast.kernel_count import count_kernels
+    from sicl_fast.calibration.ascent import CalibrationConfig
+    from sicl_fast.diagnostics.kernel_count import count_kernels
 
     ops = make_ops(impl, dev).step
     cfg = CalibrationConfig(N=5, mu=0.01, tau=0.0, patience=2, max_steps=8, scale=1.0)
@@ -685,7 +685,7 @@ def test_cpp_attention_is_a_plan_choice():
     if not cpp_ops.available():
         pytest.skip("the C++ extension sicl_fast._C is not built")
     from sicl_fast.errors import SiclError
-    from sicl_fast.plan import BACKENDS, resolve_attention
+    from sicl_fast.run.plan import BACKENDS, resolve_attention
 
     kind = BACKENDS["fast"]
     for dtype in (torch.float32, torch.bfloat16):

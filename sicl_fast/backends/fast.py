@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
+from ..run.graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
 from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
-from ..spans import Prompt
+from ..formats.spans import Prompt
 from .base import Backend
 from .step_forward import PackedForward, SpanPlan, StepForward
 
@@ -25,7 +25,7 @@ from .step_forward import PackedForward, SpanPlan, StepForward
 class FastBackend(Backend):
     """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text, as the run plan `plan` says: its DecoderConfig,
     attention kernel (and whether to check it against the math path first), difference products, ops and the
-    tokens decoded between two host reads (sicl_fast.plan). prefix_cache=False always runs the full rows [0, b)."""
+    tokens decoded between two host reads (sicl_fast.run.plan). prefix_cache=False always runs the full rows [0, b)."""
 
     name = "fast"
 
@@ -90,8 +90,8 @@ class FastBackend(Backend):
         """Greedy answer from embeddings [L, d] with a static KV cache: fixed buffers, each token written in
         place at a device-held position and attended over the whole buffer with a mask (no shape changes with
         the length), the argmax on the device, and the tokens read every `read_every` tokens. Same stop rules
-        and result type (sicl_fast.generate.Generation) as the hf path's greedy_generate."""
-        from ..generate import check_inputs, greedy_decode
+        and result type (sicl_fast.backends.generate.Generation) as the hf path's greedy_generate."""
+        from .generate import check_inputs, greedy_decode
 
         lm, m = self.lm, self.model
         check_inputs(lm, embeds, max_new_tokens)

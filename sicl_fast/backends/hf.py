@@ -8,7 +8,7 @@ import torch
 import torch.utils.checkpoint
 
 from ..errors import SiclError
-from ..spans import Prompt
+from ..formats.spans import Prompt
 from .base import Backend
 
 

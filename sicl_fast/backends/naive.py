@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spans import Prompt
+from ..formats.spans import Prompt
 from .base import Backend
 
 

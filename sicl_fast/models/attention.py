@@ -200,7 +200,7 @@ def flash_available() -> bool:
 
 class Attention:
     """The attention of one model: its kernel (`impl`: 'math', 'sdpa', 'flash' or 'triton', as the run plan resolved
-    it, sicl_fast.plan.resolve_attention), scale, soft-cap, and a cache of masks per shape. On CUDA a fused kernel
+    it, sicl_fast.run.plan.resolve_attention), scale, soft-cap, and a cache of masks per shape. On CUDA a fused kernel
     is trusted only after `verify` (FastBackend calls it once, explicitly)."""
 
     def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device) -> None:

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from ..errors import SiclError, SiclWarning
-from ..inputs import describe_missing, env_path
+from ..formats.inputs import describe_missing, env_path
 
 CACHE_VERSION = 3  # bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder; v3: content key)
 MANIFEST = ".sicl_fast_manifest.json"
@@ -74,7 +74,7 @@ T = TypeVar("T")
 
 def cache_dir() -> Path:
     """The cache's folder: SICL_FAST_CACHE made absolute, or ~/.cache/sicl_fast when it is unset, empty or blank (an
-    empty value never means the current folder: sicl_fast.inputs.env_path)."""
+    empty value never means the current folder: sicl_fast.formats.inputs.env_path)."""
     return env_path(CACHE_ENV) or Path.home() / ".cache" / "sicl_fast"
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, require
-from ..inputs import env_path
+from ..formats.inputs import env_path
 from .cache import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
                     find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf

@@ -88,8 +88,8 @@ class Rotary:
 class Positions:
     """Where a forward's T rows sit: either `start` .. start+T-1 (host ints: the rotary tables are slices, the
     attention masks cached per shape), or, decoding (T = 1), the position the int64 device tensor `at` holds ([1];
-    [B], one per row, for query-only answers: sicl_fast.answer_kv): no host position, so any position replays one
-    captured graph. rope: rotary key -> (cos, sin) of these positions ([T, 1, hd]), looked up once per forward for
+    [B], one per row, for query-only answers: sicl_fast.answering.answer_kv): no host position, so any position replays
+    one captured graph. rope: rotary key -> (cos, sin) of these positions ([T, 1, hd]), looked up once per forward for
     every layer."""
 
     T: int
@@ -301,7 +301,7 @@ class Transformer:
     def cached_tensors(self) -> list:
         """The device tensors this model caches between forwards (rotary tables, the rows' K/V buffers, attention
         masks) and may later replace or drop: a captured CUDA graph reads them by address, so it keeps these
-        references (sicl_fast.graphs)."""
+        references (sicl_fast.run.graphs)."""
         out = [t for r in self.rotary.values() for t in (r.cos, r.sin, r.cos32, r.sin32)]
         out += [t for kv in self._rows_kv[1] for t in kv]
         out += [t for kv in self._pass_kv[1] for t in kv]
@@ -404,8 +404,8 @@ class Transformer:
         the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: a StaticCache that the rows
         are prefilled into (decoding: decode_logits). Plain products (a perturbation batch's difference form is
         forward_rows).
-        Differentiable in x (the exact-gradient ascent, sicl_fast.grad): autograd records only when x requires
-        grad (the weights are detached), so the callers that never differentiate run it under no_grad or with
+        Differentiable in x (the exact-gradient ascent, sicl_fast.calibration.grad): autograd records only when x
+        requires grad (the weights are detached), so the callers that never differentiate run it under no_grad or with
         inputs that need none. checkpoint: see `run`."""
         if prefix is not None and prefix.length != pos0:
             raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {pos0}")
@@ -501,7 +501,7 @@ class Transformer:
     def reference_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 product of reference hidden states h [..., d] float32 (the model's own head
         weight, made float32 a vocabulary chunk at a time) -> [..., V] float32, before any soft-cap: the value rows'
-        reference logits of the difference form's span head (sicl_fast.logprobs.rows_logprobs)."""
+        reference logits of the difference form's span head (sicl_fast.calibration.step.logprobs.rows_logprobs)."""
         V = self.head.shape[0]
         out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
         for v0 in range(0, V, 8192):

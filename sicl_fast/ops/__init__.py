@@ -5,12 +5,12 @@
     ops.decoder                         DecoderOps: the fast decoder's elementwise work (the model's `ops`)
 
 Which implementation runs ('auto' follows the device; the exact gradient needs a differentiable one; 'cpp' runs on
-the CPU) is a rule of the run plan (sicl_fast.plan.resolve_impl); make_ops builds what the plan chose and decides
+the CPU) is a rule of the run plan (sicl_fast.run.plan.resolve_impl); make_ops builds what the plan chose and decides
 nothing. No environment variable is read. The protocols and the shapes: sicl_fast.ops.base.
 """
 from __future__ import annotations
 
-from ..spec import check_choice
+from ..calibration.step.spec import check_choice
 from . import cpp_ops
 from .base import DecoderOps, Ops, StepOps
 from .torch_ops import TorchDecoderOps, TorchStepOps

@@ -13,7 +13,7 @@ _utils.launch (the warps from the block size; on CUDA, on the tensors' own devic
     perturb(X [L, d] float32, step, spec: StepSpec) -> [B, b, d] float32
     zo_update(X, X0, f [B], step, spec) -> (X_new [L, d] float32, fired int32 [1] on the device)
     track_best(f, X, BestState) -> BestState            best-so-far X / f / patience on the device
-    advance(st, f, fired, cfg)                          the static step's bookkeeping on its StepState
+    bookkeep(st, f, fired, cfg)                          the static step's bookkeeping on its StepState
                                                         (sicl_fast.calibration.step.step_state)
     randn(seed, step, num, rows, d) -> [num, rows, d]   the directions U (= step.rng.directions, bitwise)
     cached_tensors() -> list                            device constants the launchers cache (a graph keeps them)
@@ -45,7 +45,7 @@ from .proxy import proxy, proxy_planned
 from .randn import randn
 from .span_logprobs import span_logprobs, span_logprobs_rows
 from .zo_update import cached_tensors, zo_update
-from .advance import advance
+from .bookkeep import bookkeep
 from .attention import attention_rows, prefix_attention
 from .gated import gated
 from .gated_rows import gated_rows
@@ -66,7 +66,7 @@ __all__ = [
     "randn",
     "interpreting",
     "cached_tensors",
-    "advance",
+    "bookkeep",
     "span_logprobs_rows",
     "norm_rows",
     "rope_rows",

@@ -44,9 +44,10 @@ MOVED = {
     "export": "answering.export", "generate": "backends.generate", "grad": "calibration.grad",
     "gradstudy": "diagnostics.gradstudy", "graphs": "run.graphs", "inputs": "formats.inputs", "jobs": "commands.work",
     "kernel_count": "diagnostics.kernel_count", "knobs": "run.knobs", "logprobs": "calibration.step.logprobs",
-    "packed": "calibration.packed", "plan": "run.plan", "profile": "diagnostics.profile", "progress": "run.progress",
-    "proxy": "calibration.step.proxy", "records": "formats.records", "requests": "formats.requests",
-    "reuse": "answering.reuse", "rng": "calibration.step.rng", "run_args": "run.run_args", "spans": "formats.spans",
+    "models.cache": "models.converted", "packed": "calibration.packed", "plan": "run.plan",
+    "profile": "diagnostics.profile", "progress": "run.progress", "proxy": "calibration.step.proxy",
+    "records": "formats.records", "requests": "formats.requests", "reuse": "answering.reuse",
+    "rng": "calibration.step.rng", "run_args": "run.run_args", "spans": "formats.spans",
     "spec": "calibration.step.spec", "static": "calibration.static", "step_state": "calibration.step.step_state",
     "threads": "run.threads", "workers": "run.workers", "zo": "calibration.step.zo",
 }

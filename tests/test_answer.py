@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sicl_fast import Engine
-from sicl_fast.answering.answer_kv import answer_batch
+from sicl_fast.answering.answer_kv import decode_queries
 from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.errors import SiclError
 from sicl_fast.formats.requests import Request
@@ -83,14 +83,14 @@ def test_the_kv_is_counted_in_the_store_budget(engines):
     store.put(cal)
     before = store.memory.bytes
     p = prompt(stem.tolist() + [5, 6])
-    answer_batch(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=store)
+    decode_queries(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=store)
     m = eng.backend.model
     kv_bytes = len(m.layers) * 2 * B_ROWS * m.Hk * m.hd * 4
     assert cal.kv is not None and store.memory.bytes - before == cal.kv.nbytes >= kv_bytes
     tight = CalibrationStore(cal.nbytes - 1)  # rows fit, rows + K/V do not: the K/V is dropped, the rows kept
     cal.kv = None
     tight.put(cal)
-    answer_batch(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=tight)
+    decode_queries(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=tight)
     assert tight.get(cal.key) is cal and cal.kv is None
 
 

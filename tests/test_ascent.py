@@ -196,7 +196,7 @@ def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatc
     runs the fused kernel on them)."""
     from test_ops import ADVANCE_SCRIPTS
 
-    from sicl_fast.calibration.step.step_state import NONFINITE, REASONS, StepState, advance_reference
+    from sicl_fast.calibration.step.step_state import NONFINITE, REASONS, StepState, bookkeep_reference
 
     hf, p = setup
     kw, f0s = ADVANCE_SCRIPTS[name]
@@ -210,11 +210,11 @@ def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatc
         f[0] = f0
         script.append((f, torch.randn(X0.shape, generator=g), torch.tensor([step % 2], dtype=torch.int32)))
     monkeypatch.setattr(cal, "evaluate", lambda X, prompt, spec, step, forward=None: (script[step][0], None))
-    monkeypatch.setattr(cal, "advance", lambda X, X0, f, g, spec, step: script[step][1:])
+    monkeypatch.setattr(cal, "move", lambda X, X0, f, g, spec, step: script[step][1:])
     st = StepState.new(X0, cal.config)
     for f, X_next, fired in script:
         st.X_next.copy_(X_next)
-        advance_reference(st, f, fired, cal.config)
+        bookkeep_reference(st, f, fired, cal.config)
     n = int(st.steps_run)
     if int(st.reason) == NONFINITE:
         with pytest.raises(NumericalError, match=f"step {n - 1}"):

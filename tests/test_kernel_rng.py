@@ -129,7 +129,7 @@ def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
     assert not bad, bad
 
 
-DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "advance_state", "advance_copy",
+DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "bookkeep_state", "bookkeep_copy",
                    "norm_rows", "rope_rows", "gated_rows", "attention_rows", "lse_rows_partial"]
 
 

@@ -10,7 +10,7 @@ Tolerances, stated once (TOL below), and why:
   span_head (float32): rtol 1e-5 / atol 1e-5 (online log-sum-exp over vocabulary chunks vs whole rows).
   the difference form's row ops (norm_rows, rope_rows, gated_rows, attention and span head of the rows):
       tests/test_rows_ops.py.
-  track_best, advance: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
+  track_best, bookkeep: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
       another order, which can only matter within an ulp of the threshold: the scripted SNRs are far from it).
   decoder elementwise ops (residual_norm, qk_rope, gated, softcap_), float32: rtol 1e-5 / atol 1e-5 (the
       norms' sums in another order, rsqrt / exp / tanh within an ulp or two of torch's); the C++ rotary and
@@ -35,7 +35,7 @@ from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.calibration.step.proxy import proxy as ref_proxy
 from sicl_fast.formats.spans import span_offsets
 from sicl_fast.calibration.step.spec import StepSpec
-from sicl_fast.calibration.step.step_state import RUNNING, StepState, advance_reference
+from sicl_fast.calibration.step.step_state import RUNNING, StepState, bookkeep_reference
 from conftest import TRITON_DEVICE
 
 TOL = {
@@ -325,7 +325,7 @@ def test_track_best_matches_algorithm_1(ops, dev):
         ops.track_best(torch.zeros(2, device=dev), torch.zeros(3, 6, device=dev), state)
 
 
-# ------------------------------------------------------------------------------------------------- advance
+# ------------------------------------------------------------------------------------------------- bookkeep
 
 
 def scripted_state(L, d, cfg, dev) -> StepState:
@@ -359,7 +359,7 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
 
 
 @pytest.mark.parametrize("name", list(ADVANCE_SCRIPTS))
-def test_advance_matches_the_reference(ops, dev, name):
+def test_bookkeep_matches_the_reference(ops, dev, name):
     from sicl_fast.calibration.ascent import CalibrationConfig
 
     kw, f0s = ADVANCE_SCRIPTS[name]
@@ -375,8 +375,8 @@ def test_advance_matches_the_reference(ops, dev, name):
         X_next = torch.randn(7, 5, generator=g)
         ref.X_next.copy_(X_next)
         got.X_next.copy_(X_next.to(dev))
-        advance_reference(ref, f, fired, cfg)
-        ops.advance(got, f.to(dev), fired.to(dev), cfg)
+        bookkeep_reference(ref, f, fired, cfg)
+        ops.bookkeep(got, f.to(dev), fired.to(dev), cfg)
         for r, o in zip(state_tensors(ref), state_tensors(got)):
             assert torch.equal(r, o.cpu()) or torch.allclose(r, o.cpu(), rtol=0, atol=0, equal_nan=True), (step, r, o)
         if stopped_at is None and int(ref.reason) != RUNNING:
@@ -384,7 +384,7 @@ def test_advance_matches_the_reference(ops, dev, name):
     assert stopped_at is not None and stopped_at < len(f0s)  # each script ends in its stop
 
 
-def run_script(cfg, f0s, dev="cpu", advance=advance_reference) -> list:
+def run_script(cfg, f0s, dev="cpu", bookkeep=bookkeep_reference) -> list:
     """The state tensors after each step of a script of f0 values (ADVANCE_SCRIPTS' other rows and X_next)."""
     st = scripted_state(7, 5, cfg, dev)
     g = torch.Generator().manual_seed(1)
@@ -393,7 +393,7 @@ def run_script(cfg, f0s, dev="cpu", advance=advance_reference) -> list:
         f = f0 + 0.01 * torch.randn(cfg.batch, generator=g)
         f[0] = f0
         st.X_next.copy_(torch.randn(7, 5, generator=g).to(dev))
-        advance(st, f.to(dev), torch.tensor([step % 2], dtype=torch.int32, device=dev), cfg)
+        bookkeep(st, f.to(dev), torch.tensor([step % 2], dtype=torch.int32, device=dev), cfg)
         out.append([t.cpu().clone() for t in state_tensors(st)])
     return out
 
@@ -429,7 +429,7 @@ def test_min_delta_costs_no_launch(dev, impl):
     for c in (cfg, cfg.replace(min_delta=0.01)):
         st = scripted_state(7, 5, c, dev)
         f, fired = torch.full((c.batch,), 0.5, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
-        counts.append(count_kernels(lambda: ops.advance(st, f, fired, c)))
+        counts.append(count_kernels(lambda: ops.bookkeep(st, f, fired, c)))
     if impl == "torch":
         assert counts[0] < counts[1]
     else:

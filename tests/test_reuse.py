@@ -291,8 +291,8 @@ def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp
     from sicl_fast.commands.cli import main
 
     batches = []  # the query-only decodings: one batch per group (Engine.answer_many), not one per request
-    real = answer.kv_answers
-    monkeypatch.setattr(answer, "kv_answers", lambda be, cal, prompts, *a, **k: (
+    real = answer.decode_queries
+    monkeypatch.setattr(answer, "decode_queries", lambda be, cal, prompts, *a, **k: (
         batches.append(len(prompts)), real(be, cal, prompts, *a, **k))[1])
 
     other = {"id": "o", "demos": [{"input": "red", "output": "rot"}], "query": "blue"}

@@ -12,7 +12,7 @@ other backends decode the full matrix.
 """
 from __future__ import annotations
 
-from .answer_kv import answer_batch as kv_answers, supports_kv_answers
+from .answer_kv import decode_queries, supports_kv_answers
 from ..run.checks import check_prompt
 from ..errors import SiclError
 from ..backends.generate import Generation, check_stops
@@ -62,7 +62,7 @@ def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_st
     for s in range(0, len(prompts), ANSWER_BATCH):
         part = prompts[s:s + ANSWER_BATCH]
         rows = [backend.embed(p)[cal.length:] for p in part]
-        out += kv_answers(backend, cal, part, rows, max_new_tokens, stop_strings, stop_fn, store=engine.store)
+        out += decode_queries(backend, cal, part, rows, max_new_tokens, stop_strings, stop_fn, store=engine.store)
     return out
 
 

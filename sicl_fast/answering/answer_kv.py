@@ -2,7 +2,7 @@
 [0, b), then greedy decoding; many queries (of any lengths) as one batch.
 
     kv = stored_kv(model, calibration)          the K/V of rows [0, b), per layer [1, b, Hk, hd] (once per entry)
-    gens = answer_batch(backend, calibration, prompts, query_rows, max_new_tokens, stop_strings)
+    gens = decode_queries(backend, calibration, prompts, query_rows, max_new_tokens, stop_strings)
 
 Layout: query j's own rows [b, L_j) (T_j of them) sit at positions b .. L_j - 1, and own-key slot s of row j holds
 position b + s. The prefill runs the B queries right-padded to T = max T_j (a row's padding comes after its real
@@ -102,7 +102,7 @@ def decoding_positions(model, at: torch.Tensor) -> Positions:
                          for k, r in model.rotary.items()}, at=at)
 
 
-def answer_batch(backend, cal, prompts, query_rows: list[torch.Tensor], max_new_tokens: int, stop_strings=(),
+def decode_queries(backend, cal, prompts, query_rows: list[torch.Tensor], max_new_tokens: int, stop_strings=(),
                  stop_fn=None, store=None) -> list[Generation]:
     """Greedy answers of prompts (each fitting `cal`, answering.reuse.fits) from the stored K/V: query_rows[j] is
     prompt j's own embeddings [T_j, d] (rows [b, L_j)). Stop rules per row as generate.greedy_decode's."""
@@ -173,4 +173,4 @@ def supports_kv_answers(backend) -> bool:
     return hasattr(backend, "model") and hasattr(backend.model, "run")
 
 
-__all__ = ["StoredKV", "QueryKV", "stored_kv", "answer_batch", "decoding_positions", "supports_kv_answers"]
+__all__ = ["StoredKV", "QueryKV", "stored_kv", "decode_queries", "decoding_positions", "supports_kv_answers"]

@@ -36,10 +36,7 @@ class SpanLogprobsForward:
 class Backend(abc.ABC):
     """Base class. `lm` is a `sicl_fast.models.LoadedModel`; plan the RunPlan it runs, made for `lm` by
     sicl_fast.run.plan.make_plan (build_backend(plan, lm), or make_backend(name, lm, **choices), which makes both):
-    a backend decides nothing of its own. `name` is the plan's backend ('fast-fp32' for the fast class with plain
-    products)."""
-
-    name: str = "base"
+    a backend decides nothing of its own."""
 
     def __init__(self, lm, plan: RunPlan) -> None:
         if not isinstance(plan, RunPlan):
@@ -47,8 +44,12 @@ class Backend(abc.ABC):
                             f"{type(plan).__name__}; make_backend(name, lm, ...) makes both")
         self.lm = lm
         self.plan = plan
-        self.name = self.plan.backend
         self.ops, self.decoder_ops = make_ops(self.plan.impl, lm.device)
+
+    @property
+    def name(self) -> str:
+        """The plan's backend: 'fast', 'fast-fp32' (the fast class with plain products), 'hf' or 'naive'."""
+        return self.plan.backend
 
     @property
     def device(self) -> torch.device:

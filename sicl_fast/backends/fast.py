@@ -27,8 +27,6 @@ class FastBackend(Backend):
     attention kernel (and whether to check it against the math path first), difference products, ops and the
     tokens decoded between two host reads (sicl_fast.run.plan). prefix_cache=False always runs the full rows [0, b)."""
 
-    name = "fast"
-
     def __init__(self, lm, plan, prefix_cache: bool = True) -> None:
         super().__init__(lm, plan)
         p = self.plan

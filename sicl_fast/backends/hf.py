@@ -20,8 +20,6 @@ class HFBackend(Backend):
     (`differentiable_logprobs`, the exact-gradient ascent).
     """
 
-    name = "hf"
-
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         with torch.no_grad():

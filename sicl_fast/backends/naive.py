@@ -12,8 +12,6 @@ from .base import Backend
 
 
 class NaiveBackend(Backend):
-    name = "naive"
-
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         lm = self.lm

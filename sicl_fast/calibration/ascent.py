@@ -231,7 +231,7 @@ class Calibrator:
         cfg = self.config
         return self.ops.proxy(lp, prompt.offsets, cfg.alpha, cfg.beta, cfg.gamma, cfg.q).f, None
 
-    def advance(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, g: torch.Tensor | None, spec: StepSpec,
+    def move(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, g: torch.Tensor | None, spec: StepSpec,
                 step: int):
         """The moving half: (X_new [L, d], fired int32 [1]). One rule after the gradient for every estimator
         (zo.ascend): clip or normalise, eta, cosine projection."""
@@ -319,7 +319,7 @@ class Calibrator:
             low_snr = 0
             if step == cfg.max_steps - 1:
                 break  # the next X would never be evaluated
-            X, fired = self.advance(X, X0, f, g, spec, step)
+            X, fired = self.move(X, X0, f, g, spec, step)
             projections += int(fired)
             if on_update is not None:
                 on_update(X)

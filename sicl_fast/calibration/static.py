@@ -106,7 +106,7 @@ class StaticStep:
         patience, SNR, stops), all as masked updates of the device state (sicl_fast.calibration.step.step_state)."""
         st = self.state
         _, fired = self.ops.update(st.X, st.X0, f, st.step_t, self.spec, out=st.X_next)
-        self.ops.advance(st, f, fired, self.config)
+        self.ops.bookkeep(st, f, fired, self.config)
 
     def result(self, seconds: float, stop_reason: str | None = None, best_at: BestAt | None = None
                ) -> CalibrationResult:

@@ -830,8 +830,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    """`sicl-fast cache list|verify|clear|path [MODEL]` (sicl_fast.models.cache)."""
-    from ..models import cache
+    """`sicl-fast cache list|verify|clear|path [MODEL]` (sicl_fast.models.converted)."""
+    from ..models import converted as cache
     from ..models.loading import model_folder, resolve
 
     def entry_of(model):

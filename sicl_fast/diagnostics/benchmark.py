@@ -129,11 +129,11 @@ def _sync(device) -> None:
 
 def one_step(cal: Calibrator, prompt: Prompt, X: torch.Tensor, X0: torch.Tensor, step: int = 0, forward=None):
     """One ascent step: perturbation batch -> forward -> proxy -> gradient estimate (or: forward and backward of
-    row 0 -> exact gradient), then clip, update, projection (Calibrator.evaluate / advance). forward: the run's
+    row 0 -> exact gradient), then clip, update, projection (Calibrator.evaluate / move). forward: the run's
     step forward (Calibrator.forward; None: one made for this step)."""
     spec = cal.step_spec(prompt, X0)
     f, g = cal.evaluate(X, prompt, spec, step, forward)
-    return cal.advance(X, X0, f, g, spec, step)[0]
+    return cal.move(X, X0, f, g, spec, step)[0]
 
 
 def step_runner(backend, prompt: Prompt, config: CalibrationConfig) -> tuple[Callable[[], None], str]:

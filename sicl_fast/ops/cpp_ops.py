@@ -1,5 +1,5 @@
 """The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy, the static
-step's bookkeeping `advance`, the span heads) and CppDecoderOps (the difference form's row epilogues norm_rows,
+step's bookkeeping `bookkeep`, the span heads) and CppDecoderOps (the difference form's row epilogues norm_rows,
 rope_rows, gated_rows; the plain forward's residual norms and rotary), on float32 activations and the difference
 form's bf16 rows, CPU tensors. The span heads' products are torch's, a vocabulary chunk at a time, their
 log-sum-exp the extension's; best tracking is the reference's (TorchStepOps); the rest of the decoder's elementwise
@@ -57,7 +57,7 @@ BUILD_HINT = "build it with `pip install -e .` or `python setup.py build_ext --i
 HEAD_CHUNK = 512
 # activation codes of csrc/rows.cpp's gated_rows; other activations take the reference
 CPP_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
-# the stop reasons as step.step_state stores them, in the order csrc/step_state.cpp's advance reads them
+# the stop reasons as step.step_state stores them, in the order csrc/step_state.cpp's bookkeep reads them
 STOP_CODES = np.array([step_state.RUNNING, step_state.GATE, step_state.PATIENCE, step_state.SNR, step_state.MAX_STEPS,
                        step_state.NONFINITE], dtype=np.int64)
 
@@ -266,12 +266,12 @@ class CppStepOps(TorchStepOps):
                      float(plan.q), f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
         return ProxyOut(f=f, C=C, R=R, G=G, c=c)
 
-    def advance(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
-        """The static step's bookkeeping (step.step_state.advance_reference) on the StepState st in place, in
-        one call of csrc/step_state.cpp's advance, bit for bit the reference's; f [B] float32, fired int32 [1]."""
-        op = "cpp advance"
+    def bookkeep(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
+        """The static step's bookkeeping (step.step_state.bookkeep_reference) on the StepState st in place, in
+        one call of csrc/step_state.cpp's bookkeep, bit for bit the reference's; f [B] float32, fired int32 [1]."""
+        op = "cpp bookkeep"
         best = st.best
-        _ext().advance(_cpu(f.reshape(-1), "f", op).numpy(), _cpu(fired, "fired", op, torch.int32).numpy(),
+        _ext().bookkeep(_cpu(f.reshape(-1), "f", op).numpy(), _cpu(fired, "fired", op, torch.int32).numpy(),
                        st.X.numpy(), st.X_next.numpy(), best.best_X.numpy(), best.best_f.numpy(),
                        best.counters.numpy(), st.step_t.numpy(), st.steps_run.numpy(), st.reason.numpy(),
                        st.low_snr.numpy(), st.projections.numpy(), st.history.numpy(), st.anchor.numpy(), STOP_CODES,

@@ -18,7 +18,7 @@ from ..models import elementwise as ew
 from ..models import rows
 from ..calibration.step.proxy import ProxyOut, checked_proxy, proxy_planned
 from ..calibration.step.spec import StepSpec
-from ..calibration.step.step_state import advance_reference
+from ..calibration.step.step_state import bookkeep_reference
 from .base import fired_tensor
 
 
@@ -30,7 +30,7 @@ class TorchStepOps:
     span_head = staticmethod(vocab_chunked_logprobs)
     span_head_rows = staticmethod(rows_logprobs)
     track_best = staticmethod(best.track_best)
-    advance = staticmethod(advance_reference)
+    bookkeep = staticmethod(bookkeep_reference)
 
     def cached_tensors(self) -> list:
         return []  # the reference caches nothing on the device

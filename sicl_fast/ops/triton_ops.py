@@ -42,7 +42,7 @@ class TritonStepOps(TorchStepOps):
 
     def __init__(self, device="cuda") -> None:
         self.K = K = load_kernels(device)
-        self.proxy_planned, self.track_best, self.advance = K.proxy_planned, K.track_best, K.advance
+        self.proxy_planned, self.track_best, self.bookkeep = K.proxy_planned, K.track_best, K.bookkeep
         self.cached_tensors = K.cached_tensors
 
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:

@@ -3,8 +3,8 @@ bookkeeping. It sits below the ops and the kernels (which take a StepState, as L
 tensors) and below sicl_fast.calibration.static (which owns one and runs its step).
 
     state = StepState.new(X0, cfg)                                every tensor allocated once, on X0's device
-    advance_reference(state, f, fired, cfg)                       one step's bookkeeping, in place (TorchStepOps;
-                                                                  kernels/advance.py fuses it)
+    bookkeep_reference(state, f, fired, cfg)                       one step's bookkeeping, in place (TorchStepOps;
+                                                                  kernels/bookkeep.py fuses it)
 
 Stop reasons, as `reason` stores them: RUNNING until a stop, then GATE, PATIENCE, SNR, MAX_STEPS or NONFINITE.
 """
@@ -77,7 +77,7 @@ class StepState:
         self.history.fill_(math.nan)
 
 
-def advance_reference(st: StepState, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
+def bookkeep_reference(st: StepState, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     """The bookkeeping of one step on `st`, after the update wrote st.X_next with its projection flag `fired`
     (int32 [1]); f [B] the step's proxies, cfg its CalibrationConfig: the eager loop's decisions (gate, best X,
     patience (with min_delta: best.improved), SNR skip and stop, max_steps, a non-finite proxy) as masked
@@ -118,4 +118,4 @@ def advance_reference(st: StepState, f: torch.Tensor, fired: torch.Tensor, cfg) 
     s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
 
 
-__all__ = ["StepState", "advance_reference", "RUNNING", "GATE", "PATIENCE", "SNR", "MAX_STEPS", "NONFINITE", "REASONS"]
+__all__ = ["StepState", "bookkeep_reference", "RUNNING", "GATE", "PATIENCE", "SNR", "MAX_STEPS", "NONFINITE", "REASONS"]

@@ -1,6 +1,6 @@
-"""The static step's bookkeeping (step.step_state.advance_reference) in two launches instead of ~45 small ops:
+"""The static step's bookkeeping (step.step_state.bookkeep_reference) in two launches instead of ~45 small ops:
 
-    advance(st, f [B] float32, fired int32 [1], cfg)   after ops.update wrote st.X_next
+    bookkeep(st, f [B] float32, fired int32 [1], cfg)   after ops.update wrote st.X_next
 
     1. one program: the gate, the best-so-far state (st.best: best_f, counters), patience (with min_delta: from
        st.anchor, sicl_fast.calibration.step.best.improved; compiled out without it), the SNR skip / stop,
@@ -34,7 +34,7 @@ MAX_STEPS_C = tl.constexpr(MAX_STEPS)
 
 
 @triton.jit
-def _advance_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, low_snr_ptr, proj_ptr, hist_ptr,
+def _bookkeep_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, low_snr_ptr, proj_ptr, hist_ptr,
                           best_f_ptr, counters_ptr, anchor_ptr, fired_ptr, flags_ptr, N, mu, patience, max_steps,
                           CENTRAL: tl.constexpr, HAS_SNR: tl.constexpr, HAS_PATIENCE: tl.constexpr,
                           HAS_MARGIN: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -107,7 +107,7 @@ def _advance_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, l
 
 
 @triton.jit
-def _advance_copy_kernel(flags_ptr, x_ptr, x_next_ptr, best_x_ptr, n, BLOCK: tl.constexpr):
+def _bookkeep_copy_kernel(flags_ptr, x_ptr, x_next_ptr, best_x_ptr, n, BLOCK: tl.constexpr):
     better = tl.load(flags_ptr)
     update = tl.load(flags_ptr + 1)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -117,11 +117,11 @@ def _advance_copy_kernel(flags_ptr, x_ptr, x_next_ptr, best_x_ptr, n, BLOCK: tl.
     tl.store(x_ptr + offs, tl.load(x_next_ptr + offs, mask=m), mask=m & (update != 0))
 
 
-def advance(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
+def bookkeep(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     """The bookkeeping of one step on the device (module docstring); two launches, no host read."""
     N = (f.numel() - 1) // 2 if cfg.estimator == "central" else f.numel() - 1
     dev = st.X.device
-    launch(_advance_state_kernel, (1,),
+    launch(_bookkeep_state_kernel, (1,),
            f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history,
            st.best.best_f, st.best.counters, st.anchor, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience),
            int(cfg.max_steps), device=dev, block=next_pow2(N), CENTRAL=cfg.estimator == "central",
@@ -129,5 +129,5 @@ def advance(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
            BLOCK_N=next_pow2(N))
     n = st.X.numel()
     BLOCK = 1 << 16 if interpreting() else 2048
-    launch(_advance_copy_kernel, (triton.cdiv(n, BLOCK),), st.flags, st.X, st.X_next, st.best.best_X, n, device=dev,
+    launch(_bookkeep_copy_kernel, (triton.cdiv(n, BLOCK),), st.flags, st.X, st.X_next, st.best.best_X, n, device=dev,
            block=BLOCK, BLOCK=BLOCK)

@@ -10,7 +10,7 @@ Shapes: Llama-3.1-8B (d 4096, V 128256), Qwen3-4B (d 2560, V 151936), Gemma-2-2B
 soft-cap 30); N in {8, 16} directions (forward estimator: B = N + 1 batch rows); P in {64, 512} span positions.
 The perturb / update rows: a prompt of L = 4 P tokens with the demonstration block [8, L).
 
-    span_logprobs  Triton (bf16, float32 accumulate)  vs  torch chunked reference (bf16 matmul + float32 LSE)
+    span_logprobs  Triton (bf16, float32 accumulate)  vs  torch reference (vocab_chunked_logprobs: online LSE)
     proxy          Triton                             vs  torch reference
     perturb        Triton (noise in the kernel)       vs  torch (materialised U: step.rng + step.zo.perturb)
     zo_update      Triton (noise regenerated)         vs  torch (materialised U: zo.update)
@@ -286,7 +286,7 @@ def main() -> int:
 
     from sicl_fast import kernels as K
     from sicl_fast.calibration.step import rng, zo
-    from sicl_fast.calibration.step.logprobs import gather_logprobs_chunked
+    from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
     from sicl_fast.ops import TorchStepOps
     from sicl_fast.calibration.step.proxy import proxy as torch_proxy
     from sicl_fast.formats.spans import span_offsets
@@ -322,7 +322,7 @@ def main() -> int:
             w = (torch.randn(5003, 200, device=dev) * 0.1).to(dt)
             t = torch.randint(0, 5003, (17,), device=dev)
             out = K.span_logprobs(h, w, t, softcap=30.0)
-            ref = gather_logprobs_chunked(h.float(), w.float(), t, softcap=30.0)
+            ref = vocab_chunked_logprobs(h.float(), w.float(), t, softcap=30.0)
             checks.append((f"span_logprobs {dt} vs float32 reference ({tol})",
                            torch.allclose(out, ref, rtol=0, atol=tol)))
         lp = -torch.rand(9, 100, device=dev) * 5
@@ -361,8 +361,8 @@ def main() -> int:
                 ms = do_bench(lambda: K.span_logprobs(h, W, t, softcap=cap))
                 add(model, "span_logprobs", N, P, B, "triton", ms, flops, nbytes)
                 if not args.no_torch:
-                    ms = do_bench(lambda: gather_logprobs_chunked(h, W, t, softcap=cap))
-                    add(model, "span_logprobs", N, P, B, "torch chunked", ms, flops, nbytes)
+                    ms = do_bench(lambda: vocab_chunked_logprobs(h, W, t, softcap=cap))
+                    add(model, "span_logprobs", N, P, B, "torch vocab-chunked", ms, flops, nbytes)
                 h = None  # its memory freed before the next shape (the timed lambdas are done with it)
                 # proxy
                 lp = -torch.rand(B, P, device=dev) * 5

@@ -7,8 +7,7 @@
 //     (cap tanh(z / cap)); m, s: each row's running max and sum of exp(logit - m) over the chunks so far (-inf
 //     and 0 before the first), updated; picked[r] = z[r, tgt[r] - v0] where the row's target falls in the chunk.
 //     After the last chunk a row's log-probability of its target is picked - (m + log s).
-//     The torch reference: calibration.step.logprobs.gather_logprobs_chunked (the same online form:
-//     vocab_chunked_logprobs).
+//     The torch reference: calibration.step.logprobs.vocab_chunked_logprobs (the same online form).
 //
 //   lse_chunk_rows(zd[M-r0, c] bf16, r0, h[M, d] bf16, w[c, d] bf16, zf[M, c] f32, v0, V, targets[P] i64,
 //                  anchor[B] i64, cap, m[M], s[M], picked[M], out[M] f32, z_ref[Vb, P, V] f32 | None,

@@ -11,7 +11,7 @@ of z for BLOCK_M rows of the flattened [B*P, d] hidden states over one contiguou
 kernel merges the splits' (m, s) and writes target - (m + log s). Splits give the GPU enough programs when
 B*P is small; programs of one split run side by side so the weight tiles they stream are shared in L2.
 
-Reference: sicl_fast.calibration.step.logprobs.gather_logprobs_chunked (tested against it). Targets outside [0, V) are
+Reference: sicl_fast.calibration.step.logprobs.vocab_chunked_logprobs (tested against it). Targets outside [0, V) are
 rejected when targets are on the CPU; on the GPU they are not checked (no host sync) and give garbage.
 
     span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None,

@@ -36,6 +36,17 @@ from sicl_fast.formats.requests import Request
 from sicl_fast.formats.spans import Prompt
 
 
+def span_logprobs_oracle(hidden, weight, targets, softcap=None):
+    """The span head by its definition, the oracle of every span head (torch, C++, Triton): hidden [B, P, d],
+    weight [V, d], targets [P] -> [B, P] float32 log-probabilities of the targets, from whole vocabulary rows of
+    logits (the product in the inputs' dtype, then float32; soft-capped when asked)."""
+    logits = torch.matmul(hidden, weight.t()).float()  # [B, P, V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    t = targets.to(hidden.device).view(1, -1, 1).expand(hidden.shape[0], -1, 1)
+    return logits.gather(-1, t).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
 @pytest.fixture(scope="session")
 def K():
     """The Triton kernels package (sicl_fast.kernels); skips the test when triton is not installed."""

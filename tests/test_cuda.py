@@ -78,7 +78,7 @@ def test_philox_directions_on_cuda_equal_the_cpu_bit_for_bit():
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 0.05)])
 def test_span_head_and_proxy_kernels_in_each_dtype(K, dtype, atol):
-    from sicl_fast.calibration.step.logprobs import gather_logprobs_chunked
+    from conftest import span_logprobs_oracle
     from sicl_fast.calibration.step.proxy import proxy
 
     g = torch.Generator().manual_seed(0)
@@ -86,7 +86,7 @@ def test_span_head_and_proxy_kernels_in_each_dtype(K, dtype, atol):
     h = (torch.randn(B, P, d, generator=g) * 0.5).to("cuda", dtype)
     w = (torch.randn(V, d, generator=g) * 0.1).to("cuda", dtype)
     t = torch.randint(0, V, (P,), generator=g).cuda()
-    want = gather_logprobs_chunked(h.float(), w.float(), t)
+    want = span_logprobs_oracle(h.float(), w.float(), t)
     got = K.span_logprobs(h, w, t)
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
     offsets = torch.tensor([0, 5, 6, 20, 37])

@@ -30,13 +30,12 @@ import torch
 from sicl_fast.calibration.step import rng, zo
 from sicl_fast.calibration.step.best import BestState
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.calibration.step.logprobs import gather_logprobs_chunked
 from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.calibration.step.proxy import proxy as ref_proxy
 from sicl_fast.formats.spans import span_offsets
 from sicl_fast.calibration.step.spec import StepSpec
 from sicl_fast.calibration.step.step_state import RUNNING, StepState, bookkeep_reference
-from conftest import TRITON_DEVICE
+from conftest import TRITON_DEVICE, span_logprobs_oracle
 
 TOL = {
     "update": dict(rtol=1e-5, atol=1e-6),
@@ -260,7 +259,7 @@ def test_span_head_matches_reference(ops, dev, B, P, d, V, softcap):
     g = torch.Generator().manual_seed(B * P + V)
     h, w = torch.randn(B, P, d, generator=g), torch.randn(V, d, generator=g) * 0.3
     t = torch.randint(0, V, (P,), generator=g)
-    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    ref = span_logprobs_oracle(h, w, t, softcap=softcap)
     got = ops.span_head(h.to(dev), w.to(dev), t, softcap=softcap)
     assert got.shape == (B, P) and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), ref, **TOL["span_head"])
@@ -277,7 +276,7 @@ def test_span_head_keeps_nan_and_inf(ops, dev, value, softcap):
     h, w = torch.randn(2, 6, 16, generator=g), torch.randn(1100, 16, generator=g) * 0.3
     t = torch.randint(0, 1100, (6,), generator=g)
     h[1, 4, 3] = float(value)
-    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    ref = span_logprobs_oracle(h, w, t, softcap=softcap)
     got = ops.span_head(h.to(dev), w.to(dev), t, softcap=softcap).cpu()
     assert bool(ref[1, 4].isnan()) == (value == "nan" or softcap is None)
     torch.testing.assert_close(got, ref, equal_nan=True, **TOL["span_head"])

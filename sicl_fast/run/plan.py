@@ -360,7 +360,9 @@ def resolve_reuse(reuse: str | None, pack: int, keeps_best: bool = False) -> tup
 
 def default_sync_every(device) -> int:
     """Steps between two reads of the static step's state: 1 on the CPU (a read costs nothing there and the
-    progress stays exact); 8 on a GPU (provisional: the GPU engine measures the best k)."""
+    progress stays exact); 8 on a GPU, where a read waits for the device (measured on an H200, bench/RESULTS.md
+    section 4: SmolLM2's whole calibration within 1 % of the same time from 1 to 32 steps a read, so 8 keeps the
+    progress line close at no measurable cost)."""
     return 1 if torch.device(device).type == "cpu" else 8
 
 

@@ -1,10 +1,10 @@
 """Span log-probabilities from hidden states: the LM head at span positions only.
 
-`gather_logprobs_chunked` is the torch reference (log_softmax over whole vocabulary rows, chunked along P).
-`vocab_chunked_logprobs` (the span head of TorchStepOps, sicl_fast.ops), CppStepOps's span head (torch's products,
-the log-sum-exp in csrc/span_head.cpp) and the Triton kernel `sicl_fast.kernels.span_logprobs` compute the same
-function with an online log-sum-exp over vocabulary chunks, so the head weight is read once and only [B*P, chunk]
-logits exist; all are tested against the reference.
+`vocab_chunked_logprobs` is the torch reference (the span head of TorchStepOps, sicl_fast.ops): log_softmax of the
+targets with an online log-sum-exp over vocabulary chunks, so the head weight is read once and only [B*P, chunk]
+logits exist. CppStepOps's span head (torch's products, the log-sum-exp in csrc/span_head.cpp) and the Triton kernel
+`sicl_fast.kernels.span_logprobs` compute the same function; all are tested against it and against the definition
+on whole vocabulary rows (tests/conftest.py's span_logprobs_oracle).
 
 `rows_logprobs` is the span head of a difference-form pass (sicl_fast.models.rows): the hidden states come as values
 and differences in the low dtype, one low-precision product gives every row's logits in the same form, and the
@@ -23,34 +23,6 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gather_logprobs_chunked(
-    hidden: torch.Tensor,
-    head_weight: torch.Tensor,
-    targets: torch.Tensor,
-    softcap: float | None = None,
-    max_elems: int = 1 << 25,
-) -> torch.Tensor:
-    """hidden [B, P, d] @ head_weight[V, d].T -> log_softmax -> gather targets [P]. Returns [B, P] float32.
-
-    Only [B, chunk, V] logits exist at a time (chunks along P sized so B*chunk*V <= max_elems);
-    log_softmax is taken in float32 whatever the weights' dtype.
-    """
-    B, P, _ = hidden.shape
-    V = head_weight.shape[0]
-    chunk = max(1, max_elems // max(1, B * V))
-    out = torch.empty(B, P, dtype=torch.float32, device=hidden.device)
-    for s in range(0, P, chunk):
-        e = min(P, s + chunk)
-        logits = torch.matmul(hidden[:, s:e], head_weight.t()).float()  # [B, c, V]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        lse = torch.logsumexp(logits, dim=-1)  # [B, c]
-        tgt = targets[s:e].to(hidden.device)
-        picked = logits.gather(-1, tgt.view(1, -1, 1).expand(B, -1, 1)).squeeze(-1)
-        out[:, s:e] = picked - lse
-    return out
-
-
 def vocab_chunked_logprobs(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -58,7 +30,7 @@ def vocab_chunked_logprobs(
     softcap: float | None = None,
     max_elems: int = 1 << 22,
 ) -> torch.Tensor:
-    """Same result as gather_logprobs_chunked: hidden [B, P, d], head_weight [V, d], targets [P] -> [B, P]
+    """log_softmax(hidden @ head_weight.T) at the targets: hidden [B, P, d], head_weight [V, d], targets [P] -> [B, P]
     float32 (float64 from a float64 model: the exact-gradient checks). Walks the vocabulary in chunks (256 to 8192
     rows, B*P*chunk <= max_elems when it can) with a running max and rescaled sum, so only [B*P, chunk] float32
     logits exist and the weight is read once."""

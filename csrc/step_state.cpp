@@ -5,10 +5,10 @@
 //           steps_run[1], reason[1], low_snr[1], projections[1] i64, history[n] f32, anchor[1] f32, codes[6] i64,
 //           tau, snr_threshold, min_delta, min_delta_rel, patience, max_steps, mu, central)
 //
-// after the update wrote X_next (its projection flag `fired`): the gate, the best X (best_f, counters: since best,
-// best step, steps seen; calibration.step.best.track_best), patience (with min_delta or min_delta_rel > 0: counted from
-// the anchor, calibration.step.best.improved), the SNR skip and stop, max_steps, a non-finite proxy, the history entry,
-// the counters, the stop reason and the step index, in place. codes: the stop reasons as the state stores them
+// after the update wrote X_next (its projection flag `fired`): the stopping rule of calibration/step/stop_rule.py
+// (the gate, the best X with best_f and the counters: since best, best step, steps seen; patience, with min_delta
+// or min_delta_rel > 0 counted from the anchor; the SNR skip and stop, max_steps), a non-finite proxy, the history
+// entry, the counters, the stop reason and the step index, in place. codes: the stop reasons as the state stores them
 // (RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE of calibration.step.step_state).
 //
 // Bit-identical to the reference: comparisons, copies and counters, the comparisons with tau, the SNR threshold

@@ -3,7 +3,7 @@
     bookkeep(st, f [B] float32, fired int32 [1], cfg)   after ops.update wrote st.X_next
 
     1. one program: the gate, the best-so-far state (st.best: best_f, counters), patience (with min_delta: from
-       st.anchor, sicl_fast.calibration.step.best.improved; compiled out without it), the SNR skip / stop,
+       st.anchor, stop_rule.improves; compiled out without it), the SNR skip / stop,
        max_steps, the non-finite stop, the history entry, the counters (steps_run, low_snr, projections),
        the stop reason and the step index; it leaves two flags: better (f0 beat best_f) and update (take X_next)
     2. over X: best_X <- X where better, then X <- X_next where update
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.calibration.step.best import margin_on
+from sicl_fast.calibration.step.stop_rule import margin_on
 from sicl_fast.calibration.step.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
 from ._utils import interpreting, launch, next_pow2
@@ -56,7 +56,7 @@ def _bookkeep_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, 
     seen = tl.load(counters_ptr + 2)
     better = fm > best
     tl.store(best_f_ptr, tl.where(better, fm, best))
-    if HAS_MARGIN:  # patience counts from the anchor (sicl_fast.calibration.step.best.improved), in float64
+    if HAS_MARGIN:  # patience counts from the anchor (stop_rule.improves), in float64
         anchor = tl.load(anchor_ptr)
         first = anchor == float("-inf")  # nothing counted yet: any finite f0 counts
         a = tl.where(first, 0.0, anchor).to(tl.float64)

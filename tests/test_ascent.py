@@ -194,12 +194,12 @@ def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatc
     sicl_fast.calibration.step.step_state) make the same decisions on the same scripted proxies: patience with and
     without min_delta, exact ties with the margin, the gate, SNR skips and stops, a non-finite proxy (tests/test_ops.py
     runs the fused kernel on them)."""
-    from test_ops import ADVANCE_SCRIPTS
+    from test_ops import BOOKKEEP_SCRIPTS
 
     from sicl_fast.calibration.step.step_state import NONFINITE, REASONS, StepState, bookkeep_reference
 
     hf, p = setup
-    kw, f0s = ADVANCE_SCRIPTS[name]
+    kw, f0s = BOOKKEEP_SCRIPTS[name]
     cal = Calibrator(hf, CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8,
                                               "scale": 1.0, **kw}))
     X0 = hf.embed(p)

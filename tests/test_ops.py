@@ -338,7 +338,7 @@ def state_tensors(st: StepState) -> list:
             st.projections, st.history, st.anchor]
 
 
-ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
+BOOKKEEP_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
     "gate": (dict(tau=0.5), [0.3, 0.6]),
     "patience": (dict(patience=2), [0.5, 0.4, 0.45, 0.6, 0.3, 0.2, 0.1]),
     "snr-stop": (dict(snr_threshold=1e9, patience=2), [0.5, 0.5, 0.5, 0.5]),
@@ -357,11 +357,11 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
 }
 
 
-@pytest.mark.parametrize("name", list(ADVANCE_SCRIPTS))
+@pytest.mark.parametrize("name", list(BOOKKEEP_SCRIPTS))
 def test_bookkeep_matches_the_reference(ops, dev, name):
     from sicl_fast.calibration.ascent import CalibrationConfig
 
-    kw, f0s = ADVANCE_SCRIPTS[name]
+    kw, f0s = BOOKKEEP_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
     B = cfg.batch
     ref, got = scripted_state(7, 5, cfg, "cpu"), scripted_state(7, 5, cfg, dev)
@@ -384,7 +384,7 @@ def test_bookkeep_matches_the_reference(ops, dev, name):
 
 
 def run_script(cfg, f0s, dev="cpu", bookkeep=bookkeep_reference) -> list:
-    """The state tensors after each step of a script of f0 values (ADVANCE_SCRIPTS' other rows and X_next)."""
+    """The state tensors after each step of a script of f0 values (BOOKKEEP_SCRIPTS' other rows and X_next)."""
     st = scripted_state(7, 5, cfg, dev)
     g = torch.Generator().manual_seed(1)
     out = []
@@ -397,14 +397,14 @@ def run_script(cfg, f0s, dev="cpu", bookkeep=bookkeep_reference) -> list:
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in ADVANCE_SCRIPTS if not n.startswith("min-delta")])
+@pytest.mark.parametrize("name", [n for n in BOOKKEEP_SCRIPTS if not n.startswith("min-delta")])
 def test_the_smallest_margin_is_the_papers_rule(name):
     """min_delta 0 skips the anchor (no op); the smallest positive min_delta takes the anchor path, where f0 counts
     when it beats the anchor by more than 5e-324: for float32 proxies that is any gain, so both give the same state
     bit for bit at every step (the anchor aside: the path without a margin never writes it)."""
     from sicl_fast.calibration.ascent import CalibrationConfig
 
-    kw, f0s = ADVANCE_SCRIPTS[name]
+    kw, f0s = BOOKKEEP_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
     if not cfg.patience:
         cfg = cfg.replace(patience=2)

@@ -4,8 +4,8 @@
     repeat up to max_steps:
         f = f([X, X + mu U_1, ..., X + mu U_N])              (one batched forward)
         if f[0] > best: best, X_best = f[0], X
-        if f[0] improves on the last counted f[0] (by more than min_delta; sicl_fast.calibration.step.best.improves):
-        counter = 0 else: patience counter += 1
+        if f[0] improves on the last counted f[0] (by more than min_delta; stop_rule.improves): counter = 0
+        else: patience counter += 1
         stop when the counter reaches `patience` (or when the caller's hook / time budget says so)
         X <- X + eta * clip(g(f, U));  cosine projection onto cos(X, X0) >= kappa
 
@@ -14,6 +14,9 @@ gradient, sicl_fast.calibration.grad); the gate, best X, patience, clip / normal
 
 mu and eta are given in units of the model's embedding scale s = mean row norm / sqrt(d) (the paper scales its
 grids per model this way); `scale` overrides s (scale=1 gives absolute units).
+
+The loop's decisions (gate, best X, patience, SNR skip and stop, max_steps) are step.stop_rule.decide's, the rule
+the static and packed steps' bookkeeping runs on the device.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from .step.best import improves
+from .step.stop_rule import HOST, decide
 from ..run.checks import calibration_inputs
 from ..errors import NumericalError, SiclError
 from .grad import proxy_gradient
@@ -65,7 +68,7 @@ class CalibrationConfig:
     scale: float | None = None  # None: the model's embedding scale
     checkpoint: bool = False  # estimator "grad": recompute each layer in the backward (memory of one layer)
     # patience counts a step as an improvement only when f0 beats the last counted one by more than
-    # max(min_delta, min_delta_rel * |that f0|) (improves()); both 0: any better f0, the paper's rule
+    # max(min_delta, min_delta_rel * |that f0|) (stop_rule.improves); both 0: any better f0, the paper's rule
     min_delta: float = 0.0
     min_delta_rel: float = 0.0
 
@@ -273,7 +276,7 @@ class Calibrator:
         forward = None if spec.grad else self.forward(prompt, spec, X0)
         X = X0.clone()
         best_X, best_f, best_step = X0, -math.inf, 0
-        anchor = -math.inf  # f0 of the last step that counted as an improvement (step.best.improves)
+        anchor = -math.inf  # f0 of the last step that counted as an improvement (stop_rule.improves)
         history: list[float] = []
         since_best = low_snr = projections = 0
         initial = math.nan
@@ -292,32 +295,27 @@ class Calibrator:
                 on_step(step, f0)
             if step == 0:
                 initial = f0
-                if f0 < cfg.tau:
-                    stop = "gate"
-                    best_f = f0
-                    break
-            if f0 > best_f:
-                best_X, best_f, best_step = X, f0, step
-            if improves(f0, anchor, cfg.min_delta, cfg.min_delta_rel):
-                anchor, since_best = f0, 0
-            else:
-                since_best += 1
+            s = snr(f, cfg.mu_eff, cfg.estimator) if cfg.snr_threshold > 0 else None
+            d = decide(HOST, step, f0, True, best_f, anchor, since_best, low_snr, s, cfg)
+            best_f, anchor, since_best, low_snr = d.best_f, d.anchor, d.since, d.low_snr
+            if d.better:
+                best_X, best_step = X, step
+            if d.gate:
+                stop = "gate"
+                break
             best_at.keep(steps, best_step, best_X)
-            if cfg.patience and since_best >= cfg.patience:
+            if d.patience:
                 stop = "patience"
                 break
             if should_stop is not None and (reason := should_stop()):
                 stop = reason
                 break
-            if cfg.snr_threshold > 0 and snr(f, cfg.mu_eff, cfg.estimator) < cfg.snr_threshold:
-                # noise-dominated estimate: skip the update; give up after `patience` such steps in a row
-                low_snr += 1
-                if low_snr >= max(cfg.patience, 1):
-                    stop = "snr"
-                    break
-                continue
-            low_snr = 0
-            if step == cfg.max_steps - 1:
+            if d.snr_stop:
+                stop = "snr"
+                break
+            if d.low:
+                continue  # noise-dominated estimate: skip the update
+            if d.last:
                 break  # the next X would never be evaluated
             X, fired = self.move(X, X0, f, g, spec, step)
             projections += int(fired)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .best import BestState, improved, margin_on, track_best
-from .zo import finite_differences
+from .best import BestState, keep_best
+from .stop_rule import DEVICE, decide
+from .zo import snr_of
 
 RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE = range(6)
 REASONS = {GATE: "gate", PATIENCE: "patience", SNR: "snr", MAX_STEPS: "max_steps"}
@@ -39,7 +40,7 @@ class StepState:
     projections: torch.Tensor  # int64 [1]
     history: torch.Tensor  # [max_steps] float32: f0 of each step run (NaN after)
     minus_inf: torch.Tensor  # [1] float32
-    anchor: torch.Tensor  # [1] float32: f0 of the last step that counted for patience (best.improved)
+    anchor: torch.Tensor  # [1] float32: f0 of the last step that counted for patience (stop_rule.improves)
     thresholds: torch.Tensor  # [4] float64: tau, snr_threshold, min_delta, min_delta_rel
     flags: torch.Tensor  # [2] int32
 
@@ -79,9 +80,9 @@ class StepState:
 
 def bookkeep_reference(st: StepState, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     """The bookkeeping of one step on `st`, after the update wrote st.X_next with its projection flag `fired`
-    (int32 [1]); f [B] the step's proxies, cfg its CalibrationConfig: the eager loop's decisions (gate, best X,
-    patience (with min_delta: best.improved), SNR skip and stop, max_steps, a non-finite proxy) as masked
-    updates, with no host read."""
+    (int32 [1]); f [B] the step's proxies, cfg its CalibrationConfig: the stopping rule's decisions
+    (stop_rule.decide: gate, best X, patience, SNR skip and stop, max_steps) and a non-finite proxy's stop as masked
+    updates, with no host read. A stopped state stays as it is (only the best state's counters go on counting)."""
     s = st.step_t
     active = st.reason == RUNNING  # [1] bool
     f0 = f[:1]
@@ -90,30 +91,17 @@ def bookkeep_reference(st: StepState, f: torch.Tensor, fired: torch.Tensor, cfg)
     st.steps_run += active.long()
     st.history.index_copy_(0, s, torch.where(active, f0, st.history.index_select(0, s)))
     bad = active & ~finite
-    gate = ok & (s == 0) & (f0.double() < cfg.tau)  # float64, as the eager loop compares python floats
-    f0_ok = torch.where(ok, f0, st.minus_inf)
-    since = st.best.counters[:1].clone() if margin_on(cfg) else None
-    track_best(f0_ok, st.X, st.best)  # the best X; patience's counter as the paper's rule counts it
-    if since is not None:  # min_delta: patience counts from the anchor instead (no ops at all without it)
-        counted = improved(f0_ok, st.anchor, cfg.min_delta, cfg.min_delta_rel)
-        st.anchor.copy_(torch.where(counted, f0_ok, st.anchor))
-        st.best.counters[:1].copy_(torch.where(counted, torch.zeros_like(since), since + 1))
-    patience = ok & ~gate & (st.best.counters[:1] >= cfg.patience) if cfg.patience else torch.zeros_like(ok)
-    go = ok & ~gate & ~patience  # the eager loop gets past its stop checks
-    if cfg.snr_threshold > 0:
-        d = finite_differences(f, cfg.mu_eff, cfg.estimator)
-        snr = (d.mean().abs() / (d.std() + 1e-12)).reshape(1) if d.numel() >= 2 else torch.zeros_like(f0)
-        low = go & (snr.double() < cfg.snr_threshold)
-        st.low_snr.copy_(torch.where(low, st.low_snr + 1, torch.where(go, 0, st.low_snr)))
-        snr_stop = low & (st.low_snr >= max(cfg.patience, 1))
-    else:
-        low = snr_stop = torch.zeros_like(ok)
-    last = go & ~snr_stop & (s == cfg.max_steps - 1)
-    update = go & ~low & ~last
-    st.X.copy_(torch.where(update.view(1, 1), st.X_next, st.X))
-    st.projections += (update & (fired != 0)).long()
-    reason = (bad.long() * NONFINITE + gate.long() * GATE + patience.long() * PATIENCE
-              + snr_stop.long() * SNR + last.long() * MAX_STEPS)  # at most one is set
+    snr = snr_of(f, cfg.mu_eff, cfg.estimator) if cfg.snr_threshold > 0 else None
+    d = decide(DEVICE, s, torch.where(ok, f0, st.minus_inf), ok, st.best.best_f, st.anchor, st.best.counters[:1],
+               st.low_snr, snr, cfg)
+    keep_best(st.best, d.better, d.best_f, d.since, st.X)
+    if d.anchor is not st.anchor:  # kept only with a margin (stop_rule.best_and_patience)
+        st.anchor.copy_(d.anchor)
+    st.low_snr.copy_(d.low_snr)
+    st.X.copy_(torch.where(d.update.view(1, 1), st.X_next, st.X))
+    st.projections += (d.update & (fired != 0)).long()
+    reason = (bad.long() * NONFINITE + d.gate.long() * GATE + d.patience.long() * PATIENCE
+              + d.snr_stop.long() * SNR + d.last.long() * MAX_STEPS)  # at most one is set
     st.reason.copy_(torch.where(active, reason, st.reason))
     s.copy_(torch.where(active & (reason == RUNNING), s + 1, s))
 

@@ -53,12 +53,18 @@ def estimate_gradient(f: torch.Tensor, U: torch.Tensor, mu: float, estimator: st
     return torch.einsum("n,nrd->rd", w.to(U.dtype), U) / U.shape[0]
 
 
-def snr(f: torch.Tensor, mu: float, estimator: str = "forward") -> float:
-    """|mean| / std of the finite differences: below ~1 the gradient estimate is mostly noise (0 for N < 2)."""
+def snr_of(f: torch.Tensor, mu: float, estimator: str = "forward") -> torch.Tensor:
+    """|mean| / std of the finite differences, [1] float32 on f's device (no host read): below ~1 the gradient
+    estimate is mostly noise (0 for N < 2)."""
     diffs = finite_differences(f, mu, estimator)
     if diffs.numel() < 2:
-        return 0.0
-    return float(diffs.mean().abs() / (diffs.std() + 1e-12))
+        return torch.zeros(1, dtype=torch.float32, device=f.device)
+    return (diffs.mean().abs() / (diffs.std() + 1e-12)).reshape(1)
+
+
+def snr(f: torch.Tensor, mu: float, estimator: str = "forward") -> float:
+    """snr_of read back: a python float (the eager loop)."""
+    return float(snr_of(f, mu, estimator))
 
 
 def clip_rows(g: torch.Tensor, max_norm: float = 1.0, eps: float = 1e-8) -> torch.Tensor:
@@ -144,5 +150,5 @@ def ascend(X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor, spec: StepSpec, o
     return X, fired
 
 
-__all__ = ["step_directions", "perturb", "finite_differences", "estimate_gradient", "snr", "clip_rows",
+__all__ = ["step_directions", "perturb", "finite_differences", "estimate_gradient", "snr_of", "snr", "clip_rows",
            "normalize_rows", "cosine", "project_cosine", "project_cosine_on_device", "update", "ascend", "batch_size"]

@@ -30,7 +30,7 @@ from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
 from .step.spec import resolve_scale
 from .static import StaticStep
-from .step.step_state import GATE, RUNNING
+from .reads import Slot, read, steps_to_read
 
 
 class PackedStep:
@@ -71,9 +71,7 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
         backend.plan.check_zeroth_order(config.estimator)
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
-    # (item index, state, start time, the best X it keeps, its time budget's check)
-    active: list[tuple[int, StaticStep, float, BestAt, Callable | None]] = []
-    calls: dict[int, int] = {}  # steps called on each active slot (it stops by its max_steps at the latest)
+    active: list[Slot] = []  # each with its item's index and its time budget's check
 
     def admit() -> None:
         while queue and len(active) < pack:
@@ -83,33 +81,24 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
             X0 = calibration_inputs(backend, prompt, config, kept=kept.copies(config.max_steps))
             st = StaticStep(backend, config, prompt, X0, use_prefix=False)
             t0 = time.perf_counter()
-            active.append((i, st, t0, kept, stop_check(None, budget, t0)))
-            calls[i] = 0
+            active.append(Slot(st, t0, kept, stop_check(None, budget, t0), index=i))
 
     admit()
     while active:
-        step = PackedStep(backend, [a[1] for a in active])  # a new layout whenever the slots change
-        k = min(sync_every, max(st.config.max_steps - calls[i] for i, st, *_ in active),
-                *(kept.until_next(calls[i]) for i, _, _, kept, _ in active))
+        step = PackedStep(backend, [s.step for s in active])  # a new layout whenever the slots change
+        k = steps_to_read(active, sync_every)
         for _ in range(k):
             step()
-        for i, *_ in active:
-            calls[i] += k
-        # the one read per sync_every steps: each slot's stop reason and steps run
-        state = torch.cat([t for _, st, *_ in active for t in (st.state.reason, st.state.steps_run)]).tolist()
         still = []
-        for (i, st, t0, kept, out_of_time), reason, n in zip(active, state[::2], state[1::2]):
-            if kept.wants(n) and reason != GATE:  # a gated run keeps nothing, as the eager loop
-                kept.keep(n, st.state.best.best_step, st.state.best.best_X)
-            why = out_of_time() if reason == RUNNING and out_of_time is not None else None
-            if reason == RUNNING and not why:
-                still.append((i, st, t0, kept, out_of_time))
-                continue
-            res = st.result(time.perf_counter() - t0, stop_reason=why, best_at=kept)
-            if on_result is None:
-                results[i] = res
+        for slot, (reason, n) in zip(active, read(active)):
+            slot.calls += k
+            res = slot.settle(reason, n)
+            if res is None:
+                still.append(slot)
+            elif on_result is None:
+                results[slot.index] = res
             else:
-                on_result(i, res)
+                on_result(slot.index, res)
         active[:] = still
         admit()
     return results if on_result is None else []

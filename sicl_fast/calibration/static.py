@@ -36,7 +36,8 @@ from ..run.run_args import BestAt, check_budget, stop_check
 from ..backends.step_forward import StepForward
 from ..formats.spans import Prompt
 from .step.spec import StepSpec, resolve_scale
-from .step.step_state import GATE, NONFINITE, REASONS, RUNNING, StepState
+from .reads import Slot, read, steps_to_read
+from .step.step_state import GATE, NONFINITE, REASONS, StepState
 
 
 class StaticStep:
@@ -168,31 +169,20 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
         st = run = StaticStep(backend, config, prompt, X0)
     else:
         st, run = steps.get(backend, config, prompt, X0)
-    reported = n = calls = 0
+    slot = Slot(st, t0, best_at, should_stop, on_step)
     every = st.forward.refresh_every
     while True:
-        # no calls past the last step the run can take; a read on each step count best_at keeps
-        for _ in range(min(sync_every, config.max_steps - n, best_at.until_next(n))):
-            if every and calls and calls % every == 0:  # as the eager loop: the forward's reference of X, outside
-                st.forward.refresh(st.state.X)           # the captured step (its tensors are refreshed in place)
+        for _ in range(steps_to_read([slot], sync_every)):
+            if every and slot.calls and slot.calls % every == 0:  # as the eager loop: the forward's reference of X,
+                st.forward.refresh(st.state.X)  # outside the captured step (its tensors are refreshed in place)
             run()
-            calls += 1
+            slot.calls += 1
             if on_update is not None:
                 on_update(st.state.X)
-        code, n = int(st.state.reason), int(st.state.steps_run)  # the one read per sync_every steps
-        done = code != RUNNING
-        if best_at.wants(n) and code != GATE:  # a gated run keeps nothing, as the eager loop
-            best_at.keep(n, st.state.best.best_step, st.state.best.best_X)
-        if on_step is not None and n > reported:
-            for i, v in enumerate(st.state.history[reported:n].tolist(), start=reported):
-                on_step(i, v)
-            reported = n
-        if done:
-            break
-        reason = should_stop() if should_stop is not None else None
-        if reason:
-            return st.result(time.perf_counter() - t0, stop_reason=reason, best_at=best_at)
-    return st.result(time.perf_counter() - t0, best_at=best_at)
+        (reason, n), = read([slot])
+        result = slot.settle(reason, n)
+        if result is not None:
+            return result
 
 
 __all__ = ["StaticStep", "StepCache", "run_static"]

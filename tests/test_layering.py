@@ -92,8 +92,6 @@ ROLE_ORDER = ["formats", "models", "calibration.step", "kernels", "ops", "run", 
               "answering", "icleval", "evaluation", "diagnostics", "serve", "commands"]
 FRONT_ENDS = ("commands", "serve", "diagnostics", "evaluation")
 TOP = {"sicl_fast", "sicl_fast.engine", "sicl_fast.errors"}
-# models/attention.py still loads its kernels through ops (issue #41 hands them in like the other decoder ops)
-KNOWN_UP = [("models", "ops")]
 
 
 def role(module: str) -> str:
@@ -143,7 +141,7 @@ def test_no_arrow_back_up():
     assert set(roles) == set(ROLE_ORDER) | TOP, set(roles) ^ (set(ROLE_ORDER) | TOP)
     up = sorted((a, b) for a, deps in roles.items() if a in ROLE_ORDER for b in deps
                 if b in ROLE_ORDER and ROLE_ORDER.index(b) > ROLE_ORDER.index(a))
-    assert up == KNOWN_UP, up
+    assert up == [], up
     assert roles["sicl_fast.errors"] == set()
 
 

@@ -30,7 +30,7 @@ import torch
 from sicl_fast.calibration.step import rng, zo
 from sicl_fast.calibration.step.best import BestState
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.ops import cpp_ops, make_ops
+from sicl_fast.ops import attention_kernels, cpp_ops, make_ops
 from sicl_fast.calibration.step.proxy import proxy as ref_proxy
 from sicl_fast.formats.spans import span_offsets
 from sicl_fast.calibration.step.spec import StepSpec
@@ -594,7 +594,7 @@ def test_triton_attention_matches_the_math_path(dtype, case):
     q, k, v = rand(B, T, H, hd, seed=12), rand(B, T, Hk, hd, seed=13), rand(B, T, Hk, hd, seed=14)
     kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, window, (kp, vp) if a else None)
-    att = Attention("triton", 0.3, cap, dtype, dev)
+    att = Attention("triton", 0.3, cap, dtype, dev, attention_kernels("triton"))
     to = lambda t: t.to(dev, dtype)  # noqa: E731
     got = att(to(q), to(k), to(v), a, window, (to(kp), to(vp)) if a else None)
     assert got.dtype == dtype
@@ -615,6 +615,17 @@ CPP_ATTN_CASES = ATTN_CASES + [  # B, T, a, H, Hk, hd, window, softcap: SmolLM2'
 ]
 
 
+def test_a_fused_attention_runs_the_kernels_it_is_handed():
+    """The 'cpp' and 'triton' attention kernels come in from the ops (ops.attention_kernels), as the decoder's other
+    ops do: the model's Attention loads none itself."""
+    from sicl_fast.models.attention import Attention
+
+    for impl in ("cpp", "triton"):
+        with pytest.raises(SiclError, match=rf"pass kernels=sicl_fast.ops.attention_kernels\('{impl}'\)"):
+            Attention(impl, 0.3, None, torch.float32, "cpu")
+    assert attention_kernels("math") is None and attention_kernels("sdpa") is None
+
+
 @pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
 @pytest.mark.parametrize("case", CPP_ATTN_CASES, ids=[f"B{c[0]}T{c[1]}a{c[2]}hd{c[5]}w{c[6]}cap{c[7]}"
                                                       for c in CPP_ATTN_CASES])
@@ -630,7 +641,7 @@ def test_cpp_attention_matches_the_math_path(case):
     kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
     prefix = (kp, vp) if a else None
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, window, prefix)
-    att = Attention("cpp", 0.3, cap, torch.float32, "cpu")
+    att = Attention("cpp", 0.3, cap, torch.float32, "cpu", cpp_ops)
     n = cpp_ops.num_threads()
     try:
         for threads in (1, 2):
@@ -671,7 +682,7 @@ def test_cpp_attention_keeps_nan_and_inf(where, value, hd, cap):
         poison(kp if where == "shared k" else vp, (0, 1, 1, 3), value)
         reached[:] = True
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
-    got = Attention("cpp", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
+    got = Attention("cpp", 0.3, cap, torch.float32, "cpu", cpp_ops)(q, k, v, a, None, (kp, vp))
     torch.testing.assert_close(got[reached], ref[reached], equal_nan=True, **TOL["attention"][torch.float32])
     rest, nan = got[~reached], got[~reached].isnan()
     assert bool((nan <= ref[~reached].isnan()).all())

@@ -170,7 +170,7 @@ def test_attention_rows_independent_of_thread_count(with_ref):
     q = near_rows(BIG, H * hd, scale=1.0, seed=5).view(BIG.R, H, hd)
     k, v = (near_rows(BIG, Hk * hd, scale=1.0, seed=s).view(BIG.R, Hk, hd) for s in (6, 7))
     o_ref = reference_of(near_rows(BIG, H * hd, scale=1.0, seed=8), BIG, with_ref, 9)
-    attn = Attention("cpp", hd ** -0.5, 30.0, torch.float32, "cpu")
+    attn = Attention("cpp", hd ** -0.5, 30.0, torch.float32, "cpu", cpp_ops)
     one, many = with_threads(lambda: attn.rows(q, k, v, BIG, 9, None, o_ref))
     assert same_bits(one, many)
 
@@ -260,7 +260,7 @@ def test_attention_rows_nonfinite_where_the_reference(spec, with_ref):
         o_ref[rows.values - 1, 7], o_ref[rows.values - 2, 20] = math.nan, math.inf
     ref = attention_rows_reference(Attention("math", hd ** -0.5, None, torch.float32, "cpu"), q, k, v, rows, None,
                                    prefix, o_ref)
-    got = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu").rows(q, k, v, rows, None, prefix, o_ref)
+    got = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu", cpp_ops).rows(q, k, v, rows, None, prefix, o_ref)
     same_nonfinite(got, ref)
 
 
@@ -296,7 +296,7 @@ def test_one_call_per_row_op(dec, with_ref):
     k, v = torch.empty(rows.R, Hk, hd), torch.empty(rows.R, Hk, hd)
     q = near_rows(rows, H * hd, seed=5).view(rows.R, H, hd)
     o_ref = reference_of(near_rows(rows, H * hd, seed=7), rows, with_ref, 8)
-    attn = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu")
+    attn = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu", cpp_ops)
     calls = {"norm_rows": lambda: dec.norm_rows(x, y, None, w, w, 1e-6, False, rows, y_ref, h_ref),
              "norm_rows (input)": lambda: dec.norm_rows(x, None, None, None, w, 1e-6, False, rows, None, h_ref),
              "rope_rows": lambda: dec.rope_rows(qkv, None, rows, cos, sin, norm, norm, 1e-6, False, H, Hk, k, v,

@@ -17,6 +17,7 @@ import torch
 
 from ..run.graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
 from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
+from ..ops import attention_kernels
 from ..formats.spans import Prompt
 from .base import Backend
 from .step_forward import PackedForward, SpanPlan, StepForward
@@ -30,7 +31,8 @@ class FastBackend(Backend):
     def __init__(self, lm, plan, prefix_cache: bool = True) -> None:
         super().__init__(lm, plan)
         p = self.plan
-        self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul)
+        self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul,
+                                 attention_kernels(p.attention))
         m = self.model
         if p.attention_check:  # trust a fused attention kernel only after comparing it with the math path
             m.attention.verify(m.H, m.Hk, m.hd, fallback=p.attention_fallback)

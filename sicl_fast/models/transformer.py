@@ -224,9 +224,11 @@ class Transformer:
     DecoderConfig; ops: the DecoderOps of the run plan's implementation; attention: the plan's attention kernel
     (sicl_fast.models.attention: 'math', 'sdpa', 'flash', 'triton', 'cpp'); diff_matmul: the plan's difference
     products ('off': perturbation batches take the plain forward; 'bf16' / 'fp8': forward_rows, the differences in
-    bf16 or FP8 e4m3)."""
+    bf16 or FP8 e4m3); attention_kernels: the fused kernels of attention 'cpp' or 'triton', handed in as ops is
+    (sicl_fast.ops.attention_kernels)."""
 
-    def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off") -> None:
+    def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off",
+                 attention_kernels=None) -> None:
         dec = lm.decoder
         if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
             raise unsupported(f"{config.family} ({type(lm.model).__name__} without a plain decoder)")
@@ -266,7 +268,7 @@ class Transformer:
         self.dense = [Dense(L.w, c.act_name, ops) for L in self.layers]
         self._rows_dense: list[RowsDense] | None = None  # the difference form's products, made on first use
         self._head_low: LowWeight | None = None
-        self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device)
+        self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device, attention_kernels)
         self._rows_kv: tuple = ((), [])  # ((B, T), per layer (k, v) [B, T, Hk, hd]): see rows_kv
         self._pass_kv: tuple = (None, [])  # (R, per layer (k, v) [R, Hk, hd] float32): see pass_kv
 

@@ -27,7 +27,7 @@ StepOps (shapes and dtypes):
                                 [Vb, P, V] f32 (value_slot [B]: each value row's), the logits made float32 rows
                                 before the log-sum-exp (sicl_fast.calibration.step.logprobs.rows_logprobs)
     track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.calibration.step.best)
-    bookkeep(state: StepState, f [B], fired int32 [1], cfg) -> None        the static step's bookkeeping, in place
+    bookkeep(state: StepState, f [B], fired int32 [1], cfg) -> None       the static step's bookkeeping, in place
                                                                           (sicl_fast.calibration.step.step_state.bookkeep_reference)
     cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
                                 address, so it holds these references (sicl_fast.run.graphs)

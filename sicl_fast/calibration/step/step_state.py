@@ -3,7 +3,7 @@ bookkeeping. It sits below the ops and the kernels (which take a StepState, as L
 tensors) and below sicl_fast.calibration.static (which owns one and runs its step).
 
     state = StepState.new(X0, cfg)                                every tensor allocated once, on X0's device
-    bookkeep_reference(state, f, fired, cfg)                       one step's bookkeeping, in place (TorchStepOps;
+    bookkeep_reference(state, f, fired, cfg)                      one step's bookkeeping, in place (TorchStepOps;
                                                                   kernels/bookkeep.py fuses it)
 
 Stop reasons, as `reason` stores them: RUNNING until a stop, then GATE, PATIENCE, SNR, MAX_STEPS or NONFINITE.

@@ -11,6 +11,7 @@ inside functions too: a lazy import is still an edge):
   * no kernel or op imports a calibration loop, and the static and packed steps do not call back into the
     eager loop's Calibrator."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,10 +130,19 @@ def test_the_top_level_holds_only_the_api():
     assert {f.name for f in (ROOT / "sicl_fast").glob("*.py")} == {"__init__.py", "engine.py", "errors.py"}
 
 
-def test_every_folder_says_what_lives_there():
-    for init in [*(ROOT / "sicl_fast").rglob("__init__.py"), ROOT / "kernels" / "__init__.py"]:
+def test_every_folder_is_a_package_that_says_what_lives_there():
+    """Every folder of modules has an __init__.py with a docstring, and pyproject.toml installs it (a folder missing
+    from its package list would be left out of a wheel, though an editable install finds it)."""
+    listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    listed = set(re.findall(r'"([\w.]+)"', listed))
+    folders = {f.parent for f in (ROOT / "sicl_fast").rglob("*.py")} | {ROOT / "kernels"}
+    for folder in folders:
+        init = folder / "__init__.py"
+        assert init.exists(), folder
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and doc.strip(), init
+        rel = folder.relative_to(ROOT).parts
+        assert ".".join(("sicl_fast", *rel[1:]) if rel[0] == "sicl_fast" else ("sicl_fast", *rel)) in listed, folder
 
 
 def test_no_arrow_back_up():

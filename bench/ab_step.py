@@ -7,8 +7,8 @@ in one run, rounds interleaved so both see the same machine load.
 Each side runs in its own interpreter (`python -c`, with the checkout first on sys.path and this environment's
 editable install of sicl_fast hidden, so the other checkout's own code is what runs), loads the embedded
 SmolLM2-135M, builds the backend with its default (auto) choice of hot-op implementation, and times one step
-(`sicl_fast.benchmark.one_step` on the prompt's own embeddings, N = 8, with the run's step forward made once where
-the checkout has one) `--steps` times after one warm-up and
+(`sicl_fast.diagnostics.benchmark.one_step` on the prompt's own embeddings, N = 8, with the run's step forward made once
+where the checkout has one) `--steps` times after one warm-up and
 keeps the best, in `--rounds` fresh processes per side; the order alternates (A B, B A, A B, ...). Prints the
 mean and min over the processes of each side and their ratio B / A.
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 from other_checkout import PRELUDE, run_worker  # bench/, first on sys.path when run as a script
 
 WORKER = PRELUDE + r"""
+# the module paths before #41: both checkouts have them (sicl_fast.MOVED in a newer one)
 import json, time
 import torch
 from sicl_fast import CalibrationConfig

@@ -1,6 +1,6 @@
 """Query-only answering from one stored calibration: ms per query at each batch size of Engine.answer_many
-(sicl_fast.answer.ANSWER_BATCH caps the batch), and the tokens of every batch size against one query at a time,
-side by side in one run.
+(sicl_fast.answering.answer.ANSWER_BATCH caps the batch), and the tokens of every batch size against one query at a
+time, side by side in one run.
 
     python bench/answer_batch.py --queries 96 --batch 1 8 16 32 96 [--threads 2] [--out results.json]
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import sicl_fast.answer as answer  # noqa: E402
+import sicl_fast.answering.answer as answer  # noqa: E402
 from reuse_latency import requests  # noqa: E402
 from sicl_fast import Engine  # noqa: E402
 

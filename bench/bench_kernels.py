@@ -20,12 +20,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sicl_fast.benchmark import peak_mb
-from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
+from sicl_fast.diagnostics.benchmark import peak_mb
+from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
 from sicl_fast.models.rows import RowLayout, to_rows
 from sicl_fast.ops import cpp_ops, make_ops
-from sicl_fast.proxy import span_offsets
-from sicl_fast.spec import StepSpec
+from sicl_fast.formats.spans import span_offsets
+from sicl_fast.calibration.step.spec import StepSpec
 
 D, V = 576, 49152  # SmolLM2-135M
 PEAKS: dict[str, float] = {}
@@ -99,8 +99,6 @@ def full_logits(h, w, t):
 
 SPAN_IMPLS = {
     "full-logits": full_logits,
-    "chunked-default": lambda h, w, t: gather_logprobs_chunked(h, w, t),  # max_elems 2**25: one chunk here
-    "chunked-4M": lambda h, w, t: gather_logprobs_chunked(h, w, t, max_elems=1 << 22),
     "vocab-chunked": vocab_chunked_logprobs,  # TorchStepOps's span head
     "cpp": cpp_ops.span_head,  # CppStepOps's: torch's products in chunks of 512, csrc/span_head.cpp's lse_chunk
 }

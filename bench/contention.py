@@ -6,8 +6,8 @@ count, quiet and beside busy processes that this script starts and stops itself,
         --json contention.json
 
 OpenMP reads its wait policy once, when torch loads it, so every (policy, threads) pair is a new worker process:
-it loads the model once and times one ascent step of each backend (sicl_fast.benchmark.bench_step), first on the
-quiet machine, then with `--load` busy processes (one pure-Python spin loop each) running beside it. The policies:
+it loads the model once and times one ascent step of each backend (sicl_fast.diagnostics.benchmark.bench_step), first on
+the quiet machine, then with `--load` busy processes (one pure-Python spin loop each) running beside it. The policies:
 passive (OMP_WAIT_POLICY=PASSIVE, what sicl_fast sets when the user has not chosen), active (OMP_WAIT_POLICY=ACTIVE:
 threads spin at barriers) and default (libgomp's own: the worker imports torch before sicl_fast, so nothing is set;
 threads spin a while, then sleep). Prints the table (markdown) and writes every row, with `uptime` before and after
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # sicl_fast.threads.WAIT_ENV (the driver does not import sicl_fast)
+WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # run.threads.WAIT_ENV (the driver does not import sicl_fast)
 POLICIES = {"passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "active": {"OMP_WAIT_POLICY": "ACTIVE"}, "default": {}}
 
 
@@ -31,9 +31,9 @@ def worker(args) -> None:
     if args.policy == "default":
         import torch  # noqa: F401 - OpenMP starts before sicl_fast could choose its policy: libgomp's default
 
-    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast.calibration.ascent import CalibrationConfig
     from sicl_fast.backends import make_backend
-    from sicl_fast.benchmark import bench_step, synthetic_prompt
+    from sicl_fast.diagnostics.benchmark import bench_step, synthetic_prompt
     from sicl_fast.models import load
 
     lm = load(args.model)

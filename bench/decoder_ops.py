@@ -16,11 +16,11 @@ import sys
 import torch
 
 from sicl_fast import Engine
-from sicl_fast.benchmark import synthetic_prompt
-from sicl_fast.checks import calibration_inputs
-from sicl_fast.profile import layers_call
-from sicl_fast.spec import resolve_scale
-from sicl_fast.static import StaticStep
+from sicl_fast.diagnostics.benchmark import synthetic_prompt
+from sicl_fast.run.checks import calibration_inputs
+from sicl_fast.diagnostics.profile import layers_call
+from sicl_fast.calibration.step.spec import resolve_scale
+from sicl_fast.calibration.static import StaticStep
 
 
 def main(argv=None) -> int:

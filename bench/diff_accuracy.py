@@ -17,13 +17,13 @@ import statistics
 
 import torch
 
-from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.backends import make_backend
-from sicl_fast.benchmark import synthetic_prompt
+from sicl_fast.diagnostics.benchmark import synthetic_prompt
 from sicl_fast.models import load
 from sicl_fast.ops import IMPLS, TorchStepOps
-from sicl_fast import zo
-from sicl_fast.spec import StepSpec
+from sicl_fast.calibration.step import zo
+from sicl_fast.calibration.step.spec import StepSpec
 
 
 def main() -> None:

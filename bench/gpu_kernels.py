@@ -10,9 +10,9 @@ Shapes: Llama-3.1-8B (d 4096, V 128256), Qwen3-4B (d 2560, V 151936), Gemma-2-2B
 soft-cap 30); N in {8, 16} directions (forward estimator: B = N + 1 batch rows); P in {64, 512} span positions.
 The perturb / update rows: a prompt of L = 4 P tokens with the demonstration block [8, L).
 
-    span_logprobs  Triton (bf16, float32 accumulate)  vs  torch chunked reference (bf16 matmul + float32 LSE)
+    span_logprobs  Triton (bf16, float32 accumulate)  vs  torch reference (vocab_chunked_logprobs: online LSE)
     proxy          Triton                             vs  torch reference
-    perturb        Triton (noise in the kernel)       vs  torch (materialised U: sicl_fast.rng + zo.perturb)
+    perturb        Triton (noise in the kernel)       vs  torch (materialised U: step.rng + step.zo.perturb)
     zo_update      Triton (noise regenerated)         vs  torch (materialised U: zo.update)
 
 The difference form's kernels (sicl_fast.models.rows; one decoder layer's epilogues, its attention and the span head
@@ -25,13 +25,13 @@ them, each against the torch reference it replaces:
     attention_rows                       Triton (one launch, float32 IEEE products; also tf32x3 and 1 row a
                                          program)                   vs  attention_rows_reference (math path)
     span_logprobs_rows                   Triton (two launches; also 64 x 128 tiles, and without the reference
-                                         logits)                    vs  sicl_fast.logprobs.rows_logprobs
+                                         logits)                    vs  step.logprobs.rows_logprobs
 
 Columns: time (ms, do_bench mean), TFLOP/s and % of the bf16 dense peak (span_logprobs: 2 B P V d), GB/s and
 % of the memory bandwidth peak (bytes that must move at least once: weights + inputs + outputs). Peaks come from
 the device name (H100 SXM / H200 / A100 tables below) or --peak-tflops / --peak-gbps.
-Before timing, a few parity checks run on the GPU (bit-identity of the noise with sicl_fast.rng, span_logprobs /
-proxy / update against the torch references) and print PASS / FAIL.
+Before timing, a few parity checks run on the GPU (bit-identity of the noise with sicl_fast.calibration.step.rng,
+span_logprobs / proxy / update against the torch references) and print PASS / FAIL.
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
     import torch
 
     from sicl_fast import kernels as K
-    from sicl_fast.logprobs import rows_logprobs
+    from sicl_fast.calibration.step.logprobs import rows_logprobs
     from sicl_fast.models.attention import Attention, attention_rows_reference
     from sicl_fast.models.rows import (RowLayout, gated_rows_reference, norm_rows_reference, rope_rows_reference,
                                        to_rows)
@@ -285,12 +285,12 @@ def main() -> int:
     from triton.testing import do_bench
 
     from sicl_fast import kernels as K
-    from sicl_fast import rng, zo
-    from sicl_fast.logprobs import gather_logprobs_chunked
+    from sicl_fast.calibration.step import rng, zo
+    from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
     from sicl_fast.ops import TorchStepOps
-    from sicl_fast.proxy import proxy as torch_proxy
-    from sicl_fast.proxy import span_offsets
-    from sicl_fast.spec import StepSpec
+    from sicl_fast.calibration.step.proxy import proxy as torch_proxy
+    from sicl_fast.formats.spans import span_offsets
+    from sicl_fast.calibration.step.spec import StepSpec
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -303,7 +303,8 @@ def main() -> int:
     if not args.no_check:
         checks = []
         U = K.randn(3, 5, 4, 7, 1000, device=dev)
-        checks.append(("randn bit-identical to sicl_fast.rng", torch.equal(U.cpu(), rng.directions(3, 5, 4, 7, 1000))))
+        checks.append(("randn bit-identical to sicl_fast.calibration.step.rng",
+                       torch.equal(U.cpu(), rng.directions(3, 5, 4, 7, 1000))))
         X = torch.randn(40, 128, device=dev)
         X0 = X + 0.1 * torch.randn_like(X)
         for est in ("forward", "central"):
@@ -321,7 +322,7 @@ def main() -> int:
             w = (torch.randn(5003, 200, device=dev) * 0.1).to(dt)
             t = torch.randint(0, 5003, (17,), device=dev)
             out = K.span_logprobs(h, w, t, softcap=30.0)
-            ref = gather_logprobs_chunked(h.float(), w.float(), t, softcap=30.0)
+            ref = vocab_chunked_logprobs(h.float(), w.float(), t, softcap=30.0)
             checks.append((f"span_logprobs {dt} vs float32 reference ({tol})",
                            torch.allclose(out, ref, rtol=0, atol=tol)))
         lp = -torch.rand(9, 100, device=dev) * 5
@@ -360,8 +361,8 @@ def main() -> int:
                 ms = do_bench(lambda: K.span_logprobs(h, W, t, softcap=cap))
                 add(model, "span_logprobs", N, P, B, "triton", ms, flops, nbytes)
                 if not args.no_torch:
-                    ms = do_bench(lambda: gather_logprobs_chunked(h, W, t, softcap=cap))
-                    add(model, "span_logprobs", N, P, B, "torch chunked", ms, flops, nbytes)
+                    ms = do_bench(lambda: vocab_chunked_logprobs(h, W, t, softcap=cap))
+                    add(model, "span_logprobs", N, P, B, "torch vocab-chunked", ms, flops, nbytes)
                 h = None  # its memory freed before the next shape (the timed lambdas are done with it)
                 # proxy
                 lp = -torch.rand(B, P, device=dev) * 5

@@ -12,9 +12,9 @@ One ascent step, per (model, prompt length L, directions N); prompts of random t
 the tokens in output spans over several demonstrations, a 4-token demonstration-free prefix and a query:
 
     naive        the reference form: transformers forward of the full prompt [N+1, L], full [B, L, V] logits,
-                 log_softmax, gather, the proxy (sicl_fast.proxy), `.item()` of f0 every step, torch.randn
-                 directions, the torch update (sicl_fast.zo)                                   (naive_step)
-    hf           Engine(backend="hf"): one step of the eager loop (sicl_fast.benchmark.one_step)
+                 log_softmax, gather, the proxy (calibration.step.proxy), `.item()` of f0 every step, torch.randn
+                 directions, the torch update (calibration.step.zo)                                   (naive_step)
+    hf           Engine(backend="hf"): one step of the eager loop (sicl_fast.diagnostics.benchmark.one_step)
     fast eager   Engine(backend="fast", loop="static", graphs="off"): the sync-free StaticStep, no graph
     fast graphs  Engine(backend="fast", loop="static", graphs="on"): the same step captured in a CUDA graph, as
                  Engine.calibrate replays it (the engine's StepCache); CUDA only
@@ -25,7 +25,7 @@ the tokens in output spans over several demonstrations, a 4-token demonstration-
 
 Columns: ms per step (CUDA: triton.testing.do_bench, median; steps over 200 ms: best of 2 synchronised calls;
 CPU: best of a few perf_counter repeats), the speed-up over naive and over the anchor, model TFLOP/s and % of
-the bf16 dense peak (FLOPs of the step as `sicl-fast profile` counts them, sicl_fast.profile.step_flops, the
+the bf16 dense peak (FLOPs of the step as `sicl-fast profile` counts them, sicl_fast.diagnostics.profile.step_flops, the
 same count for every row of a cell; the peak from bench/gpu_kernels.py's PEAKS), the build + first calls in s,
 and the peak extra memory (CUDA only: max_memory_allocated after reset_peak_memory_stats, minus what was
 allocated before the row was built, which holds the weights), and f0, the proxy of the prompt's own
@@ -70,18 +70,18 @@ sys.path.insert(1, str(HERE))  # bench/ (already first when run as a script): gp
 import torch  # noqa: E402
 
 from gpu_kernels import PEAKS  # noqa: E402
-from sicl_fast import zo  # noqa: E402
-from sicl_fast.ascent import CalibrationConfig, Calibrator  # noqa: E402
-from sicl_fast.benchmark import one_step  # noqa: E402
+from sicl_fast.calibration.step import zo  # noqa: E402
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator  # noqa: E402
+from sicl_fast.diagnostics.benchmark import one_step  # noqa: E402
 from sicl_fast.engine import Engine  # noqa: E402
 from sicl_fast.models import from_transformers  # noqa: E402
-from sicl_fast.profile import step_flops  # noqa: E402
-from sicl_fast.profile import time_ms as best_of_ms  # noqa: E402
-from sicl_fast.proxy import proxy  # noqa: E402
-from sicl_fast.requests import Request  # noqa: E402
-from sicl_fast.spans import Prompt  # noqa: E402
-from sicl_fast.spec import StepSpec  # noqa: E402
-from sicl_fast.static import StaticStep  # noqa: E402
+from sicl_fast.diagnostics.profile import step_flops  # noqa: E402
+from sicl_fast.diagnostics.profile import time_ms as best_of_ms  # noqa: E402
+from sicl_fast.calibration.step.proxy import proxy  # noqa: E402
+from sicl_fast.formats.requests import Request  # noqa: E402
+from sicl_fast.formats.spans import Prompt  # noqa: E402
+from sicl_fast.calibration.step.spec import StepSpec  # noqa: E402
+from sicl_fast.calibration.static import StaticStep  # noqa: E402
 
 MODELS_DIR = HERE / "models"
 SMOL, LLAMA, GEMMA, QWEN = "smollm2-135m", "llama-3.1-8b", "gemma-2-2b", "qwen3-4b"
@@ -155,8 +155,8 @@ def make_plan(args) -> Plan:
 
 
 class IdTokenizer:
-    """The tokenizer a random-weight model gets: decoding (sicl_fast.generate) only spells the new token ids as
-    text and looks for an EOS id; there is no vocabulary, so ids are written as numbers, and there is no EOS
+    """The tokenizer a random-weight model gets: decoding (sicl_fast.backends.generate) only spells the new token ids
+    as text and looks for an EOS id; there is no vocabulary, so ids are written as numbers, and there is no EOS
     (a random model would emit one at an arbitrary step: the answers are timed at a fixed length)."""
 
     eos_token_id = None
@@ -304,7 +304,7 @@ class Clock:
 @dataclass
 class Cell:
     """One (model, L, N) cell: its prompt, config (scale resolved), X0 [L, d] float32 and the step's FLOPs
-    (sicl_fast.profile.step_flops of the fast StaticStep, filled by the first fast row)."""
+    (sicl_fast.diagnostics.profile.step_flops of the fast StaticStep, filled by the first fast row)."""
 
     lm: object
     prompt: Prompt
@@ -345,8 +345,8 @@ def naive_step(c: Cell):
 
 
 def hf_step(c: Cell):
-    """Engine(backend='hf'): one eager-loop step (sicl_fast.benchmark.one_step, as bench/grad_step.py times it);
-    f0 from the engine's own proxy of X0."""
+    """Engine(backend='hf'): one eager-loop step (sicl_fast.diagnostics.benchmark.one_step, as bench/grad_step.py
+    times it); f0 from the engine's own proxy of X0."""
     eng = Engine(c.lm, backend="hf")
     cal = Calibrator(eng.backend, c.cfg)
     state = {"X": c.X0.clone(), "step": 0}
@@ -375,7 +375,7 @@ def fast_eager_step(c: Cell):
 
 def fast_graphs_step(c: Cell):
     """Engine(backend='fast', loop='static', graphs='on'): the step as Engine.calibrate replays it, taken from the
-    engine's per-shape step cache (a StaticStep and its captured CUDA graph, sicl_fast.static.StepCache)."""
+    engine's per-shape step cache (a StaticStep and its captured CUDA graph, sicl_fast.calibration.static.StepCache)."""
     eng = fast_engine(c.lm, graphs=True)
     st, run = eng.steps.get(eng.backend, c.cfg, c.prompt, c.X0)
     _static(c, eng, st)
@@ -673,7 +673,7 @@ class Suite:
             row.update(status="ok", engine=which, first_s=first, warm_s=warm, steps=steps, tokens=tokens)
             self.log(f"{what}: first {first:.3f} s, warm {warm:.3f} s ({steps} steps, {tokens} tokens, {which})")
             # the calibration alone (warm, best of 2) for each number of steps between two reads of the state: the
-            # measurement that chooses the default (sicl_fast.plan.default_sync_every)
+            # measurement that chooses the default (sicl_fast.run.plan.default_sync_every)
             row["sync_every_s"] = {}
             for k in self.plan.sync_everys:
                 eng.plan = dataclasses.replace(eng.plan, sync_every=k)
@@ -930,7 +930,7 @@ def _table(header: list, rows: list, key: list, cells) -> list:
 
 
 STEP_NOTE = ("naive: transformers forward of the full prompt, full logits, log_softmax, gather, `.item()` every "
-             "step; hf: Engine(backend='hf'), sicl_fast.benchmark.one_step; fast eager: the StaticStep of "
+             "step; hf: Engine(backend='hf'), sicl_fast.diagnostics.benchmark.one_step; fast eager: the StaticStep of "
              "Engine(backend='fast', loop='static', graphs='off'); fast graphs: the same step captured in a CUDA graph "
              "(Engine(graphs='on'), as calibrate replays it); anchor: torch.compile(mode='reduce-overhead') of the "
              "transformers forward + log_softmax + gather, timed on that forward alone. TFLOP/s: the step's FLOPs as "

@@ -6,8 +6,8 @@ row 0) against the zeroth-order step at N = 8 and N = 16, on the embedded SmolLM
 Rows: the zeroth-order steps on the engine's default CPU setup (`fast` backend, impl auto = the C++ ops, bf16
 difference products where the CPU has fast bf16); the grad step on `fast` (float32 plain products, torch ops: the
 only differentiable ones), with and without per-layer checkpointing, and on `hf`. Each row: mean and min ms over
-`repeats` steps after one warm-up step (sicl_fast.benchmark.bench_step), and the peak extra tensor memory of one
-step (the torch profiler's memory events on the CPU).
+`repeats` steps after one warm-up step (sicl_fast.diagnostics.benchmark.bench_step), and the peak extra tensor memory of
+one step (the torch profiler's memory events on the CPU).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sicl_fast.backends import make_backend  # noqa: E402
-from sicl_fast.benchmark import bench_step, synthetic_prompt  # noqa: E402
+from sicl_fast.diagnostics.benchmark import bench_step, synthetic_prompt  # noqa: E402
 from sicl_fast.engine import Engine  # noqa: E402
 
 

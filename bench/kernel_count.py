@@ -1,5 +1,6 @@
 """Kernels per ascent step of the fast backend, this checkout against another (an older commit), counted by the
-same rules on both sides: this checkout's sicl_fast/kernel_count.py, loaded by its path into each side's process.
+same rules on both sides: this checkout's sicl_fast/diagnostics/kernel_count.py, loaded by its path into each side's
+process.
 
     git worktree add /tmp/old ccb8e43
     python bench/kernel_count.py --other /tmp/old --length 64 --impl triton torch
@@ -24,6 +25,7 @@ from other_checkout import PRELUDE  # bench/, first on sys.path when run as a sc
 HERE = Path(__file__).resolve().parents[1]
 
 WORKER = PRELUDE + r"""
+# the module paths before #41: both checkouts have them (sicl_fast.MOVED in a newer one)
 import json
 import torch
 counter_file = sys.argv[2]
@@ -57,8 +59,9 @@ print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "
 
 
 def count(root: Path, impl: str, length: int, N: int, diff: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(HERE / "sicl_fast" / "kernel_count.py"),
-                          impl, str(length), str(N), diff], capture_output=True, text=True, timeout=3600,
+    rules = HERE / "sicl_fast" / "diagnostics" / "kernel_count.py"
+    out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(rules), impl, str(length), str(N), diff],
+                         capture_output=True, text=True, timeout=3600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})  # set before the checkout imports triton
     if out.returncode != 0:
         raise SystemExit(f"{root} ({impl}): {out.stderr.strip().splitlines()[-3:]}")

@@ -36,7 +36,7 @@ import time
 import torch
 
 from sicl_fast import Engine
-from sicl_fast.answer import answer_result
+from sicl_fast.answering.answer import answer_result
 
 ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
         "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]

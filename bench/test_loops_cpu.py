@@ -13,12 +13,12 @@ the packed step's gain is the larger products; record what it is.
 import pytest
 
 from sicl_fast import CalibrationConfig
-from sicl_fast.ascent import Calibrator
+from sicl_fast.calibration.ascent import Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.benchmark import synthetic_prompt
+from sicl_fast.diagnostics.benchmark import synthetic_prompt
 from sicl_fast.models import load
-from sicl_fast.packed import run_packed
-from sicl_fast.static import run_static
+from sicl_fast.calibration.packed import run_packed
+from sicl_fast.calibration.static import run_static
 
 STEPS = 3
 CFG = CalibrationConfig(N=8, tau=0.0, patience=0, max_steps=STEPS)

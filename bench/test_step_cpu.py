@@ -3,15 +3,15 @@ backends vs the naive form, L in {128, 512, 1024}.
 
     pytest bench/test_step_cpu.py --benchmark-only --benchmark-columns=mean,min,max,rounds [--impl cpp]
 
-Peak extra tensor memory of one step (torch profiler memory events, see sicl_fast.benchmark.PeakMemory) is stored
-in each benchmark's extra_info (MiB), with the implementation of the hot ops that ran (`--impl`, default auto).
+Peak extra tensor memory of one step (torch profiler memory events, see sicl_fast.diagnostics.benchmark.PeakMemory) is
+stored in each benchmark's extra_info (MiB), with the implementation of the hot ops that ran (`--impl`, default auto).
 """
 import pytest
 
 from sicl_fast import CalibrationConfig
 from sicl_fast.backends import make_backend
-from sicl_fast.benchmark import PeakMemory, one_step, synthetic_prompt
-from sicl_fast.ascent import Calibrator
+from sicl_fast.diagnostics.benchmark import PeakMemory, one_step, synthetic_prompt
+from sicl_fast.calibration.ascent import Calibrator
 from sicl_fast.models import load
 
 CFG = CalibrationConfig(N=8, tau=0.0)

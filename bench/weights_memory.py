@@ -18,6 +18,7 @@ from pathlib import Path
 from other_checkout import PRELUDE, run_worker  # bench/, first on sys.path when run as a script
 
 WORKER = PRELUDE + r"""
+# the module paths before #41: both checkouts have them (sicl_fast.MOVED in a newer one)
 import json
 import torch
 torch.set_num_threads(1)

@@ -1,6 +1,7 @@
 // sicl_fast._C: the ascent's hot CPU ops on float32 numpy buffers (torch tensors pass theirs with .numpy()),
-// multithreaded with OpenMP. Python wrappers and shape checks live in sicl_fast/cpp_ops.py; the math is the
-// torch reference's (sicl_fast/proxy.py, sicl_fast/zo.py) and the noise is sicl_fast/rng.py's, bit for bit.
+// multithreaded with OpenMP. Python wrappers and shape checks live in sicl_fast/ops/cpp_ops.py; the math is the
+// torch reference's (calibration/step/proxy.py, calibration/step/zo.py) and the noise is
+// calibration/step/rng.py's, bit for bit.
 //
 //   randn(out[n], seed64)                                     out[k] = N(0,1) for counter k
 //   perturb(X[L,d], out[B,n,d], seed, step[1], N, a, b, mu, central)  the perturbation batch (layout of zo.py)
@@ -301,7 +302,7 @@ void register_step_state_ops(py::module_& m);  // step_state.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
-    m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy, advance (sicl_fast.ops.cpp_ops); "
+    m.doc() = "sicl_fast C++ ops (float32, OpenMP): randn, perturb, update, proxy, bookkeep (sicl_fast.ops.cpp_ops); "
               "norm_rows, rope_rows, gated_rows (sicl_fast.models.rows); residual_norm, rope_qkv "
               "(sicl_fast.models.elementwise); attention, attention_rows (sicl_fast.models.attention); lse_chunk, "
               "lse_chunk_rows (the span heads, sicl_fast.ops.cpp_ops).";

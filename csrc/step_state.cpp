@@ -1,15 +1,15 @@
-// The static step's bookkeeping on the CPU in one call (sicl_fast/step_state.py holds the torch reference,
-// advance_reference, and the state; the Python wrapper is sicl_fast/ops/cpp_ops.py's CppStepOps.advance):
+// The static step's bookkeeping on the CPU in one call (calibration/step/step_state.py holds the torch reference,
+// bookkeep_reference, and the state; the Python wrapper is sicl_fast/ops/cpp_ops.py's CppStepOps.bookkeep):
 //
-//   advance(f[B] f32, fired[1] i32, X[L,d], X_next[L,d], best_X[L,d], best_f[1] f32, counters[3] i32, step[1],
+//   bookkeep(f[B] f32, fired[1] i32, X[L,d], X_next[L,d], best_X[L,d], best_f[1] f32, counters[3] i32, step[1],
 //           steps_run[1], reason[1], low_snr[1], projections[1] i64, history[n] f32, anchor[1] f32, codes[6] i64,
 //           tau, snr_threshold, min_delta, min_delta_rel, patience, max_steps, mu, central)
 //
-// after the update wrote X_next (its projection flag `fired`): the gate, the best X (best_f, counters: since best,
-// best step, steps seen; sicl_fast.best.track_best), patience (with min_delta or min_delta_rel > 0: counted from
-// the anchor, sicl_fast.best.improved), the SNR skip and stop, max_steps, a non-finite proxy, the history entry,
-// the counters, the stop reason and the step index, in place. codes: the stop reasons as the state stores them
-// (RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE of sicl_fast.step_state).
+// after the update wrote X_next (its projection flag `fired`): the stopping rule of calibration/step/stop_rule.py
+// (the gate, the best X with best_f and the counters: since best, best step, steps seen; patience, with min_delta
+// or min_delta_rel > 0 counted from the anchor; the SNR skip and stop, max_steps), a non-finite proxy, the history
+// entry, the counters, the stop reason and the step index, in place. codes: the stop reasons as the state stores them
+// (RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE of calibration.step.step_state).
 //
 // Bit-identical to the reference: comparisons, copies and counters, the comparisons with tau, the SNR threshold
 // and the margin in float64 as its; the SNR's finite differences, mean and standard deviation as torch computes
@@ -94,7 +94,7 @@ float torch_sum(const float* x, int64_t n) {
     return 0.0f + acc;
 }
 
-// |mean| / (std + 1e-12) of the finite differences d [N] (sicl_fast.zo.finite_differences), as the reference's
+// |mean| / (std + 1e-12) of the finite differences d [N] (calibration.step.zo.finite_differences), as the reference's
 // torch ops: the mean a float32 sum / N, the standard deviation (N - 1) by Welford in float64, rounded to float32
 float snr_of(const float* f, int64_t B, double mu, bool central) {
     const int64_t N = central ? (B - 1) / 2 : B - 1;
@@ -119,7 +119,7 @@ T& one(py::array& a, const char* name, char kind) {
     return *static_cast<T*>(a.mutable_data());
 }
 
-void advance(py::array f, py::array fired, py::array X, py::array X_next, py::array best_X, py::array best_f,
+void bookkeep(py::array f, py::array fired, py::array X, py::array X_next, py::array best_X, py::array best_f,
              py::array counters, py::array step, py::array steps_run, py::array reason, py::array low_snr,
              py::array projections, py::array history, py::array anchor, py::array codes, double tau,
              double snr_threshold, double min_delta, double min_delta_rel, int64_t patience, int64_t max_steps,
@@ -128,7 +128,7 @@ void advance(py::array f, py::array fired, py::array X, py::array X_next, py::ar
     check_array(fired, "fired", 'n', {1}, false);
     check_array(X, "X", 'f', {-1, -1}, true);
     const int64_t B = f.shape(0), n = X.size();
-    if (B < 1) throw std::invalid_argument("advance: f is empty");
+    if (B < 1) throw std::invalid_argument("bookkeep: f is empty");
     check_array(X_next, "X_next", 'f', {X.shape(0), X.shape(1)}, false);
     check_array(best_X, "best_X", 'f', {X.shape(0), X.shape(1)}, true);
     check_array(counters, "counters", 'n', {3}, true);
@@ -141,7 +141,7 @@ void advance(py::array f, py::array fired, py::array X, py::array X_next, py::ar
     int64_t& proj = one<int64_t>(projections, "projections", 'i');
     int32_t* cnt = static_cast<int32_t*>(counters.mutable_data());  // since best, best step, steps seen
     float* hist = mf(history);
-    if (s < 0 || s >= history.shape(0)) throw std::out_of_range("advance: the step is past the history");
+    if (s < 0 || s >= history.shape(0)) throw std::out_of_range("bookkeep: the step is past the history");
     const float* fp = cf(f);
     const float f0 = fp[0], inf = std::numeric_limits<float>::infinity();
     const bool active = rs == code[0], finite = std::isfinite(f0), ok = active && finite;
@@ -189,12 +189,12 @@ void advance(py::array f, py::array fired, py::array X, py::array X_next, py::ar
 }  // namespace
 
 void register_step_state_ops(py::module_& m) {
-    m.def("advance", &advance, py::arg("f"), py::arg("fired"), py::arg("X"), py::arg("X_next"), py::arg("best_X"),
+    m.def("bookkeep", &bookkeep, py::arg("f"), py::arg("fired"), py::arg("X"), py::arg("X_next"), py::arg("best_X"),
           py::arg("best_f"), py::arg("counters"), py::arg("step"), py::arg("steps_run"), py::arg("reason"),
           py::arg("low_snr"), py::arg("projections"), py::arg("history"), py::arg("anchor"), py::arg("codes"),
           py::arg("tau"), py::arg("snr_threshold"), py::arg("min_delta"), py::arg("min_delta_rel"),
           py::arg("patience"), py::arg("max_steps"), py::arg("mu"), py::arg("central"),
-          "the static step's bookkeeping of one step, in place (sicl_fast.step_state.advance_reference)");
+          "the static step's bookkeeping of one step, in place (calibration.step.step_state.bookkeep_reference)");
 }
 
 }  // namespace sicl

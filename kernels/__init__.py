@@ -1,5 +1,5 @@
 """Triton kernels of sicl_fast, installed as `sicl_fast.kernels` (sicl_fast.ops.triton_ops uses them; the
-implementation is chosen once, by the run plan, sicl_fast.plan).
+implementation is chosen once, by the run plan, sicl_fast.run.plan).
 
 One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dtypes / devices and launches through
 _utils.launch (the warps from the block size; on CUDA, on the tensors' own device):
@@ -9,13 +9,13 @@ _utils.launch (the warps from the block size; on CUDA, on the tensors' own devic
                        value_slot=None)                 the span head of a difference-form pass -> [B, P] float32
                                                         (z_ref [Vb, P, V]: the value rows' reference logits)
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q) -> ProxyOut(f, C, R, G, c)
-    proxy_planned(logprobs [B, P], plan: sicl_fast.proxy.ProxyPlan) -> ProxyOut   (no checks, no host reads)
+    proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut   (no checks, no host reads)
     perturb(X [L, d] float32, step, spec: StepSpec) -> [B, b, d] float32
     zo_update(X, X0, f [B], step, spec) -> (X_new [L, d] float32, fired int32 [1] on the device)
     track_best(f, X, BestState) -> BestState            best-so-far X / f / patience on the device
-    advance(st, f, fired, cfg)                          the static step's bookkeeping on its StepState
-                                                        (sicl_fast.step_state)
-    randn(seed, step, num, rows, d) -> [num, rows, d]   the directions U (= sicl_fast.rng.directions, bitwise)
+    bookkeep(st, f, fired, cfg)                         the static step's bookkeeping on its StepState
+                                                        (sicl_fast.calibration.step.step_state)
+    randn(seed, step, num, rows, d) -> [num, rows, d]   the directions U (= step.rng.directions, bitwise)
     cached_tensors() -> list                            device constants the launchers cache (a graph keeps them)
 
 The decoder's fused kernels (references in sicl_fast.models.elementwise and sicl_fast.models.attention):
@@ -45,7 +45,7 @@ from .proxy import proxy, proxy_planned
 from .randn import randn
 from .span_logprobs import span_logprobs, span_logprobs_rows
 from .zo_update import cached_tensors, zo_update
-from .advance import advance
+from .bookkeep import bookkeep
 from .attention import attention_rows, prefix_attention
 from .gated import gated
 from .gated_rows import gated_rows
@@ -66,7 +66,7 @@ __all__ = [
     "randn",
     "interpreting",
     "cached_tensors",
-    "advance",
+    "bookkeep",
     "span_logprobs_rows",
     "norm_rows",
     "rope_rows",

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the kernels for an NVIDIA target, without a GPU (ptxas ships with triton).
 
 Used by tests (the RNG kernels' PTX must contain no FMA and no approximate division / sqrt, or the GPU would
-not reproduce sicl_fast.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
+not reproduce calibration.step.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
 
     compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions; with
                                                                          aligned=True as the JIT specialises them)
@@ -109,14 +109,14 @@ SPECS = {
                   {"HAS_PREFIX": True, "HAS_SOFTCAP": True, "HAS_WINDOW": True, "UPCAST": False,
                    "PRECISION": "ieee", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 256},
                   {"num_warps": 4, "num_stages": 2}),
-    "advance_state": (("advance", "_advance_state_kernel"),
+    "bookkeep_state": (("bookkeep", "_bookkeep_state_kernel"),
                       {"f_ptr": _F, "params_ptr": _D, "s_ptr": "*i64", "steps_run_ptr": "*i64", "reason_ptr": "*i64",
                        "low_snr_ptr": "*i64", "proj_ptr": "*i64", "hist_ptr": _F, "best_f_ptr": _F,
                        "counters_ptr": _I, "anchor_ptr": _F, "fired_ptr": _I, "flags_ptr": _I, "N": "i32",
                        "mu": "fp32", "patience": "i32", "max_steps": "i32"},
                       {"CENTRAL": True, "HAS_SNR": True, "HAS_PATIENCE": True, "HAS_MARGIN": True, "BLOCK_N": 64},
                       {"num_warps": _W(64)}),
-    "advance_copy": (("advance", "_advance_copy_kernel"),
+    "bookkeep_copy": (("bookkeep", "_bookkeep_copy_kernel"),
                      {"flags_ptr": _I, "x_ptr": _F, "x_next_ptr": _F, "best_x_ptr": _F, "n": "i32"}, {"BLOCK": 2048},
                      {"num_warps": _W(2048)}),
     # the difference form's kernels (float32 rows, bf16 values and differences), every branch on

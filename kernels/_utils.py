@@ -1,6 +1,7 @@
 """Shared launcher helpers: tensor checks with clear errors, interpreter detection, and the one way every launcher
 launches (`launch`: the number of warps from the block size, the device guard). (The step's arguments are checked
-once, by sicl_fast.spec.StepSpec; the proxy's by sicl_fast.proxy.ProxyPlan and check_logprobs.)"""
+once, by sicl_fast.calibration.step.spec.StepSpec; the proxy's by sicl_fast.calibration.step.proxy.ProxyPlan and
+check_logprobs.)"""
 from __future__ import annotations
 
 import contextlib
@@ -11,11 +12,11 @@ import torch
 import triton
 
 from sicl_fast.errors import SiclError
-from sicl_fast.rng import step_seed
+from sicl_fast.calibration.step.rng import step_seed
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# The RNG / update kernels must evaluate exactly the op sequence of sicl_fast.rng: no FMA contraction.
+# The RNG / update kernels must evaluate exactly the op sequence of sicl_fast.calibration.step.rng: no FMA contraction.
 EXACT = {"enable_fp_fusion": False}
 
 

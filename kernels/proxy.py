@@ -1,4 +1,4 @@
-"""The ICL confidence proxy, one program per batch row (sicl_fast.proxy.proxy's function).
+"""The ICL confidence proxy, one program per batch row (sicl_fast.calibration.step.proxy.proxy's function).
 
     proxy(logprobs [B, P] float (computed in float32), offsets [T+1] int64, alpha, beta, gamma, q)
         -> ProxyOut(f [B], C [B], R [B], G [B], c [B, T])  float32
@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.proxy import ProxyOut, ProxyPlan, checked_proxy
-from sicl_fast.spec import f32
+from sicl_fast.calibration.step.proxy import ProxyOut, ProxyPlan, checked_proxy
+from sicl_fast.calibration.step.spec import f32
 
 from ._utils import FLOAT_DTYPES, check_device, check_dtype, launch, next_pow2
 
@@ -69,13 +69,13 @@ def proxy(logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, bet
     """The proxy of every batch row (module docstring). logprobs on CUDA (or the CPU under TRITON_INTERPRET=1).
 
     check_values: raise NumericalError on NaN / +inf log-probs as the reference does (one host sync);
-    False skips the check (for a loop that must not synchronise; sicl_fast.proxy.check_logprobs).
+    False skips the check (for a loop that must not synchronise; sicl_fast.calibration.step.proxy.check_logprobs).
     """
     return checked_proxy(proxy_planned, logprobs, offsets, alpha, beta, gamma, q, check_values)
 
 
 def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
-    """The proxy for a checked plan (sicl_fast.proxy.ProxyPlan, on logprobs' device): one launch, no host read."""
+    """The proxy for a checked plan (calibration.proxy.ProxyPlan, on logprobs' device): one launch, no host read."""
     op = "triton proxy"
     check_device(logprobs, plan.offsets_dev, op=op)
     check_dtype(logprobs, FLOAT_DTYPES, "logprobs", op)

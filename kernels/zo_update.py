@@ -1,8 +1,8 @@
-"""One zeroth-order ascent step with the noise regenerated in the kernel (sicl_fast.zo.update's function).
+"""One zeroth-order ascent step with the noise regenerated in the kernel (calibration.step.zo.update's function).
 
     zo_update(X [L, d], X0 [L, d], f [B], step, spec: StepSpec) -> (X_new [L, d] float32, fired: int32 [1])
 
-    w_i = (f_{1+i} - f_0) / mu                   forward  (batch layout of sicl_fast.zo)
+    w_i = (f_{1+i} - f_0) / mu                   forward  (batch layout of sicl_fast.calibration.step.zo)
     w_i = (f_{1+2i} - f_{2+2i}) / (2 mu)         central
     g   = (sum_i w_i U_i) / N                    on rows [a, b), U_i regenerated from (seed, step) as in perturb
     g_r <- g_r * min(1, clip / (|g_r| + 1e-8))   per token row ("clip"), or g_r / (|g_r| + 1e-8) ("normalize")
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.spec import StepSpec, f32
+from sicl_fast.calibration.step.spec import StepSpec, f32
 
 from ._utils import EXACT, check_device, check_dtype, interpreting, launch, next_pow2, step_key
 from .randn import randn_f32

@@ -15,22 +15,22 @@ from collections.abc import Sequence
 
 import torch
 
-from .ascent import CalibrationConfig, CalibrationResult, Calibrator
+from .calibration.ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import build_backend
-from .checks import check_embeddings, check_prompt
+from .run.checks import check_embeddings, check_prompt
 from .errors import SiclError
-from .generate import Generation
-from .graphs import DEFAULT_CAPACITY
+from .backends.generate import Generation
+from .run.graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
-from .packed import run_packed
-from .plan import Choices, make_plan, resolve_reuse
-from .proxy import ProxyOut
-from .requests import Request, parse_request
-from .run_args import BestAt, check_budget, stop_check
-from .spans import Prompt, tokenize
-from .static import StepCache, run_static
-from .answer import answer_batch, answer_one
-from .reuse import Reuser
+from .calibration.packed import run_packed
+from .run.plan import Choices, make_plan, resolve_reuse
+from .calibration.step.proxy import ProxyOut
+from .formats.requests import Request, parse_request
+from .run.run_args import BestAt, check_budget, stop_check
+from .formats.spans import Prompt, tokenize
+from .calibration.static import StepCache, run_static
+from .answering.answer import answer_batch, answer_one
+from .answering.reuse import Reuser
 from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 
@@ -38,25 +38,25 @@ class Engine:
     """lm: a LoadedModel (or None to load `model` with `dtype` / `device`, default 'auto': CUDA where there is one,
     and the precision that calibrates as float32 does there, sicl_fast.models.loading.resolve_dtype; a name or a
     path given as lm, or those three beside lm, are refused: check_engine_args). Every other argument is a choice of the
-    run plan (sicl_fast.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
+    run plan (sicl_fast.run.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
     backend; impl, the implementation of the hot ops ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops); attn and
     diff_matmul, the fast decoder's attention kernel and difference products; loop, how calibrations run: 'static'
-    (the sync-free step of sicl_fast.static, reading its state every `sync_every` steps), 'eager' (the reference
-    loop, Calibrator.run), 'auto' (static where the backend supports it); both give the same result. pack:
-    calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.packed); 'auto': where
-    it pays (8 on CUDA for a model under 1B parameters, else 1: sicl_fast.plan.auto_pack). grad: this
+    (the sync-free step of sicl_fast.calibration.static, reading its state every `sync_every` steps), 'eager' (the
+    reference loop, Calibrator.run), 'auto' (static where the backend supports it); both give the same result. pack:
+    calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.calibration.packed); 'auto':
+    where it pays (8 on CUDA for a model under 1B parameters, else 1: sicl_fast.run.plan.auto_pack). grad: this
     engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the differentiable torch
     ops, and a backend, impl or model that cannot be differentiated is refused here; its calibrations run on the
     eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for CUDA), 'on', 'off':
     static-loop calibrations replay a CUDA graph of the step, captured once per prompt shape, and the fast backend
-    decodes through captured graphs (sicl_fast.graphs); at most `graph_cache` graphs of each kind are kept. Results
+    decodes through captured graphs (sicl_fast.run.graphs); at most `graph_cache` graphs of each kind are kept. Results
     equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
-    reuse: what `calibrate` does by default with the calibration store (sicl_fast.reuse): 'off' (calibrate every
-    prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always); unset, 'auto' when a store
+    reuse: what `calibrate` does by default with the calibration store (sicl_fast.answering.reuse): 'off' (calibrate
+    every prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always); unset, 'auto' when a store
     or store_dir is given (else 'off'). store: a CalibrationStore (shared between engines if you like); else one is
     made with `store_bytes` of memory (default sicl_fast.store.DEFAULT_MAX_BYTES) and, with `store_dir`, a
     directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
-    (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.threads)."""
+    (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.run.threads)."""
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ class Engine:
         self.backend = build_backend(self.plan, self.lm)
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
-        self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.progress)
+        self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)
         if self.plan.graphs:
             self.steps = StepCache(self.lm.device, self.plan.graph_cache)
             self.backend.use_graphs(self.plan.graph_cache)
@@ -129,7 +129,7 @@ class Engine:
                   **overrides) -> CalibrationResult:
         """Calibrate a prompt. reuse (default: the plan's): 'off' runs it on the plan's loop; 'auto' / 'on' go
         through the store and return a ReusedResult (a CalibrationResult that says whether it reused, which key,
-        whether exact, and holds the stored Calibration in `.calibration`). Run arguments (sicl_fast.run_args; they
+        whether exact, and holds the stored Calibration in `.calibration`). Run arguments (sicl_fast.run.run_args; they
         do not change what a step computes): time_budget_s, stop at the first step boundary (static loop: read of
         the state) after that many seconds with the best X so far and stop_reason "time_budget"; should_stop, a
         hook checked there too (a returned string ends the run with that reason). Both also end a wait for the
@@ -163,17 +163,17 @@ class Engine:
 
     def answer(self, calibration, query, max_new_tokens: int = 32, stop_strings=("\n",), stop_fn=None) -> Generation:
         """The greedy answer to `query` (a Prompt, or a request in either form, whose rows [0, b) are the
-        calibration's) from a stored Calibration (or a ReusedResult holding one): sicl_fast.answer."""
+        calibration's) from a stored Calibration (or a ReusedResult holding one): sicl_fast.answering.answer."""
         return answer_one(self, calibration, query, max_new_tokens, stop_strings, stop_fn)
 
     def answer_many(self, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",)) -> list[Generation]:
-        """Greedy answers to many queries on one stored calibration, decoded as one batch (sicl_fast.answer)."""
+        """Greedy answers to many queries on one stored calibration, decoded as one batch (answering.answer)."""
         return answer_batch(self, calibration, queries, max_new_tokens, stop_strings)
 
     def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,
                        time_budget_s: float | None = None, best_at: Sequence[int] = (),
                        **overrides) -> list[CalibrationResult]:
-        """Calibrate every prompt, `pack` at once when pack > 1 (sicl_fast.packed), else one by one. With
+        """Calibrate every prompt, `pack` at once when pack > 1 (sicl_fast.calibration.packed), else one by one. With
         on_result(i, result), each result goes there as it finishes and nothing is kept (a long run's memory
         stays flat); without, the results come back in the order of `prompts`. time_budget_s and best_at: each
         prompt's, as calibrate's."""

@@ -24,7 +24,7 @@ TRITON_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_I
 # ICLEval data. The clone ships excerpts (a few unmodified samples of three files, tests/data/icleval, with the
 # ICLEval license); tests that need the complete files take them from SICL_ICLEVAL_DIR and skip when it is unset.
 ICLEVAL_EXCERPTS = Path(__file__).resolve().parent / "data" / "icleval"
-from sicl_fast.inputs import env_path  # noqa: E402 - after OMP_NUM_THREADS and TRITON_INTERPRET are set
+from sicl_fast.formats.inputs import env_path  # noqa: E402 - after OMP_NUM_THREADS and TRITON_INTERPRET are set
 
 ICLEVAL_FULL = env_path("SICL_ICLEVAL_DIR")  # unset, empty or blank: the checks that need it are skipped
 needs_icleval_full = pytest.mark.skipif(
@@ -32,8 +32,19 @@ needs_icleval_full = pytest.mark.skipif(
                                  "data/tasks_data folder (https://github.com/RUCBM/ICLEval)")
 
 from sicl_fast.models import from_transformers, load
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
+
+
+def span_logprobs_oracle(hidden, weight, targets, softcap=None):
+    """The span head by its definition, the oracle of every span head (torch, C++, Triton): hidden [B, P, d],
+    weight [V, d], targets [P] -> [B, P] float32 log-probabilities of the targets, from whole vocabulary rows of
+    logits (the product in the inputs' dtype, then float32; soft-capped when asked)."""
+    logits = torch.matmul(hidden, weight.t()).float()  # [B, P, V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    t = targets.to(hidden.device).view(1, -1, 1).expand(hidden.shape[0], -1, 1)
+    return logits.gather(-1, t).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 @pytest.fixture(scope="session")
@@ -141,7 +152,7 @@ def reference_backend(name: str, lm, prefix_cache: bool = True, **choices):
     """The backend `name` on `lm` made from its run plan, on the torch reference ops unless `impl` is given (what
     these tests compare every other path with); prefix_cache=False: the fast backend without its prefix K/V cache."""
     from sicl_fast.backends import CLASSES
-    from sicl_fast.plan import make_plan
+    from sicl_fast.run.plan import make_plan
 
     plan = make_plan(lm, backend=name, **{"impl": "torch", **choices})
     if not prefix_cache:

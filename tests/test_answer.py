@@ -1,4 +1,4 @@
-"""Query-only answering (sicl_fast.answer_kv): a query's prefill against the stored K/V of the calibrated rows
+"""Query-only answering (sicl_fast.answering.answer_kv): a query's prefill against the stored K/V of the calibrated rows
 [0, b) and greedy decoding, many ragged queries as one batch, give the tokens of decoding the full calibrated matrix
 (FastBackend.generate): on tiny random-weight models of all four families (sliding windows and soft-caps
 included), and on SmolLM2 after a real calibration. The K/V is counted in the store's memory budget."""
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from sicl_fast import Engine
-from sicl_fast.answer_kv import answer_batch
-from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.answering.answer_kv import decode_queries
+from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.errors import SiclError
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
 from sicl_fast.store import Calibration, CalibrationStore
 
 from test_fast_backend import SUPPORTED_FAMILIES, V, tiny_models  # noqa: E402
@@ -83,14 +83,14 @@ def test_the_kv_is_counted_in_the_store_budget(engines):
     store.put(cal)
     before = store.memory.bytes
     p = prompt(stem.tolist() + [5, 6])
-    answer_batch(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=store)
+    decode_queries(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=store)
     m = eng.backend.model
     kv_bytes = len(m.layers) * 2 * B_ROWS * m.Hk * m.hd * 4
     assert cal.kv is not None and store.memory.bytes - before == cal.kv.nbytes >= kv_bytes
     tight = CalibrationStore(cal.nbytes - 1)  # rows fit, rows + K/V do not: the K/V is dropped, the rows kept
     cal.kv = None
     tight.put(cal)
-    answer_batch(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=tight)
+    decode_queries(eng.backend, cal, [p], [eng.backend.embed(p)[B_ROWS:]], NEW, (), store=tight)
     assert tight.get(cal.key) is cal and cal.kv is None
 
 

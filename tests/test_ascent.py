@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import synthetic_prompt
-from sicl_fast import zo
-from sicl_fast.ascent import CalibrationConfig, Calibrator, preset_name
+from sicl_fast.calibration.step import zo
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator, preset_name
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.rng import directions
-from sicl_fast.spec import StepSpec
+from sicl_fast.calibration.step.rng import directions
+from sicl_fast.calibration.step.spec import StepSpec
 
 # tau=0 so the gate never fires on a random model; scale=1: absolute units; big steps so things move
 BASE = CalibrationConfig(N=4, mu=0.01, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=6, seed=3, scale=1.0)
@@ -190,15 +190,16 @@ def test_perturb_query_ablation_moves_query_rows(setup):
                                   "min-delta-rel", "min-delta-larger-margin", "min-delta-exact-tie",
                                   "min-delta-nonfinite", "min-delta-gate", "min-delta-snr"])
 def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatch):
-    """The eager loop (python floats) and the static step's reference (device tensors, sicl_fast.step_state) make
-    the same decisions on the same scripted proxies: patience with and without min_delta, exact ties with the
-    margin, the gate, SNR skips and stops, a non-finite proxy (tests/test_ops.py runs the fused kernel on them)."""
-    from test_ops import ADVANCE_SCRIPTS
+    """The eager loop (python floats) and the static step's reference (device tensors,
+    sicl_fast.calibration.step.step_state) make the same decisions on the same scripted proxies: patience with and
+    without min_delta, exact ties with the margin, the gate, SNR skips and stops, a non-finite proxy (tests/test_ops.py
+    runs the fused kernel on them)."""
+    from test_ops import BOOKKEEP_SCRIPTS
 
-    from sicl_fast.step_state import NONFINITE, REASONS, StepState, advance_reference
+    from sicl_fast.calibration.step.step_state import NONFINITE, REASONS, StepState, bookkeep_reference
 
     hf, p = setup
-    kw, f0s = ADVANCE_SCRIPTS[name]
+    kw, f0s = BOOKKEEP_SCRIPTS[name]
     cal = Calibrator(hf, CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8,
                                               "scale": 1.0, **kw}))
     X0 = hf.embed(p)
@@ -209,11 +210,11 @@ def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatc
         f[0] = f0
         script.append((f, torch.randn(X0.shape, generator=g), torch.tensor([step % 2], dtype=torch.int32)))
     monkeypatch.setattr(cal, "evaluate", lambda X, prompt, spec, step, forward=None: (script[step][0], None))
-    monkeypatch.setattr(cal, "advance", lambda X, X0, f, g, spec, step: script[step][1:])
+    monkeypatch.setattr(cal, "move", lambda X, X0, f, g, spec, step: script[step][1:])
     st = StepState.new(X0, cal.config)
     for f, X_next, fired in script:
         st.X_next.copy_(X_next)
-        advance_reference(st, f, fired, cal.config)
+        bookkeep_reference(st, f, fired, cal.config)
     n = int(st.steps_run)
     if int(st.reason) == NONFINITE:
         with pytest.raises(NumericalError, match=f"step {n - 1}"):

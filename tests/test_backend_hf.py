@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from conftest import synthetic_prompt
+from conftest import span_logprobs_oracle, synthetic_prompt
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.logprobs import gather_logprobs_chunked, vocab_chunked_logprobs
+from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
 from sicl_fast.models import from_transformers
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -47,8 +47,8 @@ def test_tiny_llama_matches_full_logits(tiny_llama):
 
 @pytest.mark.slow
 def test_smollm2_matches_full_logits(smol):
-    from sicl_fast.requests import parse_request
-    from sicl_fast.spans import tokenize
+    from sicl_fast.formats.requests import parse_request
+    from sicl_fast.formats.spans import tokenize
 
     req = parse_request({"id": "s", "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"},
                                               {"input": "ten", "output": "10"}], "query": "two"})
@@ -79,15 +79,6 @@ def test_gemma2_softcap_matches_full_logits():
     torch.testing.assert_close(hf.span_logprobs(X, p), ref, **TOL)
 
 
-def test_chunked_head_equals_unchunked():
-    torch.manual_seed(0)
-    h, w, t = torch.randn(3, 11, 16), torch.randn(97, 16), torch.randint(0, 97, (11,))
-    ref = torch.log_softmax(h @ w.t(), -1).gather(-1, t.view(1, -1, 1).expand(3, -1, 1)).squeeze(-1)
-    torch.testing.assert_close(gather_logprobs_chunked(h, w, t, max_elems=97 * 3 * 2), ref, **TOL)
-    capped = torch.log_softmax(3 * torch.tanh(h @ w.t() / 3), -1).gather(-1, t.view(1, -1, 1).expand(3, -1, 1))
-    torch.testing.assert_close(gather_logprobs_chunked(h, w, t, softcap=3.0), capped.squeeze(-1), **TOL)
-
-
 @pytest.mark.parametrize("B,P,V,max_elems", [(1, 1, 5, 1), (3, 11, 97, 3 * 11 * 256), (2, 7, 1000, 1 << 22),
                                               (4, 5, 20000, 4 * 5 * 300)])
 @pytest.mark.parametrize("softcap", [None, 3.0])
@@ -100,7 +91,7 @@ def test_vocab_chunked_head_equals_reference(B, P, V, max_elems, softcap):
     t[0], t[-1] = V - 1, min(255, V - 1)
     if P > 2:
         t[1] = min(256, V - 1)
-    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    ref = span_logprobs_oracle(h, w, t, softcap=softcap)
     torch.testing.assert_close(vocab_chunked_logprobs(h, w, t, softcap=softcap, max_elems=max_elems), ref, **TOL)
 
 

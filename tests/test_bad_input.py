@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from sicl_fast import CalibrationConfig, Engine, RequestError, SiclError
-from sicl_fast.checks import step_memory
-from sicl_fast.cli import main
+from sicl_fast.run.checks import step_memory
+from sicl_fast.commands.cli import main
 from sicl_fast.errors import MissingExtraError, ResultsFileError, SiclWarning
-from sicl_fast.records import ResultWriter, read_records
-from sicl_fast.requests import parse_request, read_requests
+from sicl_fast.formats.records import ResultWriter, read_records
+from sicl_fast.formats.requests import parse_request, read_requests
 
 STRUCT = {"id": "digits", "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}],
           "query": "five"}
@@ -123,7 +123,7 @@ def test_second_writer_on_one_file_is_refused(tmp_path):
 
 def test_second_process_on_one_out_fails_with_one_line(tmp_path):
     out = tmp_path / "out.jsonl"
-    code = ("import sys\nfrom sicl_fast.records import ResultWriter\nfrom sicl_fast.errors import SiclError\n"
+    code = ("import sys\nfrom sicl_fast.formats.records import ResultWriter\nfrom sicl_fast.errors import SiclError\n"
             "try:\n    ResultWriter(sys.argv[1])\nexcept SiclError as e:\n    print(e)\n    sys.exit(2)\n")
     with ResultWriter(out):
         run = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
@@ -262,7 +262,7 @@ def test_api_misuse_names_the_argument(eng, prompt):
 def test_memory_guard_refuses_a_step_that_cannot_fit(eng, prompt, monkeypatch):
     cfg = eng.config(N=65536, max_steps=1)
     need = step_memory(eng.lm, prompt, cfg)
-    monkeypatch.setattr("sicl_fast.checks.available_memory", lambda device: need // 2)
+    monkeypatch.setattr("sicl_fast.run.checks.available_memory", lambda device: need // 2)
     with pytest.raises(SiclError, match=r"one ascent step needs about [\d.]+ GiB \(N=65536: .*GiB of memory free; "
                                         r"lower N"):
         eng.calibrate(prompt, cfg)
@@ -311,7 +311,7 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--scale", "1e300"], "mu * scale and eta * scale must be <= 3.4e+38"),
     (["--alpha", "0", "--beta", "0", "--gamma", "0"], "alpha, beta and gamma sum to 0"),
     (["--generate", "--stop="], "--stop[0]: an empty stop string would end every answer"),
-    # issue 29: every knob has a range (sicl_fast.knobs), checked while parsing
+    # issue 29: every knob has a range (sicl_fast.run.knobs), checked while parsing
     (["--max-steps", "1000001"], "--max-steps: must be <= 1000000"),
     (["--max-steps", "1e30"], "--max-steps: must be an integer, got '1e30'"),
     (["--patience", "100000000000000000000000"], "--patience: must be <= 1000000"),
@@ -501,7 +501,7 @@ def test_unexpected_exception_is_one_line_and_debug_shows_it(tmp_path, capsys, m
     def crash(args):
         raise RuntimeError("something broke")
 
-    monkeypatch.setitem(__import__("sicl_fast.cli", fromlist=["COMMANDS"]).COMMANDS, "proxy", crash)
+    monkeypatch.setitem(__import__("sicl_fast.commands.cli", fromlist=["COMMANDS"]).COMMANDS, "proxy", crash)
     assert main(["proxy", "x.jsonl"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["sicl-fast proxy: internal error: RuntimeError: something broke "
@@ -538,7 +538,7 @@ def test_ctrl_c_says_what_was_written_and_how_to_resume(tmp_path, capsys, monkey
 
 
 def test_peak_memory_writes_nothing_to_stderr(capfd):
-    from sicl_fast.benchmark import PeakMemory
+    from sicl_fast.diagnostics.benchmark import PeakMemory
 
     with PeakMemory("cpu") as m:
         x = torch.ones(1 << 18)
@@ -598,7 +598,7 @@ def test_a_lone_surrogate_in_the_api_and_the_stop_strings(eng, tmp_path, capsys,
 
 
 def test_the_same_ranges_in_the_api(eng, prompt):
-    from sicl_fast.knobs import RANGES
+    from sicl_fast.run.knobs import RANGES
 
     for name in ("N", "max_steps", "patience", "seed"):
         with pytest.raises(SiclError, match=rf"CalibrationConfig: {name} must be <= {RANGES[name].hi}"):
@@ -615,7 +615,7 @@ def test_the_same_ranges_in_the_api(eng, prompt):
 
 
 def test_kappa_in_exponent_notation_parses():
-    from sicl_fast.cli import build_parser
+    from sicl_fast.commands.cli import build_parser
 
     args = build_parser().parse_args(["calibrate", "r.jsonl", "--out", "o", "--kappa", "-1e308", "--alpha", "-.5"])
     assert args.kappa == -1e308 and args.alpha == -0.5
@@ -625,12 +625,13 @@ def test_kappa_in_exponent_notation_parses():
 def test_the_memory_estimate_counts_the_history_and_the_packed_prompts(eng, prompt, monkeypatch):
     """--max-steps 1000000000 peaked at 5.16 GB on a gated run: the history buffer grows with max_steps. --pack P
     runs P prompts' steps in one forward."""
-    from sicl_fast.jobs import check_requests
+    from sicl_fast.commands.work import check_requests
 
     small, big = (step_memory(eng.lm, prompt, eng.config(max_steps=k)) for k in (1, 1_000_000))
     assert big - small == 4 * (1_000_000 - 1)
     cfg = eng.config(N=64)
-    monkeypatch.setattr("sicl_fast.checks.available_memory", lambda device: int(1.5 * step_memory(eng.lm, prompt, cfg)))
+    monkeypatch.setattr("sicl_fast.run.checks.available_memory",
+                        lambda device: int(1.5 * step_memory(eng.lm, prompt, cfg)))
     assert check_requests(eng, [prompt.request], 0, cfg) == 1
     with pytest.raises(SiclError, match=r"\(N=64: 65 rows of \d+ tokens, 2 prompts packed \(--pack\)\), .* lower N or "
                                         r"--pack"):
@@ -645,7 +646,7 @@ def test_the_memory_estimate_counts_the_copies_of_x_kept_along_the_way(eng, prom
     one_x = 4 * prompt.length * eng.lm.hidden_size
     assert step_memory(eng.lm, prompt, cfg, kept=3) - step_memory(eng.lm, prompt, cfg) == 3 * one_x
     free = step_memory(eng.lm, prompt, cfg) + 50 * one_x
-    monkeypatch.setattr("sicl_fast.checks.available_memory", lambda device: free)
+    monkeypatch.setattr("sicl_fast.run.checks.available_memory", lambda device: free)
     engine = Engine(eng.lm, loop=loop, pack=pack)
     counts = range(1, 1_000)
     with pytest.raises(SiclError, match=r"one ascent step needs about .* more than the .* of memory free"):
@@ -657,7 +658,7 @@ def test_the_memory_estimate_counts_the_copies_of_x_kept_along_the_way(eng, prom
 def test_sync_every_beyond_max_steps_runs_no_extra_steps(eng, prompt, monkeypatch):
     """Before: the static loop called its step sync_every times between two checks, whatever max_steps was
     (--sync-every 99999999999999999999 never returned)."""
-    from sicl_fast.static import StaticStep
+    from sicl_fast.calibration.static import StaticStep
 
     calls = []
     real = StaticStep.__call__

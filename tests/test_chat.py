@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from sicl_fast import Engine  # noqa: E402
-from sicl_fast.chat import StreamCut, render  # noqa: E402
+from sicl_fast.answering.chat import StreamCut, render  # noqa: E402
 from sicl_fast.errors import RequestError  # noqa: E402
 from sicl_fast.serve.server import ServerThread  # noqa: E402
 from sicl_fast.serve.settings import ServeSettings  # noqa: E402
@@ -68,7 +68,7 @@ def test_render_marks_the_assistant_turns_as_output_spans(smol):
 def test_the_template_comes_from_the_tokenizer_or_the_gguf_file(smol):
     import copy
 
-    from sicl_fast.chat import chat_template, gguf_chat_template
+    from sicl_fast.answering.chat import chat_template, gguf_chat_template
     from sicl_fast.models import LoadedModel
 
     assert gguf_chat_template(smol.extra["path"]) == smol.tokenizer.chat_template  # SmolLM2's GGUF carries it

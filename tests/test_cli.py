@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ICLEVAL_EXCERPTS
 from sicl_fast import Engine
-from sicl_fast.cli import main
+from sicl_fast.commands.cli import main
 
 pytestmark = pytest.mark.slow
 

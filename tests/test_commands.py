@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import ICLEVAL_EXCERPTS
-from sicl_fast.cli import COMMANDS, build_parser, main
+from sicl_fast.commands.cli import COMMANDS, build_parser, main
 
 REQS = [{"id": "a", "demos": [{"input": "hello", "output": "world"}, {"input": "he", "output": "wor"}],
          "query": "hello"},

@@ -1,8 +1,8 @@
-"""The C++ path's kernel budget (impl 'cpp', the CPU's fast path): kernels per ascent step as sicl_fast.kernel_count
-counts them (dispatched torch ops that launch a kernel + C++ extension calls), on the tiny models of two families
-(Llama; Gemma 2: soft-capped attention and logits, post-norms, an embedding scale), with the difference form
-(diff_matmul 'bf16') and both projection scopes ('prompt': the prefix rows run in every pass as its lead rows;
-'demos': their K/V kept). A count over the budget is a regression: a fused op split again, or torch work added
+"""The C++ path's kernel budget (impl 'cpp', the CPU's fast path): kernels per ascent step as
+sicl_fast.diagnostics.kernel_count counts them (dispatched torch ops that launch a kernel + C++ extension calls), on the
+tiny models of two families (Llama; Gemma 2: soft-capped attention and logits, post-norms, an embedding scale), with the
+difference form (diff_matmul 'bf16') and both projection scopes ('prompt': the prefix rows run in every pass as its lead
+rows; 'demos': their K/V kept). A count over the budget is a regression: a fused op split again, or torch work added
 per layer or per step (each costs host time per layer and step on the CPU).
 
     per decoder layer   at most 9: the 4 bf16 products, rope_rows, attention_rows, gated_rows, 2 norm_rows
@@ -11,17 +11,17 @@ per layer or per step (each costs host time per layer and step on the CPU).
                         update, bookkeeping
 
 A layer's count is measured, not assumed: the decoder pass of the model less its last layer counts one layer
-fewer (sicl_fast.profile.kernels_per_step splits the step into the decoder's pass and the rest; the pass's
+fewer (sicl_fast.diagnostics.profile.kernels_per_step splits the step into the decoder's pass and the rest; the pass's
 per-layer figure there includes its input norm, spread over the layers).
 """
 import pytest
 
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.kernel_count import count_kernels
+from sicl_fast.diagnostics.kernel_count import count_kernels
 from sicl_fast.ops import cpp_ops
-from sicl_fast.profile import kernels_per_step, layers_call
-from sicl_fast.static import StaticStep
+from sicl_fast.diagnostics.profile import kernels_per_step, layers_call
+from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import make_prompt
 
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0)

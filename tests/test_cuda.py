@@ -16,7 +16,7 @@ order); bfloat16 0.1 (8 mantissa bits through 3 layers of a random model, log-pr
 import pytest
 import torch
 
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.models import from_transformers
@@ -68,7 +68,7 @@ def test_fast_span_logprobs_on_cuda_match_the_cpu(cpu_models, family, dtype, ato
 
 
 def test_philox_directions_on_cuda_equal_the_cpu_bit_for_bit():
-    from sicl_fast import rng
+    from sicl_fast.calibration.step import rng
 
     for seed, step, shape in ((0, 0, (3, 5, 37)), (2**32 - 1, 7, (2, 3, 129)), (12345, 2**31 + 5, (1, 1, 1000))):
         cpu = rng.directions(seed, step, *shape)
@@ -78,15 +78,15 @@ def test_philox_directions_on_cuda_equal_the_cpu_bit_for_bit():
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 0.05)])
 def test_span_head_and_proxy_kernels_in_each_dtype(K, dtype, atol):
-    from sicl_fast.logprobs import gather_logprobs_chunked
-    from sicl_fast.proxy import proxy
+    from conftest import span_logprobs_oracle
+    from sicl_fast.calibration.step.proxy import proxy
 
     g = torch.Generator().manual_seed(0)
     B, P, d, V = 9, 37, 96, 1000
     h = (torch.randn(B, P, d, generator=g) * 0.5).to("cuda", dtype)
     w = (torch.randn(V, d, generator=g) * 0.1).to("cuda", dtype)
     t = torch.randint(0, V, (P,), generator=g).cuda()
-    want = gather_logprobs_chunked(h.float(), w.float(), t)
+    want = span_logprobs_oracle(h.float(), w.float(), t)
     got = K.span_logprobs(h, w, t)
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
     offsets = torch.tensor([0, 5, 6, 20, 37])

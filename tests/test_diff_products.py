@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from conftest import reference_backend
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError, SiclWarning
 from sicl_fast.models.rows import RowLayout, from_rows, to_rows
 from sicl_fast.models.transformer import fast_low_precision
 from sicl_fast.models.weights import LowWeight, fp8_rows
 from sicl_fast.ops import TorchStepOps
-from sicl_fast.proxy import proxy as ref_proxy
-from sicl_fast.spec import StepSpec
+from sicl_fast.calibration.step.proxy import proxy as ref_proxy
+from sicl_fast.calibration.step.spec import StepSpec
 
 from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, perturbed
 from test_ops import why_unavailable
@@ -209,7 +209,7 @@ def test_settings_and_errors(models):
 
 def test_smollm2_finite_differences_against_float64(smol):
     """The ascent only uses f_i - f_0: both paths' differences against a float64 forward of the same batch."""
-    from sicl_fast.benchmark import synthetic_prompt
+    from sicl_fast.diagnostics.benchmark import synthetic_prompt
 
     p = synthetic_prompt(smol, 64)
     cfg = CalibrationConfig.for_model(smol, N=6)

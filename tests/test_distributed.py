@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sicl_fast.cli import main
+from sicl_fast.commands.cli import main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "icleval" / "data"
 TIMING = {"seconds", "calibration_seconds"}  # the only fields allowed to differ between runs
@@ -190,7 +190,7 @@ def test_smollm2_ray_run_equals_single_process(ray_cluster, tmp_path):
 def pool(ray_cluster, tiny_dir):
     """Two actors of the tiny model, shared by the tests that drive a pool directly. They hold both CPUs of the
     cluster until the module ends, so these tests come last in the file (others' actors could not be placed)."""
-    from sicl_fast.distributed import RayPool
+    from sicl_fast.commands.distributed import RayPool
 
     with RayPool({"model": tiny_dir, "reuse": "auto"}, workers=2, max_retries=2) as p:  # as `calibrate` builds them
         yield p
@@ -200,9 +200,9 @@ def test_worker_killed_mid_request_is_retried(ray_cluster, pool, reference):
     """ray.kill of a busy actor: its request is retried on a fresh actor; every record comes back exactly once."""
     import functools
 
-    from sicl_fast.jobs import calibrate_requests
-    from sicl_fast.requests import read_requests
-    from sicl_fast.workers import Done
+    from sicl_fast.commands.work import calibrate_requests
+    from sicl_fast.formats.requests import read_requests
+    from sicl_fast.run.workers import Done
 
     reqs = list(read_requests(reference["reqs"]))
     restarts = pool.restarts
@@ -231,7 +231,7 @@ def _kill_self_on(engine, item):
 def test_retries_are_bounded_then_lost(ray_cluster, pool):
     import ray.cloudpickle
 
-    from sicl_fast.workers import Done, Lost
+    from sicl_fast.run.workers import Done, Lost
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
     restarts = pool.restarts
@@ -245,7 +245,7 @@ def test_retries_are_bounded_then_lost(ray_cluster, pool):
 
 def test_each_actor_runs_on_its_cpus(ray_cluster, pool):
     """An actor's threads are its CPUs (the pool sets the engine's `threads`; the engine applies them)."""
-    from sicl_fast.workers import engine_facts
+    from sicl_fast.run.workers import engine_facts
 
     assert pool.engine_kwargs["threads"] == pool.cpus_per_worker == 1
     facts = pool.call(engine_facts)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sicl_fast.cli import build_parser
+from sicl_fast.commands.cli import build_parser
 from sicl_fast.errors import SiclError
 from sicl_fast.evaluation.report import check_summary_target
 

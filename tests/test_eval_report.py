@@ -11,7 +11,7 @@ import pytest
 from scipy import stats as sps
 
 from conftest import ICLEVAL_EXCERPTS
-from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.evaluation import icleval_cls as C
 from sicl_fast.evaluation import stats
 from sicl_fast.evaluation.ablations import drop_component, make_variants, variant_name
@@ -229,7 +229,7 @@ def test_verdict(b, c, want):
 
 
 def test_report_summary_into_a_markdown_file(tmp_path, capsys):
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     res = [_write_jsonl(tmp_path / f"r{i}.jsonl", synthetic_records(i) + synthetic_records(i, variant="base",
                                                                                             method="base"))
@@ -322,7 +322,7 @@ def test_report_refuses_duplicates(tmp_path):
 def test_report_refuses_one_variant_run_with_other_settings(tmp_path, capsys):
     """#40: records of `sicl` run with --max-steps 2 (uids 0-2) and --max-steps 3 --seed 5 (uids 3-4) were pooled
     into one run, exit 0; icleval refuses the same mix on resume, and so does the report, naming each setting."""
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     recs = synthetic_records(3, n=5)
     for r in recs:
@@ -345,7 +345,7 @@ def test_report_refuses_one_variant_run_with_other_settings(tmp_path, capsys):
 def test_summary_into_a_folder_a_missing_file_or_markers_twice_is_one_line(tmp_path, capsys):
     """#40: `--summary-into DIR` said "no file DIR"; a file holding the markers twice had its first pair filled
     and the second left stale, exit 0; --summary-name without --summary-into was ignored."""
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     res = _write_jsonl(tmp_path / "r.jsonl", synthetic_records(6))
     begin, end = "<!-- sicl-report:s:begin -->", "<!-- sicl-report:s:end -->"

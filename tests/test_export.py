@@ -1,5 +1,5 @@
-"""sicl_fast.export: safetensors and base64 round trips bit for bit, the vLLM form, `calibrate --export`, and the
-handoff example (examples/handoff_transformers.py: transformers' generate on the exported embeddings, with our stop
+"""sicl_fast.answering.export: safetensors and base64 round trips bit for bit, the vLLM form, `calibrate --export`, and
+the handoff example (examples/handoff_transformers.py: transformers' generate on the exported embeddings, with our stop
 rule) answering as the project does."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("safetensors")
 
 from sicl_fast import Calibrator, Engine, SiclError  # noqa: E402
-from sicl_fast.cli import main  # noqa: E402
-from sicl_fast.export import CalibratedEmbeddings, export_path, load, save, vllm_prompt_embeds  # noqa: E402
+from sicl_fast.commands.cli import main  # noqa: E402
+from sicl_fast.answering.export import CalibratedEmbeddings, export_path, load, save, vllm_prompt_embeds  # noqa: E402
 
 REQ = {"id": "e1", "instruction": "Write each number word as a digit.",
        "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}, {"input": "two", "output": "2"}],

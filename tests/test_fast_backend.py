@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import reference_backend
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends.fast import SUPPORTED_FAMILIES
-from sicl_fast.generate import greedy_generate
+from sicl_fast.backends.generate import greedy_generate
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import attend_math
 from sicl_fast.models.transformer import UnsupportedModelError, rope_inv_freq
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 V, D, L, WINDOW = 256, 64, 48, 8
@@ -293,8 +293,8 @@ def test_unsupported_family_is_a_clear_error():
 
 @pytest.mark.slow
 def test_smollm2_matches_hf(smol):
-    from sicl_fast.requests import parse_request
-    from sicl_fast.spans import tokenize
+    from sicl_fast.formats.requests import parse_request
+    from sicl_fast.formats.spans import tokenize
 
     req = parse_request({"id": "s", "instruction": "Convert number words to digits.",
                          "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"},

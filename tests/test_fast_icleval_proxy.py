@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import ICLEVAL_EXCERPTS
-from sicl_fast.cli import main
+from sicl_fast.commands.cli import main
 from sicl_fast.icleval import load_task, to_request
 
 pytestmark = pytest.mark.slow

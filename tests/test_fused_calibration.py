@@ -18,15 +18,15 @@ import sys
 import pytest
 import torch
 
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.errors import SiclError
 from sicl_fast.models import from_transformers
 from sicl_fast.ops import cpp_ops, make_ops
-from sicl_fast.plan import resolve_impl
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.run.plan import resolve_impl
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
 from test_ops import device_of, why_unavailable
 
 CONFIGS = {
@@ -111,7 +111,7 @@ def test_auto_follows_the_model_device_and_names_are_checked():
 
 def test_triton_on_the_cpu_without_the_interpreter_is_a_clear_error():
     code = ("import os; os.environ.pop('TRITON_INTERPRET', None)\n"
-            "from sicl_fast.plan import resolve_impl\nfrom sicl_fast.errors import SiclError\n"
+            "from sicl_fast.run.plan import resolve_impl\nfrom sicl_fast.errors import SiclError\n"
             "try:\n    resolve_impl('triton', 'cpu')\nexcept SiclError as e:\n    print('ERR', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -168,7 +168,7 @@ def test_imports_without_triton_or_extension():
         "import sys; sys.modules['triton'] = None; sys.modules['sicl_fast._C'] = None\n"
         "import sicl_fast\n"
         "from sicl_fast.ops import cpp_ops\n"
-        "from sicl_fast.plan import resolve_impl\n"
+        "from sicl_fast.run.plan import resolve_impl\n"
         "from sicl_fast.errors import SiclError\n"
         "assert resolve_impl('auto', 'cpu')[0] == 'torch' and not cpp_ops.available()\n"
         "for impl in ('triton', 'cpp'):\n"

@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from conftest import first_layers
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.kernel_count import count_kernels
-from sicl_fast.profile import kernels_per_step, layers_call
-from sicl_fast.static import StaticStep
+from sicl_fast.diagnostics.kernel_count import count_kernels
+from sicl_fast.diagnostics.profile import kernels_per_step, layers_call
+from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt
 from test_ops import device_of, why_unavailable
 
@@ -112,7 +112,7 @@ def test_fused_decoder_equals_unfused_on_smollm2(smol, diff):
     """SmolLM2's first two layers (its real weights and shapes: d 576, 9 query / 3 key-value heads, head 64, vocabulary
     49152), both forwards; the other 28 layers would only repeat the same kernels, for about 7x the time under the
     interpreter."""
-    from sicl_fast.benchmark import synthetic_prompt
+    from sicl_fast.diagnostics.benchmark import synthetic_prompt
 
     lm = first_layers(smol, 2)
     p = synthetic_prompt(lm, 36, seed=1, prefix=6)

@@ -4,7 +4,7 @@ import pytest
 from conftest import synthetic_prompt
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.generate import cut_at_stops, greedy_generate
+from sicl_fast.backends.generate import cut_at_stops, greedy_generate
 
 
 def hf_greedy_ids(lm, ids, n):

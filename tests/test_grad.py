@@ -1,5 +1,5 @@
-"""The exact-gradient ascent (estimator "grad", sicl_fast.grad) on tiny random-weight models: the gradient against
-finite differences in float64, hf against fast-fp32, checkpointing, repeatability, and every refusal."""
+"""The exact-gradient ascent (estimator "grad", sicl_fast.calibration.grad) on tiny random-weight models: the gradient
+against finite differences in float64, hf against fast-fp32, checkpointing, repeatability, and every refusal."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,10 @@ from sicl_fast import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.errors import SiclError
-from sicl_fast.grad import proxy_gradient
+from sicl_fast.calibration.grad import proxy_gradient
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import attend_math
-from sicl_fast import zo
+from sicl_fast.calibration.step import zo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -234,7 +234,7 @@ def test_models_autograd_cannot_use(gpt2_f64, smol):
 
 
 def test_cli_refuses_before_loading(tmp_path, capsys):
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     reqs = tmp_path / "r.jsonl"
     reqs.write_text(json.dumps({"id": "a", "demos": [{"input": "one", "output": "1"}], "query": "two"}) + "\n")
@@ -251,7 +251,7 @@ def test_cli_refuses_before_loading(tmp_path, capsys):
 def test_memory_check_names_the_gradient(monkeypatch, llama):
     """A grad step too big for memory is refused before any work, with what to do (checkpoint, then a shorter
     prompt); the estimate counts every layer's activations without checkpoint, one layer's with it."""
-    import sicl_fast.checks as checks
+    import sicl_fast.run.checks as checks
 
     p = _prompt()
     full = checks.step_memory(llama, p, CalibrationConfig(estimator="grad"))

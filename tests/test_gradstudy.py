@@ -1,6 +1,6 @@
-"""The estimator study (sicl_fast.gradstudy): the zeroth-order estimate's cosine with the exact gradient rises with N
-(a statistical check with a stated error probability), the N-prefix property it relies on, the summary, and the
-CLI end to end."""
+"""The estimator study (sicl_fast.diagnostics.gradstudy): the zeroth-order estimate's cosine with the exact gradient
+rises with N (a statistical check with a stated error probability), the N-prefix property it relies on, the summary, and
+the CLI end to end."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from conftest import synthetic_prompt
 from sicl_fast import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
-from sicl_fast.gradstudy import StudySettings, markdown, study_point, study_prompt, summarize
-from sicl_fast.rng import directions
+from sicl_fast.diagnostics.gradstudy import StudySettings, markdown, study_point, study_prompt, summarize
+from sicl_fast.calibration.step.rng import directions
 from test_grad import VOCAB, tiny_llama16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +100,7 @@ def test_settings_are_checked():
 def test_a_mu_too_small_to_perturb_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """CalibrationConfig's rule for mu, for every --study-mu (before: 1e-45 loaded the model, then failed as
     'embeddings contain NaN or inf')."""
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     def no_model(*a, **k):
         raise AssertionError("a model was loaded before --study-mu was checked")
@@ -119,7 +119,7 @@ def test_a_mu_too_small_to_perturb_is_refused_before_the_model_loads(tmp_path, c
 def test_gradstudy_command(tmp_path, capsys):
     """On the embedded SmolLM2 with a tiny grid: records, resume, the table, the report files."""
     pytest.importorskip("matplotlib")
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     reqs = tmp_path / "r.jsonl"
     reqs.write_text(json.dumps({"id": "digits", "demos": [{"input": "one", "output": "1"},

@@ -1,5 +1,5 @@
-"""The graph caches (sicl_fast.graphs, sicl_fast.static.StepCache) and what they rely on, on the CPU: a static
-step re-armed for another prompt of its shape (StaticStep.load) gives the result a new step gives, bit for bit;
+"""The graph caches (sicl_fast.run.graphs, sicl_fast.calibration.static.StepCache) and what they rely on, on the CPU: a
+static step re-armed for another prompt of its shape (StaticStep.load) gives the result a new step gives, bit for bit;
 the caches are bounded and least-recently-used; decoding through the bucketed, reused caches gives the answer a
 fresh cache gives, whatever an earlier, longer answer left in the buffer. On the CPU `captured` is the callable
 itself, so these run the very code a CUDA graph replays, minus the capture (tests/test_cuda.py runs the capture).
@@ -7,15 +7,15 @@ itself, so these run the very code a CUDA graph replays, minus the capture (test
 import pytest
 import torch
 
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.errors import SiclError
-from sicl_fast.graphs import ShapeCache, cache_rows
-from sicl_fast.plan import resolve_graphs
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
-from sicl_fast.static import StaticStep, StepCache, run_static
+from sicl_fast.run.graphs import ShapeCache, cache_rows
+from sicl_fast.run.plan import resolve_graphs
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
+from sicl_fast.calibration.static import StaticStep, StepCache, run_static
 from test_fast_backend import L, V, make_prompt
 from test_static import BASE, assert_same_result
 

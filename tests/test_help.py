@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from sicl_fast.ascent import PRESETS, CalibrationConfig
-from sicl_fast.cli import COMMANDS, build_parser
+from sicl_fast.calibration.ascent import PRESETS, CalibrationConfig
+from sicl_fast.commands.cli import COMMANDS, build_parser
 
 PYTHON_WORDS = re.compile(r"\b(None|True|False|NoneType|kwargs|dict|Optional)\b|list\[|pass model=|<class |<function ")
 SMOLLM2_PARAMS = 134_515_008  # the embedded SmolLM2-135M; the preset only asks whether it is under 1B

@@ -37,7 +37,7 @@ from sicl_fast.icleval import (
 )
 from sicl_fast.icleval.render import spans_delim
 from sicl_fast.icleval.scoring import option_candidates, prediction
-from sicl_fast.spans import tokenize
+from sicl_fast.formats.spans import tokenize
 
 FIX_DIR = Path(__file__).parent / "fixtures" / "icleval"
 DEV_FILES = ["classifier_order", "generate_order", "generate_list_number"]
@@ -625,7 +625,7 @@ def check_token_spans(s: Sample, tok, hash_suffix_only: bool = False) -> list[st
         assert te > ts
         if i == 0 and ts == 1 and offs[0][0] < e and offs[0][1] > a:
             # P starts with this span and the tokenizer adds no BOS (SmolLM2): token 0 has no prediction, so
-            # sicl_fast.spans drops it from the span; it still holds the span's first characters
+            # sicl_fast.formats.spans drops it from the span; it still holds the span's first characters
             ts = 0
             effects.append("first token dropped")
         decoded = tok.decode(ids[ts:te], skip_special_tokens=False)

@@ -1,5 +1,5 @@
-"""Triton proxy kernel against sicl_fast.proxy.proxy (the reference): what only this kernel has (16-bit inputs,
-the weights, ties). The float32 parity over odd shapes is tests/test_ops.py's, for every implementation.
+"""Triton proxy kernel against sicl_fast.calibration.step.proxy.proxy (the reference): what only this kernel has (16-bit
+inputs, the weights, ties). The float32 parity over odd shapes is tests/test_ops.py's, for every implementation.
 
 Tolerance: float32 log-probs: rtol 1e-5 and atol 1e-7 on f, C, R, G and c (the kernel sums spans as a tree,
 the reference sequentially); 16-bit inputs are upcast exactly, so the same bound holds against the reference on
@@ -12,8 +12,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from sicl_fast.errors import NumericalError, SiclError  # noqa: E402
-from sicl_fast.proxy import proxy as ref_proxy  # noqa: E402
-from sicl_fast.proxy import span_offsets  # noqa: E402
+from sicl_fast.calibration.step.proxy import proxy as ref_proxy  # noqa: E402
+from sicl_fast.formats.spans import span_offsets  # noqa: E402
 from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The in-kernel noise: bit-identical to sicl_fast.rng, good normals, and GPU code that keeps the bits.
+"""The in-kernel noise: bit-identical to sicl_fast.calibration.step.rng, good normals, and GPU code that keeps the bits.
 
 Triton runs under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it when there is no GPU).
 """
@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sicl_fast import rng  # noqa: E402
+from sicl_fast.calibration.step import rng  # noqa: E402
 from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
     assert not bad, bad
 
 
-DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "advance_state", "advance_copy",
+DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "bookkeep_state", "bookkeep_copy",
                    "norm_rows", "rope_rows", "gated_rows", "attention_rows", "lse_rows_partial"]
 
 

@@ -1,7 +1,17 @@
-"""The house's layering: the modules of sicl_fast (kernels/ included, as sicl_fast.kernels) import one another
-without a cycle, counting every import statement (those inside functions too: a lazy import is still an edge),
-and no kernel or op imports the static step."""
+"""The house's layering, over every import statement of sicl_fast (kernels/ included, as sicl_fast.kernels; those
+inside functions too: a lazy import is still an edge):
+
+  * no cycle among the modules;
+  * the tree reads by role: the top level holds only the package, engine.py and errors.py, and every folder says
+    in its docstring what lives there;
+  * no arrow back up: the role folders (the package's subpackages, calibration/step counted as a role of its own)
+    import one another without a cycle, so each sits above the ones it imports (ROLE_ORDER, bottom first, is the
+    order docs/development.md shows); errors.py is below them all; engine.py and the package itself are above the
+    core and imported only by the front ends (commands/, serve/, diagnostics/, evaluation/);
+  * no kernel or op imports a calibration loop, and the static and packed steps do not call back into the
+    eager loop's Calibrator."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,28 +86,94 @@ def cycles(graph: dict) -> list:
     return out
 
 
+# The role folders, bottom first: each imports only folders before it (and errors.py). A nested package is its
+# parent's role (serve.routes is the server's), except calibration.step: one step's torch math, which the ops and
+# kernels implement, below them, while the loops of calibration/ sit above the backends that run the steps.
+ROLE_ORDER = ["formats", "models", "calibration.step", "kernels", "ops", "run", "backends", "calibration", "store",
+              "answering", "icleval", "evaluation", "diagnostics", "serve", "commands"]
+FRONT_ENDS = ("commands", "serve", "diagnostics", "evaluation")
+TOP = {"sicl_fast", "sicl_fast.engine", "sicl_fast.errors"}
+
+
+def role(module: str) -> str:
+    """The role folder of a module ("calibration.step" for sicl_fast.calibration.step.zo), or the module itself at
+    the top level."""
+    if module in TOP:
+        return module
+    parts = module.split(".")[1:]
+    return "calibration.step" if parts[:2] == ["calibration", "step"] else parts[0]
+
+
+def role_graph(graph: dict) -> dict:
+    """role -> the other roles its modules import."""
+    out = {}
+    for name, deps in graph.items():
+        out.setdefault(role(name), set()).update(role(d) for d in deps if role(d) != role(name))
+    return out
+
+
 def test_the_walk_sees_what_it_must():
     g = import_graph()
-    assert "sicl_fast.step_state" in g["sicl_fast.kernels.advance"]  # an absolute import of a module
+    assert "sicl_fast.calibration.step.step_state" in g["sicl_fast.kernels.bookkeep"]  # an absolute import
     assert "sicl_fast.kernels" in g["sicl_fast.ops.triton_ops"]  # `from .. import kernels`, inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert role("sicl_fast.serve.routes.chat") == "serve"
+    assert role("sicl_fast.calibration.step.zo") == "calibration.step"
+    assert role("sicl_fast.calibration.static") == "calibration" and role("sicl_fast.engine") == "sicl_fast.engine"
 
 
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
-def test_kernels_and_ops_do_not_import_the_static_step():
-    g = import_graph()
-    for name, deps in g.items():
+def test_the_top_level_holds_only_the_api():
+    assert {f.name for f in (ROOT / "sicl_fast").glob("*.py")} == {"__init__.py", "engine.py", "errors.py"}
+
+
+def test_every_folder_is_a_package_that_says_what_lives_there():
+    """Every folder of modules has an __init__.py with a docstring, and pyproject.toml installs it (a folder missing
+    from its package list would be left out of a wheel, though an editable install finds it)."""
+    listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.S | re.M).group(1)
+    listed = set(re.findall(r'"([\w.]+)"', listed))
+    folders = {f.parent for f in (ROOT / "sicl_fast").rglob("*.py")} | {ROOT / "kernels"}
+    for folder in folders:
+        init = folder / "__init__.py"
+        assert init.exists(), folder
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and doc.strip(), init
+        rel = folder.relative_to(ROOT).parts
+        assert ".".join(("sicl_fast", *rel[1:]) if rel[0] == "sicl_fast" else ("sicl_fast", *rel)) in listed, folder
+
+
+def test_no_arrow_back_up():
+    """Every import between role folders goes down ROLE_ORDER; errors.py imports none of them."""
+    roles = role_graph(import_graph())
+    assert set(roles) == set(ROLE_ORDER) | TOP, set(roles) ^ (set(ROLE_ORDER) | TOP)
+    up = sorted((a, b) for a, deps in roles.items() if a in ROLE_ORDER for b in deps
+                if b in ROLE_ORDER and ROLE_ORDER.index(b) > ROLE_ORDER.index(a))
+    assert up == [], up
+    assert roles["sicl_fast.errors"] == set()
+
+
+def test_only_the_front_ends_import_the_engine():
+    """engine.py and the package's __init__ (which imports the engine) sit above the core: a core module that
+    imported them would import what imports it."""
+    for name, deps in import_graph().items():
+        if role(name) not in FRONT_ENDS and name not in TOP:
+            assert not {"sicl_fast", "sicl_fast.engine"} & deps, name
+
+
+def test_kernels_and_ops_do_not_import_the_loops():
+    loops = {"sicl_fast.calibration.ascent", "sicl_fast.calibration.static", "sicl_fast.calibration.packed"}
+    for name, deps in import_graph().items():
         if name.startswith(("sicl_fast.kernels", "sicl_fast.ops")):
-            assert "sicl_fast.static" not in deps, name
+            assert not loops & deps, name
 
 
 def test_static_step_does_not_call_back_into_calibrator():
     """The pieces both loops need (the step spec, the scale, the initial embeddings) live below both: the static
     and packed steps neither import the eager loop's Calibrator nor name it (a call, an attribute, a lazy import)."""
-    for f in ("static.py", "packed.py"):
+    for f in ("calibration/static.py", "calibration/packed.py"):
         tree = ast.parse((ROOT / "sicl_fast" / f).read_text())
         named = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         named |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}

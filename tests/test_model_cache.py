@@ -1,4 +1,4 @@
-"""The converted-model cache (sicl_fast.models.cache), on tiny GGUF files written here: keyed by content, checked on
+"""The converted-model cache (sicl_fast.models.converted), on tiny GGUF files written here: keyed by content, checked on
 load, a damaged entry moved aside with one warning and rebuilt (plausible floats, NaN bytes, a truncated file, a
 broken config.json, a lost manifest), two real processes converting at once, and `sicl-fast cache`."""
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from sicl_fast import Engine, load
-from sicl_fast.cli import main
+from sicl_fast.commands.cli import main
 from sicl_fast.errors import SiclWarning
-from sicl_fast.models import cache
+from sicl_fast.models import converted as cache
 from sicl_fast.models.loading import converted_path
 from tiny_gguf import write_tiny_gguf
 

@@ -10,7 +10,7 @@ Tolerances, stated once (TOL below), and why:
   span_head (float32): rtol 1e-5 / atol 1e-5 (online log-sum-exp over vocabulary chunks vs whole rows).
   the difference form's row ops (norm_rows, rope_rows, gated_rows, attention and span head of the rows):
       tests/test_rows_ops.py.
-  track_best, advance: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
+  track_best, bookkeep: exact (copies, comparisons and counters; the SNR's float32 mean / std are reduced in
       another order, which can only matter within an ulp of the threshold: the scripted SNRs are far from it).
   decoder elementwise ops (residual_norm, qk_rope, gated, softcap_), float32: rtol 1e-5 / atol 1e-5 (the
       norms' sums in another order, rsqrt / exp / tanh within an ulp or two of torch's); the C++ rotary and
@@ -27,16 +27,15 @@ import os
 import pytest
 import torch
 
-from sicl_fast import rng, zo
-from sicl_fast.best import BestState
+from sicl_fast.calibration.step import rng, zo
+from sicl_fast.calibration.step.best import BestState
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.logprobs import gather_logprobs_chunked
-from sicl_fast.ops import cpp_ops, make_ops
-from sicl_fast.proxy import proxy as ref_proxy
-from sicl_fast.proxy import span_offsets
-from sicl_fast.spec import StepSpec
-from sicl_fast.step_state import RUNNING, StepState, advance_reference
-from conftest import TRITON_DEVICE
+from sicl_fast.ops import attention_kernels, cpp_ops, make_ops
+from sicl_fast.calibration.step.proxy import proxy as ref_proxy
+from sicl_fast.formats.spans import span_offsets
+from sicl_fast.calibration.step.spec import StepSpec
+from sicl_fast.calibration.step.step_state import RUNNING, StepState, bookkeep_reference
+from conftest import TRITON_DEVICE, span_logprobs_oracle
 
 TOL = {
     "update": dict(rtol=1e-5, atol=1e-6),
@@ -260,7 +259,7 @@ def test_span_head_matches_reference(ops, dev, B, P, d, V, softcap):
     g = torch.Generator().manual_seed(B * P + V)
     h, w = torch.randn(B, P, d, generator=g), torch.randn(V, d, generator=g) * 0.3
     t = torch.randint(0, V, (P,), generator=g)
-    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    ref = span_logprobs_oracle(h, w, t, softcap=softcap)
     got = ops.span_head(h.to(dev), w.to(dev), t, softcap=softcap)
     assert got.shape == (B, P) and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), ref, **TOL["span_head"])
@@ -277,7 +276,7 @@ def test_span_head_keeps_nan_and_inf(ops, dev, value, softcap):
     h, w = torch.randn(2, 6, 16, generator=g), torch.randn(1100, 16, generator=g) * 0.3
     t = torch.randint(0, 1100, (6,), generator=g)
     h[1, 4, 3] = float(value)
-    ref = gather_logprobs_chunked(h, w, t, softcap=softcap)
+    ref = span_logprobs_oracle(h, w, t, softcap=softcap)
     got = ops.span_head(h.to(dev), w.to(dev), t, softcap=softcap).cpu()
     assert bool(ref[1, 4].isnan()) == (value == "nan" or softcap is None)
     torch.testing.assert_close(got, ref, equal_nan=True, **TOL["span_head"])
@@ -325,7 +324,7 @@ def test_track_best_matches_algorithm_1(ops, dev):
         ops.track_best(torch.zeros(2, device=dev), torch.zeros(3, 6, device=dev), state)
 
 
-# ------------------------------------------------------------------------------------------------- advance
+# ------------------------------------------------------------------------------------------------- bookkeep
 
 
 def scripted_state(L, d, cfg, dev) -> StepState:
@@ -339,7 +338,7 @@ def state_tensors(st: StepState) -> list:
             st.projections, st.history, st.anchor]
 
 
-ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
+BOOKKEEP_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are random around it
     "gate": (dict(tau=0.5), [0.3, 0.6]),
     "patience": (dict(patience=2), [0.5, 0.4, 0.45, 0.6, 0.3, 0.2, 0.1]),
     "snr-stop": (dict(snr_threshold=1e9, patience=2), [0.5, 0.5, 0.5, 0.5]),
@@ -358,11 +357,11 @@ ADVANCE_SCRIPTS = {  # config, the f0 of each step (row 0); the other rows are r
 }
 
 
-@pytest.mark.parametrize("name", list(ADVANCE_SCRIPTS))
-def test_advance_matches_the_reference(ops, dev, name):
-    from sicl_fast.ascent import CalibrationConfig
+@pytest.mark.parametrize("name", list(BOOKKEEP_SCRIPTS))
+def test_bookkeep_matches_the_reference(ops, dev, name):
+    from sicl_fast.calibration.ascent import CalibrationConfig
 
-    kw, f0s = ADVANCE_SCRIPTS[name]
+    kw, f0s = BOOKKEEP_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
     B = cfg.batch
     ref, got = scripted_state(7, 5, cfg, "cpu"), scripted_state(7, 5, cfg, dev)
@@ -375,8 +374,8 @@ def test_advance_matches_the_reference(ops, dev, name):
         X_next = torch.randn(7, 5, generator=g)
         ref.X_next.copy_(X_next)
         got.X_next.copy_(X_next.to(dev))
-        advance_reference(ref, f, fired, cfg)
-        ops.advance(got, f.to(dev), fired.to(dev), cfg)
+        bookkeep_reference(ref, f, fired, cfg)
+        ops.bookkeep(got, f.to(dev), fired.to(dev), cfg)
         for r, o in zip(state_tensors(ref), state_tensors(got)):
             assert torch.equal(r, o.cpu()) or torch.allclose(r, o.cpu(), rtol=0, atol=0, equal_nan=True), (step, r, o)
         if stopped_at is None and int(ref.reason) != RUNNING:
@@ -384,8 +383,8 @@ def test_advance_matches_the_reference(ops, dev, name):
     assert stopped_at is not None and stopped_at < len(f0s)  # each script ends in its stop
 
 
-def run_script(cfg, f0s, dev="cpu", advance=advance_reference) -> list:
-    """The state tensors after each step of a script of f0 values (ADVANCE_SCRIPTS' other rows and X_next)."""
+def run_script(cfg, f0s, dev="cpu", bookkeep=bookkeep_reference) -> list:
+    """The state tensors after each step of a script of f0 values (BOOKKEEP_SCRIPTS' other rows and X_next)."""
     st = scripted_state(7, 5, cfg, dev)
     g = torch.Generator().manual_seed(1)
     out = []
@@ -393,19 +392,19 @@ def run_script(cfg, f0s, dev="cpu", advance=advance_reference) -> list:
         f = f0 + 0.01 * torch.randn(cfg.batch, generator=g)
         f[0] = f0
         st.X_next.copy_(torch.randn(7, 5, generator=g).to(dev))
-        advance(st, f.to(dev), torch.tensor([step % 2], dtype=torch.int32, device=dev), cfg)
+        bookkeep(st, f.to(dev), torch.tensor([step % 2], dtype=torch.int32, device=dev), cfg)
         out.append([t.cpu().clone() for t in state_tensors(st)])
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in ADVANCE_SCRIPTS if not n.startswith("min-delta")])
+@pytest.mark.parametrize("name", [n for n in BOOKKEEP_SCRIPTS if not n.startswith("min-delta")])
 def test_the_smallest_margin_is_the_papers_rule(name):
     """min_delta 0 skips the anchor (no op); the smallest positive min_delta takes the anchor path, where f0 counts
     when it beats the anchor by more than 5e-324: for float32 proxies that is any gain, so both give the same state
     bit for bit at every step (the anchor aside: the path without a margin never writes it)."""
-    from sicl_fast.ascent import CalibrationConfig
+    from sicl_fast.calibration.ascent import CalibrationConfig
 
-    kw, f0s = ADVANCE_SCRIPTS[name]
+    kw, f0s = BOOKKEEP_SCRIPTS[name]
     cfg = CalibrationConfig(**{"N": 5, "mu": 0.01, "tau": 0.0, "patience": 0, "max_steps": 8, "scale": 1.0, **kw})
     if not cfg.patience:
         cfg = cfg.replace(patience=2)
@@ -420,8 +419,8 @@ def test_min_delta_costs_no_launch(dev, impl):
     """The fused bookkeeping is two launches with or without min_delta in Triton (the anchor is compiled in or out of
     the first) and one C++ call; the torch reference adds its anchor ops only when min_delta or min_delta_rel is
     set."""
-    from sicl_fast.ascent import CalibrationConfig
-    from sicl_fast.kernel_count import count_kernels
+    from sicl_fast.calibration.ascent import CalibrationConfig
+    from sicl_fast.diagnostics.kernel_count import count_kernels
 
     ops = make_ops(impl, dev).step
     cfg = CalibrationConfig(N=5, mu=0.01, tau=0.0, patience=2, max_steps=8, scale=1.0)
@@ -429,7 +428,7 @@ def test_min_delta_costs_no_launch(dev, impl):
     for c in (cfg, cfg.replace(min_delta=0.01)):
         st = scripted_state(7, 5, c, dev)
         f, fired = torch.full((c.batch,), 0.5, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
-        counts.append(count_kernels(lambda: ops.advance(st, f, fired, c)))
+        counts.append(count_kernels(lambda: ops.bookkeep(st, f, fired, c)))
     if impl == "torch":
         assert counts[0] < counts[1]
     else:
@@ -595,7 +594,7 @@ def test_triton_attention_matches_the_math_path(dtype, case):
     q, k, v = rand(B, T, H, hd, seed=12), rand(B, T, Hk, hd, seed=13), rand(B, T, Hk, hd, seed=14)
     kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, window, (kp, vp) if a else None)
-    att = Attention("triton", 0.3, cap, dtype, dev)
+    att = Attention("triton", 0.3, cap, dtype, dev, attention_kernels("triton"))
     to = lambda t: t.to(dev, dtype)  # noqa: E731
     got = att(to(q), to(k), to(v), a, window, (to(kp), to(vp)) if a else None)
     assert got.dtype == dtype
@@ -616,6 +615,17 @@ CPP_ATTN_CASES = ATTN_CASES + [  # B, T, a, H, Hk, hd, window, softcap: SmolLM2'
 ]
 
 
+def test_a_fused_attention_runs_the_kernels_it_is_handed():
+    """The 'cpp' and 'triton' attention kernels come in from the ops (ops.attention_kernels), as the decoder's other
+    ops do: the model's Attention loads none itself."""
+    from sicl_fast.models.attention import Attention
+
+    for impl in ("cpp", "triton"):
+        with pytest.raises(SiclError, match=rf"pass kernels=sicl_fast.ops.attention_kernels\('{impl}'\)"):
+            Attention(impl, 0.3, None, torch.float32, "cpu")
+    assert attention_kernels("math") is None and attention_kernels("sdpa") is None
+
+
 @pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
 @pytest.mark.parametrize("case", CPP_ATTN_CASES, ids=[f"B{c[0]}T{c[1]}a{c[2]}hd{c[5]}w{c[6]}cap{c[7]}"
                                                       for c in CPP_ATTN_CASES])
@@ -631,7 +641,7 @@ def test_cpp_attention_matches_the_math_path(case):
     kp, vp = rand(1, a, Hk, hd, seed=15), rand(1, a, Hk, hd, seed=16)
     prefix = (kp, vp) if a else None
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, window, prefix)
-    att = Attention("cpp", 0.3, cap, torch.float32, "cpu")
+    att = Attention("cpp", 0.3, cap, torch.float32, "cpu", cpp_ops)
     n = cpp_ops.num_threads()
     try:
         for threads in (1, 2):
@@ -672,7 +682,7 @@ def test_cpp_attention_keeps_nan_and_inf(where, value, hd, cap):
         poison(kp if where == "shared k" else vp, (0, 1, 1, 3), value)
         reached[:] = True
     ref = Attention("math", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
-    got = Attention("cpp", 0.3, cap, torch.float32, "cpu")(q, k, v, a, None, (kp, vp))
+    got = Attention("cpp", 0.3, cap, torch.float32, "cpu", cpp_ops)(q, k, v, a, None, (kp, vp))
     torch.testing.assert_close(got[reached], ref[reached], equal_nan=True, **TOL["attention"][torch.float32])
     rest, nan = got[~reached], got[~reached].isnan()
     assert bool((nan <= ref[~reached].isnan()).all())
@@ -685,7 +695,7 @@ def test_cpp_attention_is_a_plan_choice():
     if not cpp_ops.available():
         pytest.skip("the C++ extension sicl_fast._C is not built")
     from sicl_fast.errors import SiclError
-    from sicl_fast.plan import BACKENDS, resolve_attention
+    from sicl_fast.run.plan import BACKENDS, resolve_attention
 
     kind = BACKENDS["fast"]
     for dtype in (torch.float32, torch.bfloat16):

@@ -1,4 +1,4 @@
-"""The packed multi-prompt step (sicl_fast.packed): prompts of different lengths, one that gates at step 0,
+"""The packed multi-prompt step (sicl_fast.calibration.packed): prompts of different lengths, one that gates at step 0,
 slots refilled from the queue; every result equals its prompt calibrated alone (seeded, float32, plain
 products, no prefix cache: the packed forward's own numerics).
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import reference_backend
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.errors import SiclError
-from sicl_fast.packed import run_packed
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.calibration.packed import run_packed
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
 from test_fast_backend import V
 from test_ops import why_unavailable
 from test_static import assert_same_result
@@ -102,7 +102,7 @@ def test_packed_time_budget_follows_the_clock(models, monkeypatch, pack, k):
     """A clock that moves one second a packed step (test_static's fake clock): each slot's budget of 2.5 s, from
     its own start (a slot refilled later starts later), stops it at the first read at or after 2.5 s: 3 steps when
     reading every step, 4 when every second; equal to the prompt's eager run stopped there."""
-    from sicl_fast.packed import PackedStep
+    from sicl_fast.calibration.packed import PackedStep
     from test_static import fake_clock
 
     be = reference_backend("fast", models["llama"], diff_matmul="off", prefix_cache=False, impl="torch")

@@ -1,4 +1,4 @@
-"""The run plan (sicl_fast.plan): every refusal rule in one table, with the message it gives; what 'auto' resolves
+"""The run plan (sicl_fast.run.plan): every refusal rule in one table, with the message it gives; what 'auto' resolves
 to on this machine; fast-fp32 as a plan; the engine, make_backend and the loops reading the plan."""
 import dataclasses
 import re
@@ -15,10 +15,10 @@ from sicl_fast.models.attention import Attention
 from sicl_fast.models.decoder_config import DecoderConfig
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
-from sicl_fast.packed import run_packed
-from sicl_fast.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention,
+from sicl_fast.calibration.packed import run_packed
+from sicl_fast.run.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention,
                             resolve_attention_check, resolve_graphs, resolve_impl, resolve_read_every, resolve_reuse)
-from sicl_fast.static import StaticStep
+from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
 
@@ -196,11 +196,11 @@ def test_every_refusal(name, models, odd_models, monkeypatch):
 
 
 def test_the_table_keeps_up_with_the_module():
-    """A rule added to sicl_fast/plan.py, or to the fast decoder's model rules (decoder_config.py, the Transformer's
+    """A rule added to sicl_fast/run/plan.py, or to the fast decoder's model rules (decoder_config.py, the Transformer's
     constructor), without its row here fails this count: the table has a row per raise and per categorical check of
     those modules (some rules have two or three rows: their plan-time, calibration-time and pre-load faces)."""
     import sicl_fast.models.decoder_config as decoder_config
-    import sicl_fast.plan as plan
+    import sicl_fast.run.plan as plan
 
     src = open(plan.__file__).read()
     rules = len(re.findall(r"\braise SiclError\(", src)) + len(re.findall(r"\bcheck_choice\(self\.", src))
@@ -313,7 +313,7 @@ def test_a_backend_runs_a_plan_it_does_not_make(models):
     lm = models["llama"]
     with pytest.raises(TypeError, match="plan"):
         FastBackend(lm)
-    with pytest.raises(SiclError, match="FastBackend runs a RunPlan .sicl_fast.plan.make_plan., got str"):
+    with pytest.raises(SiclError, match="FastBackend runs a RunPlan .sicl_fast.run.plan.make_plan., got str"):
         FastBackend(lm, "fast")
     assert make_backend("fast", lm).plan == make_plan(lm, backend="fast")
 
@@ -382,8 +382,8 @@ def test_pack_auto_packs_where_it_pays(models, monkeypatch):
     decides before the model loads, by the same rule, and a store asked for is used rather than packed past."""
     import argparse
 
-    from sicl_fast import cli
-    from sicl_fast.plan import auto_pack
+    from sicl_fast.commands import cli
+    from sicl_fast.run.plan import auto_pack
 
     cuda = torch.device("cuda")
     assert auto_pack(cuda, 135_000_000)[0] == 8 and "2.9x" in auto_pack(cuda, 135_000_000)[1]

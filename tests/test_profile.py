@@ -1,14 +1,15 @@
-"""`sicl-fast profile` (sicl_fast.profile): the FLOP count against torch's own counter, the ops count, the table."""
+"""`sicl-fast profile` (sicl_fast.diagnostics.profile): the FLOP count against torch's own counter, the ops count,
+the table."""
 import json
 
 import pytest
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import reference_backend
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.profile import PHASES, kernels_per_step, layers_call, profile_step, step_flops
-from sicl_fast.static import StaticStep
+from sicl_fast.diagnostics.profile import PHASES, kernels_per_step, layers_call, profile_step, step_flops
+from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import make_prompt
 
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0)
@@ -36,7 +37,7 @@ def test_flops_split_by_precision_and_the_floor(models):
     """In the difference form every projection (the prefix rows of the pass included) and the span head are bf16
     products and the attention stays float32; plain, everything is in the model dtype. The totals do not change,
     and a phase's floor is its FLOPs of each precision at that precision's rate."""
-    from sicl_fast.profile import Rates, floor_of, step_flops_by_precision
+    from sicl_fast.diagnostics.profile import Rates, floor_of, step_flops_by_precision
 
     lm, p = models["llama"], make_prompt(6)
     splits = []
@@ -83,7 +84,7 @@ def test_profile_table_and_counts(models):
 
 @pytest.mark.slow
 def test_profile_command_on_smollm2(tmp_path, capsys):
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     trace = tmp_path / "trace.json"
     assert main(["profile", "--length", "48", "--repeats", "1", "--json", "--trace", str(trace)]) == 0
@@ -102,7 +103,7 @@ def test_kernel_count_rules():
     whatever tensor traffic Triton's CPU interpreter makes inside it."""
     import torch
 
-    from sicl_fast.kernel_count import count_kernels
+    from sicl_fast.diagnostics.kernel_count import count_kernels
 
     x = torch.randn(4, 6)
     assert count_kernels(lambda: (x.view(6, 4), x.t(), x[1:], torch.empty(3), torch.empty_like(x))) == 0

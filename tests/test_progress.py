@@ -1,4 +1,4 @@
-"""Progress a person can see (sicl_fast.progress): the step within the running calibration on calibrate's and
+"""Progress a person can see (sicl_fast.run.progress): the step within the running calibration on calibrate's and
 icleval's bar, and a resumed run with nothing left to do ending before any model is loaded."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ICLEVAL_EXCERPTS
 from sicl_fast import engine as engine_module
-from sicl_fast.cli import main
+from sicl_fast.commands.cli import main
 
 REQS = [{"id": "a", "demos": [{"input": "hello", "output": "world"}, {"input": "he", "output": "wor"}],
          "query": "hello"},

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.proxy import proxy, span_offsets
+from sicl_fast.calibration.step.proxy import proxy
+from sicl_fast.formats.spans import span_offsets
 
 
 def lp(*probs):

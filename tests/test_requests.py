@@ -4,7 +4,7 @@ import json
 import pytest
 
 from sicl_fast.errors import RequestError
-from sicl_fast.requests import DEFAULT_TEMPLATE, Request, parse_request, read_requests, render_structured
+from sicl_fast.formats.requests import DEFAULT_TEMPLATE, Request, parse_request, read_requests, render_structured
 
 DEMOS = [{"input": "cat", "output": "animal"}, {"input": "rose", "output": "plant"}]
 

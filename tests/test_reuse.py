@@ -1,5 +1,5 @@
-"""Calibrate once, answer many (sicl_fast.reuse): the closed-form minimum of the whole-matrix cosine, reuse bit for
-bit equal to a per-query calibration wherever it is exact (every loop, estimator, scope and implementation), the
+"""Calibrate once, answer many (sicl_fast.answering.reuse): the closed-form minimum of the whole-matrix cosine, reuse
+bit for bit equal to a per-query calibration wherever it is exact (every loop, estimator, scope and implementation), the
 approximate case said so (`on`) or calibrated per query (`auto`), the tokenisation boundary, runs stopped early
 never stored, the disk store shared by two engines, and answers from a stored calibration. A tiny random-weight
 Llama with SmolLM2's tokenizer."""
@@ -11,7 +11,7 @@ import torch
 from sicl_fast import Engine, load
 from sicl_fast.errors import SiclError
 from sicl_fast.ops import IMPLS
-from sicl_fast.reuse import EXACT_MARGIN, ReusedResult, min_whole_cosine
+from sicl_fast.answering.reuse import EXACT_MARGIN, ReusedResult, min_whole_cosine
 
 BASE = dict(max_steps=4, tau=0.0, patience=0, N=4, seed=3)
 # the projection fires: every demonstration row moves by 5 embedding scales a step, against a cosine floor of 0.9
@@ -287,12 +287,12 @@ CLI_FAST = ["--max-steps", "3", "--N", "4", "--tau", "0", "--patience", "0", "--
 
 
 def test_cli_groups_requests_by_key_and_calibrates_each_group_once(tiny_dir, tmp_path, capsys, monkeypatch):
-    import sicl_fast.answer as answer
-    from sicl_fast.cli import main
+    import sicl_fast.answering.answer as answer
+    from sicl_fast.commands.cli import main
 
     batches = []  # the query-only decodings: one batch per group (Engine.answer_many), not one per request
-    real = answer.kv_answers
-    monkeypatch.setattr(answer, "kv_answers", lambda be, cal, prompts, *a, **k: (
+    real = answer.decode_queries
+    monkeypatch.setattr(answer, "decode_queries", lambda be, cal, prompts, *a, **k: (
         batches.append(len(prompts)), real(be, cal, prompts, *a, **k))[1])
 
     other = {"id": "o", "demos": [{"input": "red", "output": "rot"}], "query": "blue"}
@@ -324,7 +324,7 @@ def test_cli_records_a_boundary_query_as_calibrated_afresh(tiny_dir, tmp_path):
     """The raw prompts of test_a_query_that_changes_the_boundary_tokens_is_calibrated_afresh through the command
     line: the record of the query whose BPE merge changes rows [0, b) says reuse 'boundary', and its numbers are its
     own calibration's."""
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     text = "Complete the word.\n\nInput: gree\nOutput: ting\n\nInput: hel\nOutput: hel"
     start = text.index("Output: ting") + len("Output: ")
@@ -343,7 +343,7 @@ def test_cli_records_a_boundary_query_as_calibrated_afresh(tiny_dir, tmp_path):
 
 
 def test_cli_store_directory_serves_a_rerun(tiny_dir, tmp_path):
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     path = write_jsonl(tmp_path / "r.jsonl", [request("five", "a"), request("nine", "b")])
     store = ["--store", str(tmp_path / "store"), "--model", tiny_dir, *CLI_FAST]
@@ -357,7 +357,7 @@ def test_cli_store_directory_serves_a_rerun(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_cli_on_smollm2_reuses_with_the_same_answers(tmp_path):
     """End to end on the real model: three queries on one few-shot prompt, calibrated once."""
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     path = write_jsonl(tmp_path / "r.jsonl", [request(q, q) for q in ("five", "nine", "two")])
     flags = ["--generate", "--max-new-tokens", "3", "--max-steps", "2", "--N", "2", "--tau", "0"]
@@ -373,7 +373,7 @@ def test_icleval_rerun_reads_its_calibrations_from_the_store(tiny_dir, tmp_path,
     """ICLEval gives every sample its own demonstrations: the numbers are those of calibrating each, and a rerun
     with the same --store reads every calibration back."""
     from conftest import ICLEVAL_EXCERPTS
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     base = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "generate_order", "--limit", "1",
             "--model", tiny_dir, "--max-steps", "2", "--N", "2", "--tau", "0"]
@@ -402,7 +402,7 @@ def test_store_flags_that_would_do_nothing_are_refused_before_any_work(tmp_path,
     """#40: `calibrate --store DIR --reuse off` (and with --pack 2) made empty store folders, stored nothing and
     said nothing."""
     from conftest import ICLEVAL_EXCERPTS
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sicl_fast.engine.load", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -420,7 +420,7 @@ def test_answers_along_the_way_need_their_own_run(tiny_dir, tmp_path, capsys):
     """icleval --answer-at keeps the best X along each calibration, which a stored one does not have: it runs with
     the store off, and refuses an explicit --reuse auto / on before any model loads."""
     from conftest import ICLEVAL_EXCERPTS
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     argv = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out",
             str(tmp_path / "o.jsonl"), "--model", str(tmp_path / "no-model"), "--answer-at", "1"]

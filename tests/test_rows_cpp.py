@@ -1,6 +1,6 @@
 """The C++ forms of the difference form's ops (sicl_fast.ops.cpp_ops: norm_rows, rope_rows, gated_rows,
 attention_rows, span_head_rows; csrc/rows.cpp, attention.cpp, span_head.cpp) and of the static step's bookkeeping
-(CppStepOps.advance, csrc/step_state.cpp), beyond the shared parity contract (tests/test_rows_ops.py); the row ops
+(CppStepOps.bookkeep, csrc/step_state.cpp), beyond the shared parity contract (tests/test_rows_ops.py); the row ops
 and the span head each without and with the value rows' float32 references (the products' input and output
 references, the span head's reference logits):
 
@@ -10,7 +10,7 @@ references, the span head's reference logits):
   NaN and inf come out where the reference puts them (the same non-finite entries, the same signs of inf);
   one extension call per op, two per vocabulary chunk for the span head (torch's product, lse_chunk_rows);
   a reference of the wrong shape, a value slot outside the reference logits: refused before the extension reads;
-  advance is the reference's bit for bit at an SNR exactly at the threshold and one float64 ulp above it: the SNR's
+  bookkeep is the reference's bit for bit at an SNR exactly at the threshold and one float64 ulp above it: the SNR's
       float32 sum and float64 standard deviation are torch's own, at every N the sum kernel's cascade can take.
 """
 import math
@@ -19,16 +19,16 @@ import pytest
 import torch
 
 import test_rows_ops as contract
-from sicl_fast.ascent import CalibrationConfig
-from sicl_fast.kernel_count import count_kernels
-from sicl_fast.logprobs import rows_logprobs
+from sicl_fast.calibration.ascent import CalibrationConfig
+from sicl_fast.diagnostics.kernel_count import count_kernels
+from sicl_fast.calibration.step.logprobs import rows_logprobs
 from sicl_fast.models.attention import Attention, attention_rows_reference
 from sicl_fast.models.rows import (RowLayout, gated_rows_reference, norm_rows_reference,
                                    rope_rows_reference, to_rows)
 from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.ops.cpp_ops import HEAD_CHUNK
-from sicl_fast.step_state import StepState, advance_reference
-from sicl_fast.zo import finite_differences
+from sicl_fast.calibration.step.step_state import StepState, bookkeep_reference
+from sicl_fast.calibration.step.zo import finite_differences
 from test_rows_ops import LAYOUT_IDS, LAYOUTS, WITH_REF, form_of, layout, near_rows, reference_of
 
 pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
@@ -170,7 +170,7 @@ def test_attention_rows_independent_of_thread_count(with_ref):
     q = near_rows(BIG, H * hd, scale=1.0, seed=5).view(BIG.R, H, hd)
     k, v = (near_rows(BIG, Hk * hd, scale=1.0, seed=s).view(BIG.R, Hk, hd) for s in (6, 7))
     o_ref = reference_of(near_rows(BIG, H * hd, scale=1.0, seed=8), BIG, with_ref, 9)
-    attn = Attention("cpp", hd ** -0.5, 30.0, torch.float32, "cpu")
+    attn = Attention("cpp", hd ** -0.5, 30.0, torch.float32, "cpu", cpp_ops)
     one, many = with_threads(lambda: attn.rows(q, k, v, BIG, 9, None, o_ref))
     assert same_bits(one, many)
 
@@ -260,7 +260,7 @@ def test_attention_rows_nonfinite_where_the_reference(spec, with_ref):
         o_ref[rows.values - 1, 7], o_ref[rows.values - 2, 20] = math.nan, math.inf
     ref = attention_rows_reference(Attention("math", hd ** -0.5, None, torch.float32, "cpu"), q, k, v, rows, None,
                                    prefix, o_ref)
-    got = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu").rows(q, k, v, rows, None, prefix, o_ref)
+    got = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu", cpp_ops).rows(q, k, v, rows, None, prefix, o_ref)
     same_nonfinite(got, ref)
 
 
@@ -296,7 +296,7 @@ def test_one_call_per_row_op(dec, with_ref):
     k, v = torch.empty(rows.R, Hk, hd), torch.empty(rows.R, Hk, hd)
     q = near_rows(rows, H * hd, seed=5).view(rows.R, H, hd)
     o_ref = reference_of(near_rows(rows, H * hd, seed=7), rows, with_ref, 8)
-    attn = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu")
+    attn = Attention("cpp", hd ** -0.5, None, torch.float32, "cpu", cpp_ops)
     calls = {"norm_rows": lambda: dec.norm_rows(x, y, None, w, w, 1e-6, False, rows, y_ref, h_ref),
              "norm_rows (input)": lambda: dec.norm_rows(x, None, None, None, w, 1e-6, False, rows, None, h_ref),
              "rope_rows": lambda: dec.rope_rows(qkv, None, rows, cos, sin, norm, norm, 1e-6, False, H, Hk, k, v,
@@ -363,12 +363,12 @@ def test_row_references_of_the_wrong_shape_refused(dec):
         dec.gated_rows(y, None, "silu", rows, None, torch.zeros(rows.values, d))
 
 
-# ------------------------------------------------------------------------------------------------ advance
+# ------------------------------------------------------------------------------------------------ bookkeep
 
 
 @pytest.mark.parametrize("N", [2, 3, 5, 7, 8, 9, 15, 16, 33, 100, 513, 2100, 65_536])
 @pytest.mark.parametrize("estimator", ["forward", "central"])
-def test_advance_snr_at_the_threshold_is_the_references(N, estimator):
+def test_bookkeep_snr_at_the_threshold_is_the_references(N, estimator):
     g = torch.Generator().manual_seed(N)
     B = 2 * N + 1 if estimator == "central" else N + 1
     f = 0.5 + 1e-3 * torch.randn(B, generator=g)
@@ -382,8 +382,8 @@ def test_advance_snr_at_the_threshold_is_the_references(N, estimator):
         ref, got = StepState.new(X0, cfg), StepState.new(X0, cfg)
         ref.X_next.copy_(X_next)
         got.X_next.copy_(X_next)
-        advance_reference(ref, f, fired, cfg)
-        make_ops("cpp").step.advance(got, f, fired, cfg)
+        bookkeep_reference(ref, f, fired, cfg)
+        make_ops("cpp").step.bookkeep(got, f, fired, cfg)
         for r, o in zip(contract_state(ref), contract_state(got)):
             assert torch.equal(r, o) or torch.allclose(r, o, rtol=0, atol=0, equal_nan=True)
         assert int(got.low_snr) == (threshold > snr)

@@ -17,11 +17,11 @@ import math
 import pytest
 import torch
 
-from sicl_fast.logprobs import rows_logprobs
+from sicl_fast.calibration.step.logprobs import rows_logprobs
 from sicl_fast.models.attention import Attention, attention_rows_reference
 from sicl_fast.models.rows import (RowLayout, from_rows, gated_rows_reference, norm_rows_reference,
                                    rope_rows_reference, to_rows)
-from sicl_fast.ops import make_ops
+from sicl_fast.ops import attention_kernels, make_ops
 from test_ops import device_of, why_unavailable
 
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -182,8 +182,8 @@ def test_attention_rows(impl, spec, H, Hk, hd, window, softcap, with_ref):
     o_ref = reference_of(attention_rows_reference(math_attn, q, k, v, cpu, window, prefix, dtype=torch.float32), cpu,
                          with_ref, 9)
     ref = attention_rows_reference(math_attn, q, k, v, cpu, window, prefix, o_ref)
-    attn = Attention({"torch": "math", "cpp": "cpp", "triton": "triton"}[impl], hd ** -0.5, softcap, torch.float32,
-                     dev)
+    kind = {"torch": "math", "cpp": "cpp", "triton": "triton"}[impl]
+    attn = Attention(kind, hd ** -0.5, softcap, torch.float32, dev, attention_kernels(kind))
     got = attn.rows(q.to(dev), k.to(dev), v.to(dev), rows, window,
                     None if prefix is None else tuple(t.to(dev) for t in prefix), to(o_ref, dev))
     assert_form_close(got, ref, cpu, o_ref)

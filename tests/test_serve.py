@@ -25,10 +25,10 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from sicl_fast import Calibrator, Engine  # noqa: E402
-from sicl_fast.cli import main  # noqa: E402
-from sicl_fast.client import Client, QueueFullError, ServerError  # noqa: E402
+from sicl_fast.commands.cli import main  # noqa: E402
+from sicl_fast.serve.client import Client, QueueFullError, ServerError  # noqa: E402
 from sicl_fast.errors import RequestError, SiclError  # noqa: E402
-from sicl_fast.requests import parse_request  # noqa: E402
+from sicl_fast.formats.requests import parse_request  # noqa: E402
 from sicl_fast.serve.server import ServerThread  # noqa: E402
 from sicl_fast.serve.settings import ServeSettings, check_bind, is_loopback  # noqa: E402
 
@@ -588,8 +588,8 @@ def test_without_the_extra_package_imports_and_serve_says_what_to_install():
     blocked = "fastapi uvicorn starlette pydantic httpx prometheus_client".split()
     code = ("import sys\n"
             f"for m in {blocked!r}: sys.modules[m] = None\n"
-            "import sicl_fast, sicl_fast.cli, sicl_fast.export, sicl_fast.serve\n"
-            "sys.exit(sicl_fast.cli.main(['serve']))\n")
+            "import sicl_fast, sicl_fast.commands.cli, sicl_fast.answering.export, sicl_fast.serve\n"
+            "sys.exit(sicl_fast.commands.cli.main(['serve']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -782,7 +782,7 @@ def test_cli_serve_end_to_end():
 
 def test_text_that_is_not_unicode_is_a_400_and_out_of_range_knobs_a_422(server, client):
     """A lone surrogate (a JSON escape such as \\ud800 without its pair) in any field is a 400 naming the field,
-    before any work (before: a 500 after the calibration); a knob beyond its range (sicl_fast.knobs) a 422."""
+    before any work (before: a 500 after the calibration); a knob beyond its range (sicl_fast.run.knobs) a 422."""
     steps = metric(client, "sicl_fast_calibration_steps_total")
     cases = [({"request": {**REQ, "id": "q\ud800"}}, "field 'request.id'"),
              ({"request": {**REQ, "demos": [{"input": "one", "output": "1\udc00"}]}},

@@ -2,8 +2,8 @@
 import pytest
 
 from sicl_fast.errors import ContextLengthError, RequestError
-from sicl_fast.requests import Request, parse_request
-from sicl_fast.spans import token_spans_from_offsets, tokenize
+from sicl_fast.formats.requests import Request, parse_request
+from sicl_fast.formats.spans import token_spans_from_offsets, tokenize
 
 pytestmark = pytest.mark.slow
 

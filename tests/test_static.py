@@ -1,4 +1,4 @@
-"""The static, sync-free step and its driver (sicl_fast.static) against the eager reference loop
+"""The static, sync-free step and its driver (sicl_fast.calibration.static) against the eager reference loop
 (Calibrator.run): the same CalibrationResult bit for bit (history, best step, stop reason, steps, projections,
 embeddings), for every estimator, grad mode, projection scope, SNR setting and gate case, whatever the number
 of steps between two reads of the state; and no host read inside a step.
@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from sicl_fast.ascent import CalibrationConfig, Calibrator
+from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
-from sicl_fast.static import StaticStep, run_static
+from sicl_fast.calibration.static import StaticStep, run_static
 from test_fast_backend import build, make_prompt
 from test_ops import device_of, why_unavailable
 
@@ -143,7 +143,7 @@ def test_nonfinite_proxy_and_bad_arguments(models):
 def test_static_cache_decoding_equals_transformers(models, family, monkeypatch):
     """Greedy ids of the fixed-buffer decoder equal transformers' own generation, whatever the read interval;
     every decoded token attends over the same buffer shape (no per-length shapes)."""
-    from sicl_fast.generate import greedy_generate
+    from sicl_fast.backends.generate import greedy_generate
     from sicl_fast.models import attention
 
     lm = models[family]
@@ -183,7 +183,7 @@ def test_decode_step_has_no_host_read(models, monkeypatch):
 def test_captured_static_step_equals_eager_on_cuda(models):
     """Warm-up steps change the state, so the captured step runs on a fresh state whose first steps are the
     warm-up's: compare the eager loop against warm-up + replays."""
-    from sicl_fast.graphs import CapturedStep
+    from sicl_fast.run.graphs import CapturedStep
     from sicl_fast.models import from_transformers
 
     # a copy: the tiny models are shared by the whole session (test_fast_backend.tiny_models)

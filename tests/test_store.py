@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sicl_fast.ascent import CalibrationConfig
+from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.errors import SiclError, SiclWarning
-from sicl_fast.requests import Request
-from sicl_fast.spans import Prompt
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
 from sicl_fast.store import Calibration, CalibrationStore, calibration_key
 from sicl_fast.store.disk import FORMAT, SIDECAR, sidecar_sha256
 from sicl_fast.store.memory import MemoryLRU

@@ -1,4 +1,4 @@
-"""One thread count per process (sicl_fast.threads): torch and the C++ ops take the same number, from any thread."""
+"""One thread count per process (sicl_fast.run.threads): torch and the C++ ops take the same number, from any thread."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,7 @@ import torch
 
 from sicl_fast.errors import SiclError
 from sicl_fast.ops import cpp_ops
-from sicl_fast.threads import WAIT_ENV, apply_threads, available_cores, decide_wait_policy, resolve_threads
+from sicl_fast.run.threads import WAIT_ENV, apply_threads, available_cores, decide_wait_policy, resolve_threads
 
 needs_cpp = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
 
@@ -29,7 +29,7 @@ def restore_threads():
 
 def test_resolve_defaults_to_omp_num_threads_then_the_cores_this_process_may_use(monkeypatch):
     assert available_cores() >= 1
-    monkeypatch.setattr("sicl_fast.threads.available_cores", lambda: 64)  # the counts below are within the cores
+    monkeypatch.setattr("sicl_fast.run.threads.available_cores", lambda: 64)  # the counts below are within the cores
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     n, why = resolve_threads(None)
     assert n == 64 and "affinity" in why
@@ -68,9 +68,9 @@ def test_more_threads_than_cores_is_said_once_and_in_the_plan(monkeypatch):
     import warnings
 
     from sicl_fast.errors import SiclWarning
-    from sicl_fast.plan import Choices
+    from sicl_fast.run.plan import Choices
 
-    monkeypatch.setattr("sicl_fast.threads.available_cores", lambda: 2)
+    monkeypatch.setattr("sicl_fast.run.threads.available_cores", lambda: 2)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert "more than the 2 core(s) this process may use" in resolve_threads(3)[1]
     assert resolve_threads(2) == (2, "asked for")
@@ -150,7 +150,7 @@ def test_set_num_threads_refuses_zero(restore_threads):
 @needs_cpp
 def test_threads_flag_reaches_torch_and_the_cpp_ops(restore_threads, tiny_dir, tmp_path):
     """`--threads N` on a command that runs the model: the plan's count, applied to both pools (build_backend)."""
-    from sicl_fast.cli import main
+    from sicl_fast.commands.cli import main
 
     req = tmp_path / "r.jsonl"
     req.write_text('{"id": "a", "demos": [{"input": "one", "output": "1"}], "query": "two"}\n')

@@ -1,11 +1,11 @@
 """Backends: `hf` (any transformers causal LM), `naive` (the reference's form), `fast` (own forward: Llama, Qwen3,
 Gemma 2, Gemma 3, with prefix KV reuse and, for float32 models, bf16 difference products), `fast-fp32` (the fast
 backend with every product in float32: a run plan, not a class of its own). `auto` picks `fast` for the families
-it supports, `hf` otherwise (sicl_fast.plan resolves the name, with every other mode of the run)."""
+it supports, `hf` otherwise (sicl_fast.run.plan resolves the name, with every other mode of the run)."""
 from __future__ import annotations
 
-from ..plan import RunPlan, make_plan
-from ..threads import apply_threads
+from ..run.plan import RunPlan, make_plan
+from ..run.threads import apply_threads
 from .base import Backend
 from .fast import SUPPORTED_FAMILIES as FAST_FAMILIES
 from .fast import FastBackend
@@ -23,10 +23,10 @@ def build_backend(plan: RunPlan, lm) -> Backend:
 
 
 def make_backend(name: str, lm, **choices) -> Backend:
-    """Backend by name ('auto', 'fast', 'fast-fp32', 'hf', 'naive') with the other choices of sicl_fast.plan.make_plan
-    (diff_matmul, impl, attn, grad, ...: 'auto' unless given): build_backend(make_plan(lm, backend=name, ...)). impl
-    'auto' picks the hot ops for the device of the model's tensors; grad=True: the backend will run the
-    exact-gradient ascent, and ops, backend and model must be differentiable."""
+    """Backend by name ('auto', 'fast', 'fast-fp32', 'hf', 'naive') with the other choices of
+    sicl_fast.run.plan.make_plan (diff_matmul, impl, attn, grad, ...: 'auto' unless given): build_backend(make_plan(lm,
+    backend=name, ...)). impl 'auto' picks the hot ops for the device of the model's tensors; grad=True: the backend
+    will run the exact-gradient ascent, and ops, backend and model must be differentiable."""
     return build_backend(make_plan(lm, backend=name, **choices), lm)
 
 

@@ -2,7 +2,7 @@
 
 A backend knows nothing of the ascent: it maps a batch of embedding matrices to the log-probabilities of the
 demonstrated output tokens. The ascent knows nothing of a backend's insides. Each backend runs one run plan
-(`plan`, sicl_fast.plan) and holds the ops of the plan's implementation (sicl_fast.ops): `ops`, the StepOps
+(`plan`, sicl_fast.run.plan) and holds the ops of the plan's implementation (sicl_fast.ops): `ops`, the StepOps
 that the ascent on it uses too, and `decoder_ops`, the DecoderOps of the fast decoder.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 
 from ..errors import NumericalError, SiclError
 from ..ops import make_ops
-from ..plan import RunPlan, no_differentiable_forward
-from ..spans import Prompt
+from ..run.plan import RunPlan, no_differentiable_forward
+from ..formats.spans import Prompt
 
 
 class SpanLogprobsForward:
@@ -35,20 +35,21 @@ class SpanLogprobsForward:
 
 class Backend(abc.ABC):
     """Base class. `lm` is a `sicl_fast.models.LoadedModel`; plan the RunPlan it runs, made for `lm` by
-    sicl_fast.plan.make_plan (build_backend(plan, lm), or make_backend(name, lm, **choices), which makes both):
-    a backend decides nothing of its own. `name` is the plan's backend ('fast-fp32' for the fast class with plain
-    products)."""
-
-    name: str = "base"
+    sicl_fast.run.plan.make_plan (build_backend(plan, lm), or make_backend(name, lm, **choices), which makes both):
+    a backend decides nothing of its own."""
 
     def __init__(self, lm, plan: RunPlan) -> None:
         if not isinstance(plan, RunPlan):
-            raise SiclError(f"{type(self).__name__} runs a RunPlan (sicl_fast.plan.make_plan), got "
+            raise SiclError(f"{type(self).__name__} runs a RunPlan (sicl_fast.run.plan.make_plan), got "
                             f"{type(plan).__name__}; make_backend(name, lm, ...) makes both")
         self.lm = lm
         self.plan = plan
-        self.name = self.plan.backend
         self.ops, self.decoder_ops = make_ops(self.plan.impl, lm.device)
+
+    @property
+    def name(self) -> str:
+        """The plan's backend: 'fast', 'fast-fp32' (the fast class with plain products), 'hf' or 'naive'."""
+        return self.plan.backend
 
     @property
     def device(self) -> torch.device:
@@ -85,7 +86,7 @@ class Backend(abc.ABC):
     def differentiable_logprobs(self, embeds: torch.Tensor, prompt: Prompt, checkpoint: bool = False) -> torch.Tensor:
         """embeds [1, n, d] (float32 or float64; may require grad) -> [1, P] log-probs (float32, or float64 from
         a float64 model) with autograd recording, so that the proxy's gradient in the embeddings can be taken
-        (sicl_fast.grad). checkpoint: recompute each layer in the backward instead of keeping its activations.
+        (calibration.grad). checkpoint: recompute each layer in the backward instead of keeping its activations.
         Backends without a differentiable forward refuse (the run plan's grad_refusal says so first)."""
         raise SiclError(no_differentiable_forward(self.name))
 
@@ -109,7 +110,7 @@ class Backend(abc.ABC):
 
     def generate(self, embeds: torch.Tensor, prompt: Prompt, max_new_tokens: int, stop_strings=(), stop_fn=None):
         """Greedy answer from prompt embeddings [L, d] (calibrated demos + original query)."""
-        from ..generate import greedy_generate
+        from .generate import greedy_generate
 
         return greedy_generate(
             self.lm, embeds, max_new_tokens=max_new_tokens, stop_strings=stop_strings, stop_fn=stop_fn

@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
+from ..run.graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
 from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
-from ..spans import Prompt
+from ..ops import attention_kernels
+from ..formats.spans import Prompt
 from .base import Backend
 from .step_forward import PackedForward, SpanPlan, StepForward
 
@@ -25,14 +26,13 @@ from .step_forward import PackedForward, SpanPlan, StepForward
 class FastBackend(Backend):
     """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text, as the run plan `plan` says: its DecoderConfig,
     attention kernel (and whether to check it against the math path first), difference products, ops and the
-    tokens decoded between two host reads (sicl_fast.plan). prefix_cache=False always runs the full rows [0, b)."""
-
-    name = "fast"
+    tokens decoded between two host reads (sicl_fast.run.plan). prefix_cache=False always runs the full rows [0, b)."""
 
     def __init__(self, lm, plan, prefix_cache: bool = True) -> None:
         super().__init__(lm, plan)
         p = self.plan
-        self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul)
+        self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul,
+                                 attention_kernels(p.attention))
         m = self.model
         if p.attention_check:  # trust a fused attention kernel only after comparing it with the math path
             m.attention.verify(m.H, m.Hk, m.hd, fallback=p.attention_fallback)
@@ -90,8 +90,8 @@ class FastBackend(Backend):
         """Greedy answer from embeddings [L, d] with a static KV cache: fixed buffers, each token written in
         place at a device-held position and attended over the whole buffer with a mask (no shape changes with
         the length), the argmax on the device, and the tokens read every `read_every` tokens. Same stop rules
-        and result type (sicl_fast.generate.Generation) as the hf path's greedy_generate."""
-        from ..generate import check_inputs, greedy_decode
+        and result type (sicl_fast.backends.generate.Generation) as the hf path's greedy_generate."""
+        from .generate import check_inputs, greedy_decode
 
         lm, m = self.lm, self.model
         check_inputs(lm, embeds, max_new_tokens)

@@ -8,7 +8,7 @@ import torch
 import torch.utils.checkpoint
 
 from ..errors import SiclError
-from ..spans import Prompt
+from ..formats.spans import Prompt
 from .base import Backend
 
 
@@ -19,8 +19,6 @@ class HFBackend(Backend):
     logits never exist (at most [B, chunk, V], chunked along P). The same forward is differentiable
     (`differentiable_logprobs`, the exact-gradient ascent).
     """
-
-    name = "hf"
 
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from ..spans import Prompt
+from ..formats.spans import Prompt
 from .base import Backend
 
 
 class NaiveBackend(Backend):
-    name = "naive"
-
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         lm = self.lm

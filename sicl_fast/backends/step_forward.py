@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.rows import LOW_DTYPE, RowLayout, is_value
-from ..spans import Prompt
+from ..formats.spans import Prompt
 
 PREFIX_POLICIES = ("kept", "pass", "none")
 # steps between two references of the value rows: the values' changes from their reference (the rounding applies
@@ -65,7 +65,7 @@ class SpanPlan:
 
 def fixed_rows_kv(model, rows: torch.Tensor, rows_form: bool = False):
     """The K/V of rows that no step changes, [n, d] (batch 1, once): a kept prefix, and a stored calibration's rows
-    [0, b) that queries are answered against (sicl_fast.answer_kv). rows_form: through the difference form's forward
+    [0, b) that queries are answered against (answering.answer_kv). rows_form: through the difference form's forward
     (float32 K/V, what its batch rows attend to), else the plain forward in the model dtype. -> PrefixKV."""
     if rows_form:
         return model.prefix_rows(rows.float())
@@ -187,7 +187,7 @@ class StepForward:
 
     def layers(self, x: torch.Tensor) -> torch.Tensor:
         """The decoder's layers on the input rows x [R, d] -> the final-normed hidden states [R, d] (difference
-        form). What the launch budget counts per layer (sicl_fast.profile.kernels_per_step)."""
+        form). What the launch budget counts per layer (sicl_fast.diagnostics.profile.kernels_per_step)."""
         return self.model.forward_rows(x, self.rows, self.prefix, self.ref)
 
     def _rows(self, batch: torch.Tensor) -> torch.Tensor:
@@ -221,8 +221,8 @@ class StepForward:
 
 
 class PackedForward:
-    """Several prompts' perturbation batches through one pass (the packed step, sicl_fast.packed): prompt j's B_j
-    rows stacked after the previous prompts', each right-padded with zeros to the longest b_j (causal attention
+    """Several prompts' perturbation batches through one pass (the packed step, sicl_fast.calibration.packed): prompt
+    j's B_j rows stacked after the previous prompts', each right-padded with zeros to the longest b_j (causal attention
     never lets a real row see the padding after it), no prefix K/V (every row runs its rows [0, b_j)). In difference
     form each prompt's rows are differences from its own first row (the layout's anchors), whose values are taken
     against a float32 reference made from Xs (each prompt's X [L_j, d]) and again by refresh(Xs); plain otherwise.

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from collections.abc import Iterable
 
-from ..ascent import CalibrationConfig
+from ..calibration.ascent import CalibrationConfig
 from ..errors import SiclError
 
 COMPONENTS = ("alpha", "beta", "gamma")

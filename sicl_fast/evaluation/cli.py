@@ -1,6 +1,6 @@
 """Command-line glue for `sicl-fast icleval ... --report RUN/ [--method ...] [ablations]` and `sicl-fast report`.
 
-sicl_fast/cli.py calls:
+sicl_fast/commands/cli.py calls:
     add_icleval_eval_args(icleval_parser)          the flags below, on the icleval subcommand
     run_icleval_from_args(engine, config, args)    runs, prints the tables, writes the report; returns the exit code
     finished_run(args, overrides)                  (model, records) of a resumed run with nothing left, or None
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..knobs import arg_type
-from ..records import check_out_dir, folder_arg
+from ..run.knobs import arg_type
+from ..formats.records import check_out_dir, folder_arg
 from .ablations import ABLATIONS, make_variants
 from .icleval_cls import DCPMI_PREMISES
 from .methods import CALIBRATIONS, METHODS, BaselineOptions, run_methods
@@ -116,8 +116,8 @@ def check_icleval_args(args, knobs: dict | None = None) -> None:
 
 def run_icleval_from_args(engine, config, args, file=None) -> int:
     """`sicl-fast icleval`: run the methods, print the report's tables, write the report when --report is given.
-    engine: an Engine or Workers (sicl_fast.workers: a Ray pool with --ray)."""
-    from ..workers import as_workers
+    engine: an Engine or Workers (sicl_fast.run.workers: a Ray pool with --ray)."""
+    from ..run.workers import as_workers
 
     workers = as_workers(engine)
     variants = make_variants(config, workers.config(), ablate=args.ablate, sweep_N=args.sweep_N,
@@ -135,9 +135,9 @@ def finished_run(args, overrides: dict):
     (sicl_fast.models.facts), and the records are checked as a resume checks them. None when there is work."""
     from pathlib import Path
 
-    from ..ascent import CalibrationConfig
+    from ..calibration.ascent import CalibrationConfig
     from ..models.facts import model_facts
-    from ..records import nothing_left, read_records
+    from ..formats.records import nothing_left, read_records
     from .methods import _check_existing, build_variants, record_key, select_samples, wanted_keys
 
     if not Path(args.out).is_file():

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Iterable, Sequence
 
-from ..ascent import CalibrationConfig
+from ..calibration.ascent import CalibrationConfig
 from ..errors import ResultsFileError, SiclError
 from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
-from ..records import STDOUT, ResultWriter, check_output, read_records
-from ..workers import as_workers, write_all
+from ..formats.records import STDOUT, ResultWriter, check_output, read_records
+from ..run.workers import as_workers, write_all
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
 from .icleval_cls import (CONTENT_FREE_INPUTS, DCPMI_PREMISES, content_free_contexts, content_free_query,
@@ -219,11 +219,11 @@ class _Runner:
 
     def calibrate_packed(self, chunk) -> None:
         """With engine.plan.pack > 1: calibrate the 'sicl' variants of a chunk of samples [(sample, variants)]
-        together, `pack` at once (sicl_fast.packed); record() then takes their results."""
+        together, `pack` at once (sicl_fast.calibration.packed); record() then takes their results."""
         work = [(s, v) for s, vs in chunk for v in vs if v.method == "sicl"]
         if self.engine.plan.pack <= 1 or not work:
             return
-        from ..packed import run_packed
+        from ..calibration.packed import run_packed
 
         def keep(i: int, res) -> None:
             s, v = work[i]
@@ -300,7 +300,7 @@ def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], op
 
     A fresh runner per sample, so a record depends on its sample alone, not on what the engine ran before it (the
     label scorer's prefix cache): any worker, any number of workers, gives the same records (packed calibrations
-    to float rounding, see sicl_fast.packed)."""
+    to float rounding, see sicl_fast.calibration.packed)."""
     packed = _Runner(engine, options, time_budget_s, answer_at)
     packed.calibrate_packed(chunk)
     out = []
@@ -421,12 +421,12 @@ def run_methods(
     decoded (module docstring).
 
     engine: an Engine built with add_special_tokens=True (ICLEval's tokenization), or Workers over such engines
-    (sicl_fast.workers; e.g. a Ray pool: the samples are dealt out to it one at a time). config: the
+    (sicl_fast.run.workers; e.g. a Ray pool: the samples are dealt out to it one at a time). config: the
     CalibrationConfig of method 'sicl' (or give `sicl_variants`, e.g. from `ablations.make_variants`).
     """
     import functools
 
-    from ..progress import StepProgress, progress_bar
+    from ..run.progress import StepProgress, progress_bar
 
     check_records_out(out_path)
     options = options or BaselineOptions()

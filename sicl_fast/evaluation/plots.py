@@ -118,7 +118,7 @@ def accuracy_bars(path, tasks: Sequence[str], columns: dict[str, Sequence[float 
 
 
 def estimator_cosines(path, rows: Sequence[dict], title: str = "") -> Path:
-    """The estimator study (sicl_fast.gradstudy): cos(g, g*) against N (log scale), one line per mu, one panel per
+    """The estimator study (diagnostics.gradstudy): cos(g, g*) against N (log scale), one line per mu, one panel per
     estimator. rows: gradstudy.summarize's rows (estimator, mu, N, cosine)."""
     estimators = list(dict.fromkeys(r["estimator"] for r in rows))
     fig = _figure(4.2 * max(1, len(estimators)), 4.0)

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from ..errors import SiclError
 from ..icleval.tasks import TASK_FILES
-from ..records import read_records, write_text_atomic
+from ..formats.records import read_records, write_text_atomic
 from . import stats
 from .budget import budget_curves, runs_compared
 
@@ -596,9 +596,9 @@ def summary_markers(name: str) -> tuple[str, str]:
 def check_summary_target(path: str | os.PathLike, name: str) -> tuple[str, int, int]:
     """(text, start of the begin marker, start of the end marker) of the Markdown file `path`. Refused (SiclError)
     when it cannot be read or rewritten: missing, a directory or anything else that is not a regular file (said as
-    sicl_fast.inputs.open_input says it), not UTF-8; or when it lacks the markers, holds them out of order, or
+    sicl_fast.formats.inputs.open_input says it), not UTF-8; or when it lacks the markers, holds them out of order, or
     holds them more than once (only one pair could be filled, and the others would stay stale)."""
-    from ..inputs import STDIN, open_input
+    from ..formats.inputs import STDIN, open_input
 
     begin, end = summary_markers(name)
     if str(path) == STDIN or (Path(path).exists() and not Path(path).is_dir() and not Path(path).is_file()):

@@ -1,8 +1,8 @@
 """Samples -> engine inputs: a `Request` (character spans) and a tokenized `Prompt` (token spans, SPEC 5-6.1)."""
 from __future__ import annotations
 
-from ..requests import Request
-from ..spans import Prompt, tokenize
+from ..formats.requests import Request
+from ..formats.spans import Prompt, tokenize
 from .loader import Sample
 from .render import render
 from .scoring import max_gen_len

@@ -199,21 +199,19 @@ def flash_available() -> bool:
 
 
 class Attention:
-    """The attention of one model: its kernel (`impl`: 'math', 'sdpa', 'flash' or 'triton', as the run plan resolved
-    it, sicl_fast.plan.resolve_attention), scale, soft-cap, and a cache of masks per shape. On CUDA a fused kernel
-    is trusted only after `verify` (FastBackend calls it once, explicitly)."""
+    """The attention of one model: its kernel (`impl`: 'math', 'sdpa', 'flash', 'cpp' or 'triton', as the run plan
+    resolved it, sicl_fast.run.plan.resolve_attention), scale, soft-cap, and a cache of masks per shape. `kernels`:
+    the fused forms 'cpp' and 'triton' run, handed in as the decoder's other ops are (sicl_fast.ops.attention_kernels:
+    `attention` and `attention_rows` for 'cpp', `prefix_attention` and `attention_rows` for 'triton'); the other
+    kernels are torch's and flash-attn's. On CUDA a fused kernel is trusted only after `verify` (FastBackend calls it
+    once, explicitly)."""
 
-    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device) -> None:
+    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device, kernels=None) -> None:
         self.scale, self.softcap, self.dtype, self.device = scale, softcap, dtype, torch.device(device)
-        if impl == "triton":
-            from ..ops.triton_ops import load_kernels
-
-            self._kernels = load_kernels()
-        if impl == "cpp":
-            from ..ops import cpp_ops
-
-            cpp_ops.require()
-            self._cpp = cpp_ops
+        if impl in ("cpp", "triton") and kernels is None:
+            raise SiclError(f"the {impl!r} attention runs the kernels it is handed: pass "
+                            f"kernels=sicl_fast.ops.attention_kernels({impl!r})")
+        self._kernels = kernels
         self.impl = impl
         self._masks: dict = {}
 
@@ -251,7 +249,7 @@ class Attention:
             return self._kernels.prefix_attention(q, k, v, prefix, pos0, window, self.scale, self.softcap)
         if impl == "cpp" and q.dtype == torch.float32 and not (torch.is_grad_enabled() and (q.requires_grad
                                                                                           or k.requires_grad)):
-            return self._cpp.attention(q, k, v, prefix, pos0, 0 if cache_len is not None else pos0, self.scale,
+            return self._kernels.attention(q, k, v, prefix, pos0, 0 if cache_len is not None else pos0, self.scale,
                                        self.softcap, window)
         parts = [(k, v, 0 if cache_len is not None else pos0)]
         if prefix is not None:
@@ -279,7 +277,7 @@ class Attention:
         kernels do it in one call (csrc/attention.cpp, kernels/attention.py); the other kernels compose it:
         attention_rows_reference."""
         if self.impl == "cpp" and not rows_need_math(q):
-            return self._cpp.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
+            return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
         if self.impl == "triton":
             return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
         return attention_rows_reference(self, q, k, v, rows, window, prefix, o_ref)

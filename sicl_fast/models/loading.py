@@ -1,7 +1,7 @@
 """Loading models: the embedded SmolLM2-135M (default), Gemma 3 270M, local transformers dirs and GGUF files.
 
 GGUF files are de-quantized by transformers on first load (about 20 s for SmolLM2 on a 2-core CPU); the result
-is an ordinary transformers folder in the verified cache (models/cache.py: keyed by the GGUF's content, checked on
+is an ordinary transformers folder in the verified cache (models/converted.py: keyed by the GGUF's content, checked on
 every load, rebuilt when damaged, safe under concurrent conversions), so later loads take about a second.
 SentencePiece-BPE vocabularies (Gemma) get our own tokenizer builder (gguf_tokenizer.py): transformers' converter
 breaks them.
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ..errors import ModelLoadError, require
-from ..inputs import env_path
-from .cache import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
+from ..formats.inputs import env_path
+from .converted import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
                     find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
 
@@ -169,7 +169,7 @@ def _save_folder(model_tok, folder: Path) -> None:
 
 
 def _load_gguf(gguf: Path):
-    """(model, tokenizer) from a GGUF file, through the verified cache (models/cache.py)."""
+    """(model, tokenizer) from a GGUF file, through the verified cache (models/converted.py)."""
     return load_cached(gguf, lambda: _convert_gguf(gguf), _save_folder, _open_folder, lambda mt: mt[0].state_dict())
 
 

@@ -88,8 +88,8 @@ class Rotary:
 class Positions:
     """Where a forward's T rows sit: either `start` .. start+T-1 (host ints: the rotary tables are slices, the
     attention masks cached per shape), or, decoding (T = 1), the position the int64 device tensor `at` holds ([1];
-    [B], one per row, for query-only answers: sicl_fast.answer_kv): no host position, so any position replays one
-    captured graph. rope: rotary key -> (cos, sin) of these positions ([T, 1, hd]), looked up once per forward for
+    [B], one per row, for query-only answers: sicl_fast.answering.answer_kv): no host position, so any position replays
+    one captured graph. rope: rotary key -> (cos, sin) of these positions ([T, 1, hd]), looked up once per forward for
     every layer."""
 
     T: int
@@ -224,9 +224,11 @@ class Transformer:
     DecoderConfig; ops: the DecoderOps of the run plan's implementation; attention: the plan's attention kernel
     (sicl_fast.models.attention: 'math', 'sdpa', 'flash', 'triton', 'cpp'); diff_matmul: the plan's difference
     products ('off': perturbation batches take the plain forward; 'bf16' / 'fp8': forward_rows, the differences in
-    bf16 or FP8 e4m3)."""
+    bf16 or FP8 e4m3); attention_kernels: the fused kernels of attention 'cpp' or 'triton', handed in as ops is
+    (sicl_fast.ops.attention_kernels)."""
 
-    def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off") -> None:
+    def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off",
+                 attention_kernels=None) -> None:
         dec = lm.decoder
         if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
             raise unsupported(f"{config.family} ({type(lm.model).__name__} without a plain decoder)")
@@ -266,7 +268,7 @@ class Transformer:
         self.dense = [Dense(L.w, c.act_name, ops) for L in self.layers]
         self._rows_dense: list[RowsDense] | None = None  # the difference form's products, made on first use
         self._head_low: LowWeight | None = None
-        self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device)
+        self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device, attention_kernels)
         self._rows_kv: tuple = ((), [])  # ((B, T), per layer (k, v) [B, T, Hk, hd]): see rows_kv
         self._pass_kv: tuple = (None, [])  # (R, per layer (k, v) [R, Hk, hd] float32): see pass_kv
 
@@ -301,7 +303,7 @@ class Transformer:
     def cached_tensors(self) -> list:
         """The device tensors this model caches between forwards (rotary tables, the rows' K/V buffers, attention
         masks) and may later replace or drop: a captured CUDA graph reads them by address, so it keeps these
-        references (sicl_fast.graphs)."""
+        references (sicl_fast.run.graphs)."""
         out = [t for r in self.rotary.values() for t in (r.cos, r.sin, r.cos32, r.sin32)]
         out += [t for kv in self._rows_kv[1] for t in kv]
         out += [t for kv in self._pass_kv[1] for t in kv]
@@ -404,8 +406,8 @@ class Transformer:
         the per-layer (k, v). prefix: K/V of rows [0, pos0) shared by all rows; cache: a StaticCache that the rows
         are prefilled into (decoding: decode_logits). Plain products (a perturbation batch's difference form is
         forward_rows).
-        Differentiable in x (the exact-gradient ascent, sicl_fast.grad): autograd records only when x requires
-        grad (the weights are detached), so the callers that never differentiate run it under no_grad or with
+        Differentiable in x (the exact-gradient ascent, sicl_fast.calibration.grad): autograd records only when x
+        requires grad (the weights are detached), so the callers that never differentiate run it under no_grad or with
         inputs that need none. checkpoint: see `run`."""
         if prefix is not None and prefix.length != pos0:
             raise SiclError(f"prefix K/V covers {prefix.length} rows, the rows start at {pos0}")
@@ -501,7 +503,7 @@ class Transformer:
     def reference_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 product of reference hidden states h [..., d] float32 (the model's own head
         weight, made float32 a vocabulary chunk at a time) -> [..., V] float32, before any soft-cap: the value rows'
-        reference logits of the difference form's span head (sicl_fast.logprobs.rows_logprobs)."""
+        reference logits of the difference form's span head (sicl_fast.calibration.step.logprobs.rows_logprobs)."""
         V = self.head.shape[0]
         out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
         for v0 in range(0, V, 8192):

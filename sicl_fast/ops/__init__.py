@@ -3,14 +3,16 @@
     ops = make_ops(impl, device)        impl: 'torch', 'cpp' or 'triton', as the run plan resolved it
     ops.step                            StepOps: the ascent's step (the backend's `ops`)
     ops.decoder                         DecoderOps: the fast decoder's elementwise work (the model's `ops`)
+    attention_kernels(attention)        the fused attention kernels the run plan's attention 'cpp' or 'triton'
+                                        runs (the model's Attention is handed them)
 
 Which implementation runs ('auto' follows the device; the exact gradient needs a differentiable one; 'cpp' runs on
-the CPU) is a rule of the run plan (sicl_fast.plan.resolve_impl); make_ops builds what the plan chose and decides
+the CPU) is a rule of the run plan (sicl_fast.run.plan.resolve_impl); make_ops builds what the plan chose and decides
 nothing. No environment variable is read. The protocols and the shapes: sicl_fast.ops.base.
 """
 from __future__ import annotations
 
-from ..spec import check_choice
+from ..calibration.step.spec import check_choice
 from . import cpp_ops
 from .base import DecoderOps, Ops, StepOps
 from .torch_ops import TorchDecoderOps, TorchStepOps
@@ -31,5 +33,19 @@ def make_ops(impl: str, device="cpu") -> Ops:
     return Ops(TritonStepOps(device), TritonDecoderOps(device))
 
 
+def attention_kernels(attention: str):
+    """The fused kernels of the attention `attention` (the run plan's): for 'cpp' the C++ extension's attention and
+    attention_rows (sicl_fast.ops.cpp_ops; a SiclError when it is not built), for 'triton' the Triton kernels'
+    prefix_attention and attention_rows; None for 'math', 'sdpa' and 'flash', which need none."""
+    if attention == "cpp":
+        cpp_ops.require()
+        return cpp_ops
+    if attention == "triton":
+        from .triton_ops import load_kernels
+
+        return load_kernels()
+    return None
+
+
 __all__ = ["IMPLS", "DIFFERENTIABLE_IMPLS", "Ops", "StepOps", "DecoderOps", "TorchStepOps", "TorchDecoderOps",
-           "make_ops"]
+           "make_ops", "attention_kernels"]

@@ -1,6 +1,6 @@
 """The ops protocols: every hot tensor operation that has several implementations, behind two objects of one
 implementation, made once where the engine is built (`sicl_fast.ops.make_ops(impl, device)`, the impl resolved by
-the run plan, sicl_fast.plan) and passed down; nothing below decides again or reads the environment.
+the run plan, sicl_fast.run.plan) and passed down; nothing below decides again or reads the environment.
 
     StepOps      the ascent's step: perturbation, update, proxy, span head, best X and the static step's bookkeeping
                  (the backend holds it as `backend.ops`; Calibrator and the static / packed steps run it)
@@ -18,19 +18,19 @@ StepOps (shapes and dtypes):
         no host read, so a CUDA graph can replay the step); out: a preallocated result buffer
     ascend(X, X0 [L, d] f32, g [R, d] f32, spec) -> (X_new, fired)      the step from a given (exact) gradient
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
-    proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (sicl_fast.proxy)
+    proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (step.proxy)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
     span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None, z_ref=None,
                    value_slot=None) -> [B, P] f32
                                 the span head of a difference-form pass: hidden as changes over the batch
                                 (sicl_fast.models.rows), the value rows' against their reference logits z_ref
                                 [Vb, P, V] f32 (value_slot [B]: each value row's), the logits made float32 rows
-                                before the log-sum-exp (sicl_fast.logprobs.rows_logprobs)
-    track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.best)
-    advance(state: StepState, f [B], fired int32 [1], cfg) -> None        the static step's bookkeeping, in place
-                                                                          (sicl_fast.step_state.advance_reference)
+                                before the log-sum-exp (sicl_fast.calibration.step.logprobs.rows_logprobs)
+    track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.calibration.step.best)
+    bookkeep(state: StepState, f [B], fired int32 [1], cfg) -> None       the static step's bookkeeping, in place
+                                                                          (sicl_fast.calibration.step.step_state.bookkeep_reference)
     cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
-                                address, so it holds these references (sicl_fast.graphs)
+                                address, so it holds these references (sicl_fast.run.graphs)
 
 DecoderOps (sicl_fast.models.elementwise and sicl_fast.models.rows hold the references; the plain ops in the model
 dtype, the row epilogues on float32 rows and the difference form's low dtype):
@@ -57,9 +57,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..best import BestState
-from ..proxy import ProxyOut, ProxyPlan
-from ..spec import StepSpec
+from ..calibration.step.best import BestState
+from ..calibration.step.proxy import ProxyOut, ProxyPlan
+from ..calibration.step.spec import StepSpec
 
 
 class StepOps(Protocol):
@@ -87,7 +87,7 @@ class StepOps(Protocol):
 
     def track_best(self, f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState: ...
 
-    def advance(self, state, f: torch.Tensor, fired: torch.Tensor, cfg) -> None: ...
+    def bookkeep(self, state, f: torch.Tensor, fired: torch.Tensor, cfg) -> None: ...
 
     def cached_tensors(self) -> list: ...
 

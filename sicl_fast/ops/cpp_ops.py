@@ -1,21 +1,22 @@
 """The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy, the static
-step's bookkeeping `advance`, the span heads) and CppDecoderOps (the difference form's row epilogues norm_rows,
+step's bookkeeping `bookkeep`, the span heads) and CppDecoderOps (the difference form's row epilogues norm_rows,
 rope_rows, gated_rows; the plain forward's residual norms and rotary), on float32 activations and the difference
 form's bf16 rows, CPU tensors. The span heads' products are torch's, a vocabulary chunk at a time, their
 log-sum-exp the extension's; best tracking is the reference's (TorchStepOps); the rest of the decoder's elementwise
 work is the reference's (TorchDecoderOps), and so is any op on other dtypes or devices, or under autograd.
 
-Same functions as the torch reference (sicl_fast.zo, sicl_fast.proxy, sicl_fast.step_state, sicl_fast.models.rows,
-sicl_fast.logprobs) and the same noise as sicl_fast.rng bit for bit, so a seeded run perturbs identically on the
-CPU and, through the Triton kernels, on a GPU. The directions U are regenerated inside the ops, never stored.
-Multithreaded with OpenMP; results do not depend on the thread count. Argument checks live in StepSpec and
-ProxyPlan / check_logprobs; the extension itself only guards its raw buffers.
+Same functions as the torch reference (sicl_fast.calibration.step.zo, sicl_fast.calibration.step.proxy,
+sicl_fast.calibration.step.step_state, sicl_fast.models.rows, sicl_fast.calibration.step.logprobs) and the same noise
+as sicl_fast.calibration.step.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton
+kernels, on a GPU. The directions U are regenerated inside the ops, never stored. Multithreaded with OpenMP; results do
+not depend on the thread count. Argument checks live in StepSpec and ProxyPlan / check_logprobs; the extension itself
+only guards its raw buffers.
 
 Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the extension this module still
 imports; `available()` is False and CppStepOps() raises a SiclError saying how to build it.
 
     available() -> bool                        the extension is importable
-    randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.rng.directions)
+    randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.calibration.step.rng.directions)
     attention(q, k, v, prefix, pos0, k0, scale, softcap, window) -> o   the fast decoder's attention 'cpp'
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o   the same on a difference-form pass
     span_head(hidden, weight, targets, softcap) -> [B, P]   CppStepOps's span head
@@ -31,13 +32,13 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import step_state
+from ..calibration.step import step_state
 from ..errors import SiclError
-from ..logprobs import rows_logprobs, vocab_chunked_logprobs
+from ..calibration.step.logprobs import rows_logprobs, vocab_chunked_logprobs
 from ..models.rows import LOW_DTYPE
-from ..proxy import ProxyOut, ProxyPlan
-from ..rng import check_counter_range, step_seed
-from ..spec import StepSpec, f32
+from ..calibration.step.proxy import ProxyOut, ProxyPlan
+from ..calibration.step.rng import check_counter_range, step_seed
+from ..calibration.step.spec import StepSpec, f32
 from .base import fired_tensor
 from .torch_ops import TorchDecoderOps, TorchStepOps
 
@@ -56,7 +57,7 @@ BUILD_HINT = "build it with `pip install -e .` or `python setup.py build_ext --i
 HEAD_CHUNK = 512
 # activation codes of csrc/rows.cpp's gated_rows; other activations take the reference
 CPP_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
-# the stop reasons as sicl_fast.step_state stores them, in the order csrc/step_state.cpp's advance reads them
+# the stop reasons as step.step_state stores them, in the order csrc/step_state.cpp's bookkeep reads them
 STOP_CODES = np.array([step_state.RUNNING, step_state.GATE, step_state.PATIENCE, step_state.SNR, step_state.MAX_STEPS,
                        step_state.NONFINITE], dtype=np.int64)
 
@@ -141,7 +142,7 @@ def _step(step, op: str):
 
 
 def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
-    """U [num, rows, d] float32, bit-identical to sicl_fast.rng.directions(seed, step, num, rows, d)."""
+    """U [num, rows, d] float32, bit-identical to calibration.step.rng.directions(seed, step, num, rows, d)."""
     check_counter_range(num, rows, d)
     out = torch.empty(num, rows, d, dtype=torch.float32)
     if out.numel():
@@ -184,7 +185,7 @@ def span_head_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                    softcap=None, z_ref: torch.Tensor | None = None, value_slot: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """hidden [B, P, d] in difference form over the batch (anchor [B]: sicl_fast.models.rows), weight [V, d], both
-    bf16, targets [P] -> [B, P] float32 log-probabilities of the targets, as sicl_fast.logprobs.rows_logprobs (its
+    bf16, targets [P] -> [B, P] float32 log-probabilities of the targets, as step.logprobs.rows_logprobs (its
     reference; other dtypes and devices, and autograd, take it). z_ref [Vb, P, V] float32: the value rows' reference
     logits (value batch row j's at z_ref[value_slot[j]]; value_slot None: the value rows in order), the value rows of
     hidden their changes from the reference's hidden states; None: the value rows are values. Per vocabulary chunk
@@ -265,12 +266,12 @@ class CppStepOps(TorchStepOps):
                      float(plan.q), f.numpy(), C.numpy(), R.numpy(), G.numpy(), c.numpy())
         return ProxyOut(f=f, C=C, R=R, G=G, c=c)
 
-    def advance(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
-        """The static step's bookkeeping (sicl_fast.step_state.advance_reference) on the StepState st in place, in
-        one call of csrc/step_state.cpp's advance, bit for bit the reference's; f [B] float32, fired int32 [1]."""
-        op = "cpp advance"
+    def bookkeep(self, st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
+        """The static step's bookkeeping (step.step_state.bookkeep_reference) on the StepState st in place, in
+        one call of csrc/step_state.cpp's bookkeep, bit for bit the reference's; f [B] float32, fired int32 [1]."""
+        op = "cpp bookkeep"
         best = st.best
-        _ext().advance(_cpu(f.reshape(-1), "f", op).numpy(), _cpu(fired, "fired", op, torch.int32).numpy(),
+        _ext().bookkeep(_cpu(f.reshape(-1), "f", op).numpy(), _cpu(fired, "fired", op, torch.int32).numpy(),
                        st.X.numpy(), st.X_next.numpy(), best.best_X.numpy(), best.best_f.numpy(),
                        best.counters.numpy(), st.step_t.numpy(), st.steps_run.numpy(), st.reason.numpy(),
                        st.low_snr.numpy(), st.projections.numpy(), st.history.numpy(), st.anchor.numpy(), STOP_CODES,

@@ -1,22 +1,24 @@
 """The reference implementation of both ops protocols (sicl_fast.ops.base), in plain torch (any device).
 
-TorchStepOps materialises the directions U with the counter-based RNG (sicl_fast.rng) and calls the reference
-functions: sicl_fast.zo (step), sicl_fast.proxy, sicl_fast.logprobs (span heads), sicl_fast.best (best-X tracking),
-sicl_fast.step_state (the static step's bookkeeping). TorchDecoderOps calls sicl_fast.models.elementwise (the
-decoder's norms, rotary, activation, soft-cap) and sicl_fast.models.rows (the difference form's row epilogues).
-Neither ever calls C++ or Triton code. The C++ and Triton implementations subclass them for the ops they lack.
+TorchStepOps materialises the directions U with the counter-based RNG (sicl_fast.calibration.step.rng) and calls the
+reference functions: sicl_fast.calibration.step.zo (step), sicl_fast.calibration.step.proxy,
+sicl_fast.calibration.step.logprobs (span heads), sicl_fast.calibration.step.best (best-X tracking),
+sicl_fast.calibration.step.step_state (the static step's bookkeeping). TorchDecoderOps calls
+sicl_fast.models.elementwise (the decoder's norms, rotary, activation, soft-cap) and sicl_fast.models.rows (the
+difference form's row epilogues). Neither ever calls C++ or Triton code. The C++ and Triton implementations subclass
+them for the ops they lack.
 """
 from __future__ import annotations
 
 import torch
 
-from .. import best, zo
-from ..logprobs import rows_logprobs, vocab_chunked_logprobs
+from ..calibration.step import best, zo
+from ..calibration.step.logprobs import rows_logprobs, vocab_chunked_logprobs
 from ..models import elementwise as ew
 from ..models import rows
-from ..proxy import ProxyOut, checked_proxy, proxy_planned
-from ..spec import StepSpec
-from ..step_state import advance_reference
+from ..calibration.step.proxy import ProxyOut, checked_proxy, proxy_planned
+from ..calibration.step.spec import StepSpec
+from ..calibration.step.step_state import bookkeep_reference
 from .base import fired_tensor
 
 
@@ -28,7 +30,7 @@ class TorchStepOps:
     span_head = staticmethod(vocab_chunked_logprobs)
     span_head_rows = staticmethod(rows_logprobs)
     track_best = staticmethod(best.track_best)
-    advance = staticmethod(advance_reference)
+    bookkeep = staticmethod(bookkeep_reference)
 
     def cached_tensors(self) -> list:
         return []  # the reference caches nothing on the device
@@ -51,7 +53,7 @@ class TorchStepOps:
         return (X_new, fired) if out is None else (out.copy_(X_new), fired)
 
     def ascend(self, X, X0, g, spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step from a given gradient g [R, d] (the exact one, sicl_fast.grad): clip / normalise, eta,
+        """The step from a given gradient g [R, d] (the exact one, sicl_fast.calibration.grad): clip / normalise, eta,
         projection (zo.ascend, the same function the zeroth-order update ends in)."""
         op = f"{self.name} ascend"
         spec.check_X(X, "X", op)

@@ -1,9 +1,9 @@
 """The ops protocols on the Triton kernels (`sicl_fast.kernels`): TritonStepOps (perturb, update, proxy, span head,
 best tracking and the static step's bookkeeping, with the noise regenerated in the kernels, bit-identical to
-sicl_fast.rng's; the span heads of plain and difference-form passes) and TritonDecoderOps (the decoder's fused
-elementwise kernels: norm + residual, rotary, gated activation, soft-cap; and the difference form's row epilogues
-norm_rows, rope_rows, gated_rows, one launch each). The fused attention kernels (prefix_attention, attention_rows)
-are the run plan's attention 'triton' (sicl_fast.models.attention).
+sicl_fast.calibration.step.rng's; the span heads of plain and difference-form passes) and TritonDecoderOps (the
+decoder's fused elementwise kernels: norm + residual, rotary, gated activation, soft-cap; and the difference form's row
+epilogues norm_rows, rope_rows, gated_rows, one launch each). The fused attention kernels (prefix_attention,
+attention_rows) are the run plan's attention 'triton' (sicl_fast.models.attention).
 
 The kernels run on CUDA, or on the CPU through Triton's interpreter when TRITON_INTERPRET=1 was set before
 triton was first imported (slow: for tests). Nothing here synchronises with the host except the proxy's
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SiclError
-from ..spec import StepSpec
+from ..calibration.step.spec import StepSpec
 from .torch_ops import TorchStepOps
 
 
@@ -42,7 +42,7 @@ class TritonStepOps(TorchStepOps):
 
     def __init__(self, device="cuda") -> None:
         self.K = K = load_kernels(device)
-        self.proxy_planned, self.track_best, self.advance = K.proxy_planned, K.track_best, K.advance
+        self.proxy_planned, self.track_best, self.bookkeep = K.proxy_planned, K.track_best, K.bookkeep
         self.cached_tensors = K.cached_tensors
 
     def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
@@ -52,7 +52,7 @@ class TritonStepOps(TorchStepOps):
         return self.K.zo_update(X.float(), X0.float(), f, step, spec, out=out)
 
     def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
-        # a prompt's targets: checked once by sicl_fast.checks.check_tokens, never read back per step
+        # a prompt's targets: checked once by sicl_fast.run.checks.check_tokens, never read back per step
         return self.K.span_logprobs(hidden, weight, targets, softcap=softcap, check_targets=False)
 
     def span_head_rows(self, hidden, weight, targets, anchor, softcap=None, z_ref=None, value_slot=None

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..answer import answer_result
-from ..ascent import CalibrationResult
-from ..export import CalibratedEmbeddings
-from ..reuse import ReusedResult
-from ..records import proxy_record
+from ..answering.answer import answer_result
+from ..calibration.ascent import CalibrationResult
+from ..answering.export import CalibratedEmbeddings
+from ..answering.reuse import ReusedResult
+from ..formats.records import proxy_record
 from .queue import Cancelled, Job
 from .validate import CalibrateCall, ProxyCall
 

@@ -1,6 +1,6 @@
 """Request bodies: their types (pydantic, strict: "8" is not an int) and their OpenAPI schema.
 
-The prompt itself (`request`) is an object in either JSON form of sicl_fast.requests; it is checked by
+The prompt itself (`request`) is an object in either JSON form of sicl_fast.formats.requests; it is checked by
 `parse_request` and the tokenizer, so the server answers bad spans with the CLI's own messages. The config knobs
 are the fields of CalibrationConfig, read from the dataclass so the two never drift apart; their values are
 checked by CalibrationConfig itself.
@@ -13,11 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from ..ascent import CalibrationConfig
-from ..export import ROW_CHOICES, WIRE_DTYPES
-from ..knobs import RANGES
-from ..requests import DEFAULT_TEMPLATE
-from ..plan import REUSE_MODES
+from ..calibration.ascent import CalibrationConfig
+from ..answering.export import ROW_CHOICES, WIRE_DTYPES
+from ..run.knobs import RANGES
+from ..formats.requests import DEFAULT_TEMPLATE
+from ..run.plan import REUSE_MODES
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -58,7 +58,7 @@ CalibrationKnobs = _knobs_model()
 
 class RunOptions(BaseModel):
     """What a request asks of its calibration besides the knobs: the store, and when to stop it from outside
-    (sicl_fast.run_args). One definition for /v1/calibrate's body and the chat endpoint's `sicl` object."""
+    (sicl_fast.run.run_args). One definition for /v1/calibrate's body and the chat endpoint's `sicl` object."""
 
     model_config = _STRICT
     reuse: Literal[REUSE_MODES] | None = Field(  # type: ignore[valid-type]

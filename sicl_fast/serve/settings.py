@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import SiclError
-from ..knobs import arg_type, check_range
+from ..run.knobs import arg_type, check_range
 
 API_KEY_ENV = "SICL_FAST_API_KEY"
 

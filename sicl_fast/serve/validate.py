@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ascent import CalibrationConfig
+from ..calibration.ascent import CalibrationConfig
 from ..errors import RequestError, SiclError
-from ..generate import check_stops
-from ..requests import check_text
-from ..spans import Prompt
+from ..backends.generate import check_stops
+from ..formats.requests import check_text
+from ..formats.spans import Prompt
 from .schema import CalibrateBody, ProxyBody
 from .settings import ServeSettings
 

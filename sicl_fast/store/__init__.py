@@ -7,7 +7,7 @@
     store.get(key, should_stop) / store.put(cal, should_stop)
 
 Lookups go memory, then disk (an entry read from disk is kept in memory). should_stop (optional) is the caller's
-calibration hook (sicl_fast.run_args.stop_check: its deadline, cancellation, time budget): a caller waiting for
+calibration hook (sicl_fast.run.run_args.stop_check: its deadline, cancellation, time budget): a caller waiting for
 another's work (single flight, another process's lock) looks at it every few hundredths of a second and stops
 waiting when it fires (get_or_compute says what happens then). See entry.py (the stored object), keys.py (what a
 key holds), memory.py, disk.py (format, atomic writes, checksums, locking), flight.py, wait.py.
@@ -26,7 +26,7 @@ from .keys import calibration_key, engine_fingerprint
 from .memory import MemoryLRU
 from .wait import GaveUp
 
-StopHook = Callable[[], str | None] | None  # a calibration's should_stop (sicl_fast.run_args)
+StopHook = Callable[[], str | None] | None  # a calibration's should_stop (sicl_fast.run.run_args)
 
 DEFAULT_MAX_BYTES = 1 << 30
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SiclWarning, require
-from ..records import check_out_dir
+from ..formats.records import check_out_dir
 from .entry import Calibration
 from .wait import wait
 

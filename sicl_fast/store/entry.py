@@ -10,7 +10,7 @@ content (sicl_fast.store.keys) and serves every query that follows the same rows
 
     rows       [n, d] float32   the best X found, rows [0, n)
     input_ids  [n] int64        the token ids of those rows (the boundary check compares them)
-    exact      bool             "stem": no query could have changed the result (sicl_fast.reuse); "prompt": True
+    exact      bool             "stem": no query could have changed the result (answering.reuse); "prompt": True
     min_cosine float | None     the lowest whole-matrix cosine any query could have given over the run (None when
                                 no whole-matrix projection applies)
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..ascent import CalibrationConfig, CalibrationResult
+from ..calibration.ascent import CalibrationConfig, CalibrationResult
 
 SCOPES = ("stem", "prompt")
 
@@ -53,7 +53,7 @@ class Calibration:
     model: str
     exact: bool
     min_cosine: float | None = None
-    kv: Any = field(default=None, repr=False, compare=False)  # runtime only (sicl_fast.answer)
+    kv: Any = field(default=None, repr=False, compare=False)  # runtime only (sicl_fast.answering.answer)
 
     @property
     def length(self) -> int:

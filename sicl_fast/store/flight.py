@@ -46,8 +46,5 @@ class SingleFlight:
                 del self._calls[key]
             call.done.set()
 
-    def in_flight(self, key: str) -> bool:
-        return key in self._calls
-
 
 __all__ = ["SingleFlight"]

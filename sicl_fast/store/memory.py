@@ -58,10 +58,6 @@ class MemoryLRU:
             self._items.move_to_end(key)
             self._evict()
 
-    def discard(self, key: str) -> None:
-        with self._lock:
-            self._drop(key)
-
     def _drop(self, key: str) -> None:
         if key in self._items:
             del self._items[key]

@@ -6,7 +6,7 @@
                                 with GaveUp(reason)
 
 should_stop is a calibration's own hook (the server's deadline and cancellation, the time budget: the loops'
-should_stop, sicl_fast.run_args.stop_check), so a caller waiting for someone else's calibration stops when its own
+should_stop, sicl_fast.run.run_args.stop_check), so a caller waiting for someone else's calibration stops when its own
 calibration would have (CalibrationStore.get_or_compute says what it returns then).
 """
 from __future__ import annotations

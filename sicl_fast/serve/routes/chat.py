@@ -1,7 +1,7 @@
 """POST /v1/chat/completions: the OpenAI Chat Completions API over a calibrated few-shot prompt.
 
     messages   system? (user assistant)+ user: the instruction, the demonstrations (each assistant turn an output
-               span), the query (sicl_fast.chat renders them with the model's chat template)
+               span), the query (sicl_fast.answering.chat renders them with the model's chat template)
     sicl       extra body field: CalibrationConfig knobs and /v1/calibrate's run options: "reuse" ('auto' | 'on' |
                'off'), "timeout_s", "time_budget_s" (schema.RunOptions)
     ->         a chat.completion object (choices, finish_reason, usage) plus "sicl": the calibration's summary and
@@ -26,13 +26,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...answer import answer_result
-from ...ascent import CalibrationConfig, CalibrationResult
-from ...chat import StreamCut, render
+from ...answering.answer import answer_result
+from ...calibration.ascent import CalibrationConfig, CalibrationResult
+from ...answering.chat import StreamCut, render
 from ...errors import SiclError
-from ...generate import check_stops
-from ...reuse import ReusedResult
-from ...spans import Prompt
+from ...backends.generate import check_stops
+from ...answering.reuse import ReusedResult
+from ...formats.spans import Prompt
 from ..dispatch import POLL_S, admit, read_call, run_job, timing
 from ..errors import ServeHTTPError, from_sicl_error
 from ..metrics import note
@@ -50,7 +50,7 @@ _OPEN = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 class ChatMessage(BaseModel):
     """One message. What the OpenAI API allows beyond text (image, audio and file parts; tool calls) is taken here
-    and refused by sicl_fast.chat with a message that names it, not with the schema's branches."""
+    and refused by sicl_fast.answering.chat with a message that names it, not with the schema's branches."""
 
     model_config = _OPEN
     role: str = Field(description="system (or developer), user, assistant")

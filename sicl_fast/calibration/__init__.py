@@ -1,0 +1,1 @@
+"""The ascent: eager, static and packed loops, their state and stop rule, estimator, proxy, noise, spec, gradient."""

@@ -1,0 +1,188 @@
+"""The graph-ready ascent: a static step whose whole state lives in preallocated device tensors, and a driver
+that reads the state back only every k steps. It computes Algorithm 1 exactly as the readable eager loop
+(`Calibrator.run`, the reference) does, and is tested equal to it bit for bit.
+
+    step = StaticStep(backend, config, prompt)      allocates every buffer once
+    step()                                          perturb -> forward -> span log-probs -> proxy ->
+                                                    best / patience / SNR / stop bookkeeping -> update, in place
+    run_static(backend, config, prompt, sync_every=k) -> CalibrationResult
+
+One call of the step reads nothing back to the host: no .item(), no float() / bool() of a tensor, no Python
+branch on a tensor value (tests run it under a guard that fails on any). The step index and the stop flag are
+device tensors; the noise kernels read the step from the device. Every decision of the eager loop (gate,
+patience, SNR skip and stop, max_steps, the projection count, a non-finite proxy) is a masked update of the
+state, and once the run has stopped further calls change nothing, so the driver may run past the stop between
+two reads. The step allocates no persistent buffer after construction; the forward's temporaries come from
+the caching allocator (inside a CUDA graph, from the graph's pool).
+
+Only the fast backend has a sync-free forward: its StepForward (sicl_fast.backends.step_forward), the same object
+the eager loop runs, which owns the prefix policy (the prefix K/V of rows [0, a) computed once when nothing can change
+those rows, projection_scope 'demos' or no projection; else run in every step's pass), the span plan and the
+weight layout.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .ascent import CalibrationConfig, CalibrationResult
+from ..run.checks import calibration_inputs
+from ..errors import NumericalError
+from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs
+from ..run.knobs import check_range
+from .step.proxy import ProxyPlan
+from ..run.run_args import BestAt, check_budget, stop_check
+from ..backends.step_forward import StepForward
+from ..formats.spans import Prompt
+from .step.spec import StepSpec, resolve_scale
+from .reads import Slot, read, steps_to_read
+from .step.step_state import GATE, NONFINITE, REASONS, StepState
+
+
+class StaticStep:
+    """One prompt's calibration state on the device (`state`, a StepState) and its step (module docstring). X0
+    [L, d] float32, checked (sicl_fast.run.checks.calibration_inputs). use_prefix=False: always the full rows [0, b)
+    (the packed step, sicl_fast.calibration.packed, runs prompts without their prefix K/V)."""
+
+    def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
+                 use_prefix: bool = True) -> None:
+        backend.plan.require_sync_free("step")
+        backend.plan.check_zeroth_order(config.estimator)
+        self.backend, self.ops, self.prompt = backend, backend.ops, prompt
+        self.config = cfg = resolve_scale(config, backend.lm)
+        dev = backend.device
+        self.spec = StepSpec.for_prompt(cfg, prompt, X0)
+        self.proxy_plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta,
+                                          cfg.gamma, cfg.q)
+        self.state = StepState.new(X0.to(dev), cfg)
+        self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
+        self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0)
+
+    @staticmethod
+    def policy(spec: StepSpec, use_prefix: bool = True) -> str:
+        """The prefix policy of the step's forward: the spec's, or 'none' (use_prefix=False: the packed step)."""
+        return spec.prefix_policy if use_prefix else "none"
+
+    @staticmethod
+    def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor) -> tuple:
+        """What a step's buffers and kernel launches depend on (config resolved, X0 [L, d]). Prompts of one shape
+        can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
+        count or length, and their texts in everything."""
+        config = resolve_scale(config, backend.lm)
+        spec = StepSpec.for_prompt(config, prompt, X0)
+        return (config, spec, len(prompt.token_spans), StepForward.shape(prompt, StaticStep.policy(spec), spec.B))
+
+    def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
+        """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
+        overwritten in place, so a graph captured on this step replays the new prompt, and the state starts as a
+        new StaticStep's would."""
+        cfg, dev = self.config, self.backend.device
+        plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta, cfg.gamma,
+                               cfg.q)
+        pp = self.proxy_plan
+        for mine, new in ((pp.offsets, plan.offsets), (pp.offsets_dev, plan.offsets_dev), (pp.seg, plan.seg),
+                          (pp.lengths, plan.lengths)):
+            mine.copy_(new)
+        self.prompt = prompt
+        self.state.reset(X0)
+        self.forward.load(prompt, self.state.X0)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        """One step of Algorithm 1 on the device state (module docstring)."""
+        self.perturb()
+        self.advance(self.evaluate())
+
+    def perturb(self) -> None:
+        """The perturbation batch of this step into self.batch [B, b, d]."""
+        self.ops.perturb(self.state.X, self.state.step_t, self.spec, out=self.batch)
+
+    def evaluate(self) -> torch.Tensor:
+        """f [B] of self.batch: the forward (decoder and span head) and the proxy."""
+        return self.ops.proxy_planned(self.forward(self.batch), self.proxy_plan).f
+
+    def advance(self, f: torch.Tensor) -> None:
+        """The update of X (into X_next) and the bookkeeping of the step whose batch gave f [B] (gate, best X,
+        patience, SNR, stops), all as masked updates of the device state (sicl_fast.calibration.step.step_state)."""
+        st = self.state
+        _, fired = self.ops.update(st.X, st.X0, f, st.step_t, self.spec, out=st.X_next)
+        self.ops.bookkeep(st, f, fired, self.config)
+
+    def result(self, seconds: float, stop_reason: str | None = None, best_at: BestAt | None = None
+               ) -> CalibrationResult:
+        """The CalibrationResult of a stopped run (reads the state: host syncs). stop_reason: a run ended from
+        outside (should_stop, the time budget), with the best X so far. best_at: what the run kept along the way."""
+        st = self.state
+        reason, n = int(st.reason), int(st.steps_run)
+        history = st.history[:n].tolist()
+        if reason == NONFINITE:
+            raise NumericalError(f"request {self.prompt.id!r}: the proxy is {history[-1]} at step {n - 1}")
+        return CalibrationResult(
+            embeddings=st.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(st.best.best_f),
+            steps=n, best_step=st.best.best_step, gated=reason == GATE, stop_reason=stop_reason or REASONS[reason],
+            history=history, seconds=seconds, projections=int(st.projections), config=self.config,
+            impl=self.ops.name, best_at=best_at.kept if best_at is not None else {},
+        )
+
+
+class StepCache:
+    """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA (the step
+    itself elsewhere), at most `capacity` of them (least recently used dropped). get() re-arms the step of the
+    prompt's shape for that prompt (StaticStep.load), building and capturing it on the first prompt of a shape."""
+
+    def __init__(self, device, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.device = torch.device(device)
+        self.cache = ShapeCache(capacity)
+
+    def get(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor):
+        """(step, run): the StaticStep armed for prompt from X0 [L, d] (config resolved), and the callable that
+        runs one step of it (its graph's replay on CUDA)."""
+        def build():
+            st = StaticStep(backend, config, prompt, X0)
+            return st, captured(st, self.device, keep=model_refs(backend.model, backend.ops))
+
+        (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0), build)
+        if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
+            st.load(prompt, X0)
+        return st, run
+
+
+def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
+               sync_every: int | None = None, on_step=None, should_stop=None, steps: StepCache | None = None,
+               on_update=None, time_budget_s: float | None = None, best_at: BestAt | None = None
+               ) -> CalibrationResult:
+    """Calibrate one prompt with the static step, reading its state back every `sync_every` steps (None: the
+    backend's run plan's). Returns the CalibrationResult the eager loop would (history, best_step, stop_reason,
+    steps, projections, embeddings). should_stop and time_budget_s: as Calibrator.run's, checked at each read; a
+    stop ends the run with its stop_reason and the best X so far. best_at: the best X after its step counts (a read
+    lands on each). steps: a StepCache to take the step (and its graph) from; None: a new step. on_update(X):
+    called with the state's X [L, d] after every step (device work only, no host read)."""
+    sync_every = backend.plan.sync_every if sync_every is None else sync_every
+    check_range("sync_every", sync_every, "run_static")
+    t0 = time.perf_counter()
+    should_stop = stop_check(should_stop, check_budget(time_budget_s, "run_static"), t0)
+    best_at = best_at if best_at is not None else BestAt()
+    config = resolve_scale(config, backend.lm)
+    X0 = calibration_inputs(backend, prompt, config, X0, best_at.copies(config.max_steps))
+    if steps is None:
+        st = run = StaticStep(backend, config, prompt, X0)
+    else:
+        st, run = steps.get(backend, config, prompt, X0)
+    slot = Slot(st, t0, best_at, should_stop, on_step)
+    every = st.forward.refresh_every
+    while True:
+        for _ in range(steps_to_read([slot], sync_every)):
+            if every and slot.calls and slot.calls % every == 0:  # as the eager loop: the forward's reference of X,
+                st.forward.refresh(st.state.X)  # outside the captured step (its tensors are refreshed in place)
+            run()
+            slot.calls += 1
+            if on_update is not None:
+                on_update(st.state.X)
+        (reason, n), = read([slot])
+        result = slot.settle(reason, n)
+        if result is not None:
+            return result
+
+
+__all__ = ["StaticStep", "StepCache", "run_static"]

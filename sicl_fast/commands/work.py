@@ -1,0 +1,83 @@
+"""The `calibrate` command's work functions, run by sicl_fast.run.workers in this process or on a Ray actor.
+
+Each takes the worker's Engine first and returns plain records, so the driver alone writes the results file.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..answering.answer import answer_result
+from ..calibration.ascent import CalibrationConfig
+from ..run.checks import check_step_memory
+from ..answering.export import CalibratedEmbeddings
+from ..formats.requests import Request
+
+
+def check_requests(
+    engine, requests: Sequence[Request], reserve: int = 0, config: CalibrationConfig | None = None
+) -> int:
+    """Tokenize every request (a RequestError names the first bad one) and, with `config`, refuse a step too big for
+    memory (with --pack P, P such steps at once), before anything is written; returns the count."""
+    for r in requests:
+        prompt = engine.prepare(r, reserve=reserve)
+        if config is not None:
+            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack)
+    return len(requests)
+
+
+def group_requests(engine, requests: Sequence[Request], config: CalibrationConfig) -> list[list[int]]:
+    """The requests' indices grouped by the key of their calibration (sicl_fast.answering.reuse: the same instruction,
+    demonstrations and config), groups in order of first appearance. A request that cannot share its calibration
+    (its query is perturbed) is a group of its own."""
+    cfg = engine.reuser.resolve(engine.config(config))
+    groups: dict = {}
+    for i, r in enumerate(requests):
+        key = i if cfg.perturb_query else engine.reuser.key(engine.prepare(r), cfg)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def store_counts(engine) -> dict:
+    """How many of the engine's calibrations came from its store, and how many ran."""
+    return dict(engine.reuser.counts)
+
+
+def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationConfig, max_new_tokens: int = 32,
+                       stop_strings: Sequence[str] | None = None, generate: bool = False,
+                       export: bool = False, time_budget_s: float | None = None) -> list[dict]:
+    """The records of a chunk of requests (one, or engine.plan.pack of them, calibrated packed): id and the calibration
+    summary; with `generate`, answer_base and answer_calibrated (greedy, at most max_new_tokens, stopping at
+    stop_strings); with `export`, the calibrated embeddings (every row) as a CalibratedEmbeddings under
+    "embeddings", for the driver to save (sicl_fast.answering.export.ExportingWriter); time_budget_s: each calibration's
+    (Engine.calibrate; the summary's stop_reason says "time_budget" when it ended one). In the order of
+    `requests`. The calibrated answers of the requests that share a stored calibration (a group of the calibration
+    store, answering.reuse) are decoded together at the end, as Engine.answer_many batches: the same tokens as one
+    by one (tests/test_answer.py), several times faster."""
+    prompts = [engine.prepare(r, reserve=max_new_tokens if generate else 0) for r in requests]
+    records: list = [None] * len(prompts)
+    stops = list(stop_strings or ["\n"])
+    shared: dict[int, tuple] = {}  # id(calibration) -> (calibration, the indices of its requests)
+
+    def record(i: int, res) -> None:
+        p = prompts[i]
+        rec = {"id": p.id, **res.summary()}
+        if generate:
+            rec["answer_base"] = engine.generate(p, max_new_tokens=max_new_tokens, stop_strings=stops).answer
+            cal = getattr(res, "calibration", None)
+            if cal is not None:
+                rec["answer_calibrated"] = None  # below, with the other queries of its calibration
+                shared.setdefault(id(cal), (cal, []))[1].append(i)
+            else:
+                rec["answer_calibrated"] = answer_result(engine, res, p, max_new_tokens, stops).answer
+        if export:
+            rec["embeddings"] = CalibratedEmbeddings.from_result(p, res.embeddings, engine.lm.name, rows="all")
+        records[i] = rec
+
+    engine.calibrate_many(prompts, config, on_result=record, time_budget_s=time_budget_s)
+    for cal, idx in shared.values():
+        for i, gen in zip(idx, engine.answer_many(cal, [prompts[i] for i in idx], max_new_tokens, stops)):
+            records[i]["answer_calibrated"] = gen.answer
+    return records
+
+
+__all__ = ["check_requests", "group_requests", "store_counts", "calibrate_requests"]

@@ -1,0 +1,1 @@
+"""Measurements of the engine: the step benchmark, the profile, kernel counts, the estimator study."""

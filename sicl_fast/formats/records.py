@@ -1,0 +1,313 @@
+"""Result files: JSONL, one whole record a line, resumable, one writer at a time.
+
+A record is written with a single write() of a complete line and flushed, so a crash can leave at most one
+partial last line. On reopening a regular file, every line that is a complete JSON object with a key is kept
+(the first of several with one key: two runs that once shared the file left duplicates); every other line (a
+torn write, a hand edit) is moved to FILE.bad, and a warning says how many. The file is locked (flock) while a
+writer has it open, so a second run on the same --out stops with one line instead of duplicating the work.
+
+An output that is not a regular file (`-` for stdout, a pipe, /dev/stdout) is streamed: it is never read back,
+so it cannot resume.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import json
+import os
+import stat
+import sys
+import warnings
+from pathlib import Path
+from collections.abc import Callable, Iterable
+
+from ..errors import ResultsFileError, SiclError, SiclWarning
+from .inputs import describe_missing, open_input
+
+STDOUT = "-"
+
+# the writers opened by this process, newest last: the CLI reports their counts when a run is interrupted
+OPENED: list[ResultWriter] = []
+
+
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> None:
+    """Refuse an --out that cannot work, before any model is loaded: a directory, one of the `inputs` (same path
+    or same file), or a place that cannot be created or written. Raises ResultsFileError."""
+    if str(path) == STDOUT:
+        return
+    p = Path(path)
+    try:
+        os.stat(p)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # Path.resolve below would raise a RuntimeError
+            how = describe_missing(p) if p.is_symlink() else "has a symbolic link loop in its path"
+            raise ResultsFileError(f"--out {p}: {how}") from None
+    if p.is_dir():
+        raise ResultsFileError(f"--out {p}: is a directory; give a file name (e.g. {p / 'results.jsonl'})")
+    for src in inputs:
+        src = Path(src)
+        same = p.resolve() == src.resolve()
+        if not same and p.exists() and src.exists():
+            same = os.path.samefile(p, src)
+        if same:
+            raise ResultsFileError(f"--out {p}: is the input file {src}; the results need a file of their own")
+    if p.exists():
+        if not os.access(p, os.W_OK):
+            raise ResultsFileError(f"--out {p}: cannot write to it (permission denied)")
+        return
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ResultsFileError(f"--out {p}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ResultsFileError(f"--out {p}: cannot create it in {parent} (permission denied)")
+
+
+def folder_arg(text: str) -> str:
+    """An argparse type for a folder flag (--store, --export, --report): an empty one (`--store=`, an unset
+    variable) is refused, not read as the flag left out or as the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty folder name; give a folder")
+    return text
+
+
+def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
+    """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
+    it cannot be a writable folder: an empty name, a file, a dangling link or a link loop, no permission. `what`:
+    what goes in it, for the message."""
+    if not str(directory).strip():  # Path("") is the current folder, which would fill with the outputs
+        raise SiclError(f"{flag}: an empty folder name; give a folder for {what}")
+    path = Path(directory)
+    if path.is_symlink() and not path.exists():
+        raise SiclError(f"{flag} {path}: {describe_missing(path)}")
+    if path.exists() and not path.is_dir():
+        raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SiclError(f"{flag} {path}: cannot create it: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SiclError(f"{flag} {path}: cannot write to it (permission denied)")
+    return path
+
+
+def _parse_line(line: bytes, key: Callable[[dict], object]):
+    """The (key, record) of one complete line, or None when it is not a record."""
+    try:
+        rec = json.loads(line)
+        k = key(rec)
+        hash(k)
+        return k, rec
+    except (ValueError, RecursionError, KeyError, TypeError):  # not UTF-8 / JSON, too deep, not an object
+        return None
+
+
+class ResultWriter:
+    """Append-only JSONL with resume. `key(record)` gives the identity used to skip finished work.
+
+    written: records written by this writer; done: the keys in the file (resumed and written).
+    """
+
+    def __init__(self, path: str | os.PathLike, key: Callable[[dict], object] = lambda r: r["id"]) -> None:
+        self.key = key
+        self.done: set = set()
+        self.written = 0
+        self.resumed = 0
+        self.moved_aside = 0
+        self.streaming = str(path) == STDOUT
+        self._binary = False
+        self.path = Path("<stdout>") if self.streaming else Path(path)
+        if self.streaming:
+            self._fh = sys.stdout
+        else:
+            check_output(self.path)
+            self._fh = self._open()
+        OPENED.append(self)
+
+    def _open(self):
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            exists = self.path.exists()
+            if exists and not stat.S_ISREG(os.stat(self.path).st_mode):
+                self.streaming = True  # a pipe, a terminal, /dev/stdout: write only, never read back
+                return self.path.open("w", encoding="utf-8")
+            fh = self.path.open("a+b")
+        except OSError as exc:
+            raise ResultsFileError(f"--out {self.path}: cannot open it: {_os_reason(exc)}") from None
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            fh.close()
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise ResultsFileError(f"--out {self.path}: another run is writing to it (the file is locked); "
+                                       "wait for it to finish or choose another --out") from None
+            raise ResultsFileError(f"--out {self.path}: cannot lock it: {_os_reason(exc)}") from None
+        try:
+            self._recover(fh)
+        except OSError as exc:
+            fh.close()
+            raise ResultsFileError(f"--out {self.path}: cannot repair it for resuming: {_os_reason(exc)}") from None
+        self._binary = True
+        return fh
+
+    def _recover(self, fh) -> None:
+        fh.seek(0)
+        data = fh.read()
+        keep: list[bytes] = []
+        bad: list[bytes] = []
+        duplicates = 0
+        backup = self.path.with_name(self.path.name + ".resume-tmp")
+        # a repair killed while it rewrote the file (below) left its copy of the kept records, and the file only a
+        # part of them: the copy's records come first, and the file's lines that repeat them are not duplicates
+        saved = backup.read_bytes() if backup.is_file() else b""
+        if not saved.endswith(b"\n"):  # none, or killed while the copy was written: the file was not touched yet
+            backup.unlink(missing_ok=True)
+            saved = b""
+        restored = set()
+        rest = b"" if saved.startswith(data) else data  # the file holds a part of the copy (a torn line at most)
+        for line in saved.splitlines(keepends=True) + [b""] + rest.splitlines(keepends=True):
+            if not line:
+                restored = set(self.done)  # the copy's records: their repeats in the file are no duplicates
+                continue
+            if not line.strip():
+                continue
+            if not line.endswith(b"\n"):
+                line += b"\n"  # a last line without its newline: kept if it is a whole record, else moved aside
+            parsed = _parse_line(line, self.key)
+            if parsed is None:
+                bad.append(line)
+            elif parsed[0] in self.done:
+                duplicates += parsed[0] not in restored
+            else:
+                self.done.add(parsed[0])
+                keep.append(line)
+        self.resumed = len(keep)
+        if saved:
+            warnings.warn(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy "
+                          f"{backup} restored ({len(keep)} record(s) kept)", SiclWarning, stacklevel=4)
+        if not saved and not bad and not duplicates and sum(map(len, keep)) == len(data):
+            return
+        if bad:
+            bad_path = self.path.with_name(self.path.name + ".bad")
+            with bad_path.open("ab") as out:  # first put the unreadable lines safely aside
+                out.writelines(bad)
+                out.flush()
+                os.fsync(out.fileno())
+            self.moved_aside = len(bad)
+            warnings.warn(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; "
+                          f"{len(keep)} record(s) kept", SiclWarning, stacklevel=4)
+        if duplicates:
+            warnings.warn(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)",
+                          SiclWarning, stacklevel=4)
+        # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done (a kill
+        # meanwhile: the next open restores it, above)
+        _write_synced(backup, b"".join(keep))
+        fh.seek(0)
+        fh.truncate()
+        fh.writelines(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+        backup.unlink()
+
+    def __contains__(self, key) -> bool:
+        return key in self.done
+
+    def write(self, record: dict) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        try:
+            if self._binary:
+                self._fh.write(line.encode("utf-8"))
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+            else:
+                self._fh.write(line)
+                self._fh.flush()
+        except BrokenPipeError:
+            raise  # the reader of a streamed output went away (`--out - | head`): the CLI ends quietly
+        except OSError as exc:
+            raise ResultsFileError(f"--out {self.path}: cannot write: {_os_reason(exc)}") from None
+        self.done.add(self.key(record))
+        self.written += 1
+
+    def close(self) -> None:
+        if self._fh is not sys.stdout:
+            try:
+                self._fh.close()  # also releases the lock
+            except OSError:
+                pass
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Write a whole file and flush it to disk (the copy a rewrite relies on)."""
+    with path.open("wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], object] = lambda r: r["id"]) -> bool:
+    """Whether every one of `keys` is already in the results file `path` (a resumed run with nothing to do: the
+    commands end before loading a model). False for a new file and for a streamed output."""
+    p = Path(path)
+    if str(path) == STDOUT or not p.is_file():
+        return False
+    with ResultWriter(p, key) as out:
+        done = all(k in out for k in keys)
+    OPENED.remove(out)  # it wrote nothing: no part of an interrupted run's summary
+    return done
+
+
+def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict]:
+    """All records (JSON objects, one a line) of a JSONL results file. Raises SiclError naming the line of any
+    line that is not one; an empty file is an error unless `allow_empty`."""
+    out = []
+    with open_input(path, "results file") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except UnicodeDecodeError:
+                raise SiclError(f"{path}:{lineno}: not UTF-8 text") from None
+            except json.JSONDecodeError as exc:
+                raise SiclError(f"{path}:{lineno}: invalid JSON record: {exc}") from None
+            except RecursionError:
+                raise SiclError(f"{path}:{lineno}: JSON nested too deeply") from None
+            if not isinstance(rec, dict):
+                raise SiclError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
+            out.append(rec)
+    if not out and not allow_empty:
+        raise SiclError(f"results file {path}: holds no records")
+    return out
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write to a temp file and rename: readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def proxy_record(prompt, out) -> dict:
+    """The proxy of a prompt's own embeddings (`ProxyOut` of one row) as one JSON record: the `proxy` command's
+    lines and the server's POST /v1/proxy reply."""
+    return {"id": prompt.id, "proxy": float(out.f[0]), "C": float(out.C[0]), "R": float(out.R[0]),
+            "G": float(out.G[0]), "num_demos": prompt.num_demos, "token_spans": [list(s) for s in prompt.token_spans]}
+
+
+__all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT",
+           "proxy_record", "folder_arg", "check_out_dir"]

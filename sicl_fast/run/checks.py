@@ -1,0 +1,176 @@
+"""Entry-point checks of the Python API: what comes in from a user (a prompt, embeddings, the size of a step) is
+checked once here, before any work, and refused with a SiclError naming the argument.
+
+    check_prompt(prompt, lm)                           a Prompt from Engine.prepare, of this model's vocabulary
+    check_tokens(prompt, lm)                           token ids inside the model's vocabulary
+    check_embeddings(X, prompt, lm, "embeds")          [L, d] floating, finite, this prompt's length, the model's
+                                                       width, on the model's device
+    check_calibration(cal, lm, where)                  a stored Calibration whose rows have the model's width
+    check_perturbation(config, lm)                     mu * scale large enough for float32 to perturb this model
+    check_step_memory(lm, prompt, config)              refuse a step whose estimated memory exceeds what is free
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..errors import NumericalError, SiclError
+from .knobs import MIN_MU
+from ..formats.spans import Prompt, vocabulary_key, vocabulary_size
+
+GiB = 1 << 30
+
+
+def check_prompt(prompt, lm=None, name: str = "prompt") -> Prompt:
+    """A Prompt; with `lm`, one made for this model: the tokenizer's vocabulary (Prompt.vocabulary) and the token ids
+    (check_tokens) are the model's."""
+    if not isinstance(prompt, Prompt):
+        raise SiclError(f"{name}: must be a Prompt (from Engine.prepare(request)), got {type(prompt).__name__}")
+    ids = prompt.input_ids
+    if not isinstance(ids, torch.Tensor) or ids.device.type != "cpu" or ids.dtype != torch.int64:
+        what = f"a {ids.dtype} tensor on {ids.device}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise SiclError(f"request {prompt.id!r}: {name}.input_ids: must be an int64 tensor on the CPU, got {what}")
+    if lm is not None:
+        if prompt.vocabulary is not None and prompt.vocabulary != vocabulary_key(lm.tokenizer):
+            raise SiclError(f"request {prompt.id!r}: {name}: was tokenized for another model's vocabulary "
+                            f"({vocabulary_size(prompt.vocabulary)} tokens; this model's has "
+                            f"{len(lm.tokenizer)}); prepare it with this engine (Engine.prepare)")
+        check_tokens(prompt, lm)
+    return prompt
+
+
+def check_embeddings(X, prompt: Prompt, lm, name: str = "embeds") -> torch.Tensor:
+    """X [L, d]: a floating tensor with one row per prompt token (L = prompt.length) and the model's width d,
+    finite. Returns X. Rows of another prompt of another length are caught by L."""
+    where = f"request {check_prompt(prompt).id!r}: {name}"
+    if not isinstance(X, torch.Tensor):
+        raise SiclError(f"{where}: must be a torch.Tensor [L, d], got {type(X).__name__}")
+    if X.device != lm.device:
+        raise SiclError(f"{where}: is on device {X.device}, the model is on {lm.device} (embeddings of another "
+                        f"engine?); move it there first (.to({str(lm.device)!r}))")
+    if not X.is_floating_point():
+        raise SiclError(f"{where}: must be a floating-point tensor (float32, bfloat16, float16), got {X.dtype}")
+    d = lm.hidden_size
+    if X.dim() != 2 or X.shape[1] != d:
+        other = " (embeddings of another model?)" if X.dim() == 2 else ""
+        raise SiclError(f"{where}: must have shape [L, {d}] (L = {prompt.length} tokens), got {tuple(X.shape)}"
+                        f"{other}")
+    if X.shape[0] != prompt.length:
+        raise SiclError(f"{where}: has {X.shape[0]} rows, the prompt has {prompt.length} tokens "
+                        "(embeddings of another prompt?)")
+    if not bool(torch.isfinite(X).all()):
+        row = int(torch.nonzero(~torch.isfinite(X))[0, 0])
+        raise NumericalError(f"{where}: contains NaN or inf (row {row})")
+    return X
+
+
+def check_calibration(cal, lm, where: str) -> None:
+    """A stored Calibration (sicl_fast.store) made by a model of this width: its rows [n, d] replace the first n
+    rows of a prompt's embeddings. One of another model with the same width and vocabulary cannot be told from
+    this one's (names differ for one model loaded two ways); another vocabulary shows in its token ids
+    (sicl_fast.answering.reuse.fits)."""
+    w = int(cal.rows.shape[-1])
+    if cal.rows.dim() != 2 or w != lm.hidden_size:
+        raise SiclError(f"{where}: calibration {cal.key[:12]} was made by model {cal.model!r}, of width {w}; this "
+                        f"engine's model {lm.name!r} has width {lm.hidden_size}: calibrate the prompt with this engine")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for a step: CUDA's free memory, or the smaller of MemAvailable and the cgroup's headroom."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def step_memory(lm, prompt: Prompt, config, kept: int = 0) -> int:
+    """Estimated peak bytes of one ascent step: the [B, n, d] float32 batch and its directions, plus one layer's
+    activations for B x n rows (the forward runs layer by layer, without autograd): residual, norm, q / k / v /
+    attention output, the MLP's gate / up / product, and the attention scores, at 4 bytes an element. The exact
+    gradient (estimator "grad") runs one row, but autograd keeps every layer's activations for the backward (one
+    layer's with checkpoint), about twice over (forward values and their gradients). Beside the step, the buffers
+    that grow with a knob: the history (max_steps) and `kept` copies of X [L, d] kept along the way (BestAt, the
+    counts of --answer-at)."""
+    cfg = lm.text_config
+    B = config.batch
+    n = prompt.length if config.perturb_query else prompt.demo_end
+    d = lm.hidden_size
+    d_ff = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
+    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+    per_row = 2 * d + 6 * d + 3 * d_ff + heads * n
+    # the static loop's history (one float32 a step, allocated before step 1) and the copies of X kept
+    history = 4 * config.max_steps + 4 * kept * prompt.length * d
+    if config.estimator == "grad":
+        layers = 1 if config.checkpoint else int(getattr(cfg, "num_hidden_layers", 1) or 1)
+        return 4 * 2 * (layers + 1) * n * per_row + history
+    return 4 * B * n * per_row + history
+
+
+def check_tokens(prompt: Prompt, lm) -> None:
+    """The prompt's token ids (the span targets among them) lie in the model's vocabulary [0, V): the kernels
+    that read targets on the device rely on it and never check again."""
+    ids, V = prompt.input_ids, int(lm.head_weight.shape[0])
+    bad = torch.nonzero((ids < 0) | (ids >= V))
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise SiclError(f"request {prompt.id!r}: token {int(ids[t])} at position {t} is outside the model's "
+                        f"vocabulary [0, {V}) (a prompt tokenized for another model?)")
+
+
+def calibration_inputs(backend, prompt: Prompt, config, X0=None, kept: int = 0) -> torch.Tensor:
+    """Calibrator.run's entry checks: the prompt and its tokens, X0 (default: the prompt's own embeddings;
+    returned as float32), the perturbation's size and the memory of one step with `kept` copies of X beside it."""
+    check_prompt(prompt, backend.lm)
+    X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
+    check_perturbation(config, backend.lm)
+    check_step_memory(backend.lm, prompt, config, kept=kept)
+    return X0.detach().float()  # the ascent moves X itself; no autograd history of the caller's tensor comes along
+
+
+def check_perturbation(config, lm) -> None:
+    """The effective mu (config with its scale resolved) against the model's embedding scale: below MIN_MU of it,
+    X + mu U rounds back to X in float32 (the config checks mu alone; an explicit scale can still make it so)."""
+    if config.estimator == "grad":
+        return  # no perturbation
+    rel = config.mu_eff / lm.embedding_scale
+    if rel < MIN_MU:
+        raise SiclError(f"CalibrationConfig: mu * scale = {config.mu_eff:.3g} is {rel:.2g} of this model's "
+                        f"embedding scale ({lm.embedding_scale:.3g}); below {MIN_MU:g} of it the perturbation is lost "
+                        "to float32 rounding (raise mu or scale)")
+
+
+def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0) -> None:
+    """Refuse a step whose estimate (step_memory with `kept` copies of X; `pack` such steps at once for the packed
+    step) exceeds the memory free on the model's device."""
+    need, free = pack * step_memory(lm, prompt, config, kept), available_memory(lm.device)
+    if need > free:
+        rows = prompt.length if config.perturb_query else prompt.demo_end
+        packed = f", {pack} prompts packed (--pack)" if pack > 1 else ""
+        raise SiclError(
+            f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (" + (
+                f"the exact gradient of {rows} tokens), more than the {free / GiB:.1f} GiB of memory free; "
+                + ("shorten the prompt" if config.checkpoint else "use checkpoint (--checkpoint)")
+                if config.estimator == "grad" else
+                f"N={config.N}: {config.batch} rows of {rows} tokens{packed}), more than the {free / GiB:.1f} GiB "
+                "of memory free; lower N" + (" or --pack" if pack > 1 else "")))
+
+
+__all__ = ["check_prompt", "check_tokens", "check_embeddings", "calibration_inputs", "check_perturbation",
+           "check_step_memory", "step_memory", "available_memory"]

@@ -1,0 +1,575 @@
+"""The run plan: every mode of a run resolved once, from the user's choices and the loaded model, with every
+refusal rule, each in one place.
+
+    choices = Choices(backend="auto", impl="auto", ...)     the choices as given, checked before a model loads
+    plan = make_plan(lm, choices)   (or make_plan(lm, backend="fast", ...))          a frozen RunPlan
+    print(plan.explain())           every axis, its value and why it resolved so (`sicl-fast plan`)
+
+The axes:
+    backend       auto (fast for the families it runs, else hf), fast, fast-fp32 (fast with plain products), hf,
+                  naive
+    impl          the hot ops (sicl_fast.ops): auto (Triton on CUDA, the C++ extension on the CPU when built, else
+                  torch; torch for the exact gradient), torch, cpp, triton
+    attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton,
+                  cpp; attention_check: whether the kernel is compared with the math path when the backend is built
+                  (CUDA); per call the kernel hands what it cannot do exactly to the math path (named in explain())
+    diff_matmul   the fast decoder's difference form for perturbation batches (sicl_fast.models.rows): auto, off
+                  (plain products in the model dtype), bf16, fp8 (the differences in FP8 e4m3)
+    loop          static (the sync-free step, sicl_fast.calibration.static) or eager (Calibrator.run); sync_every
+    read_every    decoding: tokens between two host reads of the fast backend's greedy answer
+    graphs        CUDA graphs of the static step and the decode step (sicl_fast.run.graphs)
+    pack          prompts per packed step (sicl_fast.calibration.packed)
+    estimator     whether the run takes the exact gradient (grad) and where a calibration of each estimator runs
+                  (loop_for, check_pack)
+    threads       torch's and the C++ ops' thread count (sicl_fast.run.threads; build_backend applies it), and the
+                  OpenMP wait policy the process runs with (decided once, when sicl_fast is imported)
+
+Engine, make_backend / build_backend, make_ops, the static, packed and graph paths and the CLI read the plan and
+decide nothing themselves.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SiclError, SiclWarning
+from .graphs import DEFAULT_CAPACITY, GRAPH_MODES
+from .knobs import check_range
+from ..models.attention import ATTN_IMPLS, flash_available
+from ..models.decoder_config import SUPPORTED_FAMILIES, DecoderConfig
+from ..models.transformer import DIFF_MATMUL, fast_low_precision
+from ..ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
+from ..ops.triton_ops import load_kernels
+from ..calibration.step.spec import check_choice
+from .threads import choose_wait_policy, resolve_threads, warn_oversubscribed
+
+LOOPS = ("auto", "static", "eager")
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    """What a backend name runs (the facts the rules below read)."""
+
+    cls: str  # the Backend class: 'fast', 'hf' or 'naive' (sicl_fast.backends)
+    plain: bool  # every product in float32 (fast-fp32: no difference products)
+    differentiable: bool  # has a forward autograd can run through (estimator 'grad', sicl_fast.calibration.grad)
+    sync_free: bool  # has a forward without host reads (FastBackend.span_forward): the static and packed steps
+
+
+BACKENDS = {
+    "fast": BackendKind("fast", plain=False, differentiable=True, sync_free=True),
+    "fast-fp32": BackendKind("fast", plain=True, differentiable=True, sync_free=True),
+    "hf": BackendKind("hf", plain=True, differentiable=True, sync_free=False),
+    "naive": BackendKind("naive", plain=True, differentiable=False, sync_free=False),
+}
+GRAD_BACKENDS = tuple(n for n, k in BACKENDS.items() if k.differentiable)
+
+
+@dataclass(frozen=True)
+class Choices:
+    """What the user asked for (every field as Engine takes it), checked on construction: no model needed."""
+
+    backend: str = "auto"
+    impl: str = "auto"
+    attn: str = "auto"
+    diff_matmul: str = "auto"
+    loop: str = "auto"
+    sync_every: int | None = None
+    graphs: str = "auto"
+    graph_cache: int = DEFAULT_CAPACITY
+    pack: int | str = 1  # or 'auto': packed where it pays (auto_pack)
+    grad: bool = False  # the run takes the exact gradient (estimator 'grad')
+    reuse: str | None = "off"  # the calibration store: 'auto', 'on', 'off'; None: 'auto' unless packing
+    threads: int | None = None  # None: OMP_NUM_THREADS, else the cores this process may use (sicl_fast.run.threads)
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise SiclError(f"unknown backend {self.backend!r}; choose one of {sorted(BACKENDS)} or 'auto'")
+        check_choice(self.impl, IMPLS, "impl", "ops")
+        if self.attn not in ATTN_IMPLS:
+            raise SiclError(f"unknown attention implementation {self.attn!r}; choose one of {ATTN_IMPLS}")
+        if self.diff_matmul not in DIFF_MATMUL:
+            raise SiclError(f"unknown diff_matmul {self.diff_matmul!r}; choose one of {DIFF_MATMUL}")
+        check_choice(self.loop, LOOPS, "loop", "Engine")
+        check_choice(self.graphs, GRAPH_MODES, "graphs", "Engine")
+        if self.pack != "auto":
+            check_range("pack", self.pack, "Engine")
+        check_range("graph_cache", self.graph_cache, "Engine")
+        if self.sync_every is not None:
+            check_range("sync_every", self.sync_every, "Engine")
+        if self.pack != "auto":  # with 'auto', once the plan knows the pack
+            resolve_reuse(self.reuse, self.pack)
+        # --threads, or OMP_NUM_THREADS beyond the table's limit refused, beyond the cores warned, before a model loads
+        warn_oversubscribed(self.threads)
+
+
+# ------------------------------------------------------------------------------------------- the rules, once
+
+
+def forward_only(impl: str) -> str | None:
+    """Why `impl` cannot carry the exact gradient's backward (None: it can)."""
+    if impl in DIFFERENTIABLE_IMPLS:
+        return None
+    return (f"estimator 'grad' needs differentiable ops, and impl {impl!r} is forward-only (the C++ and Triton ops "
+            f"have no backward); use impl 'torch' or 'auto' (--impl torch)")
+
+
+def no_differentiable_forward(name: str) -> str:
+    return (f"the {name!r} backend has no differentiable forward; estimator 'grad' runs on the "
+            + ", ".join(f"'{n}'" for n in GRAD_BACKENDS[:-1]) + f" and '{GRAD_BACKENDS[-1]}' backends")
+
+
+def resolve_backend(name: str, family: str) -> tuple[str, str]:
+    if name != "auto":
+        return name, "asked for"
+    if family in SUPPORTED_FAMILIES:
+        return "fast", f"auto: the fast forward runs the {family!r} family"
+    return "hf", f"auto: the fast forward does not run the {family!r} family"
+
+
+def resolve_impl(impl: str, device, grad: bool = False) -> tuple[str, str]:
+    """(the implementation `impl` names on `device`, why); a SiclError when it cannot run there. grad: the run takes
+    the exact gradient, which needs a differentiable implementation (torch)."""
+    check_choice(impl, IMPLS, "impl", "ops")
+    dev = torch.device(device)
+    if grad and impl != "auto" and forward_only(impl):
+        raise SiclError(forward_only(impl))
+    if grad:
+        name, why = "torch", "auto: the exact gradient needs differentiable ops"
+    elif impl != "auto":
+        name, why = impl, "asked for"
+    elif dev.type == "cuda":
+        name, why = "triton", "auto: the model is on CUDA"
+    elif dev.type == "cpu" and cpp_ops.available():
+        name, why = "cpp", "auto: the C++ extension is built and the model is on the CPU"
+    else:
+        name, why = "torch", "auto: no Triton (not CUDA) and no C++ extension for this device"
+    if name == "cpp":
+        if dev.type != "cpu":
+            raise SiclError(f"impl 'cpp' runs on the CPU; the model is on {device} (use 'triton' or 'torch')")
+        cpp_ops.require()  # says how to build the extension when it is missing
+    elif name == "triton":
+        load_kernels(dev)  # says what is missing: triton, or CUDA / TRITON_INTERPRET=1
+    return name, why
+
+
+# what each kernel hands to the math path, call by call (sicl_fast.models.attention.Attention): execution details of
+# one kernel, not choices, shown by explain(); every kernel's decoding steps attend through the math path (a masked
+# whole KV buffer: the same shapes at every position)
+MATH_PATH = {
+    "sdpa": "soft-capped layers, masks SDPA cannot take exactly, decoding steps",
+    "flash": "float32 inputs, masks flash-attn cannot take exactly, decoding steps",
+    "triton": "a KV cache's prefill after position 0, decoding steps",
+    "cpp": "the exact gradient's forward (autograd recording), a bf16 / fp16 model's plain forward, decoding steps",
+}
+
+
+def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) -> tuple[str | None, str]:
+    if kind.cls != "fast":
+        return None, "transformers' own attention (not the fast decoder)"
+    dev = torch.device(device)
+    if attn == "triton":
+        load_kernels(dev, "attention implementation 'triton'", "'sdpa' / 'math'")
+    if attn == "cpp" and dev.type != "cpu":
+        raise SiclError(f"attention implementation 'cpp' runs on the CPU; this model is on {dev}")
+    if attn == "cpp":
+        cpp_ops.require()
+    if attn == "flash" and not flash_available():
+        raise SiclError("attention implementation 'flash' needs flash-attn: pip install \"sicl-fast[flash]\"")
+    name, why = resolve_attention_kernel(attn, dev, dtype, impl)
+    return name, why if name == "math" else f"{why}; the math path takes {MATH_PATH[name]}"
+
+
+def resolve_attention_kernel(attn: str, dev: torch.device, dtype, impl: str) -> tuple[str, str]:
+    """The fast decoder's attention kernel that `attn` names (checked by resolve_attention), and why."""
+    if attn != "auto":
+        return attn, "asked for"
+    if impl == "triton":
+        return "triton", "auto: the fused prefix + rows kernel of impl 'triton'"
+    if impl == "cpp":
+        return "cpp", "auto: the C++ prefix + rows attention of impl 'cpp'"
+    if dev.type == "cuda" and flash_available() and dtype in (torch.float16, torch.bfloat16):
+        return "flash", "auto: flash-attn on CUDA, fp16 / bf16"
+    # torch's CPU flash kernel: exact to 1e-5 against math (tested) and ~1.5x faster at SmolLM2's head shapes
+    return "sdpa", "auto: torch's SDPA"
+
+
+def resolve_attention_check(attention: str | None, device, fallback: bool) -> tuple[bool, str]:
+    """Whether the fast backend compares its attention kernel with the math path once, when it is built
+    (Attention.verify): on CUDA, where a fused kernel may fail or differ on the machine; fallback (the kernel was
+    'auto'): a mismatch warns and takes 'math', else it is an error."""
+    if attention is None:
+        return False, "not the fast decoder"
+    if attention == "math":
+        return False, "the math path is the reference"
+    if torch.device(device).type != "cuda":
+        return False, "not CUDA: the CPU kernels are tested against the math path"
+    return True, ("CUDA: compared with the math path once, when the backend is built; "
+                  + ("'math' on a mismatch (auto)" if fallback else "a mismatch is an error (asked for)"))
+
+
+# what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17)
+PLAIN_LOW_PRECISION = ("a plain {dtype} ascent keeps only a few per cent of the float32 gain (the perturbation is "
+                       "about one bf16 ulp of an embedding; bench/RESULTS.md section 17: 4-12 %); diff_matmul 'bf16' "
+                       "(the default) keeps it")
+
+
+def plain_low_precision(dtype) -> bool:
+    """Would a plain ascent on a model of this dtype lose its perturbations to rounding (below float32)?"""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
+def resolve_diff(diff: str, kind: BackendKind, device, dtype) -> tuple[str, str]:
+    """The fast decoder's products for perturbation batches: the difference form ('bf16', 'fp8') or plain ('off').
+    The plain form on a bf16 / fp16 model (asked for, or fast-fp32) warns with what the precision study measured."""
+    low = plain_low_precision(dtype)
+    name = str(dtype).replace("torch.", "")
+    if kind.cls != "fast":
+        return "off", "not the fast decoder"
+    if kind.plain or diff == "off":
+        if low:
+            warnings.warn(PLAIN_LOW_PRECISION.format(dtype=name), SiclWarning, stacklevel=3)
+        return "off", ("fast-fp32: every product plain, in the model dtype" if kind.plain else "asked for")
+    if diff != "auto":
+        return diff, "asked for"
+    # 'fp8' is never chosen by 'auto': its accuracy is measured (bench/precision_fidelity.py) but not its speed yet
+    if low:
+        return "bf16", (f"auto: a plain {name} ascent loses the perturbations to rounding; the difference form "
+                        "keeps them")
+    if fast_low_precision(torch.device(device)):
+        return "bf16", "auto: bf16 products are fast here (AVX512-BF16 / AMX, or CUDA sm_80+)"
+    return "off", "auto: bf16 products are not faster here (plain float32)"
+
+
+def resolve_loop(loop: str, name: str) -> tuple[str, str]:
+    sync_free = BACKENDS[name].sync_free
+    if loop == "static" and not sync_free:
+        raise SiclError(f"loop 'static' needs the fast backend's sync-free forward; {name!r} has none (use loop "
+                        "'eager' or 'auto')")
+    if loop == "eager":
+        return "eager", "asked for"
+    if loop == "static":
+        return "static", "asked for"
+    if sync_free:
+        return "static", f"auto: the {name!r} backend has a sync-free forward"
+    return "eager", f"auto: the {name!r} backend has no sync-free forward"
+
+
+def resolve_graphs(mode: str, device, static: bool, name: str, loop: str) -> tuple[bool, str]:
+    """'on' / 'off' / 'auto' (on for CUDA with the static loop) -> whether the engine captures, why."""
+    cuda = torch.device(device).type == "cuda"
+    if mode == "on" and not cuda:
+        raise SiclError(f"graphs 'on' needs a CUDA device; the model is on {torch.device(device)} (use 'auto' or "
+                        "'off')")
+    if mode == "on" and not static:
+        raise SiclError(f"graphs 'on' captures the static step; backend {name!r} with loop {loop!r} has none (use "
+                        "graphs 'auto' or 'off')")
+    if mode != "auto":
+        return mode == "on", "asked for"
+    if not cuda:
+        return False, "auto: not CUDA"
+    return static, "auto: CUDA and the static loop" if static else "auto: no static step to capture"
+
+
+# prompts through one forward where packing pays (auto_pack): the H200 measurements issue #38 quotes (bench/RESULTS.md
+# section 18 lists them, not re-measured here) and RESULTS 4 / 10
+AUTO_PACK = 8
+PACK_MAX_PARAMS = 1e9  # at and above, one prompt's products run at the bf16 rate already: packing gains nothing
+
+
+def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) -> tuple[int, str]:
+    """(prompts per forward, why) for pack 'auto': 8 on CUDA for a model under 1B parameters with the static loop
+    (a SmolLM2-shape mix of 24 prompts packed 8 at a time: 180 ms a prompt against 527 one by one on an H200, as
+    issue #38 measured it: RESULTS 18), else 1 (the CPU: packing loses there, the padding and the attention growing
+    with the square, RESULTS 10; 1B parameters and more: nothing to gain, Llama-3.1-8B 3,040 vs 2,977 ms (issue
+    #38), Gemma-2-2B packed slower (RESULTS 4); the exact gradient and the eager loop run one prompt at a time).
+    The one rule for the plan and for the command line, which decides before the model loads
+    (sicl_fast.models.facts gives the size)."""
+    if grad:
+        return 1, "auto: the exact gradient calibrates one prompt at a time"
+    if not static:
+        return 1, "auto: packing needs the static loop"
+    if torch.device(device).type != "cuda":
+        return 1, "auto: not CUDA (on the CPU packing loses: RESULTS 10)"
+    if n_params >= PACK_MAX_PARAMS:
+        return 1, (f"auto: {n_params / 1e9:.1f}B parameters: one prompt's products run at the bf16 rate already "
+                   "(RESULTS 4, 18)")
+    return AUTO_PACK, (f"auto: CUDA and {n_params / 1e6:.0f}M parameters: up to {AUTO_PACK} prompts through one "
+                       "forward (2.9x one by one at SmolLM2's shape on an H200, RESULTS 18)")
+
+
+def resolve_pack(pack, static: bool, name: str, loop: str, device=None, n_params: int = 0,
+                 grad: bool = False) -> tuple[int, str]:
+    """(prompts per packed step, why): 'auto' by auto_pack; a count as asked, > 1 only on the static loop."""
+    if pack == "auto":
+        return auto_pack(device, n_params, static, grad)
+    if pack > 1 and not static:
+        raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {name!r}, loop {loop!r})")
+    return pack, "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
+
+
+def check_zeroth_order(estimator: str) -> None:
+    """The static and packed steps run the zeroth-order ascent only."""
+    if estimator == "grad":
+        raise SiclError("the static and packed steps run the zeroth-order ascent only; estimator 'grad' runs on the "
+                        "eager loop (loop 'eager' or 'auto', --loop eager; no --pack)")
+
+
+def check_unpacked(estimator: str, pack: int) -> None:
+    """pack > 1 runs the zeroth-order packed step only."""
+    if pack > 1 and estimator == "grad":
+        raise SiclError("pack > 1 runs the zeroth-order packed step; estimator 'grad' calibrates one prompt at a "
+                        "time (pack 1)")
+
+
+def check_estimator(estimator: str, loop: str, pack: int) -> None:
+    """Before any model loads (the CLI's --estimator with --loop / --pack): the exact gradient runs one prompt at a
+    time on the eager loop. The rules RunPlan.check_pack and loop_for apply to a plan's calibrations."""
+    check_unpacked(estimator, pack)
+    if loop == "static":
+        check_zeroth_order(estimator)
+
+
+REUSE_MODES = ("auto", "on", "off")
+
+
+def resolve_reuse(reuse: str | None, pack: int, keeps_best: bool = False) -> tuple[str, str]:
+    """(mode, why) of the calibration store (sicl_fast.answering.reuse): None is the command line's default, 'auto'
+    unless packing; the packed step calibrates without the store. keeps_best: the calibrations keep the best X along
+    their run (Engine.calibrate's best_at, icleval --answer-at), which a calibration from the store does not have: the
+    store is off by default then, and refused when asked for."""
+    if reuse is None:
+        if keeps_best:
+            return "off", "default with best_at / --answer-at (a calibration from the store has no run)"
+        if pack > 1:
+            return "off", "default with pack > 1 (the packed step calibrates without the store)"
+        return "auto", "default: reuse a stored calibration where that is exact, calibrate per query elsewhere"
+    check_choice(reuse, REUSE_MODES, "reuse", "Engine")
+    if reuse != "off" and keeps_best:
+        raise SiclError(f"best_at (icleval --answer-at) keeps the best X along each calibration, and one from the "
+                        f"store has none: use reuse 'off' (--reuse off, the default with --answer-at), not {reuse!r}")
+    if reuse != "off" and pack > 1:
+        raise SiclError(f"reuse {reuse!r} with pack {pack}: packed calibration does not use the store; use reuse "
+                        "'off' (--reuse off), or pack 1")
+    return reuse, {"auto": "asked for: reuse where exact, calibrate per query elsewhere",
+                   "on": "asked for: reuse always (approximate where the projection could have fired)",
+                   "off": "asked for: every prompt calibrated"}[reuse]
+
+
+def default_sync_every(device) -> int:
+    """Steps between two reads of the static step's state: 1 on the CPU (a read costs nothing there and the
+    progress stays exact); 8 on a GPU, where a read waits for the device (measured on an H200, bench/RESULTS.md
+    section 4: SmolLM2's whole calibration within 1 % of the same time from 1 to 32 steps a read, so 8 keeps the
+    progress line close at no measurable cost)."""
+    return 1 if torch.device(device).type == "cpu" else 8
+
+
+def resolve_read_every(kind: BackendKind, device) -> tuple[int, str]:
+    """Tokens the fast backend decodes between two host reads of its greedy answer (the answer is the same for any
+    count: tokens past a stop are dropped): 1 on the CPU, where a read costs nothing and no token is computed past
+    a stop; 8 on a GPU, where a read waits for the device. Other backends decode through transformers, one read a
+    token."""
+    if kind.cls != "fast":
+        return 1, "transformers' generation (not the fast decoder) reads every token"
+    if torch.device(device).type == "cpu":
+        return 1, "CPU: a read costs nothing, and no token is decoded past a stop"
+    return 8, "not the CPU: a read waits for the device"
+
+
+def grad_refusal(impl: str, name: str, lm) -> str | None:
+    """Why estimator 'grad' cannot run on this implementation, backend and model (None: it can): forward-only ops,
+    a backend without a differentiable forward, weights autograd cannot go through."""
+    why = forward_only(impl)
+    if why:
+        return why
+    if not BACKENDS[name].differentiable:
+        return no_differentiable_forward(name)
+    params = list(lm.model.parameters())
+    bad = sorted({str(p.dtype) for p in params if not p.dtype.is_floating_point})
+    if bad:
+        return (f"estimator 'grad': model {lm.name!r} holds {', '.join(bad)} weights (quantized), which autograd "
+                "cannot run through; load it in a floating-point dtype")
+    if any(p.is_inference() for p in params):
+        return (f"estimator 'grad': the weights of {lm.name!r} were made under torch.inference_mode, and autograd "
+                "cannot use them; load the model outside inference_mode")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Every axis of a run, resolved (module docstring). why: (axis, value, reason) per axis, for explain()."""
+
+    model: str
+    family: str
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # 'fast', 'fast-fp32', 'hf', 'naive': what results and records report
+    impl: str  # 'torch', 'cpp', 'triton'
+    attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not fast
+    attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
+    attention_check: bool  # compare the kernel with the math path once when the backend is built (CUDA)
+    diff_matmul: str  # 'off', 'bf16', 'fp8'
+    decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)
+    loop: str  # 'static' or 'eager': where zeroth-order calibrations run
+    loop_asked: str
+    sync_every: int
+    read_every: int  # decoding: tokens between two host reads (FastBackend.generate, query-only answers)
+    graphs: bool
+    graph_cache: int
+    pack: int
+    grad: bool  # the run takes the exact gradient: ops, backend and model checked differentiable
+    grad_refusal: str | None  # why estimator 'grad' cannot run on this plan (None: it can)
+    reuse: str  # the calibration store: 'auto', 'on', 'off' (sicl_fast.answering.reuse)
+    threads: int  # torch's and the C++ ops' thread count
+    wait_policy: str  # how OpenMP's threads wait at a barrier ('passive', the environment's, libgomp's default)
+    why: tuple = field(default=(), compare=False)
+
+    @property
+    def kind(self) -> BackendKind:
+        return BACKENDS[self.backend]
+
+    @property
+    def static(self) -> bool:
+        return self.loop == "static"
+
+    def check_grad(self) -> None:
+        """Refuse the exact gradient where it cannot run (grad_refusal)."""
+        if self.grad_refusal:
+            raise SiclError(self.grad_refusal)
+
+    def check_zeroth_order(self, estimator: str) -> None:
+        """The static and packed steps run the zeroth-order ascent only (check_zeroth_order)."""
+        check_zeroth_order(estimator)
+
+    def require_sync_free(self, what: str) -> None:
+        """The static ('step') and packed ('packed') steps need the backend's forward without host reads."""
+        if self.kind.sync_free:
+            return
+        if what == "packed":
+            raise SiclError(f"the packed step needs the fast backend's sync-free forward; {self.backend!r} has none")
+        raise SiclError(f"the static step needs a forward without host reads, which the {self.backend!r} backend "
+                        "does not have; use the 'fast' or 'fast-fp32' backend, or the eager loop")
+
+    def loop_for(self, estimator: str) -> str:
+        """Where one calibration with `estimator` runs: 'static' or 'eager'. The exact gradient runs on the eager
+        loop when the loop was left to 'auto', is refused on a loop asked to be static, and needs grad_refusal None."""
+        if estimator != "grad":
+            return self.loop
+        if self.loop_asked == "static":
+            self.check_zeroth_order(estimator)
+        self.check_grad()
+        return "eager"
+
+    def check_pack(self, estimator: str) -> None:
+        """calibrate_many with pack > 1 runs the zeroth-order packed step only (check_unpacked)."""
+        check_unpacked(estimator, self.pack)
+
+    def result_axes(self, attention: str | None = None) -> dict:
+        """The axes whose value changes a calibration's bits, JSON-ready: the calibration store's key holds them
+        (sicl_fast.store.keys). attention: the kernel the backend actually runs, where the plan cannot say it (a
+        fused kernel that failed its check on CUDA falls back to 'math'; the hf and naive backends run transformers'
+        own attention, which the plan does not choose); None: the plan's.
+
+        The thread count on the CPU is one of them: the products and the C++ ops split their sums by thread, so
+        SmolLM2's proxy moves in its last bits between 1 and 2 threads (an entry made with one count is not what an
+        engine with another computes, and would be served to it as exact). On CUDA it is not.
+
+        Left out, as they give the same bits: the loop and sync_every (the static step equals the eager loop bit
+        for bit at any read interval, tests/test_static.py and bench/same_histories.py), graphs and graph_cache (a
+        captured step replays the same kernels, test_static.py's capture test), grad (it picks the ops, whose impl
+        is here; the estimator is a config field, in the key), reuse (how the store is used, not what a run
+        computes) and the wait policy. pack: the store never sees a packed run (reuse is off with pack > 1)."""
+        return {"backend": self.backend, "impl": self.impl, "attention": attention or self.attention,
+                "diff_matmul": self.diff_matmul, "dtype": str(self.dtype), "device": self.device.type,
+                "threads": self.threads if self.device.type == "cpu" else None}
+
+    def explain(self) -> str:
+        """The plan as a table: every axis, its value and why."""
+        lines = [f"run plan: model {self.model} ({self.family}, {str(self.dtype).replace('torch.', '')}, "
+                 f"{self.device})"]
+        width = max(len(axis) for axis, _, _ in self.why)
+        for axis, value, reason in self.why:
+            lines.append(f"  {axis:<{width}}  {value!s:<13}  {reason}")
+        return "\n".join(lines)
+
+
+def without_effect(c: Choices, backend: str, loop: str) -> list[str]:
+    """The choices asked for that the plan of `backend` on `loop` does not read, one line each (make_plan warns
+    them; a refusal would stop `sicl-fast bench`, which runs one set of flags on several backends): the difference
+    products and the attention kernel belong to the fast decoder (not 'fast-fp32''s float32 products), and the
+    eager loop reads its state every step, whatever sync_every says."""
+    kind, out = BACKENDS[backend], []
+    if c.diff_matmul in ("bf16", "fp8") and (kind.cls != "fast" or kind.plain):
+        out.append(f"diff_matmul {c.diff_matmul!r} has no effect on backend {backend!r}: only the 'fast' backend "
+                   "multiplies differences in lower precision")
+    if c.attn != "auto" and kind.cls != "fast":
+        out.append(f"attn {c.attn!r} has no effect on backend {backend!r}, which runs transformers' own attention")
+    if c.sync_every is not None and loop == "eager":
+        out.append(f"sync_every {c.sync_every} has no effect on the eager loop, which reads its state every step "
+                   "(it sets the static loop's reads)")
+    return out
+
+
+def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
+    """The RunPlan of `choices` (or Choices(**kw)) on the loaded model `lm` (module docstring). Raises a SiclError
+    (UnsupportedModelError for a model the fast backend cannot run) naming what cannot be done and what to do."""
+    c = choices if choices is not None else Choices(**kw)
+    dev, dtype, family = torch.device(lm.device), lm.dtype, lm.family
+    backend, why_backend = resolve_backend(c.backend, family)
+    kind = BACKENDS[backend]
+    decoder = DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) if kind.cls == "fast" else None
+    impl, why_impl = resolve_impl(c.impl, dev, c.grad)
+    attention, why_attention = resolve_attention(c.attn, kind, dev, dtype, impl)
+    check, why_check = resolve_attention_check(attention, dev, c.attn == "auto")
+    diff, why_diff = resolve_diff(c.diff_matmul, kind, dev, dtype)
+    loop, why_loop = resolve_loop(c.loop, backend)
+    static = loop == "static"
+    sync_every = c.sync_every if c.sync_every is not None else default_sync_every(dev)
+    why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
+    read_every, why_read = resolve_read_every(kind, dev)
+    graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
+    n_params = sum(p.numel() for p in lm.model.parameters()) if c.pack == "auto" else 0
+    pack, why_pack = resolve_pack(c.pack, static, backend, c.loop, dev, n_params, c.grad)
+    reuse, why_reuse = resolve_reuse(c.reuse, pack)
+    threads, why_threads = resolve_threads(c.threads)
+    for line in without_effect(c, backend, loop):  # legal, but nothing reads them here: one line each
+        warnings.warn(line, SiclWarning, stacklevel=2)
+    if c.sync_every is not None and loop == "eager":
+        why_sync = "asked for; no effect on the eager loop, which reads its state every step"
+    wait, why_wait = choose_wait_policy()
+    refusal = grad_refusal(impl, backend, lm)
+    if c.grad and refusal:
+        raise SiclError(refusal)
+    if c.grad:
+        why_grad = "the run takes the exact gradient: differentiable ops, the eager loop"
+    else:
+        why_grad = f"forward / central on the {loop} loop; " + (f"'grad' refused: {refusal}" if refusal else
+                                                                "'grad' would run on the eager loop")
+    loaded = lm.extra.get("why", {})  # how the model's device and dtype were chosen (sicl_fast.models.loading)
+    why = (("device", str(dev), loaded.get("device", "the loaded model's")),
+           ("dtype", str(dtype).replace("torch.", ""), loaded.get("dtype", "the loaded model's")),
+           ("backend", backend, why_backend), ("impl", impl, why_impl),
+           ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
+           ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
+           ("read_every", read_every, why_read),
+           ("graphs", "on" if graphs else "off", why_graphs), ("pack", pack, why_pack),
+           ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse),
+           ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
+    return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
+                   attention=attention, attention_fallback=c.attn == "auto", attention_check=check, diff_matmul=diff,
+                   decoder=decoder, loop=loop, loop_asked=c.loop, sync_every=sync_every, read_every=read_every,
+                   graphs=graphs, graph_cache=c.graph_cache, pack=pack, grad=c.grad, grad_refusal=refusal,
+                   reuse=reuse, threads=threads, wait_policy=wait, why=why)
+
+
+__all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES", "BackendKind",
+           "Choices", "RunPlan", "auto_pack", "make_plan", "plain_low_precision", "check_estimator", "check_unpacked",
+           "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
+           "resolve_attention", "resolve_attention_check", "resolve_attention_kernel", "resolve_backend",
+           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every",
+           "resolve_reuse", "without_effect"]

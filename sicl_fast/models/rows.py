@@ -1,9 +1,10 @@
 """Difference rows: how the fast decoder carries a perturbation batch through its low-precision products.
 
 In the ascent's batch, row 0 is X and rows 1.. are X + mu U_i: every activation of row i is row 0's plus a change
-of about one bf16 ulp. Rounded to bf16 as they are, the rows lose that change (a plain bf16 ascent keeps 4-12 % of
-the float32 gain: bench/RESULTS.md section 17, the precision study). So the forward keeps its activations in float32
-and hands each product its rows in *difference form*, in the low dtype (bf16):
+of about one bf16 ulp. Rounded to bf16 as they are, the rows lose that change (a plain bf16 ascent kept 5 % of the
+float32 gain on SmolLM2 and none on Gemma 3 270M: bench/RESULTS.md section 17, the precision study). So the
+forward keeps its activations in float32 and hands each product its rows in *difference form*, in the low dtype
+(bf16):
 
     difference row  bf16(x_i - x_a)           batch rows 1..: their change from their anchor row a (row 0)
     value row       bf16(x_0 - r_0)           the prefix rows of the pass and batch row 0: their change from a

@@ -173,7 +173,7 @@ class LowWeight:
     """One stacked weight [o, k] in the low dtype, for the difference form's product: y = x [M, k] low @ w.T ->
     [M, o] low. Held once: a bf16 model's own stacked tensor is used as it is; a float32 model's one bf16 copy is
     made here, and on CPUs with oneDNN's bf16 kernels kept only in their packed layout (mkldnn_packed: the same
-    kernel and bits as F.linear without its per-call reorder, 1-7 % faster at SmolLM2's shapes, RESULTS 18); then
+    kernel and bits as F.linear without its per-call reorder, 0.99-1.23x its rate at SmolLM2's shapes, RESULTS 18); then
     `w` is None. pack=False: the plain bf16 copy (the LM head's, which the span heads read a chunk at a time).
 
     fp8: the difference rows go through FP8 e4m3 instead (a scale per token row for them, per output row for the

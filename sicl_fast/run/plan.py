@@ -212,7 +212,8 @@ def resolve_attention_check(attention: str | None, device, fallback: bool) -> tu
 
 # what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17)
 PLAIN_LOW_PRECISION = ("a plain {dtype} ascent keeps only a few per cent of the float32 gain (the perturbation is "
-                       "about one bf16 ulp of an embedding; bench/RESULTS.md section 17: 4-12 %); diff_matmul 'bf16' "
+                       "about one bf16 ulp of an embedding; bench/RESULTS.md section 17: 5 % on SmolLM2, none on "
+                       "Gemma 3 270M); diff_matmul 'bf16' "
                        "(the default) keeps it")
 
 

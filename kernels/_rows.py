@@ -112,22 +112,23 @@ def check_rows(rows, R: int, device: torch.device, op: str) -> torch.Tensor:
     if rows.R != R:
         raise SiclError(f"{op}: the row layout has {rows.R} rows (lead {rows.lead} + {rows.B} x {rows.T}), the "
                         f"tensors {R}")
-    if rows.B == 0:
-        return _one(device)
-    anchor = rows.anchor
-    if anchor.device != device:
-        raise SiclError(f"{op}: the layout's anchors are on {anchor.device}, the tensors on {device}")
-    return anchor
+    return _layout_tensor(rows, "anchor", "anchors", device, op)
 
 
 def value_slots(rows, device: torch.device, op: str) -> torch.Tensor:
     """The layout's value_slot tensor (int64 [B] on the device, never read back), or the cached one-element one."""
+    return _layout_tensor(rows, "value_slot", "value slots", device, op)
+
+
+def _layout_tensor(rows, attr: str, what: str, device: torch.device, op: str) -> torch.Tensor:
+    """The layout's per-batch-row tensor `attr` checked to be on `device`; the cached one-element tensor when the
+    pass has no batch rows."""
     if rows.B == 0:
         return _one(device)
-    slot = rows.value_slot
-    if slot.device != device:
-        raise SiclError(f"{op}: the layout's value slots are on {slot.device}, the tensors on {device}")
-    return slot
+    t = getattr(rows, attr)
+    if t.device != device:
+        raise SiclError(f"{op}: the layout's {what} are on {t.device}, the tensors on {device}")
+    return t
 
 
 def check_ref(ref: torch.Tensor | None, rows, k: int, device: torch.device, name: str, op: str):

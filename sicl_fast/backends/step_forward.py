@@ -127,14 +127,10 @@ class StepForward:
         x = torch.cat([X[:span.a], X[self.start:span.b]]) if rows.lead else X[self.start:span.b]
         ref = m.reference_rows(x, rows.value_layout(), self.prefix)
         hb = ref.hidden[rows.lead:].view(1, rows.T, -1)
-        if self.start == 0:
-            h = hb.index_select(1, span.idx)
-        elif span.from_prefix:
-            last = ref.hidden[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]
-            h = torch.cat([last.view(1, 1, -1), hb], dim=1).index_select(1, span.idx_suffix + 1)
-        else:
-            h = hb.index_select(1, span.idx_suffix)
-        return ref, m.reference_logits(h)
+
+        def last():  # the prefix's last row: the lead row's reference, or the kept prefix's float32 hidden row
+            return (ref.hidden[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]).view(1, 1, -1)
+        return ref, m.reference_logits(self._at_spans(hb, last))
 
     def refresh(self, X: torch.Tensor) -> None:
         """Take the value rows' reference again at X [L, d] (the X the next call's row 0 is), in place."""
@@ -194,18 +190,27 @@ class StepForward:
         rows, span = self.rows, self.span
         h = self.layers(self.rows_input(batch))  # [R, d]
         hb = rows.batch(h)  # [B, T, d]
+
+        def last():
+            # the prefix's last row, in difference form: its change from the reference, the lead row's (in the
+            # value rows) or none (a kept prefix: exact); without references, the kept prefix's last hidden row
+            # itself in the value rows
+            if rows.lead:
+                return h[span.a - 1] * self._value_mask
+            if self.ref is None:
+                return self.prefix.hidden[0, span.a - 1].to(LOW_DTYPE) * self._value_mask
+            return torch.zeros_like(hb[:, :1])
+        return self._at_spans(hb, last)
+
+    def _at_spans(self, hb: torch.Tensor, last) -> torch.Tensor:
+        """The rows of hb [n, T, d] (a pass's batch rows from row `start`) where the spans are predicted -> [n, P, d].
+        last(): the prefix's last row [n, 1, d], asked for only where a span starts right at row a (its first
+        prediction is that row's)."""
+        span = self.span
         if self.start == 0:
             return hb.index_select(1, span.idx)
-        if span.from_prefix:  # a span starts right at row a: its first prediction is the prefix's last row
-            # its change from the reference: the lead row's (in the value rows) or none (a kept prefix: exact);
-            # without references, the kept prefix's last hidden row itself in the value rows
-            if rows.lead:
-                col = h[span.a - 1] * self._value_mask
-            elif self.ref is None:
-                col = self.prefix.hidden[0, span.a - 1].to(LOW_DTYPE) * self._value_mask
-            else:
-                col = torch.zeros_like(hb[:, :1])
-            return torch.cat([col, hb], dim=1).index_select(1, span.idx_suffix + 1)
+        if span.from_prefix:
+            return torch.cat([last(), hb], dim=1).index_select(1, span.idx_suffix + 1)
         return hb.index_select(1, span.idx_suffix)
 
     def _plain(self, batch: torch.Tensor) -> torch.Tensor:

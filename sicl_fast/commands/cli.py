@@ -14,17 +14,16 @@ import typing
 import warnings
 
 from ..calibration.ascent import PRESETS, CalibrationConfig
+from ..diagnostics.gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
 from ..errors import SiclError, SiclWarning, require
 from ..evaluation.cli import add_icleval_eval_args, add_report_command
-from ..run.graphs import GRAPH_MODES
-from ..diagnostics.gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
-from ..run.knobs import RANGES, arg_type
+from ..formats.records import OPENED, folder_arg
 from ..models.loading import DTYPES
-from ..formats.records import folder_arg
 from ..models.transformer import DIFF_MATMUL
 from ..ops import IMPLS
+from ..run.graphs import GRAPH_MODES
+from ..run.knobs import RANGES, arg_type
 from ..run.plan import BACKENDS, LOOPS
-from ..formats.records import OPENED
 
 DEMO_REQUEST = {
     "id": "demo",

@@ -23,6 +23,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _fold_chunk(z: torch.Tensor, v0: int, tgt: torch.Tensor, softcap: float | None, m: torch.Tensor,
+                s: torch.Tensor, picked: torch.Tensor) -> tuple:
+    """One vocabulary chunk's logits z [N, c] (vocabulary rows v0 .. v0 + c) soft-capped and folded into the running
+    max m, the sum s rescaled to it and the targets' logits picked ([N] each; tgt [N] the targets) -> (m, s, picked)."""
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    m_new = torch.maximum(m, z.amax(dim=-1))
+    s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
+    # the target's logit, where it falls in this chunk: a select, not a data-dependent branch (no host read)
+    v1 = v0 + z.shape[1]
+    here = (tgt >= v0) & (tgt < v1)
+    picked = torch.where(here, z.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), picked)
+    return m_new, s, picked
+
+
 def vocab_chunked_logprobs(
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
@@ -46,14 +61,7 @@ def vocab_chunked_logprobs(
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = torch.matmul(h, head_weight[v0:v1].t()).to(acc)  # [B*P, c]
-        if softcap is not None:
-            z = torch.tanh(z / softcap) * softcap
-        m_new = torch.maximum(m, z.amax(dim=-1))
-        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
-        m = m_new
-        # the target's logit, where it falls in this chunk: a select, not a data-dependent branch (no host read)
-        here = (tgt >= v0) & (tgt < v1)
-        picked = torch.where(here, z.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), picked)
+        m, s, picked = _fold_chunk(z, v0, tgt, softcap, m, s, picked)
     return (picked - (m + torch.log(s))).view(B, P)
 
 
@@ -88,12 +96,5 @@ def rows_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torc
             z = from_form(z, anchor)
         else:
             z = from_form(torch.matmul(hidden, w.t()), anchor, ref[..., v0:v1])
-        z = z.view(B * P, v1 - v0)  # float32 rows
-        if softcap is not None:
-            z = torch.tanh(z / softcap) * softcap
-        m_new = torch.maximum(m, z.amax(dim=-1))
-        s = s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=-1)
-        m = m_new
-        here = (tgt >= v0) & (tgt < v1)
-        picked = torch.where(here, z.gather(1, (tgt - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1), picked)
+        m, s, picked = _fold_chunk(z.view(B * P, v1 - v0), v0, tgt, softcap, m, s, picked)  # float32 rows
     return (picked - (m + torch.log(s))).view(B, P)

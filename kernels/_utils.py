@@ -66,10 +66,26 @@ def step_key(seed: int, step, device, op: str):
             raise SiclError(f"{op}: a tensor step must be an int64 [1] tensor on {device}, got {step.dtype} "
                             f"{list(step.shape)} on {step.device}")
         return step_seed(seed, 0), step, True
+    return step_seed(seed, step), _dummy(device), False
+
+
+def _dummy(device) -> torch.Tensor:
+    """An int64 [1] device tensor for a pointer argument the kernel does not read (made once per device)."""
     dummy = _DUMMY.get(str(device))
     if dummy is None:
         dummy = _DUMMY[str(device)] = torch.zeros(1, dtype=torch.int64, device=device)
-    return step_seed(seed, step), dummy, False
+    return dummy
+
+
+def rows_end_arg(rows_end, device, op: str):
+    """(pointer, END_PTR) for the noise kernels' padded block: a length bucket's rows_end, an int64 [1] device
+    tensor the kernel reads (sicl_fast.calibration.step.zo), or a dummy pointer and False (the spec's b)."""
+    if rows_end is None:
+        return _dummy(device), False
+    if rows_end.device != torch.device(device) or rows_end.dtype != torch.int64 or rows_end.numel() != 1:
+        raise SiclError(f"{op}: rows_end must be an int64 [1] tensor on {device}, got {rows_end.dtype} "
+                        f"{list(rows_end.shape)} on {rows_end.device}")
+    return rows_end, True
 
 
 def next_pow2(n: int) -> int:

@@ -6,7 +6,8 @@ Batch layout (sicl_fast.calibration.step.zo):
     forward:  out[0] = X[:b],  out[1 + i] = X[:b] + mu U_i on rows [a, b)                       (B = N + 1)
     central:  out[0] = X[:b],  out[1 + 2i] = X[:b] + mu U_i,  out[2 + 2i] = X[:b] - mu U_i        (B = 2N + 1)
 U_i[r, c] = randn(seed + step * 2**32, counter = i * R * d + r * d + c), R = b - a: the same bits as
-sicl_fast.calibration.step.rng.directions and the C++ extension. U is never stored.
+sicl_fast.calibration.step.rng.directions and the C++ extension. U is never stored. A length bucket's padded block
+(rows_end, read on the device: sicl_fast.calibration.step.zo) takes b = rows_end for the noise; out keeps spec.b rows.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.calibration.step.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, launch, step_key
+from ._utils import EXACT, check_device, check_dtype, interpreting, launch, rows_end_arg, step_key
 from .randn import randn_f32
 
 
@@ -27,17 +28,21 @@ def _perturb_kernel(
     out_ptr,  # [B, n, d] float32, contiguous
     seed64,  # seed + step * 2**32; with STEP_PTR: the seed alone, the step read from step_ptr
     step_ptr,  # int64 [1] on the device (read when STEP_PTR)
-    n,  # rows per batch entry (b)
+    end_ptr,  # int64 [1] on the device: the block's end b (read when END_PTR)
+    n,  # rows per batch entry (spec.b)
     d,
     a,
     b,
     mu,  # float32
     CENTRAL: tl.constexpr,
     STEP_PTR: tl.constexpr,
+    END_PTR: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     if STEP_PTR:
         seed64 = seed64 + (tl.load(step_ptr).to(tl.int64) << 32)
+    if END_PTR:
+        b = tl.load(end_ptr).to(tl.int32)
     j = tl.program_id(0)  # batch row
     pid = tl.program_id(1)
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # flat index into [n, d]
@@ -68,12 +73,12 @@ def _perturb_kernel(
 
 
 def perturb(X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None,
-            block: int | None = None) -> torch.Tensor:
+            block: int | None = None, rows_end: torch.Tensor | None = None) -> torch.Tensor:
     """The perturbation batch [B, b, d] float32 (module docstring). X: [L, d] float32 on CUDA (or the CPU
     under TRITON_INTERPRET=1). step: an int, or an int64 [1] tensor on X's device (read in the kernel: no host
     value changes between steps, so the launch can be captured in a CUDA graph). out: optional preallocated
     [B, b, d] float32 contiguous buffer. block: elements per program (a power of two; default 1024, 4096 in the
-    interpreter)."""
+    interpreter). rows_end: a length bucket's block end (module docstring), or None."""
     op = "triton perturb"
     check_device(X, op=op)
     check_dtype(X, torch.float32, "X", op)
@@ -88,6 +93,7 @@ def perturb(X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = No
     BLOCK = block or (4096 if interpreting() else 1024)
     grid = (B, triton.cdiv(b * d, BLOCK))
     seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
-    launch(_perturb_kernel, grid, X, out, seed64, step_ptr, b, d, spec.a, b, f32(spec.mu), device=X.device,
-           block=BLOCK, CENTRAL=spec.central, STEP_PTR=from_ptr, BLOCK=BLOCK, **EXACT)
+    end_ptr, end_from_ptr = rows_end_arg(rows_end, X.device, op)
+    launch(_perturb_kernel, grid, X, out, seed64, step_ptr, end_ptr, b, d, spec.a, b, f32(spec.mu), device=X.device,
+           block=BLOCK, CENTRAL=spec.central, STEP_PTR=from_ptr, END_PTR=end_from_ptr, BLOCK=BLOCK, **EXACT)
     return out

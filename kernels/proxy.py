@@ -6,7 +6,8 @@
     c_t = exp(mean of logprobs over span t)      C = mean_t c_t      G = mean_{t>=2} max(0, c_t - c_{t-1})
     R   = q-quantile of exp(logprobs) over the P positions, linear interpolation exactly as torch.quantile
           (rank = q * (P - 1) in float32, then torch.lerp's formula); the row is sorted with tl.sort after
-          padding to a power of two with +inf
+          padding to a power of two with +inf. P is the plan's count, read on the device: a length bucket's
+          log-probs [B, W] hold padding after it (sicl_fast.calibration.step.proxy.ProxyPlan)
     f   = alpha C + beta R + gamma G
 """
 from __future__ import annotations
@@ -21,19 +22,19 @@ from sicl_fast.calibration.step.spec import f32
 from ._utils import FLOAT_DTYPES, check_device, check_dtype, launch, next_pow2
 
 
-@triton.jit(do_not_specialize=["P", "T", "below", "above"])
+@triton.jit(do_not_specialize=["T"])
 def _proxy_kernel(
-    lp_ptr, stride_b,  # [B, P] log-probs (any float dtype), row stride
+    lp_ptr, stride_b,  # [B, W] log-probs (any float dtype), row stride
     off_ptr,  # [T+1] int64 on the device
+    count_ptr,  # [1] int64 on the device: P, the positions read (W - P padding after them)
     f_ptr, C_ptr, R_ptr, G_ptr, c_ptr,  # outputs, float32: [B] x 4 and [B, T]
-    P, T,
-    alpha, beta, gamma,  # float32
-    rank,  # float32: q * (P - 1)
-    below, above,  # int32: floor(rank), ceil(rank)
+    T,
+    alpha, beta, gamma, q,  # float32
     BLOCK_P: tl.constexpr,
 ):
     row = tl.program_id(0)
     idx = tl.arange(0, BLOCK_P)
+    P = tl.load(count_ptr).to(tl.int32)
     pm = idx < P
     lp = tl.load(lp_ptr + row.to(tl.int64) * stride_b + idx, mask=pm, other=0.0).to(tl.float32)
     # per-span confidences, C and G
@@ -51,7 +52,10 @@ def _proxy_kernel(
         c_prev = ct
     C = c_sum / T.to(tl.float32)
     G = tl.where(T >= 2, g_sum / tl.maximum(T - 1, 1).to(tl.float32), 0.0)
-    # R: the q-quantile of the pooled probabilities
+    # R: the q-quantile of the pooled probabilities (rank, floor and ceiling as torch.quantile takes them)
+    rank = q * (P - 1).to(tl.float32)
+    below = rank.to(tl.int32)
+    above = tl.minimum(below + (rank > below.to(tl.float32)).to(tl.int32), P - 1)
     p = tl.where(pm, tl.exp(lp), float("inf"))
     srt = tl.sort(p, 0)
     v_lo = tl.sum(tl.where(idx == below, srt, 0.0), axis=0)
@@ -79,16 +83,16 @@ def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
     op = "triton proxy"
     check_device(logprobs, plan.offsets_dev, op=op)
     check_dtype(logprobs, FLOAT_DTYPES, "logprobs", op)
-    B, P = logprobs.shape
+    B, W = logprobs.shape
     dev = logprobs.device
     if logprobs.stride(1) != 1:
         logprobs = logprobs.contiguous()
     f, C, R, G = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(4))
     c = torch.empty(B, plan.T, dtype=torch.float32, device=dev)
-    BLOCK_P = max(next_pow2(P), 2)
+    BLOCK_P = max(next_pow2(W), 2)
     launch(
         _proxy_kernel, (B,),
-        logprobs, logprobs.stride(0), plan.offsets_dev, f, C, R, G, c, P, plan.T, f32(plan.alpha), f32(plan.beta),
-        f32(plan.gamma), plan.rank, plan.below, plan.above, device=dev, block=BLOCK_P, BLOCK_P=BLOCK_P,
+        logprobs, logprobs.stride(0), plan.offsets_dev, plan.count, f, C, R, G, c, plan.T, f32(plan.alpha),
+        f32(plan.beta), f32(plan.gamma), f32(plan.q), device=dev, block=BLOCK_P, BLOCK_P=BLOCK_P,
     )
     return ProxyOut(f=f, C=C, R=R, G=G, c=c)

@@ -13,7 +13,9 @@
 Two kernels, no [N, R, d] tensor: `_step_kernel` (one program per row of X: gradient + clip + step for rows in
 [a, b), a copy elsewhere, and float64 per-row partial sums X_new.X0, |X_new|^2, |X0|^2), then, when kappa > 0,
 `_project_kernel` (sums the partials in row order, decides on the device, rewrites the rows when it fires).
-Nothing is synchronised with the host; `fired` stays a device tensor.
+Nothing is synchronised with the host; `fired` stays a device tensor. A length bucket's padded block (rows_end, an
+int64 [1] device tensor: sicl_fast.calibration.step.zo) is read in both kernels: b = rows_end, and for scope "demos"
+the projection's rows end there too.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.calibration.step.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, launch, next_pow2, step_key
+from ._utils import EXACT, check_device, check_dtype, interpreting, launch, next_pow2, rows_end_arg, step_key
 from .randn import randn_f32
 
 
@@ -33,13 +35,18 @@ def _step_kernel(
     x_ptr, x0_ptr, f_ptr, out_ptr,  # X, X0 [L, d]; f [B]; out [L, d]   (float32, contiguous)
     pdot_ptr, pxx_ptr, px0_ptr,  # [L] float64 per-row partial sums for the projection
     seed64, step_ptr,  # as in perturb: seed + step * 2**32, or (STEP_PTR) the seed and the step on the device
+    end_ptr,  # int64 [1]: the block's end b (read when END_PTR; then hi too with HI_END)
     N, L, d, a, b, lo, hi,  # lo, hi: rows the projection covers
     mu, eta, clip_norm,  # float32
     CENTRAL: tl.constexpr, NORMALIZE: tl.constexpr, PROJECT: tl.constexpr, STEP_PTR: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    END_PTR: tl.constexpr, HI_END: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     if STEP_PTR:
         seed64 = seed64 + (tl.load(step_ptr).to(tl.int64) << 32)
+    if END_PTR:
+        b = tl.load(end_ptr).to(tl.int32)
+        if HI_END:
+            hi = b
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     rbase = row.to(tl.int64) * d
@@ -127,8 +134,9 @@ def _project_kernel(
     pdot_ptr, pxx_ptr, px0_ptr,  # [L] float64 partials (zero outside [lo, hi))
     fired_ptr,  # [1] int32
     consts_ptr,  # [2] float64: kappa, sqrt(1 - kappa^2) (a float argument would be rounded to float32)
+    end_ptr,  # int64 [1]: with END_PTR, the rows from there on are not rewritten (a padded block's "demos" scope)
     L, d, lo,
-    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    END_PTR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = lo + tl.program_id(0)
     kappa = tl.load(consts_ptr)
@@ -152,7 +160,10 @@ def _project_kernel(
     fire = cosv < kappa
     if tl.program_id(0) == 0:
         tl.store(fired_ptr, fire.to(tl.int32))
-    if fire:
+    live = fire
+    if END_PTR:
+        live = live & (row < tl.load(end_ptr))
+    if live:
         p = dot / n0
         pn = tl.sqrt(tl.maximum(xx - p * p, 0.0))
         axis = pn <= 1e-12
@@ -189,13 +200,14 @@ def cached_tensors() -> list:
 
 
 def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: StepSpec,
-              out: torch.Tensor | None = None, block_d: int | None = None):
+              out: torch.Tensor | None = None, block_d: int | None = None, rows_end: torch.Tensor | None = None):
     """One ascent step (module docstring). X, X0: [L, d] float32; f: [B] float (B = N+1 or 2N+1), all on one
     device (CUDA, or the CPU under TRITON_INTERPRET=1). step: an int or an int64 [1] device tensor (as in
     perturb). X is not modified.
 
     out: optional preallocated [L, d] float32 buffer (not X). block_d: columns per loop step (a power of two;
-    default min(next_pow2(d), 1024), 4096 in the interpreter).
+    default min(next_pow2(d), 1024), 4096 in the interpreter). rows_end: a length bucket's block end (module
+    docstring), or None.
     Returns (X_new [L, d] float32, fired int32 [1] device tensor: 1 when the cosine projection fired).
     """
     op = "triton zo_update"
@@ -219,18 +231,21 @@ def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: St
     pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if spec.project else (fired, fired, fired)
     BLOCK_D = block_d or min(next_pow2(d), 4096 if interpreting() else 1024)
     seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
+    end_ptr, end_from_ptr = rows_end_arg(rows_end, X.device, op)
+    hi_end = end_from_ptr and spec.scope == "demos"
     launch(
         _step_kernel, (L,),
-        X, X0, f, out, pdot, pxx, px0, seed64, step_ptr, spec.N, L, d, spec.a, spec.b, lo, hi,
+        X, X0, f, out, pdot, pxx, px0, seed64, step_ptr, end_ptr, spec.N, L, d, spec.a, spec.b, lo, hi,
         f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), device=X.device, block=BLOCK_D, CENTRAL=spec.central,
-        NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, STEP_PTR=from_ptr, BLOCK_D=BLOCK_D, **EXACT,
+        NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, STEP_PTR=from_ptr, END_PTR=end_from_ptr,
+        HI_END=hi_end, BLOCK_D=BLOCK_D, **EXACT,
     )
     if spec.project:
         BLOCK_L = min(next_pow2(L), 1024)
         consts = _consts(float(spec.kappa), X.device)
         launch(
             _project_kernel, (hi - lo,),
-            out, X0, pdot, pxx, px0, fired, consts, L, d, lo, device=X.device, block=max(BLOCK_L, BLOCK_D),
-            BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
+            out, X0, pdot, pxx, px0, fired, consts, end_ptr, L, d, lo, device=X.device,
+            block=max(BLOCK_L, BLOCK_D), END_PTR=hi_end, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
         )
     return out, fired

@@ -20,7 +20,6 @@ from .backends import build_backend
 from .run.checks import check_embeddings, check_prompt
 from .errors import SiclError
 from .backends.generate import Generation
-from .run.graphs import DEFAULT_CAPACITY
 from .models import LoadedModel, load
 from .calibration.packed import run_packed
 from .run.plan import Choices, make_plan, resolve_reuse
@@ -49,8 +48,11 @@ class Engine:
     ops, and a backend, impl or model that cannot be differentiated is refused here; its calibrations run on the
     eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for CUDA), 'on', 'off':
     static-loop calibrations replay a CUDA graph of the step, captured once per prompt shape, and the fast backend
-    decodes through captured graphs (sicl_fast.run.graphs); at most `graph_cache` graphs of each kind are kept. Results
-    equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
+    decodes through captured graphs (sicl_fast.run.graphs); at most `graph_cache` graphs of each kind are kept (None: 4,
+    16 with length buckets). Results equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
+    length_buckets: 'auto' (4 where graphs are on), 'off', or a power of two K: the static step runs padded to a
+    ladder of K lengths a doubling, so that prompts of nearby lengths share one step and its graph
+    (sicl_fast.run.buckets); results equal the unpadded step's up to the products' summation order.
     reuse: what `calibrate` does by default with the calibration store (sicl_fast.answering.reuse): 'off' (calibrate
     every prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always); unset, 'auto' when a store
     or store_dir is given (else 'off'). store: a CalibrationStore (shared between engines if you like); else one is
@@ -73,7 +75,8 @@ class Engine:
         pack: int | str = 1,
         grad: bool = False,
         graphs: str = "auto",
-        graph_cache: int = DEFAULT_CAPACITY,
+        graph_cache: int | None = None,
+        length_buckets: int | str = "auto",
         attn: str = "auto",
         reuse: str | None = None,
         store: CalibrationStore | None = None,
@@ -85,7 +88,8 @@ class Engine:
                           store_bytes=store_bytes)
         reuse = default_reuse(reuse, store is not None or store_dir is not None, pack)
         choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
-                          sync_every=sync_every, graphs=graphs, graph_cache=graph_cache, pack=pack, grad=grad,
+                          sync_every=sync_every, graphs=graphs, graph_cache=graph_cache,
+                          length_buckets=length_buckets, pack=pack, grad=grad,
                           reuse=reuse, threads=threads)  # every choice checked before the store or the model
         self.store = store if store is not None else CalibrationStore(
             DEFAULT_MAX_BYTES if store_bytes is None else store_bytes, store_dir)
@@ -96,8 +100,9 @@ class Engine:
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
         self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)
+        if self.plan.graphs or self.plan.length_buckets:
+            self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets)
         if self.plan.graphs:
-            self.steps = StepCache(self.lm.device, self.plan.graph_cache)
             self.backend.use_graphs(self.plan.graph_cache)
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:

@@ -7,7 +7,8 @@ without one; the kernel modules' own tests also run on the GPU there, through co
     seeded calibration               Triton ops + static loop on CUDA vs torch ops on the CPU (same steps, stop,
                                      best step; history and embeddings to float32 tolerance)
     CUDA graphs                      captured step and decode == the uncaptured path on CUDA, bit for bit,
-                                     across prompts of one shape, a new shape and a new prompt length
+                                     across prompts of one shape, a new shape and a new prompt length; two
+                                     lengths in one length bucket share a graph (test_buckets.py's tolerances)
     decoding                         greedy answer on CUDA == on the CPU (float32)
 
 Tolerances: float32 on CUDA vs the CPU 2e-4 absolute on log-probs (TF32 is off; the difference is reduction
@@ -111,7 +112,7 @@ def test_seeded_calibration_on_cuda_matches_the_cpu(cpu_models):
 def test_graphs_equal_the_uncaptured_path_on_cuda(cpu_models, dtype):
     lm = on_cuda(cpu_models["gemma2"], dtype)
     eager = Engine(lm, backend="fast", graphs="off", sync_every=3)
-    graphed = Engine(lm, backend="fast", graphs="on", sync_every=3, graph_cache=2)
+    graphed = Engine(lm, backend="fast", graphs="on", sync_every=3, graph_cache=2, length_buckets="off")
     cfg = CalibrationConfig(**{**BASE, "max_steps": 7})
     prompts = [make_prompt(6, seed=1), moved(6, seed=2), make_prompt(0, seed=3), make_prompt(6, seed=1)]
     for p in prompts:  # a shape, the same shape again, a new shape, the first shape
@@ -121,6 +122,25 @@ def test_graphs_equal_the_uncaptured_path_on_cuda(cpu_models, dtype):
         X = eager.backend.embed(make_prompt(6, seed=n))[:n]
         assert graphed.backend.generate(X, None, tokens).token_ids == eager.backend.generate(X, None, tokens).token_ids
     assert graphed.backend.decoders.stats == {"builds": 1, "hits": 2}
+
+
+def test_length_buckets_share_one_graph_on_cuda(cpu_models):
+    """Two prompt lengths in one bucket: one capture (the graphs' shared pool), each run within test_buckets.py's
+    tolerances of the uncaptured, unpadded run."""
+    from conftest import synthetic_prompt
+    from test_buckets import assert_close_run
+    from test_fast_backend import V
+
+    lm = on_cuda(cpu_models["gemma2"])
+    eager = Engine(lm, backend="fast", graphs="off", length_buckets="off", sync_every=3)
+    graphed = Engine(lm, backend="fast", graphs="on", sync_every=3)
+    assert graphed.plan.length_buckets == 4 and graphed.plan.graph_cache == 16
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 7})
+    prompts = [synthetic_prompt(41, [(10, 14), (20, 26)], 6, V, seed=1),
+               synthetic_prompt(44, [(9, 12), (21, 27)], 6, V, seed=2)]
+    for p in prompts:
+        assert_close_run(graphed.calibrate(p, cfg), eager.calibrate(p, cfg))
+    assert graphed.steps.cache.stats == {"builds": 1, "hits": 1}
 
 
 def test_decoding_on_cuda_matches_the_cpu(cpu_models):

@@ -165,6 +165,12 @@ REFUSALS = {
                                                         SiclError, "run the zeroth-order ascent only; estimator "
                                                                    "'grad' runs on the eager loop"),
     "graph cache not a count": (plan_of(graph_cache=0), SiclError, "Engine: graph_cache must be >= 1, got 0"),
+    "length buckets on the eager loop": (plan_of(loop="eager", length_buckets=4), SiclError,
+                                         "length_buckets 4 pads the static step; backend 'fast' with loop 'eager'"),
+    "length buckets not a power of two": (plan_of(length_buckets=3), SiclError,
+                                          "length buckets: 3 lengths a doubling; the count must be a power of two"),
+    "length buckets beyond the table": (plan_of(length_buckets=65), SiclError,
+                                        r"Engine: length_buckets must be <= 64 \(length buckets a doubling"),
     "the static step on a backend without one": (plan_of(backend="hf",
                                                          then=lambda p, lm: p.require_sync_free("step")), SiclError,
                                                  "the static step needs a forward without host reads"),
@@ -282,7 +288,7 @@ def test_the_plain_low_precision_ascent_says_what_it_loses(odd_models, models):
 def test_explain_names_every_axis(models):
     text = make_plan(models["llama"], backend="fast-fp32", impl="torch").explain()
     for axis in ("backend", "impl", "attention", "attention_check", "diff_matmul", "loop", "sync_every", "read_every",
-                 "graphs", "pack", "estimator"):
+                 "graphs", "length_buckets", "graph_cache", "pack", "estimator"):
         assert re.search(rf"^  {axis} +\S", text, re.M), axis
     assert "fast-fp32: every product plain, in the model dtype" in text and "tiny-llama" in text
     # the attention kernel's per-call hand-offs to the math path are said beside it

@@ -70,3 +70,15 @@ def test_bad_inputs():
         proxy(torch.tensor([[float("nan"), -1.0]]), span_offsets([2]))
     with pytest.raises(SiclError, match="q must be"):
         proxy(lp(0.5), span_offsets([1]), q=1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_quantile_is_torch_quantile_bit_for_bit(dtype):
+    """R takes the sorted values and torch.lerp on the device (no host read, a padded plan's count), and equals
+    torch.quantile's linear interpolation exactly."""
+    g = torch.Generator().manual_seed(7)
+    for P in (1, 2, 3, 10, 37, 128):
+        lp = (-torch.rand(5, P, generator=g) * 8).to(dtype)
+        for q in (0.0, 0.1, 0.25, 0.37, 0.5, 0.9, 1.0):
+            R = proxy(lp, span_offsets([P]), q=q).R
+            assert torch.equal(R, torch.quantile(torch.exp(lp), q, dim=1, interpolation="linear")), (P, q)

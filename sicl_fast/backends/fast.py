@@ -51,11 +51,12 @@ class FastBackend(Backend):
         self.decoders = ShapeCache(capacity)
 
     def step_forward(self, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
-                     rows: bool | None = None) -> StepForward:
+                     rows: bool | None = None, bucket=None) -> StepForward:
         """The forward of this prompt's perturbation batches of B rows (sicl_fast.backends.step_forward): prefix
         policy 'kept' / 'pass' / 'none' ('none' always without the prefix cache); X0 [L, d]: the rows a kept prefix
-        is computed from; rows: the difference form (None: the plan's, when difference products are on)."""
-        return StepForward(self, prompt, prefix if self.prefix_cache else "none", B, X0, rows)
+        is computed from; rows: the difference form (None: the plan's, when difference products are on); bucket: a
+        length bucket's sizes (sicl_fast.run.buckets), or None."""
+        return StepForward(self, prompt, prefix if self.prefix_cache else "none", B, X0, rows, bucket)
 
     def packed_forward(self, prompts, Bs, Xs) -> PackedForward:
         """The forward of several prompts' perturbation batches in one pass (B_j rows each, from X_j; the packed

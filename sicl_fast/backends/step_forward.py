@@ -5,6 +5,8 @@ packed step and FastBackend.span_logprobs all call this, and nothing else reache
     fwd = backend.step_forward(prompt, prefix)      (FastBackend.step_forward)
     lp = fwd(batch [B, b', d] float32)  -> [B, P] float32      no checks and no host reads: capturable
     fwd.load(prompt, X0)                              re-arm for another prompt of the same shape
+    backend.step_forward(prompt, prefix, B, X0, bucket=Bucket(...))   a length bucket's padded forward
+                                                      (sicl_fast.run.buckets): b' = bucket.rows, P = its positions
 
 The prefix policy (rows [0, a), the demonstration-free prefix, are never perturbed):
 
@@ -42,7 +44,9 @@ REFRESH_EVERY = 16
 class SpanPlan:
     """Where one prompt's span predictions are read, on the device: idx [P] int64, the rows t - 1 of the span
     tokens t among rows [0, b); idx_suffix = idx - a, the same rows among [a, b) (the prefix path's hidden
-    states, unless from_prefix: a span starts right at row a); targets [P] the span tokens."""
+    states, unless from_prefix: a span starts right at row a); targets [P] the span tokens. With a length bucket
+    (sicl_fast.run.buckets) b is the bucket's rows and the three tensors its positions, the last real one repeated
+    (the proxy reads the first P)."""
 
     a: int
     b: int
@@ -52,10 +56,14 @@ class SpanPlan:
     targets: torch.Tensor
 
     @classmethod
-    def of(cls, prompt: Prompt, device) -> SpanPlan:
-        a, idx = prompt.demo_start, prompt.positions - 1  # the hidden state at t-1 predicts token t
-        return cls(a=a, b=prompt.demo_end, idx=idx.to(device), idx_suffix=(idx - a).to(device),
-                   from_prefix=a > 0 and int(idx.min()) < a, targets=prompt.targets.to(device))
+    def of(cls, prompt: Prompt, device, bucket=None) -> SpanPlan:
+        a, idx, targets = prompt.demo_start, prompt.positions - 1, prompt.targets  # the state at t-1 predicts t
+        from_prefix = a > 0 and int(idx.min()) < a
+        if bucket is not None:
+            pad = bucket.positions - idx.numel()
+            idx, targets = (torch.cat([t, t[-1:].expand(pad)]) for t in (idx, targets))
+        return cls(a=a, b=prompt.demo_end if bucket is None else bucket.rows, idx=idx.to(device),
+                   idx_suffix=(idx - a).to(device), from_prefix=from_prefix, targets=targets.to(device))
 
     def copy_(self, other: SpanPlan) -> None:
         """Take another prompt's plan of the same shape, in place (a captured graph reads these tensors)."""
@@ -83,23 +91,23 @@ class StepForward:
     """One prompt's step forward (module docstring). backend: a FastBackend; B: the batch rows of the passes (the
     rows layout is made for it); X0 [L, d] float32: the rows a 'kept' prefix and the first reference are made from
     (None: the prompt's own embeddings); rows: the difference form (None: when the model has difference products
-    on)."""
+    on); bucket: a length bucket's sizes (sicl_fast.run.buckets.Bucket; X0 then has its `length` rows), or None."""
 
     # the value rows against a float32 reference (the design); False: their values rounded as they are, which the
     # precision study (bench/precision_fidelity.py, path 'fp32-rows-rounded') sets to measure what the reference buys
     references = True
 
     def __init__(self, backend, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
-                 rows: bool | None = None) -> None:
+                 rows: bool | None = None, bucket=None) -> None:
         m = self.model = backend.model
         self.backend, self.ops = backend, backend.ops
         self.policy = resolve_policy(prompt, prefix)
         self.B = B
         self.rows_on = m.rows_on if rows is None else rows
         self.refresh_every = REFRESH_EVERY if self.rows_on and self.references else 0
-        self.prompt = prompt
-        self.span = SpanPlan.of(prompt, m.device)
-        a, b = prompt.demo_start, prompt.demo_end
+        self.prompt, self.bucket = prompt, bucket
+        self.span = SpanPlan.of(prompt, m.device, bucket)
+        a, b = prompt.demo_start, self.span.b
         self.start = 0 if self.policy == "none" else a  # the first row each batch row runs
         X0 = X0 if X0 is not None else backend.embed(prompt)
         self.prefix = self._kept_prefix(prompt, X0) if self.policy == "kept" else None
@@ -111,10 +119,10 @@ class StepForward:
             self.ref, self.z_ref = self._reference(X0) if self.references else (None, None)
 
     @staticmethod
-    def shape(prompt: Prompt, prefix: str, B: int) -> tuple:
+    def shape(prompt: Prompt, prefix: str, B: int, bucket=None) -> tuple:
         """What a forward's buffers and launches depend on: prompts of one shape can share one StepForward (load)."""
-        return (resolve_policy(prompt, prefix), B, prompt.demo_start, prompt.demo_end, int(prompt.positions.numel()),
-                SpanPlan.of(prompt, "cpu").from_prefix)
+        span = SpanPlan.of(prompt, "cpu", bucket)
+        return resolve_policy(prompt, prefix), B, prompt.demo_start, span.b, int(span.idx.numel()), span.from_prefix
 
     def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor):
         return fixed_rows_kv(self.model, X0[:prompt.demo_start].to(self.model.device), self.rows_on)
@@ -142,7 +150,7 @@ class StepForward:
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten
         in place, so a graph captured on this forward replays the new prompt."""
-        self.span.copy_(SpanPlan.of(prompt, self.model.device))
+        self.span.copy_(SpanPlan.of(prompt, self.model.device, self.bucket))
         self.prompt = prompt
         if self.prefix is not None:
             new = self._kept_prefix(prompt, X0)

@@ -46,7 +46,7 @@ class Slot:
         eager loop), the steps reported, and the result once it stopped by itself or the stop hook says so."""
         state = self.step.state
         if self.best_at.wants(n) and reason != GATE:
-            self.best_at.keep(n, state.best.best_step, state.best.best_X)
+            self.best_at.keep(n, state.best.best_step, self.step.own(state.best.best_X))
         if self.on_step is not None and n > self.reported:
             for i, v in enumerate(state.history[self.reported:n].tolist(), start=self.reported):
                 self.on_step(i, v)

@@ -6,6 +6,9 @@ that reads the state back only every k steps. It computes Algorithm 1 exactly as
     step()                                          perturb -> forward -> span log-probs -> proxy ->
                                                     best / patience / SNR / stop bookkeeping -> update, in place
     run_static(backend, config, prompt, sync_every=k) -> CalibrationResult
+    StepCache(device, capacity, buckets)            steps (and their CUDA graphs) kept per prompt shape; with length
+                                                    buckets (sicl_fast.run.buckets) prompts of nearby lengths run
+                                                    padded to one shape and share a step
 
 One call of the step reads nothing back to the host: no .item(), no float() / bool() of a tensor, no Python
 branch on a tensor value (tests run it under a guard that fails on any). The step index and the stop flag are
@@ -29,13 +32,14 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult
 from ..run.checks import calibration_inputs
 from ..errors import NumericalError
-from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs
+from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs, shared_pool
 from ..run.knobs import check_range
 from .step.proxy import ProxyPlan
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..backends.step_forward import StepForward
 from ..formats.spans import Prompt
-from .step.spec import StepSpec, resolve_scale
+from .step.spec import StepSpec, block_end, resolve_scale
+from ..run.buckets import Bucket
 from .reads import Slot, read, steps_to_read
 from .step.step_state import GATE, NONFINITE, REASONS, StepState
 
@@ -43,21 +47,39 @@ from .step.step_state import GATE, NONFINITE, REASONS, StepState
 class StaticStep:
     """One prompt's calibration state on the device (`state`, a StepState) and its step (module docstring). X0
     [L, d] float32, checked (sicl_fast.run.checks.calibration_inputs). use_prefix=False: always the full rows [0, b)
-    (the packed step, sicl_fast.calibration.packed, runs prompts without their prefix K/V)."""
+    (the packed step, sicl_fast.calibration.packed, runs prompts without their prefix K/V). bucket: a length bucket
+    (sicl_fast.run.buckets.Bucket) the step runs padded to, so that prompts of other lengths in it share this step
+    and its graph (load); the state then holds X [bucket.length, d], whose first L rows are the prompt's (own)."""
 
     def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
-                 use_prefix: bool = True) -> None:
+                 use_prefix: bool = True, bucket: Bucket | None = None) -> None:
         backend.plan.require_sync_free("step")
         backend.plan.check_zeroth_order(config.estimator)
-        self.backend, self.ops, self.prompt = backend, backend.ops, prompt
+        self.backend, self.ops, self.prompt, self.bucket = backend, backend.ops, prompt, bucket
         self.config = cfg = resolve_scale(config, backend.lm)
         dev = backend.device
-        self.spec = StepSpec.for_prompt(cfg, prompt, X0)
-        self.proxy_plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta,
-                                          cfg.gamma, cfg.q)
-        self.state = StepState.new(X0.to(dev), cfg)
+        self.spec = StepSpec.for_prompt(cfg, prompt, X0, bucket)
+        # the block's own end, read on the device by the noise kernels and the update (None: the spec's b)
+        self.rows_end = None if bucket is None else torch.tensor([block_end(cfg, prompt)], device=dev)
+        self.proxy_plan = self._proxy_plan(prompt)
+        self.state = StepState.new(self.padded(X0.to(dev)), cfg)
         self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
-        self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0)
+        self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0,
+                                            bucket=bucket)
+
+    def _proxy_plan(self, prompt: Prompt) -> ProxyPlan:
+        cfg, b = self.config, self.bucket
+        return ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), self.backend.device, cfg.alpha,
+                               cfg.beta, cfg.gamma, cfg.q, width=None if b is None else b.positions)
+
+    def padded(self, X: torch.Tensor) -> torch.Tensor:
+        """X [L, d] as the state holds it: followed by zero rows up to the bucket's length (X itself: no bucket)."""
+        pad = self.spec.L - X.shape[0]
+        return torch.cat([X, X.new_zeros(pad, X.shape[1])]) if pad else X
+
+    def own(self, X: torch.Tensor) -> torch.Tensor:
+        """The prompt's rows [L, d] of a state tensor [spec.L, d] (a view)."""
+        return X[:self.prompt.length]
 
     @staticmethod
     def policy(spec: StepSpec, use_prefix: bool = True) -> str:
@@ -65,27 +87,26 @@ class StaticStep:
         return spec.prefix_policy if use_prefix else "none"
 
     @staticmethod
-    def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor) -> tuple:
+    def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
+              bucket: Bucket | None = None) -> tuple:
         """What a step's buffers and kernel launches depend on (config resolved, X0 [L, d]). Prompts of one shape
         can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
-        count or length, and their texts in everything."""
+        count or length, and their texts in everything; with a bucket, their lengths and span lengths too, within
+        the bucket's sizes."""
         config = resolve_scale(config, backend.lm)
-        spec = StepSpec.for_prompt(config, prompt, X0)
-        return (config, spec, len(prompt.token_spans), StepForward.shape(prompt, StaticStep.policy(spec), spec.B))
+        spec = StepSpec.for_prompt(config, prompt, X0, bucket)
+        return (config, spec, len(prompt.token_spans),
+                StepForward.shape(prompt, StaticStep.policy(spec), spec.B, bucket), bucket)
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
         overwritten in place, so a graph captured on this step replays the new prompt, and the state starts as a
         new StaticStep's would."""
-        cfg, dev = self.config, self.backend.device
-        plan = ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), dev, cfg.alpha, cfg.beta, cfg.gamma,
-                               cfg.q)
-        pp = self.proxy_plan
-        for mine, new in ((pp.offsets, plan.offsets), (pp.offsets_dev, plan.offsets_dev), (pp.seg, plan.seg),
-                          (pp.lengths, plan.lengths)):
-            mine.copy_(new)
+        self.proxy_plan.copy_(self._proxy_plan(prompt))
+        if self.rows_end is not None:
+            self.rows_end.fill_(block_end(self.config, prompt))
         self.prompt = prompt
-        self.state.reset(X0)
+        self.state.reset(self.padded(X0.to(self.backend.device)))
         self.forward.load(prompt, self.state.X0)
 
     @torch.no_grad()
@@ -96,7 +117,7 @@ class StaticStep:
 
     def perturb(self) -> None:
         """The perturbation batch of this step into self.batch [B, b, d]."""
-        self.ops.perturb(self.state.X, self.state.step_t, self.spec, out=self.batch)
+        self.ops.perturb(self.state.X, self.state.step_t, self.spec, out=self.batch, rows_end=self.rows_end)
 
     def evaluate(self) -> torch.Tensor:
         """f [B] of self.batch: the forward (decoder and span head) and the proxy."""
@@ -106,7 +127,7 @@ class StaticStep:
         """The update of X (into X_next) and the bookkeeping of the step whose batch gave f [B] (gate, best X,
         patience, SNR, stops), all as masked updates of the device state (sicl_fast.calibration.step.step_state)."""
         st = self.state
-        _, fired = self.ops.update(st.X, st.X0, f, st.step_t, self.spec, out=st.X_next)
+        _, fired = self.ops.update(st.X, st.X0, f, st.step_t, self.spec, out=st.X_next, rows_end=self.rows_end)
         self.ops.bookkeep(st, f, fired, self.config)
 
     def result(self, seconds: float, stop_reason: str | None = None, best_at: BestAt | None = None
@@ -119,7 +140,7 @@ class StaticStep:
         if reason == NONFINITE:
             raise NumericalError(f"request {self.prompt.id!r}: the proxy is {history[-1]} at step {n - 1}")
         return CalibrationResult(
-            embeddings=st.best.best_X.clone(), initial_proxy=history[0], best_proxy=float(st.best.best_f),
+            embeddings=self.own(st.best.best_X).clone(), initial_proxy=history[0], best_proxy=float(st.best.best_f),
             steps=n, best_step=st.best.best_step, gated=reason == GATE, stop_reason=stop_reason or REASONS[reason],
             history=history, seconds=seconds, projections=int(st.projections), config=self.config,
             impl=self.ops.name, best_at=best_at.kept if best_at is not None else {},
@@ -129,20 +150,34 @@ class StaticStep:
 class StepCache:
     """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA (the step
     itself elsewhere), at most `capacity` of them (least recently used dropped). get() re-arms the step of the
-    prompt's shape for that prompt (StaticStep.load), building and capturing it on the first prompt of a shape."""
+    prompt's shape for that prompt (StaticStep.load), building and capturing it on the first prompt of a shape.
+    buckets: length buckets a doubling (sicl_fast.run.buckets; the run plan's length_buckets), so that prompts of
+    nearby lengths share a step and its graph; None: one step a shape. On CUDA every graph draws its temporaries
+    from one memory pool (graphs replay one at a time, so they can share it: a new bucket adds its buffers, not
+    another pool)."""
 
-    def __init__(self, device, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, device, capacity: int = DEFAULT_CAPACITY, buckets: int | None = None) -> None:
         self.device = torch.device(device)
         self.cache = ShapeCache(capacity)
+        self.buckets = buckets
+        self.pool = shared_pool(self.device)
+
+    def bucket(self, backend, config: CalibrationConfig, prompt: Prompt) -> Bucket | None:
+        """The length bucket `prompt` runs in (None: buckets off)."""
+        if self.buckets is None:
+            return None
+        return Bucket.of(prompt, self.buckets, backend.lm.max_context)
 
     def get(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor):
         """(step, run): the StaticStep armed for prompt from X0 [L, d] (config resolved), and the callable that
         runs one step of it (its graph's replay on CUDA)."""
-        def build():
-            st = StaticStep(backend, config, prompt, X0)
-            return st, captured(st, self.device, keep=model_refs(backend.model, backend.ops))
+        bucket = self.bucket(backend, config, prompt)
 
-        (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0), build)
+        def build():
+            st = StaticStep(backend, config, prompt, X0, bucket=bucket)
+            return st, captured(st, self.device, keep=model_refs(backend.model, backend.ops), pool=self.pool)
+
+        (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0, bucket), build)
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
             st.load(prompt, X0)
         return st, run
@@ -178,7 +213,7 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             run()
             slot.calls += 1
             if on_update is not None:
-                on_update(st.state.X)
+                on_update(st.own(st.state.X))
         (reason, n), = read([slot])
         result = slot.settle(reason, n)
         if result is not None:

@@ -168,6 +168,11 @@ def _loop(g) -> None:
     g.add_argument("--graphs", default="auto", choices=GRAPH_MODES,
                    help="CUDA graphs: the static step captured once per prompt shape and replayed, and the decode "
                         "step captured per cache length; auto: on for CUDA with the static loop. Same results.")
+    g.add_argument("--length-buckets", type=arg_type("length_buckets", auto=True, words=("off",)), default="auto",
+                   metavar="K",
+                   help="pad the static step to a ladder of K lengths a doubling (a power of two), so that prompts of "
+                        "nearby lengths share one step and its CUDA graph; auto: 4 where graphs are on, else off. "
+                        "Same results up to the products' summation order")
 
 
 def _pack(g) -> None:
@@ -570,7 +575,8 @@ def _plan_choices(args, **over) -> dict:
     return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=getattr(args, "diff_matmul", "auto"),
                    impl=args.impl, loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
                    pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
-                   reuse=_reuse_choice(args), threads=getattr(args, "threads", None)),
+                   length_buckets=getattr(args, "length_buckets", "auto"), reuse=_reuse_choice(args),
+                   threads=getattr(args, "threads", None)),
             **over}
 
 

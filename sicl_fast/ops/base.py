@@ -12,13 +12,17 @@ the kernels sicl_fast.kernels: CUDA or the CPU interpreter). An implementation w
 inherits the reference's; where it adds nothing to a kernel, the kernel function itself is bound as the op.
 
 StepOps (shapes and dtypes):
-    perturb(X [L, d] f32, step, spec, out=None) -> batch [B, b, d] f32
-    update(X, X0 [L, d] f32, f [B], step, spec, out=None) -> (X_new [L, d] f32, fired int32 [1] on X's device)
+    perturb(X [L, d] f32, step, spec, out=None, rows_end=None) -> batch [B, b, d] f32
+    update(X, X0 [L, d] f32, f [B], step, spec, out=None, rows_end=None) -> (X_new [L, d] f32, fired int32 [1] on
+        X's device)
         step: an int, or an int64 [1] tensor on X's device that the op reads there (device-resident loop state:
-        no host read, so a CUDA graph can replay the step); out: a preallocated result buffer
+        no host read, so a CUDA graph can replay the step); out: a preallocated result buffer; rows_end: None, or
+        an int64 [1] tensor on X's device, read there: a length bucket's padded block ends there instead of at
+        spec.b (sicl_fast.calibration.step.zo)
     ascend(X, X0 [L, d] f32, g [R, d] f32, spec) -> (X_new, fired)      the step from a given (exact) gradient
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
-    proxy_planned(logprobs [B, P], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (step.proxy)
+    proxy_planned(logprobs [B, W], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (step.proxy; W the
+                                                                    plan's width, its count of positions read)
     span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
     span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None, z_ref=None,
                    value_slot=None) -> [B, P] f32
@@ -65,10 +69,12 @@ from ..calibration.step.spec import StepSpec
 class StepOps(Protocol):
     name: str  # "torch", "cpp" or "triton": what CalibrationResult and benchmark records report
 
-    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None) -> torch.Tensor: ...
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = None,
+                rows_end: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def update(self, X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: StepSpec,
-               out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+               out: torch.Tensor | None = None, rows_end: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def ascend(self, X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor,
                spec: StepSpec) -> tuple[torch.Tensor, torch.Tensor]: ...

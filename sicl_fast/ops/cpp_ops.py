@@ -141,6 +141,15 @@ def _step(step, op: str):
     return np.array([step], dtype=np.int64)
 
 
+def _block_end(rows_end, spec: StepSpec, op: str) -> int:
+    """The perturbed block's end the extension takes as b: spec.b, or a length bucket's rows_end (an int64 [1] CPU
+    tensor, read from its buffer as the extension reads the step: sicl_fast.calibration.step.zo). The extension
+    leaves rows [rows_end, spec.b) of the batch as X's and out of the update, which is the padded step."""
+    if rows_end is None:
+        return spec.b
+    return int(_cpu(rows_end, "rows_end", op, torch.int64).reshape(1).numpy()[0])
+
+
 def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
     """U [num, rows, d] float32, bit-identical to calibration.step.rng.directions(seed, step, num, rows, d)."""
     check_counter_range(num, rows, d)
@@ -230,19 +239,19 @@ class CppStepOps(TorchStepOps):
     def __init__(self) -> None:
         _ext()
 
-    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None, rows_end=None) -> torch.Tensor:
         op = "cpp perturb"
         X = _cpu(X, "X", op)
         spec.check_X(X, "X", op)
         out = torch.empty(spec.B, spec.b, spec.d, dtype=torch.float32) if out is None else out
-        _ext().perturb(X.numpy(), out.numpy(), spec.seed, _step(step, op), spec.N, spec.a, spec.b, f32(spec.mu),
-                       spec.central)
+        _ext().perturb(X.numpy(), out.numpy(), spec.seed, _step(step, op), spec.N, spec.a,
+                       _block_end(rows_end, spec, op), f32(spec.mu), spec.central)
         return out
 
     span_head = staticmethod(span_head)
     span_head_rows = staticmethod(span_head_rows)
 
-    def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, X, X0, f, step, spec: StepSpec, out=None, rows_end=None) -> tuple[torch.Tensor, torch.Tensor]:
         op = "cpp update"
         X, X0 = _cpu(X, "X", op), _cpu(X0, "X0", op)
         spec.check_X(X, "X", op)
@@ -251,14 +260,16 @@ class CppStepOps(TorchStepOps):
         f = _cpu(f.reshape(-1).float(), "f", op)
         out = torch.empty_like(X) if out is None else out
         fired = _ext().update(
-            X.numpy(), X0.numpy(), f.numpy(), out.numpy(), spec.seed, _step(step, op), spec.N, spec.a, spec.b,
-            f32(spec.mu), f32(spec.eta), float(spec.kappa), spec.central, spec.grad_mode == "normalize",
-            f32(spec.clip_norm), spec.scope == "demos",
+            X.numpy(), X0.numpy(), f.numpy(), out.numpy(), spec.seed, _step(step, op), spec.N, spec.a,
+            _block_end(rows_end, spec, op), f32(spec.mu), f32(spec.eta), float(spec.kappa), spec.central,
+            spec.grad_mode == "normalize", f32(spec.clip_norm), spec.scope == "demos",
         )
         return out, fired_tensor(bool(fired), X.device)
 
     def proxy_planned(self, logprobs, plan: ProxyPlan) -> ProxyOut:
-        lp = _cpu(logprobs.float(), "logprobs", "cpp proxy")
+        op = "cpp proxy"
+        count = int(_cpu(plan.count, "count", op, torch.int64).numpy()[0])  # a CPU buffer, as the step's
+        lp = _cpu(logprobs[:, :count].float(), "logprobs", op)
         B = lp.shape[0]
         f, C, R, G = (torch.empty(B, dtype=torch.float32) for _ in range(4))
         c = torch.empty(B, plan.T, dtype=torch.float32)

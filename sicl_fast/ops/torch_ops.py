@@ -35,19 +35,19 @@ class TorchStepOps:
     def cached_tensors(self) -> list:
         return []  # the reference caches nothing on the device
 
-    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None, rows_end=None) -> torch.Tensor:
         spec.check_X(X, "X", f"{self.name} perturb")
-        batch = zo.perturb(X, zo.step_directions(step, spec, device=X.device), spec)
+        batch = zo.perturb(X, zo.step_directions(step, spec, X.device, rows_end), spec)
         return batch if out is None else out.copy_(batch)
 
-    def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, X, X0, f, step, spec: StepSpec, out=None, rows_end=None) -> tuple[torch.Tensor, torch.Tensor]:
         op = f"{self.name} update"
         spec.check_X(X, "X", op)
         spec.check_X(X0, "X0", op)
         spec.check_f(f, op)
-        U = zo.step_directions(step, spec, device=X.device)
+        U = zo.step_directions(step, spec, X.device, rows_end)
         on_device = isinstance(step, torch.Tensor)  # device-resident state: decide the projection there too
-        X_new, fired = zo.update(X, X0, f.reshape(-1), U, spec, on_device=on_device)
+        X_new, fired = zo.update(X, X0, f.reshape(-1), U, spec, on_device=on_device, rows_end=rows_end)
         if not on_device:
             fired = fired_tensor(fired, X.device)
         return (X_new, fired) if out is None else (out.copy_(X_new), fired)

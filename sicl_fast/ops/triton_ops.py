@@ -45,11 +45,11 @@ class TritonStepOps(TorchStepOps):
         self.proxy_planned, self.track_best, self.bookkeep = K.proxy_planned, K.track_best, K.bookkeep
         self.cached_tensors = K.cached_tensors
 
-    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None) -> torch.Tensor:
-        return self.K.perturb(X.float(), step, spec, out=out)
+    def perturb(self, X: torch.Tensor, step, spec: StepSpec, out=None, rows_end=None) -> torch.Tensor:
+        return self.K.perturb(X.float(), step, spec, out=out, rows_end=rows_end)
 
-    def update(self, X, X0, f, step, spec: StepSpec, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.K.zo_update(X.float(), X0.float(), f, step, spec, out=out)
+    def update(self, X, X0, f, step, spec: StepSpec, out=None, rows_end=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.K.zo_update(X.float(), X0.float(), f, step, spec, out=out, rows_end=rows_end)
 
     def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
         # a prompt's targets: checked once by sicl_fast.run.checks.check_tokens, never read back per step

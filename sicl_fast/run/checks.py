@@ -18,6 +18,7 @@ import torch
 
 from ..errors import NumericalError, SiclError
 from .knobs import MIN_MU
+from ..calibration.step.spec import block_end
 from ..formats.spans import Prompt, vocabulary_key, vocabulary_size
 
 GiB = 1 << 30
@@ -110,7 +111,7 @@ def step_memory(lm, prompt: Prompt, config, kept: int = 0) -> int:
     counts of --answer-at)."""
     cfg = lm.text_config
     B = config.batch
-    n = prompt.length if config.perturb_query else prompt.demo_end
+    n = block_end(config, prompt)
     d = lm.hidden_size
     d_ff = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
     heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
@@ -161,7 +162,7 @@ def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0) 
     step) exceeds the memory free on the model's device."""
     need, free = pack * step_memory(lm, prompt, config, kept), available_memory(lm.device)
     if need > free:
-        rows = prompt.length if config.perturb_query else prompt.demo_end
+        rows = block_end(config, prompt)
         packed = f", {pack} prompts packed (--pack)" if pack > 1 else ""
         raise SiclError(
             f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (" + (

@@ -3,6 +3,7 @@ them (the capture itself is CUDA only; the caches and the re-arming they rely on
 
     g = CapturedStep(step, keep)     warm the callable up on a side stream, capture it once; g() replays it
     g = captured(step, device, ...)  CapturedStep on CUDA, the callable itself elsewhere
+    pool = shared_pool(device)       one memory pool for several graphs that never replay at once (None off CUDA)
     ShapeCache(capacity)             at most `capacity` entries built per key, the least recently used dropped
     DecodeGraph(model, max_len)      one static KV cache and its decode step, captured on CUDA
 
@@ -24,14 +25,18 @@ from .knobs import check_range
 
 GRAPH_MODES = ("auto", "on", "off")  # the run plan's choices (sicl_fast.run.plan.resolve_graphs)
 DEFAULT_CAPACITY = 4  # graphs kept per cache: each holds its own pool of forward temporaries
+# static steps kept with length buckets (sicl_fast.run.buckets): 4 sizes a doubling over 64 to 4096 tokens make 24, a
+# mix of 200-600-token prompts 7; their graphs share one pool, so a kept bucket costs its step's buffers only
+BUCKET_CAPACITY = 16
 
 
 class CapturedStep:
     """fn captured in a CUDA graph after `warmup` calls on a side stream; calling it replays the graph. keep: a
     callable returning the tensors the graph reads by address but does not own (module docstring), called after
-    the capture and held."""
+    the capture and held. pool: a memory pool shared with other graphs (shared_pool), or None (its own)."""
 
-    def __init__(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None) -> None:
+    def __init__(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None,
+                 pool=None) -> None:
         self.fn = fn
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -40,7 +45,7 @@ class CapturedStep:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             fn()
         self.kept = keep() if keep is not None else []
 
@@ -48,9 +53,16 @@ class CapturedStep:
         self.graph.replay()
 
 
-def captured(fn, device, warmup: int = 2, keep: Callable[[], list] | None = None):
+def captured(fn, device, warmup: int = 2, keep: Callable[[], list] | None = None, pool=None):
     """A CUDA graph of fn on CUDA devices; fn itself elsewhere."""
-    return CapturedStep(fn, warmup, keep) if torch.device(device).type == "cuda" else fn
+    return CapturedStep(fn, warmup, keep, pool) if torch.device(device).type == "cuda" else fn
+
+
+def shared_pool(device):
+    """A memory pool handle for graphs captured on `device` that replay one at a time and keep nothing they
+    allocate past a replay (the static steps of several shapes: what one replay leaves in the pool the next
+    overwrites, as SGLang's graph runner shares one pool over its batch sizes); None off CUDA."""
+    return torch.cuda.graph_pool_handle() if torch.device(device).type == "cuda" else None
 
 
 def model_refs(model, ops) -> Callable[[], list]:
@@ -113,5 +125,5 @@ class DecodeGraph:
         return self.logits
 
 
-__all__ = ["CapturedStep", "captured", "model_refs", "ShapeCache", "DecodeGraph", "cache_rows", "GRAPH_MODES",
-           "DEFAULT_CAPACITY"]
+__all__ = ["CapturedStep", "captured", "shared_pool", "model_refs", "ShapeCache", "DecodeGraph", "cache_rows",
+           "GRAPH_MODES", "DEFAULT_CAPACITY", "BUCKET_CAPACITY"]

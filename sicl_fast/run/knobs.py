@@ -64,6 +64,7 @@ RANGES: dict[str, Range] = {
     "sync_every": Range(1, MAX_STEPS, why="the largest max_steps"),
     "pack": Range(1, 1024, why="prompts calibrated at once"),
     "graph_cache": Range(1, 1024, why="captured shapes kept, each with its graph's memory"),
+    "length_buckets": Range(1, 64, why="length buckets a doubling (a power of two); 64 pads at most 1.6 %"),
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
     "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
     "time_budget_s": Range(0.0, MAX_BUDGET_S, integer=False, why="30 days; 0 runs one step"),
@@ -108,13 +109,15 @@ def check_mu(mu: float, where: str, label: str = "mu") -> float:
     return mu
 
 
-def arg_type(name: str, auto: bool = False):
+def arg_type(name: str, auto: bool = False, words: tuple = ()):
     """An argparse type for the knob `name`: the text as an integer (or number) within its range, refused while
-    parsing (argparse prints "argument --flag: must be ..." and exits 2); auto: the word 'auto' too, as it is."""
+    parsing (argparse prints "argument --flag: must be ..." and exits 2); auto: the word 'auto' too, as it is;
+    words: other words taken as they are."""
     rng = RANGES[name]
+    literal = (("auto",) if auto else ()) + tuple(words)
 
     def conv(text: str):
-        if auto and text == "auto":
+        if text in literal:
             return text
         try:
             value = int(text) if rng.integer else float(text)

@@ -17,7 +17,10 @@ The axes:
                   (plain products in the model dtype), bf16, fp8 (the differences in FP8 e4m3)
     loop          static (the sync-free step, sicl_fast.calibration.static) or eager (Calibrator.run); sync_every
     read_every    decoding: tokens between two host reads of the fast backend's greedy answer
-    graphs        CUDA graphs of the static step and the decode step (sicl_fast.run.graphs)
+    graphs        CUDA graphs of the static step and the decode step (sicl_fast.run.graphs); graph_cache: how many
+                  static steps (and their graphs) are kept
+    length_buckets  the static step padded to a ladder of lengths, so that prompts of nearby lengths share one step
+                  and its graph (sicl_fast.run.buckets): auto (on where graphs are), off, or the sizes a doubling
     pack          prompts per packed step (sicl_fast.calibration.packed)
     estimator     whether the run takes the exact gradient (grad) and where a calibration of each estimator runs
                   (loop_for, check_pack)
@@ -35,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SiclError, SiclWarning
-from .graphs import DEFAULT_CAPACITY, GRAPH_MODES
+from .buckets import PER_OCTAVE, ladder
+from .graphs import BUCKET_CAPACITY, DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
 from ..models.attention import ATTN_IMPLS, flash_available
 from ..models.decoder_config import SUPPORTED_FAMILIES, DecoderConfig
@@ -78,7 +82,8 @@ class Choices:
     loop: str = "auto"
     sync_every: int | None = None
     graphs: str = "auto"
-    graph_cache: int = DEFAULT_CAPACITY
+    graph_cache: int | None = None  # None: DEFAULT_CAPACITY, BUCKET_CAPACITY with length buckets
+    length_buckets: int | str = "auto"  # or 'off', or the sizes a doubling (sicl_fast.run.buckets)
     pack: int | str = 1  # or 'auto': packed where it pays (auto_pack)
     grad: bool = False  # the run takes the exact gradient (estimator 'grad')
     reuse: str | None = "off"  # the calibration store: 'auto', 'on', 'off'; None: 'auto' unless packing
@@ -96,7 +101,11 @@ class Choices:
         check_choice(self.graphs, GRAPH_MODES, "graphs", "Engine")
         if self.pack != "auto":
             check_range("pack", self.pack, "Engine")
-        check_range("graph_cache", self.graph_cache, "Engine")
+        if self.graph_cache is not None:
+            check_range("graph_cache", self.graph_cache, "Engine")
+        if self.length_buckets not in ("auto", "off"):
+            check_range("length_buckets", self.length_buckets, "Engine")
+            ladder(1, self.length_buckets)  # a power of two
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         if self.pack != "auto":  # with 'auto', once the plan knows the pack
@@ -301,6 +310,33 @@ def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) ->
                        "forward (2.9x one by one at SmolLM2's shape on an H200, RESULTS 18)")
 
 
+def resolve_buckets(mode, graphs: bool, static: bool, name: str, loop: str) -> tuple[int | None, str]:
+    """(length buckets a doubling or None, why): 'auto' takes PER_OCTAVE where the static step is captured (a new
+    length would cost a capture: 1.6 s at SmolLM2, RESULTS 4), none elsewhere (uncaptured, padding only adds work);
+    a count as asked, on the static loop only (the padded step is the static one)."""
+    if mode == "off":
+        return None, "asked for"
+    if mode == "auto":
+        if graphs:
+            return PER_OCTAVE, (f"auto: captured steps; {PER_OCTAVE} lengths a doubling share one (at most 25 % "
+                                "padding, same results up to the products' summation order)")
+        return None, "auto: no captured step to share (padding would only add work)"
+    if not static:
+        raise SiclError(f"length_buckets {mode} pads the static step; backend {name!r} with loop {loop!r} has none "
+                        "(use 'auto' or 'off')")
+    return mode, f"asked for: {mode} lengths a doubling share one static step"
+
+
+def resolve_graph_cache(capacity: int | None, buckets: int | None) -> tuple[int, str]:
+    """(static steps kept, why): as asked, else DEFAULT_CAPACITY, or BUCKET_CAPACITY with length buckets (their
+    graphs share one memory pool: a kept bucket costs its buffers only)."""
+    if capacity is not None:
+        return capacity, "asked for"
+    if buckets is not None:
+        return BUCKET_CAPACITY, "default with length buckets (one memory pool for their graphs)"
+    return DEFAULT_CAPACITY, "default"
+
+
 def resolve_pack(pack, static: bool, name: str, loop: str, device=None, n_params: int = 0,
                  grad: bool = False) -> tuple[int, str]:
     """(prompts per packed step, why): 'auto' by auto_pack; a count as asked, > 1 only on the static loop."""
@@ -422,6 +458,7 @@ class RunPlan:
     read_every: int  # decoding: tokens between two host reads (FastBackend.generate, query-only answers)
     graphs: bool
     graph_cache: int
+    length_buckets: int | None  # length bucket sizes a doubling (sicl_fast.run.buckets); None: one step a shape
     pack: int
     grad: bool  # the run takes the exact gradient: ops, backend and model checked differentiable
     grad_refusal: str | None  # why estimator 'grad' cannot run on this plan (None: it can)
@@ -476,18 +513,23 @@ class RunPlan:
         fused kernel that failed its check on CUDA falls back to 'math'; the hf and naive backends run transformers'
         own attention, which the plan does not choose); None: the plan's.
 
-        The thread count on the CPU is one of them: the products and the C++ ops split their sums by thread, so
-        SmolLM2's proxy moves in its last bits between 1 and 2 threads (an entry made with one count is not what an
-        engine with another computes, and would be served to it as exact). On CUDA it is not.
+        Length buckets are one where on: a padded step's products run over more rows, which may change their
+        summation order (tests/test_buckets.py). The thread count on the CPU is one of them: the products and the
+        C++ ops split their sums by thread, so SmolLM2's proxy moves in its last bits between 1 and 2 threads (an
+        entry made with one count is not what an engine with another computes, and would be served to it as
+        exact). On CUDA it is not.
 
         Left out, as they give the same bits: the loop and sync_every (the static step equals the eager loop bit
         for bit at any read interval, tests/test_static.py and bench/same_histories.py), graphs and graph_cache (a
         captured step replays the same kernels, test_static.py's capture test), grad (it picks the ops, whose impl
         is here; the estimator is a config field, in the key), reuse (how the store is used, not what a run
         computes) and the wait policy. pack: the store never sees a packed run (reuse is off with pack > 1)."""
-        return {"backend": self.backend, "impl": self.impl, "attention": attention or self.attention,
+        axes = {"backend": self.backend, "impl": self.impl, "attention": attention or self.attention,
                 "diff_matmul": self.diff_matmul, "dtype": str(self.dtype), "device": self.device.type,
                 "threads": self.threads if self.device.type == "cpu" else None}
+        if self.length_buckets is not None:  # the padded forward's products may sum in another order (present only
+            axes["length_buckets"] = self.length_buckets  # when on: the keys of runs without buckets stay as they were)
+        return axes
 
     def explain(self) -> str:
         """The plan as a table: every axis, its value and why."""
@@ -534,6 +576,8 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
     read_every, why_read = resolve_read_every(kind, dev)
     graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
+    buckets, why_buckets = resolve_buckets(c.length_buckets, graphs, static, backend, c.loop)
+    graph_cache, why_cache = resolve_graph_cache(c.graph_cache, buckets)
     n_params = sum(p.numel() for p in lm.model.parameters()) if c.pack == "auto" else 0
     pack, why_pack = resolve_pack(c.pack, static, backend, c.loop, dev, n_params, c.grad)
     reuse, why_reuse = resolve_reuse(c.reuse, pack)
@@ -558,19 +602,22 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
            ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("read_every", read_every, why_read),
-           ("graphs", "on" if graphs else "off", why_graphs), ("pack", pack, why_pack),
+           ("graphs", "on" if graphs else "off", why_graphs),
+           ("length_buckets", "off" if buckets is None else buckets, why_buckets),
+           ("graph_cache", graph_cache, why_cache), ("pack", pack, why_pack),
            ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse),
            ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
                    attention=attention, attention_fallback=c.attn == "auto", attention_check=check, diff_matmul=diff,
                    decoder=decoder, loop=loop, loop_asked=c.loop, sync_every=sync_every, read_every=read_every,
-                   graphs=graphs, graph_cache=c.graph_cache, pack=pack, grad=c.grad, grad_refusal=refusal,
-                   reuse=reuse, threads=threads, wait_policy=wait, why=why)
+                   graphs=graphs, graph_cache=graph_cache, length_buckets=buckets, pack=pack, grad=c.grad,
+                   grad_refusal=refusal, reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
 
 __all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES", "BackendKind",
            "Choices", "RunPlan", "auto_pack", "make_plan", "plain_low_precision", "check_estimator", "check_unpacked",
            "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
            "resolve_attention", "resolve_attention_check", "resolve_attention_kernel", "resolve_backend",
-           "resolve_diff", "resolve_graphs", "resolve_impl", "resolve_loop", "resolve_pack", "resolve_read_every",
+           "resolve_buckets", "resolve_diff", "resolve_graph_cache", "resolve_graphs", "resolve_impl", "resolve_loop",
+           "resolve_pack", "resolve_read_every",
            "resolve_reuse", "without_effect"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ...errors import NumericalError, SiclError
@@ -63,50 +62,74 @@ def check_logprobs(logprobs: torch.Tensor, check_values: bool = True) -> None:
 @dataclass(frozen=True)
 class ProxyPlan:
     """One prompt's span layout and the proxy's weights, checked once and laid out on a device, so that computing
-    the proxy reads nothing back to the host: offsets [T+1] int64 (on the CPU and on the device), seg [P] int64
-    (the span of each position), lengths [T] float32, and the quantile's rank q (P - 1) in float32 with its
-    floor and ceiling (as torch.quantile computes them)."""
+    the proxy reads nothing back to the host: offsets [T+1] int64 (on the CPU and on the device), seg [W] int64 (the
+    span of each position; T for a padding position), lengths [T] float32 and count [1] int64 on the device, the
+    spans' positions P. The plan reads log-probs [B, W]: W = P, or a length bucket's width (sicl_fast.run.buckets),
+    whose positions [P, W) are padding that no part of the proxy reads. The quantile's rank q (count - 1) is
+    computed on the device from count, in the log-probs' dtype, as torch.quantile computes it; a graph captured on a
+    plan replays another plan of the same W and T copied into it (copy_)."""
 
     offsets: torch.Tensor  # [T+1] int64, CPU
     offsets_dev: torch.Tensor  # [T+1] int64, device
-    seg: torch.Tensor  # [P] int64, device
+    seg: torch.Tensor  # [W] int64, device
     lengths: torch.Tensor  # [T] float32, device
-    P: int
+    count: torch.Tensor  # [1] int64, device: P
+    W: int
     T: int
     alpha: float
     beta: float
     gamma: float
     q: float
-    rank: float
-    below: int
-    above: int
 
     @classmethod
-    def build(cls, offsets, P: int, device, alpha=0.6, beta=0.3, gamma=0.1, q=0.1) -> ProxyPlan:
+    def build(cls, offsets, P: int, device, alpha=0.6, beta=0.3, gamma=0.1, q=0.1, width: int | None = None
+              ) -> ProxyPlan:
         if not 0.0 <= q <= 1.0:
             raise SiclError(f"q must be in [0, 1], got {q}")
-        offsets = torch.as_tensor(offsets, dtype=torch.int64).cpu()
+        offsets = torch.as_tensor(offsets, dtype=torch.int64).cpu().clone()  # its own: copy_ writes into it
         check_offsets(offsets, P)
+        W = P if width is None else width
+        if W < P:
+            raise SiclError(f"a proxy plan of width {W} cannot hold the spans' {P} positions")
         T = offsets.numel() - 1
         lengths = offsets[1:] - offsets[:-1]
-        seg = torch.repeat_interleave(torch.arange(T), lengths)
-        rank = float(np.float32(np.float32(q) * np.float32(P - 1)))  # torch.quantile: in the input dtype
-        below = int(rank)
-        above = min(below + (1 if rank > below else 0), P - 1)
+        seg = torch.cat([torch.repeat_interleave(torch.arange(T), lengths), torch.full((W - P,), T)])
         return cls(offsets=offsets, offsets_dev=offsets.to(device), seg=seg.to(device),
-                   lengths=lengths.float().to(device), P=P, T=T, alpha=alpha, beta=beta, gamma=gamma, q=q, rank=rank,
-                   below=below, above=above)
+                   lengths=lengths.float().to(device), count=torch.tensor([P], device=device), W=W, T=T, alpha=alpha,
+                   beta=beta, gamma=gamma, q=q)
+
+    def copy_(self, other: ProxyPlan) -> None:
+        """Take `other`'s spans (same W and T), in place: every tensor keeps its address."""
+        for mine, new in ((self.offsets, other.offsets), (self.offsets_dev, other.offsets_dev), (self.seg, other.seg),
+                          (self.lengths, other.lengths), (self.count, other.count)):
+            mine.copy_(new)
+
+
+def quantile_ranks(q: float, count: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(rank [1] in dtype, below, above [1] int64): torch.quantile's rank q (n - 1) for the linear interpolation
+    between the sorted values below and above it, of n = count (an int64 [1] tensor; no host read)."""
+    rank = torch.full((1,), q, dtype=dtype, device=count.device) * (count - 1).to(dtype)
+    below = rank.to(torch.int64)
+    above = torch.minimum(below + (rank > below.to(dtype)).to(torch.int64), count - 1)
+    return rank, below, above
 
 
 def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
-    """The reference proxy of logprobs [B, P] (any float dtype; computed in float32, float64 kept as float64) for a
-    checked plan: no checks, no host reads (what a loop without host synchronisation calls)."""
+    """The reference proxy of logprobs [B, W] (any float dtype; computed in float32, float64 kept as float64) for a
+    checked plan: no checks, no host reads (what a loop without host synchronisation calls). R is torch.quantile's
+    linear interpolation, taken over the plan's count positions (the padding sorted after them as +inf)."""
     B = logprobs.shape[0]
     lp = logprobs.to(accumulation_dtype(logprobs.dtype))  # float32 (float64 stays float64)
-    sums = torch.zeros(B, plan.T, dtype=lp.dtype, device=lp.device).index_add_(1, plan.seg, lp)
+    sums = torch.zeros(B, plan.T + 1, dtype=lp.dtype, device=lp.device).index_add_(1, plan.seg, lp)[:, :plan.T]
     c = torch.exp(sums / plan.lengths.to(lp.dtype))  # [B, T]
     C = c.mean(dim=1)
-    R = torch.quantile(torch.exp(lp), plan.q, dim=1, interpolation="linear")
+    p = torch.exp(lp)
+    real = torch.arange(plan.W, device=lp.device) < plan.count
+    srt = torch.sort(torch.where(real, p, torch.inf), dim=1).values
+    rank, below, above = quantile_ranks(plan.q, plan.count, lp.dtype)
+    lo, hi = srt.index_select(1, below), srt.index_select(1, above)
+    R = torch.lerp(lo, hi, rank - below.to(lp.dtype)).squeeze(1)
+    R = torch.where((torch.isnan(p) & real).any(dim=1), torch.nan, R)  # as torch.quantile: a NaN gives NaN
     if plan.T >= 2:
         G = torch.clamp(c[:, 1:] - c[:, :-1], min=0.0).mean(dim=1)
     else:

@@ -193,14 +193,27 @@ def check_counter_range(num: int, rows: int, d: int) -> None:
         )
 
 
-def directions(seed: int, step, num: int, rows: int, d: int, device=None) -> torch.Tensor:
+def directions(seed: int, step, num: int, rows: int, d: int, device=None, live=None) -> torch.Tensor:
     """U [num, rows, d] float32: the Gaussian directions of one ascent step (see module docstring).
 
     step: an int, or an int64 tensor of one element on `device` (the step counter of a loop that keeps its state
-    on the device: read there, never on the host)."""
+    on the device: read there, never on the host). live: None, or an int64 [1] tensor on `device` holding the rows
+    that are drawn, R <= rows (a length bucket's padded block, sicl_fast.run.buckets): rows [0, R) are the
+    directions of an R-row block, the counters laid out for R, and rows [R, rows) are zero."""
     check_counter_range(num, rows, d)
-    counter = torch.arange(num * rows * d, dtype=torch.int64, device=device)
+    if live is None:
+        counter = torch.arange(num * rows * d, dtype=torch.int64, device=device)
+    else:  # the counters of an R-row block, read on the device: i * R * d + r * d + c
+        i = torch.arange(num, dtype=torch.int64, device=device).view(num, 1, 1)
+        r = torch.arange(rows, dtype=torch.int64, device=device).view(1, rows, 1)
+        c = torch.arange(d, dtype=torch.int64, device=device).view(1, 1, d)
+        R = live.reshape(()).to(torch.int64)
+        inside = r < R
+        counter = torch.where(inside, i * R * d + r * d + c, 0).flatten()
     if isinstance(step, torch.Tensor):
         step_seed(seed, 0)  # checks the seed
-        return randn_keyed(counter, seed, step.reshape(()).to(torch.int64)).view(num, rows, d)
-    return randn_counters(counter, step_seed(seed, step)).view(num, rows, d)
+        U = randn_keyed(counter, seed, step.reshape(()).to(torch.int64))
+    else:
+        U = randn_counters(counter, step_seed(seed, step))
+    U = U.view(num, rows, d)
+    return U if live is None else torch.where(inside, U, 0.0)

@@ -37,6 +37,12 @@ def batch_size(N: int, estimator: str) -> int:
     return 2 * N + 1 if estimator == "central" else N + 1
 
 
+def block_end(cfg, prompt) -> int:
+    """b, the end of `prompt`'s perturbed block under the CalibrationConfig cfg: the last output span's end, or the
+    prompt's (perturb_query)."""
+    return prompt.length if cfg.perturb_query else prompt.demo_end
+
+
 def resolve_scale(config, lm):
     """The CalibrationConfig `config` in the units every loop steps in: its own scale, or the model's embedding scale
     (lm.embedding_scale) when it has none (mu and eta are given in units of it)."""
@@ -95,12 +101,17 @@ class StepSpec:
                    scope=cfg.projection_scope)
 
     @classmethod
-    def for_prompt(cls, cfg, prompt, X0) -> StepSpec:
+    def for_prompt(cls, cfg, prompt, X0, bucket=None) -> StepSpec:
         """The step of `prompt` (a Prompt) from X0 [L, d] (cfg with its scale resolved, resolve_scale): perturbed rows
-        [a, b) = [first demonstration token, end of the last output span), or [a, L) with perturb_query; the forward
-        always reads rows [0, demo_end) only. What every loop (eager, static, packed) steps with."""
-        b = prompt.length if cfg.perturb_query else prompt.demo_end
-        return cls.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, b)
+        [a, b) = [first demonstration token, end of the last output span) (block_end), or [a, L) with perturb_query;
+        the forward always reads rows [0, demo_end) only. What every loop (eager, static, packed) steps with. bucket:
+        a length bucket (sicl_fast.run.buckets), whose padded step has L = bucket.length and b = bucket.rows (or
+        bucket.length with perturb_query; the block's own end then travels as the ops' rows_end,
+        sicl_fast.calibration.step.zo)."""
+        if bucket is not None:
+            b = bucket.length if cfg.perturb_query else bucket.rows
+            return cls.build(cfg, bucket.length, X0.shape[1], prompt.demo_start, b)
+        return cls.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, block_end(cfg, prompt))
 
     @property
     def B(self) -> int:
@@ -148,5 +159,5 @@ class StepSpec:
                             f"got {f.numel()}")
 
 
-__all__ = ["StepSpec", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "check_choice", "f32",
-           "resolve_scale"]
+__all__ = ["StepSpec", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "block_end", "check_choice",
+           "f32", "resolve_scale"]

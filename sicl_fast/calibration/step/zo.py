@@ -10,6 +10,11 @@ Batch layout (B rows, each the first b prompt rows, since nothing after b change
 
 The C++ and Triton step ops (sicl_fast.ops) compute `perturb` and `update` below without storing U and are
 tested against these functions.
+
+A length bucket (sicl_fast.run.buckets) runs a prompt padded: spec.b is the bucket's rows, and `rows_end`, an int64
+[1] tensor on X's device, is where the prompt's own block ends. The directions are then those of the block
+[a, rows_end) (zero after it), and the "demos" projection covers [a, rows_end): rows [rows_end, b) never move, and
+the step is the unpadded prompt's.
 """
 from __future__ import annotations
 
@@ -19,9 +24,11 @@ from .rng import directions
 from .spec import StepSpec, batch_size
 
 
-def step_directions(step: int, spec: StepSpec, device=None) -> torch.Tensor:
-    """U [N, R, d] float32 of one step: the noise every implementation draws (or regenerates) for it."""
-    return directions(spec.seed, step, spec.N, spec.rows, spec.d, device=device)
+def step_directions(step: int, spec: StepSpec, device=None, rows_end=None) -> torch.Tensor:
+    """U [N, R, d] float32 of one step: the noise every implementation draws (or regenerates) for it. rows_end: the
+    real block's end (module docstring), or None (b)."""
+    live = None if rows_end is None else rows_end - spec.a
+    return directions(spec.seed, step, spec.N, spec.rows, spec.d, device=device, live=live)
 
 
 def perturb(X: torch.Tensor, U: torch.Tensor, spec: StepSpec) -> torch.Tensor:
@@ -120,21 +127,23 @@ def project_cosine_on_device(X: torch.Tensor, X0: torch.Tensor, kappa: float) ->
 
 
 def update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, U: torch.Tensor, spec: StepSpec,
-           on_device: bool = False):
+           on_device: bool = False, rows_end=None):
     """One zeroth-order ascent step: g from f and U (estimate_gradient), then `ascend`.
 
     Returns (X_new [L, d], projection_fired) as `ascend` does. X is not modified in place.
     """
-    return ascend(X, X0, estimate_gradient(f, U, spec.mu, spec.estimator), spec, on_device)
+    return ascend(X, X0, estimate_gradient(f, U, spec.mu, spec.estimator), spec, on_device, rows_end)
 
 
-def ascend(X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor, spec: StepSpec, on_device: bool = False):
+def ascend(X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor, spec: StepSpec, on_device: bool = False,
+           rows_end=None):
     """The step shared by every estimator: clip (or normalise) g [R, d] per row, X[a:b] += eta g, cosine projection.
     g is a zeroth-order estimate (`update`) or the exact gradient (sicl_fast.calibration.grad); both go through this one
     function so the two ascents are comparable step for step.
 
     Returns (X_new [L, d], projection_fired): a bool, or with on_device an int32 [1] tensor decided without a
-    host read (project_cosine_on_device). X is not modified in place.
+    host read (project_cosine_on_device). X is not modified in place. rows_end: a padded block's end (module
+    docstring; g is zero after it).
     """
     a, b = spec.a, spec.b
     g = clip_rows(g, spec.clip_norm) if spec.grad_mode == "clip" else normalize_rows(g)
@@ -145,7 +154,12 @@ def ascend(X: torch.Tensor, X0: torch.Tensor, g: torch.Tensor, spec: StepSpec, o
         return X, (torch.zeros(1, dtype=torch.int32, device=X.device) if on_device else False)
     if spec.scope == "prompt":
         return project(X, X0, spec.kappa)
-    block, fired = project(X[a:b], X0[a:b], spec.kappa)
+    if rows_end is None:
+        block, fired = project(X[a:b], X0[a:b], spec.kappa)
+    else:  # the padding's rows out of the sums and left as they are
+        own = (torch.arange(a, b, device=X.device) < rows_end).view(-1, 1)
+        block, fired = project(X[a:b] * own, X0[a:b] * own, spec.kappa)
+        block = torch.where(own, block, X[a:b])
     X[a:b] = block
     return X, fired
 

@@ -61,6 +61,17 @@ def test_a_bucket_holds_the_prompt_within_the_context():
                                                                                    positions=256)
 
 
+def test_the_memory_check_counts_the_padded_step(models):
+    from sicl_fast.run.checks import step_memory
+
+    lm, cfg = models["llama"], CalibrationConfig(**BASE)
+    p = synthetic_prompt(45, [(14, 20), (26, 31)], 6, V)
+    b = Bucket.of(p)
+    assert step_memory(lm, p, cfg, bucket=b) > step_memory(lm, p, cfg)  # 32 rows a batch row, not 31
+    assert step_memory(lm, p, cfg.replace(perturb_query=True), bucket=b) == step_memory(
+        lm, synthetic_prompt(48, [(14, 20), (26, 31)], 6, V), cfg.replace(perturb_query=True))
+
+
 # ------------------------------------------------------------------------------------------------- the ops
 
 

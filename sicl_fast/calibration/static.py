@@ -199,7 +199,8 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     should_stop = stop_check(should_stop, check_budget(time_budget_s, "run_static"), t0)
     best_at = best_at if best_at is not None else BestAt()
     config = resolve_scale(config, backend.lm)
-    X0 = calibration_inputs(backend, prompt, config, X0, best_at.copies(config.max_steps))
+    bucket = steps.bucket(backend, config, prompt) if steps is not None else None
+    X0 = calibration_inputs(backend, prompt, config, X0, best_at.copies(config.max_steps), bucket)
     if steps is None:
         st = run = StaticStep(backend, config, prompt, X0)
     else:

@@ -101,17 +101,17 @@ def available_memory(device: torch.device) -> int:
     return free
 
 
-def step_memory(lm, prompt: Prompt, config, kept: int = 0) -> int:
+def step_memory(lm, prompt: Prompt, config, kept: int = 0, bucket=None) -> int:
     """Estimated peak bytes of one ascent step: the [B, n, d] float32 batch and its directions, plus one layer's
     activations for B x n rows (the forward runs layer by layer, without autograd): residual, norm, q / k / v /
     attention output, the MLP's gate / up / product, and the attention scores, at 4 bytes an element. The exact
     gradient (estimator "grad") runs one row, but autograd keeps every layer's activations for the backward (one
     layer's with checkpoint), about twice over (forward values and their gradients). Beside the step, the buffers
     that grow with a knob: the history (max_steps) and `kept` copies of X [L, d] kept along the way (BestAt, the
-    counts of --answer-at)."""
+    counts of --answer-at). bucket: the length bucket the step runs padded to (sicl_fast.run.buckets), or None."""
     cfg = lm.text_config
     B = config.batch
-    n = block_end(config, prompt)
+    n = block_end(config, prompt, bucket)
     d = lm.hidden_size
     d_ff = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
     heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
@@ -135,13 +135,14 @@ def check_tokens(prompt: Prompt, lm) -> None:
                         f"vocabulary [0, {V}) (a prompt tokenized for another model?)")
 
 
-def calibration_inputs(backend, prompt: Prompt, config, X0=None, kept: int = 0) -> torch.Tensor:
+def calibration_inputs(backend, prompt: Prompt, config, X0=None, kept: int = 0, bucket=None) -> torch.Tensor:
     """Calibrator.run's entry checks: the prompt and its tokens, X0 (default: the prompt's own embeddings;
-    returned as float32), the perturbation's size and the memory of one step with `kept` copies of X beside it."""
+    returned as float32), the perturbation's size and the memory of one step with `kept` copies of X beside it
+    (padded to `bucket`, a length bucket, where one is given)."""
     check_prompt(prompt, backend.lm)
     X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
     check_perturbation(config, backend.lm)
-    check_step_memory(backend.lm, prompt, config, kept=kept)
+    check_step_memory(backend.lm, prompt, config, kept=kept, bucket=bucket)
     return X0.detach().float()  # the ascent moves X itself; no autograd history of the caller's tensor comes along
 
 
@@ -157,12 +158,12 @@ def check_perturbation(config, lm) -> None:
                         "to float32 rounding (raise mu or scale)")
 
 
-def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0) -> None:
-    """Refuse a step whose estimate (step_memory with `kept` copies of X; `pack` such steps at once for the packed
-    step) exceeds the memory free on the model's device."""
-    need, free = pack * step_memory(lm, prompt, config, kept), available_memory(lm.device)
+def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0, bucket=None) -> None:
+    """Refuse a step whose estimate (step_memory with `kept` copies of X, padded to `bucket` where given; `pack` such
+    steps at once for the packed step) exceeds the memory free on the model's device."""
+    need, free = pack * step_memory(lm, prompt, config, kept, bucket), available_memory(lm.device)
     if need > free:
-        rows = block_end(config, prompt)
+        rows = block_end(config, prompt, bucket)
         packed = f", {pack} prompts packed (--pack)" if pack > 1 else ""
         raise SiclError(
             f"request {prompt.id!r}: one ascent step needs about {need / GiB:.1f} GiB (" + (

@@ -37,9 +37,12 @@ def batch_size(N: int, estimator: str) -> int:
     return 2 * N + 1 if estimator == "central" else N + 1
 
 
-def block_end(cfg, prompt) -> int:
+def block_end(cfg, prompt, bucket=None) -> int:
     """b, the end of `prompt`'s perturbed block under the CalibrationConfig cfg: the last output span's end, or the
-    prompt's (perturb_query)."""
+    prompt's (perturb_query); with a length bucket (sicl_fast.run.buckets), the padded step's: its rows, or its
+    length (perturb_query)."""
+    if bucket is not None:
+        return bucket.length if cfg.perturb_query else bucket.rows
     return prompt.length if cfg.perturb_query else prompt.demo_end
 
 
@@ -108,10 +111,8 @@ class StepSpec:
         a length bucket (sicl_fast.run.buckets), whose padded step has L = bucket.length and b = bucket.rows (or
         bucket.length with perturb_query; the block's own end then travels as the ops' rows_end,
         sicl_fast.calibration.step.zo)."""
-        if bucket is not None:
-            b = bucket.length if cfg.perturb_query else bucket.rows
-            return cls.build(cfg, bucket.length, X0.shape[1], prompt.demo_start, b)
-        return cls.build(cfg, X0.shape[0], X0.shape[1], prompt.demo_start, block_end(cfg, prompt))
+        L = X0.shape[0] if bucket is None else bucket.length
+        return cls.build(cfg, L, X0.shape[1], prompt.demo_start, block_end(cfg, prompt, bucket))
 
     @property
     def B(self) -> int:

@@ -1,7 +1,7 @@
 """Length buckets for the static step: prompts of nearby lengths padded to one shape, so that they share one
 StaticStep and one captured CUDA graph (a new shape costs a capture: 1.6 s at SmolLM2 on an H200, RESULTS 4).
 
-    ladder(n, per_octave)              n rounded up to the bucket ladder: per_octave sizes in each [2^k, 2^(k+1)]
+    ladder(n, per_octave)              n rounded up to the bucket ladder: per_octave sizes in each (2^k, 2^(k+1)]
     Bucket.of(prompt, per_octave, limit)   a prompt's padded sizes: rows, length, positions
 
 A bucket pads three sizes of a prompt with demonstrations ending at row b (demo_end), L rows and P span positions:

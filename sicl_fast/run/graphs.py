@@ -24,7 +24,7 @@ import torch
 from .knobs import check_range
 
 GRAPH_MODES = ("auto", "on", "off")  # the run plan's choices (sicl_fast.run.plan.resolve_graphs)
-DEFAULT_CAPACITY = 4  # graphs kept per cache: each holds its own pool of forward temporaries
+DEFAULT_CAPACITY = 4  # graphs kept per cache without length buckets (each decode graph has a pool of its own)
 # static steps kept with length buckets (sicl_fast.run.buckets): 4 sizes a doubling over 64 to 4096 tokens make 24, a
 # mix of 200-600-token prompts 7; their graphs share one pool, so a kept bucket costs its step's buffers only
 BUCKET_CAPACITY = 16

@@ -58,13 +58,14 @@ def mix_prompts(vocab: int, n: int, lo: int, hi: int, seed: int = 0, prefix: int
     return out
 
 
-def engines(lm, buckets="auto", **kw) -> dict:
-    """The Engine of each mode over one loaded model (module docstring); buckets: the buckets mode's length_buckets
+def engine(lm, mode: str, buckets="auto", **kw):
+    """The Engine of one mode over the loaded model (module docstring); buckets: the buckets mode's length_buckets
     (on the CPU, where 'auto' takes none, a count shows what the padding costs without a capture to save)."""
     from sicl_fast import Engine
 
-    return {"repeated": Engine(lm, pack=1, **kw), "exact": Engine(lm, pack=1, length_buckets="off", **kw),
-            "buckets": Engine(lm, pack=1, length_buckets=buckets, **kw), "packed": Engine(lm, pack="auto", **kw)}
+    choices = {"repeated": dict(pack=1), "exact": dict(pack=1, length_buckets="off"),
+               "buckets": dict(pack=1, length_buckets=buckets), "packed": dict(pack="auto")}[mode]
+    return Engine(lm, **choices, **kw)
 
 
 def run_mode(engine, prompts, cfg) -> dict:
@@ -90,16 +91,17 @@ def measure(lm, prompts, steps: int, N: int = 8, modes=MODES, buckets="auto", **
     from sicl_fast import CalibrationConfig
 
     cfg = CalibrationConfig.for_model(lm, N=N, max_steps=steps, tau=0.0, patience=0)
-    V, median, longest = int(lm.head_weight.shape[0]), int(statistics.median(p.length for p in prompts)), \
-        max(p.length for p in prompts)
+    V = int(lm.head_weight.shape[0])
+    median = int(statistics.median(p.length for p in prompts))
+    longest = max(p.length for p in prompts)
     same = mix_prompts(V, len(prompts), median, median, seed=1)
     warm = mix_prompts(V, 1, longest + 7, longest + 7, seed=2)
     out = {}
-    for mode, eng in engines(lm, buckets, **engine_kw).items():
-        if mode not in modes:
-            continue
+    for mode in (m for m in MODES if m in modes):  # one engine at a time: its steps and graphs go before the next
+        eng = engine(lm, mode, buckets, **engine_kw)
         eng.calibrate_many(warm, cfg)
         out[mode] = run_mode(eng, same if mode == "repeated" else prompts, cfg)
+        del eng
     base = out.get("repeated", {}).get("ms_per_prompt")
     for r in out.values():
         r["ratio"] = r["ms_per_prompt"] / base if base else None

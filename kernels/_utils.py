@@ -62,10 +62,7 @@ def step_key(seed: int, step, device, op: str):
     seed on the host; an int64 [1] device tensor is passed as a pointer and read in the kernel (a captured CUDA
     graph replays with the step its state holds)."""
     if isinstance(step, torch.Tensor):
-        if step.device != torch.device(device) or step.dtype != torch.int64 or step.numel() != 1:
-            raise SiclError(f"{op}: a tensor step must be an int64 [1] tensor on {device}, got {step.dtype} "
-                            f"{list(step.shape)} on {step.device}")
-        return step_seed(seed, 0), step, True
+        return step_seed(seed, 0), check_device_scalar(step, "a tensor step", device, op), True
     return step_seed(seed, step), _dummy(device), False
 
 
@@ -82,10 +79,15 @@ def rows_end_arg(rows_end, device, op: str):
     tensor the kernel reads (sicl_fast.calibration.step.zo), or a dummy pointer and False (the spec's b)."""
     if rows_end is None:
         return _dummy(device), False
-    if rows_end.device != torch.device(device) or rows_end.dtype != torch.int64 or rows_end.numel() != 1:
-        raise SiclError(f"{op}: rows_end must be an int64 [1] tensor on {device}, got {rows_end.dtype} "
-                        f"{list(rows_end.shape)} on {rows_end.device}")
-    return rows_end, True
+    return check_device_scalar(rows_end, "rows_end", device, op), True
+
+
+def check_device_scalar(t: torch.Tensor, name: str, device, op: str) -> torch.Tensor:
+    """t, an int64 [1] tensor on `device` that a kernel reads by pointer (the step, a block's end), or SiclError."""
+    if t.device != torch.device(device) or t.dtype != torch.int64 or t.numel() != 1:
+        raise SiclError(f"{op}: {name} must be an int64 [1] tensor on {device}, got {t.dtype} {list(t.shape)} on "
+                        f"{t.device}")
+    return t
 
 
 def next_pow2(n: int) -> int:

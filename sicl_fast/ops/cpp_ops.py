@@ -132,11 +132,17 @@ def _on_cpu_rows(*ts) -> bool:
     return not grad and all(t.device.type == "cpu" and t.dtype in (torch.float32, LOW_DTYPE) for t in ts)
 
 
+def _scalar_buffer(t: torch.Tensor, name: str, op: str) -> np.ndarray:
+    """An int64 [1] CPU tensor's own buffer as the extension reads it (the loop's device-resident state: no host
+    read of a tensor, so the static step's no-host-read guard holds on the CPU too)."""
+    return _cpu(t, name, op, torch.int64).reshape(1).numpy()
+
+
 def _step(step, op: str):
     """The step as the int64 [1] array the extension reads: a CPU tensor's own buffer (no host read of the
     value here), or a new array for an int."""
     if isinstance(step, torch.Tensor):
-        return _cpu(step, "step", op, torch.int64).reshape(1).numpy()
+        return _scalar_buffer(step, "step", op)
     step_seed(0, step)  # checks the range
     return np.array([step], dtype=np.int64)
 
@@ -147,7 +153,7 @@ def _block_end(rows_end, spec: StepSpec, op: str) -> int:
     leaves rows [rows_end, spec.b) of the batch as X's and out of the update, which is the padded step."""
     if rows_end is None:
         return spec.b
-    return int(_cpu(rows_end, "rows_end", op, torch.int64).reshape(1).numpy()[0])
+    return int(_scalar_buffer(rows_end, "rows_end", op)[0])
 
 
 def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
@@ -268,7 +274,7 @@ class CppStepOps(TorchStepOps):
 
     def proxy_planned(self, logprobs, plan: ProxyPlan) -> ProxyOut:
         op = "cpp proxy"
-        count = int(_cpu(plan.count, "count", op, torch.int64).numpy()[0])  # a CPU buffer, as the step's
+        count = int(_scalar_buffer(plan.count, "count", op)[0])
         lp = _cpu(logprobs[:, :count].float(), "logprobs", op)
         B = lp.shape[0]
         f, C, R, G = (torch.empty(B, dtype=torch.float32) for _ in range(4))

@@ -35,12 +35,18 @@ MIN_QUERY = 16  # the smallest room for the query's rows in X
 MIN_POSITIONS = 32  # the smallest position bucket
 
 
-def ladder(n: int, per_octave: int = PER_OCTAVE, floor: int = MIN_ROWS) -> int:
-    """The smallest size >= n on the ladder: `floor`, then in each octave (2^k, 2^(k+1)] the multiples of
-    2^k / per_octave (per_octave a power of two; 4: 160, 192, 224, 256, 320, ...)."""
+def check_per_octave(per_octave: int) -> int:
+    """per_octave, the sizes a doubling: a power of two (the ladder's steps divide the octave evenly)."""
     if per_octave < 1 or per_octave & (per_octave - 1):
         raise SiclError(f"length buckets: {per_octave} lengths a doubling; the count must be a power of two (1, 2, 4, "
                         "..., 64)")
+    return per_octave
+
+
+def ladder(n: int, per_octave: int = PER_OCTAVE, floor: int = MIN_ROWS) -> int:
+    """The smallest size >= n on the ladder: `floor`, then in each octave (2^k, 2^(k+1)] the multiples of
+    2^k / per_octave (per_octave a power of two; 4: 160, 192, 224, 256, 320, ...)."""
+    check_per_octave(per_octave)
     if n <= floor:
         return floor
     base = 1 << ((n - 1).bit_length() - 1)  # base < n <= 2 base
@@ -70,4 +76,4 @@ class Bucket:
         return cls(rows=min(rows, length), length=length, positions=ladder(P, 1, MIN_POSITIONS))
 
 
-__all__ = ["Bucket", "ladder", "PER_OCTAVE"]
+__all__ = ["Bucket", "check_per_octave", "ladder", "PER_OCTAVE"]

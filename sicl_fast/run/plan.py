@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SiclError, SiclWarning
-from .buckets import PER_OCTAVE, ladder
+from .buckets import PER_OCTAVE, check_per_octave
 from .graphs import BUCKET_CAPACITY, DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
 from ..models.attention import ATTN_IMPLS, flash_available
@@ -104,8 +104,7 @@ class Choices:
         if self.graph_cache is not None:
             check_range("graph_cache", self.graph_cache, "Engine")
         if self.length_buckets not in ("auto", "off"):
-            check_range("length_buckets", self.length_buckets, "Engine")
-            ladder(1, self.length_buckets)  # a power of two
+            check_per_octave(check_range("length_buckets", self.length_buckets, "Engine"))
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         if self.pack != "auto":  # with 'auto', once the plan knows the pack

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from sicl_fast.diagnostics.benchmark import peak_mb
-from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
+from sicl_fast.step.logprobs import vocab_chunked_logprobs
 from sicl_fast.models.rows import RowLayout, to_rows
 from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.formats.spans import span_offsets
-from sicl_fast.calibration.step.spec import StepSpec
+from sicl_fast.step.spec import StepSpec
 
 D, V = 576, 49152  # SmolLM2-135M
 PEAKS: dict[str, float] = {}

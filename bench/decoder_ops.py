@@ -19,7 +19,7 @@ from sicl_fast import Engine
 from sicl_fast.diagnostics.benchmark import synthetic_prompt
 from sicl_fast.run.checks import calibration_inputs
 from sicl_fast.diagnostics.profile import layers_call
-from sicl_fast.calibration.step.spec import resolve_scale
+from sicl_fast.step.spec import resolve_scale
 from sicl_fast.calibration.static import StaticStep
 
 

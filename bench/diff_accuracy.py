@@ -22,8 +22,8 @@ from sicl_fast.backends import make_backend
 from sicl_fast.diagnostics.benchmark import synthetic_prompt
 from sicl_fast.models import load
 from sicl_fast.ops import IMPLS, TorchStepOps
-from sicl_fast.calibration.step import zo
-from sicl_fast.calibration.step.spec import StepSpec
+from sicl_fast.step import zo
+from sicl_fast.step.spec import StepSpec
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ them, each against the torch reference it replaces:
 Columns: time (ms, do_bench mean), TFLOP/s and % of the bf16 dense peak (span_logprobs: 2 B P V d), GB/s and
 % of the memory bandwidth peak (bytes that must move at least once: weights + inputs + outputs). Peaks come from
 the device name (H100 SXM / H200 / A100 tables below) or --peak-tflops / --peak-gbps.
-Before timing, a few parity checks run on the GPU (bit-identity of the noise with sicl_fast.calibration.step.rng,
+Before timing, a few parity checks run on the GPU (bit-identity of the noise with sicl_fast.step.rng,
 span_logprobs / proxy / update against the torch references) and print PASS / FAIL.
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
     import torch
 
     from sicl_fast import kernels as K
-    from sicl_fast.calibration.step.logprobs import rows_logprobs
+    from sicl_fast.step.logprobs import rows_logprobs
     from sicl_fast.models.attention import Attention, attention_rows_reference
     from sicl_fast.models.rows import (RowLayout, gated_rows_reference, norm_rows_reference, rope_rows_reference,
                                        to_rows)
@@ -285,12 +285,12 @@ def main() -> int:
     from triton.testing import do_bench
 
     from sicl_fast import kernels as K
-    from sicl_fast.calibration.step import rng, zo
-    from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
+    from sicl_fast.step import rng, zo
+    from sicl_fast.step.logprobs import vocab_chunked_logprobs
     from sicl_fast.ops import TorchStepOps
-    from sicl_fast.calibration.step.proxy import proxy as torch_proxy
+    from sicl_fast.step.proxy import proxy as torch_proxy
     from sicl_fast.formats.spans import span_offsets
-    from sicl_fast.calibration.step.spec import StepSpec
+    from sicl_fast.step.spec import StepSpec
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -303,7 +303,7 @@ def main() -> int:
     if not args.no_check:
         checks = []
         U = K.randn(3, 5, 4, 7, 1000, device=dev)
-        checks.append(("randn bit-identical to sicl_fast.calibration.step.rng",
+        checks.append(("randn bit-identical to sicl_fast.step.rng",
                        torch.equal(U.cpu(), rng.directions(3, 5, 4, 7, 1000))))
         X = torch.randn(40, 128, device=dev)
         X0 = X + 0.1 * torch.randn_like(X)

@@ -12,8 +12,8 @@ One ascent step, per (model, prompt length L, directions N); prompts of random t
 the tokens in output spans over several demonstrations, a 4-token demonstration-free prefix and a query:
 
     naive        the reference form: transformers forward of the full prompt [N+1, L], full [B, L, V] logits,
-                 log_softmax, gather, the proxy (calibration.step.proxy), `.item()` of f0 every step, torch.randn
-                 directions, the torch update (calibration.step.zo)                                   (naive_step)
+                 log_softmax, gather, the proxy (step.proxy), `.item()` of f0 every step, torch.randn
+                 directions, the torch update (step.zo)                                   (naive_step)
     hf           Engine(backend="hf"): one step of the eager loop (sicl_fast.diagnostics.benchmark.one_step)
     fast eager   Engine(backend="fast", loop="static", graphs="off"): the sync-free StaticStep, no graph
     fast graphs  Engine(backend="fast", loop="static", graphs="on"): the same step captured in a CUDA graph, as
@@ -70,17 +70,17 @@ sys.path.insert(1, str(HERE))  # bench/ (already first when run as a script): gp
 import torch  # noqa: E402
 
 from gpu_kernels import PEAKS  # noqa: E402
-from sicl_fast.calibration.step import zo  # noqa: E402
+from sicl_fast.step import zo  # noqa: E402
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator  # noqa: E402
 from sicl_fast.diagnostics.benchmark import one_step  # noqa: E402
 from sicl_fast.engine import Engine  # noqa: E402
 from sicl_fast.models import from_transformers  # noqa: E402
 from sicl_fast.diagnostics.profile import step_flops  # noqa: E402
 from sicl_fast.diagnostics.profile import time_ms as best_of_ms  # noqa: E402
-from sicl_fast.calibration.step.proxy import proxy  # noqa: E402
+from sicl_fast.step.proxy import proxy  # noqa: E402
 from sicl_fast.formats.requests import Request  # noqa: E402
 from sicl_fast.formats.spans import Prompt  # noqa: E402
-from sicl_fast.calibration.step.spec import StepSpec  # noqa: E402
+from sicl_fast.step.spec import StepSpec  # noqa: E402
 from sicl_fast.calibration.static import StaticStep  # noqa: E402
 
 MODELS_DIR = HERE / "models"

@@ -1,7 +1,7 @@
 // sicl_fast._C: the ascent's hot CPU ops on float32 numpy buffers (torch tensors pass theirs with .numpy()),
 // multithreaded with OpenMP. Python wrappers and shape checks live in sicl_fast/ops/cpp_ops.py; the math is the
-// torch reference's (calibration/step/proxy.py, calibration/step/zo.py) and the noise is
-// calibration/step/rng.py's, bit for bit.
+// torch reference's (step/proxy.py, step/zo.py) and the noise is
+// step/rng.py's, bit for bit.
 //
 //   randn(out[n], seed64)                                     out[k] = N(0,1) for counter k
 //   perturb(X[L,d], out[B,n,d], seed, step[1], N, a, b, mu, central)  the perturbation batch (layout of zo.py)

@@ -1,8 +1,8 @@
-// Counter-based N(0, 1) noise, bit-identical to calibration.step.rng (torch) and sicl_fast.kernels.randn (Triton).
+// Counter-based N(0, 1) noise, bit-identical to step.rng (torch) and sicl_fast.kernels.randn (Triton).
 //
 // Philox4x32-10 on the counter (c, 0, 0, 0) with key (seed, step); the first two words become uniforms as
 // Triton's uint_to_uniform_float does; Box-Muller with the fixed float32 op sequence documented in
-// calibration/step/rng.py (own log / cos polynomials). Every float operation below is a single correctly rounded
+// step/rng.py (own log / cos polynomials). Every float operation below is a single correctly rounded
 // IEEE float32 + - * / or sqrt; the pragmas below turn FMA contraction off,
 // so the compiler cannot fuse a multiply and an add into one rounding.
 #pragma once
@@ -20,7 +20,7 @@
 
 namespace sicl {
 
-// float32 constants, bit-exact (hex literals), shared with calibration/step/rng.py's F32 table.
+// float32 constants, bit-exact (hex literals), shared with step/rng.py's F32 table.
 constexpr float kUniformScale = 0x1.fffffep-32f;
 constexpr float kU1Min = 0x1.ad7f2ap-24f;
 constexpr float kLn2Hi = 0x1.62ep-1f;

@@ -7,7 +7,7 @@
 //     (cap tanh(z / cap)); m, s: each row's running max and sum of exp(logit - m) over the chunks so far (-inf
 //     and 0 before the first), updated; picked[r] = z[r, tgt[r] - v0] where the row's target falls in the chunk.
 //     After the last chunk a row's log-probability of its target is picked - (m + log s).
-//     The torch reference: calibration.step.logprobs.vocab_chunked_logprobs (the same online form).
+//     The torch reference: step.logprobs.vocab_chunked_logprobs (the same online form).
 //
 //   lse_chunk_rows(zd[M-r0, c] bf16, r0, h[M, d] bf16, w[c, d] bf16, zf[M, c] f32, v0, V, targets[P] i64,
 //                  anchor[B] i64, cap, m[M], s[M], picked[M], out[M] f32, z_ref[Vb, P, V] f32 | None,
@@ -22,7 +22,7 @@
 //     accumulated in float32: a logit rounded to bf16 would move by up to 0.03). Every difference row's as its
 //     anchor's plus its own bf16 difference, z_r = z_a + float(zd_r), into zf; then soft-capped and folded as
 //     lse_chunk. m, s, picked start at -inf, 0, 0 at the first chunk (v0 == 0); the last (v0 + c == V) writes
-//     out = picked - (m + log s). The torch reference: calibration.step.logprobs.rows_logprobs.
+//     out = picked - (m + log s). The torch reference: step.logprobs.rows_logprobs.
 //
 // One pass of the chunk for the max, one for the sum (softmax_rows.h), on AVX-512 registers where the CPU has it;
 // rows in parallel. Float32, summed in another order than the reference (a few ulp); NaN and +inf logits give a

@@ -1,15 +1,15 @@
-// The static step's bookkeeping on the CPU in one call (calibration/step/step_state.py holds the torch reference,
+// The static step's bookkeeping on the CPU in one call (step/step_state.py holds the torch reference,
 // bookkeep_reference, and the state; the Python wrapper is sicl_fast/ops/cpp_ops.py's CppStepOps.bookkeep):
 //
 //   bookkeep(f[B] f32, fired[1] i32, X[L,d], X_next[L,d], best_X[L,d], best_f[1] f32, counters[3] i32, step[1],
 //           steps_run[1], reason[1], low_snr[1], projections[1] i64, history[n] f32, anchor[1] f32, codes[6] i64,
 //           tau, snr_threshold, min_delta, min_delta_rel, patience, max_steps, mu, central)
 //
-// after the update wrote X_next (its projection flag `fired`): the stopping rule of calibration/step/stop_rule.py
+// after the update wrote X_next (its projection flag `fired`): the stopping rule of step/stop_rule.py
 // (the gate, the best X with best_f and the counters: since best, best step, steps seen; patience, with min_delta
 // or min_delta_rel > 0 counted from the anchor; the SNR skip and stop, max_steps), a non-finite proxy, the history
 // entry, the counters, the stop reason and the step index, in place. codes: the stop reasons as the state stores them
-// (RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE of calibration.step.step_state).
+// (RUNNING, GATE, PATIENCE, SNR, MAX_STEPS, NONFINITE of step.step_state).
 //
 // Bit-identical to the reference: comparisons, copies and counters, the comparisons with tau, the SNR threshold
 // and the margin in float64 as its; the SNR's finite differences, mean and standard deviation as torch computes
@@ -94,7 +94,7 @@ float torch_sum(const float* x, int64_t n) {
     return 0.0f + acc;
 }
 
-// |mean| / (std + 1e-12) of the finite differences d [N] (calibration.step.zo.finite_differences), as the reference's
+// |mean| / (std + 1e-12) of the finite differences d [N] (step.zo.finite_differences), as the reference's
 // torch ops: the mean a float32 sum / N, the standard deviation (N - 1) by Welford in float64, rounded to float32
 float snr_of(const float* f, int64_t B, double mu, bool central) {
     const int64_t N = central ? (B - 1) / 2 : B - 1;
@@ -194,7 +194,7 @@ void register_step_state_ops(py::module_& m) {
           py::arg("low_snr"), py::arg("projections"), py::arg("history"), py::arg("anchor"), py::arg("codes"),
           py::arg("tau"), py::arg("snr_threshold"), py::arg("min_delta"), py::arg("min_delta_rel"),
           py::arg("patience"), py::arg("max_steps"), py::arg("mu"), py::arg("central"),
-          "the static step's bookkeeping of one step, in place (calibration.step.step_state.bookkeep_reference)");
+          "the static step's bookkeeping of one step, in place (step.step_state.bookkeep_reference)");
 }
 
 }  // namespace sicl

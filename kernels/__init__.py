@@ -14,7 +14,7 @@ _utils.launch (the warps from the block size; on CUDA, on the tensors' own devic
     zo_update(X, X0, f [B], step, spec) -> (X_new [L, d] float32, fired int32 [1] on the device)
     track_best(f, X, BestState) -> BestState            best-so-far X / f / patience on the device
     bookkeep(st, f, fired, cfg)                         the static step's bookkeeping on its StepState
-                                                        (sicl_fast.calibration.step.step_state)
+                                                        (sicl_fast.step.step_state)
     randn(seed, step, num, rows, d) -> [num, rows, d]   the directions U (= step.rng.directions, bitwise)
     cached_tensors() -> list                            device constants the launchers cache (a graph keeps them)
 

@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of the kernels for an NVIDIA target, without a GPU (ptxas ships with triton).
 
 Used by tests (the RNG kernels' PTX must contain no FMA and no approximate division / sqrt, or the GPU would
-not reproduce calibration.step.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
+not reproduce step.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
 
     compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions; with
                                                                          aligned=True as the JIT specialises them)

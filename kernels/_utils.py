@@ -1,6 +1,6 @@
 """Shared launcher helpers: tensor checks with clear errors, interpreter detection, and the one way every launcher
 launches (`launch`: the number of warps from the block size, the device guard). (The step's arguments are checked
-once, by sicl_fast.calibration.step.spec.StepSpec; the proxy's by sicl_fast.calibration.step.proxy.ProxyPlan and
+once, by sicl_fast.step.spec.StepSpec; the proxy's by sicl_fast.step.proxy.ProxyPlan and
 check_logprobs.)"""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import torch
 import triton
 
 from sicl_fast.errors import SiclError
-from sicl_fast.calibration.step.rng import step_seed
+from sicl_fast.step.rng import step_seed
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# The RNG / update kernels must evaluate exactly the op sequence of sicl_fast.calibration.step.rng: no FMA contraction.
+# The RNG / update kernels must evaluate exactly the op sequence of sicl_fast.step.rng: no FMA contraction.
 EXACT = {"enable_fp_fusion": False}
 
 
@@ -76,7 +76,7 @@ def _dummy(device) -> torch.Tensor:
 
 def rows_end_arg(rows_end, device, op: str):
     """(pointer, END_PTR) for the noise kernels' padded block: a length bucket's rows_end, an int64 [1] device
-    tensor the kernel reads (sicl_fast.calibration.step.zo), or a dummy pointer and False (the spec's b)."""
+    tensor the kernel reads (sicl_fast.step.zo), or a dummy pointer and False (the spec's b)."""
     if rows_end is None:
         return _dummy(device), False
     return check_device_scalar(rows_end, "rows_end", device, op), True

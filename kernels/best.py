@@ -1,7 +1,7 @@
 """Best-so-far bookkeeping of the ascent on the device (for a loop with no host sync, e.g. a CUDA graph).
 
-State: sicl_fast.calibration.step.best.BestState (device tensors); the torch reference is
-sicl_fast.calibration.step.best.track_best. `track_best(f, X, state)` applies one step of Algorithm 1's bookkeeping:
+State: sicl_fast.step.best.BestState (device tensors); the torch reference is
+sicl_fast.step.best.track_best. `track_best(f, X, state)` applies one step of Algorithm 1's bookkeeping:
     if f[0] > best_f:  best_f = f[0];  best_X = X;  since = 0;  best_step = seen
     else:              since += 1
     seen += 1
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.calibration.step.best import BestState, check_best_args
+from sicl_fast.step.best import BestState, check_best_args
 
 from ._utils import check_device, interpreting, launch
 

@@ -8,7 +8,7 @@
        the stop reason and the step index; it leaves two flags: better (f0 beat best_f) and update (take X_next)
     2. over X: best_X <- X where better, then X <- X_next where update
 
-st: a sicl_fast.calibration.step.step_state.StepState (its tensors X, X_next, best, step_t, steps_run, reason, low_snr,
+st: a sicl_fast.step.step_state.StepState (its tensors X, X_next, best, step_t, steps_run, reason, low_snr,
 projections, history, anchor, thresholds, flags). cfg: its CalibrationConfig. The comparisons with tau,
 snr_threshold and the min_delta margin are in float64, as the reference's; the SNR's mean and standard deviation
 are float32 reductions in another order than torch's (differences of an ulp, which can only matter for an SNR
@@ -20,12 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.calibration.step.stop_rule import margin_on
-from sicl_fast.calibration.step.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
+from sicl_fast.step.stop_rule import margin_on
+from sicl_fast.step.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
 from ._utils import interpreting, launch, next_pow2
 
-# the stop reasons as the state stores them (calibration.step.step_state), as compile-time constants of the kernel
+# the stop reasons as the state stores them (step.step_state), as compile-time constants of the kernel
 NONFINITE_C = tl.constexpr(NONFINITE)
 GATE_C = tl.constexpr(GATE)
 PATIENCE_C = tl.constexpr(PATIENCE)
@@ -49,7 +49,7 @@ def _bookkeep_state_kernel(f_ptr, params_ptr, s_ptr, steps_run_ptr, reason_ptr, 
     bad = active & (finite == 0)
     tau = tl.load(params_ptr)
     gate = ok & (s == 0) & (f0.to(tl.float64) < tau)
-    # track_best with f0 masked to -inf when not ok (sicl_fast.calibration.step.best.track_best)
+    # track_best with f0 masked to -inf when not ok (sicl_fast.step.best.track_best)
     fm = tl.where(ok, f0, float("-inf"))
     best = tl.load(best_f_ptr)
     since = tl.load(counters_ptr)

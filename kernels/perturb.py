@@ -1,13 +1,13 @@
-"""The perturbation batch of one ascent step, noise drawn in the kernel (calibration.step.zo.perturb's function).
+"""The perturbation batch of one ascent step, noise drawn in the kernel (step.zo.perturb's function).
 
     perturb(X [L, d] float32, step, spec: StepSpec) -> out [B, b, d] float32
 
-Batch layout (sicl_fast.calibration.step.zo):
+Batch layout (sicl_fast.step.zo):
     forward:  out[0] = X[:b],  out[1 + i] = X[:b] + mu U_i on rows [a, b)                       (B = N + 1)
     central:  out[0] = X[:b],  out[1 + 2i] = X[:b] + mu U_i,  out[2 + 2i] = X[:b] - mu U_i        (B = 2N + 1)
 U_i[r, c] = randn(seed + step * 2**32, counter = i * R * d + r * d + c), R = b - a: the same bits as
-sicl_fast.calibration.step.rng.directions and the C++ extension. U is never stored. A length bucket's padded block
-(rows_end, read on the device: sicl_fast.calibration.step.zo) takes b = rows_end for the noise; out keeps spec.b rows.
+sicl_fast.step.rng.directions and the C++ extension. U is never stored. A length bucket's padded block
+(rows_end, read on the device: sicl_fast.step.zo) takes b = rows_end for the noise; out keeps spec.b rows.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.calibration.step.spec import StepSpec, f32
+from sicl_fast.step.spec import StepSpec, f32
 
 from ._utils import EXACT, check_device, check_dtype, interpreting, launch, rows_end_arg, step_key
 from .randn import randn_f32

@@ -1,4 +1,4 @@
-"""The ICL confidence proxy, one program per batch row (sicl_fast.calibration.step.proxy.proxy's function).
+"""The ICL confidence proxy, one program per batch row (sicl_fast.step.proxy.proxy's function).
 
     proxy(logprobs [B, P] float (computed in float32), offsets [T+1] int64, alpha, beta, gamma, q)
         -> ProxyOut(f [B], C [B], R [B], G [B], c [B, T])  float32
@@ -7,7 +7,7 @@
     R   = q-quantile of exp(logprobs) over the P positions, linear interpolation exactly as torch.quantile
           (rank = q * (P - 1) in float32, then torch.lerp's formula); the row is sorted with tl.sort after
           padding to a power of two with +inf. P is the plan's count, read on the device: a length bucket's
-          log-probs [B, W] hold padding after it (sicl_fast.calibration.step.proxy.ProxyPlan)
+          log-probs [B, W] hold padding after it (sicl_fast.step.proxy.ProxyPlan)
     f   = alpha C + beta R + gamma G
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.calibration.step.proxy import ProxyOut, ProxyPlan, checked_proxy
-from sicl_fast.calibration.step.spec import f32
+from sicl_fast.step.proxy import ProxyOut, ProxyPlan, checked_proxy
+from sicl_fast.step.spec import f32
 
 from ._utils import FLOAT_DTYPES, check_device, check_dtype, launch, next_pow2
 
@@ -73,7 +73,7 @@ def proxy(logprobs: torch.Tensor, offsets: torch.Tensor, alpha: float = 0.6, bet
     """The proxy of every batch row (module docstring). logprobs on CUDA (or the CPU under TRITON_INTERPRET=1).
 
     check_values: raise NumericalError on NaN / +inf log-probs as the reference does (one host sync);
-    False skips the check (for a loop that must not synchronise; sicl_fast.calibration.step.proxy.check_logprobs).
+    False skips the check (for a loop that must not synchronise; sicl_fast.step.proxy.check_logprobs).
     """
     return checked_proxy(proxy_planned, logprobs, offsets, alpha, beta, gamma, q, check_values)
 

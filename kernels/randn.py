@@ -1,12 +1,12 @@
-"""Counter-based N(0, 1) noise inside Triton kernels, bit-identical to `sicl_fast.calibration.step.rng.randn_counters`.
+"""Counter-based N(0, 1) noise inside Triton kernels, bit-identical to `sicl_fast.step.rng.randn_counters`.
 
 `randn_f32(seed64, counter)` is a @triton.jit helper for other kernels: Philox4x32-10 integers from
-`tl.randint4x` (Triton's own generator) and the fixed float32 Box-Muller op sequence of `sicl_fast.calibration.step.rng`
+`tl.randint4x` (Triton's own generator) and the fixed float32 Box-Muller op sequence of `sicl_fast.step.rng`
 (its own log / cos polynomials, div_rn / sqrt_rn). Kernels using it must be launched with
 enable_fp_fusion=False so the GPU does not contract multiply-adds into FMAs.
 
 `randn(seed, step, num, rows, d)` is the standalone op: U [num, rows, d] float32, as
-`sicl_fast.calibration.step.rng.directions`.
+`sicl_fast.step.rng.directions`.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sicl_fast.calibration.step.rng import F32, LOG_M_LOW_BITS, LOG_SHIFT, check_counter_range, step_seed
+from sicl_fast.step.rng import F32, LOG_M_LOW_BITS, LOG_SHIFT, check_counter_range, step_seed
 
 from ._utils import EXACT, interpreting, launch
 
@@ -51,7 +51,7 @@ def uniform_f32(x):
 
 @triton.jit
 def log_f32(u):
-    """log(u) for positive normal float32 u: sicl_fast.calibration.step.rng.log_f32's op sequence."""
+    """log(u) for positive normal float32 u: sicl_fast.step.rng.log_f32's op sequence."""
     ix = u.to(tl.int32, bitcast=True) + LOG_SHIFT_C
     e = ((ix >> 23) - 127).to(tl.float32)
     m = ((ix & 0x7FFFFF) + LOG_M_LOW_BITS_C).to(tl.float32, bitcast=True)
@@ -69,7 +69,7 @@ def log_f32(u):
 
 @triton.jit
 def cos_2pi_f32(u):
-    """cos(2 pi u) for float32 u in [0, 1): sicl_fast.calibration.step.rng.cos_2pi_f32's op sequence."""
+    """cos(2 pi u) for float32 u in [0, 1): sicl_fast.step.rng.cos_2pi_f32's op sequence."""
     t = tl.where(u >= 0.5, 1.0 - u, u)
     neg = t > 0.25
     t = tl.where(neg, 0.5 - t, t)
@@ -109,7 +109,7 @@ def _randn_kernel(out_ptr, seed64, n, BLOCK: tl.constexpr):
 
 
 def randn(seed: int, step: int, num: int, rows: int, d: int, device="cuda") -> torch.Tensor:
-    """U [num, rows, d] float32, bit-identical to sicl_fast.calibration.step.rng.directions(seed, step, num, rows, d).
+    """U [num, rows, d] float32, bit-identical to sicl_fast.step.rng.directions(seed, step, num, rows, d).
 
     device: "cuda", or "cpu" under TRITON_INTERPRET=1.
     """

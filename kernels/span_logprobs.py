@@ -11,7 +11,7 @@ of z for BLOCK_M rows of the flattened [B*P, d] hidden states over one contiguou
 kernel merges the splits' (m, s) and writes target - (m + log s). Splits give the GPU enough programs when
 B*P is small; programs of one split run side by side so the weight tiles they stream are shared in L2.
 
-Reference: sicl_fast.calibration.step.logprobs.vocab_chunked_logprobs (tested against it). Targets outside [0, V) are
+Reference: sicl_fast.step.logprobs.vocab_chunked_logprobs (tested against it). Targets outside [0, V) are
 rejected when targets are on the CPU; on the GPU they are not checked (no host sync) and give garbage.
 
     span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None,
@@ -26,7 +26,7 @@ then the change from the reference's) a value row's logits are z_ref's plus its 
 (no float32 product per step: the reference's is made every few steps, sicl_fast.backends.step_forward). A
 difference row's product is rounded to bf16 (to nearest even, as a bf16 product returns it) and
 z_j = z_anchor(j) + dz_j in float32; then soft-capped, the online log-sum-exp and the combine kernel as above (two
-launches). Reference: sicl_fast.calibration.step.logprobs.rows_logprobs.
+launches). Reference: sicl_fast.step.logprobs.rows_logprobs.
 Design: a program's M tile holds whole span positions, the B rows of each (BLOCK_M // B positions: B 9 in 64 rows
 holds 7), so a difference row's anchor sits in the same accumulator tile and its logits are taken with a register
 gather along M (tl.gather; on sm_90 a shared-memory round trip of the [BLOCK_M, BLOCK_V] tile, small next to the
@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.calibration.step.spec import f32
+from sicl_fast.step.spec import f32
 
 from ._math import tanh, to_bf16
 from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, launch, next_pow2, sm_count

@@ -1,8 +1,8 @@
-"""One zeroth-order ascent step with the noise regenerated in the kernel (calibration.step.zo.update's function).
+"""One zeroth-order ascent step with the noise regenerated in the kernel (step.zo.update's function).
 
     zo_update(X [L, d], X0 [L, d], f [B], step, spec: StepSpec) -> (X_new [L, d] float32, fired: int32 [1])
 
-    w_i = (f_{1+i} - f_0) / mu                   forward  (batch layout of sicl_fast.calibration.step.zo)
+    w_i = (f_{1+i} - f_0) / mu                   forward  (batch layout of sicl_fast.step.zo)
     w_i = (f_{1+2i} - f_{2+2i}) / (2 mu)         central
     g   = (sum_i w_i U_i) / N                    on rows [a, b), U_i regenerated from (seed, step) as in perturb
     g_r <- g_r * min(1, clip / (|g_r| + 1e-8))   per token row ("clip"), or g_r / (|g_r| + 1e-8) ("normalize")
@@ -14,7 +14,7 @@ Two kernels, no [N, R, d] tensor: `_step_kernel` (one program per row of X: grad
 [a, b), a copy elsewhere, and float64 per-row partial sums X_new.X0, |X_new|^2, |X0|^2), then, when kappa > 0,
 `_project_kernel` (sums the partials in row order, decides on the device, rewrites the rows when it fires).
 Nothing is synchronised with the host; `fired` stays a device tensor. A length bucket's padded block (rows_end, an
-int64 [1] device tensor: sicl_fast.calibration.step.zo) is read in both kernels: b = rows_end, and for scope "demos"
+int64 [1] device tensor: sicl_fast.step.zo) is read in both kernels: b = rows_end, and for scope "demos"
 the projection's rows end there too.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from sicl_fast.errors import SiclError
-from sicl_fast.calibration.step.spec import StepSpec, f32
+from sicl_fast.step.spec import StepSpec, f32
 
 from ._utils import EXACT, check_device, check_dtype, interpreting, launch, next_pow2, rows_end_arg, step_key
 from .randn import randn_f32

@@ -18,7 +18,7 @@ import sys
 
 from .backends.generate import Generation
 from .calibration.ascent import PRESETS, CalibrationConfig, CalibrationResult, Calibrator
-from .calibration.step.proxy import ProxyOut, proxy
+from .step.proxy import ProxyOut, proxy
 from .engine import Engine
 from .errors import ContextLengthError, ModelLoadError, NumericalError, RequestError, SiclError
 from .formats.requests import DEFAULT_TEMPLATE, Request, parse_request, read_requests, render_structured
@@ -34,22 +34,25 @@ __all__ = [
     "read_requests", "render_structured", "Prompt", "tokenize",
 ]
 
-# The module paths before the modules were grouped by role (issue #41): `sicl_fast.OLD` is the module
+# The module paths before the modules were grouped by role (issues #41, #48): `sicl_fast.OLD` is the module
 # `sicl_fast.NEW` itself (one object: a patch of either name patches both), so code that imported the old paths
 # keeps working. CHANGELOG.md lists them.
 MOVED = {
     "answer": "answering.answer", "answer_kv": "answering.answer_kv", "ascent": "calibration.ascent",
-    "benchmark": "diagnostics.benchmark", "best": "calibration.step.best", "chat": "answering.chat",
+    "benchmark": "diagnostics.benchmark", "best": "step.best", "chat": "answering.chat",
     "checks": "run.checks", "cli": "commands.cli", "client": "serve.client", "distributed": "commands.distributed",
     "export": "answering.export", "generate": "backends.generate", "grad": "calibration.grad",
     "gradstudy": "diagnostics.gradstudy", "graphs": "run.graphs", "inputs": "formats.inputs", "jobs": "commands.work",
-    "kernel_count": "diagnostics.kernel_count", "knobs": "run.knobs", "logprobs": "calibration.step.logprobs",
+    "kernel_count": "diagnostics.kernel_count", "knobs": "run.knobs", "logprobs": "step.logprobs",
     "models.cache": "models.converted", "packed": "calibration.packed", "plan": "run.plan",
-    "profile": "diagnostics.profile", "progress": "run.progress", "proxy": "calibration.step.proxy",
+    "profile": "diagnostics.profile", "progress": "run.progress", "proxy": "step.proxy",
     "records": "formats.records", "requests": "formats.requests", "reuse": "answering.reuse",
-    "rng": "calibration.step.rng", "run_args": "run.run_args", "spans": "formats.spans",
-    "spec": "calibration.step.spec", "static": "calibration.static", "step_state": "calibration.step.step_state",
-    "threads": "run.threads", "workers": "run.workers", "zo": "calibration.step.zo",
+    "rng": "step.rng", "run_args": "run.run_args", "spans": "formats.spans",
+    "spec": "step.spec", "static": "calibration.static", "step_state": "step.step_state",
+    "threads": "run.threads", "workers": "run.workers", "zo": "step.zo",
+    # one step's math had a folder under calibration/ before it got a floor of its own (issue #48)
+    "calibration.step": "step", **{f"calibration.step.{m}": f"step.{m}" for m in (
+        "best", "logprobs", "proxy", "rng", "spec", "step_state", "stop_rule", "zo")},
 }
 
 

@@ -23,7 +23,7 @@ from .backends.generate import Generation
 from .models import LoadedModel, load
 from .calibration.packed import run_packed
 from .run.plan import Choices, make_plan, resolve_reuse
-from .calibration.step.proxy import ProxyOut
+from .step.proxy import ProxyOut
 from .formats.requests import Request, parse_request
 from .run.run_args import BestAt, check_budget, stop_check
 from .formats.spans import Prompt, tokenize

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import synthetic_prompt
-from sicl_fast.calibration.step import zo
+from sicl_fast.step import zo
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator, preset_name
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.calibration.step.rng import directions
-from sicl_fast.calibration.step.spec import StepSpec
+from sicl_fast.step.rng import directions
+from sicl_fast.step.spec import StepSpec
 
 # tau=0 so the gate never fires on a random model; scale=1: absolute units; big steps so things move
 BASE = CalibrationConfig(N=4, mu=0.01, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=6, seed=3, scale=1.0)
@@ -191,12 +191,12 @@ def test_perturb_query_ablation_moves_query_rows(setup):
                                   "min-delta-nonfinite", "min-delta-gate", "min-delta-snr"])
 def test_eager_loop_equals_the_step_reference_on_scripts(setup, name, monkeypatch):
     """The eager loop (python floats) and the static step's reference (device tensors,
-    sicl_fast.calibration.step.step_state) make the same decisions on the same scripted proxies: patience with and
+    sicl_fast.step.step_state) make the same decisions on the same scripted proxies: patience with and
     without min_delta, exact ties with the margin, the gate, SNR skips and stops, a non-finite proxy (tests/test_ops.py
     runs the fused kernel on them)."""
     from test_ops import BOOKKEEP_SCRIPTS
 
-    from sicl_fast.calibration.step.step_state import NONFINITE, REASONS, StepState, bookkeep_reference
+    from sicl_fast.step.step_state import NONFINITE, REASONS, StepState, bookkeep_reference
 
     hf, p = setup
     kw, f0s = BOOKKEEP_SCRIPTS[name]

@@ -5,7 +5,7 @@ import torch
 from conftest import span_logprobs_oracle, synthetic_prompt
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.calibration.step.logprobs import vocab_chunked_logprobs
+from sicl_fast.step.logprobs import vocab_chunked_logprobs
 from sicl_fast.models import from_transformers
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from sicl_fast import Engine
 from sicl_fast.backends import make_backend
 from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.calibration.static import StepCache, run_static
-from sicl_fast.calibration.step.proxy import ProxyPlan
+from sicl_fast.step.proxy import ProxyPlan
 from sicl_fast.errors import SiclError
 from sicl_fast.formats.spans import span_offsets
 from sicl_fast.ops import make_ops

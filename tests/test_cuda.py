@@ -69,7 +69,7 @@ def test_fast_span_logprobs_on_cuda_match_the_cpu(cpu_models, family, dtype, ato
 
 
 def test_philox_directions_on_cuda_equal_the_cpu_bit_for_bit():
-    from sicl_fast.calibration.step import rng
+    from sicl_fast.step import rng
 
     for seed, step, shape in ((0, 0, (3, 5, 37)), (2**32 - 1, 7, (2, 3, 129)), (12345, 2**31 + 5, (1, 1, 1000))):
         cpu = rng.directions(seed, step, *shape)
@@ -80,7 +80,7 @@ def test_philox_directions_on_cuda_equal_the_cpu_bit_for_bit():
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.float16, 5e-3), (torch.bfloat16, 0.05)])
 def test_span_head_and_proxy_kernels_in_each_dtype(K, dtype, atol):
     from conftest import span_logprobs_oracle
-    from sicl_fast.calibration.step.proxy import proxy
+    from sicl_fast.step.proxy import proxy
 
     g = torch.Generator().manual_seed(0)
     B, P, d, V = 9, 37, 96, 1000

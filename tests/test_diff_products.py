@@ -25,8 +25,8 @@ from sicl_fast.models.rows import RowLayout, from_rows, to_rows
 from sicl_fast.models.transformer import fast_low_precision
 from sicl_fast.models.weights import LowWeight, fp8_rows
 from sicl_fast.ops import TorchStepOps
-from sicl_fast.calibration.step.proxy import proxy as ref_proxy
-from sicl_fast.calibration.step.spec import StepSpec
+from sicl_fast.step.proxy import proxy as ref_proxy
+from sicl_fast.step.spec import StepSpec
 
 from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt, perturbed
 from test_ops import why_unavailable

@@ -15,7 +15,7 @@ from sicl_fast.errors import SiclError
 from sicl_fast.calibration.grad import proxy_gradient
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import attend_math
-from sicl_fast.calibration.step import zo
+from sicl_fast.step import zo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from sicl_fast import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.diagnostics.gradstudy import StudySettings, markdown, study_point, study_prompt, summarize
-from sicl_fast.calibration.step.rng import directions
+from sicl_fast.step.rng import directions
 from test_grad import VOCAB, tiny_llama16
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""Triton proxy kernel against sicl_fast.calibration.step.proxy.proxy (the reference): what only this kernel has (16-bit
+"""Triton proxy kernel against sicl_fast.step.proxy.proxy (the reference): what only this kernel has (16-bit
 inputs, the weights, ties). The float32 parity over odd shapes is tests/test_ops.py's, for every implementation.
 
 Tolerance: float32 log-probs: rtol 1e-5 and atol 1e-7 on f, C, R, G and c (the kernel sums spans as a tree,
@@ -12,7 +12,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from sicl_fast.errors import NumericalError, SiclError  # noqa: E402
-from sicl_fast.calibration.step.proxy import proxy as ref_proxy  # noqa: E402
+from sicl_fast.step.proxy import proxy as ref_proxy  # noqa: E402
 from sicl_fast.formats.spans import span_offsets  # noqa: E402
 from conftest import TRITON_DEVICE as DEV  # noqa: E402
 

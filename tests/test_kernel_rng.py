@@ -1,4 +1,4 @@
-"""The in-kernel noise: bit-identical to sicl_fast.calibration.step.rng, good normals, and GPU code that keeps the bits.
+"""The in-kernel noise: bit-identical to sicl_fast.step.rng, good normals, and GPU code that keeps the bits.
 
 Triton runs under TRITON_INTERPRET=1 on the CPU (tests/conftest.py sets it when there is no GPU).
 """
@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from sicl_fast.calibration.step import rng  # noqa: E402
+from sicl_fast.step import rng  # noqa: E402
 from conftest import TRITON_DEVICE as DEV  # noqa: E402
 
 

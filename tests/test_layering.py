@@ -4,7 +4,7 @@ inside functions too: a lazy import is still an edge):
   * no cycle among the modules;
   * the tree reads by role: the top level holds only the package, engine.py and errors.py, and every folder says
     in its docstring what lives there;
-  * no arrow back up: the role folders (the package's subpackages, calibration/step counted as a role of its own)
+  * no arrow back up: the role folders (the package's subpackages; a nested package is its parent's role)
     import one another without a cycle, so each sits above the ones it imports (ROLE_ORDER, bottom first, is the
     order docs/development.md shows); errors.py is below them all; engine.py and the package itself are above the
     core and imported only by the front ends (commands/, serve/, diagnostics/, evaluation/);
@@ -87,21 +87,18 @@ def cycles(graph: dict) -> list:
 
 
 # The role folders, bottom first: each imports only folders before it (and errors.py). A nested package is its
-# parent's role (serve.routes is the server's), except calibration.step: one step's torch math, which the ops and
-# kernels implement, below them, while the loops of calibration/ sit above the backends that run the steps.
-ROLE_ORDER = ["formats", "models", "calibration.step", "kernels", "ops", "run", "backends", "calibration", "store",
+# parent's role (serve.routes is the server's): every folder is one floor. step/ (one step's torch math, which the
+# ops and kernels implement) sits below them, the loops of calibration/ above the backends that run the steps.
+ROLE_ORDER = ["formats", "models", "step", "kernels", "ops", "run", "backends", "calibration", "store",
               "answering", "icleval", "evaluation", "diagnostics", "serve", "commands"]
 FRONT_ENDS = ("commands", "serve", "diagnostics", "evaluation")
 TOP = {"sicl_fast", "sicl_fast.engine", "sicl_fast.errors"}
 
 
 def role(module: str) -> str:
-    """The role folder of a module ("calibration.step" for sicl_fast.calibration.step.zo), or the module itself at
-    the top level."""
-    if module in TOP:
-        return module
-    parts = module.split(".")[1:]
-    return "calibration.step" if parts[:2] == ["calibration", "step"] else parts[0]
+    """The role folder of a module ("serve" for sicl_fast.serve.routes.chat), or the module itself at the top
+    level."""
+    return module if module in TOP else module.split(".")[1]
 
 
 def role_graph(graph: dict) -> dict:
@@ -114,11 +111,11 @@ def role_graph(graph: dict) -> dict:
 
 def test_the_walk_sees_what_it_must():
     g = import_graph()
-    assert "sicl_fast.calibration.step.step_state" in g["sicl_fast.kernels.bookkeep"]  # an absolute import
+    assert "sicl_fast.step.step_state" in g["sicl_fast.kernels.bookkeep"]  # an absolute import
     assert "sicl_fast.kernels" in g["sicl_fast.ops.triton_ops"]  # `from .. import kernels`, inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert role("sicl_fast.serve.routes.chat") == "serve"
-    assert role("sicl_fast.calibration.step.zo") == "calibration.step"
+    assert role("sicl_fast.step.zo") == "step"
     assert role("sicl_fast.calibration.static") == "calibration" and role("sicl_fast.engine") == "sicl_fast.engine"
 
 

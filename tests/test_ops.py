@@ -27,14 +27,14 @@ import os
 import pytest
 import torch
 
-from sicl_fast.calibration.step import rng, zo
-from sicl_fast.calibration.step.best import BestState
+from sicl_fast.step import rng, zo
+from sicl_fast.step.best import BestState
 from sicl_fast.errors import NumericalError, SiclError
 from sicl_fast.ops import attention_kernels, cpp_ops, make_ops
-from sicl_fast.calibration.step.proxy import proxy as ref_proxy
+from sicl_fast.step.proxy import proxy as ref_proxy
 from sicl_fast.formats.spans import span_offsets
-from sicl_fast.calibration.step.spec import StepSpec
-from sicl_fast.calibration.step.step_state import RUNNING, StepState, bookkeep_reference
+from sicl_fast.step.spec import StepSpec
+from sicl_fast.step.step_state import RUNNING, StepState, bookkeep_reference
 from conftest import TRITON_DEVICE, span_logprobs_oracle
 
 TOL = {

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sicl_fast.errors import NumericalError, SiclError
-from sicl_fast.calibration.step.proxy import proxy
+from sicl_fast.step.proxy import proxy
 from sicl_fast.formats.spans import span_offsets
 
 

@@ -21,14 +21,14 @@ import torch
 import test_rows_ops as contract
 from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.diagnostics.kernel_count import count_kernels
-from sicl_fast.calibration.step.logprobs import rows_logprobs
+from sicl_fast.step.logprobs import rows_logprobs
 from sicl_fast.models.attention import Attention, attention_rows_reference
 from sicl_fast.models.rows import (RowLayout, gated_rows_reference, norm_rows_reference,
                                    rope_rows_reference, to_rows)
 from sicl_fast.ops import cpp_ops, make_ops
 from sicl_fast.ops.cpp_ops import HEAD_CHUNK
-from sicl_fast.calibration.step.step_state import StepState, bookkeep_reference
-from sicl_fast.calibration.step.zo import finite_differences
+from sicl_fast.step.step_state import StepState, bookkeep_reference
+from sicl_fast.step.zo import finite_differences
 from test_rows_ops import LAYOUT_IDS, LAYOUTS, WITH_REF, form_of, layout, near_rows, reference_of
 
 pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")

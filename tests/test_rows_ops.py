@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from sicl_fast.calibration.step.logprobs import rows_logprobs
+from sicl_fast.step.logprobs import rows_logprobs
 from sicl_fast.models.attention import Attention, attention_rows_reference
 from sicl_fast.models.rows import (RowLayout, from_rows, gated_rows_reference, norm_rows_reference,
                                    rope_rows_reference, to_rows)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from sicl_fast.errors import SiclError
-from sicl_fast.calibration.step.logprobs import rows_logprobs
+from sicl_fast.step.logprobs import rows_logprobs
 from sicl_fast.models.attention import Attention, attention_rows_reference
 from sicl_fast.models.rows import RowLayout, gated_rows_reference, norm_rows_reference, rope_rows_reference, to_rows
 from test_ops import device_of, why_unavailable

@@ -1,4 +1,4 @@
-"""The one stopping rule (sicl_fast.calibration.step.stop_rule): its python form (the eager loop) and its device
+"""The one stopping rule (sicl_fast.step.stop_rule): its python form (the eager loop) and its device
 form (the static and packed steps' bookkeeping) decide alike on every case, ties at the margin and the thresholds
 included; tests/test_ops.py holds the fused C++ and Triton bookkeeping to the device form, tests/test_ascent.py the
 two loops to each other."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sicl_fast.calibration.ascent import CalibrationConfig
-from sicl_fast.calibration.step.stop_rule import DEVICE, HOST, decide, improves
+from sicl_fast.step.stop_rule import DEVICE, HOST, decide, improves
 
 
 

@@ -29,15 +29,15 @@ from collections.abc import Callable
 
 import torch
 
-from .step.stop_rule import HOST, decide
+from ..step.stop_rule import HOST, decide
 from ..run.checks import calibration_inputs
 from ..errors import NumericalError, SiclError
 from .grad import proxy_gradient
 from ..run.knobs import F32_MAX, F32_TINY, check_mu, check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from .step.spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice, resolve_scale
-from .step.zo import cosine, snr
+from ..step.spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice, resolve_scale
+from ..step.zo import cosine, snr
 
 
 MAX_STEP_SIZE = 1e3  # mu, eta: a perturbation or step a thousand times the embedding scale is no longer meaningful

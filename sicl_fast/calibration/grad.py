@@ -5,7 +5,7 @@
         g [R, d] in X's dtype: df/dX on the step's rows [a, b) (R = b - a)
 
 The forward is the backend's own (`Backend.differentiable_logprobs`: `hf`, or the `fast` decoder's float32 plain
-products without the prefix cache), the proxy is the torch reference (sicl_fast.calibration.step.proxy, through the
+products without the prefix cache), the proxy is the torch reference (sicl_fast.step.proxy, through the
 backend's TorchStepOps; torch.quantile's gradient included: the linear interpolation between two order statistics passes
 its weights to those two), and the backward is autograd's. The model's weights stay detached: only X gets a gradient.
 
@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import NumericalError
-from .step.proxy import ProxyOut
+from ..step.proxy import ProxyOut
 from ..formats.spans import Prompt
-from .step.spec import StepSpec
+from ..step.spec import StepSpec
 
 
 def proxy_gradient(backend, prompt: Prompt, X: torch.Tensor, config, spec: StepSpec) -> tuple[ProxyOut, torch.Tensor]:

@@ -28,7 +28,7 @@ from ..run.checks import calibration_inputs
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from .step.spec import resolve_scale
+from ..step.spec import resolve_scale
 from .static import StaticStep
 from .reads import Slot, read, steps_to_read
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .step.step_state import GATE, RUNNING
+from ..step.step_state import GATE, RUNNING
 
 if TYPE_CHECKING:  # names for the annotations only: static.py runs its loop on this module
     from ..run.run_args import BestAt

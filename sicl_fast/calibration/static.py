@@ -34,14 +34,14 @@ from ..run.checks import calibration_inputs
 from ..errors import NumericalError
 from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs, shared_pool
 from ..run.knobs import check_range
-from .step.proxy import ProxyPlan
+from ..step.proxy import ProxyPlan
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..backends.step_forward import StepForward
 from ..formats.spans import Prompt
-from .step.spec import StepSpec, block_end, resolve_scale
+from ..step.spec import StepSpec, block_end, resolve_scale
 from ..run.buckets import Bucket
 from .reads import Slot, read, steps_to_read
-from .step.step_state import GATE, NONFINITE, REASONS, StepState
+from ..step.step_state import GATE, NONFINITE, REASONS, StepState
 
 
 class StaticStep:
@@ -125,7 +125,7 @@ class StaticStep:
 
     def advance(self, f: torch.Tensor) -> None:
         """The update of X (into X_next) and the bookkeeping of the step whose batch gave f [B] (gate, best X,
-        patience, SNR, stops), all as masked updates of the device state (sicl_fast.calibration.step.step_state)."""
+        patience, SNR, stops), all as masked updates of the device state (sicl_fast.step.step_state)."""
         st = self.state
         _, fired = self.ops.update(st.X, st.X0, f, st.step_t, self.spec, out=st.X_next, rows_end=self.rows_end)
         self.ops.bookkeep(st, f, fired, self.config)

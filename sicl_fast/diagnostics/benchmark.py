@@ -22,7 +22,7 @@ from ..errors import SiclError
 from ..calibration.packed import PackedStep, run_packed
 from ..formats.requests import render_structured
 from ..formats.spans import Prompt, tokenize
-from ..calibration.step.spec import resolve_scale
+from ..step.spec import resolve_scale
 from ..calibration.static import StaticStep, StepCache, run_static
 
 _WORDS = ("river stone light paper green quiet seven market window garden silver morning table yellow north "

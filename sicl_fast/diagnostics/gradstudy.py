@@ -5,7 +5,7 @@ each row normalised to move eta, the sicl-grad rule), with g* = df/dX on rows [a
 
     for mu in mus, seed in seeds:
         U [N_max, R, d]: the directions of (seed, step); a run with N <= N_max directions draws exactly the first N
-        (the counter-based stream, sicl_fast.calibration.step.rng), so one set of forwards serves every N
+        (the counter-based stream, sicl_fast.step.rng), so one set of forwards serves every N
         f0 = f(X), f_i+ = f(X + mu U_i), f_i- = f(X - mu U_i)            (plain float32 forwards, batched)
         for N in Ns, estimator in (forward, central):
             g = zo.estimate_gradient(first N)                              (the engine's own estimate)
@@ -36,7 +36,7 @@ from ..errors import SiclError
 from ..calibration.grad import proxy_gradient
 from ..run.knobs import check_mu
 from ..formats.spans import Prompt
-from ..calibration.step.zo import estimate_gradient, step_directions
+from ..step.zo import estimate_gradient, step_directions
 
 STUDY_NS = (4, 8, 16, 32, 64)
 STUDY_MUS = (0.001, 0.004, 0.016)

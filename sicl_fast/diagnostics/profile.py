@@ -35,7 +35,7 @@ import torch
 from .benchmark import PeakMemory, native_stderr_silenced
 from ..run.checks import calibration_inputs
 from .kernel_count import count_kernels, cuda_kernel_events
-from ..calibration.step.spec import resolve_scale
+from ..step.spec import resolve_scale
 from ..calibration.static import StaticStep
 
 PHASES = ("perturb", "decoder layers", "span head", "proxy", "update", "host overhead")

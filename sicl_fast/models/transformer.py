@@ -503,7 +503,7 @@ class Transformer:
     def reference_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's float32 product of reference hidden states h [..., d] float32 (the model's own head
         weight, made float32 a vocabulary chunk at a time) -> [..., V] float32, before any soft-cap: the value rows'
-        reference logits of the difference form's span head (sicl_fast.calibration.step.logprobs.rows_logprobs)."""
+        reference logits of the difference form's span head (sicl_fast.step.logprobs.rows_logprobs)."""
         V = self.head.shape[0]
         out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
         for v0 in range(0, V, 8192):

@@ -12,7 +12,7 @@ nothing. No environment variable is read. The protocols and the shapes: sicl_fas
 """
 from __future__ import annotations
 
-from ..calibration.step.spec import check_choice
+from ..step.spec import check_choice
 from . import cpp_ops
 from .base import DecoderOps, Ops, StepOps
 from .torch_ops import TorchDecoderOps, TorchStepOps

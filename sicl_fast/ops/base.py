@@ -18,7 +18,7 @@ StepOps (shapes and dtypes):
         step: an int, or an int64 [1] tensor on X's device that the op reads there (device-resident loop state:
         no host read, so a CUDA graph can replay the step); out: a preallocated result buffer; rows_end: None, or
         an int64 [1] tensor on X's device, read there: a length bucket's padded block ends there instead of at
-        spec.b (sicl_fast.calibration.step.zo)
+        spec.b (sicl_fast.step.zo)
     ascend(X, X0 [L, d] f32, g [R, d] f32, spec) -> (X_new, fired)      the step from a given (exact) gradient
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, W], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (step.proxy; W the
@@ -29,10 +29,10 @@ StepOps (shapes and dtypes):
                                 the span head of a difference-form pass: hidden as changes over the batch
                                 (sicl_fast.models.rows), the value rows' against their reference logits z_ref
                                 [Vb, P, V] f32 (value_slot [B]: each value row's), the logits made float32 rows
-                                before the log-sum-exp (sicl_fast.calibration.step.logprobs.rows_logprobs)
-    track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.calibration.step.best)
+                                before the log-sum-exp (sicl_fast.step.logprobs.rows_logprobs)
+    track_best(f [B], X [L, d] f32, state: BestState) -> state            (sicl_fast.step.best)
     bookkeep(state: StepState, f [B], fired int32 [1], cfg) -> None       the static step's bookkeeping, in place
-                                                                          (sicl_fast.calibration.step.step_state.bookkeep_reference)
+                                                                          (sicl_fast.step.step_state.bookkeep_reference)
     cached_tensors() -> list    device tensors the ops cache between calls; a captured CUDA graph reads them by
                                 address, so it holds these references (sicl_fast.run.graphs)
 
@@ -61,9 +61,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..calibration.step.best import BestState
-from ..calibration.step.proxy import ProxyOut, ProxyPlan
-from ..calibration.step.spec import StepSpec
+from ..step.best import BestState
+from ..step.proxy import ProxyOut, ProxyPlan
+from ..step.spec import StepSpec
 
 
 class StepOps(Protocol):

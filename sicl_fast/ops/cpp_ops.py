@@ -5,9 +5,9 @@ form's bf16 rows, CPU tensors. The span heads' products are torch's, a vocabular
 log-sum-exp the extension's; best tracking is the reference's (TorchStepOps); the rest of the decoder's elementwise
 work is the reference's (TorchDecoderOps), and so is any op on other dtypes or devices, or under autograd.
 
-Same functions as the torch reference (sicl_fast.calibration.step.zo, sicl_fast.calibration.step.proxy,
-sicl_fast.calibration.step.step_state, sicl_fast.models.rows, sicl_fast.calibration.step.logprobs) and the same noise
-as sicl_fast.calibration.step.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton
+Same functions as the torch reference (sicl_fast.step.zo, sicl_fast.step.proxy,
+sicl_fast.step.step_state, sicl_fast.models.rows, sicl_fast.step.logprobs) and the same noise
+as sicl_fast.step.rng bit for bit, so a seeded run perturbs identically on the CPU and, through the Triton
 kernels, on a GPU. The directions U are regenerated inside the ops, never stored. Multithreaded with OpenMP; results do
 not depend on the thread count. Argument checks live in StepSpec and ProxyPlan / check_logprobs; the extension itself
 only guards its raw buffers.
@@ -16,7 +16,7 @@ Build: `pip install -e .` or `python setup.py build_ext --inplace`. Without the 
 imports; `available()` is False and CppStepOps() raises a SiclError saying how to build it.
 
     available() -> bool                        the extension is importable
-    randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.calibration.step.rng.directions)
+    randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.step.rng.directions)
     attention(q, k, v, prefix, pos0, k0, scale, softcap, window) -> o   the fast decoder's attention 'cpp'
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o   the same on a difference-form pass
     span_head(hidden, weight, targets, softcap) -> [B, P]   CppStepOps's span head
@@ -32,13 +32,13 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..calibration.step import step_state
+from ..step import step_state
 from ..errors import SiclError
-from ..calibration.step.logprobs import rows_logprobs, vocab_chunked_logprobs
+from ..step.logprobs import rows_logprobs, vocab_chunked_logprobs
 from ..models.rows import LOW_DTYPE
-from ..calibration.step.proxy import ProxyOut, ProxyPlan
-from ..calibration.step.rng import check_counter_range, step_seed
-from ..calibration.step.spec import StepSpec, f32
+from ..step.proxy import ProxyOut, ProxyPlan
+from ..step.rng import check_counter_range, step_seed
+from ..step.spec import StepSpec, f32
 from .base import fired_tensor
 from .torch_ops import TorchDecoderOps, TorchStepOps
 
@@ -149,7 +149,7 @@ def _step(step, op: str):
 
 def _block_end(rows_end, spec: StepSpec, op: str) -> int:
     """The perturbed block's end the extension takes as b: spec.b, or a length bucket's rows_end (an int64 [1] CPU
-    tensor, read from its buffer as the extension reads the step: sicl_fast.calibration.step.zo). The extension
+    tensor, read from its buffer as the extension reads the step: sicl_fast.step.zo). The extension
     leaves rows [rows_end, spec.b) of the batch as X's and out of the update, which is the padded step."""
     if rows_end is None:
         return spec.b
@@ -157,7 +157,7 @@ def _block_end(rows_end, spec: StepSpec, op: str) -> int:
 
 
 def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
-    """U [num, rows, d] float32, bit-identical to calibration.step.rng.directions(seed, step, num, rows, d)."""
+    """U [num, rows, d] float32, bit-identical to step.rng.directions(seed, step, num, rows, d)."""
     check_counter_range(num, rows, d)
     out = torch.empty(num, rows, d, dtype=torch.float32)
     if out.numel():

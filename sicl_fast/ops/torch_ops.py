@@ -1,9 +1,9 @@
 """The reference implementation of both ops protocols (sicl_fast.ops.base), in plain torch (any device).
 
-TorchStepOps materialises the directions U with the counter-based RNG (sicl_fast.calibration.step.rng) and calls the
-reference functions: sicl_fast.calibration.step.zo (step), sicl_fast.calibration.step.proxy,
-sicl_fast.calibration.step.logprobs (span heads), sicl_fast.calibration.step.best (best-X tracking),
-sicl_fast.calibration.step.step_state (the static step's bookkeeping). TorchDecoderOps calls
+TorchStepOps materialises the directions U with the counter-based RNG (sicl_fast.step.rng) and calls the
+reference functions: sicl_fast.step.zo (step), sicl_fast.step.proxy,
+sicl_fast.step.logprobs (span heads), sicl_fast.step.best (best-X tracking),
+sicl_fast.step.step_state (the static step's bookkeeping). TorchDecoderOps calls
 sicl_fast.models.elementwise (the decoder's norms, rotary, activation, soft-cap) and sicl_fast.models.rows (the
 difference form's row epilogues). Neither ever calls C++ or Triton code. The C++ and Triton implementations subclass
 them for the ops they lack.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration.step import best, zo
-from ..calibration.step.logprobs import rows_logprobs, vocab_chunked_logprobs
+from ..step import best, zo
+from ..step.logprobs import rows_logprobs, vocab_chunked_logprobs
 from ..models import elementwise as ew
 from ..models import rows
-from ..calibration.step.proxy import ProxyOut, checked_proxy, proxy_planned
-from ..calibration.step.spec import StepSpec
-from ..calibration.step.step_state import bookkeep_reference
+from ..step.proxy import ProxyOut, checked_proxy, proxy_planned
+from ..step.spec import StepSpec
+from ..step.step_state import bookkeep_reference
 from .base import fired_tensor
 
 

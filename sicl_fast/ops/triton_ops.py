@@ -1,6 +1,6 @@
 """The ops protocols on the Triton kernels (`sicl_fast.kernels`): TritonStepOps (perturb, update, proxy, span head,
 best tracking and the static step's bookkeeping, with the noise regenerated in the kernels, bit-identical to
-sicl_fast.calibration.step.rng's; the span heads of plain and difference-form passes) and TritonDecoderOps (the
+sicl_fast.step.rng's; the span heads of plain and difference-form passes) and TritonDecoderOps (the
 decoder's fused elementwise kernels: norm + residual, rotary, gated activation, soft-cap; and the difference form's row
 epilogues norm_rows, rope_rows, gated_rows, one launch each). The fused attention kernels (prefix_attention,
 attention_rows) are the run plan's attention 'triton' (sicl_fast.models.attention).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SiclError
-from ..calibration.step.spec import StepSpec
+from ..step.spec import StepSpec
 from .torch_ops import TorchStepOps
 
 

@@ -12,10 +12,10 @@ A bucket pads three sizes of a prompt with demonstrations ending at row b (demo_
                prompt's X, then zero rows, which add nothing to the cosine projection's sums and never move (only the
                update and the bookkeeping read these rows: a coarse size costs little and keeps buckets few)
     positions  the span positions the forward reads, P rounded up to a power of two (>= 32): the padding repeats
-               the last position and the proxy reads only the first P (sicl_fast.calibration.step.proxy.ProxyPlan's
+               the last position and the proxy reads only the first P (sicl_fast.step.proxy.ProxyPlan's
                count); a position costs one row of the span head, under 1 % of a step
 The perturbed block keeps its own end b, an int64 [1] device tensor the noise kernels and the update read
-(`rows_end`, sicl_fast.calibration.step.zo): the directions, the gradient and the projection are the unpadded
+(`rows_end`, sicl_fast.step.zo): the directions, the gradient and the projection are the unpadded
 prompt's, and a padded step computes the unpadded step's proxy and history up to the products' summation order
 (tests/test_buckets.py states the tolerance). a, the number of spans and the prefix stay exact (a bucket key).
 

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import NumericalError, SiclError
 from .knobs import MIN_MU
-from ..calibration.step.spec import block_end
+from ..step.spec import block_end
 from ..formats.spans import Prompt, vocabulary_key, vocabulary_size
 
 GiB = 1 << 30

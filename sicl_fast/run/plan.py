@@ -46,7 +46,7 @@ from ..models.decoder_config import SUPPORTED_FAMILIES, DecoderConfig
 from ..models.transformer import DIFF_MATMUL, fast_low_precision
 from ..ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
 from ..ops.triton_ops import load_kernels
-from ..calibration.step.spec import check_choice
+from ..step.spec import check_choice
 from .threads import choose_wait_policy, resolve_threads, warn_oversubscribed
 
 LOOPS = ("auto", "static", "eager")

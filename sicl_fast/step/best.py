@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import SiclError
+from ..errors import SiclError
 from .stop_rule import DEVICE, best_and_patience
 
 

@@ -5,7 +5,7 @@ same place, `perturb(X, step, spec)` and `update(X, X0, f, step, spec)`, and tru
 only ones (the C++ extension keeps its own buffer-bounds guards, which protect raw pointers, not users).
 
 Shapes: X, X0 [L, d] float32; rows [a, b) are perturbed (R = b - a); the batch has B rows of the first b
-prompt rows (B = N + 1 forward, 2N + 1 central; layout in sicl_fast.calibration.step.zo). The "grad" estimator runs no
+prompt rows (B = N + 1 forward, 2N + 1 central; layout in sicl_fast.step.zo). The "grad" estimator runs no
 perturbation batch: one forward and one backward of row 0 (B = 1) give the exact gradient
 (sicl_fast.calibration.grad); N is unused then.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import SiclError
+from ..errors import SiclError
 from .rng import check_counter_range
 
 ESTIMATORS = ("forward", "central", "grad")  # grad: the exact gradient by autograd (sicl_fast.calibration.grad)
@@ -110,7 +110,7 @@ class StepSpec:
         the forward always reads rows [0, demo_end) only. What every loop (eager, static, packed) steps with. bucket:
         a length bucket (sicl_fast.run.buckets), whose padded step has L = bucket.length and b = bucket.rows (or
         bucket.length with perturb_query; the block's own end then travels as the ops' rows_end,
-        sicl_fast.calibration.step.zo)."""
+        sicl_fast.step.zo)."""
         L = X0.shape[0] if bucket is None else bucket.length
         return cls.build(cfg, L, X0.shape[1], prompt.demo_start, block_end(cfg, prompt, bucket))
 

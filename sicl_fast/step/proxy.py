@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import NumericalError, SiclError
+from ..errors import NumericalError, SiclError
 from .logprobs import accumulation_dtype
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import SiclError
+from ..errors import SiclError
 
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85

@@ -1,8 +1,8 @@
 """Zeroth-order ascent step, torch reference: perturbation batch, gradient estimate, clip, step, projection.
 
 Shapes: X, X0 [L, d] float32 (the whole prompt); rows [a, b) are the perturbed demonstration block, R = b - a;
-U [N, R, d] float32 directions from `sicl_fast.calibration.step.rng.directions(seed, step, N, R, d)`. The step's
-arguments travel as one `sicl_fast.calibration.step.spec.StepSpec`.
+U [N, R, d] float32 directions from `sicl_fast.step.rng.directions(seed, step, N, R, d)`. The step's
+arguments travel as one `sicl_fast.step.spec.StepSpec`.
 
 Batch layout (B rows, each the first b prompt rows, since nothing after b changes the proxy):
     forward estimator:  row 0 = X,  row 1 + i = X + mu U_i                       (B = N + 1)

@@ -5,8 +5,11 @@
 //
 //   sum_squares(z, n) = sum_j z[j]^2
 //   scale_row(z, r, w, o, n):  o[j] = (z[j] * r) * w[j]         (o may be z)
+//   mul_row(z, m, o, n):       o[j] = z[j] * m                  (o may be z)
 //   add_row(x, y, o, n):       o[j] = x[j] + y[j]
-//   rope_head(z, c, s, o, hd): o = z c + rotate_half(z) s,  rotate_half(z) = (-z[h:], z[:h])   (o may be z)
+//   rope_head(z, c, s, o, hd, rot): the first rot elements of a head rotated, o[:rot] = z c + rotate_half(z) s
+//                              with rotate_half(z) = (-z[h:rot], z[:h]), h = rot / 2 (c, s: rot wide); the other
+//                              hd - rot elements copied (partial rotary: Phi-3; rot == hd: the whole head) (o may be z)
 //   inv_rms(z, n, eps) = 1 / sqrt(mean(z^2) + eps): rms_norm(z, w) = scale_row(z, inv_rms(z, n, eps), w)
 #pragma once
 #include <cmath>
@@ -16,8 +19,9 @@ namespace sicl {
 
 float sum_squares(const float* z, int64_t n);
 void scale_row(const float* z, float r, const float* w, float* o, int64_t n);
+void mul_row(const float* z, float m, float* o, int64_t n);
 void add_row(const float* x, const float* y, float* o, int64_t n);
-void rope_head(const float* z, const float* c, const float* s, float* o, int64_t hd);
+void rope_head(const float* z, const float* c, const float* s, float* o, int64_t hd, int64_t rot);
 
 constexpr int64_t kMaxHeadDim = 512;  // rope_head's local copy of a head
 

@@ -3,17 +3,19 @@
 // Each reads a product's output in difference form (bf16 values and differences, rows.h), works on the float32
 // rows and writes what the next product or the attention takes, in one call:
 //
-//   norm_rows(x[R,d] f32, y[R,d] bf16 | None, bias[d] | None, post_w[d] | None, w[d], eps, anchor[B], lead, T,
-//             x_out[R,d] f32 | None, h[R,d] bf16, y_ref[V,d] f32 | None, h_ref[V,d] f32 | None)
-//       y given: x_out = x + (rms_norm(y', post_w) or y'), y' the float32 rows of y (its value rows against y_ref)
-//       plus the bias; h = the difference form of rms_norm(x_out, w) (its value rows against h_ref). y None: h =
-//       the difference form of rms_norm(x, w) (x_out and y_ref unused)
-//   rope_rows(qkv[R,(H+2Hk)hd] bf16, bias | None, anchor[B], lead, T, pos0, cos[n,hd], sin[n,hd], q_norm[hd] | None,
-//             k_norm[hd] | None, eps, H, Hk, q[R,H*hd] f32, k_out[R,Hk*hd] f32, v_out[R,Hk*hd] f32,
-//             qkv_ref[V,(H+2Hk)hd] f32 | None)
-//       the float32 rows of q | k | v (the value rows against qkv_ref; plus the bias); q / k per-head rms norms
-//       (Qwen3, Gemma 3) when given; q and k rotated at each row's position (lead row r: r; batch rows: pos0 + t),
-//       v copied
+//   norm_rows(x[R,d] f32, y[R,d] bf16 | None, bias[d] | None, post_w[d] | None, w[d] | None, eps, anchor[B], lead,
+//             T, x_out[R,d] f32 | None, h[R,d] bf16, y_ref[V,d] f32 | None, h_ref[V,d] f32 | None, y_scale)
+//       y given: x_out = x + y_scale (rms_norm(y', post_w) or y'), y' the float32 rows of y (its value rows against
+//       y_ref) plus the bias, y_scale Granite's residual multiplier (1: none); h = the difference form of
+//       rms_norm(x_out, w) (its value rows against h_ref), or of x_out itself without w (OLMo 2: no norm before the
+//       next block). y None: h = the difference form of rms_norm(x, w) or x (x_out and y_ref unused)
+//   rope_rows(qkv[R,(H+2Hk)hd] bf16, bias | None, anchor[B], lead, T, pos0, cos[n,rot], sin[n,rot],
+//             q_norm[hd] or [H*hd] | None, k_norm[hd] or [Hk*hd] | None, eps, H, Hk, q[R,H*hd] f32,
+//             k_out[R,Hk*hd] f32, v_out[R,Hk*hd] f32, qkv_ref[V,(H+2Hk)hd] f32 | None)
+//       the float32 rows of q | k | v (the value rows against qkv_ref; plus the bias); q / k rms norms when given:
+//       per head ([hd] weights: Qwen3, Gemma 3) or over the whole projection ([H*hd] / [Hk*hd]: OLMo 2); the first
+//       rot elements of each q and k head rotated at each row's position (lead row r: r; batch rows: pos0 + t; rot
+//       = hd, or fewer with partial rotary: Phi-3), the rest as they are; v copied
 //   gated_rows(y[R,2I] bf16, bias[2I] | None, act, anchor[B], lead, T, out[R,I] bf16, y_ref[V,2I] f32 | None,
 //              a_ref[V,I] f32 | None)
 //       act(gate) * up on the float32 rows of y (gate | up stacked; the value rows against y_ref) plus the bias, in
@@ -170,14 +172,14 @@ float* out_f32(py::array& a, const char* name, int64_t rows, int64_t n) {
     return mf(a);
 }
 
-void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py::array w, double eps,
+void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py::object w, double eps,
                py::array anchor, int64_t lead, int64_t T, py::object x_out, py::array h, py::object y_ref,
-               py::object h_ref) {
+               py::object h_ref, double y_scale) {
     const RowForm f = row_form(anchor, lead, T, "norm_rows");
     const int64_t R = f.R();
     check_array(x, "x", 'f', {R, -1}, false);
     const int64_t d = x.shape(1);
-    check_array(w, "w", 'f', {d}, false);
+    const auto* wp = static_cast<const float*>(optional_data(w, "w", 'f', {d}));
     check_array(h, "h", 'h', {R, d}, true);
     const auto* yp = static_cast<const uint16_t*>(optional_data(y, "y", 'h', {R, d}));
     const auto* bp = static_cast<const float*>(optional_data(bias, "bias", 'f', {d}));
@@ -190,9 +192,9 @@ void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py
         py::array xa = py::reinterpret_borrow<py::array>(x_out);
         xo = out_f32(xa, "x_out", R, d);
     }
-    const float *xp = cf(x), *wp = cf(w);
+    const float* xp = cf(x);
     uint16_t* hp = mh(h);
-    const float e = static_cast<float>(eps);
+    const float e = static_cast<float>(eps), ys = static_cast<float>(y_scale);
     py::gil_scoped_release nogil;
     // scratch: each row's y' (then its norm) as float32
     for_position_tasks(f, d, threads_for(R * d * (yp ? 8 : 4)), [&](const int64_t* rows, const int64_t* anc,
@@ -204,14 +206,27 @@ void norm_rows(py::array x, py::object y, py::object bias, py::object post_w, py
             if (yp) {
                 float_row(yp + r * d, anc[i] != i ? yp + rows[anc[i]] * d : nullptr, f.ref_of(yr, r, d), bp, s, d);
                 if (pw) scale_row(s, inv_rms(s, d, e), pw, s, d);
+                if (ys != 1.0f) mul_row(s, ys, s, d);
                 add_row(z, s, xo + r * d, d);
                 z = xo + r * d;
             }
-            scale_row(z, inv_rms(z, d, e), wp, s, d);
+            if (wp) scale_row(z, inv_rms(z, d, e), wp, s, d);
+            else std::memcpy(s, z, sizeof(float) * d);
         }
         for (int64_t i = 0; i < n; ++i)
             form_row(nrm + i * d, anc[i] != i ? nrm + anc[i] * d : f.ref_of(hr, rows[i], d), hp + rows[i] * d, d);
     });
+}
+
+// a q / k norm's weights: [hd] (per head) or [heads * hd] (over the whole projection); -> (data, whole) or null
+const float* qk_norm(const py::object& o, const char* name, int64_t hd, int64_t heads, bool& whole) {
+    whole = false;
+    if (o.is_none()) return nullptr;
+    if (!py::isinstance<py::array>(o)) throw std::invalid_argument(std::string(name) + " must be an array or None");
+    const py::array a = py::reinterpret_borrow<py::array>(o);
+    whole = a.ndim() == 1 && a.shape(0) == heads * hd && heads > 1;
+    check_array(a, name, 'f', {whole ? heads * hd : hd}, false);
+    return cf(a);
 }
 
 void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, int64_t T, int64_t pos0,
@@ -220,17 +235,21 @@ void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, i
     const RowForm f = row_form(anchor, lead, T, "rope_rows");
     const int64_t R = f.R();
     check_array(cos, "cos", 'f', {-1, -1}, false);
-    const int64_t npos = cos.shape(0), hd = cos.shape(1), n = (H + 2 * Hk) * hd;
-    check_array(sin, "sin", 'f', {npos, hd}, false);
-    if (H < 1 || Hk < 1 || hd % 2 || hd > kMaxHeadDim) {
-        throw std::invalid_argument("rope_rows: bad heads, or a head_dim that is odd or above 512");
+    const int64_t npos = cos.shape(0), rot = cos.shape(1);
+    check_array(sin, "sin", 'f', {npos, rot}, false);
+    check_array(qkv, "qkv", 'h', {R, -1}, false);
+    if (H < 1 || Hk < 1 || qkv.shape(1) % (H + 2 * Hk)) throw std::invalid_argument("rope_rows: bad heads");
+    const int64_t hd = qkv.shape(1) / (H + 2 * Hk), n = (H + 2 * Hk) * hd;
+    if (hd % 2 || hd > kMaxHeadDim || rot % 2 || rot > hd) {
+        throw std::invalid_argument("rope_rows: a head_dim that is odd or above 512, or a rotary width that is odd "
+                                    "or above head_dim");
     }
     if (R > 0 && std::max(lead, pos0 + T) > npos) throw std::invalid_argument("rope_rows: cos / sin too short");
-    check_array(qkv, "qkv", 'h', {R, n}, false);
     const auto* bp = static_cast<const float*>(optional_data(bias, "bias", 'f', {n}));
     const float* yr = row_reference(qkv_ref, f, n, "qkv_ref");
-    const auto* qn = static_cast<const float*>(optional_data(q_norm, "q_norm", 'f', {hd}));
-    const auto* kn = static_cast<const float*>(optional_data(k_norm, "k_norm", 'f', {hd}));
+    bool q_whole, k_whole;
+    const float* qn = qk_norm(q_norm, "q_norm", hd, H, q_whole);
+    const float* kn = qk_norm(k_norm, "k_norm", hd, Hk, k_whole);
     if (!qn != !kn) throw std::invalid_argument("rope_rows: q_norm and k_norm come together");
     float* qo = out_f32(q, "q", R, H * hd);
     float* ko = out_f32(k_out, "k_out", R, Hk * hd);
@@ -248,12 +267,14 @@ void rope_rows(py::array qkv, py::object bias, py::array anchor, int64_t lead, i
             float* z = row.data();
             float_row(yp + r * n, a != r ? yp + a * n : nullptr, f.ref_of(yr, r, n), bp, z, n);
             const int64_t p = r < lead ? r : pos0 + (r - lead) % T;
-            const float *c = cp + p * hd, *s = sp + p * hd;
+            const float *c = cp + p * rot, *s = sp + p * rot;
+            if (q_whole) scale_row(z, inv_rms(z, H * hd, e), qn, z, H * hd);  // OLMo 2: over the whole projection
+            if (k_whole) scale_row(z + H * hd, inv_rms(z + H * hd, Hk * hd, e), kn, z + H * hd, Hk * hd);
             for (int64_t hh = 0; hh < H + Hk; ++hh) {  // q's heads, then k's
                 float* head = z + hh * hd;
                 const bool is_q = hh < H;
-                if (qn) scale_row(head, inv_rms(head, hd, e), is_q ? qn : kn, head, hd);
-                rope_head(head, c, s, is_q ? qo + (r * H + hh) * hd : ko + (r * Hk + hh - H) * hd, hd);
+                if (qn && !(is_q ? q_whole : k_whole)) scale_row(head, inv_rms(head, hd, e), is_q ? qn : kn, head, hd);
+                rope_head(head, c, s, is_q ? qo + (r * H + hh) * hd : ko + (r * Hk + hh - H) * hd, hd, rot);
             }
             std::memcpy(vo + r * Hk * hd, z + (H + Hk) * hd, sizeof(float) * Hk * hd);
         }
@@ -298,14 +319,15 @@ void gated_rows(py::array y, py::object bias, int act, py::array anchor, int64_t
 void register_rows_ops(py::module_& m) {
     m.def("norm_rows", &norm_rows, py::arg("x"), py::arg("y"), py::arg("bias"), py::arg("post_w"), py::arg("w"),
           py::arg("eps"), py::arg("anchor"), py::arg("lead"), py::arg("T"), py::arg("x_out"), py::arg("h"),
-          py::arg("y_ref") = py::none(), py::arg("h_ref") = py::none(),
-          "x_out = x + (rms_norm(y', post_w) or y'), h = rms_norm(x_out, w) in difference form (bf16 bits)");
+          py::arg("y_ref") = py::none(), py::arg("h_ref") = py::none(), py::arg("y_scale") = 1.0,
+          "x_out = x + y_scale (rms_norm(y', post_w) or y'), h = rms_norm(x_out, w) (or x_out without w) in "
+          "difference form (bf16 bits)");
     m.def("rope_rows", &rope_rows, py::arg("qkv"), py::arg("bias"), py::arg("anchor"), py::arg("lead"), py::arg("T"),
           py::arg("pos0"), py::arg("cos"), py::arg("sin"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"),
           py::arg("H"), py::arg("Hk"), py::arg("q"), py::arg("k_out"), py::arg("v_out"),
           py::arg("qkv_ref") = py::none(),
-          "the float32 rows of a q | k | v product in difference form, per-head normed and rotated into q, k_out, "
-          "v_out");
+          "the float32 rows of a q | k | v product in difference form, q / k normed (per head or whole) and rotated "
+          "(the first rot elements of each head) into q, k_out, v_out");
     m.def("gated_rows", &gated_rows, py::arg("y"), py::arg("bias"), py::arg("act"), py::arg("anchor"),
           py::arg("lead"), py::arg("T"), py::arg("out"), py::arg("y_ref") = py::none(),
           py::arg("a_ref") = py::none(),

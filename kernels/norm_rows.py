@@ -1,12 +1,13 @@
 """The difference form's residual + RMSNorm epilogue (DecoderOps.norm_rows), one launch.
 
-    norm_rows(x [R, d] f32, y [R, d] bf16 or None, bias [d] or None, post_w [d] or None, w [d], eps, gemma, rows,
-              y_ref [V, d] f32 or None, h_ref [V, d] f32 or None) -> (x' [R, d] f32, h [R, d] bf16)
+    norm_rows(x [R, d] f32, y [R, d] bf16 or None, bias [d] or None, post_w [d] or None, w [d] or None, eps, gemma,
+              rows, y_ref [V, d] f32 or None, h_ref [V, d] f32 or None, y_scale=None) -> (x' [R, d] f32, h [R, d] bf16)
     y' = the float32 rows of y plus the bias: a value row y_ref[v] + y (y without y_ref), a difference row its
          anchor's so rebuilt plus its own change
-    x' = x + (rms_norm(y', post_w) if post_w is not None else y')        (x itself when y is None)
-    h  = rms_norm(x', w) in difference form: bf16(n - h_ref[v]) on value rows (bf16(n) without h_ref),
-         bf16(n_j - n_anchor(j)) on difference rows
+    x' = x + y_scale (rms_norm(y', post_w) if post_w is not None else y')    (x itself when y is None; y_scale:
+         Granite's residual multiplier, None: 1)
+    h  = n in difference form, n = rms_norm(x', w) (x' itself when w is None: OLMo 2): bf16(n - h_ref[v]) on value
+         rows (bf16(n) without h_ref), bf16(n_j - n_anchor(j)) on difference rows
 
 rows: the pass's RowLayout (sicl_fast.models.rows; its anchors and value slots read on the device; v: a value row's
 reference row, kernels/_rows.py). y_ref: the value rows' float32 reference of the product that made y (its output),
@@ -47,9 +48,9 @@ def _rms(x, w, mask, d, eps):
 
 @triton.jit
 def _norm_rows_kernel(x_ptr, y_ptr, bias_ptr, post_w_ptr, w_ptr, anchor_ptr, slot_ptr, y_ref_ptr, h_ref_ptr,
-                      x_out_ptr, h_ptr, R, lead, B, T, d, s_yref, s_href, eps,
-                      HAS_Y: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POST: tl.constexpr, Y_REF: tl.constexpr,
-                      H_REF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+                      x_out_ptr, h_ptr, R, lead, B, T, d, s_yref, s_href, eps, y_scale,
+                      HAS_Y: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_POST: tl.constexpr, HAS_W: tl.constexpr,
+                      Y_REF: tl.constexpr, H_REF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     q = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row, arow, vrow, _, valid = layout_rows(q, R, lead, B, T, 0, anchor_ptr, slot_ptr, Y_REF or H_REF)
     diff = (row != arow)[:, None]
@@ -68,19 +69,23 @@ def _norm_rows_kernel(x_ptr, y_ptr, bias_ptr, post_w_ptr, w_ptr, anchor_ptr, slo
             pw = tl.load(post_w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
             y = _rms(y, pw, mask, d, eps)
             ya = _rms(ya, pw, mask, d, eps)
-        x = x + y
-        xa = xa + ya
+        x = x + y * y_scale  # y_scale 1: exact
+        xa = xa + ya * y_scale
         tl.store(x_out_ptr + own + cols, x, mask=mask)
-    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-    n = _rms(x, w, mask, d, eps)
-    na = _rms(xa, w, mask, d, eps)
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        n = _rms(x, w, mask, d, eps)
+        na = _rms(xa, w, mask, d, eps)
+    else:
+        n = x
+        na = xa
     h = to_form(n, na, diff, mask, h_ref_ptr, vrow[:, None] * s_href + cols, H_REF)
     tl.store(h_ptr + own + cols, h, mask=mask)
 
 
-def norm_rows(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w: torch.Tensor, eps: float, gemma: bool,
-              rows, y_ref: torch.Tensor | None = None, h_ref: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_rows(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w: torch.Tensor | None, eps: float,
+              gemma: bool, rows, y_ref: torch.Tensor | None = None, h_ref: torch.Tensor | None = None,
+              y_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x', h) as the module docstring says (gemma: the weights are already Gemma's 1 + w; the float32 arithmetic is
     the same either way); y_ref / h_ref: the value rows' references of y and of h ([V, d] float32, or None; y_ref
     unread without y). One launch."""
@@ -91,6 +96,7 @@ def norm_rows(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w: torch.Te
     R, d = x.shape
     x = x.contiguous()
     dev = check_device(*(t for t in (x, y, bias, post_w, w) if t is not None), op=op)
+    w_arg = w if w is not None else x  # an unread stand-in without w
     anchor = check_rows(rows, R, dev, op)
     if y is not None:
         y = check_low(y, d, "y", op).contiguous()
@@ -108,10 +114,11 @@ def norm_rows(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w: torch.Te
         return x_out, h
     BLOCK = next_pow2(d)
     BR = rows_block(R, BLOCK, interpreting())
-    launch(_norm_rows_kernel, (triton.cdiv(R, BR),), x, y if y is not None else x, bias if bias is not None else w,
-           post_w if post_w is not None else w, w, anchor, value_slots(rows, dev, op),
-           y_ref if y_ref is not None else x, h_ref if h_ref is not None else x, x_out, h, R, rows.lead,
-           max(rows.B, 1), max(rows.T, 1), d, s_yref, s_href, float(eps), device=dev, block=BR * BLOCK,
-           HAS_Y=y is not None, HAS_BIAS=bias is not None, HAS_POST=post_w is not None, Y_REF=y_ref is not None,
+    launch(_norm_rows_kernel, (triton.cdiv(R, BR),), x, y if y is not None else x,
+           bias if bias is not None else w_arg, post_w if post_w is not None else w_arg, w_arg, anchor,
+           value_slots(rows, dev, op), y_ref if y_ref is not None else x, h_ref if h_ref is not None else x, x_out, h,
+           R, rows.lead, max(rows.B, 1), max(rows.T, 1), d, s_yref, s_href, float(eps),
+           1.0 if y_scale is None else float(y_scale), device=dev, block=BR * BLOCK, HAS_Y=y is not None,
+           HAS_BIAS=bias is not None, HAS_POST=post_w is not None, HAS_W=w is not None, Y_REF=y_ref is not None,
            H_REF=h_ref is not None, BLOCK_R=BR, BLOCK=BLOCK)
     return x_out, h

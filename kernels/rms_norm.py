@@ -1,8 +1,9 @@
 """RMSNorm fused with the residual add: the decoder's norms in one launch per use.
 
-    residual_norm(x [M.., d], y [M.., d] or None, post_w [d] or None, w [d], eps, gemma)
-        y given:  x' = x + (rms_norm(y, post_w) if post_w is not None else y);  returns (x', rms_norm(x', w))
-        y None:   returns (x, rms_norm(x, w))   (the first layer's input norm)
+    residual_norm(x [M.., d], y [M.., d] or None, post_w [d] or None, w [d] or None, eps, gemma, y_scale=None)
+        y given:  x' = x + y_scale (rms_norm(y, post_w) if post_w is not None else y) (y_scale None: 1, Granite's
+                  residual multiplier otherwise);  returns (x', rms_norm(x', w)), or (x', x') when w is None
+        y None:   returns (x, rms_norm(x, w))   (the first layer's input norm; (x, x) when w is None: OLMo 2)
 
 x, y: float32 / bfloat16 / float16, contiguous, same dtype; w, post_w: x's dtype (Llama / Qwen) or float32
 (Gemma's 1 + weight). One program per row; the statistics are float32 in registers and every intermediate is
@@ -30,8 +31,9 @@ def _normed(xf, w_ptr, cols, mask, d, eps, DT: tl.constexpr, GEMMA: tl.constexpr
 
 
 @triton.jit
-def _residual_norm_kernel(x_ptr, y_ptr, post_w_ptr, w_ptr, x_out_ptr, h_ptr, d, eps,
-                          HAS_Y: tl.constexpr, HAS_POST: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+def _residual_norm_kernel(x_ptr, y_ptr, post_w_ptr, w_ptr, x_out_ptr, h_ptr, d, eps, y_scale,
+                          HAS_Y: tl.constexpr, HAS_POST: tl.constexpr, HAS_W: tl.constexpr, GEMMA: tl.constexpr,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < d
@@ -41,23 +43,28 @@ def _residual_norm_kernel(x_ptr, y_ptr, post_w_ptr, w_ptr, x_out_ptr, h_ptr, d, 
         yf = tl.load(y_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_POST:
             yf = _normed(yf, post_w_ptr, cols, mask, d, eps, DT, GEMMA)
+        yf = (yf * y_scale).to(DT).to(tl.float32)  # y_scale 1: exact
         xf = (xf + yf).to(DT).to(tl.float32)
         tl.store(x_out_ptr + row * d + cols, xf.to(DT), mask=mask)
-    h = _normed(xf, w_ptr, cols, mask, d, eps, DT, GEMMA)
-    tl.store(h_ptr + row * d + cols, h.to(DT), mask=mask)
+    if HAS_W:
+        h = _normed(xf, w_ptr, cols, mask, d, eps, DT, GEMMA)
+        tl.store(h_ptr + row * d + cols, h.to(DT), mask=mask)
 
 
-def residual_norm(x: torch.Tensor, y: torch.Tensor | None, post_w: torch.Tensor | None, w: torch.Tensor,
-                  eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x', h) as the module docstring says; x' is x itself when y is None. One launch."""
+def residual_norm(x: torch.Tensor, y: torch.Tensor | None, post_w: torch.Tensor | None, w: torch.Tensor | None,
+                  eps: float, gemma: bool, y_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', h) as the module docstring says; x' is x itself when y is None. One launch (none for (x, x))."""
+    if y is None and w is None:
+        return x, x
     x = x.contiguous()
     d = x.shape[-1]
     M = x.numel() // d
-    h = torch.empty_like(x)
     x_out = torch.empty_like(x) if y is not None else x
+    h = torch.empty_like(x) if w is not None else x_out
     y_arg = y.contiguous() if y is not None else x
+    w_arg = w if w is not None else x  # an unread stand-in without w
     BLOCK = next_pow2(d)
-    launch(_residual_norm_kernel, (M,), x, y_arg, post_w if post_w is not None else w, w, x_out, h, d, float(eps),
-           device=x.device, block=BLOCK, HAS_Y=y is not None, HAS_POST=post_w is not None, GEMMA=bool(gemma),
-           BLOCK=BLOCK)
+    launch(_residual_norm_kernel, (M,), x, y_arg, post_w if post_w is not None else w_arg, w_arg, x_out, h, d,
+           float(eps), 1.0 if y_scale is None else float(y_scale), device=x.device, block=BLOCK, HAS_Y=y is not None,
+           HAS_POST=post_w is not None, HAS_W=w is not None, GEMMA=bool(gemma), BLOCK=BLOCK)
     return x_out, h

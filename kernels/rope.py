@@ -1,8 +1,12 @@
-"""Rotary embedding of q and k (with the per-head q / k norms of Qwen3 and Gemma 3), written where attention
+"""Rotary embedding of q and k (with the q / k norms of Qwen3, Gemma 3 and OLMo 2), written where attention
 reads them: q in place, k and v into the given buffers (the per-layer K/V buffers of the fast decoder).
 
-    qk_rope(q [B, T, H, hd], k [B, T, Hk, hd], v [B, T, Hk, hd], cos, sin [T, 1, hd] (or [T, hd]),
-            q_norm [hd] or None, k_norm, eps, gemma, k_out=None, v_out=None) -> (q, k_out, v_out)
+    qk_rope(q [B, T, H, hd], k [B, T, Hk, hd], v [B, T, Hk, hd], cos, sin [T, 1, rot] (or [T, rot]),
+            q_norm [hd] or [H hd] or None, k_norm [hd] or [Hk hd], eps, gemma, k_out=None, v_out=None)
+            -> (q, k_out, v_out)
+
+The norms per head ([hd] weights: Qwen3, Gemma 3) or over all of a row's heads together ([H hd]: OLMo 2's, over the
+whole projection); the first rot elements of each head rotated (rot < hd: partial rotary, Phi-3), the others kept.
 
 q, k, v: the same float dtype; the last two dimensions contiguous (views of one fused product are fine); q is
 overwritten. k_out / v_out: [B, T, Hk, hd] (fresh contiguous tensors when None). One launch: a program rotates
@@ -23,22 +27,30 @@ from ._utils import EXACT, interpreting, launch, next_pow2
 
 
 @triton.jit
-def _rope_heads(src, dst, rows, rmask, stride_src, stride_dst, n_heads, w_ptr, cs_off, cos_ptr, sin_ptr, hd, eps,
-                HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate the n_heads heads (head h at + h * hd) of the rows `rows` [R, 1, 1] (row r at src + r * stride_src)
-    into dst: an [R, BLOCK_H, BLOCK_D] tile; cs_off [R, 1, 1]: each row's offset into the cos / sin tables."""
+def _rope_heads(src, dst, rows, rmask, stride_src, stride_dst, n_heads, w_ptr, cs_off, cos_ptr, sin_ptr, hd, rot,
+                eps, HAS_NORM: tl.constexpr, WHOLE: tl.constexpr, GEMMA: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """Rotate the first rot elements of the n_heads heads (head h at + h * hd) of the rows `rows` [R, 1, 1] (row r at
+    src + r * stride_src) into dst, the others copied: an [R, BLOCK_H, BLOCK_D] tile; cs_off [R, 1, 1]: each row's
+    offset into the cos / sin tables (rot wide). WHOLE: the norm over all the row's heads (weights [n_heads hd])."""
     DT = src.dtype.element_ty
     h = tl.arange(0, BLOCK_H)[None, :, None]
     i = tl.arange(0, BLOCK_D)[None, None, :]
     m = rmask & (h < n_heads) & (i < hd)
-    half = hd // 2
-    j = tl.where(i < half, i + half, i - half)  # rotate_half's source of element i
+    half = rot // 2
+    j = tl.where(i < half, i + half, tl.where(i < rot, i - half, i))  # rotate_half's source of element i
     x = tl.load(src + rows * stride_src + h * hd + i, mask=m, other=0.0).to(tl.float32)
     xr = tl.load(src + rows * stride_src + h * hd + j, mask=m, other=0.0).to(tl.float32)
     if HAS_NORM:
-        r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
-        wi = tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
-        wj = tl.load(w_ptr + j, mask=i < hd, other=0.0).to(tl.float32)
+        if WHOLE:  # one statistic per row over all its heads (OLMo 2), the weights by head and element
+            ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
+            r = tl.math.rsqrt(ss / (n_heads * hd) + eps)[:, None, None]
+            wi = tl.load(w_ptr + h * hd + i, mask=(h < n_heads) & (i < hd), other=0.0).to(tl.float32)
+            wj = tl.load(w_ptr + h * hd + j, mask=(h < n_heads) & (i < hd), other=0.0).to(tl.float32)
+        else:
+            r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
+            wi = tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
+            wj = tl.load(w_ptr + j, mask=i < hd, other=0.0).to(tl.float32)
         if GEMMA:
             x = (x * r * wi).to(DT).to(tl.float32)
             xr = (xr * r * wj).to(DT).to(tl.float32)
@@ -46,26 +58,26 @@ def _rope_heads(src, dst, rows, rmask, stride_src, stride_dst, n_heads, w_ptr, c
             x = (wi * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
             xr = (wj * (xr * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     xr = tl.where(i < half, -xr, xr)
-    cm = rmask & (i < hd)
+    cm = rmask & (i < rot)
     c = tl.load(cos_ptr + cs_off + i, mask=cm, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + cs_off + i, mask=cm, other=0.0).to(tl.float32)
-    out = (x * c).to(DT).to(tl.float32) + (xr * s).to(DT).to(tl.float32)
+    out = tl.where(i < rot, (x * c).to(DT).to(tl.float32) + (xr * s).to(DT).to(tl.float32), x)
     tl.store(dst + rows * stride_dst + h * hd + i, out.to(DT), mask=m)
 
 
 @triton.jit
 def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, k_out_ptr, v_out_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
-                    stride_q, stride_k, stride_v, stride_ko, stride_vo, stride_cs, n_rows, T, H, Hk, hd, eps,
-                    HAS_NORM: tl.constexpr, GEMMA: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_q, stride_k, stride_v, stride_ko, stride_vo, stride_cs, n_rows, T, H, Hk, hd, rot, eps,
+                    HAS_NORM: tl.constexpr, Q_WHOLE: tl.constexpr, K_WHOLE: tl.constexpr, GEMMA: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     # BLOCK_R (b, t) rows per program, every q and k head of each; the k part also copies v
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)[:, None, None]
     rmask = rows < n_rows
     cs_off = (rows % T) * stride_cs
-    _rope_heads(q_ptr, q_ptr, rows, rmask, stride_q, stride_q, H, qn_ptr, cs_off, cos_ptr, sin_ptr, hd, eps,
-                HAS_NORM, GEMMA, BLOCK_H, BLOCK_D)
-    _rope_heads(k_ptr, k_out_ptr, rows, rmask, stride_k, stride_ko, Hk, kn_ptr, cs_off, cos_ptr, sin_ptr, hd, eps,
-                HAS_NORM, GEMMA, BLOCK_HK, BLOCK_D)
+    _rope_heads(q_ptr, q_ptr, rows, rmask, stride_q, stride_q, H, qn_ptr, cs_off, cos_ptr, sin_ptr, hd, rot, eps,
+                HAS_NORM, Q_WHOLE, GEMMA, BLOCK_H, BLOCK_D)
+    _rope_heads(k_ptr, k_out_ptr, rows, rmask, stride_k, stride_ko, Hk, kn_ptr, cs_off, cos_ptr, sin_ptr, hd, rot,
+                eps, HAS_NORM, K_WHOLE, GEMMA, BLOCK_HK, BLOCK_D)
     h = tl.arange(0, BLOCK_HK)[None, :, None]
     i = tl.arange(0, BLOCK_D)[None, None, :]
     m = rmask & (h < Hk) & (i < hd)
@@ -94,14 +106,16 @@ def qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=No
         if _rows(t)[0] is not t:
             raise SiclError(f"triton qk_rope: {name} must have contiguous heads and rows, got strides {t.stride()}")
     sko, svo = k_out.stride(1), v_out.stride(1)
-    cos2, sin2 = cos.reshape(-1, hd), sin.reshape(-1, hd)
+    rot = cos.shape[-1]
+    cos2, sin2 = cos.reshape(-1, rot), sin.reshape(-1, rot)
     w = q_norm if q_norm is not None else cos2
     R = 64 if interpreting() else 1  # the interpreter pays per program: many rows each
     BLOCK_H, BLOCK_D = next_pow2(H), next_pow2(hd)
     launch(
         _qk_rope_kernel, (triton.cdiv(B * T, R),),
         q, k, v, k_out, v_out, cos2, sin2, w, k_norm if k_norm is not None else w, sq, sk, sv, sko, svo,
-        cos2.stride(0), B * T, T, H, Hk, hd, float(eps), device=q.device, block=R * BLOCK_H * BLOCK_D,
-        HAS_NORM=q_norm is not None, GEMMA=bool(gemma), BLOCK_R=R, BLOCK_H=BLOCK_H, BLOCK_HK=next_pow2(Hk),
-        BLOCK_D=BLOCK_D, **EXACT)
+        cos2.stride(0), B * T, T, H, Hk, hd, rot, float(eps), device=q.device, block=R * BLOCK_H * BLOCK_D,
+        HAS_NORM=q_norm is not None, Q_WHOLE=q_norm is not None and H > 1 and q_norm.numel() == H * hd,
+        K_WHOLE=k_norm is not None and Hk > 1 and k_norm.numel() == Hk * hd, GEMMA=bool(gemma), BLOCK_R=R,
+        BLOCK_H=BLOCK_H, BLOCK_HK=next_pow2(Hk), BLOCK_D=BLOCK_D, **EXACT)
     return q, k_out, v_out  # q: the input itself, or its rotated contiguous copy when it had another layout

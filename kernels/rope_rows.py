@@ -1,13 +1,15 @@
-"""The difference form's q / k / v epilogue (DecoderOps.rope_rows): per-head norms and rotary, one launch.
+"""The difference form's q / k / v epilogue (DecoderOps.rope_rows): q / k norms and rotary, one launch.
 
-    rope_rows(qkv [R, (H + 2 Hk) hd] bf16, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, hd] f32, q_norm [hd] or
-              None, k_norm, eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32, qkv_ref [V, (H + 2 Hk) hd] f32 or None)
-        -> q [R, H, hd] f32
+    rope_rows(qkv [R, (H + 2 Hk) hd] bf16, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, rot] f32, q_norm [hd] or
+              [H hd] or None, k_norm [hd] or [Hk hd], eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32,
+              qkv_ref [V, (H + 2 Hk) hd] f32 or None) -> q [R, H, hd] f32
     f = the float32 rows of qkv plus the bias: a value row qkv_ref[v] + qkv (qkv without qkv_ref), a difference row
         its anchor's so rebuilt plus its own change
-    q, k, v = f split by heads; q, k per-head RMS-normed (Qwen3, Gemma 3: q_norm / k_norm given); then rotated at each
-    row's position (lead rows 0 .., batch rows pos0 + t): x cos + rotate_half(x) sin with the tables' row there;
-    k, v written into k_out / v_out (contiguous), q returned (a fresh contiguous tensor)
+    q, k, v = f split by heads; q, k RMS-normed when q_norm / k_norm are given, per head ([hd]: Qwen3, Gemma 3) or
+    over the whole projection ([H hd] / [Hk hd]: OLMo 2); then each head's first rot elements rotated at each row's
+    position (lead rows 0 .., batch rows pos0 + t): x cos + rotate_half(x) sin with the tables' row there (rot < hd:
+    partial rotary, Phi-3; the rest as it is); k, v written into k_out / v_out (contiguous), q returned (a fresh
+    contiguous tensor)
 
 qkv_ref: the value rows' float32 reference of the qkv product's output (v: a value row's reference row,
 kernels/_rows.py). Every output is a float32 row (no difference form out), so a difference row needs only its
@@ -35,39 +37,49 @@ from ._utils import check_device, check_dtype, interpreting, launch, next_pow2
 
 @triton.jit
 def _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, col0, n_heads, w_ptr, cos_ptr,
-               sin_ptr, out_ptr, out_row, hd, eps, HAS_BIAS: tl.constexpr, HAS_REF: tl.constexpr,
-               HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+               sin_ptr, out_ptr, out_row, hd, rot, eps, HAS_BIAS: tl.constexpr, HAS_REF: tl.constexpr,
+               HAS_NORM: tl.constexpr, WHOLE: tl.constexpr, ROTATE: tl.constexpr, BLOCK_H: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     """The n_heads heads at column col0 of the rows (own / anc / ref_off: [BR, 1, 1] element offsets of each row
-    and its anchor's row in qkv, and of its anchor's reference row in qkv_ref) -> float32, normed (HAS_NORM) and
-    rotated (ROTATE) at positions pos [BR, 1, 1], stored at out_ptr + out_row [BR, 1, 1] + head * hd + i."""
+    and its anchor's row in qkv, and of its anchor's reference row in qkv_ref) -> float32, normed (HAS_NORM: per head,
+    or over all n_heads heads together with WHOLE) and the first rot elements of each head rotated (ROTATE) at
+    positions pos [BR, 1, 1] (tables rot wide), stored at out_ptr + out_row [BR, 1, 1] + head * hd + i."""
     h = tl.arange(0, BLOCK_H)[None, :, None]
     i = tl.arange(0, BLOCK_D)[None, None, :]
     m = rmask & (h < n_heads) & (i < hd)
     c = col0 + h * hd + i
     x = row_values(qkv_ptr, own, anc, diff, c, m, bias_ptr, ref_ptr, ref_off, HAS_BIAS, HAS_REF)
     if ROTATE:
-        half = hd // 2
-        j = tl.where(i < half, i + half, i - half)  # rotate_half's source of element i
+        half = rot // 2
+        j = tl.where(i < half, i + half, tl.where(i < rot, i - half, i))  # rotate_half's source of element i
         cj = col0 + h * hd + j
         xr = row_values(qkv_ptr, own, anc, diff, cj, m, bias_ptr, ref_ptr, ref_off, HAS_BIAS, HAS_REF)
         if HAS_NORM:
-            r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
-            x = x * r * tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
-            xr = xr * r * tl.load(w_ptr + j, mask=i < hd, other=0.0).to(tl.float32)
+            if WHOLE:  # one statistic per row over all its heads (OLMo 2), the weights by head and element
+                ss = tl.sum(tl.sum(x * x, axis=2), axis=1)
+                r = tl.math.rsqrt(ss / (n_heads * hd) + eps)[:, None, None]
+                wm = (h < n_heads) & (i < hd)
+                x = x * r * tl.load(w_ptr + h * hd + i, mask=wm, other=0.0).to(tl.float32)
+                xr = xr * r * tl.load(w_ptr + h * hd + j, mask=wm, other=0.0).to(tl.float32)
+            else:
+                r = tl.math.rsqrt(tl.sum(x * x, axis=2) / hd + eps)[:, :, None]  # one statistic per head, both loads
+                x = x * r * tl.load(w_ptr + i, mask=i < hd, other=0.0).to(tl.float32)
+                xr = xr * r * tl.load(w_ptr + j, mask=i < hd, other=0.0).to(tl.float32)
         xr = tl.where(i < half, -xr, xr)
-        cm = rmask & (i < hd)
-        cs = pos.to(tl.int64) * hd + i
+        cm = rmask & (i < rot)
+        cs = pos.to(tl.int64) * rot + i
         cosv = tl.load(cos_ptr + cs, mask=cm, other=0.0)
         sinv = tl.load(sin_ptr + cs, mask=cm, other=0.0)
-        x = x * cosv + xr * sinv
+        x = tl.where(i < rot, x * cosv + xr * sinv, x)
     tl.store(out_ptr + out_row + h * hd + i, x, mask=m)
 
 
 @triton.jit
 def _rope_rows_kernel(qkv_ptr, bias_ptr, anchor_ptr, slot_ptr, ref_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr,
-                      k_ptr, v_ptr, R, lead, B, T, pos0, H, Hk, hd, s_ref, eps,
-                      HAS_BIAS: tl.constexpr, HAS_REF: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
+                      k_ptr, v_ptr, R, lead, B, T, pos0, H, Hk, hd, rot, s_ref, eps,
+                      HAS_BIAS: tl.constexpr, HAS_REF: tl.constexpr, HAS_NORM: tl.constexpr, Q_WHOLE: tl.constexpr,
+                      K_WHOLE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HK: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     q = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row, arow, vrow, pos, valid = layout_rows(q, R, lead, B, T, pos0, anchor_ptr, slot_ptr, HAS_REF)
     width = (H + 2 * Hk) * hd
@@ -79,11 +91,12 @@ def _rope_rows_kernel(qkv_ptr, bias_ptr, anchor_ptr, slot_ptr, ref_ptr, cos_ptr,
     pos = pos[:, None, None]
     r3 = row[:, None, None]
     _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, 0, H, qn_ptr, cos_ptr, sin_ptr,
-               q_ptr, r3 * (H * hd), hd, eps, HAS_BIAS, HAS_REF, HAS_NORM, True, BLOCK_H, BLOCK_D)
+               q_ptr, r3 * (H * hd), hd, rot, eps, HAS_BIAS, HAS_REF, HAS_NORM, Q_WHOLE, True, BLOCK_H, BLOCK_D)
     _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, H * hd, Hk, kn_ptr, cos_ptr, sin_ptr,
-               k_ptr, r3 * (Hk * hd), hd, eps, HAS_BIAS, HAS_REF, HAS_NORM, True, BLOCK_HK, BLOCK_D)
+               k_ptr, r3 * (Hk * hd), hd, rot, eps, HAS_BIAS, HAS_REF, HAS_NORM, K_WHOLE, True, BLOCK_HK, BLOCK_D)
     _rope_part(qkv_ptr, bias_ptr, ref_ptr, own, anc, ref_off, diff, rmask, pos, (H + Hk) * hd, Hk, kn_ptr, cos_ptr,
-               sin_ptr, v_ptr, r3 * (Hk * hd), hd, eps, HAS_BIAS, HAS_REF, False, False, BLOCK_HK, BLOCK_D)
+               sin_ptr, v_ptr, r3 * (Hk * hd), hd, rot, eps, HAS_BIAS, HAS_REF, False, False, False, BLOCK_HK,
+               BLOCK_D)
 
 
 def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tensor, q_norm, k_norm, eps: float,
@@ -91,7 +104,7 @@ def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tenso
               qkv_ref: torch.Tensor | None = None) -> torch.Tensor:
     """q [R, H, hd] float32; k_out / v_out written (module docstring). One launch. gemma: the norms' weights are
     already Gemma's 1 + w (the float32 arithmetic is the same either way); qkv_ref: the value rows' float32
-    reference of qkv ([V, (H + 2 Hk) hd], or None)."""
+    reference of qkv ([V, (H + 2 Hk) hd], or None); cos, sin [n, rot], rot <= hd."""
     op = "triton rope_rows"
     del gemma
     qkv = check_low(qkv, None, "qkv", op)
@@ -107,14 +120,21 @@ def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tenso
             raise SiclError(f"{op}: {name} must be a contiguous [{R}, {Hk}, {hd}] tensor, got {list(t.shape)}")
     if (q_norm is None) != (k_norm is None):
         raise SiclError(f"{op}: q_norm and k_norm come together")
+    for name, t, heads in (("q_norm", q_norm, H), ("k_norm", k_norm, Hk)):
+        if t is not None and t.numel() not in (hd, heads * hd):
+            raise SiclError(f"{op}: {name} must have {hd} (per head) or {heads * hd} (whole projection) elements, "
+                            f"got {t.numel()}")
+    rot = cos.shape[-1]
+    if rot % 2 or rot > hd:
+        raise SiclError(f"{op}: the rotary tables are {rot} wide: even and at most head_dim {hd}")
     if bias is not None and tuple(bias.shape) != (width,):
         raise SiclError(f"{op}: bias must have shape [{width}], got {list(bias.shape)}")
     n = max(rows.lead, rows.pos0 + rows.T)
     if cos.shape[0] < n or sin.shape[0] < n:
         raise SiclError(f"{op}: the rotary tables have {cos.shape[0]} positions, the rows reach {n}")
     qkv_ref, s_ref = check_ref(qkv_ref, rows, width, dev, "qkv_ref", op)
-    cos = cos.reshape(cos.shape[0], hd).float().contiguous()
-    sin = sin.reshape(sin.shape[0], hd).float().contiguous()
+    cos = cos.reshape(cos.shape[0], rot).float().contiguous()
+    sin = sin.reshape(sin.shape[0], rot).float().contiguous()
     qkv = qkv.contiguous()
     q = torch.empty(R, H, hd, dtype=torch.float32, device=dev)
     if R == 0:
@@ -125,7 +145,9 @@ def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tenso
     launch(_rope_rows_kernel, (triton.cdiv(R, BR),), qkv, bias if bias is not None else cos, anchor,
            value_slots(rows, dev, op), qkv_ref if qkv_ref is not None else cos, cos, sin,
            q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, q, k_out, v_out, R,
-           rows.lead, max(rows.B, 1), max(rows.T, 1), rows.pos0, H, Hk, hd, s_ref, float(eps), device=dev,
+           rows.lead, max(rows.B, 1), max(rows.T, 1), rows.pos0, H, Hk, hd, rot, s_ref, float(eps), device=dev,
            block=BR * BLOCK_H * BLOCK_D, HAS_BIAS=bias is not None, HAS_REF=qkv_ref is not None,
-           HAS_NORM=q_norm is not None, BLOCK_R=BR, BLOCK_H=BLOCK_H, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D)
+           HAS_NORM=q_norm is not None, Q_WHOLE=q_norm is not None and H > 1 and q_norm.numel() == H * hd,
+           K_WHOLE=k_norm is not None and Hk > 1 and k_norm.numel() == Hk * hd, BLOCK_R=BR, BLOCK_H=BLOCK_H,
+           BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D)
     return q

@@ -503,6 +503,39 @@ def test_qk_rope_writes_the_buffers(dec, dev, dtype, hd, qk_norm, gemma):
     close(gk, rk, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_later_families_elementwise(dec, dev, dtype):
+    """The plain forward's ops with the later families' features (issue 47): Granite's residual multiplier (y_scale),
+    OLMo 2's missing pre-norm (w None: the sum itself) with its float32-multiplied post-norm and its q / k norms over
+    the whole projection, Phi-3's partial rotary (tables narrower than a head: the rest of each head as it is)."""
+    from sicl_fast.models import elementwise as ew
+
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    d, tol = 40, TOL["elementwise"][dtype]
+    x, y = rand(2, 5, d, dtype=dtype, seed=1), rand(2, 5, d, dtype=dtype, seed=2, scale=3.0)
+    w = 1 + rand(d, seed=3, scale=0.2)
+    for post, ww, ys, gemma in ((None, w.to(dtype), 0.3, False), (w, None, None, True)):
+        x1, h = dec.residual_norm(x.to(dev), y.to(dev), to(post), to(ww), 1e-6, gemma, y_scale=ys)
+        rx, rh = ew.residual_norm(x, y, post, ww, 1e-6, gemma, ys)
+        close(x1, rx, tol)
+        close(h, rh, tol)
+    x1, h = dec.residual_norm(x.to(dev), None, None, None, 1e-6, True)
+    assert torch.equal(x1.cpu(), x) and torch.equal(h.cpu(), x)
+    B, T, H, Hk, hd, rot = 2, 7, 3, 2, 12, 8
+    qkv = rand(B, T, (H + 2 * Hk) * hd, dtype=dtype, seed=5)
+    cos, sin = rand(T, 1, rot, dtype=dtype, seed=6), rand(T, 1, rot, dtype=dtype, seed=7)
+    qn, kn = 1 + rand(H * hd, seed=8, scale=0.2), 1 + rand(Hk * hd, seed=9, scale=0.2)
+    for norms in ((None, None), (qn, kn)):
+        q, k, v = (t.view(B, T, -1, hd) for t in qkv.split([H * hd, Hk * hd, Hk * hd], dim=-1))
+        rq, rk = ew.qk_rope(q, k, cos, sin, *norms, 1e-6, True)
+        qd, kd, vd = (t.view(B, T, -1, hd) for t in qkv.clone().to(dev).split([H * hd, Hk * hd, Hk * hd], dim=-1))
+        gq, gk, gv = dec.qk_rope(qd, kd, vd, cos.to(dev), sin.to(dev), *map(to, norms), 1e-6, True)
+        close(gq, rq, tol)
+        close(gk, rk, tol)
+        if norms[0] is None:
+            assert torch.equal(gq[..., rot:].cpu(), q[..., rot:])  # past the rotary width: as it was
+
+
 @pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
 @pytest.mark.parametrize("B,T,H,Hk,hd,d", [(3, 37, 3, 1, 18, 37), (9, 130, 9, 3, 64, 576)])
 def test_cpp_rope_bit_identical_and_norm_on_many_rows(B, T, H, Hk, hd, d):

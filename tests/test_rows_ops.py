@@ -148,6 +148,43 @@ def test_rope_rows(impl, spec, H, Hk, hd, qk_norm, gemma, bias, with_ref):
         torch.testing.assert_close(got.cpu(), ref, **F32)
 
 
+@pytest.mark.parametrize("spec", [LAYOUTS[2], LAYOUTS[4]], ids=["lead-rows", "packed"])
+def test_later_families_rows(impl, spec):
+    """The epilogues with the later families' features (issue 47), the value rows against their references:
+    norm_rows without its norm (OLMo 2: the form of x' itself) and with Granite's residual multiplier; rope_rows with
+    q / k norms over the whole projection (OLMo 2) and partial rotary (Phi-3: the rest of each head as it is)."""
+    dev = device_of(impl)
+    rows, cpu = layout(spec, dev), layout(spec)
+    ops = make_ops(impl, dev).decoder
+    d = 40
+    x = near_rows(cpu, d, seed=1)
+    y, y_ref = form_of(near_rows(cpu, d, seed=2), cpu, True, 3)
+    w = torch.randn(d, generator=torch.Generator().manual_seed(d)).abs() + 0.5
+    for post_w, ww, ys in ((w, None, None), (None, w, 0.4)):
+        h_ref = reference_of(x if ww is None else norm_rows_reference(x, None, None, None, ww, 1e-6, False, cpu,
+                                                                      dtype=torch.float32)[1], cpu, True, 4)
+        rx, rh = norm_rows_reference(x, y, w, post_w, ww, 1e-6, False, cpu, y_ref, h_ref, y_scale=ys)
+        gx, gh = ops.norm_rows(x.to(dev), y.to(dev), w.to(dev), to(post_w, dev), to(ww, dev), 1e-6, False, rows,
+                               y_ref.to(dev), h_ref.to(dev), y_scale=ys)
+        torch.testing.assert_close(gx.cpu(), rx, **F32)
+        assert_form_close(gh, rh, cpu, h_ref)
+    H, Hk, hd, rot = 3, 2, 12, 8
+    n = (H + 2 * Hk) * hd
+    qkv, qkv_ref = form_of(near_rows(cpu, n, seed=3), cpu, True, 5)
+    pos = torch.arange(64, dtype=torch.float32)[:, None] / (1 + torch.arange(rot // 2))[None]
+    cos, sin = torch.cat([pos.cos()] * 2, 1), torch.cat([pos.sin()] * 2, 1)  # [64, rot]
+    g = torch.Generator().manual_seed(hd)
+    for qn, kn in ((None, None), (torch.randn(H * hd, generator=g).abs() + 0.5, torch.randn(Hk * hd, generator=g).abs()
+                                  + 0.5)):
+        rk, rv = torch.empty(rows.R, Hk, hd), torch.empty(rows.R, Hk, hd)
+        rq = rope_rows_reference(qkv, None, cpu, cos, sin, qn, kn, 1e-6, False, H, Hk, rk, rv, qkv_ref)
+        gk, gv = torch.empty(rows.R, Hk, hd, device=dev), torch.empty(rows.R, Hk, hd, device=dev)
+        gq = ops.rope_rows(qkv.to(dev), None, rows, cos.to(dev), sin.to(dev), to(qn, dev), to(kn, dev), 1e-6, False,
+                           H, Hk, gk, gv, qkv_ref.to(dev))
+        for got, ref in ((gq, rq), (gk, rk), (gv, rv)):
+            torch.testing.assert_close(got.cpu(), ref, **F32)
+
+
 @pytest.mark.parametrize("spec", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("act_name", ["silu", "gelu_pytorch_tanh", "gelu"])
 @pytest.mark.parametrize("I,bias", [(3, False), (67, True), (1537, False)])

@@ -45,14 +45,17 @@ and the references of the decoder's three row epilogues (DecoderOps.norm_rows, r
 launch in the fused forms: it reads a product's difference form (with that product's output reference), works on
 float32 rows and writes the form the next product takes (against that product's input reference):
 
-    norm_rows(x [R, d] f32, y [R, d] low or None, bias [d] or None, post_w, w, eps, gemma, rows, y_ref, h_ref)
-            -> (x' [R, d] f32, h [R, d] low)
-        x' = x + (rms_norm(y', post_w) or y') with y' the float32 rows of y plus the product's bias; h = the
-        difference form of rms_norm(x', w)
-    rope_rows(qkv [R, (H + 2 Hk) hd] low, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, hd] f32, q_norm,
+    norm_rows(x [R, d] f32, y [R, d] low or None, bias [d] or None, post_w, w, eps, gemma, rows, y_ref, h_ref,
+              y_scale=None) -> (x' [R, d] f32, h [R, d] low)
+        x' = x + y_scale (rms_norm(y', post_w) or y') with y' the float32 rows of y plus the product's bias
+        (y_scale: Granite's residual multiplier, None: 1); h = the difference form of rms_norm(x', w), or of x'
+        itself when w is None (OLMo 2: no norm before a block)
+    rope_rows(qkv [R, (H + 2 Hk) hd] low, bias [(H + 2 Hk) hd] or None, rows, cos, sin [n, rot] f32, q_norm,
               k_norm, eps, gemma, H, Hk, k_out, v_out [R, Hk, hd] f32, qkv_ref) -> q [R, H, hd] f32
-        the float32 rows of q, k, v (plus the bias); q / k per-head norms (Qwen3, Gemma 3) and rotary at each
-        row's position (the tables from position 0); k and v written into k_out / v_out
+        the float32 rows of q, k, v (plus the bias); q / k norms per head (q_norm [hd]: Qwen3, Gemma 3) or over the
+        whole projection (q_norm [H hd], k_norm [Hk hd]: OLMo 2), and rotary at each row's position (the tables
+        from position 0) of each head's first rot elements (rot < hd: partial rotary, Phi-3); k and v written into
+        k_out / v_out
     gated_rows(y [R, 2I] low, bias [2I] or None, act_name, rows, y_ref, a_ref) -> [R, I] low
         act(gate) * up on the float32 rows of y (plus the bias), in difference form
 
@@ -65,7 +68,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .elementwise import ACTIVATIONS, rms_norm, rope
+from .elementwise import ACTIVATIONS, head_norm, rms_norm, rope
 
 LOW_DTYPE = torch.bfloat16  # the dtype of the difference form and of the products that take it
 
@@ -181,13 +184,15 @@ def _rows_with_bias(y: torch.Tensor, bias, rows: RowLayout, ref=None) -> torch.T
 
 
 def norm_rows_reference(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w, eps: float, gemma: bool,
-                        rows: RowLayout, y_ref=None, h_ref=None, dtype=LOW_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+                        rows: RowLayout, y_ref=None, h_ref=None, dtype=LOW_DTYPE, y_scale: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x', h): see the module docstring. The norms in float32 with the weights as float32 (Gemma's 1 + w is).
     dtype: the form's (float32 for the reference pass, Transformer.reference_rows)."""
     if y is not None:
         yf = _rows_with_bias(y, bias, rows, y_ref)
-        x = x + (rms_norm(yf, post_w.float(), eps, gemma) if post_w is not None else yf)
-    return x, to_rows(rms_norm(x, w.float(), eps, gemma), rows, dtype, h_ref)
+        yn = rms_norm(yf, post_w.float(), eps, gemma) if post_w is not None else yf
+        x = x + (yn if y_scale is None else yn * y_scale)
+    return x, to_rows(x if w is None else rms_norm(x, w.float(), eps, gemma), rows, dtype, h_ref)
 
 
 def rope_rows_reference(qkv: torch.Tensor, bias, rows: RowLayout, cos: torch.Tensor, sin: torch.Tensor, q_norm,
@@ -200,9 +205,9 @@ def rope_rows_reference(qkv: torch.Tensor, bias, rows: RowLayout, cos: torch.Ten
     q, k, v = f.split([H * hd, Hk * hd, Hk * hd], dim=-1)
     q, k = q.reshape(R, H, hd), k.reshape(R, Hk, hd)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm.float(), eps, gemma), rms_norm(k, k_norm.float(), eps, gemma)
+        q, k = head_norm(q, q_norm.float(), eps, gemma), head_norm(k, k_norm.float(), eps, gemma)
     pos = rows.positions()
-    c, s = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]  # [R, 1, hd]
+    c, s = cos.index_select(0, pos)[:, None], sin.index_select(0, pos)[:, None]  # [R, 1, rot]
     k_out.copy_(rope(k, c, s))
     v_out.copy_(v.view(R, Hk, hd))
     return rope(q, c, s)

@@ -38,16 +38,19 @@ StepOps (shapes and dtypes):
 
 DecoderOps (sicl_fast.models.elementwise and sicl_fast.models.rows hold the references; the plain ops in the model
 dtype, the row epilogues on float32 rows and the difference form's low dtype):
-    residual_norm(x [.., d], y [.., d] or None, post_w [d] or None, w [d], eps, gemma) -> (x', h)
-        x' = x + (rms_norm(y, post_w) or y), h = rms_norm(x', w); y None: (x, rms_norm(x, w))
-    qk_rope(q [B, T, H, hd], k, v [B, T, Hk, hd], cos, sin [T, 1, hd], q_norm, k_norm, eps, gemma,
+    residual_norm(x [.., d], y [.., d] or None, post_w [d] or None, w [d] or None, eps, gemma, y_scale=None)
+              -> (x', h)
+        x' = x + y_scale (rms_norm(y, post_w) or y) (y_scale None: 1), h = rms_norm(x', w), or x' itself when w
+        is None; y None: (x, rms_norm(x, w) or x)
+    qk_rope(q [B, T, H, hd], k, v [B, T, Hk, hd], cos, sin [T, 1, rot], q_norm, k_norm, eps, gemma,
             k_out=None, v_out=None) -> (q', k', v')   k' / v' are k_out / v_out when given (written in place);
-            a fused implementation may overwrite q
+            a fused implementation may overwrite q; the q / k norms per head ([hd]) or over the whole projection
+            ([H hd] / [Hk hd]); the first rot elements of each head rotated (rot <= hd)
     gated(gate [.., I], up [.., I], act_name) -> act(gate) * up
     softcap_(x, cap) -> cap tanh(x / cap)                 a fused implementation overwrites x
-    norm_rows(x [R, d] f32, y [R, d] low or None, bias, post_w, w, eps, gemma, rows, y_ref=None, h_ref=None)
-              -> (x' [R, d] f32, h [R, d] low)
-    rope_rows(qkv [R, (H + 2 Hk) hd] low, bias, rows, cos, sin [n, hd] f32, q_norm, k_norm, eps, gemma, H, Hk,
+    norm_rows(x [R, d] f32, y [R, d] low or None, bias, post_w, w or None, eps, gemma, rows, y_ref=None,
+              h_ref=None, y_scale=None) -> (x' [R, d] f32, h [R, d] low)
+    rope_rows(qkv [R, (H + 2 Hk) hd] low, bias, rows, cos, sin [n, rot] f32, q_norm, k_norm, eps, gemma, H, Hk,
               k_out, v_out [R, Hk, hd] f32, qkv_ref=None) -> q [R, H, hd] f32
     gated_rows(y [R, 2I] low, bias, act_name, rows, y_ref=None, a_ref=None) -> [R, I] low
         (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout; the
@@ -102,7 +105,8 @@ class DecoderOps(Protocol):
     name: str
     kv_in_place: bool
 
-    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool,
+                      y_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None,
                 v_out=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
@@ -111,8 +115,8 @@ class DecoderOps(Protocol):
 
     def softcap_(self, x: torch.Tensor, cap: float) -> torch.Tensor: ...
 
-    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows, y_ref=None,
-                  h_ref=None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows, y_ref=None, h_ref=None,
+                  y_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def rope_rows(self, qkv, bias, rows, cos, sin, q_norm, k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out,
                   v_out, qkv_ref=None) -> torch.Tensor: ...

@@ -371,16 +371,19 @@ class CppDecoderOps(TorchDecoderOps):
     def __init__(self) -> None:
         _ext()
 
-    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
-        """(x', h) as sicl_fast.models.elementwise.residual_norm (y None: (x, rms_norm(x, w))); float32 and gemma
-        are the same formula there ((z r) w in float32)."""
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool, y_scale=None):
+        """(x', h) as sicl_fast.models.elementwise.residual_norm (y None: (x, rms_norm(x, w)); w None: h is x'
+        itself); float32 and gemma are the same formula there ((z r) w in float32)."""
         if x.dtype != torch.float32 or x.device.type != "cpu":
-            return super().residual_norm(x, y, post_w, w, eps, gemma)
+            return super().residual_norm(x, y, post_w, w, eps, gemma, y_scale)
+        if w is None and y is None:
+            return x, x
         op = "cpp residual_norm"
         x = _cpu(x, "x", op)
         d = x.shape[-1]
-        h = torch.empty_like(x)
-        x2, w1 = x.view(-1, d).numpy(), _cpu(w, "w", op).numpy()
+        h = torch.empty_like(x) if w is not None else None
+        x2 = x.view(-1, d).numpy()
+        w1 = _cpu(w, "w", op).numpy() if w is not None else x2[0]  # without w: an unused stand-in
         if y is None:  # no residual: the unused y / post_w / x_out arguments are x's rows and w
             _ext().residual_norm(x2, x2, w1, w1, float(eps), False, False, x2, h.view(-1, d).numpy())
             return x, h
@@ -388,16 +391,20 @@ class CppDecoderOps(TorchDecoderOps):
         x_out = torch.empty_like(x)
         pw = _cpu(post_w, "post_w", op).numpy() if post_w is not None else w1
         _ext().residual_norm(x2, y.view(-1, d).numpy(), pw, w1, float(eps), True,
-                             post_w is not None, x_out.view(-1, d).numpy(), h.view(-1, d).numpy())
-        return x_out, h
+                             post_w is not None, x_out.view(-1, d).numpy(),
+                             h.view(-1, d).numpy() if h is not None else x2, 1.0 if y_scale is None else float(y_scale),
+                             w is not None)
+        return x_out, (h if h is not None else x_out)
 
     def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
         """q rotated in place (it may be a view of the fused q / k / v product), k rotated into k_out, v copied into
-        v_out (fresh tensors when None); see sicl_fast.models.elementwise.qk_rope. cos, sin [T, 1, hd]: the rows'
-        positions, the same for every batch row (other forms take the reference)."""
+        v_out (fresh tensors when None); see sicl_fast.models.elementwise.qk_rope. cos, sin [T, 1, rot]: the rows'
+        positions, the same for every batch row (other forms take the reference); rot <= hd: each head's first rot
+        elements rotated."""
         B, T, H, hd = q.shape
+        rot = cos.shape[-1]
         if (q_norm is not None or q.dtype != torch.float32 or q.device.type != "cpu"
-                or tuple(cos.shape) != (T, 1, hd)):  # per-row positions (batched decoding): the reference
+                or tuple(cos.shape) != (T, 1, rot)):  # per-row positions (batched decoding): the reference
             return super().qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps, gemma, k_out, v_out)
         Hk = k.shape[2]
         k_out = torch.empty(B, T, Hk, hd, dtype=k.dtype) if k_out is None else k_out
@@ -410,7 +417,7 @@ class CppDecoderOps(TorchDecoderOps):
         vw = vo if vo is not None else torch.empty(B * T, Hk * hd)
         op = "cpp qk_rope"
         _ext().rope_qkv(qr.numpy(), _rows(k, Hk * hd).numpy(), _rows(v, Hk * hd).numpy(),
-                        _cpu(cos, "cos", op).view(T, hd).numpy(), _cpu(sin, "sin", op).view(T, hd).numpy(), H, Hk,
+                        _cpu(cos, "cos", op).view(T, rot).numpy(), _cpu(sin, "sin", op).view(T, rot).numpy(), H, Hk,
                         kw.numpy(), vw.numpy())
         if ko is None:
             k_out.copy_(kw.view(B, T, Hk, hd))
@@ -418,13 +425,13 @@ class CppDecoderOps(TorchDecoderOps):
             v_out.copy_(vw.view(B, T, Hk, hd))
         return q, k_out, v_out
 
-    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows, y_ref=None, h_ref=None):
+    def norm_rows(self, x, y, bias, post_w, w, eps: float, gemma: bool, rows, y_ref=None, h_ref=None, y_scale=None):
         """(x' [R, d] float32, h [R, d] bf16) as sicl_fast.models.rows.norm_rows_reference, one call (csrc/rows.cpp);
-        y None: x' is x. y_ref, h_ref [V, d] float32: the value rows' references of y and of h (None: none). gemma:
-        the same formula in float32 ((z r) w, Gemma's 1 + w already in w)."""
+        y None: x' is x; w None: h is the form of x' itself. y_ref, h_ref [V, d] float32: the value rows' references
+        of y and of h (None: none). gemma: the same formula in float32 ((z r) w, Gemma's 1 + w already in w)."""
         if not _on_cpu_rows(x, y, y_ref, h_ref) or x.dtype != torch.float32 or \
                 (y is not None and y.dtype != LOW_DTYPE):
-            return super().norm_rows(x, y, bias, post_w, w, eps, gemma, rows, y_ref, h_ref)
+            return super().norm_rows(x, y, bias, post_w, w, eps, gemma, rows, y_ref, h_ref, y_scale=y_scale)
         op = "cpp norm_rows"
         x = _cpu(x, "x", op)
         h = torch.empty(x.shape, dtype=LOW_DTYPE)
@@ -432,14 +439,15 @@ class CppDecoderOps(TorchDecoderOps):
         _ext().norm_rows(x.numpy(), _arr(y, "y", op, LOW_DTYPE), _arr(bias, "bias", op), _arr(post_w, "post_w", op),
                          _arr(w, "w", op), float(eps), _anchors(rows), rows.lead, rows.T,
                          None if x_out is None else x_out.numpy(), _bits(h),
-                         None if y is None else _arr(y_ref, "y_ref", op), _arr(h_ref, "h_ref", op))
+                         None if y is None else _arr(y_ref, "y_ref", op), _arr(h_ref, "h_ref", op),
+                         1.0 if y_scale is None else float(y_scale))
         return (x if x_out is None else x_out), h
 
     def rope_rows(self, qkv, bias, rows, cos, sin, q_norm, k_norm, eps: float, gemma: bool, H: int, Hk: int, k_out,
                   v_out, qkv_ref=None):
         """q [R, H, hd] float32, k and v written into k_out / v_out [R, Hk, hd] float32, as
-        sicl_fast.models.rows.rope_rows_reference (the per-head q / k norms included), one call (csrc/rows.cpp);
-        cos, sin [n, hd] from position 0; qkv_ref [V, (H + 2 Hk) hd] float32: the value rows' reference (None:
+        sicl_fast.models.rows.rope_rows_reference (the q / k norms included), one call (csrc/rows.cpp);
+        cos, sin [n, rot] from position 0; qkv_ref [V, (H + 2 Hk) hd] float32: the value rows' reference (None:
         none)."""
         if not _on_cpu_rows(qkv, qkv_ref) or qkv.dtype != LOW_DTYPE:
             return super().rope_rows(qkv, bias, rows, cos, sin, q_norm, k_norm, eps, gemma, H, Hk, k_out, v_out,

@@ -76,10 +76,10 @@ class TorchDecoderOps:
     rope_rows = staticmethod(rows.rope_rows_reference)
     gated_rows = staticmethod(rows.gated_rows_reference)
 
-    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
+    def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool, y_scale=None):
         if y is None:
-            return x, ew.rms_norm(x, w, eps, gemma)
-        return ew.residual_norm(x, y, post_w, w, eps, gemma)
+            return x, (x if w is None else ew.rms_norm(x, w, eps, gemma))
+        return ew.residual_norm(x, y, post_w, w, eps, gemma, y_scale)
 
     def qk_rope(self, q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=None, v_out=None):
         q, k = ew.qk_rope(q, k, cos, sin, q_norm, k_norm, eps, gemma)

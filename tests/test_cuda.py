@@ -21,8 +21,7 @@ from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.models import from_transformers
-from sicl_fast.models.transformer import SUPPORTED_FAMILIES
-from test_fast_backend import CharTokenizer, build, make_prompt, perturbed
+from test_fast_backend import SUPPORTED_FAMILIES, CharTokenizer, build, make_prompt, perturbed
 from test_graphs import moved
 from test_static import BASE, assert_same_result
 

@@ -12,7 +12,6 @@ import torch
 
 from conftest import reference_backend
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
-from sicl_fast.backends.fast import SUPPORTED_FAMILIES
 from sicl_fast.backends.generate import greedy_generate
 from sicl_fast.models import from_transformers
 from sicl_fast.models.attention import attend_math
@@ -20,6 +19,9 @@ from sicl_fast.models.transformer import UnsupportedModelError, rope_inv_freq
 from sicl_fast.formats.requests import Request
 from sicl_fast.formats.spans import Prompt
 
+# the families of the tiny models here and in the modules that share them (tests/conftest.py's `models`); the
+# later families (sicl_fast.models.decoder_config.SUPPORTED_FAMILIES) have their own in tests/test_fast_families.py
+SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text")
 TOL = dict(rtol=1e-4, atol=1e-4)
 V, D, L, WINDOW = 256, 64, 48, 8
 SPANS = ((14, 20), (26, 31))

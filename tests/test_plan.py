@@ -104,13 +104,19 @@ REFUSALS = {
                                 "bidirectional attention .embedding models. is not supported by the fast backend"),
     "another activation": (dict(call=decoder_of(hidden_act="relu")), UnsupportedModelError,
                            "activation 'relu' is not supported by the fast backend"),
-    "another rope type": (dict(call=decoder_of(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4,
-                                                                "factor": 2.0})), UnsupportedModelError,
-                          r"rope_type 'yarn' is not supported by the fast backend \(default, linear, llama3\); use "
-                          "the 'hf' backend"),
-    "partial rotary embeddings": (dict(call=decoder_of(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
-                                                                        "partial_rotary_factor": 0.5})),
-                                  UnsupportedModelError, "partial rotary embeddings are not supported"),
+    "another rope type": (dict(call=decoder_of(rope_parameters={"rope_type": "proportional", "rope_theta": 1e4})),
+                          UnsupportedModelError, r"rope_type 'proportional' is not supported by the fast backend "
+                          r"\(default, linear, llama3, yarn, dynamic, longrope\); use the 'hf' backend"),
+    "a rope the functions cannot read": (dict(call=decoder_of(rope_parameters={"rope_type": "linear",
+                                                                               "rope_theta": 1e4})),
+                                         UnsupportedModelError, "rope_type 'linear': the fast backend cannot compute "
+                                         "its frequencies from this config .KeyError: 'factor'.; use the 'hf' backend"),
+    "a rotary wider than the head": (dict(call=decoder_of(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                           "partial_rotary_factor": 2.0})),
+                                     UnsupportedModelError, "rope 'all' rotates 16 of a head's 8 dims"),
+    "a linear-attention layer (hybrid)": (dict(call=decoder_of(layer_types=["linear_attention"])),
+                                          UnsupportedModelError, "layer 0 is a 'linear_attention' layer: the fast "
+                                          "backend runs full_attention and sliding_attention layers"),
     "a sliding-window layer without a window": (dict(call=decoder_of(layer_types=["sliding_attention"],
                                                                      sliding_window=None)), UnsupportedModelError,
                                                 "layer 0 is a sliding-window layer but the config has no window"),
@@ -212,7 +218,7 @@ def test_the_table_keeps_up_with_the_module():
     rules = len(re.findall(r"\braise SiclError\(", src)) + len(re.findall(r"\bcheck_choice\(self\.", src))
     model_src = open(decoder_config.__file__).read()
     model_rules = len(re.findall(r"\braise (UnsupportedModelError|unsupported)\(", model_src)) + 1  # + Transformer's
-    assert rules >= 21 and model_rules == 7 and len(REFUSALS) >= rules + model_rules
+    assert rules >= 21 and model_rules == 9 and len(REFUSALS) >= rules + model_rules
 
 
 def test_choices_are_checked_before_a_model_loads():

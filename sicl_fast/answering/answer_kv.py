@@ -31,10 +31,11 @@ from ..models.transformer import Positions
 
 class StoredKV:
     """The K/V of a calibration's rows [0, b): per layer (k, v), each [1, b, Hk, hd] in the model dtype; last: the
-    final-normed hidden state [d] of row b - 1 (the first answer token of a query with no rows of its own)."""
+    final-normed hidden state [d] of row b - 1 (the first answer token of a query with no rows of its own); rope: the
+    rotary tables' prompt lengths they were computed under (Transformer.rope_lengths)."""
 
-    def __init__(self, kv: list, last: torch.Tensor) -> None:
-        self.kv, self.last = kv, last
+    def __init__(self, kv: list, last: torch.Tensor, rope: tuple = ()) -> None:
+        self.kv, self.last, self.rope = kv, last, rope
 
     @property
     def nbytes(self) -> int:
@@ -43,11 +44,12 @@ class StoredKV:
 
 def stored_kv(model, cal, store=None) -> StoredKV:
     """The calibration's K/V on `model` (a Transformer), computed on first use and kept on the entry (the memory
-    store re-counts it, `store.touch`, and drops it again when the entry with it would not fit)."""
-    if cal.kv is not None:
+    store re-counts it, `store.touch`, and drops it again when the entry with it would not fit); computed again where
+    the rotary tables are another prompt length's (a rope type that depends on it, past its threshold)."""
+    if cal.kv is not None and cal.kv.rope == model.rope_lengths:
         return cal.kv
     prefix = fixed_rows_kv(model, cal.rows)  # the rows' K/V as the step forward makes a kept prefix's
-    kv = cal.kv = StoredKV(prefix.kv, prefix.hidden[0, -1])
+    kv = cal.kv = StoredKV(prefix.kv, prefix.hidden[0, -1], model.rope_lengths)
     if store is not None:
         store.touch(cal)
     return kv
@@ -116,6 +118,7 @@ def decode_queries(backend, cal, prompts, query_rows: list[torch.Tensor], max_ne
                             f"context of {ctx}")
     T = [int(x.shape[0]) for x in query_rows]
     Tmax, S = max(T), max(T) + max(max_new_tokens, 1)
+    m.fit_rope(*(p.length for p in prompts))  # one batch: one rotary table (Transformer.fit_rope)
     for r in m.rotary.values():
         r.reserve(b + S)
     stored = stored_kv(m, cal, store)

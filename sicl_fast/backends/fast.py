@@ -24,7 +24,7 @@ from .step_forward import PackedForward, SpanPlan, StepForward
 
 
 class FastBackend(Backend):
-    """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text, as the run plan `plan` says: its DecoderConfig,
+    """Own forward for the families of sicl_fast.models.decoder_config, as the run plan `plan` says: its DecoderConfig,
     attention kernel (and whether to check it against the math path first), difference products, ops and the
     tokens decoded between two host reads (sicl_fast.run.plan). prefix_cache=False always runs the full rows [0, b)."""
 
@@ -81,6 +81,7 @@ class FastBackend(Backend):
         difference form is for perturbation batches), with autograd recording; see Backend."""
         self.check_embeds(embeds, prompt)
         m, plan = self.model, self.span_plan(prompt)
+        m.fit_rope(prompt.length)
         x = embeds[:, :prompt.demo_end].to(device=m.device, dtype=m.dtype)  # [1, b, d]
         with torch.enable_grad():
             h = m.forward(x, checkpoint=checkpoint).index_select(1, plan.idx)  # [1, P, d]
@@ -97,6 +98,7 @@ class FastBackend(Backend):
         lm, m = self.lm, self.model
         check_inputs(lm, embeds, max_new_tokens)
         L = embeds.shape[0]
+        m.fit_rope(L)  # the prompt's tables; the rows decoded past it take their own length's (Rotary)
         rows = L + max(max_new_tokens, 1)
         if self.decoders is None:
             cache = m.new_cache(rows)

@@ -100,6 +100,7 @@ class StepForward:
     def __init__(self, backend, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
                  rows: bool | None = None, bucket=None) -> None:
         m = self.model = backend.model
+        m.fit_rope(prompt.length)  # the rotary tables of this prompt's length (rope types that depend on it)
         self.backend, self.ops = backend, backend.ops
         self.policy = resolve_policy(prompt, prefix)
         self.B = B
@@ -150,6 +151,7 @@ class StepForward:
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten
         in place, so a graph captured on this forward replays the new prompt."""
+        self.model.fit_rope(prompt.length)
         self.span.copy_(SpanPlan.of(prompt, self.model.device, self.bucket))
         self.prompt = prompt
         if self.prefix is not None:
@@ -245,6 +247,7 @@ class PackedForward:
 
     def __init__(self, backend, prompts, Bs, Xs) -> None:
         m = self.model = backend.model
+        m.fit_rope(*(p.length for p in prompts))  # one pass: one rotary table for all (Transformer.fit_rope)
         self.ops = backend.ops
         self.rows_on = m.rows_on
         self.refresh_every = REFRESH_EVERY if self.rows_on else 0

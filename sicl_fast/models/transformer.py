@@ -1,4 +1,5 @@
-"""Our own decoder forward for the fast backend: Llama (3.1 rope scaling, SmolLM2), Qwen3, Gemma 2, Gemma 3 text.
+"""Our own decoder forward for the fast backend: every family of sicl_fast.models.decoder_config (Llama / SmolLM2,
+Qwen3, Gemma 2, Gemma 3 text, Qwen2 / 2.5, Mistral, Ministral, Phi-3, Granite, OLMo 2, SmolLM3).
 
 Weights are the loaded transformers model's own tensors (no copies); numerics follow transformers 5.17's modeling
 files step by step (same dtype casts, same norm forms, rope tables computed in float32 and cast to the model dtype).
@@ -11,6 +12,14 @@ transformers config (sicl_fast.models.decoder_config).
                             object says -> attention through that object -> o product -> residual + norm -> gated
                             MLP -> residual + next layer's norm
       -> hidden [B, T, d] (the last layer's residual add is fused with the final norm)
+
+The family quirks are the config's fields, each applied in one place: the input multiplier (Gemma 2's normalizer,
+Granite's embedding multiplier) on x as the pass starts, X itself staying the input-embedding module's output; the
+norms' places (`DecoderConfig.norms`: a missing norm is None, and a residual op without one hands on its sum as it
+is); Granite's residual multiplier in the residual ops (y_scale); its attention multiplier as the attention's scale;
+its logits scaling folded into the final norm's weight (w / s: the LM head's input, so every head, plain, difference
+form and decoding, divides the logits by s; exact up to one rounding of w / s, none for a power of two); partial
+rotary as tables narrower than a head; a layer without rope as the identity table (cos 1, sin 0: x exactly).
 
 A layer's K/V object (gpt-fast's KVCache.update, per layer) makes batch forwards, prefill and decoding one path:
 RowsKV holds a batch's own rows' K/V buffers and the shared prefix's K/V (PrefixKV, read by attention for every
@@ -42,7 +51,8 @@ import torch.utils.checkpoint
 
 from ..errors import SiclError
 from .attention import Attention
-from .decoder_config import SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq, unsupported
+from .decoder_config import (NO_ROPE, SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq,
+                             rope_threshold, unsupported)
 from .projections import Dense, RowsDense
 from .rows import LOW_DTYPE, RowLayout, RowsReference
 from .weights import LayerWeights, LowWeight, LowWeights
@@ -54,33 +64,78 @@ DIFF_MATMUL = ("auto", "off", "bf16", "fp8")
 
 
 class Rotary:
-    """cos / sin tables [n, head_dim] in the model dtype (cos, sin) and in float32 (cos32, sin32: the difference
-    form's rows), grown on demand (float32 math, as transformers)."""
+    """cos / sin tables [n, rot] in the model dtype (cos, sin) and in float32 (cos32, sin32: the difference form's
+    rows), grown on demand (float32 math, as transformers): rot = hd, or fewer with partial rotary (each head's first
+    rot elements rotate). params: one rotary key's transformers rope parameters (sicl_fast.models.decoder_config),
+    None for a layer without rope (the identity: cos 1, sin 0, so the rotation gives x exactly).
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype, device) -> None:
-        self.inv_freq = inv_freq.to(device)
-        self.scaling = scaling
+    Rope types whose frequencies depend on the sequence length past a threshold (dynamic: max_position_embeddings;
+    longrope: original_max_position_embeddings) hold the tables of one prompt length (`fit`, Transformer.fit_rope):
+    row p takes the frequencies of the length max(L, p + 1) for a prompt of L tokens, which are transformers' for
+    one forward over the prompt (its dynamic_rope_update takes the forward's length) and, past the prompt, for each
+    token greedy decoding adds (the length grows a token a step)."""
+
+    def __init__(self, params: dict | None, hd: int, max_positions: int | None, dtype: torch.dtype, device) -> None:
+        self.params, self.hd, self.max_positions = params, hd, max_positions
+        if params is None:
+            inv, self.scaling, self.threshold = torch.zeros(hd // 2), 1.0, None
+        else:
+            inv, self.scaling = rope_inv_freq(params, hd, max_positions)
+            self.threshold = rope_threshold(params, max_positions)
+        self.inv_freq = inv.to(device)
+        self.length: int | None = None  # the prompt length of the tables, past the threshold (None: at most it)
         self.dtype = dtype
-        self.cos = self.sin = torch.empty(0, 2 * inv_freq.numel(), dtype=dtype, device=device)
+        self.cos = self.sin = torch.empty(0, 2 * inv.numel(), dtype=dtype, device=device)
         self.cos32 = self.sin32 = self.cos.float()
+
+    def key(self, length: int) -> int | None:
+        """What the tables of a prompt of `length` tokens depend on: the length past the threshold, else None."""
+        return length if self.threshold is not None and length > self.threshold else None
+
+    def fit(self, key: int | None) -> None:
+        """Take the tables of the prompt length `key` (Rotary.key), in place (a captured graph reads them)."""
+        if key != self.length:
+            self.length = key
+            n = self.cos.shape[0]
+            if n:
+                cos32, sin32 = self._tables(n)
+                for mine, new in ((self.cos32, cos32), (self.sin32, sin32), (self.cos, cos32), (self.sin, sin32)):
+                    mine.copy_(new)
+
+    def _inv_at(self, length: int | None) -> torch.Tensor:
+        """The frequencies of a sequence of `length` tokens (None: at most the threshold: the tables' base)."""
+        if length is None:
+            return self.inv_freq
+        return rope_inv_freq(self.params, self.hd, self.max_positions, seq_len=length)[0].to(self.inv_freq.device)
+
+    def _tables(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float)
+        inv = self._inv_at(self.length)[None, :].expand(n, -1)
+        if self.threshold is not None and n > max(self.length or 0, self.threshold):
+            start = max(self.length or 0, self.threshold)  # rows past the prompt and the threshold: their own length
+            if self.params.get("rope_type") == "longrope":  # one set (the long factors) for every length past it
+                beyond = self._inv_at(start + 1)[None, :].expand(n - start, -1)
+            else:
+                beyond = torch.stack([self._inv_at(p + 1) for p in range(start, n)])
+            inv = torch.cat([inv[:start], beyond])
+        freqs = pos[:, None] * inv  # [n, rot/2]; a K=1 product, as transformers' matmul
+        emb = torch.cat((freqs, freqs), dim=-1)  # [n, rot]
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
 
     def reserve(self, n: int) -> None:
         """Make the tables cover positions 0 .. n-1 (grown to a power of two, at least 64)."""
         if n > self.cos.shape[0]:
             n = 1 << max(6, (n - 1).bit_length())
-            pos = torch.arange(n, device=self.inv_freq.device, dtype=torch.float)
-            freqs = pos[:, None] * self.inv_freq[None, :]  # [n, hd/2]; a K=1 product, as transformers' matmul
-            emb = torch.cat((freqs, freqs), dim=-1)  # [n, hd]
-            self.cos32, self.sin32 = emb.cos() * self.scaling, emb.sin() * self.scaling
+            self.cos32, self.sin32 = self._tables(n)
             self.cos, self.sin = self.cos32.to(self.dtype), self.sin32.to(self.dtype)
 
     def tables(self, pos0: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, hd] for positions pos0 .. pos0+T-1 (broadcast over heads)."""
+        """cos, sin [T, 1, rot] for positions pos0 .. pos0+T-1 (broadcast over heads)."""
         self.reserve(pos0 + T)
         return self.cos[pos0:pos0 + T, None], self.sin[pos0:pos0 + T, None]
 
     def at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, 1, hd] for the position held in the int64 [1] device tensor pos (reserve first)."""
+        """cos, sin [1, 1, rot] for the position held in the int64 [1] device tensor pos (reserve first)."""
         return self.cos.index_select(0, pos)[:, None], self.sin.index_select(0, pos)[:, None]
 
 
@@ -115,14 +170,14 @@ class Layer:
     and switches."""
 
     w: LayerWeights  # q | k | v, o, gate | up, down (sicl_fast.models.weights)
-    attn_norm: torch.Tensor  # before attention
-    mlp_norm: torch.Tensor  # before the MLP
-    post_attn_norm: torch.Tensor | None  # Gemma: on the attention output
-    post_mlp_norm: torch.Tensor | None  # Gemma: on the MLP output
-    q_norm: torch.Tensor | None  # Qwen3 / Gemma 3: per-head RMSNorm of q and k
-    k_norm: torch.Tensor | None
+    attn_norm: torch.Tensor | None  # before attention (None: none, OLMo 2)
+    mlp_norm: torch.Tensor | None  # before the MLP (None: none, OLMo 2)
+    post_attn_norm: torch.Tensor | None  # Gemma, OLMo 2: on the attention output
+    post_mlp_norm: torch.Tensor | None  # Gemma, OLMo 2: on the MLP output
+    q_norm: torch.Tensor | None  # RMSNorm of q and k: per head ([hd]: Qwen3, Gemma 3) or over the whole projection
+    k_norm: torch.Tensor | None  # ([H hd] / [Hk hd]: OLMo 2)
     window: int | None  # sliding window (keys > query - window), None: full attention
-    rope: str  # key into Transformer.rotary
+    rope: str  # key into Transformer.rotary (NO_ROPE: the identity)
     next_norm: torch.Tensor | None = None  # the next layer's input norm (the final norm after the last layer),
     #                                        fused with this layer's last residual add
 
@@ -233,33 +288,43 @@ class Transformer:
         if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
             raise unsupported(f"{config.family} ({type(lm.model).__name__} without a plain decoder)")
         self.config = c = config
-        self.family, self.gemma = c.family, c.gemma
+        # the ops' norm formula: 'gemma' multiplies by the weight in float32, then casts (Gemma's 1 + w, OLMo 2's w)
+        self.family, self.gemma = c.family, c.norm_f32
         self.dtype = lm.dtype
         self.device = lm.device
         self.d, self.H, self.Hk, self.hd, self.eps = c.d, c.H, c.Hk, c.hd, c.eps
         self.final_softcap = c.final_softcap
         self.embed = lm.model.get_input_embeddings()
-        self.embed_mult = (None if c.input_mult is None
-                           else torch.tensor(c.input_mult, dtype=self.dtype, device=self.device))
+        # x times it as a pass starts (a python float): Gemma 2's normalizer is a tensor of the model dtype (its value
+        # rounded to it), Granite's multiplier a python float
+        self.embed_mult = (None if c.input_mult is None else
+                           float(torch.tensor(c.input_mult, dtype=self.dtype)) if c.gemma else c.input_mult)
         self.head = lm.head_weight.detach()
-        # rotary tables: one per rope parameter set (Gemma 3: local for sliding layers, global for full ones)
-        self.rotary = {key: Rotary(*rope_inv_freq(c.rope_params(key), self.hd), self.dtype, self.device)
+        # rotary tables: one per rope parameter set (Gemma 3: local for sliding layers, global for full ones), the
+        # identity for layers without rope
+        self.rotary = {key: Rotary(c.rope_params(key), self.hd, c.max_positions, self.dtype, self.device)
                        for key, _ in c.rope}
+        if NO_ROPE in c.rope_of_layer:
+            self.rotary[NO_ROPE] = Rotary(None, self.hd, c.max_positions, self.dtype, self.device)
+        pre, post = c.norms != "post", c.norms != "pre"
         self.layers: list[Layer] = []
         for i, layer in enumerate(dec.layers[:c.n_layers]):
             at = layer.self_attn
             self.layers.append(Layer(
-                w=LayerWeights.of(at, layer.mlp),
-                attn_norm=self._norm_weight(layer.input_layernorm),
-                mlp_norm=self._norm_weight(layer.pre_feedforward_layernorm if self.gemma
-                                           else layer.post_attention_layernorm),
-                post_attn_norm=self._norm_weight(layer.post_attention_layernorm) if self.gemma else None,
-                post_mlp_norm=self._norm_weight(layer.post_feedforward_layernorm) if self.gemma else None,
+                w=LayerWeights.of(at, layer.mlp, c.H * c.hd),
+                attn_norm=self._norm_weight(layer.input_layernorm) if pre else None,
+                mlp_norm=(self._norm_weight(layer.pre_feedforward_layernorm if post else layer.post_attention_layernorm)
+                          if pre else None),
+                post_attn_norm=self._norm_weight(layer.post_attention_layernorm) if post else None,
+                post_mlp_norm=self._norm_weight(layer.post_feedforward_layernorm) if post else None,
                 q_norm=self._norm_weight(getattr(at, "q_norm", None)),
                 k_norm=self._norm_weight(getattr(at, "k_norm", None)),
                 window=c.windows[i], rope=c.rope_of_layer[i],
             ))
         self.final_norm = self._norm_weight(dec.norm)
+        if c.logits_scaling is not None:  # the logits divided by s: the head's input (module docstring)
+            self.final_norm = self.final_norm / c.logits_scaling
+        self.residual_mult = c.residual_mult
         for L, nxt in zip(self.layers, self.layers[1:]):
             L.next_norm = nxt.attn_norm
         self.layers[-1].next_norm = self.final_norm
@@ -277,18 +342,38 @@ class Transformer:
         """Do perturbation batches take the difference form's forward (forward_rows)?"""
         return self.diff_matmul != "off"
 
+    def fit_rope(self, *lengths: int) -> None:
+        """The rotary tables for prompts of these lengths (in tokens, the query included), in place: they change
+        only for rope types whose frequencies depend on the length (Rotary), and only past their threshold.
+        Prompts run in one pass (a packed step) must share one table: a SiclError says when they do not."""
+        for key, r in self.rotary.items():
+            keys = {r.key(n) for n in lengths}
+            if len(keys) > 1:
+                raise SiclError(f"rope {key!r} ({r.params.get('rope_type')}) gives prompts of {sorted(set(lengths))} "
+                                f"tokens different rotary tables (its frequencies depend on the length past "
+                                f"{r.threshold} tokens): run them one at a time (--pack 1)")
+            r.fit(keys.pop())
+
+    @property
+    def rope_lengths(self) -> tuple:
+        """The prompt lengths the rotary tables are fitted to (Rotary.length), key by key: what K/V kept across
+        calls were computed under."""
+        return tuple(r.length for r in self.rotary.values())
+
     # ----------------------------------------------------------------------------------------- pieces
 
     def _norm_weight(self, module):
-        """Gemma: the float32 factor (1 + w), as transformers computes it; others: w itself (model dtype)."""
+        """Gemma: the float32 factor (1 + w), as transformers computes it; OLMo 2: w in float32 (its norms multiply
+        in float32); others: w itself (model dtype)."""
         if module is None:
             return None
         w = module.weight.detach()
-        return (1.0 + w.float()) if self.gemma else w
+        return (1.0 + w.float()) if self.config.gemma else w.float() if self.config.norm_f32 else w
 
     def residual_norm(self, x: torch.Tensor, y: torch.Tensor | None, post_w, w) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + y', rms_norm(x + y', w)), y' = rms_norm(y, post_w) or y; y None: (x, rms_norm(x, w)). One op."""
-        return self.ops.residual_norm(x, y, post_w, w, self.eps, self.gemma)
+        """(x + y', rms_norm(x + y', w)), y' = rms_norm(y, post_w) or y, times the residual multiplier; y None: (x,
+        rms_norm(x, w)); w None: the sum itself for both. One op."""
+        return self.ops.residual_norm(x, y, post_w, w, self.eps, self.gemma, y_scale=self.residual_mult)
 
     def rows_kv(self, B: int, T: int) -> list:
         """Per layer, the K/V buffers [B, T, Hk, hd] of a batch's rows, allocated once per shape and written in
@@ -374,13 +459,13 @@ class Transformer:
         o = self.attention.rows(q, kv[0], kv[1], rows, L.window, prefix, r["o"][0])
         del q
         x, h = ops.norm_rows(x, P.out(o, rows), w.o_bias, L.post_attn_norm, L.mlp_norm, self.eps, self.gemma, rows,
-                             r["o"][1], r["gate_up"][0])
+                             r["o"][1], r["gate_up"][0], y_scale=self.residual_mult)
         del o
         a = ops.gated_rows(P.gate_up(h, rows), w.gate_up_bias, self.config.act_name, rows, r["gate_up"][1],
                            r["down"][0])
         del h
         return ops.norm_rows(x, P.down(a, rows), w.down_bias, L.post_mlp_norm, L.next_norm, self.eps, self.gemma,
-                             rows, r["down"][1], next_ref)
+                             rows, r["down"][1], next_ref, y_scale=self.residual_mult)
 
     # ----------------------------------------------------------------------------------------- forwards
 
@@ -435,7 +520,7 @@ class Transformer:
         (reference_rows; None: the values rounded as they are)."""
         self._check_prefix(rows, prefix)
         if self.embed_mult is not None:
-            x = x * float(self.embed_mult)  # the normalizer rounded to the model dtype, as transformers'
+            x = x * self.embed_mult
         refs = ref.layers if ref is not None else [None] * len(self.layers)
         nexts = [r["qkv"][0] for r in refs[1:]] + [ref.hidden] if ref is not None else refs
         x, h = self.ops.norm_rows(x, None, None, None, self.layers[0].attn_norm, self.eps, self.gemma, rows, None,
@@ -468,8 +553,8 @@ class Transformer:
         f32 = torch.float32
         self._check_prefix(rows, prefix)
         if self.embed_mult is not None:
-            x = x * float(self.embed_mult)
-        eps, gemma = self.eps, self.gemma
+            x = x * self.embed_mult
+        eps, gemma, ys = self.eps, self.gemma, self.residual_mult
         x, h = norm_rows_reference(x, None, None, None, self.layers[0].attn_norm, eps, gemma, rows, dtype=f32)
         mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=f32, device=self.device)  # noqa: E731
         layers, kvs = [], []
@@ -481,12 +566,13 @@ class Transformer:
             o = attention_rows_reference(self.attention, q, k, v, rows, L.window,
                                          None if prefix is None else prefix.kv[i], dtype=f32)
             o_out = F.linear(o, w.o.float())
-            x, h2 = norm_rows_reference(x, o_out, w.o_bias, L.post_attn_norm, L.mlp_norm, eps, gemma, rows, dtype=f32)
+            x, h2 = norm_rows_reference(x, o_out, w.o_bias, L.post_attn_norm, L.mlp_norm, eps, gemma, rows, dtype=f32,
+                                        y_scale=ys)
             gu = F.linear(h2, w.gate_up.float())
             a = gated_rows_reference(gu, w.gate_up_bias, self.config.act_name, rows, dtype=f32)
             d_out = F.linear(a, w.down.float())
             x, h_next = norm_rows_reference(x, d_out, w.down_bias, L.post_mlp_norm, L.next_norm, eps, gemma, rows,
-                                            dtype=f32)
+                                            dtype=f32, y_scale=ys)
             layers.append({"qkv": (h, qkv), "o": (o, o_out), "gate_up": (h2, gu), "down": (a, d_out)})
             kvs.append((k, v))
             h = h_next
@@ -544,4 +630,4 @@ class Transformer:
 
 __all__ = ["SUPPORTED_FAMILIES", "DIFF_MATMUL", "LOW_DTYPE", "Transformer", "DecoderConfig", "Positions", "RowsKV",
            "CacheKV", "PrefixKV", "StaticCache", "UnsupportedModelError", "fast_low_precision", "rope_inv_freq",
-           "unsupported"]
+           "Rotary", "unsupported"]

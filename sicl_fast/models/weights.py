@@ -1,8 +1,8 @@
 """The fast decoder's weight layout: each layer's projections stacked per product, held once.
 
-    qkv      [(H + 2 Hk) hd, d]   q, k, v stacked (one product where there were three)
+    qkv      [(H + 2 Hk) hd, d]   q, k, v stacked (one product where there were three; Phi-3's qkv_proj as it is)
     o        [d, H hd]
-    gate_up  [2 I, d]             gate, up stacked (one product where there were two)
+    gate_up  [2 I, d]             gate, up stacked (one product where there were two; Phi-3's gate_up_proj as it is)
     down     [d, I]
 
 The loaded transformers model keeps working on the same memory: its q / k / v and gate / up parameters become views
@@ -124,15 +124,18 @@ class LayerWeights:
     inter: int  # I: the MLP's inner size (gate_up has 2 I rows)
 
     @classmethod
-    def of(cls, attn, mlp) -> LayerWeights:
-        """From a transformers decoder layer's self_attn and mlp modules (their parameters become views)."""
-        qkv_mods = [attn.q_proj, attn.k_proj, attn.v_proj]
-        gu_mods = [mlp.gate_proj, mlp.up_proj]
+    def of(cls, attn, mlp, q_rows: int) -> LayerWeights:
+        """From a transformers decoder layer's self_attn and mlp modules (their parameters become views); q_rows:
+        H hd. A checkpoint that fuses q | k | v or gate | up in one module (Phi-3's qkv_proj, gate_up_proj) holds
+        them in the stacked layout already: its own tensors are taken as they are."""
+        qkv_mods = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+        gu_mods = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+        gate_up = stack_params(gu_mods, "weight")
         return cls(qkv=stack_params(qkv_mods, "weight"), qkv_bias=stack_params(qkv_mods, "bias"),
                    o=_detached(attn.o_proj, "weight"), o_bias=_detached(attn.o_proj, "bias"),
-                   gate_up=stack_params(gu_mods, "weight"), gate_up_bias=stack_params(gu_mods, "bias"),
+                   gate_up=gate_up, gate_up_bias=stack_params(gu_mods, "bias"),
                    down=_detached(mlp.down_proj, "weight"), down_bias=_detached(mlp.down_proj, "bias"),
-                   q_rows=attn.q_proj.weight.shape[0], inter=mlp.gate_proj.weight.shape[0])
+                   q_rows=q_rows, inter=gate_up.shape[0] // 2)
 
     @property
     def kv_rows(self) -> int:

@@ -246,6 +246,18 @@ def test_rope_tables_are_transformers_own(fams):
     assert reference_backend("fast", fams["phi3"]).model.rotary["all"].cos.shape[-1] == 8  # half of head 16
 
 
+def test_decoder_config_reads_the_quirks(fams):
+    """DecoderConfig.from_hf: each family's quirks as the general fields the decoder reads."""
+    cfg = {f: DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) for f, lm in fams.items()}
+    assert [cfg[f].windows for f in ("qwen2", "mistral", "ministral", "phi3")] == [
+        (None, 8), (8, 8), (8, None), (None, None)]
+    assert (cfg["olmo2"].norms, cfg["olmo2"].norm_f32, cfg["qwen2"].norms) == ("post", True, "pre")
+    g = cfg["granite"]
+    assert (g.input_mult, g.residual_mult, g.attn_scale, g.logits_scaling) == (3.0, 0.5, 0.2, 3.0)
+    assert cfg["smollm3"].rope_of_layer == ("all", "none") and cfg["mistral"].max_positions == 32
+    assert all(cfg[f].residual_mult is None and cfg[f].logits_scaling is None for f in FAMILIES if f != "granite")
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_next", "gemma4_text"])
 def test_other_families_are_refused_by_name(family):
     """MoE, hybrid linear attention and Gemma 4's per-layer inputs stay on hf: the refusal names the family."""

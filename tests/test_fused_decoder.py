@@ -161,8 +161,8 @@ def one_layer(st: StaticStep) -> int:
 def test_launch_budget_rows(family, scope):
     """The difference form: at most 9 kernels per decoder layer (the 4 products, rope_rows, attention_rows, norm_rows
     twice, gated_rows) plus 30 for the rest, with the prefix run as lead rows of every pass ('prompt'; kept,
-    'demos': tests/test_fast_families.py); measured: 9, and 13 / 14. The count per layer is measured (one_layer);
-    the pass's input norm (Gemma: and its embedding scale) is the rest's."""
+    'demos': tests/test_fast_families.py); measured: 9 and 14. The count per layer is measured (one_layer); the
+    pass's input norm (Gemma: and its embedding scale) is the rest's."""
     lm = build(family, layers=2)
     cfg = dataclasses.replace(CFG, projection_scope=scope)
     st = step_of(make_backend("fast", lm, impl="triton", diff_matmul="bf16"), make_prompt(6), cfg)

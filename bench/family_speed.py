@@ -3,11 +3,13 @@ models at SmolLM2-135M's shapes (d 576, 30 layers, 9 / 3 heads of 64, MLP 1536, 
 with its family's quirks as a real checkpoint of it has them, timed by `sicl-fast bench --backends fast hf`.
 
     python bench/family_speed.py [--dir DIR] [--families qwen2 ...] [--length 256] [--N 8] [--repeats 3]
+                                 [--rounds 1]
 
 The models are written once into DIR (float32 safetensors, about 540 MB each; default /tmp/sicl_family_models).
-Each family's bench runs right after a run of the Llama model (one `sicl-fast bench` process each, the same flags),
-so that the load of a shared machine changes little between the two; `uptime` is printed before each pair. The
-table: each family's fast ms a step (min) against the Llama run just before it, and against its own hf backend.
+Each family's bench runs beside a run of the Llama model (one `sicl-fast bench` process each, the same flags), so
+that the load of a shared machine changes little between the two: `--rounds R` pairs, the order alternating (Llama
+first, then the family first), each model's min over its rounds; `uptime` is printed before each family. The table:
+each family's fast ms a step (min) against Llama's in the same rounds, and against its own hf backend.
 """
 from __future__ import annotations
 
@@ -87,19 +89,24 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--N", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="Llama / family pairs a family, each model's min taken")
     ap.add_argument("--json", type=Path, help="also write the measurements here")
     args = ap.parse_args(argv)
     folders = write_models(args.dir, ["llama", *args.families])
-    print("| family | fast ms (min) | Llama's fast ms (min), run just before | family / Llama | hf ms (min) | "
-          "hf / fast | load (uptime, before the pair) |")
+    print("| family | fast ms (min) | Llama's fast ms (min), same rounds | family / Llama | hf ms (min) | "
+          "hf / fast | load (uptime, before the family's rounds) |")
     print("|---|---|---|---|---|---|---|")
     records = []
     for family in args.families:
         load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.split("load average:")[-1].strip()
-        llama, fam = bench(folders["llama"], args), bench(folders[family], args)
-        f, ll, hf = fam["fast"][1], llama["fast"][1], fam["hf"][1]
+        runs = {"llama": [], family: []}
+        for r in range(args.rounds):
+            for name in (("llama", family) if r % 2 == 0 else (family, "llama")):
+                runs[name].append(bench(folders[name], args))
+        best = lambda m, b: min(run[b][1] for run in runs[m])  # noqa: E731
+        f, ll, hf = best(family, "fast"), best("llama", "fast"), best(family, "hf")
         print(f"| {family} | {f:.1f} | {ll:.1f} | {f / ll:.2f} | {hf:.1f} | {hf / f:.2f} | {load} |", flush=True)
-        records.append({"family": family, "fast": fam["fast"], "hf": fam["hf"], "llama": llama, "load": load})
+        records.append({"family": family, "runs": runs, "load": load})
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
     return 0

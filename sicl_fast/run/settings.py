@@ -162,8 +162,8 @@ def check_resume(records: Sequence[dict], want: dict, where: str) -> None:
     for r in records:
         got = record_settings(r)
         if got.get("command") != want.get("command"):
-            raise SiclError(f"{where}: holds records of `sicl-fast {got.get('command')}`, not of "
-                            f"`sicl-fast {want.get('command')}`; use another --out")
+            raise SiclError(f"{where}: holds records of sicl-fast {got.get('command')}, not of sicl-fast "
+                            f"{want.get('command')}; use another --out")
         diff = settings_diff(got, want)
         if diff:
             why = (" (its records hold no calibrated embeddings to decode or export: they would be calibrated again, "

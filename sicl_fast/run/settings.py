@@ -159,8 +159,8 @@ def check_resume(records: Sequence[dict], want: dict, where: str) -> None:
         raise SiclError(f"{where}: holds {len(unknown)} record(s) written without their settings (by a sicl_fast "
                         "before records carried them, or by hand): whether they match this run's cannot be told, so "
                         "this run does not add to them; use another --out")
-    for r in records:
-        got = record_settings(r)
+    distinct = {json.dumps(record_settings(r), sort_keys=True): record_settings(r) for r in records}
+    for got in distinct.values():  # a file holds one settings, or a few: each compared once
         if got.get("command") != want.get("command"):
             raise SiclError(f"{where}: holds records of sicl-fast {got.get('command')}, not of sicl-fast "
                             f"{want.get('command')}; use another --out")

@@ -7,7 +7,7 @@ from sicl_fast.backends import make_backend
 from sicl_fast.diagnostics.conformance import attention_as
 from sicl_fast.errors import NumericalError, SiclError
 from sicl_fast.step.logprobs import vocab_chunked_logprobs
-from sicl_fast.models import load
+from sicl_fast.models import from_transformers, load
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # SmolLM2's 30 float32 layers: the intra-op thread count changes the reduction order of the products (the first
@@ -87,6 +87,29 @@ def test_gemma2_folder_loads_with_its_attention_soft_cap(tmp_path):
     with pytest.raises(SiclError, match=r"runs transformers' 'sdpa' attention, but it soft-caps its attention "
                                         r"scores \(attn_logit_softcapping 2.0\)"):
         make_backend("naive", lm)
+
+
+def test_the_probe_refuses_what_cannot_be_calibrated():
+    """#47: the hf and naive backends refuse, naming why, a model whose forward takes other embeddings than
+    get_input_embeddings gives (calibrating those would not calibrate the model) and one whose own forward does not
+    run on its tokens (tests/test_conformance.py has a model that is not causal, and Gemma 4's per-layer inputs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tiny(name):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2)
+        return from_transformers(LlamaForCausalLM(cfg), None, name=name)
+
+    other = tiny("other-embeddings")
+    other.model.get_input_embeddings = lambda: torch.nn.Embedding(64, 16)  # not the one the model runs
+    with pytest.raises(SiclError, match=r"model 'other-embeddings' \(llama\): its forward computes other logits "
+                                        "from its input embeddings than from its tokens"):
+        make_backend("hf", other)
+    broken = tiny("broken")
+    broken.model.forward = lambda **kw: 1 / 0
+    with pytest.raises(SiclError, match=r"its own forward does not run on 8 tokens alone \(ZeroDivisionError"):
+        make_backend("naive", broken)
 
 
 @pytest.mark.parametrize("B,P,V,max_elems", [(1, 1, 5, 1), (3, 11, 97, 3 * 11 * 256), (2, 7, 1000, 1 << 22),

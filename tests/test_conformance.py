@@ -4,7 +4,8 @@ attention (1e-5), auto's fast backend against hf where auto takes it (1e-5), els
 
 The suite runs a representative set: every family the fast decoder runs (SUPPORTED_FAMILIES: new ones join without
 an edit here), the six whose logits the hf backend once got wrong (a multiplier, a bias, both scale directions), and
-one of each other outcome (a head of its own: BERT's; a model that is not causal: XLNet). scripts/model_table.py
+one of each other outcome (a head of its own: BERT's; a model that is not causal: XLNet; one whose forward needs
+the token behind each input embedding: Gemma 4). scripts/model_table.py
 runs every architecture (about 2 minutes on this CPU) and writes docs/usage.md's model table, which the last test
 holds to the installed transformers and to what the set gives here.
 """
@@ -20,7 +21,7 @@ from sicl_fast.models.decoder_config import SUPPORTED_FAMILIES
 
 FAST = [f for f in families() if f in SUPPORTED_FAMILIES]
 WRONG_BEFORE = ["granite", "cohere", "granitemoe", "phi", "cohere2", "gptj"]  # issue #47: f(X0) 0.79 .. 0.0058 off
-OTHERS = ["bert", "xlnet"]
+OTHERS = ["bert", "xlnet", "gemma4_text"]
 SUITE = list(dict.fromkeys(FAST + WRONG_BEFORE + OTHERS))
 USAGE = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
 
@@ -54,6 +55,7 @@ def test_the_set_covers_each_outcome():
     assert {row(f).head for f in WRONG_BEFORE} == {"table"}
     assert (row("bert").status, row("bert").head) == ("hf", "own")
     assert row("xlnet").status == "refused" and "not causal" in row("xlnet").reason
+    assert row("gemma4_text").status == "refused" and "no token's" in row("gemma4_text").reason
 
 
 def test_the_model_table_is_current():

@@ -165,7 +165,9 @@ def probe_ids(lm, n: int = PROBE_TOKENS) -> torch.Tensor:
 def check_output(lm) -> OutputHead:
     """Probe the model's own forward on PROBE_TOKENS tokens (module docstring): its causality, its input embeddings
     and its head. Returns the OutputHead the hf backend runs; raises a SiclError naming what is wrong for a model
-    that is not causal as loaded, or whose forward does not take its input embeddings as its tokens'."""
+    that is not causal as loaded, or whose forward does not take input embeddings as its tokens'. Three forwards
+    where the table holds (the tokens, the first tokens alone, the decoder on their embeddings beside a row off
+    every token's, as the ascent's); the model's own forward on the embeddings only to find out why it does not."""
     model, name = lm.model, f"model {lm.name!r} ({lm.family})"
     ids = probe_ids(lm).to(lm.device).unsqueeze(0)  # [1, n]
     kept = PROBE_TOKENS - PROBE_CUT
@@ -173,34 +175,24 @@ def check_output(lm) -> OutputHead:
     try:
         own = model(input_ids=ids, use_cache=False).logits.float()  # [1, n, V]
         own_cut = model(input_ids=ids[:, :kept], use_cache=False).logits.float()  # the hf backend's truncation
-        x = model.get_input_embeddings()(ids)
-        own_x = model(inputs_embeds=x.clone(), use_cache=False).logits.float()
     except Exception as exc:  # transformers raises many types; the model cannot run as the backends run it
         raise SiclError(f"{name}: its own forward does not run on {PROBE_TOKENS} tokens alone "
                         f"({type(exc).__name__}: {_line(exc)}); sicl_fast calibrates causal LMs run on their tokens"
-                        ) from None
-    try:  # the ascent's rows are no token's embedding: a forward that needs the tokens behind them cannot run them
-        model(inputs_embeds=x * (1 + 1e-3), use_cache=False)
-    except Exception as exc:
-        raise SiclError(f"{name}: its forward does not take input embeddings that are no token's "
-                        f"({type(exc).__name__}: {_line(exc)}), and the ascent moves them off every token's"
                         ) from None
     d = _difference(own_cut, own[:, :kept])
     if d > tol:
         raise SiclError(f"{name} is not causal as loaded: its logits at a position change with the tokens after "
                         f"it (by {d:.1e} of the largest, {PROBE_CUT} of {PROBE_TOKENS} tokens cut off), and the "
                         "proxy's log p(x_t | x_<t) needs a causal LM (a BERT-style model needs is_decoder=True)")
-    d = _difference(own_x, own)
-    if d > tol:
-        raise SiclError(f"{name}: its forward computes other logits from its input embeddings than from its "
-                        f"tokens (by {d:.1e} of the largest), so calibrating the embeddings would not calibrate it")
+    x = model.get_input_embeddings()(ids)
+    moved = torch.cat([x, x * (1 + 1e-3)])  # the ascent's rows are no token's embedding
     head = head_table(lm)
     if head.mode == "table":
-        try:
-            hidden = lm.decoder(inputs_embeds=x.clone(), use_cache=False).last_hidden_state
-            d = _difference(head.logits(lm, hidden), own_x)
+        try:  # the hf backend's path: the decoder on input embeddings, then the table's head
+            hidden = lm.decoder(inputs_embeds=moved, use_cache=False).last_hidden_state[:1]
+            d = _difference(head.logits(lm, hidden), own)
             problem = None if d <= tol else f"differs from its logits by {d:.1e} of the largest"
-        except Exception as exc:  # a decoder that does not return what the head takes
+        except Exception as exc:  # a decoder that does not return what the head takes, or needs the tokens
             problem = f"its decoder does not give the hidden states its head takes ({type(exc).__name__})"
         if problem is None:
             return OutputHead(head.mode, head.scale, head.bias, head.softcap, head.vocab,
@@ -208,6 +200,18 @@ def check_output(lm) -> OutputHead:
         why = f"{head.why} {problem}"
     else:
         why = head.why
+    what = "input embeddings"
+    try:
+        own_x = model(inputs_embeds=x.clone(), use_cache=False).logits.float()
+        what = "input embeddings that are no token's"
+        model(inputs_embeds=moved[1:], use_cache=False)
+    except Exception as exc:
+        raise SiclError(f"{name}: its forward does not take {what} ({type(exc).__name__}: {_line(exc)}), and the "
+                        "ascent runs it on input embeddings off every token's") from None
+    d = _difference(own_x, own)
+    if d > tol:
+        raise SiclError(f"{name}: its forward computes other logits from its input embeddings than from its "
+                        f"tokens (by {d:.1e} of the largest), so calibrating the embeddings would not calibrate it")
     rows = torch.arange(PROBE_TOKENS - 1, -1, -2, device=lm.device)  # some rows, out of order
     keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     if keep:

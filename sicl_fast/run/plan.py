@@ -174,7 +174,7 @@ def resolve_head(kind: BackendKind, lm) -> tuple[OutputHead | None, str]:
     forward (LoadedModel.output_head, which refuses a model that is not causal or whose input embeddings are not its
     tokens': the naive backend's rule too). The fast decoder makes its own (its DecoderConfig)."""
     if kind.cls == "fast":
-        return None, "the fast decoder's (its config's final soft-cap)"
+        return None, "the fast decoder's LM head (its config's final soft-cap), checked against the model's own logits"
     head = lm.output_head  # the probe runs once per loaded model; its refusals hold for naive too
     if kind.cls == "naive":
         return None, "the model's own full logits, every row"

@@ -5,9 +5,9 @@ attention (1e-5), auto's fast backend against hf where auto takes it (1e-5), els
 The suite runs a representative set: every family the fast decoder runs (SUPPORTED_FAMILIES: new ones join without
 an edit here), the six whose logits the hf backend once got wrong (a multiplier, a bias, both scale directions), and
 one of each other outcome (a head of its own: BERT's; a model that is not causal: XLNet; one whose forward needs
-the token behind each input embedding: Gemma 4). scripts/model_table.py
-runs every architecture (about 2 minutes on this CPU) and writes docs/usage.md's model table, which the last test
-holds to the installed transformers and to what the set gives here.
+the token behind each input embedding: Gemma 4; one that scales its input embeddings in place: CTRL).
+scripts/model_table.py runs every architecture (about a minute on this CPU) and writes docs/usage.md's model table,
+which the last test holds to the installed transformers and to what the set gives here.
 """
 import functools
 import re
@@ -21,7 +21,7 @@ from sicl_fast.models.decoder_config import SUPPORTED_FAMILIES
 
 FAST = [f for f in families() if f in SUPPORTED_FAMILIES]
 WRONG_BEFORE = ["granite", "cohere", "granitemoe", "phi", "cohere2", "gptj"]  # issue #47: f(X0) 0.79 .. 0.0058 off
-OTHERS = ["bert", "xlnet", "gemma4_text"]
+OTHERS = ["bert", "xlnet", "gemma4_text", "ctrl"]
 SUITE = list(dict.fromkeys(FAST + WRONG_BEFORE + OTHERS))
 USAGE = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
 

@@ -256,7 +256,10 @@ def _check_backends(row: Row, model) -> None:
         auto = make_plan(lm, backend="auto")  # fast where the fast decoder's config builds, else hf and why
         row.head = hf.plan.head.mode
         X = _batch(hf.embed(prompt), prompt)
+        given = X.clone()
         got = hf.span_logprobs(X, prompt)
+        if not torch.equal(X, given):  # CTRL and GIT scale or shift their inputs_embeds in place
+            raise RuntimeError("the hf backend let the model change the embeddings it was given")
         row.hf_error = max(float((got[0] - ref).abs().max()),
                            float((got[1] - _reference(model, prompt, X[1])).abs().max()))
         row.status, row.reason = "hf", dict((a, w) for a, _, w in auto.why)["backend"].removeprefix("auto: ")

@@ -512,19 +512,22 @@ def _resolve_pack(args) -> None:
     if getattr(args, "store", None) is not None or getattr(args, "reuse", None) in ("auto", "on"):
         args.pack = 1
         return
-    from ..models.decoder_config import SUPPORTED_FAMILIES
     from ..models.loading import resolve_device
-    from ..run.plan import BACKENDS, auto_pack
+    from ..run.plan import BACKENDS, auto_pack, resolve_backend
 
     dev = resolve_device(args.device)[0]
     if dev.type != "cuda":
         args.pack = 1
         return
-    from ..models.facts import model_facts
+    from ..models.facts import model_arch
 
-    _, family, n_params = model_facts(args.model)
+    _, cfg, arch = model_arch(args.model)
+    n_params = sum(p.numel() for p in arch.parameters())
     backend = getattr(args, "backend", "auto")
-    sync_free = BACKENDS[backend].sync_free if backend != "auto" else family in SUPPORTED_FAMILIES
+    if backend == "auto":  # the plan's rule, on the config alone: fast where the fast decoder's config builds
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        backend = resolve_backend(backend, text, arch.get_input_embeddings())[0]
+    sync_free = BACKENDS[backend].sync_free
     static = sync_free and getattr(args, "loop", "auto") != "eager"
     args.pack = auto_pack(dev, n_params, static, _wants_grad(args))[0]
 

@@ -5,6 +5,9 @@ nothing left to do ends without the model; a resume with other settings is refus
     name, family, n_params = model_facts("gemma3-270m")     the same as load()'s name, lm.family and numel sum
     lm = unloaded(model, dtype, device)                     a LoadedModel without weights (None: dtype unknown yet)
     model_identity(lm)                                      {"name", "fingerprint"}: what records name the model by
+    name, config, arch = model_arch("gemma3-270m")           its config and architecture on the meta device (the
+                                                             command line's --pack auto asks whether `auto` would
+                                                             take the fast backend)
 """
 from __future__ import annotations
 
@@ -36,6 +39,12 @@ def _architecture(model: str | os.PathLike | None):
     with torch.device("meta"):
         arch = AutoModelForCausalLM.from_config(cfg)
     return name, path, arch
+
+
+def model_arch(model: str | os.PathLike | None = None):
+    """(name, config, architecture on the meta device) of a model as --model names it (_architecture)."""
+    name, _, arch = _architecture(model)
+    return name, arch.config, arch
 
 
 def model_facts(model: str | os.PathLike | None = None) -> tuple[str, str, int]:
@@ -124,5 +133,5 @@ def model_identity(lm: LoadedModel) -> dict:
     return {"name": lm.name, "fingerprint": fingerprint}
 
 
-__all__ = ["model_facts", "Unloaded", "unloaded", "transformers_attention", "weights_digest", "files_fingerprint",
-           "model_identity", "MODEL_FILE_SUFFIXES"]
+__all__ = ["model_arch", "model_facts", "Unloaded", "unloaded", "transformers_attention", "weights_digest",
+           "files_fingerprint", "model_identity", "MODEL_FILE_SUFFIXES"]

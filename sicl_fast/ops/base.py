@@ -23,7 +23,7 @@ StepOps (shapes and dtypes):
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, W], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (step.proxy; W the
                                                                     plan's width, its count of positions read)
-    span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
+    span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None, bias=None) -> [B, P] f32 log p(target)
     span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None, z_ref=None,
                    value_slot=None) -> [B, P] f32
                                 the span head of a difference-form pass: hidden as changes over the batch
@@ -85,7 +85,7 @@ class StepOps(Protocol):
     def proxy_planned(self, logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut: ...
 
     def span_head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                  softcap: float | None = None) -> torch.Tensor: ...
+                  softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def span_head_rows(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                        anchor: torch.Tensor, softcap: float | None = None, z_ref: torch.Tensor | None = None,

@@ -14,11 +14,13 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from .loading import LoadedModel
+from .output_head import OutputHead, head_table
 
 # the files of a transformers folder that make its numbers: config, tokenizer and weights (not a README, not the
 # cache's own manifest, which holds the time of its conversion)
@@ -70,6 +72,12 @@ class Unloaded(LoadedModel):
     @property
     def dtype(self) -> torch.dtype:
         return self.as_dtype
+
+    @cached_property
+    def output_head(self) -> OutputHead:
+        """The head by the table alone (output_head.head_table): the check runs the model's forward, which a model
+        on the meta device cannot; the load checks it (LoadedModel.output_head), and its plan is the record's."""
+        return head_table(self)
 
 
 def unloaded(model: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> Unloaded | None:

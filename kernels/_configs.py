@@ -19,8 +19,8 @@ configuration compiled for sm_90 (and sm_80) as the JIT specialises it (kernels/
 A result is {"shared": bytes, "regs": int, "stack": bytes (a spill makes a stack frame), "float_ops": {op: n},
 "seconds": the compile's, "error": str or None}, cached as one JSON file a case under cache_dir()
 (SICL_COMPILE_CACHE, else the user cache's sicl_fast/sm_compile), keyed by the sha256 of the kernel's sources (its
-module and what it imports from this package and from sicl_fast), the case and Triton's version: a changed kernel,
-configuration or Triton compiles again.
+module and what it imports from this package and from sicl_fast) and of _aot.py's, the case and Triton's version: a
+changed kernel, configuration or Triton compiles again.
 tests/test_sm90_configs.py compiles decisions() of every family; `bench/gpu_kernels.py --compile-only` every case.
 """
 from __future__ import annotations
@@ -82,9 +82,10 @@ class Case:
     flags: tuple = field(default=(), compare=False)  # the constexprs that are flags, not the configuration's
 
     def key(self, arch: int) -> str:
-        """The cache key: the kernel's sources, this case, the arch and Triton's version."""
+        """The cache key: the kernel's sources and _aot's (its SPECS and ALIGNED_INTS shape the compile), this case,
+        the arch and Triton's version."""
         body = json.dumps([self.spec, self.signature, self.constexprs, self.options, self.aligned, arch,
-                           triton.__version__, _source_digest(_aot.SPECS[self.spec][0][0])])
+                           triton.__version__, _source_digest(_aot.SPECS[self.spec][0][0]), _source_digest("_aot")])
         return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -39,12 +40,10 @@ from pathlib import Path
 
 import triton
 
-import sicl_fast
-
 from . import _aot
 
 KERNELS = Path(__file__).resolve().parent
-SICL = Path(sicl_fast.__file__).resolve().parent
+SICL = Path(importlib.util.find_spec("sicl_fast").origin).resolve().parent  # the package's folder (not imported here)
 LIMITS = {90: 232_448, 80: 166_912}  # bytes of shared memory a block may use (H100 / H200, A100)
 
 # The shapes the product meets: one entry a family the fast backend runs, from its checkpoint's config (d, heads H /

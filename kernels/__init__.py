@@ -2,7 +2,8 @@
 implementation is chosen once, by the run plan, sicl_fast.run.plan).
 
 One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dtypes / devices and launches through
-_utils.launch (the warps from the block size; on CUDA, on the tensors' own device):
+_utils.launch (on CUDA, on the tensors' own device) with the configuration its kernel's function beside it chooses
+(blocks, warps, stages: _utils.launch_config; compiled for sm_90 at every family's shapes by _configs.py):
 
     span_logprobs(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] float32
     span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None, z_ref=None,

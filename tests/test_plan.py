@@ -16,6 +16,7 @@ from sicl_fast.models.decoder_config import DecoderConfig
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
 from sicl_fast.calibration.packed import run_packed
+from sicl_fast.run import plan as plan_module
 from sicl_fast.run.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention,
                             resolve_attention_check, resolve_graphs, resolve_impl, resolve_read_every, resolve_reuse)
 from sicl_fast.calibration.static import StaticStep
@@ -377,16 +378,51 @@ def test_attention_check_and_read_every_are_the_plans(models, monkeypatch):
     plan = make_plan(lm, backend="fast", impl="torch", attn="sdpa")
     assert (plan.attention_check, plan.read_every) == (False, 1)  # the CPU
     assert resolve_attention_check("sdpa", "cuda", True) == (True, "CUDA: compared with the math path once, when the "
-                                                                    "backend is built; 'math' on a mismatch (auto)")
+                                                                    "plan is made; 'math' on a mismatch (auto)")
     assert not resolve_attention_check("math", "cuda", True)[0] and not resolve_attention_check(None, "cuda", True)[0]
     fast, hf = BACKENDS["fast"], BACKENDS["hf"]
     assert resolve_read_every(fast, "cuda")[0] == 8 and resolve_read_every(fast, "cpu")[0] == 1
     assert resolve_read_every(hf, "cuda")[0] == 1  # transformers' generation reads every token
     checked = []
-    monkeypatch.setattr(Attention, "verify", lambda self, *a, fallback: checked.append((self.impl, fallback)))
-    assert build_backend(plan, lm).read_every == 1 and checked == []
+    monkeypatch.setattr(Attention, "verify", lambda self, *a, fallback, rows: checked.append((self.impl, fallback,
+                                                                                             rows)))
     be = build_backend(dataclasses.replace(plan, attention_check=True, read_every=3), lm)
-    assert checked == [("sdpa", False)] and be.read_every == 3
+    assert checked == [] and be.read_every == 3  # the plan checks; the backend reads it
+    monkeypatch.setattr(plan_module, "resolve_attention_check", lambda *a: (True, "as on CUDA"))
+    assert make_plan(lm, backend="fast", impl="torch", attn="sdpa").attention_check
+    assert checked == [("sdpa", False, True)]  # asked for by name (no fallback), with the difference form's rows
+
+
+@pytest.mark.skipif(bool(why_unavailable("triton")), reason="needs triton")
+def test_an_attention_kernel_that_fails_its_check_is_math_with_the_reason(models, monkeypatch):
+    """On CUDA the plan compares a fused attention kernel with the math path in every form the model runs; any
+    error of a kernel, Triton's OutOfResources (a TritonError, not a RuntimeError) among them, makes 'auto' take the
+    math path, with the kernel and why in `sicl-fast plan`'s table; a kernel asked for by name is an error. The real
+    kernels pass the same check (here under the interpreter)."""
+    from triton.runtime.errors import OutOfResources
+
+    from sicl_fast import kernels as K
+
+    lm = models["llama"]
+    monkeypatch.setattr(plan_module, "resolve_attention_check", lambda *a: (True, "as on CUDA"))
+    plan = make_plan(lm, backend="fast", impl="triton")
+    assert (plan.attention, plan.attention_check) == ("triton", True)  # the real kernels: every form within tolerance
+    assert re.search(r"attention_check +passed", plan.explain())
+
+    def no_room(*a, **k):  # what prefix_attention met at head 256 in float32 before its tiles were chosen per dtype
+        raise OutOfResources(344320, 232448, "shared memory")
+
+    monkeypatch.setattr(K, "prefix_attention", no_room)
+    with pytest.warns(RuntimeWarning, match="prefix_attention .* raised OutOfResources.*using 'math'"):
+        plan = make_plan(lm, backend="fast", impl="triton")
+    lines = plan.explain()
+    assert plan.attention == "math" and build_backend(plan, lm).attention_kernel == "math"
+    assert re.search(r"attention +math +'triton' failed its check on this machine", lines)
+    assert re.search(r"attention_check +failed +CUDA: prefix_attention \(float32, head_dim 16\) raised OutOfResources: "
+                     "out of resource: shared memory, Required: 344320, Hardware limit: 232448", lines), lines
+    with pytest.raises(SiclError, match=r"'triton' attention failed its check.*prefix_attention \(float32, "
+                       r"head_dim 16\) raised OutOfResources"):
+        make_plan(lm, backend="fast", impl="triton", attn="triton")
 
 
 def test_a_backend_runs_a_plan_it_does_not_make(models):

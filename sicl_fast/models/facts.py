@@ -3,7 +3,7 @@ would place it, and a fingerprint of its files, for what a command decides befor
 nothing left to do ends without the model; a resume with other settings is refused before it loads).
 
     name, family, n_params = model_facts("gemma3-270m")     the same as load()'s name, lm.family and numel sum
-    lm = unloaded(model, dtype, device)                     a LoadedModel without weights (None: dtype unknown yet)
+    lm = unloaded(model, dtype, device)                     a LoadedModel without weights
     model_identity(lm)                                      {"name", "fingerprint"}: what records name the model by
     name, config, arch = model_arch("gemma3-270m")           its config and architecture on the meta device (the
                                                              command line's --pack auto asks whether `auto` would
@@ -80,16 +80,15 @@ class Unloaded(LoadedModel):
         return head_table(self)
 
 
-def unloaded(model: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> Unloaded | None:
-    """The model as load(model, dtype, device) would give it, without its weights; None where the dtype cannot be
-    told before the weights are read ('auto' on CUDA: bf16 where every weight is a bf16 value, loading.resolve_dtype).
-    The tokenizer is not loaded (None)."""
-    from .loading import resolve_device, resolve_dtype
+def unloaded(model: str | os.PathLike | None, dtype: str = "auto", device: str = "auto") -> Unloaded:
+    """The model as load(model, dtype, device) would give it, without its weights ('auto' decided as load decides
+    it, from what the checkpoint stores: stored_dtype.bf16_checkpoint). The tokenizer is not loaded (None)."""
+    from .loading import resolve, resolve_device, resolve_dtype
+    from .stored_dtype import bf16_checkpoint
 
     dev, _ = resolve_device(device)
-    if (dtype is None or dtype == "auto") and dev.type == "cuda":
-        return None
-    dt, _ = resolve_dtype(dtype, dev)
+    _, path, kind = resolve(model)
+    dt, _ = resolve_dtype(dtype, dev, lambda: bf16_checkpoint(path, kind))
     name, path, arch = _architecture(model)
     return Unloaded(model=arch, tokenizer=None, name=name, extra={"path": str(path)}, at=dev, as_dtype=dt)
 

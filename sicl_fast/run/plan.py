@@ -14,8 +14,9 @@ The axes:
     impl          the hot ops (sicl_fast.ops): auto (Triton on CUDA, the C++ extension on the CPU when built, else
                   torch; torch for the exact gradient), torch, cpp, triton
     attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton,
-                  cpp; attention_check: whether the kernel is compared with the math path when the backend is built
-                  (CUDA); per call the kernel hands what it cannot do exactly to the math path (named in explain())
+                  cpp; attention_check: whether the kernel is compared with the math path when the plan is made
+                  (CUDA; 'math' where it fails, with the kernel and why); per call the kernel hands what it cannot do
+                  exactly to the math path (named in explain())
     diff_matmul   the fast decoder's difference form for perturbation batches (sicl_fast.models.rows): auto, off
                   (plain products in the model dtype), bf16, fp8 (the differences in FP8 e4m3)
     loop          static (the sync-free step, sicl_fast.calibration.static) or eager (Calibrator.run); sync_every
@@ -267,8 +268,25 @@ def resolve_attention_check(attention: str | None, device, fallback: bool) -> tu
         return False, "the math path is the reference"
     if torch.device(device).type != "cuda":
         return False, "not CUDA: the CPU kernels are tested against the math path"
-    return True, ("CUDA: compared with the math path once, when the backend is built; "
+    return True, ("CUDA: compared with the math path once, when the plan is made; "
                   + ("'math' on a mismatch (auto)" if fallback else "a mismatch is an error (asked for)"))
+
+
+def verify_attention(attention: str, decoder: DecoderConfig, device, dtype, fallback: bool, rows: bool):
+    """The check resolve_attention_check turned on, run (Attention.verify on the model's heads, on its device, with
+    the difference form's rows where they are on): (the kernel the backend will run, the reason when that is not
+    `attention` (else None), the check's value and reason). A kernel that fails its check is replaced by 'math' with
+    fallback (asked 'auto'), else raises SiclError naming the kernel and why."""
+    from ..models.attention import Attention
+    from ..ops import attention_kernels
+
+    att = Attention(attention, decoder.attn_scale, decoder.attn_softcap, dtype, device, attention_kernels(attention))
+    problem = att.verify(decoder.H, decoder.Hk, decoder.hd, fallback=fallback, rows=rows)  # warns where it falls back
+    if problem is None:
+        return attention, None, "passed", "CUDA: compared with the math path once, on the model's heads: within " \
+            "tolerance"
+    return ("math", f"{attention!r} failed its check on this machine (attention_check): the math path", "failed",
+            f"CUDA: {problem}; 'math' instead")
 
 
 # what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17)
@@ -501,7 +519,7 @@ class RunPlan:
     impl: str  # 'torch', 'cpp', 'triton'
     attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not fast
     attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
-    attention_check: bool  # compare the kernel with the math path once when the backend is built (CUDA)
+    attention_check: bool  # the kernel compared with the math path once when the plan was made (CUDA)
     diff_matmul: str  # 'off', 'bf16', 'fp8'
     decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)
     head: OutputHead | None  # how the hf backend makes the span rows' logits (None: not the hf backend)
@@ -623,6 +641,11 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     head, why_head = resolve_head(kind, lm)
     check, why_check = resolve_attention_check(attention, dev, c.attn == "auto")
     diff, why_diff = resolve_diff(c.diff_matmul, kind, dev, dtype)
+    checked = "on" if check else "off"
+    if check:
+        attention, failed, checked, why_check = verify_attention(attention, decoder, dev, dtype, c.attn == "auto",
+                                                                 diff != "off")
+        why_attention = failed or why_attention
     loop, why_loop = resolve_loop(c.loop, backend)
     static = loop == "static"
     sync_every = c.sync_every if c.sync_every is not None else default_sync_every(dev)
@@ -653,7 +676,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("dtype", str(dtype).replace("torch.", ""), loaded.get("dtype", "the loaded model's")),
            ("backend", backend, why_backend), ("head", head.mode if head else "-", why_head),
            ("impl", impl, why_impl),
-           ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
+           ("attention", attention or "-", why_attention), ("attention_check", checked, why_check),
            ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("read_every", read_every, why_read),
            ("graphs", "on" if graphs else "off", why_graphs),
@@ -675,5 +698,5 @@ __all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION",
            "fast_head_refusal", "resolve_attention", "resolve_attention_check", "resolve_attention_kernel",
            "resolve_backend", "resolve_head",
            "resolve_buckets", "resolve_diff", "resolve_graph_cache", "resolve_graphs", "resolve_impl", "resolve_loop",
-           "resolve_pack", "resolve_read_every",
+           "resolve_pack", "resolve_read_every", "verify_attention",
            "resolve_reuse", "without_effect"]

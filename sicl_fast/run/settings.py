@@ -60,17 +60,15 @@ def engine_settings(engine) -> dict:
 
 def planned(model, dtype: str, device: str, choices) -> tuple[dict, object] | None:
     """(engine_settings, the Unloaded model) as an Engine of these arguments would give them, before the model loads
-    (its architecture on the meta device through the same run plan: sicl_fast.models.facts.unloaded); None where they
-    cannot be told without the weights (dtype 'auto' on CUDA) or the model cannot be read without loading it (the
-    run loads it and says what is wrong). A plan refused here is refused as the load would refuse it."""
+    (its architecture on the meta device through the same run plan: sicl_fast.models.facts.unloaded); None where the
+    model cannot be read without loading it (the run loads it and says what is wrong). A plan refused here is
+    refused as the load would refuse it."""
     from ..models.facts import transformers_attention, unloaded
     from .plan import make_plan
 
     try:
         lm = unloaded(model, dtype, device)
     except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
-        return None
-    if lm is None:
         return None
     try:
         with warnings.catch_warnings():  # said once, by the run's own plan

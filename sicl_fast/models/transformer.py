@@ -241,6 +241,9 @@ class Transformer:
         self.embed = lm.model.get_input_embeddings()
         self.embed_mult = (None if c.input_mult is None
                            else torch.tensor(c.input_mult, dtype=self.dtype, device=self.device))
+        # the same normalizer rounded to the model dtype, as a Python number (the float32 rows' factor): read on the
+        # host here, once, so that no step, refresh or capture reads it back from the device
+        self.embed_scale = None if c.input_mult is None else float(torch.tensor(c.input_mult, dtype=self.dtype))
         self.head = lm.head_weight.detach()
         # rotary tables: one per rope parameter set (Gemma 3: local for sliding layers, global for full ones)
         self.rotary = {key: Rotary(*rope_inv_freq(c.rope_params(key), self.hd), self.dtype, self.device)
@@ -434,8 +437,8 @@ class Transformer:
         attend to, when rows.lead is 0 and the batch starts after a prefix. ref: the value rows' float32 reference
         (reference_rows; None: the values rounded as they are)."""
         self._check_prefix(rows, prefix)
-        if self.embed_mult is not None:
-            x = x * float(self.embed_mult)  # the normalizer rounded to the model dtype, as transformers'
+        if self.embed_scale is not None:
+            x = x * self.embed_scale  # the normalizer rounded to the model dtype, as transformers'
         refs = ref.layers if ref is not None else [None] * len(self.layers)
         nexts = [r["qkv"][0] for r in refs[1:]] + [ref.hidden] if ref is not None else refs
         x, h = self.ops.norm_rows(x, None, None, None, self.layers[0].attn_norm, self.eps, self.gemma, rows, None,
@@ -467,8 +470,8 @@ class Transformer:
 
         f32 = torch.float32
         self._check_prefix(rows, prefix)
-        if self.embed_mult is not None:
-            x = x * float(self.embed_mult)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         eps, gemma = self.eps, self.gemma
         x, h = norm_rows_reference(x, None, None, None, self.layers[0].attn_norm, eps, gemma, rows, dtype=f32)
         mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=f32, device=self.device)  # noqa: E731

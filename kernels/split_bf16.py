@@ -24,11 +24,12 @@ def _split_bf16_kernel(x_ptr, out_ptr, N, PIECES: tl.constexpr, BLOCK: tl.conste
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     rest = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    n = N.to(tl.int64)  # the pieces' offsets j * N in 64 bits
-    for j in tl.static_range(PIECES):
+    out = out_ptr + offs  # piece j at j * N: the pointers step by N (64-bit addresses, no 32-bit j * N)
+    for _ in tl.static_range(PIECES):
         piece = to_bf16(rest)
-        tl.store(out_ptr + j * n + offs, piece, mask=mask)
+        tl.store(out, piece, mask=mask)
         rest = rest - piece.to(tl.float32)
+        out += N
 
 
 def split_config(n: int, interp: bool) -> int:

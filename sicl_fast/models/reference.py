@@ -202,7 +202,8 @@ def reference_pass(m, x: torch.Tensor, rows: RowLayout, prefix=None, keep: bool 
         y = kept.product(ops, i, "down", w.down)
         x, h = ops.residual_norm(x, y if w.down_bias is None else y + w.down_bias, _f32(L.post_mlp_norm),
                                  _f32(L.next_norm), eps, gemma)
-        kvs.append((k, v))
+        if keep:  # else each layer's K/V go as the next layer comes
+            kvs.append((k, v))
     hidden = h if out is None else out.hidden.copy_(h)
     ref = out if out is not None else RowsReference(layers=kept.layers, hidden=hidden)
     return (ref, kvs) if keep else ref

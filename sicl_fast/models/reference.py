@@ -13,7 +13,9 @@ and the residual norms (`residual_norm`), rotary with the q / k norms (the diffe
 the q | k | v product's float32 output as its value rows' reference with a zero change: one launch that leaves the
 product's output as it is), the attention kernel, the gated activation (`gated`), and the four products; each
 product's input is copied into the reference (out given) and its output written there: 13 launches a layer with the
-C++ or Triton ops and float32 weights (tests/test_refresh.py holds a refresh to at most three steps' launches).
+Triton ops and float32 weights (14 with the C++ ops, whose gated activation is torch's two; 2 more where lead rows
+run: their own attention call and the join), where the torch references took about 105; a bf16 weight's product
+takes 2 more on CUDA (the split and the sum). tests/test_refresh.py holds a refresh to three steps' launches.
 
 Products (reference_product). A float32 weight (a float32 model's own) is one float32 product. A bf16 weight (a
 bf16 model's own) has no float32 copy: on CUDA the float32 rows are split into PIECES bf16 pieces, x = x_1 + x_2 +

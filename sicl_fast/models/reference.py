@@ -36,7 +36,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..errors import SiclError
 from .rows import LOW_DTYPE, RowLayout, RowsReference
 
-PIECES = 3  # bf16 pieces of a float32 row in a bf16 weight's float32 product (3: all of float32's 24 bits)
+# bf16 pieces of a float32 row in a bf16 weight's float32 product: 3, all of float32's 24 bits (2 left SmolLM2's
+# reference ten times further from float32 products than another float32 summation order: RESULTS 20)
+PIECES = 3
 SPLIT = "auto"  # 'auto', 'on', 'off': the module docstring
 HEAD_CHUNK = 32768  # vocabulary rows a split head product takes at a time (its float32 output: PIECES x n x chunk)
 
@@ -74,7 +76,7 @@ def reference_product(ops, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor |
     float32 for the product)."""
     if w.dtype == torch.float32:
         return torch.mm(x, w.t(), out=out)
-    if not splits(x.device):
+    if w.dtype != LOW_DTYPE or not splits(x.device):  # (an fp16 weight too: made float32 for the product)
         return torch.mm(x, w.t().float(), out=out)
     n, k = x.shape
     y = bf16_mm_f32(ops.split_bf16(x, PIECES).view(PIECES * n, k), w)
@@ -90,7 +92,7 @@ def reference_head(ops, h: torch.Tensor, head: torch.Tensor, out: torch.Tensor |
         return torch.mm(h, head.t(), out=out)
     V = head.shape[0]
     out = torch.empty(h.shape[0], V, dtype=torch.float32, device=h.device) if out is None else out
-    split = splits(h.device)
+    split = head.dtype == LOW_DTYPE and splits(h.device)
     chunk = HEAD_CHUNK if split else 8192
     pieces = ops.split_bf16(h, PIECES).view(PIECES * h.shape[0], -1) if split else None
     for v0 in range(0, V, chunk):

@@ -36,6 +36,8 @@ differences; references there and in sicl_fast.models.attention), one launch eac
                                                                                    q / k norms + rotary, K/V out
     gated_rows(y, bias, act_name, rows, y_ref, a_ref) -> a                         SwiGLU / GeGLU
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o     lead + batch rows, o in the form
+    split_bf16(x, pieces) -> [pieces, n, k] bf16                                   float32 rows as bf16 pieces (the
+                                                                                   reference pass's bf16 products)
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -55,6 +57,7 @@ from .rms_norm import residual_norm
 from .rope import qk_rope
 from .rope_rows import rope_rows
 from .softcap import softcap_
+from .split_bf16 import split_bf16
 
 __all__ = [
     "span_logprobs",
@@ -78,4 +81,5 @@ __all__ = [
     "gated",
     "softcap_",
     "prefix_attention",
+    "split_bf16",
 ]

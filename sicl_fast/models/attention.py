@@ -172,7 +172,7 @@ def attention_rows_reference(attention: Attention, q, k, v, rows, window, prefix
                              dtype=None) -> torch.Tensor:
     """Attention.rows composed from the kernel's own calls (lead rows, then the batch rows over the prefix) and the
     difference form of its output (sicl_fast.models.rows.to_rows, in `dtype`: the low dtype by default, float32 for
-    the reference pass): the reference of the fused forms."""
+    the values themselves): the reference of the fused forms."""
     from .rows import LOW_DTYPE, to_rows
 
     lead, B, T = rows.lead, rows.B, rows.T

@@ -53,6 +53,9 @@ dtype, the row epilogues on float32 rows and the difference form's low dtype):
         (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout; the
         *_ref the value rows' float32 references [V, k]: a product's output one to read its rows against, the next
         product's input one to write them against; None: none)
+    split_bf16(x [n, k] f32, pieces) -> [pieces, n, k] bf16
+        float32 rows as bf16 pieces whose sum is x (the reference pass's bf16 products with float32 accumulation,
+        sicl_fast.models.reference; one launch where fused)
     kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
@@ -118,6 +121,8 @@ class DecoderOps(Protocol):
                   v_out, qkv_ref=None) -> torch.Tensor: ...
 
     def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows, y_ref=None, a_ref=None) -> torch.Tensor: ...
+
+    def split_bf16(self, x: torch.Tensor, pieces: int = 3) -> torch.Tensor: ...
 
 
 class Ops(NamedTuple):

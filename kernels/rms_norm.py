@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import launch, next_pow2
+from ._utils import launch, launch_config, next_pow2
 
 
 @triton.jit
@@ -63,8 +63,12 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor | None, post_w: torch.Tensor 
     h = torch.empty_like(x) if w is not None else x_out
     y_arg = y.contiguous() if y is not None else x
     w_arg = w if w is not None else x  # an unread stand-in without w
-    BLOCK = next_pow2(d)
     launch(_residual_norm_kernel, (M,), x, y_arg, post_w if post_w is not None else w_arg, w_arg, x_out, h, d,
-           float(eps), 1.0 if y_scale is None else float(y_scale), device=x.device, block=BLOCK, HAS_Y=y is not None,
-           HAS_POST=post_w is not None, HAS_W=w is not None, GEMMA=bool(gemma), BLOCK=BLOCK)
+           float(eps), 1.0 if y_scale is None else float(y_scale), device=x.device, HAS_Y=y is not None,
+           HAS_POST=post_w is not None, HAS_W=w is not None, GEMMA=bool(gemma), **residual_norm_config(d))
     return x_out, h
+
+
+def residual_norm_config(d: int, interp: bool | None = None) -> dict:
+    """BLOCK (the whole row of d) and num_warps of a launch (_utils.launch_config): one row a program."""
+    return launch_config("triton residual_norm", interp, block=next_pow2(d), BLOCK=next_pow2(d))

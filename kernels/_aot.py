@@ -174,7 +174,7 @@ SPECS = {
 # register counts of the code that runs; the unspecialised compile is the one of odd shapes).
 ALIGNED_INTS = {
     "residual_norm": ("d",),
-    "qk_rope": ("stride_q", "stride_k", "stride_v", "stride_ko", "stride_vo", "stride_cs", "hd"),
+    "qk_rope": ("stride_q", "stride_k", "stride_v", "stride_ko", "stride_vo", "stride_cs", "hd", "rot"),
     "gated": ("n_cols", "stride_g", "stride_u"),
     "attention": ("sq_b", "sq_t", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "skp_t", "skp_h", "svp_t",
                   "svp_h", "so_b", "so_t", "so_h", "hd"),
@@ -182,7 +182,7 @@ ALIGNED_INTS = {
     "perturb": ("d",),
     "zo_step": ("d",),
     "norm_rows": ("d", "s_yref", "s_href"),
-    "rope_rows": ("hd", "s_ref"),
+    "rope_rows": ("hd", "rot", "s_ref"),
     "gated_rows": ("I", "s_yref", "s_aref"),
     "attention_rows": ("sq_r", "sk_r", "sv_r", "skp_t", "svp_t", "s_oref", "hd"),
     "lse_rows_partial": ("stride_hb", "stride_hp", "stride_wv", "stride_zb", "stride_zp", "V", "d", "v_per_split"),

@@ -10,7 +10,8 @@ configuration compiled for sm_90 (and sm_80) as the JIT specialises it (kernels/
     FAMILIES                        the one table of the families' shapes (add a family here)
     family_cases(name, dtypes)      -> [Case]: every launcher's configuration at that family's shapes and flags
     decisions(cases)                -> [Case]: one a distinct launch decision (the same configuration, dtypes and
-                                       non-boolean flags; the boolean flags of all of them on)
+                                       non-boolean flags and Q_WHOLE / K_WHOLE; the other boolean
+                                       flags of all of them on)
     suite_cases()                   -> decisions() of every family at one length: the suite's set
     compile_cases(cases, arch)      -> {case: result}: results from the cache, the rest compiled in subprocesses
     problems(case, result, arch)    -> [str]: a compile error, shared memory over the arch's block, a spill
@@ -49,7 +50,18 @@ LIMITS = {90: 232_448, 80: 166_912}  # bytes of shared memory a block may use (H
 # The shapes the product meets: one entry a family the fast backend runs, from its checkpoint's config (d, heads H /
 # Hk of hd, MLP I, vocabulary V, activation; q / k norms, Gemma's norms, attention and final soft-caps, sliding
 # window, projection biases). aligned: d, hd, I, V multiples of 16, so the JIT specialises them (and every stride)
-# as such; the last entry is the tests' own odd shapes, which the kernel tests also run on a GPU.
+# as such; the last entry is the tests' own odd shapes, which the kernel tests also run on a GPU. Fields beyond the
+# shapes: qk_norm True (a norm over each head) or 'whole' (over the whole q / k projection: Q_WHOLE / K_WHOLE);
+# norms 'post' (no norm before attention and MLP, norms after them, in float32: HAS_W off in the layer's norms,
+# HAS_POST and GEMMA on); bias True (every projection) or 'qkv' (q / k / v only); rot: the rotated width of a head
+# where it is not the whole head (partial rotary; a runtime int, specialised as a multiple of 16 where aligned). The
+# residual multiplier (y_scale) and logit scalings are runtime floats: no launch decision of their own.
+# The later families' entries (issue #47) as their config.json on the Hugging Face Hub gives them (recalled, not
+# read here): Qwen2.5-7B (q / k / v biases; sliding_window off without use_sliding_window), Mistral-7B-v0.3 (no
+# window; v0.1's 4096), Ministral-8B-Instruct-2410, Phi-3-mini-4k-instruct (head 96, window 2047), Phi-4-mini-instruct
+# (partial_rotary_factor 0.75 of head 128, longrope), granite-3.1-2b-instruct (V 49155 is no multiple of 16: the JIT
+# does not specialise V there, this compile does; its multipliers are runtime floats), OLMo-2-1124-7B, SmolLM3-3B
+# (its no-rope layers run the same kernels with the identity tables).
 FAMILIES = {
     "SmolLM2-135M": dict(model_type="llama", d=576, H=9, Hk=3, hd=64, I=1536, V=49152, act="silu"),
     "Llama-3.1-8B": dict(model_type="llama", d=4096, H=32, Hk=8, hd=128, I=14336, V=128256, act="silu"),
@@ -58,6 +70,17 @@ FAMILIES = {
                        gemma=True, attn_cap=50.0, softcap=30.0, window=4096),
     "Gemma-3-270M": dict(model_type="gemma3_text", d=640, H=4, Hk=1, hd=256, I=2048, V=262144,
                          act="gelu_pytorch_tanh", gemma=True, qk_norm=True, window=512),
+    "Qwen2.5-7B": dict(model_type="qwen2", d=3584, H=28, Hk=4, hd=128, I=18944, V=152064, act="silu", bias="qkv"),
+    "Mistral-7B-v0.3": dict(model_type="mistral", d=4096, H=32, Hk=8, hd=128, I=14336, V=32768, act="silu"),
+    "Ministral-8B": dict(model_type="ministral", d=4096, H=32, Hk=8, hd=128, I=12288, V=131072, act="silu",
+                         window=32768),
+    "Phi-3-mini": dict(model_type="phi3", d=3072, H=32, Hk=32, hd=96, I=8192, V=32064, act="silu", window=2047),
+    "Phi-4-mini": dict(model_type="phi3", d=3072, H=24, Hk=8, hd=128, I=8192, V=200064, act="silu", rot=96,
+                       window=262144),
+    "Granite-3.1-2B": dict(model_type="granite", d=2048, H=32, Hk=8, hd=64, I=8192, V=49155, act="silu"),
+    "OLMo-2-7B": dict(model_type="olmo2", d=4096, H=32, Hk=32, hd=128, I=11008, V=100352, act="silu",
+                      qk_norm="whole", norms="post"),
+    "SmolLM3-3B": dict(model_type="smollm3", d=2048, H=16, Hk=4, hd=128, I=11008, V=128256, act="silu"),
     "tests": dict(model_type="llama", d=72, H=3, Hk=1, hd=24, I=40, V=500, act="silu", bias=True, aligned=False),
 }
 NS = (8, 16)  # directions a step: B = N + 1 batch rows (forward estimator), 2 N + 1 (central)
@@ -99,8 +122,10 @@ def _case(spec: str, what: str, cfg: dict, flags: dict, dtype: str | None = None
                 tuple(sorted(flags)))
 
 
-_FIELDS = {"model_type", "d", "H", "Hk", "hd", "I", "V", "act", "qk_norm", "gemma", "attn_cap", "softcap", "window",
-           "bias", "aligned"}
+_FIELDS = {"model_type", "d", "H", "Hk", "hd", "I", "V", "act", "qk_norm", "gemma", "norms", "attn_cap", "softcap",
+           "window", "bias", "rot", "aligned"}
+# boolean flags that choose between two forms of the code rather than add code: decisions() never merges them
+_ALTERNATIVES = {"Q_WHOLE", "K_WHOLE"}
 _DTYPE_FREE = {"residual_norm", "qk_rope", "gated", "softcap"}  # configuration functions that take no dtype
 # the options a launch takes from Triton (3.6's CUDAOptions) where its configuration names none (not SPECS' own)
 _TRITON_DEFAULTS = {"num_stages": 3, "enable_fp_fusion": True}
@@ -124,22 +149,30 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
      softcap, span_logprobs, zo_update) = (importlib.import_module(f"{__package__}.{m}") for m in (
         "attention", "best", "bookkeep", "gated", "gated_rows", "norm_rows", "perturb", "proxy", "randn", "rms_norm",
         "rope", "rope_rows", "softcap", "span_logprobs", "zo_update"))
-    f = {"qk_norm": False, "gemma": False, "attn_cap": None, "softcap": None, "window": None, "bias": False,
-         "aligned": True, **FAMILIES[name]}
+    f = {"qk_norm": False, "gemma": False, "norms": "pre", "attn_cap": None, "softcap": None, "window": None,
+         "bias": False, "rot": None, "aligned": True, **FAMILIES[name]}
     if set(f) - _FIELDS:
         raise ValueError(f"FAMILIES[{name!r}] has fields {sorted(set(f) - _FIELDS)} that family_cases does not read")
     d, H, Hk, hd, I, al = f["d"], f["H"], f["Hk"], f["hd"], f["I"], f["aligned"]
+    if f["rot"] is not None and (not 0 < f["rot"] < hd or f["rot"] % 2 or (al and f["rot"] % 16)):
+        raise ValueError(f"FAMILIES[{name!r}]: rot {f['rot']} is not an even part of head {hd}"
+                         + (" that is a multiple of 16 (aligned)" if al else ""))
     act = gated.ACT_CODES[f["act"]]
     attn_flags = dict(HAS_SOFTCAP=f["attn_cap"] is not None, HAS_WINDOW=f["window"] is not None)
+    post = f["norms"] == "post"
+    f32_norms, has_post, ws = f["gemma"] or post, f["gemma"] or post, (True, False) if post else (True,)
+    whole = dict(Q_WHOLE=f["qk_norm"] == "whole" and H > 1, K_WHOLE=f["qk_norm"] == "whole" and Hk > 1)
+    qk = dict(HAS_NORM=bool(f["qk_norm"]), **whole)
+    qkv_bias, out_bias = f["bias"] in (True, "qkv"), f["bias"] is True
     out = []
     for dt in dtypes:
         p = {"float32": "*fp32", "bfloat16": "*bf16"}[dt]
         tag = f"{name} {dt}"
+        out += [_case("residual_norm", f"{tag}: residual_norm_config(d={d})", rms_norm.residual_norm_config(d, False),
+                      dict(HAS_Y=True, HAS_POST=has_post, HAS_W=w, GEMMA=f32_norms), p, al) for w in ws]
         out += [
-            _case("residual_norm", f"{tag}: residual_norm_config(d={d})", rms_norm.residual_norm_config(d, False),
-                  dict(HAS_Y=True, HAS_POST=f["gemma"], GEMMA=f["gemma"]), p, al),
             _case("qk_rope", f"{tag}: qk_rope_config(H={H}, Hk={Hk}, hd={hd})", rope.qk_rope_config(H, Hk, hd, False),
-                  dict(HAS_NORM=f["qk_norm"], GEMMA=f["gemma"]), p, al),
+                  dict(**qk, GEMMA=f32_norms), p, al),
             _case("gated", f"{tag}: gated_config(n={I})", gated.gated_config(I, False), dict(ACT=act), p, al),
             _case("attention", f"{tag}: prefix_attention_config(hd={hd}, {dt})",
                   attention.prefix_attention_config(hd, _torch_dtype(dt), interp=False),
@@ -158,15 +191,17 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
         B = 2 * N + 1 if central else N + 1
         for L in lengths:
             R, P, tag = B * L, L // 4, f"{name} B {B} L {L}"
+            out += [_case("norm_rows", f"{tag}: norm_rows_config(R={R}, d={d})",
+                          norm_rows.norm_rows_config(R, d, False),
+                          dict(HAS_Y=True, HAS_BIAS=out_bias, HAS_POST=has_post, HAS_W=w, Y_REF=True, H_REF=True),
+                          aligned=al) for w in ws]
             out += [
-                _case("norm_rows", f"{tag}: norm_rows_config(R={R}, d={d})", norm_rows.norm_rows_config(R, d, False),
-                      dict(HAS_Y=True, HAS_BIAS=f["bias"], HAS_POST=f["gemma"], Y_REF=True, H_REF=True), aligned=al),
                 _case("rope_rows", f"{tag}: rope_rows_config(R={R}, H={H}, Hk={Hk}, hd={hd})",
                       rope_rows.rope_rows_config(R, H, Hk, hd, False),
-                      dict(HAS_BIAS=f["bias"], HAS_REF=True, HAS_NORM=f["qk_norm"]), aligned=al),
+                      dict(HAS_BIAS=qkv_bias, HAS_REF=True, **qk), aligned=al),
                 _case("gated_rows", f"{tag}: gated_rows_config(R={R}, I={I})",
                       gated_rows.gated_rows_config(R, I, False),
-                      dict(ACT=act, HAS_BIAS=f["bias"], Y_REF=True, A_REF=True), aligned=al),
+                      dict(ACT=act, HAS_BIAS=out_bias, Y_REF=True, A_REF=True), aligned=al),
                 _case("attention_rows", f"{tag}: attention_rows_config(hd={hd})",
                       attention.attention_rows_config(hd, interp=False),
                       dict(PREFIX_CAUSAL=False, HAS_REF=True, PRECISION="ieee", **attn_flags), aligned=al),
@@ -199,12 +234,14 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
 
 def decisions(cases) -> list[Case]:
     """One case a distinct launch decision: the cases of one kernel with the same configuration, dtypes (any, for
-    the kernels whose configuration does not depend on them: _DTYPE_FREE), alignment and non-boolean flags, as the
-    first of them (float32 before bf16) with every boolean flag that any of them sets (the most code)."""
+    the kernels whose configuration does not depend on them: _DTYPE_FREE), alignment, non-boolean flags and
+    _ALTERNATIVES, as the first of them (float32 before bf16) with every other boolean flag that any of them sets
+    (the most code)."""
     groups: dict = {}
     for c in cases:
         flags = dict(c.constexprs)
-        fixed = tuple((k, v) for k, v in c.constexprs if k not in c.flags or not isinstance(v, bool))
+        fixed = tuple((k, v) for k, v in c.constexprs
+                      if k not in c.flags or not isinstance(v, bool) or k in _ALTERNATIVES)
         key = (c.spec, () if c.spec in _DTYPE_FREE else c.signature, fixed, c.options, c.aligned)
         if key in groups:
             have = groups[key]

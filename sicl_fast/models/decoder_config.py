@@ -24,6 +24,7 @@ import torch
 
 from ..errors import SiclError
 from .elementwise import ACTIVATIONS
+from .output_head import head_terms
 
 SUPPORTED_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text", "qwen2", "mistral", "ministral", "phi3", "granite",
                       "olmo2", "smollm3")
@@ -121,14 +122,15 @@ class DecoderConfig:
     #                 multiply (Llama); the same in float32
     attn_scale: float  # query_pre_attn_scalar ** -0.5 (Gemma), attention_multiplier (Granite) or hd ** -0.5
     attn_softcap: float | None  # Gemma 2 only: transformers passes it there (Gemma 3's config has the field, unused)
-    final_softcap: float | None  # the LM head's logit soft-cap
+    final_softcap: float | None  # the LM head's logit soft-cap (models.output_head.head_terms)
     input_mult: float | None  # the forward multiplies inputs_embeds by it: sqrt(d) for Gemma 2 when the embedding
     #                           module does not scale itself (transformers 5's Gemma modules do, with their
     #                           `embed_scale`; older Gemma 2 code scaled in the forward), Granite's
     #                           embedding_multiplier; None: no multiplication. X (what the ascent perturbs) stays the
     #                           input-embedding module's output either way
     residual_mult: float | None  # Granite: the attention's and the MLP's outputs times it before the residual add
-    logits_scaling: float | None  # Granite: the LM head's logits divided by it
+    logit_scale: float | None  # the LM head's logits times it (Granite: 1 / logits_scaling): what the hf backend's
+    #                            head takes (models.output_head.head_terms, the one reading of the head's fields)
     windows: tuple  # per layer: the sliding window (keys > query - window), or None (full attention)
     rope_of_layer: tuple  # per layer: the key of its rotary table in `rope`, or NO_ROPE (a layer without rope)
     rope: tuple  # ((rotary key, its transformers rope parameters as sorted (name, value) pairs), ...) sorted by key:
@@ -181,6 +183,10 @@ class DecoderConfig:
                 raise UnsupportedModelError(f"rope {key!r} rotates {2 * inv.numel()} of a head's {hd} dims: the "
                                             "fast backend rotates an even part of at most the whole head")
         mult = getattr(config, "attention_multiplier", None)  # Granite's query scale
+        head = head_terms(config)
+        if head.vocab is not None:
+            raise UnsupportedModelError(f"the logits are cut to the first {head.vocab} rows (unpadded_vocab_size): "
+                                        "the fast backend's head takes every row of the LM head; use the 'hf' backend")
         return cls(
             family=family, n_layers=n, d=d, H=H, Hk=int(getattr(config, "num_key_value_heads", None) or H), hd=hd,
             eps=float(config.rms_norm_eps), act_name=act_name, gemma=gemma,
@@ -189,11 +195,11 @@ class DecoderConfig:
             attn_scale=(float(config.query_pre_attn_scalar) ** -0.5 if gemma else float(mult) if mult is not None
                         else hd ** -0.5),
             attn_softcap=getattr(config, "attn_logit_softcapping", None) if family == "gemma2" else None,
-            final_softcap=getattr(config, "final_logit_softcapping", None),
+            final_softcap=head.softcap,
             input_mult=(d ** 0.5 if family == "gemma2" and not hasattr(embedding, "embed_scale")
                         else _multiplier(config, "embedding_multiplier")),
             residual_mult=_multiplier(config, "residual_multiplier"),
-            logits_scaling=_multiplier(config, "logits_scaling"),
+            logit_scale=head.scale,
             windows=tuple(int(window) if t == "sliding_attention" else None for t in layer_types),
             rope_of_layer=rope_of_layer, rope=rope, max_positions=max_positions)
 

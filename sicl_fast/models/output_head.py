@@ -105,13 +105,25 @@ class OutputHead:
         return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
 
 
-def head_table(lm) -> OutputHead:
-    """The table's head of a loaded model (HEAD_FIELDS from its configs, the output module's bias), unchecked."""
+@dataclass(frozen=True)
+class HeadTerms:
+    """What a model's configs do to its logits after the head's product, by HEAD_FIELDS (head_terms): the one reading
+    of them, for the hf backend's table (head_table) and the fast decoder alike (DecoderConfig: its final norm takes
+    the scale, its span head the soft-cap)."""
+
+    scale: float | None  # the logits times it (None: 1)
+    softcap: float | None
+    vocab: int | None  # unpadded_vocab_size where a config sets it (the head's rows may be as many)
+    parts: tuple  # each term in words: "divided by 8 (logits_scaling)", ...
+
+
+def head_terms(config) -> HeadTerms:
+    """The HeadTerms of a transformers config (and its text config: _configs), FAMILY_FIELDS applied."""
     rules = {name: how for name, how, _ in HEAD_FIELDS}
-    for cfg in _configs(lm.model.config):
+    for cfg in _configs(config):
         rules.update(FAMILY_FIELDS.get(getattr(cfg, "model_type", None), {}))
     found: dict[str, float] = {}
-    for cfg in _configs(lm.model.config):
+    for cfg in _configs(config):
         for name in rules:
             value = getattr(cfg, name, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in found:
@@ -122,19 +134,27 @@ def head_table(lm) -> OutputHead:
         if rules[name] in ("times", "divided by"):
             scale = (scale or 1.0) * (value if rules[name] == "times" else 1.0 / value)
     softcap = next((value for name, value in found.items() if rules[name] == "soft-capped at"), None)
+    vocab = int(found["unpadded_vocab_size"]) if "unpadded_vocab_size" in found else None
+    parts = tuple(f"{rules[n]} {v:g} ({n})" for n, v in found.items() if n != "unpadded_vocab_size")
+    return HeadTerms(scale, softcap, vocab, parts)
+
+
+def head_table(lm) -> OutputHead:
+    """The table's head of a loaded model (head_terms of its config, the output module's bias), unchecked."""
+    terms = head_terms(lm.model.config)
     out = lm.model.get_output_embeddings()
     if out is None or not isinstance(getattr(out, "weight", None), torch.Tensor):
         return OutputHead("own", why="no output module with a weight (get_output_embeddings)")
     bias = isinstance(getattr(out, "bias", None), torch.Tensor)
     V = out.weight.shape[0]
-    vocab = int(found["unpadded_vocab_size"]) if found.get("unpadded_vocab_size", V) < V else None
-    parts = [f"{rules[n]} {v:g} ({n})" for n, v in found.items() if n != "unpadded_vocab_size"]
+    vocab = terms.vocab if terms.vocab is not None and terms.vocab < V else None
+    parts = list(terms.parts)
     if vocab is not None:
         parts.append(f"cut to the first {vocab} rows (unpadded_vocab_size)")
     if bias:
         parts.insert(0, "the output module's bias")
     what = "the LM head's weight" + (": " + ", ".join(parts) if parts else " alone")
-    return OutputHead("table", scale=scale, bias=bias, softcap=softcap, vocab=vocab, why=what)
+    return OutputHead("table", scale=terms.scale, bias=bias, softcap=terms.softcap, vocab=vocab, why=what)
 
 
 def own_logits(lm, x: torch.Tensor, rows: torch.Tensor, keep: bool) -> torch.Tensor:
@@ -242,5 +262,5 @@ def _configs(config) -> list:
     return [text] if text is config else [text, config]
 
 
-__all__ = ["FAMILY_FIELDS", "HEAD_FIELDS", "OutputHead", "attention_of", "check_output", "eager_reason", "head_table",
-           "own_logits", "probe_ids", "use_eager_where_needed"]
+__all__ = ["FAMILY_FIELDS", "HEAD_FIELDS", "HeadTerms", "OutputHead", "attention_of", "check_output", "eager_reason",
+           "head_table", "head_terms", "own_logits", "probe_ids", "use_eager_where_needed"]

@@ -17,8 +17,9 @@ The family quirks are the config's fields, each applied in one place: the input 
 Granite's embedding multiplier) on x as the pass starts, X itself staying the input-embedding module's output; the
 norms' places (`DecoderConfig.norms`: a missing norm is None, and a residual op without one hands on its sum as it
 is); Granite's residual multiplier in the residual ops (y_scale); its attention multiplier as the attention's scale;
-its logits scaling folded into the final norm's weight (w / s: the LM head's input, so every head, plain, difference
-form and decoding, divides the logits by s; exact up to one rounding of w / s, none for a power of two); partial
+the logits' multiplier (`logit_scale`, Granite's 1 / logits_scaling, read as the hf backend's head reads it:
+models.output_head.head_terms) folded into the final norm's weight (w s: the LM head's input, so every head, plain,
+difference form and decoding, scales the logits by s; exact up to one rounding of w s, none for a power of two); partial
 rotary as tables narrower than a head; a layer without rope as the identity table (cos 1, sin 0: x exactly).
 
 A layer's K/V object (gpt-fast's KVCache.update, per layer) makes batch forwards, prefill and decoding one path:
@@ -324,8 +325,8 @@ class Transformer:
                 window=c.windows[i], rope=c.rope_of_layer[i],
             ))
         self.final_norm = self._norm_weight(dec.norm)
-        if c.logits_scaling is not None:  # the logits divided by s: the head's input (module docstring)
-            self.final_norm = self.final_norm / c.logits_scaling
+        if c.logit_scale is not None:  # the logits times s: the head's input (module docstring)
+            self.final_norm = self.final_norm * c.logit_scale
         self.residual_mult = c.residual_mult
         for L, nxt in zip(self.layers, self.layers[1:]):
             L.next_norm = nxt.attn_norm

@@ -35,6 +35,7 @@ differences; references there and in sicl_fast.models.attention), one launch eac
                                                                                    q / k norms + rotary, K/V out
     gated_rows(y, bias, act_name, rows, y_ref, a_ref) -> a                         SwiGLU / GeGLU
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o     lead + batch rows, o in the form
+    fp8_rows(x) -> (q float8 e4m3, scale [M, 1])                                   FP8 differences, a scale a row
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -47,6 +48,7 @@ from .span_logprobs import span_logprobs, span_logprobs_rows
 from .zo_update import cached_tensors, zo_update
 from .bookkeep import bookkeep
 from .attention import attention_rows, prefix_attention
+from .fp8_rows import fp8_rows
 from .gated import gated
 from .gated_rows import gated_rows
 from .norm_rows import norm_rows
@@ -77,4 +79,5 @@ __all__ = [
     "gated",
     "softcap_",
     "prefix_attention",
+    "fp8_rows",
 ]

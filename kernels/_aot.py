@@ -164,6 +164,8 @@ SPECS = {
                          {"HAS_SOFTCAP": True, "HAS_REF": True, "UPCAST": False, "BLOCK_M": 64, "BLOCK_MV": 8,
                           "BLOCK_V": 64, "BLOCK_K": 64},
                          {"num_warps": 8, "num_stages": 3}),
+    "fp8_rows": (("fp8_rows", "_fp8_rows_kernel"), {"x_ptr": _H, "q_ptr": "*u8", "scale_ptr": _F, "k": "i32"},
+                 {"BLOCK": 2048}, {"num_warps": _W(2048)}),
 }
 
 

@@ -130,7 +130,7 @@ def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
 
 
 DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "bookkeep_state", "bookkeep_copy",
-                   "norm_rows", "rope_rows", "gated_rows", "attention_rows", "lse_rows_partial"]
+                   "norm_rows", "rope_rows", "gated_rows", "attention_rows", "lse_rows_partial", "fp8_rows"]
 
 
 def test_decoder_kernels_compile_for_sm90(tmp_path):

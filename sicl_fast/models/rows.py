@@ -75,7 +75,10 @@ class RowLayout:
     """The rows of one difference-form pass (module docstring). anchor: int64 [B] on the device; value_slot: int64
     [B] on the device, value batch row j's place among the value batch rows (0 for a difference row: unread);
     differences: the batch rows that hold differences (int64 on the device); anchors: the anchors as host ints (the
-    C++ ops and the shapes read them)."""
+    C++ ops and the shapes read them). The rows split by kind, for products that take the two kinds apart (FP8
+    differences, sicl_fast.models.projections): value_rows / difference_rows, int64 [V] / [R - V] on the device,
+    the pass's rows of each kind in order; value_end: lead + T where the value rows are the pass's first rows (one
+    anchor, row 0: one prompt), else None."""
 
     lead: int
     B: int
@@ -85,6 +88,8 @@ class RowLayout:
     value_slot: torch.Tensor
     differences: torch.Tensor
     anchors: tuple = field(repr=False)
+    value_rows: torch.Tensor = field(repr=False, default=None)
+    difference_rows: torch.Tensor = field(repr=False, default=None)
 
     @classmethod
     def build(cls, lead: int, B: int, T: int, pos0: int, anchors=None, device="cpu") -> RowLayout:
@@ -98,8 +103,16 @@ class RowLayout:
             slots.append(n if a == j else 0)
             n += a == j
         ints = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        kinds = [True] * lead + [a == j for j, a in enumerate(anchors) for _ in range(T)]  # is each row a value row
         return cls(lead=lead, B=B, T=T, pos0=pos0, anchor=ints(anchors), value_slot=ints(slots),
-                   differences=ints([j for j in range(B) if anchors[j] != j]), anchors=anchors)
+                   differences=ints([j for j in range(B) if anchors[j] != j]), anchors=anchors,
+                   value_rows=ints([r for r, v in enumerate(kinds) if v]),
+                   difference_rows=ints([r for r, v in enumerate(kinds) if not v]))
+
+    @property
+    def value_end(self) -> int | None:
+        """lead + T where the value rows are the pass's first lead + T rows (every anchor row 0), else None."""
+        return self.lead + self.T if all(a == 0 for a in self.anchors) else None
 
     @property
     def R(self) -> int:

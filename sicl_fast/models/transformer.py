@@ -315,7 +315,7 @@ class Transformer:
         model's own tensors for a bf16 model, one bf16 copy for a float32 model)."""
         if self._rows_dense is None:
             fp8 = self.diff_matmul == "fp8"
-            self._rows_dense = [RowsDense(LowWeights.of(L.w, fp8)) for L in self.layers]
+            self._rows_dense = [RowsDense(LowWeights.of(L.w, fp8), self.ops) for L in self.layers]
         return self._rows_dense
 
     @property

@@ -53,6 +53,8 @@ dtype, the row epilogues on float32 rows and the difference form's low dtype):
         (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout; the
         *_ref the value rows' float32 references [V, k]: a product's output one to read its rows against, the next
         product's input one to write them against; None: none)
+    fp8_rows(x [M, k] low) -> (q [M, k] float8 e4m3, scale [M, 1] f32)
+        the difference rows of an FP8 product, a scale a row (sicl_fast.models.weights.fp8_rows; one launch fused)
     kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
@@ -118,6 +120,8 @@ class DecoderOps(Protocol):
                   v_out, qkv_ref=None) -> torch.Tensor: ...
 
     def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows, y_ref=None, a_ref=None) -> torch.Tensor: ...
+
+    def fp8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Ops(NamedTuple):

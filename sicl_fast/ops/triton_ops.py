@@ -73,6 +73,7 @@ class TritonDecoderOps:
         K = load_kernels(device)
         self.residual_norm, self.qk_rope, self.gated, self.softcap_ = K.residual_norm, K.qk_rope, K.gated, K.softcap_
         self.norm_rows, self.rope_rows, self.gated_rows = K.norm_rows, K.rope_rows, K.gated_rows  # the rows' epilogues
+        self.fp8_rows = K.fp8_rows  # FP8 differences' quantisation
 
 
 __all__ = ["TritonStepOps", "TritonDecoderOps", "load_kernels"]

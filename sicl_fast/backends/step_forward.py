@@ -127,25 +127,24 @@ class StepForward:
     def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor):
         return fixed_rows_kv(self.model, X0[:prompt.demo_start].to(self.model.device), self.rows_on)
 
-    def _reference(self, X: torch.Tensor):
+    def _reference(self, X: torch.Tensor, out: tuple | None = None):
         """(the value rows' RowsReference, their reference logits at the span rows [1, P, V] float32) at X [L, d]:
-        the value rows are batch row 0's, X itself."""
+        the value rows are batch row 0's, X itself. out: such a pair to write in place (and return)."""
         m, rows, span = self.model, self.rows, self.span
         X = X.to(m.device, torch.float32)
         x = torch.cat([X[:span.a], X[self.start:span.b]]) if rows.lead else X[self.start:span.b]
-        ref = m.reference_rows(x, rows.value_layout(), self.prefix)
+        ref = m.reference_rows(x, rows.value_layout(), self.prefix, out=None if out is None else out[0])
         hb = ref.hidden[rows.lead:].view(1, rows.T, -1)
 
         def last():  # the prefix's last row: the lead row's reference, or the kept prefix's float32 hidden row
             return (ref.hidden[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]).view(1, 1, -1)
-        return ref, m.reference_logits(self._at_spans(hb, last))
+        return ref, m.reference_logits(self._at_spans(hb, last), out=None if out is None else out[1])
 
     def refresh(self, X: torch.Tensor) -> None:
-        """Take the value rows' reference again at X [L, d] (the X the next call's row 0 is), in place."""
+        """Take the value rows' reference again at X [L, d] (the X the next call's row 0 is), in place (written
+        layer by layer into the reference it replaces: never two references at once)."""
         if self.rows_on and self.ref is not None:
-            ref, z_ref = self._reference(X)
-            self.ref.copy_(ref)
-            self.z_ref.copy_(z_ref)
+            self._reference(X, (self.ref, self.z_ref))
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten

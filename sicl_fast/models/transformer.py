@@ -455,13 +455,16 @@ class Transformer:
             r.reserve(max(rows.lead, rows.pos0 + rows.T))
 
     @torch.no_grad()
-    def reference_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False):
+    def reference_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False,
+                       out: RowsReference | None = None):
         """The float32 reference of a pass's value rows (sicl_fast.models.rows.RowsReference): x [V, d] float32, the
         value rows alone (rows: their layout, RowLayout.value_layout()), through every layer with float32 products
         of the model's own weights (a bf16 model's made float32 one product at a time) and the torch references of
         the row epilogues on float32 rows; each product's input and output kept. What forward_rows' value rows are
         taken against (a few per cent of a step's work, made when a run starts and every few steps). keep: also
-        return the pass's K/V, per layer (k, v) [V, Hk, hd] (a kept prefix's: prefix_rows)."""
+        return the pass's K/V, per layer (k, v) [V, Hk, hd] (a kept prefix's: prefix_rows). out: a RowsReference of
+        V rows to write, layer by layer, and return (a refresh: one layer's temporaries beside it, never a second
+        reference)."""
         from .attention import attention_rows_reference
         from .rows import gated_rows_reference, norm_rows_reference, rope_rows_reference
 
@@ -473,6 +476,8 @@ class Transformer:
         x, h = norm_rows_reference(x, None, None, None, self.layers[0].attn_norm, eps, gemma, rows, dtype=f32)
         mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=f32, device=self.device)  # noqa: E731
         layers, kvs = [], []
+        if out is not None:
+            h = out.layers[0]["qkv"][0].copy_(h)
         for i, L in enumerate(self.layers):
             w, rot, k, v = L.w, self.rotary[L.rope], mk(), mk()
             qkv = F.linear(h, w.qkv.float())
@@ -489,8 +494,14 @@ class Transformer:
                                             dtype=f32)
             layers.append({"qkv": (h, qkv), "o": (o, o_out), "gate_up": (h2, gu), "down": (a, d_out)})
             kvs.append((k, v))
+            if out is not None:  # this layer's tensors into out's, the temporaries dropped
+                for mine, new in zip(out.layers[i].values(), layers.pop().values()):
+                    for t, u in zip(mine, new):
+                        if t is not u:
+                            t.copy_(u)
+                h_next = (out.layers[i + 1]["qkv"][0] if i + 1 < len(self.layers) else out.hidden).copy_(h_next)
             h = h_next
-        ref = RowsReference(layers=layers, hidden=h)
+        ref = out if out is not None else RowsReference(layers=layers, hidden=h)
         return (ref, kvs) if keep else ref
 
     @torch.no_grad()  # a cache of constants: never differentiated
@@ -500,12 +511,14 @@ class Transformer:
         return PrefixKV(rows=rows.clone(), kv=kvs, hidden=h)
 
     @torch.no_grad()
-    def reference_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def reference_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head's float32 product of reference hidden states h [..., d] float32 (the model's own head
         weight, made float32 a vocabulary chunk at a time) -> [..., V] float32, before any soft-cap: the value rows'
-        reference logits of the difference form's span head (sicl_fast.step.logprobs.rows_logprobs)."""
+        reference logits of the difference form's span head (sicl_fast.step.logprobs.rows_logprobs). out: the
+        [..., V] float32 tensor to write (in place)."""
         V = self.head.shape[0]
-        out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
+        if out is None:
+            out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
         for v0 in range(0, V, 8192):
             out[..., v0:v0 + 8192] = F.linear(h.float(), self.head[v0:v0 + 8192].float())
         return out

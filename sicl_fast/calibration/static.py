@@ -51,10 +51,12 @@ class StaticStep:
     [L, d] float32, checked (sicl_fast.run.checks.calibration_inputs). use_prefix=False: always the full rows [0, b)
     (the packed step, sicl_fast.calibration.packed, runs prompts without their prefix K/V). bucket: a length bucket
     (sicl_fast.run.buckets.Bucket) the step runs padded to, so that prompts of other lengths in it share this step
-    and its graph (load); the state then holds X [bucket.length, d], whose first L rows are the prompt's (own)."""
+    and its graph (load); the state then holds X [bucket.length, d], whose first L rows are the prompt's (own).
+    own_forward=False: no forward of its own (`forward` None: a packed step's slot, whose batch goes through the
+    packed forward)."""
 
     def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
-                 use_prefix: bool = True, bucket: Bucket | None = None) -> None:
+                 use_prefix: bool = True, bucket: Bucket | None = None, own_forward: bool = True) -> None:
         backend.plan.require_sync_free("step")
         backend.plan.check_zeroth_order(config.estimator)
         self.backend, self.ops, self.prompt, self.bucket = backend, backend.ops, prompt, bucket
@@ -67,7 +69,7 @@ class StaticStep:
         self.state = StepState.new(self.padded(X0.to(dev)), cfg)
         self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
         self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0,
-                                            bucket=bucket)
+                                            bucket=bucket) if own_forward else None
 
     def _proxy_plan(self, prompt: Prompt) -> ProxyPlan:
         cfg, b = self.config, self.bucket
@@ -90,7 +92,7 @@ class StaticStep:
 
     @staticmethod
     def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
-              bucket: Bucket | None = None) -> tuple:
+              bucket: Bucket | None = None, use_prefix: bool = True) -> tuple:
         """What a step's buffers and kernel launches depend on (config resolved, X0 [L, d]). Prompts of one shape
         can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
         count or length, and their texts in everything; with a bucket, their lengths and span lengths too, within
@@ -98,7 +100,7 @@ class StaticStep:
         config = resolve_scale(config, backend.lm)
         spec = StepSpec.for_prompt(config, prompt, X0, bucket)
         return (config, spec, len(prompt.token_spans),
-                StepForward.shape(prompt, StaticStep.policy(spec), spec.B, bucket), bucket)
+                StepForward.shape(prompt, StaticStep.policy(spec, use_prefix), spec.B, bucket), bucket)
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
@@ -109,7 +111,8 @@ class StaticStep:
             self.rows_end.fill_(block_end(self.config, prompt))
         self.prompt = prompt
         self.state.reset(self.padded(X0.to(self.backend.device)))
-        self.forward.load(prompt, self.state.X0)
+        if self.forward is not None:
+            self.forward.load(prompt, self.state.X0)
 
     @torch.no_grad()
     def __call__(self) -> None:

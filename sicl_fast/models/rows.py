@@ -248,6 +248,16 @@ class RowsReference:
     def tensors(self) -> list:
         return [t for layer in self.layers for pair in layer.values() for t in pair] + [self.hidden]
 
+    def rows(self, lo: int, hi: int) -> RowsReference:
+        """Rows [lo, hi) of every tensor, as views: a part of the value rows (a packed pass's slot), which
+        reference_rows(out=) writes and copy_ / zero_ change in place."""
+        return RowsReference([{name: tuple(t[lo:hi] for t in pair) for name, pair in layer.items()}
+                              for layer in self.layers], self.hidden[lo:hi])
+
+    def zero_(self) -> None:
+        for t in self.tensors():
+            t.zero_()
+
 
 __all__ = ["LOW_DTYPE", "RowLayout", "RowsReference", "batch_ref", "is_value", "to_form", "from_form", "to_rows",
            "from_rows", "norm_rows_reference", "rope_rows_reference", "gated_rows_reference"]

@@ -504,6 +504,15 @@ class Transformer:
         ref = out if out is not None else RowsReference(layers=layers, hidden=h)
         return (ref, kvs) if keep else ref
 
+    def new_reference(self, V: int) -> RowsReference:
+        """A RowsReference of V value rows, zeros (what reference_rows(out=) writes: a packed pass's, one slot at a
+        time)."""
+        z = lambda k: torch.zeros(V, k, dtype=torch.float32, device=self.device)  # noqa: E731
+        qd = self.H * self.hd
+        return RowsReference([{"qkv": (z(self.d), z(L.w.qkv.shape[0])), "o": (z(qd), z(self.d)),
+                               "gate_up": (z(self.d), z(2 * L.w.inter)), "down": (z(L.w.inter), z(self.d))}
+                              for L in self.layers], z(self.d))
+
     @torch.no_grad()  # a cache of constants: never differentiated
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:
         """Run the prefix rows [a, d] (model dtype) once, batch 1, keeping every layer's K/V."""

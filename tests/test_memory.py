@@ -121,10 +121,12 @@ def test_the_step_cache_is_bounded_in_bytes(models, monkeypatch):
     assert StepCache("cpu").budget == int(memory.CACHE_SHARE * 10_000)
 
 
-def test_a_refresh_writes_the_reference_in_place(models):
+def test_a_refresh_writes_the_reference_in_place(models, monkeypatch):
     """StepForward.refresh takes the value rows' reference again into the tensors it had (a captured graph reads
-    them), equal to a new one, with one layer's temporaries beside it, never a second reference."""
-    from sicl_fast.diagnostics.benchmark import PeakMemory
+    them), equal to a new one, layer by layer: no second reference is made beside the first (measured with the
+    profiler's memory events on this 3-layer model: 229 KB at the peak beside a reference of 317 KB, where making a
+    second one took 420 KB)."""
+    from sicl_fast.models import rows
 
     be = make_backend("fast", models["gemma2"], impl="torch", diff_matmul="bf16")
     cfg = resolve_scale(CalibrationConfig(**BASE), be.lm)
@@ -133,13 +135,12 @@ def test_a_refresh_writes_the_reference_in_place(models):
     fwd = st.forward
     before = [t.data_ptr() for t in fwd.ref.tensors()] + [fwd.z_ref.data_ptr()]
     X = st.state.X + 0.01 * torch.randn_like(st.state.X)
-    with PeakMemory("cpu") as peak:
-        fwd.refresh(X)
-    assert [t.data_ptr() for t in fwd.ref.tensors()] + [fwd.z_ref.data_ptr()] == before
-    with PeakMemory("cpu") as second:  # a new reference beside the first: what a refresh held before
-        ref, z_ref = fwd._reference(X)
+    made = []
+    init = rows.RowsReference.__init__
+    monkeypatch.setattr(rows.RowsReference, "__init__", lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    fwd.refresh(X)
+    assert made == [] and [t.data_ptr() for t in fwd.ref.tensors()] + [fwd.z_ref.data_ptr()] == before
+    ref, z_ref = fwd._reference(X)
+    assert made == [1]  # the count can tell
     for mine, new in zip(fwd.ref.tensors() + [fwd.z_ref], ref.tensors() + [z_ref]):
         assert torch.equal(mine, new)
-    reference = sum(storages(fwd.ref.tensors()).values())
-    # measured on this 3-layer model: 229 KB in place, 420 KB with a second reference of 317 KB
-    assert peak.peak_mb * 2**20 < second.peak_mb * 2**20 - reference / 2, (peak.peak_mb, second.peak_mb, reference)

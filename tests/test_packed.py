@@ -164,14 +164,12 @@ def rows_backend(lm, **choices):
 
 def test_packed_difference_form_equals_the_static_step(models):
     """Difference products: a slot packed alone is the prompt's static run (prefix 'none') bit for bit, its reference
-    refreshed at its own 16th step as there; beside others, within rounding."""
+    refreshed at its own 16th step as there (beside others, within rounding: the next tests)."""
     be = rows_backend(models["gemma2"])
     items = [(p, cfg.replace(max_steps=18, patience=0)) for p, cfg in ITEMS]
     refs = [run_static(be, cfg, p) for p, cfg in items]
     for g, r in zip(run_packed(be, items, pack=1, sync_every=4), refs):
         assert_same_result(g, r)
-    for g, r in zip(run_packed(be, items, pack=3, sync_every=5), refs):
-        assert_close_result(g, r)
 
 
 def test_a_slot_that_changes_makes_its_own_reference_only(models, monkeypatch):

@@ -11,12 +11,14 @@ the count is the same as on a GPU), loads the embedded SmolLM2-135M in float32, 
 difference products off and the given impl, and counts one static step (N = 8, the prefix fixed:
 projection_scope 'demos') in all and in the decoder's forward over the batch. Prints a markdown table.
 
-With --packed S: the packed step of S slots instead (prompts of --lengths, each without its prefix K/V, the packed
-step's form; N 1: the count does not depend on N or the lengths, the interpreter's time does), with bf16 difference
-products and impl triton: its kernels a step; then what one slot's change costs, counted (kernels) and timed on the
-C++ ops (seconds, --N directions, SmolLM2's float32 weights): the new prompt's step and the pack laid out again
-(the other checkout: a new StaticStep with its own forward and a new PackedStep, as its run_packed does at every
-read), and what a read without a change costs (the other checkout's run_packed rebuilt its PackedStep at each).
+With --packed S: the packed step of S slots instead (each without its prefix K/V, the packed step's form), with
+bf16 difference products: its kernels a step (impl triton; prompts of 36.. tokens and N 1: the count depends on
+neither, the interpreter's time does); then what one slot's change costs, counted (kernels) and timed on the C++
+ops (seconds: prompts of --lengths, --N directions, SmolLM2's float32 weights): a new prompt of the replaced one's
+length (the layout stays) and a longer one (the pass is laid out again), each its step and the pass rearranged as
+each checkout's run_packed does it (the other checkout: a new StaticStep with its own forward and a new
+PackedStep), and what a read without a change costs (the other checkout's run_packed rebuilt its PackedStep at
+each read).
 
     python bench/kernel_count.py --other /tmp/h46c_base --packed 8 --lengths 100 200 --N 8
 """
@@ -86,9 +88,10 @@ lm = load()
 own = "own_forward" in inspect.signature(StaticStep.__init__).parameters  # this change's slots: no forward of their own
 rng = random.Random(0)
 
-def prompt(L):  # an 8-token prefix, three outputs of 4 tokens, a 16-token query
+def prompt(L):  # an 8-token prefix, three outputs of up to 4 tokens, a 16-token query
     end, block = L - 16, (L - 24) // 3
-    spans = tuple((8 + (t + 1) * block - 4, 8 + (t + 1) * block) for t in range(2)) + ((end - 4, end),)
+    w = min(4, block)
+    spans = tuple((8 + (t + 1) * block - w, 8 + (t + 1) * block) for t in range(2)) + ((end - w, end),)
     return Prompt(request=Request(id=f"p{L}", prompt="x" * (L + 1), output_spans=((1, 2),)),
                   input_ids=torch.tensor([rng.randrange(lm.tokenizer.vocab_size) for _ in range(L)]),
                   token_spans=spans, demo_start=8, demo_end=end)
@@ -97,7 +100,7 @@ def slot(be, cfg, p):
     kw = {"own_forward": False} if own else {}
     return StaticStep(be, cfg, p, be.embed(p), use_prefix=False, **kw)
 
-def change(be, step, slots, p, cfg):  # one slot takes a new prompt: what each checkout's run_packed does
+def change(be, step, slots, p, cfg):  # slot 1 takes a new prompt: what each checkout's run_packed does
     slots[1] = slot(be, cfg, p)
     if own:
         step.set(slots)
@@ -111,21 +114,21 @@ def read(be, step, slots):  # a read without a change
     return PackedStep(be, slots)
 
 out = {}
-lengths = [rng.randint(lo, hi) for _ in range(S + 1)]
+lengths = [rng.randint(lo, hi) for _ in range(S)]
 for impl, n in (("triton", 1), ("cpp", N)):
     be = make_backend("fast", lm, impl=impl, diff_matmul="bf16")
     cfg = Calibrator(be, CalibrationConfig(N=n, tau=0.0, projection_scope="demos")).config
-    if impl == "triton":  # the count alone (the interpreter's time means nothing): short prompts
-        ps = [prompt(34 + 2 * j) for j in range(S + 1)]
-    else:
-        ps = [prompt(L) for L in lengths]
-    slots = [slot(be, cfg, p) for p in ps[:S]]
+    Ls = [36 + j for j in range(S)] if impl == "triton" else lengths  # the count alone: short prompts
+    ps = [prompt(L) for L in Ls]
+    same, longer = prompt(Ls[1]), prompt(max(Ls) + 8)  # slot 1's length (the layout stays), a longer one (it moves)
+    slots = [slot(be, cfg, p) for p in ps]
     step = PackedStep(be, slots)
     step()
     if impl == "triton":
         out["step"] = rules.count_kernels(step)
-        out["change_kernels"] = rules.count_kernels(lambda: change(be, step, slots, ps[S], cfg))
+        out["same_kernels"] = rules.count_kernels(lambda: change(be, step, slots, same, cfg))
         out["read_kernels"] = rules.count_kernels(lambda: read(be, step, slots))
+        out["longer_kernels"] = rules.count_kernels(lambda: change(be, step, slots, longer, cfg))
         continue
     best = {}
 
@@ -134,11 +137,13 @@ for impl, n in (("triton", 1), ("cpp", N)):
         got = fn()
         best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
         return got
-    for _ in range(3):  # the best of 3 rounds, the three in turn
-        step = timed("change", lambda: change(be, step, slots, ps[S], cfg))
+    for _ in range(3):  # the best of 3 rounds, each in turn
+        step = timed("same", lambda: change(be, step, slots, same, cfg))
         step = timed("read", lambda: read(be, step, slots))
         timed("step", step)
-    out.update({f"{k}_s": v for k, v in best.items()}, lengths=lengths[:S], n_layers=len(be.model.layers))
+        step = timed("longer", lambda: change(be, step, slots, longer, cfg))
+        step = change(be, step, slots, same, cfg)  # back to slot 1's length (not timed)
+    out.update({f"{k}_s": v for k, v in best.items()}, lengths=lengths, n_layers=len(be.model.layers))
 print(json.dumps(out))
 """
 
@@ -175,13 +180,14 @@ def main(argv=None) -> int:
                     help="--packed: the timed prompts' lengths, drawn in [MIN, MAX]")
     args = ap.parse_args(argv)
     if args.packed is not None:
-        print("| checkout | kernels a step | a slot's change: kernels | s | a read, no change: kernels | s | "
-              "packed step s |")
-        print("|---|---|---|---|---|---|---|")
+        print("| checkout | kernels a step | a slot's change, same layout: kernels | s | a longer prompt (laid out "
+              "again): kernels | s | a read, no change: kernels | s | packed step s |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for name, root in (("before", args.other.resolve()), ("after", HERE)):
             r = count_packed(root, args.packed, args.lengths, args.N)
-            print(f"| {name} ({root.name}) | {r['step']} | {r['change_kernels']} | {r['change_s']:.3f} | "
-                  f"{r['read_kernels']} | {r['read_s']:.3f} | {r['step_s']:.3f} |", flush=True)
+            print(f"| {name} ({root.name}) | {r['step']} | {r['same_kernels']} | {r['same_s']:.3f} | "
+                  f"{r['longer_kernels']} | {r['longer_s']:.3f} | {r['read_kernels']} | {r['read_s']:.3f} | "
+                  f"{r['step_s']:.3f} |", flush=True)
         print(f"\n{args.packed} slots of {r['lengths']} tokens (timed, N {args.N}), {r['n_layers']} layers")
         return 0
     print("| checkout | impl | kernels per step | per decoder layer | rest | L (prefix) |")

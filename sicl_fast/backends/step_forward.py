@@ -275,14 +275,16 @@ class PackedForward:
         spans = [self.spans[k] if k is not None else SpanPlan.of(p, m.device, bk)
                  for p, k, bk in zip(prompts, kept, buckets)]
         T = max(span.b for span in spans)
-        old_spans, old_z, old_ref, old_T = self.spans, self.z_refs, self.ref, self.T
+        old_z, old_ref, old_T = self.z_refs, self.ref, self.T
         if (tuple(Bs), T) != self.key or any(k not in (None, j) for j, k in enumerate(kept)):
             self._layout(Bs, T)
-            if self.rows_on:
-                for j, k in enumerate(kept):
-                    if k is not None:  # the kept slot's reference rows, where the new layout has them
-                        b = old_spans[k].b
-                        self.ref.rows(j * T, j * T + b).copy_(old_ref.rows(k * old_T, k * old_T + b))
+            moved = [(j, k) for j, k in enumerate(kept) if k is not None]
+            if self.rows_on and moved:  # the kept slots' reference rows where the new layout has them: two launches
+                dst, src = (torch.tensor(v, device=m.device) for v in zip(*moved))  # a tensor, for every slot
+                n = min(old_T, T)  # a slot's rows past its b_j are zeros in both
+                for new, old in zip(self.ref.tensors(), old_ref.tensors()):
+                    w = new.shape[-1]
+                    new.view(S, T, w)[:, :n].index_copy_(0, dst, old.view(-1, old_T, w)[:, :n].index_select(0, src))
         self.spans, self.buckets = spans, buckets
         self.z_refs = [old_z[k] if k is not None and self.rows_on else None for k in kept]
         for j, k in enumerate(kept):

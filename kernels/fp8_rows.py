@@ -20,7 +20,7 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 
-from ._utils import check_device, check_dtype, launch, next_pow2
+from ._utils import check_device, check_dtype, launch, next_pow2, num_warps_for
 
 MAX_BLOCK = 2048  # columns a program holds at once (8 warps: 8 elements a thread)
 
@@ -60,9 +60,11 @@ def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, k, BLOCK: tl.constexpr):
         tl.store(q_ptr + base + cols, e4m3_bits(tl.math.div_rn(x, tl.zeros_like(x) + scale)), mask=mask)
 
 
-def fp8_config(k: int) -> int:
-    """BLOCK, the columns a program takes at once, for rows of k columns (the GPU's and the interpreter's)."""
-    return min(next_pow2(k), MAX_BLOCK)
+def fp8_rows_config(k: int, interp: bool | None = None) -> dict:
+    """The launch configuration over rows of k columns, the GPU's and the interpreter's alike (interp: unused, as
+    the other configuration functions take it): BLOCK, the columns a program takes at once, and its warps."""
+    block = min(next_pow2(k), MAX_BLOCK)
+    return {"BLOCK": block, "num_warps": num_warps_for(block)}
 
 
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,9 +79,8 @@ def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(M, k, dtype=torch.float8_e4m3fn, device=dev)
     scale = torch.empty(M, 1, dtype=torch.float32, device=dev)
     if M and k:
-        block = fp8_config(k)
-        launch(_fp8_rows_kernel, (M,), x, q.view(torch.uint8), scale, k, device=dev, block=block, BLOCK=block)
+        launch(_fp8_rows_kernel, (M,), x, q.view(torch.uint8), scale, k, device=dev, **fp8_rows_config(k))
     return q, scale
 
 
-__all__ = ["fp8_rows", "fp8_config", "e4m3_bits"]
+__all__ = ["fp8_rows", "fp8_rows_config", "e4m3_bits"]

@@ -183,10 +183,7 @@ class DecoderConfig:
                 raise UnsupportedModelError(f"rope {key!r} rotates {2 * inv.numel()} of a head's {hd} dims: the "
                                             "fast backend rotates an even part of at most the whole head")
         mult = getattr(config, "attention_multiplier", None)  # Granite's query scale
-        head = head_terms(config)
-        if head.vocab is not None:
-            raise UnsupportedModelError(f"the logits are cut to the first {head.vocab} rows (unpadded_vocab_size): "
-                                        "the fast backend's head takes every row of the LM head; use the 'hf' backend")
+        head = head_terms(config)  # a cut vocabulary or a head bias: refused by the run plan (fast_head_refusal)
         return cls(
             family=family, n_layers=n, d=d, H=H, Hk=int(getattr(config, "num_key_value_heads", None) or H), hd=hd,
             eps=float(config.rms_norm_eps), act_name=act_name, gemma=gemma,

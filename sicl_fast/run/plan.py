@@ -159,7 +159,7 @@ def fast_head_refusal(decoder: DecoderConfig, lm) -> str | None:
     """Why the fast decoder's LM head would not make the model's own logits (None: it does): the model's head as
     checked against its forward (LoadedModel.output_head) has a bias, a cut vocabulary, a rule the table does not
     know, or another final soft-cap (Gemma3ForConditionalGeneration does not soft-cap, whatever its text config
-    says)."""
+    says) or logit multiplier (both read by output_head.head_terms, the model's config here, its text config there)."""
     head = lm.output_head
     if head.mode != "table":
         return f"its logits are not its LM head's weight with the known rules: {head.why}"
@@ -168,6 +168,9 @@ def fast_head_refusal(decoder: DecoderConfig, lm) -> str | None:
     if head.softcap != decoder.final_softcap:
         return (f"the fast decoder soft-caps the logits at {decoder.final_softcap}, and {type(lm.model).__name__} "
                 f"at {head.softcap} ({head.why})")
+    if head.scale != decoder.logit_scale:
+        return (f"the fast decoder scales the logits by {decoder.logit_scale}, and {type(lm.model).__name__} by "
+                f"{head.scale} ({head.why})")
     return None
 
 

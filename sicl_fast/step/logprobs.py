@@ -77,7 +77,7 @@ def rows_logprobs(hidden: torch.Tensor, head_weight: torch.Tensor, targets: torc
     them: relative to a change); the value rows' logits are the reference's plus their change, a difference row's
     its anchor's plus its own; soft-capped, then folded into a running max and sum as vocab_chunked_logprobs
     does."""
-    from ...models.rows import from_form, is_value
+    from ..models.rows import from_form, is_value
 
     B, P, d = hidden.shape
     V = head_weight.shape[0]

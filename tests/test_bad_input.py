@@ -243,6 +243,18 @@ def test_engine_given_a_path_or_conflicting_arguments(tiny_llama, tmp_path, no_m
     assert not (tmp_path / "sd").exists()
 
 
+def test_a_device_the_engine_does_not_run_on_is_a_sicl_error(tiny_llama):
+    """Issue 48: Engine(device="mps") was a bare RuntimeError from torch; a model on meta failed at its first proxy."""
+    import copy
+
+    with pytest.raises(SiclError, match="device 'mps': sicl_fast runs on the CPU and on CUDA GPUs, not on 'mps'"):
+        Engine(device="mps")
+    meta = copy.copy(tiny_llama)
+    meta.model = copy.deepcopy(tiny_llama.model).to("meta")
+    with pytest.raises(SiclError, match="model 'tiny-llama' \\(on meta\\): the meta device holds shapes without data"):
+        Engine(meta)
+
+
 def test_api_misuse_names_the_argument(eng, prompt):
     with pytest.raises(SiclError, match=r"prompt: must be a Prompt .*got dict"):
         eng.calibrate(STRUCT)
@@ -329,6 +341,9 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--estimator", "grad", "--pack", "2"], "estimator 'grad' calibrates one prompt at a time (pack 1)"),
     (["--estimator", "grad", "--loop", "static"], "run the zeroth-order ascent only; estimator 'grad' runs on the "
                                                   "eager loop"),
+    # issue 48: an internal error (exit 1) after the model loaded; meta left a 0-byte --out
+    (["--device", "mps"], "device 'mps': sicl_fast runs on the CPU and on CUDA GPUs, not on 'mps'; use 'cpu'"),
+    (["--device", "meta"], "device 'meta': the meta device holds shapes without data, so a model there cannot"),
 ])
 def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])

@@ -534,9 +534,11 @@ def _check_flags(args) -> None:
     values given; the integer ranges were checked while parsing, sicl_fast.run.knobs), the stop strings and the
     optional packages the model asks for."""
     from ..backends.generate import check_stops
-    from ..models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
+    from ..models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir, resolve_device
 
     _check_read(args)
+    if hasattr(args, "device"):  # a device torch cannot use here (mps, meta, ...): before any file is made
+        resolve_device(args.device)
     if args.cmd != "plan":  # plan shows 'auto' resolved by the run plan itself, with its reason
         _resolve_pack(args)
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})

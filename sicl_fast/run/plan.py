@@ -42,6 +42,7 @@ from .buckets import PER_OCTAVE, check_per_octave
 from .graphs import BUCKET_CAPACITY, DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
 from ..models.attention import ATTN_IMPLS, flash_available
+from ..models.loading import check_device
 from ..models.decoder_config import SUPPORTED_FAMILIES, DecoderConfig
 from ..models.transformer import DIFF_MATMUL, fast_low_precision
 from ..ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
@@ -562,6 +563,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     (UnsupportedModelError for a model the fast backend cannot run) naming what cannot be done and what to do."""
     c = choices if choices is not None else Choices(**kw)
     dev, dtype, family = torch.device(lm.device), lm.dtype, lm.family
+    check_device(dev, f"model {lm.name!r} (on {dev})")
     backend, why_backend = resolve_backend(c.backend, family)
     kind = BACKENDS[backend]
     decoder = DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) if kind.cls == "fast" else None

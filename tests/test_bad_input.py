@@ -344,6 +344,9 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     # issue 48: an internal error (exit 1) after the model loaded; meta left a 0-byte --out
     (["--device", "mps"], "device 'mps': sicl_fast runs on the CPU and on CUDA GPUs, not on 'mps'; use 'cpu'"),
     (["--device", "meta"], "device 'meta': the meta device holds shapes without data, so a model there cannot"),
+    # issue 48: taken, shown by `plan`, and padding nothing
+    (["--estimator", "grad", "--length-buckets", "4"], "length_buckets 4: estimator 'grad' runs on the eager loop"),
+    (["--pack", "2", "--length-buckets", "4"], "length_buckets 4: pack 2 runs the packed step"),
 ])
 def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])

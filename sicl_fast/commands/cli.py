@@ -526,7 +526,8 @@ def _resolve_pack(args) -> None:
     backend = getattr(args, "backend", "auto")
     sync_free = BACKENDS[backend].sync_free if backend != "auto" else family in SUPPORTED_FAMILIES
     static = sync_free and getattr(args, "loop", "auto") != "eager"
-    args.pack = auto_pack(dev, n_params, static, _wants_grad(args))[0]
+    asked = getattr(args, "length_buckets", "auto") not in ("auto", "off")
+    args.pack = auto_pack(dev, n_params, static, _wants_grad(args), buckets=asked)[0]
 
 
 def _check_flags(args) -> None:
@@ -558,6 +559,10 @@ def _check_flags(args) -> None:
         from ..run.plan import check_estimator
 
         check_estimator(args.estimator, getattr(args, "loop", "auto"), _pack_count(args))
+    if hasattr(args, "length_buckets"):  # a count where nothing is padded: packed, or every calibration the gradient
+        from ..run.plan import check_buckets
+
+        check_buckets(args.length_buckets, _pack_count(args), getattr(args, "estimator", None) == "grad")
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
             and from_models_dir(GEMMA3_FILE) is None):
         require(GEMMA3_PACKAGE)

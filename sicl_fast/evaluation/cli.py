@@ -200,12 +200,12 @@ def report_from_args(args, file=None) -> int:
         raise SiclError(f"--summary-name {args.summary_name} has no effect without --summary-into FILE.md (it names "
                         "the markers in that file); give both or neither")
     name = args.summary_name or "icleval"
+    if args.summary_into:  # refused before any work: the file, its markers, whether it can be rewritten
+        check_summary_target(args.summary_into, name)
     require("scipy")
     if not args.no_plots:
         require("matplotlib")
     runs = load_runs(args.results, args.names)
-    if args.summary_into:  # refused before anything is written when the file or its markers are missing
-        check_summary_target(args.summary_into, name)
     check_out_dir(args.report, "--report", "report.md, report.json and plots/")
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:

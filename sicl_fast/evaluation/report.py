@@ -30,6 +30,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -594,10 +595,12 @@ def summary_markers(name: str) -> tuple[str, str]:
 
 
 def check_summary_target(path: str | os.PathLike, name: str) -> tuple[str, int, int]:
-    """(text, start of the begin marker, start of the end marker) of the Markdown file `path`. Refused (SiclError)
-    when it cannot be read or rewritten: missing, a directory or anything else that is not a regular file (said as
-    sicl_fast.formats.inputs.open_input says it), not UTF-8; or when it lacks the markers, holds them out of order, or
-    holds them more than once (only one pair could be filled, and the others would stay stale)."""
+    """(text, start of the begin marker, start of the end marker) of the Markdown file `path` (a symbolic link is
+    read and written through: its target is the file). Refused (SiclError) when it cannot be read or rewritten:
+    missing, a directory or anything else that is not a regular file (said as sicl_fast.formats.inputs.open_input
+    says it), not UTF-8, read-only or in a folder where the new text cannot be written; or when it lacks the
+    markers, holds them out of order or more than once (only one pair could be filled, and the others would stay
+    stale), or holds another summary's markers between its own (the table would delete them)."""
     from ..formats.inputs import STDIN, open_input
 
     begin, end = summary_markers(name)
@@ -611,6 +614,14 @@ def check_summary_target(path: str | os.PathLike, name: str) -> tuple[str, int, 
             text = fh.read().decode("utf-8")
         except UnicodeDecodeError as exc:
             raise SiclError(f"--summary-into {path}: not UTF-8 text (byte {exc.start})") from None
+    target = Path(os.path.realpath(path))
+    mode = stat.S_IMODE(target.stat().st_mode)
+    if not mode & 0o222 or not os.access(target, os.W_OK):  # the mode bits too: root may write anything
+        raise SiclError(f"--summary-into {path}: is read-only (mode {mode:04o}); make it writable (chmod u+w) or "
+                        "give another file")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise SiclError(f"--summary-into {path}: its folder {target.parent} is not writable (the new text is written "
+                        "beside the file, then renamed over it)")
     counts = (text.count(begin), text.count(end))
     if counts != (1, 1):
         where = "lacks the markers" if counts == (0, 0) else \
@@ -621,6 +632,10 @@ def check_summary_target(path: str | os.PathLike, name: str) -> tuple[str, int, 
     if j < i:
         raise SiclError(f"--summary-into {path}: its end marker comes before its begin marker; put them in order "
                         f"where the table goes:\n{begin}\n{end}")
+    inside = sorted(set(re.findall(r"<!-- sicl-report:(.*?):(?:begin|end) -->", text[i + len(begin):j])))
+    if inside:
+        raise SiclError(f"--summary-into {path}: holds the markers of {', '.join(map(repr, inside))} between its "
+                        f"{name!r} markers, which the table would delete; move them out of the pair")
     return text, i, j
 
 

@@ -294,11 +294,14 @@ def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temp file and rename: readers see the old file or the new one, never half of one."""
-    path = Path(path)
+    """Write to a temp file and rename: readers see the old file or the new one, never half of one. A symbolic link
+    is written through (its target replaced, the link kept) and a file replaced keeps its permission bits."""
+    path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
+    if path.exists():
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
     os.replace(tmp, path)
 
 

@@ -370,6 +370,9 @@ def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags,
      "unknown key(s) ['label']"),
     (json.dumps({"id": "r", "prompt": "ab cd ef", "output_spans": [[0, 2]], "demos_start": 3}).encode() + b"\n",
      "starts before demos_start (3)"),
+    # issue 48: 5 was taken as "5" while 5.5 and true were "must be a non-empty string"
+    (json.dumps(dict(STRUCT, id=5.5)).encode() + b"\n", "field 'id': must be a non-empty string, or an integer (kept "
+                                                        "as its decimal string: 5 is \"5\"), got float"),
 ])
 def test_bad_requests_file_is_one_line(tmp_path, capsys, no_model, content, needle):
     path = tmp_path / "r.jsonl"

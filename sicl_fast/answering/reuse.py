@@ -114,6 +114,14 @@ class ReusedResult(CalibrationResult):
     def reuse_info(self) -> dict:
         return {"reused": self.reused, "reuse": self.reuse, "key": self.key, "exact": self.exact}
 
+
+def reuse_info(res: CalibrationResult) -> dict:
+    """How `res` was obtained, for every record and reply: a ReusedResult's own; a run without the store (reuse
+    'off', the packed step) says so, as a calibration of its own."""
+    if isinstance(res, ReusedResult):
+        return res.reuse_info()
+    return {"reused": False, "reuse": "off", "key": None, "exact": True}
+
     def summary(self) -> dict:
         return {**super().summary(), **self.reuse_info()}
 

@@ -835,11 +835,17 @@ def cmd_serve(args) -> int:
     from ..serve import require
     from ..serve.settings import settings_from_args
 
-    require()  # the extra first, then the bind rule, then the model: fail fast
+    require()  # the extra first, then the bind rule and the socket, then the model: fail fast
     settings = settings_from_args(args)
-    from ..serve.server import serve
+    from ..serve.server import bind, serve
 
-    return serve(_engine(args), settings)
+    sock = bind(settings)
+    try:
+        engine = _engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    return serve(engine, settings, sock)
 
 
 def cmd_cache(args) -> int:

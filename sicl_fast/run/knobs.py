@@ -66,6 +66,7 @@ RANGES: dict[str, Range] = {
     "graph_cache": Range(1, 1024, why="captured shapes kept, each with its graph's memory"),
     "length_buckets": Range(1, 64, why="length buckets a doubling (a power of two); 64 pads at most 1.6 %"),
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
+    "port": Range(0, 65_535, why="a TCP port; 0 takes a free one"),
     "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
     "time_budget_s": Range(0.0, MAX_BUDGET_S, integer=False, why="30 days; 0 runs one step"),
     "threads": Range(1, 4096, why="threads of one process (torch's and the C++ ops')"),

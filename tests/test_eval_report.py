@@ -395,6 +395,12 @@ def test_summary_into_a_link_a_read_only_file_or_foreign_markers(tmp_path, capsy
     assert report(tmp_path / "link.md") == 0
     assert (tmp_path / "link.md").is_symlink() and "| model |" in target.read_text()  # written through the link
     assert oct(os.stat(target).st_mode & 0o777) == oct(0o640)  # its mode kept
+    # found by the probe: a hard link's other name kept the old text; CRLF files got "\n" lines in the table
+    os.link(target, tmp_path / "other_name.md")
+    target.write_bytes(f"{begin}\r\nold\r\n{end}\r\n".encode())
+    assert report(target) == 0
+    text = (tmp_path / "other_name.md").read_bytes()
+    assert b"| model |" in text and text.count(b"\n") == text.count(b"\r\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------

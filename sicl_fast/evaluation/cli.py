@@ -199,6 +199,8 @@ def report_from_args(args, file=None) -> int:
     if args.summary_name is not None and not args.summary_into:
         raise SiclError(f"--summary-name {args.summary_name} has no effect without --summary-into FILE.md (it names "
                         "the markers in that file); give both or neither")
+    if args.summary_name is not None and not args.summary_name.strip():
+        raise SiclError("--summary-name: an empty name; give the NAME of the markers (default icleval)")
     name = args.summary_name or "icleval"
     if args.summary_into:  # refused before any work: the file, its markers, whether it can be rewritten
         check_summary_target(args.summary_into, name)

@@ -295,8 +295,12 @@ def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write to a temp file and rename: readers see the old file or the new one, never half of one. A symbolic link
-    is written through (its target replaced, the link kept) and a file replaced keeps its permission bits."""
+    is written through (its target replaced, the link kept) and a file replaced keeps its permission bits; a file
+    with other hard links is written in place (a new file would leave its other names with the old text)."""
     path = Path(os.path.realpath(path))
+    if path.is_file() and path.stat().st_nlink > 1:
+        path.write_text(text, encoding="utf-8")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")

@@ -305,9 +305,9 @@ def resolve_device(device: str | torch.device | None) -> tuple[torch.device, str
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ModelLoadError(f"unknown device {device!r}: {exc}") from None
-    check_device(dev, f"device {device!r}")
+    check_device(dev, f"device {str(device)!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available on this machine")
+        raise ModelLoadError(f"device {str(device)!r} asked for, but CUDA is not available on this machine")
     return dev, "asked for"
 
 

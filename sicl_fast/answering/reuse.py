@@ -114,6 +114,9 @@ class ReusedResult(CalibrationResult):
     def reuse_info(self) -> dict:
         return {"reused": self.reused, "reuse": self.reuse, "key": self.key, "exact": self.exact}
 
+    def summary(self) -> dict:
+        return {**super().summary(), **self.reuse_info()}
+
 
 def reuse_info(res: CalibrationResult) -> dict:
     """How `res` was obtained, for every record and reply: a ReusedResult's own; a run without the store (reuse
@@ -121,9 +124,6 @@ def reuse_info(res: CalibrationResult) -> dict:
     if isinstance(res, ReusedResult):
         return res.reuse_info()
     return {"reused": False, "reuse": "off", "key": None, "exact": True}
-
-    def summary(self) -> dict:
-        return {**super().summary(), **self.reuse_info()}
 
 
 class Reuser:
@@ -300,4 +300,4 @@ def full_embeddings(engine, cal: Calibration, prompt: Prompt) -> torch.Tensor:
 
 
 __all__ = ["EXACT_MARGIN", "min_whole_cosine", "CosineWatch", "watched", "stem_prompt",
-           "stem_matches", "ReusedResult", "Reuser", "fits", "full_embeddings"]
+           "stem_matches", "ReusedResult", "Reuser", "fits", "full_embeddings", "reuse_info"]

@@ -11,6 +11,7 @@ inside functions and under `if TYPE_CHECKING:` too: a lazy or a type-only import
   * no kernel or op imports a calibration loop, and the static and packed steps do not call back into the
     eager loop's Calibrator."""
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -29,21 +30,28 @@ def modules() -> dict:
     return out
 
 
+@functools.cache
 def import_graph() -> dict:
     """module -> the sicl_fast modules its import statements name (a `from package import name` names the
     submodule when there is one, else the package)."""
     mods = modules()
     graph = {}
     for name, (path, is_pkg) in mods.items():
-        graph[name] = imports(path.read_text(), name if is_pkg else name.rsplit(".", 1)[0], mods) - {name}
+        graph[name] = imports(tree_of(path), name if is_pkg else name.rsplit(".", 1)[0], mods) - {name}
     return graph
 
 
-def imports(source: str, pkg: str, mods) -> set:
-    """The modules of `mods` that the import statements of `source` (a module of package `pkg`) name: every one,
-    at any depth (a function's, an `if TYPE_CHECKING:` block's)."""
+@functools.cache
+def tree_of(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the tests of this module."""
+    return ast.parse(path.read_text())
+
+
+def imports(tree: ast.Module, pkg: str, mods) -> set:
+    """The modules of `mods` that the import statements of `tree` (a module of package `pkg`) name: every one, at
+    any depth (a function's, an `if TYPE_CHECKING:` block's)."""
     out = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -117,7 +125,7 @@ def test_the_walk_sees_what_it_must():
     assert "sicl_fast.kernels" in g["sicl_fast.ops.triton_ops"]  # `from .. import kernels`, inside a function
     # a type-only import is an edge too (calibration/reads.py once imported static.py so, a circle: issue #48)
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .static import StaticStep\n"
-    assert imports(typed, "sicl_fast.calibration", modules()) == {"sicl_fast.calibration.static"}
+    assert imports(ast.parse(typed), "sicl_fast.calibration", modules()) == {"sicl_fast.calibration.static"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert role("sicl_fast.serve.routes.chat") == "serve"
     assert role("sicl_fast.step.zo") == "step"
@@ -191,7 +199,7 @@ def test_every_relative_import_names_a_module_of_the_tree():
     bad = []
     for name, (path, is_pkg) in mods.items():
         pkg = (name if is_pkg else name.rsplit(".", 1)[0]).split(".")
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree_of(path)):
             if isinstance(node, ast.ImportFrom) and node.level:
                 mod = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module else []))
                 if mod not in mods:

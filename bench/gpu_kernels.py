@@ -2,7 +2,8 @@
 
     python bench/gpu_kernels.py                 # checks + full table (a few minutes on an H100)
     python bench/gpu_kernels.py --quick         # Llama shapes only, P = 64
-    python bench/gpu_kernels.py --compile-only  # no GPU needed: registers / spills per kernel (sm_90)
+    python bench/gpu_kernels.py --compile-only  # no GPU needed: every launch configuration of every family compiled
+                                                # for sm_90 / sm_80: shared memory, registers, spills
 
 (sicl_fast installed: `pip install -e .`; the kernels are its subpackage sicl_fast.kernels.)
 
@@ -38,20 +39,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-MODELS = {
-    "Llama-3.1-8B": dict(d=4096, V=128256, softcap=None),
-    "Qwen3-4B": dict(d=2560, V=151936, softcap=None),
-    "Gemma-2-2B": dict(d=2304, V=256000, softcap=30.0),
-}
-# the difference form's layer shapes: heads H / Hk of hd, MLP I, attention soft-cap, q / k norms
-ROWS_MODELS = {
-    "SmolLM2-135M": dict(d=576, V=49152, softcap=None, H=9, Hk=3, hd=64, I=1536, attn_cap=None, qk_norm=False),
-    "Llama-3.1-8B": dict(d=4096, V=128256, softcap=None, H=32, Hk=8, hd=128, I=14336, attn_cap=None, qk_norm=False),
-    "Qwen3-4B": dict(d=2560, V=151936, softcap=None, H=32, Hk=8, hd=128, I=9728, attn_cap=None, qk_norm=True),
-    "Gemma-2-2B": dict(d=2304, V=256000, softcap=30.0, H=8, Hk=4, hd=256, I=9216, attn_cap=50.0, qk_norm=False),
-}
+from sicl_fast.kernels._configs import FAMILIES
+
+# the difference form's layer shapes (d, V, final soft-cap, heads H / Hk of hd, MLP I, attention soft-cap, q / k norms)
+# of each family: the one table, sicl_fast.kernels._configs.FAMILIES (its real shapes; not the tests' own)
+ROWS_MODELS = {name: {"softcap": None, "attn_cap": None, "qk_norm": False, **f} for name, f in FAMILIES.items()
+               if f.get("aligned", True)}
+MODELS = {k: ROWS_MODELS[k] for k in ("Llama-3.1-8B", "Qwen3-4B", "Gemma-2-2B")}  # the older kernels' shapes
 ROWS_PREFIX = 16  # the kept prefix the batch rows attend to
 PEAKS = {  # name fragment -> (bf16 dense TFLOP/s, GB/s)
     "H200": (989.0, 4800.0),
@@ -62,40 +57,38 @@ PEAKS = {  # name fragment -> (bf16 dense TFLOP/s, GB/s)
 }
 
 
-def compile_only() -> int:
-    """Compile every kernel for sm_90 (no GPU) and print registers / spills / shared memory: unspecialised (what odd
-    shapes get) and, for the kernels with _aot.ALIGNED_INTS, as the JIT specialises them at real shapes (pointers
-    16-byte aligned, dimensions and strides multiples of 16)."""
-    import subprocess
-    import tempfile
+def compile_only(jobs: int, archs=(90, 80)) -> int:
+    """No GPU: every launcher's configuration at every family's shapes (sicl_fast.kernels._configs.family_cases: each
+    dtype, length, N, estimator and flag set of FAMILIES) compiled for each arch as the JIT specialises it, through
+    the compile cache (`jobs` child interpreters for what it lacks). Prints, per arch, each kernel's cases with the
+    most registers, stack (a spill) and shared memory, then every problem (_configs.problems); exit status 1 when
+    there is one."""
+    import time
 
-    import triton
+    from sicl_fast.kernels import _configs as C
 
-    os.environ["TRITON_INTERPRET"] = "0"
-    from sicl_fast.kernels import _aot as aot
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-
-    def resources(k) -> tuple[str, str]:
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "k.ptx"
-            src.write_text(k.asm["ptx"])
-            r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                               capture_output=True, text=True)
-            info = r.stderr
-        regs = next((ln.split("Used ")[1].split(" registers")[0] for ln in info.splitlines() if "Used " in ln), "?")
-        spill = next((ln.split("bytes stack frame, ")[1].split(" bytes spill stores")[0]
-                      for ln in info.splitlines() if "spill stores" in ln), "?")
-        return regs, spill
-
-    print("| kernel | registers | spill stores (B) | registers, spill (B) specialised | shared (B) | f32 ops (PTX) |")
-    print("|---|---|---|---|---|---|")
-    for name in aot.SPECS:
-        k = aot.compile_kernel(name)
-        regs, spill = resources(k)
-        aligned = "/".join(resources(aot.compile_kernel(name, aligned=True))) if name in aot.ALIGNED_INTS else "-"
-        ops = ", ".join(f"{op} {n}" for op, n in sorted(aot.float_ops(k.asm["ptx"]).items()))
-        print(f"| {name} | {regs} | {spill} | {aligned} | {k.metadata.shared} | {ops} |")
-    return 0
+    cases = list(dict.fromkeys(c for name in C.FAMILIES for c in C.family_cases(name)))
+    bad = []
+    for arch in archs:
+        t0 = time.perf_counter()
+        got = C.compile_cases(cases, arch, jobs=jobs)
+        print(f"\n## sm_{arch}: {len(cases)} launch configurations of {len(C.FAMILIES)} families "
+              f"({time.perf_counter() - t0:.0f} s with the compile cache {C.cache_dir()})\n")
+        print("| kernel | cases | registers (max) | stack B (max) | shared B (max) | at most shared |")
+        print("|---|---|---|---|---|---|")
+        for spec in C._aot.SPECS:
+            mine = [(c, r) for c, r in got.items() if c.spec == spec and not r.get("error")]
+            if not mine:
+                continue
+            top = max(mine, key=lambda cr: cr[1]["shared"])
+            print(f"| {spec} | {len(mine)} | {max(r['regs'] for _, r in mine)} | {max(r['stack'] for _, r in mine)} | "
+                  f"{top[1]['shared']:,} | {top[0].what} |")
+        for c, r in got.items():
+            bad += C.problems(c, r, arch)
+    print("\n" + ("\n".join(f"- PROBLEM: {p}" for p in bad) if bad else "No problem: every configuration compiles "
+                                                                         "within the block's shared memory, without "
+                                                                         "a spill on sm_90."))
+    return 1 if bad else 0
 
 
 def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, check: bool = True) -> list:
@@ -261,7 +254,9 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Llama-3.1-8B only, P = 64")
-    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile for sm_90 and report resources")
+    ap.add_argument("--compile-only", action="store_true", help="no GPU: compile every launch configuration at every "
+                    "family's shapes for sm_90 and sm_80 and report resources and problems")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="--compile-only: compiles at once")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     ap.add_argument("--no-check", action="store_true", help="skip the GPU parity checks")
     ap.add_argument("--rows-only", action="store_true", help="only the difference form's kernels")
@@ -269,7 +264,7 @@ def main() -> int:
     ap.add_argument("--peak-gbps", type=float, default=None)
     args = ap.parse_args()
     if args.compile_only:
-        return compile_only()
+        return compile_only(args.jobs)
 
     import torch
 

@@ -9,7 +9,11 @@ Each side runs in its own interpreter with its checkout first on sys.path (the e
 kernels/ folder mapped to sicl_fast.kernels as the install does), TRITON_INTERPRET=1 (Triton's CPU interpreter:
 the count is the same as on a GPU), loads the embedded SmolLM2-135M in float32, builds the fast backend with
 difference products off and the given impl, and counts one static step (N = 8, the prefix fixed:
-projection_scope 'demos') in all and in the decoder's forward over the batch. Prints a markdown table.
+projection_scope 'demos') in all and in the decoder's forward over the batch; with --diff-matmul bf16 also one
+refresh of the difference form's value-row reference (StepForward.refresh at the step's X; --scope prompt runs the
+prefix rows in every pass, as the default projection scope does). Prints a markdown table.
+
+    python bench/kernel_count.py --other /tmp/old --impl triton cpp --diff-matmul bf16 --scope prompt
 """
 from __future__ import annotations
 
@@ -41,10 +45,15 @@ from sicl_fast.static import StaticStep
 lm = load()
 be = make_backend("fast", lm, impl=sys.argv[3], diff_matmul=sys.argv[6])
 p = synthetic_prompt(lm, int(sys.argv[4]), prefix=8)
-cal = Calibrator(be, CalibrationConfig(N=int(sys.argv[5]), tau=0.0, projection_scope="demos"))
+cal = Calibrator(be, CalibrationConfig(N=int(sys.argv[5]), tau=0.0, projection_scope=sys.argv[7]))
 st = StaticStep(be, cal.config, p, cal.initial_embeddings(p))
 st()
 total = rules.count_kernels(st)
+fwd = st.forward
+refresh = None
+if getattr(fwd, "refresh_every", 0):  # the difference form's reference, refreshed at the step's X
+    fwd.refresh(st.state.X)  # what a first refresh makes once
+    refresh = rules.count_kernels(lambda: fwd.refresh(st.state.X))
 m, a = be.model, p.demo_start
 try:  # the decoder's layers alone, as each checkout's profile counts them
     from sicl_fast.profile import layers_call
@@ -54,13 +63,15 @@ except ImportError:  # before the step forward object (1269398 and earlier)
     forward = lambda: m.forward(x[:, a:], a, prefix, near_row0=True)  # noqa: E731
 with torch.no_grad():
     layers = rules.count_kernels(forward)
-print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "L": p.length, "a": a}))
+print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "L": p.length, "a": a,
+                  "refresh": refresh}))
 """
 
 
-def count(root: Path, impl: str, length: int, N: int, diff: str) -> dict:
+def count(root: Path, impl: str, length: int, N: int, diff: str, scope: str = "demos") -> dict:
     rules = HERE / "sicl_fast" / "diagnostics" / "kernel_count.py"
-    out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(rules), impl, str(length), str(N), diff],
+    out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(rules), impl, str(length), str(N), diff,
+                          scope],
                          capture_output=True, text=True, timeout=3600,
                          env={**os.environ, "TRITON_INTERPRET": "1"})  # set before the checkout imports triton
     if out.returncode != 0:
@@ -75,14 +86,17 @@ def main(argv=None) -> int:
     ap.add_argument("--N", type=int, default=8)
     ap.add_argument("--impl", nargs="+", default=["triton", "torch"])
     ap.add_argument("--diff-matmul", default="off")
+    ap.add_argument("--scope", default="demos", choices=["demos", "prompt"],
+                    help="the projection scope: 'demos' keeps the prefix's K/V, 'prompt' runs its rows every pass")
     args = ap.parse_args(argv)
-    print("| checkout | impl | kernels per step | per decoder layer | rest | L (prefix) |")
-    print("|---|---|---|---|---|---|")
+    print("| checkout | impl | kernels per step | per decoder layer | rest | refresh (steps' worth) | L (prefix) |")
+    print("|---|---|---|---|---|---|---|")
     for impl in args.impl:
         for name, root in (("before", args.other.resolve()), ("after", HERE)):
-            r = count(root, impl, args.length, args.N, args.diff_matmul)
+            r = count(root, impl, args.length, args.N, args.diff_matmul, args.scope)
+            ref = "-" if r.get("refresh") is None else f"{r['refresh']} ({r['refresh'] / r['total']:.2f})"
             print(f"| {name} ({root.name}) | {impl} | {r['total']} | {r['layers'] / r['n_layers']:.1f} | "
-                  f"{r['total'] - r['layers']} | {r['L']} ({r['a']}) |", flush=True)
+                  f"{r['total'] - r['layers']} | {ref} | {r['L']} ({r['a']}) |", flush=True)
     return 0
 
 

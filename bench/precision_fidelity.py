@@ -16,6 +16,9 @@ The paths (each an Engine configuration; `fp32` is the reference):
     bf16-rows    bf16 model, the difference form
     bf16-plain   bf16 model, plain bf16 rows (diff_matmul off): the ascent the difference form replaces
     fp32-fp8     float32 model, the difference form with FP8 e4m3 differences (emulated without FP8 hardware)
+    bf16-rows-split     bf16-rows with the reference's products of the bf16 weights as on CUDA: the float32 rows in
+                 3 bf16 pieces, bf16 products accumulated in float32 (sicl_fast.models.reference; emulated here)
+    bf16-rows-split2    the same with 2 pieces (16 of float32's 24 bits)
 
 Every run: tau 0 and patience 0 (the full --steps, no gate), the preset's other settings (N 8 below 1B
 parameters), the same seed on every path. Records are appended one per (model, path, sample, steps) and a rerun
@@ -54,7 +57,11 @@ PATHS = {  # name -> (model dtype, Engine choices)
     "bf16-rows": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
     "bf16-plain": ("bfloat16", dict(backend="fast", diff_matmul="off")),
     "fp32-fp8": ("float32", dict(backend="fast", diff_matmul="fp8")),
+    "bf16-rows-split": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
+    "bf16-rows-split2": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
 }
+# the paths whose reference takes a bf16 weight's products in bf16 pieces: (reference.SPLIT, reference.PIECES)
+SPLIT_PATHS = {"bf16-rows-split": ("on", 3), "bf16-rows-split2": ("on", 2)}
 MODELS = {"smollm2": None, "gemma3-270m": "gemma3-270m"}  # name -> sicl_fast.models.load's model argument
 
 
@@ -150,6 +157,7 @@ def fill_starts(args) -> None:
 def run(args) -> None:
     from sicl_fast.backends.step_forward import StepForward
     from sicl_fast.evaluation.methods import sample_prompt
+    from sicl_fast.models import reference
     from sicl_fast.icleval import max_gen_len, score, should_stop
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -172,10 +180,12 @@ def run(args) -> None:
                 f32_start = f32_of_start(ref, eng, prompt)
                 t0 = time.perf_counter()
                 StepForward.references = path != "fp32-rows-rounded"
+                reference.SPLIT, reference.PIECES = SPLIT_PATHS.get(path, ("auto", 3))
                 try:
                     res = eng.calibrate(prompt, max_steps=args.steps, tau=0.0, patience=0)
                 finally:
                     StepForward.references = True
+                    reference.SPLIT, reference.PIECES = "auto", 3
                 seconds = time.perf_counter() - t0
                 f32_best = float(ref.proxy(prompt, embeds=res.embeddings.float()).f[0])
                 stop = lambda text, s=s: should_stop(s, text)  # noqa: E731

@@ -2,7 +2,8 @@
 implementation is chosen once, by the run plan, sicl_fast.run.plan).
 
 One op a file, each a @triton.jit kernel plus a launcher that checks shapes / dtypes / devices and launches through
-_utils.launch (the warps from the block size; on CUDA, on the tensors' own device):
+_utils.launch (on CUDA, on the tensors' own device) with the configuration its kernel's function beside it chooses
+(blocks, warps, stages: _utils.launch_config; compiled for sm_90 at every family's shapes by _configs.py):
 
     span_logprobs(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] float32
     span_logprobs_rows(hidden [B, P, d] bf16, weight [V, d] bf16, targets [P], anchor [B], softcap=None, z_ref=None,
@@ -35,6 +36,8 @@ differences; references there and in sicl_fast.models.attention), one launch eac
                                                                                    q / k norms + rotary, K/V out
     gated_rows(y, bias, act_name, rows, y_ref, a_ref) -> a                         SwiGLU / GeGLU
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o     lead + batch rows, o in the form
+    split_bf16(x, pieces) -> [pieces, n, k] bf16                                   float32 rows as bf16 pieces (the
+                                                                                   reference pass's bf16 products)
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
@@ -54,6 +57,7 @@ from .rms_norm import residual_norm
 from .rope import qk_rope
 from .rope_rows import rope_rows
 from .softcap import softcap_
+from .split_bf16 import split_bf16
 
 __all__ = [
     "span_logprobs",
@@ -77,4 +81,5 @@ __all__ = [
     "gated",
     "softcap_",
     "prefix_attention",
+    "split_bf16",
 ]

@@ -172,6 +172,14 @@ SPECS = {
 # tt.divisibility 16, as triton's launcher specialises them (vectorised loads and fewer address registers: the
 # register counts of the code that runs; the unspecialised compile is the one of odd shapes).
 ALIGNED_INTS = {
+    "residual_norm": ("d",),
+    "qk_rope": ("stride_q", "stride_k", "stride_v", "stride_ko", "stride_vo", "stride_cs", "hd"),
+    "gated": ("n_cols", "stride_g", "stride_u"),
+    "attention": ("sq_b", "sq_t", "sq_h", "sk_b", "sk_t", "sk_h", "sv_b", "sv_t", "sv_h", "skp_t", "skp_h", "svp_t",
+                  "svp_h", "so_b", "so_t", "so_h", "hd"),
+    "lse_partial": ("stride_hm", "stride_wv", "V", "d", "v_per_split"),
+    "perturb": ("d",),
+    "zo_step": ("d",),
     "norm_rows": ("d", "s_yref", "s_href"),
     "rope_rows": ("hd", "s_ref"),
     "gated_rows": ("I", "s_yref", "s_aref"),

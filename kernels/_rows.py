@@ -152,11 +152,16 @@ def check_low(t: torch.Tensor, k: int | None, name: str, op: str) -> torch.Tenso
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def rows_block(R: int, block: int, interp: bool) -> int:
-    """Rows a program of an elementwise row kernel takes: about 2048 elements on a GPU (one row of a wide model,
-    several of a narrow one), far more under the interpreter, which pays per program."""
-    budget = 1 << 16 if interp else 2048
-    return max(1, min(triton.next_power_of_2(max(1, R)), budget // block, 64 if interp else 16))
+def rows_block(R: int, block: int, interp: bool, budget: int = 2048) -> int:
+    """Rows a program of an elementwise row kernel takes (a power of two): about `budget` elements on a GPU (one row
+    of a wide model, several of a narrow one), far more under the interpreter, which pays per program."""
+    budget = 1 << 16 if interp else budget
+    return min(triton.next_power_of_2(max(1, R)), _floor_pow2(budget // block), 64 if interp else 16)
+
+
+def _floor_pow2(n: int) -> int:
+    """The largest power of two <= n (1 for n < 2)."""
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 __all__ = ["layout_rows", "rows_and_anchors", "row_values", "to_form", "check_rows", "value_slots", "check_ref",

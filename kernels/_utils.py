@@ -107,6 +107,26 @@ def num_warps_for(block: int) -> int:
     return 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
+def launch_config(op: str, interp: bool | None = None, num_warps: int | None = None, block: int = 1,
+                  interpreter: dict | None = None, **meta) -> dict:
+    """A kernel's launch configuration, as its configuration function (beside its launcher) returns it: meta (the
+    BLOCK_* constexprs, and compile options such as num_stages or enable_fp_fusion) with num_warps (given, or
+    num_warps_for(block)) as the GPU runs it; under the interpreter (interp None: interpreting(); False: the GPU's,
+    what the sm_90 compile check kernels/_configs.py compiles) with `interpreter`'s entries instead, which may only
+    make fewer, larger programs (the interpreter pays per program). Every BLOCK_* of both must be a power of two
+    (tl.arange takes no other range: the GPU compile refuses what the interpreter runs), else SiclError naming the
+    op: the GPU's configuration is made and checked on every launch, so the CPU tests meet each GPU constraint a
+    configuration can break without a compile (shared memory and registers: tests/test_sm90_configs.py)."""
+    cfg = {**meta, "num_warps": num_warps or num_warps_for(block)}
+    if interpreter and (interpreting() if interp is None else interp):
+        cfg.update(interpreter)
+    for got in (meta, cfg):
+        bad = {k: v for k, v in got.items() if k.startswith("BLOCK") and not (v >= 1 and v & (v - 1) == 0)}
+        if bad:
+            raise SiclError(f"{op}: launch configuration {bad} is not a power of two")
+    return cfg
+
+
 def launch(kernel, grid, *args, device: torch.device, block: int = 1, num_warps: int | None = None, **meta) -> None:
     """kernel[grid](*args, **meta), the one launch of every launcher: with num_warps (given by a tiled kernel's
     configuration, else num_warps_for(block), block = the elements one program handles at once), on `device`:

@@ -36,7 +36,7 @@ doubles the work of the B - 1 difference rows. The launcher picks the fewest gro
 SM (SmolLM2 at B 9: 3 groups of 3 rows, 216 programs, 11 tiles of work for 9, against 72 programs or 17 tiles);
 under the interpreter, which pays per program, one group. The lead rows' tiles are extra programs of the same grid
 (value rows, no anchor). A value row's o_ref tile is read where its tile is stored, row-contiguous like o (a masked
-load: a difference row reads nothing; it needs only its anchor's output, held in registers). The tiles (_ROWS_TILES)
+load: a difference row reads nothing; it needs only its anchor's output, held in registers). The tiles (_TILES)
 are the largest the sm_90 compile keeps in registers. Worth measuring on an H100 / H200: rows a group
 (rows_per_program), the tiles, packing the G = H / Hk query heads of one K/V head into one program's M tile (the K/V
 tiles read once for G heads: SmolLM2's G = 3), and input_precision 'tf32x3' (3 TF32 products: tensor cores at about
@@ -52,7 +52,7 @@ from sicl_fast.errors import SiclError
 
 from ._math import tanh, to_bf16
 from ._rows import check_ref, check_rows, value_slots
-from ._utils import check_device, check_dtype, interpreting, launch, next_pow2, sm_count
+from ._utils import check_device, check_dtype, interpreting, launch, launch_config, next_pow2, sm_count
 
 
 @triton.jit
@@ -137,8 +137,8 @@ def _prefix_attention_kernel(
 
 def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: float,
                      softcap: float | None, block: int | None = None) -> torch.Tensor:
-    """o [B, T, H, hd] (module docstring). One launch. block: the query and key tile (default 64; the tests
-    use 16 to cover the multi-block paths)."""
+    """o [B, T, H, hd] (module docstring). One launch. block: the query and key tile (default _TILES' by dtype
+    and head size; the tests use 16 to cover the multi-block paths)."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if prefix is not None:
         prefix = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in prefix)
@@ -147,20 +147,57 @@ def prefix_attention(q, k, v, prefix, pos0: int, window: int | None, scale: floa
     o = torch.empty(B, T, H, hd, dtype=q.dtype, device=q.device)
     kp, vp = prefix if prefix is not None else (k, v)
     a = kp.shape[1] if prefix is not None else 0
-    interp = interpreting()
-    BM = BN = block or 64
+    cfg = prefix_attention_config(hd, q.dtype, block)
     launch(
-        _prefix_attention_kernel, (triton.cdiv(T, BM), B * H),
+        _prefix_attention_kernel, (triton.cdiv(T, cfg["BLOCK_M"]), B * H),
         q, k, v, kp, vp, o,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kp.stride(1), kp.stride(2), vp.stride(1), vp.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         T, a, H, H // Hk, hd, pos0, float(scale), float(softcap or 1.0), int(window or 0),
         HAS_PREFIX=prefix is not None and a > 0, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        UPCAST=interp and q.dtype != torch.float32, PRECISION="ieee", BLOCK_M=BM, BLOCK_N=BN,
-        BLOCK_D=max(16, next_pow2(hd)), device=q.device, num_warps=4,  # tiles of BM x BN scores: 4 warps
+        UPCAST=interpreting() and q.dtype != torch.float32, PRECISION="ieee", device=q.device, **cfg,
     )
     return o
+
+
+# The attention kernels' tiles by head size (BLOCK_D): (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg), the
+# largest that the sm_90 compile as the JIT specialises real shapes (tests/test_sm90_configs.py; bench/gpu_kernels.py
+# --compile-only) keeps without a register spill and within an A100's 166,912 B of shared memory (an H100's 232,448):
+# - float32 (IEEE products on the CUDA cores, both kernels): the operand layouts take many registers; 64 x 64 tiles on
+#   4 warps spill 6 KB at head 64, and Triton's default 3 stages need 344,320 B of shared memory at head 256 (what
+#   prefix_attention launched before); 32 x 32 tiles spill at head 128 (16 / 48 B). Left to itself ptxas also
+#   spills 8 - 32 B at 80 - 128 registers for some flag sets (attention_rows at head 64 without soft-cap or window;
+#   prefix_attention at 128 and 256), so maxnreg lets it keep more: 128 (2 blocks of 8 warps an SM), 168 at 256.
+# - bf16 / fp16 (tensor cores, prefix_attention): 64 x 64 on 4 warps keeps 167 registers at head 64 and spills at 128
+#   (40 B unspecialised) and 256 (1,480 B); 8 warps from head 128, and 64 x 32 with 3 stages at 256 (131,072 B).
+# Untimed on a GPU: bench/gpu_kernels.py times them.
+_TILES = {
+    torch.float32: {64: (32, 64, 8, 1, 128), 128: (32, 16, 8, 1, 128), 256: (32, 16, 8, 1, 168)},
+    "low": {64: (64, 64, 4, 3, None), 128: (64, 64, 8, 3, None), 256: (64, 32, 8, 3, None)},
+}
+
+
+def attention_tiles(hd: int, dtype, op: str, interp: bool | None = None, block: int | None = None) -> dict:
+    """BLOCK_M / BLOCK_N / BLOCK_D, num_warps and num_stages of an attention kernel over heads of hd in dtype
+    (_TILES; _utils.launch_config); block: the query and key tile instead (the tests use 16 for the multi-block
+    paths). Heads above 256 have no compiled tiles: SiclError (the attention check then takes the math path).
+    Under the interpreter, 64 x 64 tiles (fewer programs)."""
+    BD = max(16, next_pow2(hd))
+    if BD > 256:
+        raise SiclError(f"{op}: no tile configuration for heads of {hd} (at most 256); use attention 'math'")
+    BM, BN, warps, stages, maxnreg = _TILES[torch.float32 if dtype == torch.float32 else "low"][max(BD, 64)]
+    interpreter = {"BLOCK_M": 64, "BLOCK_N": 64}
+    if block:
+        BM = BN = block
+        interpreter = None
+    return launch_config(op, interp, num_warps=warps, num_stages=stages, interpreter=interpreter, BLOCK_M=BM,
+                         BLOCK_N=BN, BLOCK_D=BD, **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def prefix_attention_config(hd: int, dtype, block: int | None = None, interp: bool | None = None) -> dict:
+    """prefix_attention's launch configuration for heads of hd in q's dtype (attention_tiles)."""
+    return attention_tiles(hd, dtype, "triton prefix_attention", interp, block)
 
 
 @triton.jit
@@ -248,21 +285,11 @@ def _attention_rows_kernel(
             j += 1
 
 
-# attention_rows' tiles by head size (BLOCK_D): (BLOCK_M, BLOCK_N, num_warps, num_stages). The float32 products run
-# on the CUDA cores (IEEE), whose operand layouts take many registers: the sm_90 compile (ptxas -v, bench/gpu_kernels.py
-# --compile-only) spills at 64 x 64 tiles on 4 warps (31 KB) and wherever the key loop is software-pipelined
-# (num_stages 2: 0.3 - 6 KB); these are the largest tiles without a spill: 117 / 157 / 212 registers (head 64 / 128 /
-# 256) unspecialised. With o_ref (the value rows' reference, its tile read at the store): 115 / 158 / 255 and a 28-byte
-# spill at 256, which the compile as the JIT specialises it at real shapes (strides multiples of 16) does not have:
-# 90 / 80 / 169 (ptxas then picks 80 registers at 128 and spills 12 bytes, 36 without o_ref). Untimed.
-_ROWS_TILES = {16: (32, 64, 8, 1), 32: (32, 64, 8, 1), 64: (32, 64, 8, 1), 128: (32, 32, 8, 1), 256: (32, 16, 8, 1)}
-
-
 def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, window: int | None,
                    o_ref: torch.Tensor | None = None, block: int | None = None, rows_per_program: int | None = None,
                    precision: str = "ieee") -> torch.Tensor:
     """o [R, H hd] bf16 in difference form (module docstring; o_ref [V, H hd] float32: the value rows' reference,
-    or None). One launch. block: the query and key tile (default _ROWS_TILES' by head size; the tests use 16 for the
+    or None). One launch. block: the query and key tile (default _TILES' by head size; the tests use 16 for the
     multi-block paths); rows_per_program: batch rows a program walks (default: as the module docstring says);
     precision: tl.dot's input_precision ('ieee', or 'tf32x3' to measure)."""
     op = "triton attention_rows"
@@ -294,15 +321,11 @@ def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, w
     o = torch.empty(R, H * hd, dtype=torch.bfloat16, device=dev)
     if R == 0:
         return o
-    interp = interpreting()
-    BD = max(16, next_pow2(hd))
-    BM, BN, warps, stages = (64, 64, 4, 1) if interp else _ROWS_TILES[min(BD, 256)] if BD <= 256 else (16, 16, 8, 1)
-    if block:
-        BM = BN = block
-    n_lead_tiles = triton.cdiv(lead, BM)
-    n_tiles = triton.cdiv(T, BM) if B else 0
+    cfg = attention_rows_config(hd, block)
+    n_lead_tiles = triton.cdiv(lead, cfg["BLOCK_M"])
+    n_tiles = triton.cdiv(T, cfg["BLOCK_M"]) if B else 0
     if rows_per_program is None:
-        if interp or n_tiles == 0:
+        if interpreting() or n_tiles == 0:
             rows_per_program = max(B, 1)
         else:  # the fewest groups that give about two programs an SM
             groups = min(B, max(1, triton.cdiv(2 * sm_count(dev), n_tiles * H)))
@@ -315,7 +338,11 @@ def attention_rows(q, k, v, rows, prefix, scale: float, softcap: float | None, w
         o_ref if o_ref is not None else q, o, q.stride(0), k.stride(0), v.stride(0), kp.stride(0), vp.stride(0), s_oref,
         lead, B, T, pos0, a, H, H // Hk, hd, n_lead_tiles, max(n_groups, 1), rpg, float(scale), float(softcap or 1.0),
         int(window or 0), PREFIX_CAUSAL=a - 1 > pos0, HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
-        HAS_REF=o_ref is not None, PRECISION=precision, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=BD, device=dev,
-        num_warps=warps, num_stages=stages,
+        HAS_REF=o_ref is not None, PRECISION=precision, device=dev, **cfg,
     )
     return o
+
+
+def attention_rows_config(hd: int, block: int | None = None, interp: bool | None = None) -> dict:
+    """attention_rows' launch configuration for heads of hd (float32: attention_tiles)."""
+    return attention_tiles(hd, torch.float32, "triton attention_rows", interp, block)

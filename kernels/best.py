@@ -16,7 +16,7 @@ import triton.language as tl
 
 from sicl_fast.step.best import BestState, check_best_args
 
-from ._utils import check_device, interpreting, launch
+from ._utils import check_device, launch, launch_config
 
 
 @triton.jit
@@ -51,8 +51,19 @@ def track_best(f: torch.Tensor, X: torch.Tensor, state: BestState) -> BestState:
     X = X.contiguous()
     f = f.reshape(-1)
     n = X.numel()
-    BLOCK = 1 << 16 if interpreting() else 2048
-    launch(_best_copy_kernel, (triton.cdiv(n, BLOCK),), f, state.best_f, X, state.best_X, n, device=X.device,
-           block=BLOCK, BLOCK=BLOCK)
-    launch(_best_state_kernel, (1,), f, state.best_f, state.counters, device=X.device)
+    cfg = copy_config()
+    launch(_best_copy_kernel, (triton.cdiv(n, cfg["BLOCK"]),), f, state.best_f, X, state.best_X, n, device=X.device,
+           **cfg)
+    launch(_best_state_kernel, (1,), f, state.best_f, state.counters, device=X.device, **best_state_config())
     return state
+
+
+def copy_config(interp: bool | None = None) -> dict:
+    """BLOCK (2048 elements a program; 65536 under the interpreter) and num_warps of a launch of the best-X copies
+    (_best_copy_kernel, and bookkeep's _bookkeep_copy_kernel) (_utils.launch_config)."""
+    return launch_config("triton copy", interp, block=2048, BLOCK=2048, interpreter={"BLOCK": 1 << 16})
+
+
+def best_state_config(interp: bool | None = None) -> dict:
+    """num_warps of the one-program state update."""
+    return launch_config("triton track_best", interp)

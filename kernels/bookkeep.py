@@ -23,7 +23,8 @@ import triton.language as tl
 from sicl_fast.step.stop_rule import margin_on
 from sicl_fast.step.step_state import GATE, MAX_STEPS, NONFINITE, PATIENCE, SNR
 
-from ._utils import interpreting, launch, next_pow2
+from ._utils import launch, launch_config, next_pow2
+from .best import copy_config
 
 # the stop reasons as the state stores them (step.step_state), as compile-time constants of the kernel
 NONFINITE_C = tl.constexpr(NONFINITE)
@@ -124,10 +125,14 @@ def bookkeep(st, f: torch.Tensor, fired: torch.Tensor, cfg) -> None:
     launch(_bookkeep_state_kernel, (1,),
            f, st.thresholds, st.step_t, st.steps_run, st.reason, st.low_snr, st.projections, st.history,
            st.best.best_f, st.best.counters, st.anchor, fired, st.flags, N, float(cfg.mu_eff), int(cfg.patience),
-           int(cfg.max_steps), device=dev, block=next_pow2(N), CENTRAL=cfg.estimator == "central",
-           HAS_SNR=cfg.snr_threshold > 0, HAS_PATIENCE=bool(cfg.patience), HAS_MARGIN=margin_on(cfg),
-           BLOCK_N=next_pow2(N))
+           int(cfg.max_steps), device=dev, CENTRAL=cfg.estimator == "central", HAS_SNR=cfg.snr_threshold > 0,
+           HAS_PATIENCE=bool(cfg.patience), HAS_MARGIN=margin_on(cfg), **bookkeep_state_config(N))
     n = st.X.numel()
-    BLOCK = 1 << 16 if interpreting() else 2048
-    launch(_bookkeep_copy_kernel, (triton.cdiv(n, BLOCK),), st.flags, st.X, st.X_next, st.best.best_X, n, device=dev,
-           block=BLOCK, BLOCK=BLOCK)
+    copy = copy_config()
+    launch(_bookkeep_copy_kernel, (triton.cdiv(n, copy["BLOCK"]),), st.flags, st.X, st.X_next, st.best.best_X, n,
+           device=dev, **copy)
+
+
+def bookkeep_state_config(N: int, interp: bool | None = None) -> dict:
+    """BLOCK_N (the N directions' proxies in one tile) and num_warps of the one-program state launch."""
+    return launch_config("triton bookkeep", interp, block=next_pow2(N), BLOCK_N=next_pow2(N))

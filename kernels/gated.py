@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ._math import gated_act
-from ._utils import EXACT, launch
+from ._utils import EXACT, launch, launch_config
 
 ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1, "gelu": 2}
 
@@ -47,7 +47,14 @@ def gated(gate: torch.Tensor, up: torch.Tensor, act_name: str) -> torch.Tensor:
     g, u = _rows(gate), _rows(up)
     M, n = g.shape
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    BLOCK = min(1024, triton.next_power_of_2(n))
-    launch(_gated_kernel, (M, triton.cdiv(n, BLOCK)), g, u, out, n, g.stride(0), u.stride(0), device=out.device,
-           block=BLOCK, ACT=ACT_CODES[act_name], BLOCK=BLOCK, **EXACT)  # torch's roundings: kernels._math.gated_act
+    cfg = gated_config(n)
+    launch(_gated_kernel, (M, triton.cdiv(n, cfg["BLOCK"])), g, u, out, n, g.stride(0), u.stride(0),
+           device=out.device, ACT=ACT_CODES[act_name], **cfg)
     return out
+
+
+def gated_config(n: int, interp: bool | None = None) -> dict:
+    """BLOCK (a row's column tile, at most 1024), num_warps and the exact float32 options (torch's roundings:
+    kernels._math.gated_act) of a launch over rows of n (_utils.launch_config)."""
+    BLOCK = min(1024, triton.next_power_of_2(n))
+    return launch_config("triton gated", interp, block=BLOCK, BLOCK=BLOCK, **EXACT)

@@ -30,7 +30,7 @@ from sicl_fast.errors import SiclError
 
 from ._math import gated_act
 from ._rows import check_low, check_ref, check_rows, layout_rows, rows_and_anchors, rows_block, to_form, value_slots
-from ._utils import EXACT, check_device, interpreting, launch, next_pow2
+from ._utils import EXACT, check_device, launch, launch_config, next_pow2
 from .gated import ACT_CODES
 
 
@@ -76,14 +76,21 @@ def gated_rows(y: torch.Tensor, bias, act_name: str, rows, y_ref: torch.Tensor |
     out = torch.empty(R, I, dtype=torch.bfloat16, device=dev)
     if R == 0 or I == 0:
         return out
-    if interpreting():
-        BLOCK_C = min(next_pow2(I), 1 << 14)
-    else:  # the widest column tile that wastes the fewest masked lanes (I 1536: 3 x 512, not 2 x 1024)
-        BLOCK_C = min(next_pow2(I), min((1024, 512, 256), key=lambda c: triton.cdiv(I, c) * c - I))
-    BR = rows_block(R, BLOCK_C, interpreting())
-    launch(_gated_rows_kernel, (triton.cdiv(R, BR), triton.cdiv(I, BLOCK_C)), y, bias if bias is not None else y,
-           anchor, value_slots(rows, dev, op), y_ref if y_ref is not None else y, a_ref if a_ref is not None else y,
-           out, R, rows.lead, max(rows.B, 1), max(rows.T, 1), I, s_yref, s_aref, device=dev, block=BR * BLOCK_C,
-           ACT=ACT_CODES[act_name], HAS_BIAS=bias is not None, Y_REF=y_ref is not None, A_REF=a_ref is not None,
-           BLOCK_R=BR, BLOCK_C=BLOCK_C, **EXACT)
+    cfg = gated_rows_config(R, I)
+    launch(_gated_rows_kernel, (triton.cdiv(R, cfg["BLOCK_R"]), triton.cdiv(I, cfg["BLOCK_C"])), y,
+           bias if bias is not None else y, anchor, value_slots(rows, dev, op), y_ref if y_ref is not None else y,
+           a_ref if a_ref is not None else y, out, R, rows.lead, max(rows.B, 1), max(rows.T, 1), I, s_yref, s_aref,
+           device=dev, ACT=ACT_CODES[act_name], HAS_BIAS=bias is not None, Y_REF=y_ref is not None,
+           A_REF=a_ref is not None, **cfg)
     return out
+
+
+def gated_rows_config(R: int, I: int, interp: bool | None = None) -> dict:
+    """BLOCK_C (the column tile), BLOCK_R (rows a program: _rows.rows_block), num_warps and the exact float32
+    options of a launch over R rows of I outputs (_utils.launch_config). On a GPU the widest column tile that wastes
+    the fewest masked lanes (I 1536: 3 x 512, not 2 x 1024); under the interpreter up to 16384 columns."""
+    BC = min(next_pow2(I), min((1024, 512, 256), key=lambda c: triton.cdiv(I, c) * c - I))
+    BCi = min(next_pow2(I), 1 << 14)
+    BR = rows_block(R, BC, False)
+    return launch_config("triton gated_rows", interp, block=BR * BC, BLOCK_R=BR, BLOCK_C=BC, **EXACT,
+                         interpreter={"BLOCK_C": BCi, "BLOCK_R": rows_block(R, BCi, True)})

@@ -34,7 +34,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 
 from ._rows import check_low, check_ref, check_rows, layout_rows, rows_and_anchors, rows_block, to_form, value_slots
-from ._utils import check_device, check_dtype, check_shape, interpreting, launch, next_pow2
+from ._utils import check_device, check_dtype, check_shape, launch, launch_config, next_pow2
 
 
 @triton.jit
@@ -106,12 +106,20 @@ def norm_rows(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w: torch.Te
     x_out = torch.empty_like(x) if y is not None else x
     if R == 0:
         return x_out, h
-    BLOCK = next_pow2(d)
-    BR = rows_block(R, BLOCK, interpreting())
-    launch(_norm_rows_kernel, (triton.cdiv(R, BR),), x, y if y is not None else x, bias if bias is not None else w,
-           post_w if post_w is not None else w, w, anchor, value_slots(rows, dev, op),
+    cfg = norm_rows_config(R, d)
+    launch(_norm_rows_kernel, (triton.cdiv(R, cfg["BLOCK_R"]),), x, y if y is not None else x,
+           bias if bias is not None else w, post_w if post_w is not None else w, w, anchor, value_slots(rows, dev, op),
            y_ref if y_ref is not None else x, h_ref if h_ref is not None else x, x_out, h, R, rows.lead,
-           max(rows.B, 1), max(rows.T, 1), d, s_yref, s_href, float(eps), device=dev, block=BR * BLOCK,
-           HAS_Y=y is not None, HAS_BIAS=bias is not None, HAS_POST=post_w is not None, Y_REF=y_ref is not None,
-           H_REF=h_ref is not None, BLOCK_R=BR, BLOCK=BLOCK)
+           max(rows.B, 1), max(rows.T, 1), d, s_yref, s_href, float(eps), device=dev, HAS_Y=y is not None,
+           HAS_BIAS=bias is not None, HAS_POST=post_w is not None, Y_REF=y_ref is not None, H_REF=h_ref is not None,
+           **cfg)
     return x_out, h
+
+
+def norm_rows_config(R: int, d: int, interp: bool | None = None) -> dict:
+    """BLOCK (the whole row), BLOCK_R (rows a program: _rows.rows_block) and num_warps of a launch over R rows of d
+    (_utils.launch_config)."""
+    BLOCK = next_pow2(d)
+    BR = rows_block(R, BLOCK, False)
+    return launch_config("triton norm_rows", interp, block=BR * BLOCK,
+                         interpreter={"BLOCK_R": rows_block(R, BLOCK, True)}, BLOCK_R=BR, BLOCK=BLOCK)

@@ -18,7 +18,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.step.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, launch, rows_end_arg, step_key
+from ._utils import EXACT, check_device, check_dtype, launch, launch_config, rows_end_arg, step_key
 from .randn import randn_f32
 
 
@@ -90,10 +90,17 @@ def perturb(X: torch.Tensor, step, spec: StepSpec, out: torch.Tensor | None = No
     elif tuple(out.shape) != (B, b, d) or out.dtype != torch.float32 or not out.is_contiguous():
         raise SiclError(f"{op}: out must be a contiguous float32 [{B}, {b}, {d}] tensor, got "
                         f"{out.dtype} {list(out.shape)}")
-    BLOCK = block or (4096 if interpreting() else 1024)
-    grid = (B, triton.cdiv(b * d, BLOCK))
+    cfg = perturb_config(block)
+    grid = (B, triton.cdiv(b * d, cfg["BLOCK"]))
     seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
     end_ptr, end_from_ptr = rows_end_arg(rows_end, X.device, op)
     launch(_perturb_kernel, grid, X, out, seed64, step_ptr, end_ptr, b, d, spec.a, b, f32(spec.mu), device=X.device,
-           block=BLOCK, CENTRAL=spec.central, STEP_PTR=from_ptr, END_PTR=end_from_ptr, BLOCK=BLOCK, **EXACT)
+           CENTRAL=spec.central, STEP_PTR=from_ptr, END_PTR=end_from_ptr, **cfg)
     return out
+
+
+def perturb_config(block: int | None = None, interp: bool | None = None) -> dict:
+    """BLOCK (elements a program: `block`, else 1024, 4096 under the interpreter), num_warps and the exact float32
+    options (the noise bit for bit: step.rng) of a launch (_utils.launch_config)."""
+    return launch_config("triton perturb", interp, block=block or 1024, BLOCK=block or 1024, **EXACT,
+                         interpreter=None if block else {"BLOCK": 4096})

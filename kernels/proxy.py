@@ -19,7 +19,7 @@ import triton.language as tl
 from sicl_fast.step.proxy import ProxyOut, ProxyPlan, checked_proxy
 from sicl_fast.step.spec import f32
 
-from ._utils import FLOAT_DTYPES, check_device, check_dtype, launch, next_pow2
+from ._utils import FLOAT_DTYPES, check_device, check_dtype, launch, launch_config, next_pow2
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -89,10 +89,15 @@ def proxy_planned(logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut:
         logprobs = logprobs.contiguous()
     f, C, R, G = (torch.empty(B, dtype=torch.float32, device=dev) for _ in range(4))
     c = torch.empty(B, plan.T, dtype=torch.float32, device=dev)
-    BLOCK_P = max(next_pow2(W), 2)
     launch(
         _proxy_kernel, (B,),
         logprobs, logprobs.stride(0), plan.offsets_dev, plan.count, f, C, R, G, c, plan.T, f32(plan.alpha),
-        f32(plan.beta), f32(plan.gamma), f32(plan.q), device=dev, block=BLOCK_P, BLOCK_P=BLOCK_P,
+        f32(plan.beta), f32(plan.gamma), f32(plan.q), device=dev, **proxy_config(W),
     )
     return ProxyOut(f=f, C=C, R=R, G=G, c=c)
+
+
+def proxy_config(W: int, interp: bool | None = None) -> dict:
+    """BLOCK_P (a row's W span positions in one tile: the quantile sorts them) and num_warps of a launch, one
+    program a batch row (_utils.launch_config)."""
+    return launch_config("triton proxy", interp, block=max(next_pow2(W), 2), BLOCK_P=max(next_pow2(W), 2))

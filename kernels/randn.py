@@ -16,7 +16,7 @@ import triton.language as tl
 
 from sicl_fast.step.rng import F32, LOG_M_LOW_BITS, LOG_SHIFT, check_counter_range, step_seed
 
-from ._utils import EXACT, interpreting, launch
+from ._utils import EXACT, launch, launch_config
 
 UNIFORM_SCALE: tl.constexpr = tl.constexpr(F32["UNIFORM_SCALE"])
 U1_MIN: tl.constexpr = tl.constexpr(F32["U1_MIN"])
@@ -118,7 +118,12 @@ def randn(seed: int, step: int, num: int, rows: int, d: int, device="cuda") -> t
     out = torch.empty(num, rows, d, dtype=torch.float32, device=device)
     if n == 0:
         return out
-    BLOCK = 1 << 16 if interpreting() else 1024
-    launch(_randn_kernel, (triton.cdiv(n, BLOCK),), out, step_seed(seed, step), n, device=out.device, block=BLOCK,
-           BLOCK=BLOCK, **EXACT)
+    cfg = randn_config()
+    launch(_randn_kernel, (triton.cdiv(n, cfg["BLOCK"]),), out, step_seed(seed, step), n, device=out.device, **cfg)
     return out
+
+
+def randn_config(interp: bool | None = None) -> dict:
+    """BLOCK (1024 elements a program; 65536 under the interpreter), num_warps and the exact float32 options (the
+    noise bit for bit: step.rng) of a launch (_utils.launch_config)."""
+    return launch_config("triton randn", interp, block=1024, BLOCK=1024, **EXACT, interpreter={"BLOCK": 1 << 16})

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import launch, next_pow2
+from ._utils import launch, launch_config, next_pow2
 
 
 @triton.jit
@@ -56,8 +56,12 @@ def residual_norm(x: torch.Tensor, y: torch.Tensor | None, post_w: torch.Tensor 
     h = torch.empty_like(x)
     x_out = torch.empty_like(x) if y is not None else x
     y_arg = y.contiguous() if y is not None else x
-    BLOCK = next_pow2(d)
     launch(_residual_norm_kernel, (M,), x, y_arg, post_w if post_w is not None else w, w, x_out, h, d, float(eps),
-           device=x.device, block=BLOCK, HAS_Y=y is not None, HAS_POST=post_w is not None, GEMMA=bool(gemma),
-           BLOCK=BLOCK)
+           device=x.device, HAS_Y=y is not None, HAS_POST=post_w is not None, GEMMA=bool(gemma),
+           **residual_norm_config(d))
     return x_out, h
+
+
+def residual_norm_config(d: int, interp: bool | None = None) -> dict:
+    """BLOCK (the whole row of d) and num_warps of a launch (_utils.launch_config): one row a program."""
+    return launch_config("triton residual_norm", interp, block=next_pow2(d), BLOCK=next_pow2(d))

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 
-from ._utils import EXACT, interpreting, launch, next_pow2
+from ._utils import EXACT, launch, launch_config, next_pow2
 
 
 @triton.jit
@@ -96,12 +96,18 @@ def qk_rope(q, k, v, cos, sin, q_norm, k_norm, eps: float, gemma: bool, k_out=No
     sko, svo = k_out.stride(1), v_out.stride(1)
     cos2, sin2 = cos.reshape(-1, hd), sin.reshape(-1, hd)
     w = q_norm if q_norm is not None else cos2
-    R = 64 if interpreting() else 1  # the interpreter pays per program: many rows each
-    BLOCK_H, BLOCK_D = next_pow2(H), next_pow2(hd)
+    cfg = qk_rope_config(H, Hk, hd)
     launch(
-        _qk_rope_kernel, (triton.cdiv(B * T, R),),
+        _qk_rope_kernel, (triton.cdiv(B * T, cfg["BLOCK_R"]),),
         q, k, v, k_out, v_out, cos2, sin2, w, k_norm if k_norm is not None else w, sq, sk, sv, sko, svo,
-        cos2.stride(0), B * T, T, H, Hk, hd, float(eps), device=q.device, block=R * BLOCK_H * BLOCK_D,
-        HAS_NORM=q_norm is not None, GEMMA=bool(gemma), BLOCK_R=R, BLOCK_H=BLOCK_H, BLOCK_HK=next_pow2(Hk),
-        BLOCK_D=BLOCK_D, **EXACT)
+        cos2.stride(0), B * T, T, H, Hk, hd, float(eps), device=q.device, HAS_NORM=q_norm is not None,
+        GEMMA=bool(gemma), **cfg)
     return q, k_out, v_out  # q: the input itself, or its rotated contiguous copy when it had another layout
+
+
+def qk_rope_config(H: int, Hk: int, hd: int, interp: bool | None = None) -> dict:
+    """BLOCK_R (rows a program: 1 on a GPU, 64 under the interpreter, which pays per program), BLOCK_H / BLOCK_HK /
+    BLOCK_D (the heads' tiles), num_warps and the exact float32 options of a launch (_utils.launch_config)."""
+    BH, BD = next_pow2(H), next_pow2(hd)
+    return launch_config("triton qk_rope", interp, block=BH * BD, BLOCK_R=1, BLOCK_H=BH, BLOCK_HK=next_pow2(Hk),
+                         BLOCK_D=BD, **EXACT, interpreter={"BLOCK_R": 64})

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from sicl_fast.errors import SiclError
 
-from ._rows import check_low, check_ref, check_rows, layout_rows, row_values, value_slots
-from ._utils import check_device, check_dtype, interpreting, launch, next_pow2
+from ._rows import check_low, check_ref, check_rows, layout_rows, row_values, rows_block, value_slots
+from ._utils import check_device, check_dtype, launch, launch_config, next_pow2
 
 
 @triton.jit
@@ -119,13 +119,21 @@ def rope_rows(qkv: torch.Tensor, bias, rows, cos: torch.Tensor, sin: torch.Tenso
     q = torch.empty(R, H, hd, dtype=torch.float32, device=dev)
     if R == 0:
         return q
-    BLOCK_H, BLOCK_HK, BLOCK_D = next_pow2(H), next_pow2(Hk), next_pow2(hd)
-    per_row = (BLOCK_H + 2 * BLOCK_HK) * BLOCK_D
-    BR = min(next_pow2(R), 64) if interpreting() else max(1, min(16, 1024 // per_row))
-    launch(_rope_rows_kernel, (triton.cdiv(R, BR),), qkv, bias if bias is not None else cos, anchor,
+    cfg = rope_rows_config(R, H, Hk, hd)
+    launch(_rope_rows_kernel, (triton.cdiv(R, cfg["BLOCK_R"]),), qkv, bias if bias is not None else cos, anchor,
            value_slots(rows, dev, op), qkv_ref if qkv_ref is not None else cos, cos, sin,
            q_norm if q_norm is not None else cos, k_norm if k_norm is not None else cos, q, k_out, v_out, R,
            rows.lead, max(rows.B, 1), max(rows.T, 1), rows.pos0, H, Hk, hd, s_ref, float(eps), device=dev,
-           block=BR * BLOCK_H * BLOCK_D, HAS_BIAS=bias is not None, HAS_REF=qkv_ref is not None,
-           HAS_NORM=q_norm is not None, BLOCK_R=BR, BLOCK_H=BLOCK_H, BLOCK_HK=BLOCK_HK, BLOCK_D=BLOCK_D)
+           HAS_BIAS=bias is not None, HAS_REF=qkv_ref is not None, HAS_NORM=q_norm is not None, **cfg)
     return q
+
+
+def rope_rows_config(R: int, H: int, Hk: int, hd: int, interp: bool | None = None) -> dict:
+    """BLOCK_R (rows a program), BLOCK_H / BLOCK_HK / BLOCK_D (the heads' tiles) and num_warps of a launch over R
+    rows of H + 2 Hk heads of hd (_utils.launch_config): about 1024 elements of a row's q and k heads a program on a
+    GPU (one row of every model we run), many rows under the interpreter."""
+    BH, BHK, BD = next_pow2(H), next_pow2(Hk), next_pow2(hd)
+    per_row = (BH + 2 * BHK) * BD
+    BR = rows_block(R, per_row, False, budget=1024)
+    return launch_config("triton rope_rows", interp, block=BR * BH * BD, interpreter={"BLOCK_R": min(next_pow2(R), 64)},
+                         BLOCK_R=BR, BLOCK_H=BH, BLOCK_HK=BHK, BLOCK_D=BD)

@@ -15,7 +15,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 
 from ._math import tanh
-from ._utils import launch
+from ._utils import launch, launch_config
 
 
 @triton.jit
@@ -30,6 +30,11 @@ def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
     if not x.is_contiguous():
         raise SiclError(f"triton softcap_: x is written in place and must be contiguous (strides {x.stride()})")
     n = x.numel()
-    BLOCK = 1024
-    launch(_softcap_kernel, (triton.cdiv(n, BLOCK),), x, n, float(cap), device=x.device, block=BLOCK, BLOCK=BLOCK)
+    cfg = softcap_config()
+    launch(_softcap_kernel, (triton.cdiv(n, cfg["BLOCK"]),), x, n, float(cap), device=x.device, **cfg)
     return x
+
+
+def softcap_config(interp: bool | None = None) -> dict:
+    """BLOCK (elements a program) and num_warps of a launch (_utils.launch_config)."""
+    return launch_config("triton softcap_", interp, block=1024, BLOCK=1024)

@@ -48,7 +48,8 @@ from sicl_fast.errors import SiclError
 from sicl_fast.step.spec import f32
 
 from ._math import tanh, to_bf16
-from ._utils import FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, launch, next_pow2, sm_count
+from ._utils import (FLOAT_DTYPES, check_device, check_dtype, check_shape, interpreting, launch, launch_config,
+                     next_pow2, sm_count)
 
 
 @triton.jit
@@ -120,19 +121,25 @@ def _lse_combine_kernel(m_ptr, s_ptr, t_ptr, out_ptr, M, SPLITS, BLOCK: tl.const
     tl.store(out_ptr + rows, t - (m_all + tl.log(s)), mask=rmask)
 
 
-def _config(M: int, V: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile sizes and number of vocabulary splits for a problem."""
-    if interpreting():
-        # numpy: few big tiles
-        return dict(BLOCK_M=min(max(next_pow2(M), 16), 64), BLOCK_V=1024, BLOCK_K=min(max(next_pow2(d), 16), 256),
-                    num_warps=4, num_stages=1)
-    if dtype == torch.float32:  # IEEE float32 products (no tensor cores unless allow_tf32)
-        cfg = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, num_warps=4, num_stages=3)
+def span_logprobs_config(M: int, d: int, dtype: torch.dtype, interp: bool | None = None) -> dict:
+    """BLOCK_M / BLOCK_V / BLOCK_K tiles, num_warps and num_stages of the span head's partial launch over M rows of
+    d in dtype (_utils.launch_config); under the interpreter (numpy) few big tiles."""
+    # the sm_90 compile (tests/test_sm90_configs.py; bench/gpu_kernels.py --compile-only), as specialised at real
+    # shapes / at odd ones: float32 (IEEE products, no tensor cores unless allow_tf32) 64 x 64 x 32 on 4 warps keeps
+    # 208 registers / spills 56 B, on 8 warps 128 / 204 without a spill; bf16 64 x 128 x 128 on 4 warps takes 255
+    # registers / spills 8 B (and 147,456 B of shared memory), 64 x 64 x 128 194 / 180 without a spill (98,304 B).
+    # Untimed on a GPU so far: tune with gpu_kernels.py.
+    if dtype == torch.float32:
+        tiles = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=32, num_warps=8)
     else:
-        # sm_90 compile check (bench/gpu_kernels.py --compile-only): 64 x 128 x 128 tiles, 4 warps spill ~16 bytes;
-        # 128 x 128 x 64 with 8 warps spills ~170 bytes. Untimed on a GPU so far: tune with gpu_kernels.py.
-        cfg = dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=128, num_warps=4, num_stages=3)
-    return cfg
+        tiles = dict(BLOCK_M=64, BLOCK_V=64, BLOCK_K=128, num_warps=4)
+    return launch_config("triton span_logprobs", interp, num_stages=3, **tiles, interpreter=dict(
+        BLOCK_M=min(max(next_pow2(M), 16), 64), BLOCK_V=1024, BLOCK_K=min(max(next_pow2(d), 16), 256), num_stages=1))
+
+
+def lse_combine_config(interp: bool | None = None) -> dict:
+    """BLOCK (rows a program) and num_warps of the span heads' combine launch."""
+    return launch_config("triton span_logprobs", interp, block=256, BLOCK=256, interpreter={"BLOCK": 1024})
 
 
 def _num_splits(M: int, V: int, block_m: int, block_v: int, device: torch.device) -> int:
@@ -187,7 +194,7 @@ def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if h.stride(1) != 1:
         h = h.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
-    cfg = dict(_config(M, V, d, hidden.dtype, dev))
+    cfg = span_logprobs_config(M, d, hidden.dtype)
     if config:
         cfg.update(config)
     bm, bv, bk, warps = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K"), cfg.pop("num_warps")
@@ -206,9 +213,9 @@ def span_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         f32(softcap) if softcap is not None else 1.0, device=dev, num_warps=warps, HAS_SOFTCAP=softcap is not None,
         UPCAST=upcast, PRECISION=precision, BLOCK_M=bm, BLOCK_V=bv, BLOCK_K=bk, **cfg,
     )
-    BLOCK = 1024 if interpreting() else 256
-    launch(_lse_combine_kernel, (triton.cdiv(M, BLOCK),), parts[0], parts[1], parts[2], out, M, n_splits, device=dev,
-           block=BLOCK, BLOCK=BLOCK)
+    cfg = lse_combine_config()
+    launch(_lse_combine_kernel, (triton.cdiv(M, cfg["BLOCK"]),), parts[0], parts[1], parts[2], out, M, n_splits,
+           device=dev, **cfg)
     return out
 
 
@@ -298,15 +305,27 @@ def _lse_rows_partial_kernel(
 _ROWS_ACC = {False: 64 * 128, True: 64 * 64}
 
 
-def _rows_block_m(B: int, P: int) -> int:
-    """The M tile of the rows head: whole positions of B rows each, the fewest padding rows among 64 and 128 (a
-    power of two at least B beyond); the interpreter: about 64 rows."""
-    if interpreting():
-        return max(next_pow2(B), min(64, next_pow2(B * P)))
+def span_logprobs_rows_config(B: int, P: int, d: int, Vb: int, has_ref: bool, config: dict | None = None,
+                              interp: bool | None = None) -> dict:
+    """The rows head's partial launch (_utils.launch_config) for B rows of P positions of d, Vb value slots, with or
+    without the reference logits: BLOCK_M, its M tile, whole positions of B rows each, the fewest padding rows among
+    64 and 128 (a power of two at least B beyond); BLOCK_V, the accumulator tile that compiles for sm_90 without a
+    spill (_ROWS_ACC), BLOCK_K 64, 8 warps, 3 stages; BLOCK_MV, the value rows' tile of the reference logits (the M
+    tile's positions x Vb). The interpreter: about 64 rows, BLOCK_V 1024. config: overrides of the tiles, warps and
+    stages (tests, tuning)."""
+    op = "triton span_logprobs_rows"
     if B > 128:
-        return next_pow2(B)
-    fits = [bm for bm in (64, 128) if bm >= B]
-    return max(fits, key=lambda bm: ((bm // B) * B / bm, -bm))
+        bm = next_pow2(B)
+    else:
+        bm = max([m for m in (64, 128) if m >= B], key=lambda m: ((m // B) * B / m, -m))
+    bmi = max(next_pow2(B), min(64, next_pow2(B * P)))
+    cfg = launch_config(op, interp, num_warps=8, num_stages=3, BLOCK_M=bm, BLOCK_V=max(16, _ROWS_ACC[has_ref] // bm),
+                        BLOCK_K=64, interpreter=dict(BLOCK_M=bmi, BLOCK_V=1024, BLOCK_K=min(max(next_pow2(d), 16), 256),
+                                                     num_warps=4, num_stages=1))
+    cfg.update(config or {})
+    if cfg["BLOCK_M"] < B:
+        raise SiclError(f"{op}: BLOCK_M {cfg['BLOCK_M']} holds no position of {B} rows")
+    return launch_config(op, False, **cfg, BLOCK_MV=max(8, next_pow2(cfg["BLOCK_M"] // B * Vb)))
 
 
 def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, anchor: torch.Tensor,
@@ -358,23 +377,15 @@ def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         return out
     h = hidden if hidden.stride(2) == 1 else hidden.contiguous()
     w = weight if weight.stride(1) == 1 else weight.contiguous()
-    cfg = dict(_config(B * P, V, d, hidden.dtype, dev), BLOCK_M=_rows_block_m(B, P))
-    if not interpreting():  # the M x V accumulator tile that compiles for sm_90 without a spill (_ROWS_ACC)
-        bm = cfg["BLOCK_M"]
-        cfg.update(BLOCK_V=max(16, _ROWS_ACC[z_ref is not None] // bm), BLOCK_K=64, num_warps=8, num_stages=3)
-    if config:
-        cfg.update(config)
-    bm, bv, bk, warps = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K"), cfg.pop("num_warps")
-    if bm < B:
-        raise SiclError(f"{op}: BLOCK_M {bm} holds no position of {B} rows")
-    per_tile = bm // B
     Vb = z_ref.shape[0] if z_ref is not None else 1
+    cfg = span_logprobs_rows_config(B, P, d, Vb, z_ref is not None, config)
+    per_tile = cfg["BLOCK_M"] // B
     m_tiles = triton.cdiv(P, per_tile)
-    chunks = triton.cdiv(V, bv)
+    chunks = triton.cdiv(V, cfg["BLOCK_V"])
     if splits is None:
         splits = 1 if interpreting() else triton.cdiv(2 * sm_count(dev), m_tiles)
     n_splits = max(1, min(int(splits), chunks))
-    v_per_split = triton.cdiv(chunks, n_splits) * bv
+    v_per_split = triton.cdiv(chunks, n_splits) * cfg["BLOCK_V"]
     n_splits = triton.cdiv(V, v_per_split)
     parts = torch.empty(3, n_splits, B * P, dtype=torch.float32, device=dev)
     launch(
@@ -383,11 +394,10 @@ def span_logprobs_rows(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         z_ref if z_ref is not None else out, z_ref.stride(0) if z_ref is not None else 0,
         z_ref.stride(1) if z_ref is not None else 0, value_slot if z_ref is not None else anchor,
         parts[0], parts[1], parts[2], B, P, V, d, per_tile, v_per_split, Vb,
-        f32(softcap) if softcap is not None else 1.0, device=dev, num_warps=warps, HAS_SOFTCAP=softcap is not None,
-        HAS_REF=z_ref is not None, UPCAST=interpreting(), BLOCK_M=bm, BLOCK_MV=max(8, next_pow2(per_tile * Vb)),
-        BLOCK_V=bv, BLOCK_K=bk, **cfg,
+        f32(softcap) if softcap is not None else 1.0, device=dev, HAS_SOFTCAP=softcap is not None,
+        HAS_REF=z_ref is not None, UPCAST=interpreting(), **cfg,
     )
-    BLOCK = 1024 if interpreting() else 256
-    launch(_lse_combine_kernel, (triton.cdiv(B * P, BLOCK),), parts[0], parts[1], parts[2], out, B * P, n_splits,
-           device=dev, block=BLOCK, BLOCK=BLOCK)
+    cfg = lse_combine_config()
+    launch(_lse_combine_kernel, (triton.cdiv(B * P, cfg["BLOCK"]),), parts[0], parts[1], parts[2], out, B * P,
+           n_splits, device=dev, **cfg)
     return out

@@ -26,7 +26,7 @@ import triton.language as tl
 from sicl_fast.errors import SiclError
 from sicl_fast.step.spec import StepSpec, f32
 
-from ._utils import EXACT, check_device, check_dtype, interpreting, launch, next_pow2, rows_end_arg, step_key
+from ._utils import EXACT, check_device, check_dtype, launch, launch_config, next_pow2, rows_end_arg, step_key
 from .randn import randn_f32
 
 
@@ -229,23 +229,37 @@ def zo_update(X: torch.Tensor, X0: torch.Tensor, f: torch.Tensor, step, spec: St
     fired = torch.zeros(1, dtype=torch.int32, device=X.device)
     parts = torch.zeros(3, L, dtype=torch.float64, device=X.device) if spec.project else fired
     pdot, pxx, px0 = (parts[0], parts[1], parts[2]) if spec.project else (fired, fired, fired)
-    BLOCK_D = block_d or min(next_pow2(d), 4096 if interpreting() else 1024)
+    cfg = zo_step_config(d, block_d)
     seed64, step_ptr, from_ptr = step_key(spec.seed, step, X.device, op)
     end_ptr, end_from_ptr = rows_end_arg(rows_end, X.device, op)
     hi_end = end_from_ptr and spec.scope == "demos"
     launch(
         _step_kernel, (L,),
         X, X0, f, out, pdot, pxx, px0, seed64, step_ptr, end_ptr, spec.N, L, d, spec.a, spec.b, lo, hi,
-        f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), device=X.device, block=BLOCK_D, CENTRAL=spec.central,
+        f32(spec.mu), f32(spec.eta), f32(spec.clip_norm), device=X.device, CENTRAL=spec.central,
         NORMALIZE=spec.grad_mode == "normalize", PROJECT=spec.project, STEP_PTR=from_ptr, END_PTR=end_from_ptr,
-        HI_END=hi_end, BLOCK_D=BLOCK_D, **EXACT,
+        HI_END=hi_end, **cfg,
     )
     if spec.project:
-        BLOCK_L = min(next_pow2(L), 1024)
         consts = _consts(float(spec.kappa), X.device)
         launch(
             _project_kernel, (hi - lo,),
-            out, X0, pdot, pxx, px0, fired, consts, end_ptr, L, d, lo, device=X.device,
-            block=max(BLOCK_L, BLOCK_D), END_PTR=hi_end, BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, **EXACT,
+            out, X0, pdot, pxx, px0, fired, consts, end_ptr, L, d, lo, device=X.device, END_PTR=hi_end,
+            **zo_project_config(L, cfg["BLOCK_D"]),
         )
     return out, fired
+
+
+def zo_step_config(d: int, block_d: int | None = None, interp: bool | None = None) -> dict:
+    """BLOCK_D (columns a loop step: block_d, else min(next_pow2(d), 1024), 4096 under the interpreter), num_warps
+    and the exact float32 options (the noise bit for bit) of the update's launch (_utils.launch_config). maxnreg
+    128: left to itself ptxas keeps 96 registers and spills 8 B (sm_90, the central estimator's code)."""
+    bd = block_d or min(next_pow2(d), 1024)
+    return launch_config("triton zo_update", interp, block=bd, BLOCK_D=bd, maxnreg=128, **EXACT,
+                         interpreter=None if block_d else {"BLOCK_D": min(next_pow2(d), 4096)})
+
+
+def zo_project_config(L: int, block_d: int, interp: bool | None = None) -> dict:
+    """BLOCK_L (the rows' sums, at most 1024), BLOCK_D (the update's) and num_warps of the projection's launch."""
+    bl = min(next_pow2(L), 1024)
+    return launch_config("triton zo_update", interp, block=max(bl, block_d), BLOCK_L=bl, BLOCK_D=block_d, **EXACT)

@@ -36,15 +36,28 @@ from sicl_fast.formats.requests import Request
 from sicl_fast.formats.spans import Prompt
 
 
-def span_logprobs_oracle(hidden, weight, targets, softcap=None):
+def span_logprobs_oracle(hidden, weight, targets, softcap=None, bias=None):
     """The span head by its definition, the oracle of every span head (torch, C++, Triton): hidden [B, P, d],
-    weight [V, d], targets [P] -> [B, P] float32 log-probabilities of the targets, from whole vocabulary rows of
-    logits (the product in the inputs' dtype, then float32; soft-capped when asked)."""
+    weight [V, d], targets [P], bias [V] or None -> [B, P] float32 log-probabilities of the targets, from whole
+    vocabulary rows of logits (the product in the inputs' dtype, then float32; the bias added; soft-capped when
+    asked)."""
     logits = torch.matmul(hidden, weight.t()).float()  # [B, P, V]
+    if bias is not None:
+        logits = logits + bias.float()
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     t = targets.to(hidden.device).view(1, -1, 1).expand(hidden.shape[0], -1, 1)
     return logits.gather(-1, t).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer of `vocab` tokens ('t0' .. ), enough for a model folder that load() opens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
 
 
 @pytest.fixture(scope="session")

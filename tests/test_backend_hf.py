@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from conftest import span_logprobs_oracle, synthetic_prompt
+from conftest import span_logprobs_oracle, synthetic_prompt, word_tokenizer
 from sicl_fast.backends import make_backend
+from sicl_fast.diagnostics.conformance import attention_as
 from sicl_fast.errors import NumericalError, SiclError
 from sicl_fast.step.logprobs import vocab_chunked_logprobs
-from sicl_fast.models import from_transformers
+from sicl_fast.models import from_transformers, load
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # SmolLM2's 30 float32 layers: the intra-op thread count changes the reduction order of the products (the first
@@ -60,23 +61,55 @@ def test_smollm2_matches_full_logits(smol):
     torch.testing.assert_close(hf.span_logprobs(X, p), ref, **SMOL_TOL)
 
 
-def test_gemma2_softcap_matches_full_logits():
+def test_gemma2_folder_loads_with_its_attention_soft_cap(tmp_path):
+    """#47: a Gemma 2 folder loaded as a user loads it runs eager attention (transformers' default SDPA drops the
+    attention soft-cap: f(X0) 3.6e-3 away with caps 2 / 5); hf and naive give the model's eager logits (final
+    soft-cap included), and the model switched back to SDPA is refused by name."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
     cfg = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
-                       final_logit_softcapping=5.0, attn_logit_softcapping=20.0)
-    model = Gemma2ForCausalLM(cfg)
-    model.config._attn_implementation = "eager"
-    lm = from_transformers(model, tokenizer=None, name="tiny-gemma2")
-    assert lm.final_softcap == 5.0
+                       final_logit_softcapping=5.0, attn_logit_softcapping=2.0, initializer_range=0.3)
+    Gemma2ForCausalLM(cfg).save_pretrained(tmp_path)
+    word_tokenizer(300).save_pretrained(tmp_path)
+    lm = load(tmp_path, dtype="float32", device="cpu")
     p = synthetic_prompt(30, [(4, 8), (12, 20)], a=2, vocab=300, seed=3)
     hf = make_backend("hf", lm)
     X = perturbed_batch(hf.embed(p), 3, p.demo_start, p.demo_end)
-    with torch.no_grad():
+    with torch.no_grad(), attention_as(lm.model, "eager"):
         ref = full_logits_reference(lm, X, p)
+    with torch.no_grad(), attention_as(lm.model, "sdpa"):  # what SDPA would have given
+        assert (full_logits_reference(lm, X, p) - ref).abs().max() > 1e-3
     torch.testing.assert_close(hf.span_logprobs(X, p), ref, **TOL)
+    torch.testing.assert_close(make_backend("naive", lm).span_logprobs(X, p), ref, **TOL)
+    lm.model.set_attn_implementation("sdpa")
+    with pytest.raises(SiclError, match=r"runs transformers' 'sdpa' attention, but it soft-caps its attention "
+                                        r"scores \(attn_logit_softcapping 2.0\)"):
+        make_backend("naive", lm)
+
+
+def test_the_probe_refuses_what_cannot_be_calibrated():
+    """#47: the hf and naive backends refuse, naming why, a model whose forward takes other embeddings than
+    get_input_embeddings gives (calibrating those would not calibrate the model) and one whose own forward does not
+    run on its tokens (tests/test_conformance.py has a model that is not causal, and Gemma 4's per-layer inputs)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tiny(name):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2)
+        return from_transformers(LlamaForCausalLM(cfg), None, name=name)
+
+    other = tiny("other-embeddings")
+    other.model.get_input_embeddings = lambda: torch.nn.Embedding(64, 16)  # not the one the model runs
+    with pytest.raises(SiclError, match=r"model 'other-embeddings' \(llama\): its forward computes other logits "
+                                        "from its input embeddings than from its tokens"):
+        make_backend("hf", other)
+    broken = tiny("broken")
+    broken.model.forward = lambda **kw: 1 / 0
+    with pytest.raises(SiclError, match=r"its own forward does not run on 8 tokens alone \(ZeroDivisionError"):
+        make_backend("naive", broken)
 
 
 @pytest.mark.parametrize("B,P,V,max_elems", [(1, 1, 5, 1), (3, 11, 97, 3 * 11 * 256), (2, 7, 1000, 1 << 22),

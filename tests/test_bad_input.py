@@ -572,10 +572,11 @@ def test_our_warnings_are_one_line_in_the_cli(tmp_path, capsys):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": "digits"}\nnot json\n')
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
-    assert main(["calibrate", reqs, "--out", str(out)]) == 0  # nothing left to do: the one request is done
+    # the one request is done, by a record without its settings: refused (issue 48), after the repair's warning
+    assert main(["calibrate", reqs, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "sicl-fast: warning: " in err and "1 unreadable line(s) moved to" in err and "Traceback" not in err
-    assert "warnings.warn" not in err
+    assert "warnings.warn" not in err and "1 record(s) written without their settings" in err
 
 
 # --------------------------------------------------------------------------------------- issue 29: text

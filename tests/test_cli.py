@@ -53,7 +53,7 @@ def test_calibrate_resumes_and_generates(tmp_path, capsys):
         fh.write('{"id": "half')
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, RAW])
     capsys.readouterr()
-    assert main(["calibrate", reqs, "--out", str(out), *FAST]) == 0
+    assert main(["calibrate", reqs, "--out", str(out), "--generate", "--max-new-tokens", "4", *FAST]) == 0
     assert "resuming: 1 of 2" in capsys.readouterr().err
     recs2 = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in recs2] == ["digits", "raw"] and recs2[0] == r

@@ -112,11 +112,114 @@ def test_profile_a_requests_file(tiny_model_dir, reqs, capsys):
     assert "  round 1/1: whole step " in captured.err and "  decoder layers: " in captured.err
 
 
-def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys):
+def no_load(monkeypatch) -> None:
+    """From now on a model load fails the test: what follows must end before one."""
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("sicl_fast.engine.load", boom)
+
+
+def refused(capsys, *needles) -> None:
+    """One error line (exit 2 was checked by the caller) that says to use another --out, with every needle."""
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if ": error: " in x]
+    assert len(lines) == 1 and "use another --out" in lines[0], err
+    assert all(n in lines[0] for n in needles), (needles, lines[0])
+
+
+def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys, monkeypatch):
+    """Issue 48, defect 5: a resume said nothing to do only after loading the model, and took another grid or dtype
+    without a word (one table pooled two grids)."""
     out = tmp_path / "study.jsonl"
-    assert main(["gradstudy", reqs, "--out", str(out), "--model", str(tiny_model_dir), "--study-N", "2",
-                 "--study-mu", "0.004", "--seeds", "1", "--points", "0", "--tau", "0"]) == 0
+    args = ["gradstudy", reqs, "--out", str(out), "--model", str(tiny_model_dir), "--study-N", "2", "--study-mu",
+            "0.004", "--seeds", "1", "--points", "0", "--tau", "0"]
+    assert main(args) == 0
     assert len(out.read_text().splitlines()) == 2 and "| forward |" in capsys.readouterr().out
+    assert json.loads(out.read_text().splitlines()[0])["settings"]["grid"]["Ns"] == [2]
+    no_load(monkeypatch)
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "nothing to do: all 2 requests are already in" in captured.err and "| forward |" in captured.out
+    assert main([*args, "--study-N", "2", "4"]) == 2
+    refused(capsys, "--study-N [2] / [2, 4]")
+    assert main([*args, "--dtype", "bfloat16"]) == 2
+    refused(capsys, 'dtype "float32" / "bfloat16"')
+
+
+def test_calibrate_resume_refuses_other_settings_before_the_model_loads(tiny_model_dir, reqs, tmp_path, capsys,
+                                                                         monkeypatch):
+    """Issue 48, defects 1 and 4: a rerun on the same --out with another --max-steps, --seed, --dtype, --diff-matmul,
+    --pack or impl added records of the new settings to the old ones without a word, and one asking for --generate /
+    --export said nothing to do (no answers, no exports); records held no settings. Now each record holds them and a
+    resume of other settings is refused in one line naming them, before the model loads and without touching the
+    file; records without settings are refused too."""
+    out, first = tmp_path / "o.jsonl", tmp_path / "first.jsonl"
+    first.write_text(open(reqs).readline())
+    argv = ["calibrate", reqs, "--out", str(out), "--model", str(tiny_model_dir), "--tau", "0", "--N", "2",
+            "--max-steps", "2"]
+    assert main([*argv[:1], str(first), *argv[2:]]) == 0  # one of the two requests: a run to resume
+    st = json.loads(out.read_text())["settings"]
+    assert st["command"] == "calibrate" and st["model"]["fingerprint"].startswith("file:")
+    assert (st["dtype"], st["backend"], st["pack"], st["config"]["max_steps"], st["config"]["N"]) == (
+        "float32", "fast", 1, 2, 2)
+    assert st["outputs"] == {"generate": False, "max_new_tokens": None, "stop": None, "export": False}
+    before = out.read_text()
+    capsys.readouterr()
+    no_load(monkeypatch)
+    cases = [(["--max-steps", "3"], "max_steps 2 / 3"), (["--seed", "5"], "seed 0 / 5"),
+             (["--dtype", "bfloat16"], 'dtype "float32" / "bfloat16"'), (["--diff-matmul", "fp8"], "diff_matmul"),
+             (["--pack", "2"], "pack 1 / 2"), (["--generate"], "--generate false / true"),
+             (["--export", str(tmp_path / "emb")], "--export false / true")]
+    if st["impl"] != "torch":
+        cases.append((["--impl", "torch"], f'impl "{st["impl"]}" / "torch"'))
+    for extra, named in cases:
+        assert main([*argv, *extra]) == 2, extra
+        refused(capsys, named, "(the file's / this run's)")
+        assert out.read_text() == before and not (tmp_path / "emb").exists()
+    monkeypatch.undo()
+    assert main(argv) == 0  # the same settings: resumed
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["a", "b"] and recs[1]["settings"] == st
+    no_load(monkeypatch)
+    assert main(argv) == 0 and "nothing to do" in capsys.readouterr().err
+    out.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "settings"}) + "\n" for r in recs))
+    assert main(argv) == 2
+    refused(capsys, "2 record(s) written without their settings")
+
+
+def test_icleval_resume_and_report_never_pool_other_settings(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 48, defects 2 and 3: an icleval resume ignored the weights' dtype, the difference products, the backend
+    and the impl, and `report` pooled records of two dtypes or two models in one run. A resume of other settings is
+    refused before the model loads; report splits a file into one run per settings, named by what differs, and
+    records without settings (an older version's) into one run per model."""
+    task = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--model",
+            str(tiny_model_dir), "--max-steps", "1", "--N", "2", "--quiet"]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert main([*task, "--out", str(a)]) == 0 and main([*task, "--out", str(b), "--dtype", "bfloat16"]) == 0
+    capsys.readouterr()
+    no_load(monkeypatch)
+    rec = json.loads(a.read_text())
+    cases = [(["--dtype", "bfloat16"], "dtype"), (["--diff-matmul", "fp8"], "diff_matmul"),
+             (["--backend", "fast-fp32"], 'backend "fast" / "fast-fp32"')]
+    if rec["settings"]["impl"] != "torch":
+        cases.append((["--impl", "torch"], "impl"))
+    for extra, named in cases:
+        assert main([*task, "--out", str(a), *extra]) == 2, extra
+        refused(capsys, named)
+    other = {**rec, "model": "other", "settings": {**rec["settings"], "model": {"name": "other", "fingerprint": "x"}}}
+    old = [{k: v for k, v in r.items() if k != "settings"} for r in (rec, {**rec, "model": "older"})]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(a.read_text() + b.read_text() + "".join(json.dumps(r) + "\n" for r in [other, *old]))
+    assert main(["report", str(mixed), "--report", str(tmp_path / "rep"), "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert "its records were made with 5 different settings, reported as 5 runs (never pooled)" in err
+    runs = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"]
+    names, name = [r["name"] for r in runs], rec["model"]
+    assert [r["n_records"] for r in runs] == [1] * 5 and len(set(names)) == 5
+    assert "dtype=float32" in names[0] and "dtype=bfloat16" in names[1] and "model=other" in names[2]
+    assert names[3:] == [f"{name} [settings unknown, model {name}]", "older [settings unknown, model older]"]
+    assert runs[0]["settings"] == rec["settings"] and runs[3]["settings"] is None
 
 
 def test_icleval_then_report(tiny_model_dir, tmp_path, capsys):
@@ -160,12 +263,12 @@ def test_stopping_rules_answers_along_the_way_and_their_report(tiny_model_dir, r
         assert r["config"]["min_delta"] == 1e-3
     # a resumed file run with another budget is refused
     assert main([*task, "--out", str(budget), "--time-budget", "5"]) == 2
-    assert "time_budget_s differ" in capsys.readouterr().err
+    assert "--time-budget 0.0 / 5.0 (the file's / this run's)" in capsys.readouterr().err
     # and one with other answers along the way: it said "nothing to do" and reported without the answers at 3
     assert main([*task, "--out", str(paper), "--answer-at", "9", "2", "1"]) == 0  # the same counts
     assert "nothing to do" in capsys.readouterr().err
     assert main([*task, "--out", str(paper), "--answer-at", "3"]) == 2
-    assert "answers_at differ" in capsys.readouterr().err
+    assert "--answer-at [1, 2] / [3] (the file's / this run's)" in capsys.readouterr().err
     assert main(["report", str(paper), str(budget), "--names", "paper", "budget", "--report",
                  str(tmp_path / "rep")]) == 0
     md = capsys.readouterr().out

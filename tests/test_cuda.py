@@ -8,7 +8,12 @@ without one; the kernel modules' own tests also run on the GPU there, through co
                                      best step; history and embeddings to float32 tolerance)
     CUDA graphs                      captured step and decode == the uncaptured path on CUDA, bit for bit,
                                      across prompts of one shape, a new shape and a new prompt length; two
-                                     lengths in one length bucket share a graph (test_buckets.py's tolerances)
+                                     lengths in one length bucket share a graph (test_buckets.py's tolerances);
+                                     two buckets on one pool, an evicted bucket captured again; the reference
+                                     refresh's own graph replayed in place past step 16 (bit for bit)
+    refresh products                 a bf16 model's split reference == float32 products (cuBLAS's float32 output)
+    device auto                      CUDA, with the GPU's run plan
+    FP8 and packing                  torch._scaled_mm's FP8 differences track float32; the packed step == one by one
     decoding                         greedy answer on CUDA == on the CPU (float32)
 
 Tolerances: float32 on CUDA vs the CPU 2e-4 absolute on log-probs (TF32 is off; the difference is reduction
@@ -136,11 +141,135 @@ def test_length_buckets_share_one_graph_on_cuda(cpu_models):
     graphed = Engine(lm, backend="fast", graphs="on", sync_every=3)
     assert graphed.plan.length_buckets == 4 and graphed.plan.graph_cache == 16
     cfg = CalibrationConfig(**{**BASE, "max_steps": 7})
-    prompts = [synthetic_prompt(41, [(10, 14), (20, 26)], 6, V, seed=1),
-               synthetic_prompt(44, [(9, 12), (21, 27)], 6, V, seed=2)]
+    prompts = [synthetic_prompt(41, [(10, 14), (20, 26)], 6, V, seed=1),  # test_buckets.py's pair: one bucket
+               synthetic_prompt(43, [(9, 12), (21, 27)], 6, V, seed=2)]
+    assert len({graphed.steps.bucket(graphed.backend, cfg, p) for p in prompts}) == 1
     for p in prompts:
         assert_close_run(graphed.calibrate(p, cfg), eager.calibrate(p, cfg))
     assert graphed.steps.cache.stats == {"builds": 1, "hits": 1}
+
+
+def test_two_buckets_share_one_pool_and_an_evicted_one_is_captured_again_on_cuda(cpu_models):
+    """Two prompts in two length buckets: two steps captured, each with its refresh's graph, all on the StepCache's
+    one memory pool; with room for one step, the first bucket's step is dropped for the second and captured again
+    when its prompt comes back, and gives the same run. Each run within test_buckets.py's tolerances of the
+    uncaptured, unpadded run."""
+    from conftest import synthetic_prompt
+    from test_buckets import assert_close_run
+    from test_fast_backend import V
+
+    lm = on_cuda(cpu_models["gemma2"])
+    eager = Engine(lm, backend="fast", graphs="off", length_buckets="off", sync_every=3)
+    graphed = Engine(lm, backend="fast", graphs="on", sync_every=3)
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 7})
+    prompts = [synthetic_prompt(41, [(10, 14), (20, 26)], 6, V, seed=1),  # rows 28
+               synthetic_prompt(60, [(10, 14), (20, 40)], 6, V, seed=2)]  # rows 40
+    assert len({graphed.steps.bucket(graphed.backend, cfg, p) for p in prompts}) == 2
+    for p in prompts:
+        assert_close_run(graphed.calibrate(p, cfg), eager.calibrate(p, cfg))
+    assert graphed.steps.cache.stats == {"builds": 2, "hits": 0}
+    pool = graphed.steps.pool
+    for st, run in graphed.steps.cache.entries.values():
+        assert run.pool is pool and st.forward._refresh_graph[1].pool is pool
+    small = Engine(lm, backend="fast", graphs="on", sync_every=3, graph_cache=1)
+    first = small.calibrate(prompts[0], cfg)
+    small.calibrate(prompts[1], cfg)
+    assert_same_result(small.calibrate(prompts[0], cfg), first)
+    assert small.steps.cache.stats == {"builds": 3, "hits": 0} and len(small.steps.cache) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_refresh_replays_in_place_between_step_replays_on_cuda(cpu_models, dtype):
+    """Past REFRESH_EVERY steps (20 here, a refresh after step 16): the captured run, whose reference refresh is a
+    graph of its own replayed between two step replays, equals the uncaptured run bit for bit; a replay of that
+    graph writes the reference the eager refresh writes, in the same tensors. bf16 weights: the refresh's products
+    from bf16 pieces with float32 accumulation (torch.mm's out_dtype), no float32 copy of a weight."""
+    from sicl_fast.run.graphs import CapturedStep
+
+    lm = on_cuda(cpu_models["llama"], dtype)
+    eager = Engine(lm, backend="fast", graphs="off", length_buckets="off", sync_every=4)
+    graphed = Engine(lm, backend="fast", graphs="on", length_buckets="off", sync_every=4)
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 20})
+    p = make_prompt(6, seed=1)
+    assert_same_result(graphed.calibrate(p, cfg), eager.calibrate(p, cfg))
+    (st, run), = graphed.steps.cache.entries.values()
+    fwd = st.forward
+    assert isinstance(run, CapturedStep) and fwd.refresh_every == 16 and fwd._refresh_graph[0] is st.state.X
+    ref, z = fwd._reference(st.state.X)
+    kept = [t.data_ptr() for t in fwd.ref.tensors()]
+    fwd.refresh(st.state.X)  # the graph's replay
+    assert [t.data_ptr() for t in fwd.ref.tensors()] == kept
+    assert all(torch.equal(a, b) for a, b in zip(fwd.ref.tensors(), ref.tensors())) and torch.equal(fwd.z_ref, z)
+
+
+def test_a_bf16_models_split_reference_equals_float32_products_on_cuda(cpu_models, monkeypatch):
+    """cuBLAS's bf16 products of the rows' bf16 pieces, accumulated in float32, against the reference made with a
+    float32 copy of the weights: within test_refresh.py's 1e-5 of each tensor's largest element."""
+    from sicl_fast.models import reference
+
+    lm = on_cuda(cpu_models["llama"], torch.bfloat16)
+    be = make_backend("fast", lm)
+    p = make_prompt(6)
+    fwd = be.step_forward(p, "pass", 4, be.embed(p))
+    X = be.embed(p)
+    assert reference.splits(X.device)
+    split = fwd._reference(X)
+    monkeypatch.setattr(reference, "SPLIT", "off")
+    copied = fwd._reference(X)
+    for a, b in zip(split[0].tensors() + [split[1]], copied[0].tensors() + [copied[1]]):
+        assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_device_auto_is_cuda_with_the_gpus_plan():
+    """device 'auto' picks CUDA here, and the default model's run plan is the GPU's (docs/gpu.md): the fast backend,
+    the Triton ops, the difference form, the static loop read every 8 steps, captured in graphs per length bucket."""
+    from sicl_fast.models import load
+    from sicl_fast.models.loading import resolve_device
+
+    assert resolve_device("auto") == (torch.device("cuda"), "auto: CUDA is available")
+    eng = Engine(load())
+    plan = eng.plan
+    assert eng.lm.device.type == "cuda" and plan.backend == "fast" and plan.impl == "triton"
+    assert plan.diff_matmul == "bf16" and plan.loop == "static" and plan.sync_every == 8 and plan.graphs
+    assert plan.length_buckets == 4
+
+
+def test_fp8_differences_take_scaled_mm_on_cuda(cpu_models, monkeypatch):
+    """On sm_89+ the FP8 differences go through torch._scaled_mm and track float32 as the CPU's emulation does
+    (tests/test_diff_products.py's bounds)."""
+    from sicl_fast.models.transformer import DIFF_MATMUL
+
+    if "fp8" not in DIFF_MATMUL:
+        pytest.skip("this tree has no FP8 differences")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 products need sm_89 or later")
+    calls, real = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    exact = make_backend("fast-fp32", cpu_models["llama"], impl="torch")
+    fp8 = make_backend("fast", on_cuda(cpu_models["llama"]), diff_matmul="fp8")
+    p = make_prompt(6)
+    X = perturbed(exact.embed(p), 6, B=7, scale=0.02)
+    ref, got = exact.span_logprobs(X, p), fp8.span_logprobs(X.cuda(), p, near_row0=True).cpu()
+    assert calls
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=0.05)
+    d_ref, d_got = ref[1:] - ref[:1], got[1:] - got[:1]
+    assert 0 < float((d_got - d_ref).norm() / d_ref.norm()) < 0.3
+
+
+def test_packed_step_on_cuda_equals_one_by_one(cpu_models):
+    """test_packed.py's prompts (one gates at step 0, slots refilled) packed three at a time with the Triton ops on
+    CUDA: each result as the prompt's own calibration, to test_packed.py's tolerances."""
+    from conftest import reference_backend
+    from sicl_fast.calibration.packed import run_packed
+    from test_packed import ITEMS, assert_close_result
+
+    be = reference_backend("fast", on_cuda(cpu_models["llama"]), diff_matmul="off", prefix_cache=False,
+                           impl="triton")
+    refs = [Calibrator(be, cfg).run(p) for p, cfg in ITEMS]
+    got = [None] * len(ITEMS)
+    assert run_packed(be, ITEMS, pack=3, sync_every=2, on_result=got.__setitem__) == []
+    for g, r in zip(got, refs):
+        assert_close_result(g, r)
 
 
 def test_decoding_on_cuda_matches_the_cpu(cpu_models):

@@ -218,7 +218,8 @@ def test_worker_killed_mid_request_is_retried(ray_cluster, pool, reference):
             killed = busy[0]
             ray_cluster.kill(killed[0], no_restart=True)
     assert pool.restarts == restarts + 1 and killed[0] not in pool.actors
-    assert by_key(got) == reference["records"]
+    # the work function's records: the driver's writer adds the run's settings (issue 48)
+    assert by_key(got) == {k: {f: v for f, v in r.items() if f != "settings"} for k, r in reference["records"].items()}
 
 
 def _kill_self_on(engine, item):

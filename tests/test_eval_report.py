@@ -92,7 +92,8 @@ def test_fisher_matches_scipy(ps):
 TASKS = ["classifier_order", "generate_order", "classifier_duplication", "generate_list_number"]  # ICLEval order
 
 
-def synthetic_records(seed: int, variant: str = "sicl", n: int = 10, method: str = "sicl") -> list[dict]:
+def synthetic_records(seed: int, variant: str = "sicl", n: int = 10, method: str = "sicl",
+                      model: str | None = None) -> list[dict]:
     rng = random.Random(seed)
     recs = []
     for ti, task in enumerate(TASKS):
@@ -113,7 +114,7 @@ def synthetic_records(seed: int, variant: str = "sicl", n: int = 10, method: str
                          "initial_proxy": None if method != "sicl" else init,
                          "best_proxy": None if method != "sicl" else best, "steps": steps if method == "sicl" else 0,
                          "gated": gated, "seconds": rng.uniform(0.1, 3.0), "history": hist if method == "sicl" else [],
-                         "method": method, "variant": variant, "model": f"model-{seed}"})
+                         "method": method, "variant": variant, "model": model or f"model-{seed}"})
     return recs
 
 
@@ -123,7 +124,7 @@ def _write_jsonl(path: Path, recs) -> Path:
 
 
 def test_report_numbers_match_the_records(tmp_path):
-    recs = synthetic_records(1) + synthetic_records(11, variant="sicl[no-alpha]")
+    recs = synthetic_records(1) + synthetic_records(11, variant="sicl[no-alpha]", model="model-1")
     run = Run(name="m1", records=recs, source="r1.jsonl")
     rep = write_report(tmp_path / "RUN", [run])
     assert (tmp_path / "RUN" / "report.md").read_text().startswith("# sicl_fast evaluation report")
@@ -338,7 +339,7 @@ def test_report_refuses_one_variant_run_with_other_settings(tmp_path, capsys):
         r["time_budget_s"] = 1.5
     build_report([Run("ok", recs + [{**recs[0], "uid": 99, "error": "lost"}])])
     recs[-1]["time_budget_s"] = 3.0
-    with pytest.raises(ValueError, match=r"time_budget_s 1.5 / 3.0"):
+    with pytest.raises(ValueError, match=r"--time-budget 1.5 / 3.0"):
         build_report([Run("budgets", recs)])
 
 

@@ -219,7 +219,7 @@ def test_sdpa_kernels_match_math(models, family):
         torch.testing.assert_close(sdpa_b.span_logprobs(X, p), math_b.span_logprobs(X, p), rtol=1e-5, atol=1e-5)
     m = sdpa_b.model
     assert m.attention.max_error(m.H, m.Hk, m.hd) < 1e-4
-    m.attention.verify(m.H, m.Hk, m.hd, fallback=False)  # what a CUDA machine runs once, when the backend is built
+    m.attention.verify(m.H, m.Hk, m.hd, fallback=False)  # what a CUDA machine runs once, when the plan is made
     assert m.attention.impl == "sdpa"
 
 
@@ -231,7 +231,8 @@ def test_attention_verify_falls_back_loudly_or_raises(models, monkeypatch):
     real = attention.attend_sdpa
     monkeypatch.setattr(attention, "attend_sdpa", lambda *a: (lambda o: (o[0] * 1.5, o[1]) if o else o)(real(*a)))
     m = reference_backend("fast", models["llama"], attn="sdpa").model
-    with pytest.raises(SiclError, match="'sdpa' attention kernel differs from the math path"):
+    with pytest.raises(SiclError, match="'sdpa' attention failed its check on this machine: "
+                       r"scaled_dot_product_attention \(float32, head_dim 16\) differs from the math path"):
         m.attention.verify(m.H, m.Hk, m.hd, fallback=False)
     with pytest.warns(RuntimeWarning, match="differs from the math path.*using 'math'"):
         m.attention.verify(m.H, m.Hk, m.hd, fallback=True)

@@ -30,6 +30,7 @@ from sicl_fast.diagnostics.profile import kernels_per_step, layers_call
 from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import SUPPORTED_FAMILIES, build, make_prompt
 from test_ops import device_of, why_unavailable
+from test_static import HostReadGuard
 
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0, projection_scope="demos")
 BUDGET_PER_LAYER, BUDGET_REST = 14, 40  # plain products
@@ -157,17 +158,19 @@ def one_layer(st: StaticStep) -> int:
 
 
 @pytest.mark.parametrize("family,scope", [("llama", "demos"), ("gemma2", "prompt")])
-def test_launch_budget_rows(family, scope):
+def test_launch_budget_rows(family, scope, monkeypatch):
     """The difference form: at most 9 kernels per decoder layer (the 4 products, rope_rows, attention_rows, norm_rows
     twice, gated_rows) plus 30 for the rest, with the prefix kept ('demos') or run as lead rows of every pass
     ('prompt'); measured: 9, and 13 / 14. The count per layer is measured (one_layer); the pass's input norm (Gemma:
-    and its embedding scale) is the rest's."""
+    and its embedding scale) is the rest's. The counted steps run under the host-read guard (tests/test_static.py):
+    the GPU's default step reads nothing back."""
     lm = build(family, layers=2)
     cfg = dataclasses.replace(CFG, projection_scope=scope)
     st = step_of(make_backend("fast", lm, impl="triton", diff_matmul="bf16"), make_prompt(6), cfg)
     assert st.forward.rows_on and st.forward.policy == ("kept" if scope == "demos" else "pass")
     st()  # the first step makes what the model keeps (bf16 weights, rotary tables): not counted
-    n, per_layer = kernels_per_step(st), one_layer(st)
+    with HostReadGuard(monkeypatch):
+        n, per_layer = kernels_per_step(st), one_layer(st)
     rest = n.total - n.n_layers * per_layer
     assert 0 < per_layer <= BUDGET_PER_LAYER_ROWS and 0 < rest <= BUDGET_REST_ROWS, (per_layer, rest, n)
     ref = step_of(make_backend("fast", lm, impl="torch", diff_matmul="bf16"), make_prompt(6), cfg)

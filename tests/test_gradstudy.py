@@ -135,7 +135,7 @@ def test_gradstudy_command(tmp_path, capsys):
     assert (rep / "study.md").read_text().count("| forward |") == 2
     assert (rep / "plots" / "cosine_vs_N.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(args) == 0
-    assert "resuming: 1 of 1" in capsys.readouterr().err
+    assert "nothing to do: all 1 requests are already in" in capsys.readouterr().err  # before the model loads
     assert out.read_text().count("\n") == 1
     assert main(["gradstudy", str(reqs), "--out", "-"]) == 2
     assert "give a regular file" in capsys.readouterr().err

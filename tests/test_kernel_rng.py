@@ -98,15 +98,21 @@ AOT_KERNELS = ["randn", "perturb", "zo_step"]
 
 
 @pytest.fixture(scope="module")
-def aot_ptx(tmp_path_factory):
-    """{kernel: PTX} compiled for sm_90 (no GPU needed) by _aot.compile_ptx in a child process with the interpreter
-    off and an empty Triton cache (see its docstring): the result depends neither on earlier tests nor on what an
-    earlier run left in ~/.triton."""
+def aot_ops():
+    """{kernel: Counter of the float32 ops of its PTX} compiled for sm_90 (no GPU needed) with the configuration its
+    launcher chooses at SmolLM2's shapes, through the compile cache that tests/test_sm90_configs.py fills
+    (kernels/_configs.py: a child interpreter with the interpreter off and an empty Triton cache)."""
     pytest.importorskip("triton.backends.nvidia")
-    from sicl_fast.kernels import _aot
+    from collections import Counter
 
-    cache = tmp_path_factory.mktemp("triton_cache")
-    return {name: _aot.compile_ptx(name, cache_dir=str(cache))["ptx"] for name in AOT_KERNELS}
+    from sicl_fast.kernels import _configs
+
+    cases = {}
+    for c in _configs.suite_cases():
+        if c.spec in AOT_KERNELS and c.aligned:
+            cases.setdefault(c.spec, c)
+    got = _configs.compile_cases(cases.values(), 90)
+    return {name: Counter(got[c]["float_ops"]) for name, c in cases.items()}
 
 
 def test_aot_specs_match_the_kernels():
@@ -118,29 +124,10 @@ def test_aot_specs_match_the_kernels():
 
 
 @pytest.mark.parametrize("name", AOT_KERNELS)
-def test_gpu_code_has_no_fma_or_approximate_math(aot_ptx, name):
+def test_gpu_code_has_no_fma_or_approximate_math(aot_ops, name):
     """Compiled for sm_90: only correctly rounded f32 ops, so the GPU reproduces the bits."""
-    from sicl_fast.kernels._aot import float_ops
-
-    ops = float_ops(aot_ptx[name])
+    ops = aot_ops[name]
     assert ops["mul.rn.f32"] > 0 and ops["div.rn.f32"] > 0 and ops["sqrt.rn.f32"] > 0
     bad = {k: v for k, v in ops.items() if k.startswith(("fma", "rcp", "rsqrt", "ex2", "lg2")) or "approx" in k
            or "full" in k or "ftz" in k}
     assert not bad, bad
-
-
-DECODER_KERNELS = ["residual_norm", "qk_rope", "gated", "softcap", "attention", "bookkeep_state", "bookkeep_copy",
-                   "norm_rows", "rope_rows", "gated_rows", "attention_rows", "lse_rows_partial"]
-
-
-def test_decoder_kernels_compile_for_sm90(tmp_path):
-    """The fused decoder's kernels are tested in Triton's CPU interpreter, which accepts code the GPU compiler may
-    not: each must also compile to sm_90 PTX (bf16, every branch on), with no shared memory beyond the H100's
-    227 KiB per block."""
-    pytest.importorskip("triton.backends.nvidia")
-    from sicl_fast.kernels import _aot
-
-    got = _aot.compile_many(DECODER_KERNELS, cache_dir=str(tmp_path))
-    assert set(got) == set(DECODER_KERNELS)
-    for name, k in got.items():
-        assert ".entry" in k["ptx"] and k["shared"] <= 227 * 1024, name

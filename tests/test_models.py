@@ -65,40 +65,79 @@ def test_gemma3_270m_loads():
     assert ids[0] == lm.tokenizer.bos_token_id  # its tokenizer adds BOS
 
 
-def test_auto_dtype_rounds_only_weights_that_are_bf16_values(tiny_dir, tmp_path, monkeypatch):
-    """dtype 'auto' (bench/RESULTS.md 17): float32 on the CPU; on CUDA bf16 only where every weight is a bf16 value
-    (the bf16 copy is the same model), else float32 (rounding the weights makes another model). An explicit dtype
-    is taken as given. load() decides once the weights are read: checked through a resolve_dtype that decides as
-    on CUDA while the model stays on the CPU."""
+def test_auto_dtype_rounds_only_checkpoints_that_store_bf16(tiny_dir, tmp_path, monkeypatch):
+    """dtype 'auto' (bench/RESULTS.md 17): float32 on the CPU; on CUDA bf16 only where the checkpoint stores bf16
+    values (the bf16 copy is the same model), else float32 (rounding the weights makes another model), decided from
+    its headers before a weight is read (stored_dtype.bf16_checkpoint), and a bf16 checkpoint then loaded as bf16,
+    never as a float32 copy. An explicit dtype is taken as given. load() is checked through a resolve_dtype that
+    decides as on CUDA while the model stays on the CPU."""
     from transformers import AutoModelForCausalLM
 
     from sicl_fast.models import loading
-    from sicl_fast.models.loading import bf16_exact, resolve_dtype
+    from sicl_fast.models.loading import resolve_dtype
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    rounded = torch.nn.Linear(8, 8)
-    assert not bf16_exact(rounded)  # random float32 weights
-    with torch.no_grad():
-        for p in rounded.parameters():
-            p.copy_(p.bfloat16().float())
-    assert bf16_exact(rounded)
-    assert resolve_dtype("auto", cpu, lambda: True)[0] == torch.float32
-    assert resolve_dtype("auto", cuda, lambda: True)[0] == torch.bfloat16
-    dtype, why = resolve_dtype(None, cuda, lambda: False)
-    assert dtype == torch.float32 and "not all bf16 values" in why
-    assert resolve_dtype("auto", cuda)[0] == torch.float32  # nothing known of the weights: not rounded
+    assert resolve_dtype("auto", cpu, lambda: (True, "bf16"))[0] == torch.float32
+    assert resolve_dtype("auto", cuda, lambda: (True, "bf16"))[0] == torch.bfloat16
+    dtype, why = resolve_dtype(None, cuda, lambda: (False, "the checkpoint stores matrices as F32 (3): not bf16 "
+                                                          "values"))
+    assert dtype == torch.float32 and "as F32 (3): not bf16 values: float32 weights" in why
+    assert resolve_dtype("auto", cuda)[0] == torch.float32  # nothing known of the checkpoint: not rounded
     assert resolve_dtype("bf16", cpu) == (torch.bfloat16, "asked for")
 
-    exact_dir = tmp_path / "exact"  # the tiny model with every weight rounded to a bf16 value
-    m = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(p.bfloat16().float())
-    m.save_pretrained(exact_dir)
+    exact_dir = tmp_path / "exact"  # the tiny model stored in bf16
+    AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16).save_pretrained(exact_dir)
     load(tiny_dir).tokenizer.save_pretrained(exact_dir)
-    real = loading.resolve_dtype
-    monkeypatch.setattr(loading, "resolve_dtype", lambda dtype, dev, exact=None: real(dtype, cuda, exact))
+    real, opened = loading.resolve_dtype, []
+    real_open = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(loading, "resolve_dtype", lambda dtype, dev, stored=None: real(dtype, cuda, stored))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda path, **kw: opened.append(kw["dtype"])
+                        or real_open(path, **kw))
     lm = load(str(exact_dir), device="cpu")
-    assert lm.dtype == torch.bfloat16 and "bf16 values" in lm.extra["why"]["dtype"]
+    assert lm.dtype == torch.bfloat16 and "stores every weight as bf16" in lm.extra["why"]["dtype"]
     lm = load(tiny_dir, device="cpu")
-    assert lm.dtype == torch.float32 and "not all bf16 values" in lm.extra["why"]["dtype"]
+    assert lm.dtype == torch.float32 and "stores matrices as F32" in lm.extra["why"]["dtype"]
+    assert opened == [torch.bfloat16, torch.float32]  # each read in the dtype decided: no float32 copy of bf16
+
+
+def test_bf16_checkpoint_reads_what_is_stored(tmp_path, smol):
+    """stored_dtype.bf16_checkpoint from the headers: bf16 matrices (small tensors stored wider must hold bf16
+    values, read from the file), a sharded folder, GGUF types (BF16, F32, quantised); the registry's SmolLM2 stores
+    Q4_1 / Q8_0 matrices: float32 on CUDA, as the scan of every weight decided before."""
+    from safetensors.torch import save_file
+
+    from sicl_fast.models.loading import resolve
+    from sicl_fast.models.stored_dtype import bf16_checkpoint
+    from tiny_gguf import write_tiny_gguf
+
+    mat = torch.randn(8, 4).bfloat16()
+
+    def folder(name, **tensors):
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "model.safetensors"))
+        return d
+
+    ok = folder("ok", w=mat, norm=torch.tensor([1.0, 0.5, 3.0]))  # a float32 vector of bf16 values
+    assert bf16_checkpoint(ok, "dir") == (True, "the checkpoint stores every weight as bf16 (1 vectors stored wider "
+                                                "hold bf16 values)")
+    odd = folder("odd", w=mat, norm=torch.tensor([1.0, 1.0 + 2 ** -12]))
+    assert bf16_checkpoint(odd, "dir") == (False, "the checkpoint stores norm as F32, whose values are not all bf16 "
+                                                  "values")
+    f32 = folder("f32", w=mat.float(), v=mat.float(), ids=torch.arange(3))  # integer tensors are not weights
+    assert bf16_checkpoint(f32, "dir") == (False, "the checkpoint stores matrices as F32 (2): not bf16 values")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a": mat}, str(sharded / "part-1.safetensors"))
+    save_file({"b": mat.float()}, str(sharded / "part-2.safetensors"))
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": {"a": "part-1.safetensors", '
+                                                          '"b": "part-2.safetensors"}}')
+    assert bf16_checkpoint(sharded, "dir")[1] == "the checkpoint stores matrices as F32 (1): not bf16 values"
+    for store, want in (("F32", (False, "the checkpoint stores matrices as F32 (9): not bf16 values")),
+                        ("BF16", (True, "the checkpoint stores every weight as bf16 (3 vectors stored wider hold "
+                                        "bf16 values)")),
+                        ("Q8_0", (False, "the checkpoint stores matrices as Q8_0 (1): not bf16 values"))):
+        path, _ = write_tiny_gguf(tmp_path / f"{store}.gguf", weights=True, store=store)
+        assert bf16_checkpoint(path, "gguf") == want, store
+    assert bf16_checkpoint(resolve("smollm2")[1], "gguf") == (False, "the checkpoint stores matrices as Q4_1 "
+                                                                     "(210), Q8_0 (1): not bf16 values")

@@ -265,6 +265,19 @@ def test_span_head_matches_reference(ops, dev, B, P, d, V, softcap):
     torch.testing.assert_close(got.cpu(), ref, **TOL["span_head"])
 
 
+def test_span_head_adds_the_output_bias(ops, dev):
+    """#47: an output module's bias (Phi-2, GPT-J: the hf backend's head) added to every logit before the soft-cap;
+    V 1100: three chunks of the C++ path."""
+    g = torch.Generator().manual_seed(7)
+    h, w = torch.randn(2, 5, 16, generator=g), torch.randn(1100, 16, generator=g) * 0.3
+    b = torch.randn(1100, generator=g)
+    t = torch.tensor([0, 511, 512, 1099, 700])
+    ref = span_logprobs_oracle(h, w, t, softcap=3.0, bias=b)
+    got = ops.span_head(h.to(dev), w.to(dev), t, softcap=3.0, bias=b.to(dev))
+    torch.testing.assert_close(got.cpu(), ref, **TOL["span_head"])
+    assert (got.cpu() - span_logprobs_oracle(h, w, t, softcap=3.0)).abs().max() > 0.1  # the bias matters here
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's, in the Triton interpreter, on the NaN it is given
 @pytest.mark.parametrize("value", ["nan", "+inf"])
 @pytest.mark.parametrize("softcap", [None, 3.0])

@@ -16,6 +16,7 @@ from sicl_fast.models.decoder_config import DecoderConfig
 from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precision
 from sicl_fast.ops import cpp_ops
 from sicl_fast.calibration.packed import run_packed
+from sicl_fast.run import plan as plan_module
 from sicl_fast.run.plan import (BACKENDS, Choices, RunPlan, check_buckets, check_estimator, make_plan,
                                 resolve_attention, resolve_attention_check, resolve_graphs, resolve_impl,
                                 resolve_read_every, resolve_reuse)
@@ -36,7 +37,14 @@ def odd_models():
     quant.model.register_parameter("q8", torch.nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
     with torch.inference_mode():
         inference = build("llama")
-    return {"gpt2": gpt2, "bf16": build("llama", torch.bfloat16), "quant": quant, "inference": inference}
+    sdpa = build("gemma2", layers=1)  # its attention soft-cap needs eager attention: switched back to SDPA
+    sdpa.model.set_attn_implementation("sdpa")
+    biased = build("llama", layers=1)  # an LM head with a bias, which the fast decoder's head does not add
+    head = biased.model.lm_head
+    biased.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    biased.model.lm_head.weight.data.copy_(head.weight)
+    return {"gpt2": gpt2, "bf16": build("llama", torch.bfloat16), "quant": quant, "inference": inference,
+            "gemma2-sdpa": sdpa, "head-bias": biased}
 
 
 def no_interpreter(monkeypatch):
@@ -100,6 +108,14 @@ REFUSALS = {
     "sync_every not a count": (plan_of(sync_every=True), SiclError, "Engine: sync_every must be an integer, got True"),
     "fast on another family": (plan_of("gpt2", backend="fast"), UnsupportedModelError,
                                "supports the model families llama, qwen3, gemma2, gemma3_text.*'gpt2'"),
+    "fast on a model whose head is not the fast decoder's": (
+        plan_of("head-bias", backend="fast"), UnsupportedModelError,
+        "the fast decoder's head has no bias and no cut vocabulary: the LM head's weight: the output module's bias"),
+    "hf on a model whose attention drops what its math needs": (
+        plan_of("gemma2-sdpa", backend="hf"), SiclError,
+        r"model 'tiny-gemma2' \(gemma2\) runs transformers' 'sdpa' attention, but it soft-caps its attention scores "
+        r"\(attn_logit_softcapping 2.0\), which only transformers' eager attention computes: load it with "
+        "sicl_fast.load"),
     # the fast decoder's model rules (DecoderConfig.from_hf, made by make_plan; the Transformer, by build_backend)
     "bidirectional attention": (dict(call=decoder_of(use_bidirectional_attention=True)), UnsupportedModelError,
                                 "bidirectional attention .embedding models. is not supported by the fast backend"),
@@ -248,6 +264,66 @@ def test_auto_on_this_machine(models, odd_models):
         assert make_plan(lm, impl="triton").attention == "triton"  # the fused kernel of the Triton ops
 
 
+ROPES = {  # what the fast decoder refused by its rope or activation, where auto exited 2 (issue #47)
+    "yarn": dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                  "original_max_position_embeddings": 64}),
+    "dynamic": dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+    "longrope": dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+                                      "long_factor": [2.0] * 4, "original_max_position_embeddings": 64}),
+    "partial rotary": dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+    "relu": dict(hidden_act="relu"),
+}
+
+
+def rope_model(family: str, changes: dict):
+    """A 1-layer Llama or Qwen3 (head width 8) with `changes` in its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cfg_cls, cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    torch.manual_seed(0)
+    cfg = cfg_cls(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, max_position_embeddings=256, **changes)
+    return cls(cfg)
+
+
+@pytest.mark.parametrize("family,variant", [("llama", v) for v in ROPES] + [("qwen3", "yarn")])
+def test_auto_decides_from_the_whole_config(family, variant):
+    """#47 item 3: auto builds the fast decoder's config and takes hf on any refusal, the refusal its reason (it took
+    fast by the family's name, and the fast config's refusal ended plan and calibrate with exit 2); where the fast
+    decoder runs the config, fast."""
+    lm = from_transformers(rope_model(family, ROPES[variant]), CharTokenizer(), name=f"tiny-{variant}")
+    try:
+        DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings())
+        refusal = None
+    except UnsupportedModelError as exc:
+        refusal = str(exc)
+    plan = make_plan(lm, backend="auto")
+    why = dict((a, w) for a, _, w in plan.why)["backend"]
+    if refusal is None:
+        assert plan.backend == "fast" and plan.decoder is not None
+    else:
+        assert plan.backend == "hf" and plan.decoder is None and plan.head.mode == "table"
+        assert why == f"auto: the fast decoder refuses this '{family}' model: {refusal}"
+    p = make_prompt(2)
+    p = dataclasses.replace(p, input_ids=p.input_ids % 64)
+    backend = build_backend(plan, lm)
+    assert torch.isfinite(backend.span_logprobs(backend.embed(p).unsqueeze(0), p)).all()
+
+
+def test_plan_of_a_qwen3_yarn_folder_falls_back_to_hf(tmp_path, capsys):
+    """#47: `sicl-fast plan --model DIR` on a Qwen3 folder with a yarn rope (what Qwen's model cards tell long-context
+    users to set) exits 0 with hf and the fast decoder's refusal where it exited 2, unless the fast decoder runs it."""
+    from conftest import word_tokenizer
+    from sicl_fast.commands.cli import main
+
+    rope_model("qwen3", ROPES["yarn"]).save_pretrained(tmp_path)
+    word_tokenizer(64).save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32"]) == 0
+    rows = {line.split()[0]: line.split(None, 2)[1:] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["backend"][0] == "fast" or "rope_type 'yarn'" in rows["backend"][1]
+    assert rows["head"][0] == ("-" if rows["backend"][0] == "fast" else "table")
+
+
 def test_fast_fp32_is_a_plan_not_a_class(models):
     lm = models["qwen3"]
     be = make_backend("fast-fp32", lm, impl="torch")
@@ -333,16 +409,51 @@ def test_attention_check_and_read_every_are_the_plans(models, monkeypatch):
     plan = make_plan(lm, backend="fast", impl="torch", attn="sdpa")
     assert (plan.attention_check, plan.read_every) == (False, 1)  # the CPU
     assert resolve_attention_check("sdpa", "cuda", True) == (True, "CUDA: compared with the math path once, when the "
-                                                                    "backend is built; 'math' on a mismatch (auto)")
+                                                                    "plan is made; 'math' on a mismatch (auto)")
     assert not resolve_attention_check("math", "cuda", True)[0] and not resolve_attention_check(None, "cuda", True)[0]
     fast, hf = BACKENDS["fast"], BACKENDS["hf"]
     assert resolve_read_every(fast, "cuda")[0] == 8 and resolve_read_every(fast, "cpu")[0] == 1
     assert resolve_read_every(hf, "cuda")[0] == 1  # transformers' generation reads every token
     checked = []
-    monkeypatch.setattr(Attention, "verify", lambda self, *a, fallback: checked.append((self.impl, fallback)))
-    assert build_backend(plan, lm).read_every == 1 and checked == []
+    monkeypatch.setattr(Attention, "verify", lambda self, *a, fallback, rows: checked.append((self.impl, fallback,
+                                                                                             rows)))
     be = build_backend(dataclasses.replace(plan, attention_check=True, read_every=3), lm)
-    assert checked == [("sdpa", False)] and be.read_every == 3
+    assert checked == [] and be.read_every == 3  # the plan checks; the backend reads it
+    monkeypatch.setattr(plan_module, "resolve_attention_check", lambda *a: (True, "as on CUDA"))
+    assert make_plan(lm, backend="fast", impl="torch", attn="sdpa").attention_check
+    assert checked == [("sdpa", False, True)]  # asked for by name (no fallback), with the difference form's rows
+
+
+@pytest.mark.skipif(bool(why_unavailable("triton")), reason="needs triton")
+def test_an_attention_kernel_that_fails_its_check_is_math_with_the_reason(models, monkeypatch):
+    """On CUDA the plan compares a fused attention kernel with the math path in every form the model runs; any
+    error of a kernel, Triton's OutOfResources (a TritonError, not a RuntimeError) among them, makes 'auto' take the
+    math path, with the kernel and why in `sicl-fast plan`'s table; a kernel asked for by name is an error. The real
+    kernels pass the same check (here under the interpreter)."""
+    from triton.runtime.errors import OutOfResources
+
+    from sicl_fast import kernels as K
+
+    lm = models["llama"]
+    monkeypatch.setattr(plan_module, "resolve_attention_check", lambda *a: (True, "as on CUDA"))
+    plan = make_plan(lm, backend="fast", impl="triton")
+    assert (plan.attention, plan.attention_check) == ("triton", True)  # the real kernels: every form within tolerance
+    assert re.search(r"attention_check +passed", plan.explain())
+
+    def no_room(*a, **k):  # what prefix_attention met at head 256 in float32 before its tiles were chosen per dtype
+        raise OutOfResources(344320, 232448, "shared memory")
+
+    monkeypatch.setattr(K, "prefix_attention", no_room)
+    with pytest.warns(RuntimeWarning, match="prefix_attention .* raised OutOfResources.*using 'math'"):
+        plan = make_plan(lm, backend="fast", impl="triton")
+    lines = plan.explain()
+    assert plan.attention == "math" and build_backend(plan, lm).attention_kernel == "math"
+    assert re.search(r"attention +math +'triton' failed its check on this machine", lines)
+    assert re.search(r"attention_check +failed +CUDA: prefix_attention \(float32, head_dim 16\) raised OutOfResources: "
+                     "out of resource: shared memory, Required: 344320, Hardware limit: 232448", lines), lines
+    with pytest.raises(SiclError, match=r"'triton' attention failed its check.*prefix_attention \(float32, "
+                       r"head_dim 16\) raised OutOfResources"):
+        make_plan(lm, backend="fast", impl="triton", attn="triton")
 
 
 def test_a_backend_runs_a_plan_it_does_not_make(models):
@@ -432,7 +543,8 @@ def test_pack_auto_packs_where_it_pays(models, monkeypatch):
     assert plan.pack == 1 and "not CUDA" in dict((a, w) for a, _, w in plan.why)["pack"]
     assert plan.reuse == "off"  # Engine's own default without a store
     monkeypatch.setattr("sicl_fast.models.loading.resolve_device", lambda device: (cuda, "test"))
-    monkeypatch.setattr("sicl_fast.models.facts.model_facts", lambda model: ("tiny", "llama", 135_000_000))
+    lm = models["llama"]  # auto takes the fast backend for it: the static loop, which packing needs
+    monkeypatch.setattr("sicl_fast.models.facts.model_arch", lambda model: ("tiny", lm.model.config, lm.model))
     for extra, want in (({}, 8), ({"store": "/tmp/s"}, 1), ({"reuse": "on"}, 1), ({"loop": "eager"}, 1)):
         args = argparse.Namespace(cmd="calibrate", pack="auto", device="auto", model=None, backend="auto",
                                   loop="auto", reuse=None, store=None, estimator=None, method=None)

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from conftest import reference_backend
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
-from sicl_fast.diagnostics.profile import PHASES, kernels_per_step, layers_call, profile_step, step_flops
+from sicl_fast.diagnostics.profile import PHASES, count_kernels, kernels_per_step, layers_call, profile_step, step_flops
 from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import make_prompt
 
@@ -66,7 +66,7 @@ def test_profile_table_and_counts(models):
     prof = profile_step(be, CFG, p, repeats=2, progress=lines.append)
     assert [r[0] for r in prof.rows] == list(PHASES)
     # the progress: each round as it ends, then each phase's best (host overhead included), then the rates
-    assert [ln.split(":")[0] for ln in lines[:-1]] == ["round 1/2", "round 2/2", *PHASES]
+    assert [ln.split(":")[0] for ln in lines[:-1]] == ["round 1/2", "round 2/2", *PHASES, "refresh"]
     assert lines[-1] == prof.floor.rates.line()
     assert lines[2 + PHASES.index("host overhead")].endswith(f"of the step's best, {prof.step_ms:.2f} ms)")
     assert all(r[1] >= 0 for r in prof.rows) and prof.step_ms > 0 and prof.peak_mb > 0 and prof.peak_gflops > 0
@@ -78,6 +78,12 @@ def test_profile_table_and_counts(models):
     for phase in PHASES:
         assert f"| {phase} |" in text
     assert "kernels per step" in text and "product rates (measured here" in text and "floor" in text
+    # the reference refresh outside the step: its time amortised over the steps between two, its kernels
+    ref = prof.refresh
+    assert ref.every == st.forward.refresh_every == 16 and ref.per_step_ms == ref.ms / 16 and ref.ms > 0
+    assert ref.kernels == count_kernels(lambda: st.forward.refresh(st.state.X)) > 0
+    assert f"reference refresh: {ref.ms:.2f} ms every 16 steps, {ref.per_step_ms:.3f} ms a step amortised" in text
+    assert prof.as_json()["refresh"]["kernels"] == ref.kernels
     assert prof.floor.rates.low is not None and prof.floor.ms > 0  # bf16 difference products: both rates
     assert 0 < prof.floor.phases["decoder layers"] and prof.floor.phases["host overhead"] == 0
 

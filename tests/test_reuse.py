@@ -5,6 +5,8 @@ never stored, the disk store shared by two engines, and answers from a stored ca
 Llama with SmolLM2's tokenizer."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -201,6 +203,47 @@ def test_two_engines_share_a_store_directory(tiny_llama, one_thread, tmp_path):
     rb = b.calibrate(second, reuse="auto", **BASE)
     assert (rb.reuse, rb.key) == ("hit", ra.key) and b.store.stats["disk_reads"] == 1
     assert_same(rb, own(b, second, **BASE))
+
+
+DAMAGES = {  # an entry resealed with valid checksums whose content is not what its key serves (issue 48, defect 6)
+    "nan": lambda c: replace(c, rows=c.rows.clone().index_fill_(0, torch.tensor([1]), float("nan"))),
+    "short": lambda c: replace(c, rows=c.rows[:-1].clone(), input_ids=c.input_ids[:-1].clone()),
+    "width": lambda c: replace(c, rows=c.rows[:, :16].clone()),
+    "ids": lambda c: replace(c, input_ids=c.input_ids.clone().index_add_(0, torch.tensor([2]), torch.tensor([1]))),
+}
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_llama, one_thread, tmp_path_factory):
+    """A store directory holding the calibration of request('five')'s stem, and request('eleven')'s own calibration
+    (which a reuse of that stem must equal)."""
+    root = tmp_path_factory.mktemp("stored")
+    eng = Engine(tiny_llama, store_dir=str(root))
+    cfg = dict(BASE, max_steps=2)
+    key = eng.calibrate(eng.prepare(request("five")), reuse="auto", **cfg).key
+    return root, key, cfg, own(eng, eng.prepare(request("eleven")), **cfg)
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_an_entry_that_is_not_what_its_key_serves_is_corrupt(tiny_llama, stored, tmp_path, damage):
+    """Before: a NaN in the rows was a hit (and an empty answer), one row short of demo_end was served, another width
+    or a changed token id failed every later run. Now each is a corrupt entry: warned, moved to corrupt/, recomputed
+    (the same result as the prompt's own calibration), and the next engine hits the good entry."""
+    import shutil
+
+    from sicl_fast.errors import SiclWarning
+
+    root, key, cfg, ref = stored
+    shutil.copytree(root, tmp_path / "s")
+    eng = Engine(tiny_llama, store_dir=str(tmp_path / "s"))  # another process's view: nothing in its memory
+    with eng.store.disk.lock(key):
+        eng.store.disk.write(DAMAGES[damage](eng.store.disk.read(key)))
+    with pytest.warns(SiclWarning, match=f"entry {key} is corrupt \\(it holds "):
+        res = eng.calibrate(eng.prepare(request("eleven")), reuse="auto", **cfg)
+    assert (res.reuse, res.reused) == ("fresh", False) and len(list((tmp_path / "s" / "corrupt").iterdir())) == 2
+    assert_same(res, ref)
+    again = Engine(tiny_llama, store_dir=str(tmp_path / "s"))
+    assert again.calibrate(again.prepare(request("twelve")), reuse="auto", **cfg).reuse == "hit"
 
 
 def test_a_store_directory_alone_means_reuse(tiny_llama, one_thread, tmp_path):

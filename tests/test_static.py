@@ -4,15 +4,20 @@ embeddings), for every estimator, grad mode, projection scope, SNR setting and g
 of steps between two reads of the state; and no host read inside a step.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from conftest import synthetic_prompt
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
-from sicl_fast.backends import make_backend
+from sicl_fast.backends import build_backend, make_backend
 from sicl_fast.errors import SiclError
 from sicl_fast.calibration.static import StaticStep, run_static
-from test_fast_backend import build, make_prompt
+from sicl_fast.models.decoder_config import DecoderConfig
+from sicl_fast.run.buckets import Bucket
+from sicl_fast.run.plan import make_plan
+from test_fast_backend import V, build, make_prompt
 from test_ops import device_of, why_unavailable
 
 BASE = dict(N=3, mu=0.05, eta=0.5, kappa=0.2, tau=0.0, patience=0, max_steps=5, seed=3, scale=1.0)
@@ -91,9 +96,13 @@ def test_static_triton_equals_eager(llama_one_layer, name):
 
 class HostReadGuard:
     """Fails on what would synchronise with a GPU: .item(), .tolist(), float() / int() / bool() of a tensor (the
-    semantics of torch.cuda.set_sync_debug_mode('error'), emulated on the CPU)."""
+    semantics of torch.cuda.set_sync_debug_mode('error'), emulated on the CPU); and on a tensor made from host data
+    (torch.tensor, torch.as_tensor: on CUDA a copy from pageable host memory, which a graph capture refuses). What a
+    captured call reads must be made before the capture: the guarded calls come after a first call (the capture's
+    warm-up) that may make and cache such tensors."""
 
     NAMES = ("item", "tolist", "__float__", "__int__", "__bool__")
+    MAKERS = ("tensor", "as_tensor")
 
     def __init__(self, monkeypatch):
         self.mp = monkeypatch
@@ -103,26 +112,59 @@ class HostReadGuard:
             def trip(self_, *a, _name=name, **k):
                 raise AssertionError(f"host read inside the step: Tensor.{_name}")
             self.mp.setattr(torch.Tensor, name, trip)
+        for name in self.MAKERS:
+            def made(*a, _name=name, **k):
+                raise AssertionError(f"host data made into a tensor inside the step: torch.{_name}")
+            self.mp.setattr(torch, name, made)
 
     def __exit__(self, *exc):
         self.mp.undo()
 
 
-@pytest.mark.parametrize("impl", ["torch", "cpp"])
-def test_no_host_read_inside_the_step(models, monkeypatch, impl):
-    if why_unavailable(impl):
-        pytest.skip(why_unavailable(impl))
-    be = make_backend("fast", models["gemma2"], diff_matmul="bf16", impl=impl)
-    # patience 4: the SNR skips and patience are live in the step, and no stop can come before the fourth call
-    cfg = Calibrator(be, CalibrationConfig(**{**BASE, "snr_threshold": 0.5, "patience": 4, "kappa": 0.9})).config
-    p = make_prompt(6)
-    st = StaticStep(be, cfg, p, be.embed(p))
-    with HostReadGuard(monkeypatch):
-        for _ in range(4):
-            st()
-    assert int(st.state.steps_run) == 4
+def guarded_backend(models, family: str, impl: str):
+    """The fast backend with difference products; family 'gemma2-unscaled': Gemma 2 as older transformers load it,
+    its embedding without `embed_scale`, so that the decoder multiplies its inputs itself (DecoderConfig.input_mult)."""
+    lm = models[family.removesuffix("-unscaled")]
+    plan = make_plan(lm, backend="fast", diff_matmul="bf16", impl=impl)
+    if family.endswith("-unscaled"):
+        plan = dataclasses.replace(plan, decoder=DecoderConfig.from_hf(lm.text_config,
+                                                                       torch.nn.Embedding(4, lm.hidden_size)))
+        assert plan.decoder.input_mult is not None
+    return build_backend(plan, lm)
+
+
+@pytest.mark.parametrize("scope", ["prompt", "demos"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma2-unscaled", "gemma3_text"])
+def test_no_host_read_in_the_step_its_refresh_and_decoding(models, monkeypatch, family, scope):
+    """The difference form's step padded to a length bucket, its reference refresh and a decoding step, after a
+    first call of each (a capture's warm-up): no host read and no tensor made from host data, for every family the
+    fast backend runs (Gemma 2 with and without the embedding's own scale) and both projection scopes, with the C++
+    ops (the CPU's default) and on Gemma 2 without embed_scale the torch ops too (the Triton ops: under this guard in
+    tests/test_refresh.py's launch budget)."""
+    impls = ["cpp" if not why_unavailable("cpp") else "torch"] + (["torch"] if family == "gemma2-unscaled" else [])
+    p = synthetic_prompt(45, [(14, 20), (26, 31)], 6, V, seed=3)
+    for impl in impls:
+        be = guarded_backend(models, family, impl)
+        # patience 4: the SNR skips and patience are live in the step, and no stop can come before the fourth call
+        cfg = Calibrator(be, CalibrationConfig(**{**BASE, "snr_threshold": 0.5, "patience": 4, "kappa": 0.9,
+                                                  "projection_scope": scope})).config
+        st = StaticStep(be, cfg, p, be.embed(p), bucket=Bucket.of(p))
+        assert st.spec.L > p.length and st.forward.policy == {"prompt": "pass", "demos": "kept"}[scope]
+        m, tok = be.model, torch.tensor([3])
+        cache = m.new_cache(64)
+        m.forward(be.embed(p)[None, :20].to(m.dtype), 0, cache=cache)
+        cache.pos.fill_(20)
+        calls = (st, lambda: st.forward.refresh(st.state.X), lambda: m.decode_logits(tok, cache))
+        for call in calls:
+            call()
+        with HostReadGuard(monkeypatch):
+            for call in calls + (st,):
+                call()
+        assert int(st.state.steps_run) == 3 and int(cache.pos) == 22
     with HostReadGuard(monkeypatch), pytest.raises(AssertionError, match="host read inside the step"):
         float(st.state.steps_run)  # the guard works
+    with HostReadGuard(monkeypatch), pytest.raises(AssertionError, match="host data made into a tensor"):
+        torch.tensor([1])
 
 
 def test_nonfinite_proxy_and_bad_arguments(models):

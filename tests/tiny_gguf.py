@@ -11,8 +11,9 @@ TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\n"
 
 
 def write_tiny_gguf(path, *, model="llama", add_space_prefix=True, merges=None, weights=False, seed=0,
-                    d=16, layers=1, heads=2, kv_heads=1, d_ff=32):
-    """Write the GGUF file; returns (path, {token: id})."""
+                    d=16, layers=1, heads=2, kv_heads=1, d_ff=32, store="F32"):
+    """Write the GGUF file; returns (path, {token: id}). store: the matrices' type, 'F32', 'BF16' (rounded), or
+    'Q8_0' (ffn_down quantised, the others BF16); the norms are F32."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
@@ -46,16 +47,27 @@ def write_tiny_gguf(path, *, model="llama", add_space_prefix=True, merges=None, 
         def r(*shape):
             return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
-        w.add_tensor("token_embd.weight", r(len(TOKENS), d))
+        def matrix(name, *shape):
+            x = r(*shape)
+            if store == "Q8_0" and name.startswith("blk.0.ffn_down"):  # rows of d_ff = 32: one Q8_0 block each
+                w.add_tensor(name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            elif store in ("BF16", "Q8_0"):  # the upper half of each float32: a bf16 value
+                w.add_tensor(name, (x.view(np.uint32) >> 16).astype(np.uint16), raw_shape=shape,
+                             raw_dtype=gguf.GGMLQuantizationType.BF16)
+            else:
+                w.add_tensor(name, x)
+
+        matrix("token_embd.weight", len(TOKENS), d)
         for i in range(layers):
             for name, shape in (("attn_q", (d, d)), ("attn_k", (kv_heads * hd, d)), ("attn_v", (kv_heads * hd, d)),
                                 ("attn_output", (d, d)), ("ffn_gate", (d_ff, d)), ("ffn_up", (d_ff, d)),
                                 ("ffn_down", (d, d_ff))):
-                w.add_tensor(f"blk.{i}.{name}.weight", r(*shape))
+                matrix(f"blk.{i}.{name}.weight", *shape)
             w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d, np.float32))
             w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d, np.float32))
         w.add_tensor("output_norm.weight", np.ones(d, np.float32))
-        w.add_tensor("output.weight", r(len(TOKENS), d))
+        matrix("output.weight", len(TOKENS), d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

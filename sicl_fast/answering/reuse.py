@@ -37,7 +37,7 @@ from ..run.checks import check_calibration, check_prompt
 from ..errors import SiclError
 from ..formats.requests import Request
 from ..formats.spans import Prompt, tokenize
-from ..store import Calibration, CalibrationStore, calibration_key, engine_fingerprint
+from ..store import Calibration, CalibrationStore, Expected, calibration_key, engine_fingerprint
 
 EXACT_MARGIN = 1e-4  # on the cosine: far above float32 rounding of the projection's test, far below any signal
 NATURAL_STOPS = ("gate", "patience", "max_steps", "snr")  # a run stopped from outside (deadline) is not kept
@@ -146,6 +146,11 @@ class Reuser:
         n = prompt.demo_end if scope == "stem" else prompt.length
         return calibration_key(self.fingerprint, prompt, config, n, scope)
 
+    def expect(self, prompt: Prompt, scope: str) -> Expected:
+        """What the store must serve for the key of this prompt's stem ('stem') or whole prompt ('prompt'): an entry
+        read from disk that is not it is corrupt (sicl_fast.store.entry.Expected)."""
+        return Expected.of(prompt, scope, self.engine.lm.hidden_size)
+
     def resolve(self, config: CalibrationConfig) -> CalibrationConfig:
         return Calibrator(self.engine.backend, config).config  # the scale resolved, as every run sees it
 
@@ -223,7 +228,7 @@ class Reuser:
             done["res"] = res
             return self.entry(key, "stem", res, stem, exact, low)
 
-        cal, hit = self.store.get_or_compute(key, compute, should_stop)
+        cal, hit = self.store.get_or_compute(key, compute, should_stop, self.expect(prompt, "stem"))
         if cal is None:  # stopped from outside: this query's answer from the partial run, nothing kept
             partial = Calibration.from_result(key, "stem", done["res"], stem_prompt(prompt), prompt.demo_end,
                                               self.engine.lm.name, False, None)
@@ -233,11 +238,11 @@ class Reuser:
     def reuse_auto(self, prompt, cfg, key, t0, on_step, should_stop) -> ReusedResult:
         """Reuse an exact stored calibration (or this prompt's own, stored earlier); a miss calibrates the whole
         prompt, watched, and stores its rows [0, b) when that is exact for every query."""
-        cal = self.store.get(key, should_stop)
+        cal = self.store.get(key, should_stop, self.expect(prompt, "stem"))
         if cal is not None and not cal.exact:
             return self.per_query(prompt, cfg, "per-query", key, t0, on_step, should_stop)
         own_key = self.key(prompt, cfg, "prompt")
-        if cal is None and (own := self.store.get(own_key, should_stop)) is not None:
+        if cal is None and (own := self.store.get(own_key, should_stop, self.expect(prompt, "prompt"))) is not None:
             return self.for_prompt(own, prompt, t0, "per-query", key)
         done = {}
 
@@ -246,7 +251,7 @@ class Reuser:
             done.update(res=res, exact=exact, low=low)
             return self.entry(key, "stem", res, prompt, exact, low) if exact else None
 
-        cal, hit = self.store.get_or_compute(key, compute, should_stop)
+        cal, hit = self.store.get_or_compute(key, compute, should_stop, self.expect(prompt, "stem"))
         if hit:
             if cal.exact:
                 return self.for_prompt(cal, prompt, t0, "hit", key)
@@ -269,7 +274,7 @@ class Reuser:
             done["res"] = res
             return self.entry(own_key, "prompt", res, prompt, True, None)
 
-        cal, hit = self.store.get_or_compute(own_key, compute, should_stop)
+        cal, hit = self.store.get_or_compute(own_key, compute, should_stop, self.expect(prompt, "prompt"))
         if hit:
             return self.for_prompt(cal, prompt, t0, reuse, key)
         return self.wrap(done["res"], t0, cal, reuse, key)

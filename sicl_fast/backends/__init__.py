@@ -1,7 +1,8 @@
 """Backends: `hf` (any transformers causal LM), `naive` (the reference's form), `fast` (own forward: Llama, Qwen3,
 Gemma 2, Gemma 3, with prefix KV reuse and, for float32 models, bf16 difference products), `fast-fp32` (the fast
-backend with every product in float32: a run plan, not a class of its own). `auto` picks `fast` for the families
-it supports, `hf` otherwise (sicl_fast.run.plan resolves the name, with every other mode of the run)."""
+backend with every product in float32: a run plan, not a class of its own). `auto` picks `fast` where the fast
+decoder's config builds from the model's whole config, `hf` on any refusal (sicl_fast.run.plan resolves the name,
+with every other mode of the run)."""
 from __future__ import annotations
 
 from ..run.plan import RunPlan, make_plan

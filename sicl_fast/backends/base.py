@@ -15,6 +15,7 @@ from ..errors import NumericalError, SiclError
 from ..ops import make_ops
 from ..run.plan import RunPlan, no_differentiable_forward
 from ..formats.spans import Prompt
+from ..models.facts import transformers_attention
 
 
 class SpanLogprobsForward:
@@ -59,7 +60,7 @@ class Backend(abc.ABC):
     def attention_kernel(self) -> str:
         """The attention that runs (the store's key holds it, RunPlan.result_axes): here transformers' own, as the
         loaded model's config names it ('transformers:sdpa', 'transformers:eager', ...)."""
-        return f"transformers:{getattr(self.lm.model.config, '_attn_implementation', None)}"
+        return transformers_attention(self.lm)
 
     def embed(self, prompt: Prompt) -> torch.Tensor:
         """X0 [L, d] float32: what the model's input-embedding module returns for the prompt's tokens."""

@@ -25,7 +25,7 @@ from .step_forward import PackedForward, SpanPlan, StepForward
 
 class FastBackend(Backend):
     """Own forward for Llama / Qwen3 / Gemma 2 / Gemma 3 text, as the run plan `plan` says: its DecoderConfig,
-    attention kernel (and whether to check it against the math path first), difference products, ops and the
+    attention kernel (checked against the math path by the plan on CUDA), difference products, ops and the
     tokens decoded between two host reads (sicl_fast.run.plan). prefix_cache=False always runs the full rows [0, b)."""
 
     def __init__(self, lm, plan, prefix_cache: bool = True) -> None:
@@ -33,16 +33,14 @@ class FastBackend(Backend):
         p = self.plan
         self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul,
                                  attention_kernels(p.attention))
-        m = self.model
-        if p.attention_check:  # trust a fused attention kernel only after comparing it with the math path
-            m.attention.verify(m.H, m.Hk, m.hd, fallback=p.attention_fallback)
         self.prefix_cache = prefix_cache
         self.read_every = p.read_every  # decoding: tokens between two host reads
         self.decoders: ShapeCache | None = None  # captured decode steps per cache length (use_graphs)
 
     @property
     def attention_kernel(self) -> str:
-        """The plan's kernel, or 'math' where it failed its check on CUDA and fell back (Attention.verify)."""
+        """The kernel the model runs: the plan's ('math' where a fused one failed its check on CUDA:
+        sicl_fast.run.plan.verify_attention)."""
         return self.model.attention.impl
 
     def use_graphs(self, capacity: int = DEFAULT_CAPACITY) -> None:

@@ -9,16 +9,22 @@ import torch.utils.checkpoint
 
 from ..errors import SiclError
 from ..formats.spans import Prompt
+from ..models.output_head import own_logits
 from .base import Backend
 
 
 class HFBackend(Backend):
     """Runs the model's decoder on rows [0, demo_end) and the LM head on the P span positions only.
 
-    The query rows cannot change the proxy (causal attention), so they are never run; the full [B, L, V]
-    logits never exist (at most [B, chunk, V], chunked along P). The same forward is differentiable
-    (`differentiable_logprobs`, the exact-gradient ascent).
+    The query rows cannot change the proxy (causal attention), so they are never run. The span rows' logits are
+    the model's own (the run plan's OutputHead, sicl_fast.models.output_head, checked against the model's forward
+    when the plan was made): mode 'table' takes the output module's weight a vocabulary chunk at a time with the
+    family's bias, multiplier, soft-cap and vocabulary (at most [B*P, chunk] logits); mode 'own' runs the model's
+    own forward at the span rows ([B, P, V], a few batch rows a call). The full [B, L, V] logits never exist. The
+    same forward is differentiable (`differentiable_logprobs`, the exact-gradient ascent).
     """
+
+    OWN_ELEMS = 1 << 26  # mode 'own': the most logits one call makes (256 MB in float32); the batch goes in parts
 
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
@@ -31,12 +37,29 @@ class HFBackend(Backend):
             return self._span_forward(embeds, prompt)
 
     def _span_forward(self, embeds: torch.Tensor, prompt: Prompt) -> torch.Tensor:
-        lm = self.lm
-        x = embeds[:, :prompt.demo_end].to(device=lm.device, dtype=lm.dtype)  # [B, b, d]
-        hidden = lm.decoder(inputs_embeds=x, use_cache=False).last_hidden_state  # [B, b, d]
+        lm, head = self.lm, self.plan.head
+        # a copy: some forwards scale or shift their inputs_embeds in place (CTRL, GIT)
+        x = embeds[:, :prompt.demo_end].to(device=lm.device, dtype=lm.dtype, copy=True)  # [B, b, d]
         pos = (prompt.positions - 1).to(lm.device)  # the hidden state at t-1 predicts token t
+        if head.mode == "own":
+            return self._own_head(x, pos, prompt.targets.to(lm.device))
+        hidden = lm.decoder(inputs_embeds=x, use_cache=False).last_hidden_state  # [B, b, d]
         h = hidden.index_select(1, pos)  # [B, P, d]
-        return self.ops.span_head(h, lm.head_weight, prompt.targets, softcap=lm.final_softcap)
+        w, b = head.weight_and_bias(lm)
+        return self.ops.span_head(h if head.scale is None else h * head.scale, w, prompt.targets,
+                                  softcap=head.softcap, bias=b)
+
+    def _own_head(self, x: torch.Tensor, pos: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mode 'own': the model's forward at the span rows, log_softmax at the targets, a few batch rows a call."""
+        head, V = self.plan.head, self.lm.model.get_output_embeddings().weight.shape[0]
+        per_row = pos.numel() if head.keep else x.shape[1]
+        rows = max(1, self.OWN_ELEMS // max(1, per_row * V))
+        out = []
+        for r in range(0, x.shape[0], rows):
+            z = own_logits(self.lm, x[r:r + rows], pos, head.keep)  # [rows, P, V] float32
+            t = targets.view(1, -1, 1).expand(z.shape[0], -1, 1)
+            out.append(z.gather(-1, t).squeeze(-1) - torch.logsumexp(z, dim=-1))
+        return torch.cat(out)
 
 
 def _dropout_probabilities(lm) -> list[float]:

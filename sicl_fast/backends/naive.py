@@ -15,9 +15,9 @@ class NaiveBackend(Backend):
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
         lm = self.lm
-        x = embeds.to(device=lm.device, dtype=lm.dtype)  # [B, L, d]
+        x = embeds.to(device=lm.device, dtype=lm.dtype, copy=True)  # [B, L, d]; CTRL, GIT change it in place
         with torch.no_grad():
-            logits = lm.model(inputs_embeds=x, use_cache=False).logits.float()  # [B, L, V] (softcap applied by HF)
+            logits = lm.model(inputs_embeds=x, use_cache=False).logits.float()  # [B, L, V]: the model's own
             logp = torch.log_softmax(logits, dim=-1)
             pos = prompt.positions.to(lm.device)
             tgt = prompt.targets.to(lm.device)

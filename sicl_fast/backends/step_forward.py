@@ -32,6 +32,7 @@ import torch
 
 from ..models.rows import LOW_DTYPE, RowLayout, is_value
 from ..formats.spans import Prompt
+from ..run.graphs import captured
 
 PREFIX_POLICIES = ("kept", "pass", "none")
 # steps between two references of the value rows: the values' changes from their reference (the rounding applies
@@ -116,6 +117,8 @@ class StepForward:
                                         device=m.device)
             # where a span's first prediction is the prefix's last row: its change in the value rows, none elsewhere
             self._value_mask = is_value(self.rows.anchor).to(LOW_DTYPE).view(B, 1, 1)
+            self.value_rows = self.rows.value_layout()  # made once: a refresh makes no tensor from host data
+            self._refresh_graph = None  # (the X it reads, its CUDA graph): capture_refresh
             self.ref, self.z_ref = self._reference(X0) if self.references else (None, None)
 
     @staticmethod
@@ -127,25 +130,41 @@ class StepForward:
     def _kept_prefix(self, prompt: Prompt, X0: torch.Tensor):
         return fixed_rows_kv(self.model, X0[:prompt.demo_start].to(self.model.device), self.rows_on)
 
-    def _reference(self, X: torch.Tensor):
-        """(the value rows' RowsReference, their reference logits at the span rows [1, P, V] float32) at X [L, d]:
-        the value rows are batch row 0's, X itself."""
+    def _reference(self, X: torch.Tensor, out: tuple | None = None):
+        """(the value rows' RowsReference, their reference logits at the span rows [1, P, V] float32) at X [L, d]
+        float32 on the model's device: the value rows are batch row 0's, X itself (the lead rows, where they run,
+        are X's first rows, and the batch rows follow them: X[:b]). out: (RowsReference, logits) to write in place
+        (refresh), or None: new ones."""
         m, rows, span = self.model, self.rows, self.span
-        X = X.to(m.device, torch.float32)
-        x = torch.cat([X[:span.a], X[self.start:span.b]]) if rows.lead else X[self.start:span.b]
-        ref = m.reference_rows(x, rows.value_layout(), self.prefix)
+        x = X.to(m.device, torch.float32)[0 if rows.lead else self.start:span.b]  # X itself where it is already so
+        ref = m.reference_rows(x, self.value_rows, self.prefix, out=None if out is None else out[0])
         hb = ref.hidden[rows.lead:].view(1, rows.T, -1)
 
         def last():  # the prefix's last row: the lead row's reference, or the kept prefix's float32 hidden row
             return (ref.hidden[span.a - 1] if rows.lead else self.prefix.hidden[0, span.a - 1]).view(1, 1, -1)
-        return ref, m.reference_logits(self._at_spans(hb, last))
+        return ref, m.reference_logits(self._at_spans(hb, last), None if out is None else out[1])
 
     def refresh(self, X: torch.Tensor) -> None:
-        """Take the value rows' reference again at X [L, d] (the X the next call's row 0 is), in place."""
-        if self.rows_on and self.ref is not None:
-            ref, z_ref = self._reference(X)
-            self.ref.copy_(ref)
-            self.z_ref.copy_(z_ref)
+        """Take the value rows' reference again at X [L, d] float32 on the model's device (the X the next call's
+        row 0 is), in place: one float32 pass of the value rows writing the tensors a step reads, with no host read
+        and no tensor made from host data (a refresh's launches: at most three steps', tests/test_refresh.py). Where
+        capture_refresh captured it for this X tensor, its graph replays instead."""
+        if not (self.rows_on and self.ref is not None):
+            return
+        if self._refresh_graph is not None and X is self._refresh_graph[0]:
+            self._refresh_graph[1]()
+        else:
+            self._reference(X, (self.ref, self.z_ref))
+
+    def capture_refresh(self, X: torch.Tensor, device, keep=None, pool=None) -> None:
+        """On CUDA, capture refresh(X) as a graph of its own (sicl_fast.run.graphs.captured: warm-up refreshes on a
+        side stream, then the capture; keep and pool as there), which later refresh(X) calls with this same tensor X
+        replay: the static step's refresh between two replays of its step (StepCache). Elsewhere nothing changes
+        (the refresh runs eagerly, the same operations)."""
+        if self.rows_on and self.ref is not None and torch.device(device).type == "cuda":
+            self._refresh_graph = None
+            self._refresh_graph = (X, captured(lambda: self._reference(X, (self.ref, self.z_ref)), device, keep=keep,
+                                               pool=pool))
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten

@@ -6,7 +6,8 @@ that reads the state back only every k steps. It computes Algorithm 1 exactly as
     step()                                          perturb -> forward -> span log-probs -> proxy ->
                                                     best / patience / SNR / stop bookkeeping -> update, in place
     run_static(backend, config, prompt, sync_every=k) -> CalibrationResult
-    StepCache(device, capacity, buckets)            steps (and their CUDA graphs) kept per prompt shape; with length
+    StepCache(device, capacity, buckets)            steps (and their CUDA graphs: the step's, and its forward's
+                                                    reference refresh's) kept per prompt shape; with length
                                                     buckets (sicl_fast.run.buckets) prompts of nearby lengths run
                                                     padded to one shape and share a step
 
@@ -175,7 +176,11 @@ class StepCache:
 
         def build():
             st = StaticStep(backend, config, prompt, X0, bucket=bucket)
-            return st, captured(st, self.device, keep=model_refs(backend.model, backend.ops), pool=self.pool)
+            keep = model_refs(backend.model, backend.ops)
+            run = captured(st, self.device, keep=keep, pool=self.pool)
+            # the forward's refresh of its reference at the state's X: a graph of its own on the same pool
+            st.forward.capture_refresh(st.state.X, self.device, keep=keep, pool=self.pool)
+            return st, run
 
         (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0, bucket), build)
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
@@ -210,7 +215,7 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     while True:
         for _ in range(steps_to_read([slot], sync_every)):
             if every and slot.calls and slot.calls % every == 0:  # as the eager loop: the forward's reference of X,
-                st.forward.refresh(st.state.X)  # outside the captured step (its tensors are refreshed in place)
+                st.forward.refresh(st.state.X)  # in place between two steps (its own graph where StepCache made one)
             run()
             slot.calls += 1
             if on_update is not None:

@@ -512,19 +512,22 @@ def _resolve_pack(args) -> None:
     if getattr(args, "store", None) is not None or getattr(args, "reuse", None) in ("auto", "on"):
         args.pack = 1
         return
-    from ..models.decoder_config import SUPPORTED_FAMILIES
     from ..models.loading import resolve_device
-    from ..run.plan import BACKENDS, auto_pack
+    from ..run.plan import BACKENDS, auto_pack, resolve_backend
 
     dev = resolve_device(args.device)[0]
     if dev.type != "cuda":
         args.pack = 1
         return
-    from ..models.facts import model_facts
+    from ..models.facts import model_arch
 
-    _, family, n_params = model_facts(args.model)
+    _, cfg, arch = model_arch(args.model)
+    n_params = sum(p.numel() for p in arch.parameters())
     backend = getattr(args, "backend", "auto")
-    sync_free = BACKENDS[backend].sync_free if backend != "auto" else family in SUPPORTED_FAMILIES
+    if backend == "auto":  # the plan's rule, on the config alone: fast where the fast decoder's config builds
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        backend = resolve_backend(backend, text, arch.get_input_embeddings())[0]
+    sync_free = BACKENDS[backend].sync_free
     static = sync_free and getattr(args, "loop", "auto") != "eager"
     asked = getattr(args, "length_buckets", "auto") not in ("auto", "off")
     args.pack = auto_pack(dev, n_params, static, _wants_grad(args), buckets=asked)[0]
@@ -605,6 +608,20 @@ def _engine(args, add_special_tokens=None):
     return Engine(**_engine_kwargs(args, add_special_tokens))
 
 
+def _planned(args):
+    """(the engine's part of the records' settings, the model without its weights) as this command's engine would
+    give them, for a resume checked before the model loads (sicl_fast.run.settings.planned); None for a new or
+    streamed --out, and where they cannot be told before the weights are read."""
+    from pathlib import Path
+
+    from ..run.plan import Choices
+    from ..run.settings import planned
+
+    if str(args.out) == "-" or not Path(args.out).is_file():
+        return None
+    return planned(args.model, args.dtype, args.device, Choices(**_plan_choices(args, reuse=reuse_mode(args))))
+
+
 def _workers(args, add_special_tokens=None):
     """Where calibrate / icleval run their work: this process, or a Ray pool with --ray (sicl_fast.run.workers)."""
     if getattr(args, "ray", None) is None:
@@ -665,20 +682,26 @@ def cmd_calibrate(args) -> int:
     import functools
 
     from ..answering.export import ExportingWriter, check_export_dir
-    from .work import calibrate_requests, check_requests, group_requests
+    from .work import calibrate_requests, calibrate_settings, check_requests, group_requests
     from ..run.progress import StepProgress, progress_bar
     from ..formats.records import ResultWriter, check_output, nothing_left
     from ..formats.requests import read_requests
+    from ..run.settings import resume_check
     from ..run.workers import write_all
 
     requests = list(read_requests(args.requests))
     _check_flags(args)
     check_output(args.out, inputs=[args.requests])
-    if args.export:
+    where = f"--out {args.out}"
+    early = _planned(args)  # a resume's settings checked before the model loads (None: a new file, or not yet known)
+    if early is not None:
+        want = calibrate_settings(args, early[0], CalibrationConfig.for_model(early[1], **_overrides(args)),
+                                  _max_new_tokens(args))
+        if nothing_left(args.out, [r.id for r in requests], check=resume_check(want, where)):
+            print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
+            return 0  # a finished run resumed: no model to load
+    if args.export:  # after the resume's check: a refused resume makes no folder
         check_export_dir(args.export)
-    if nothing_left(args.out, [r.id for r in requests]):  # a finished run resumed: no model to load
-        print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
-        return 0
     with _workers(args) as workers:
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
@@ -686,7 +709,8 @@ def cmd_calibrate(args) -> int:
         work = functools.partial(calibrate_requests, config=cfg, max_new_tokens=_max_new_tokens(args),
                                  stop_strings=args.stop, generate=args.generate, export=bool(args.export),
                                  time_budget_s=args.time_budget)
-        with ResultWriter(args.out) as out:
+        want = calibrate_settings(args, workers.settings, cfg, _max_new_tokens(args))
+        with ResultWriter(args.out, settings=want, check=resume_check(want, where)) as out:
             todo = [r for r in requests if r.id not in out]
             if len(todo) < len(requests):
                 print(f"resuming: {len(requests) - len(todo)} of {len(requests)} requests already in {args.out}",
@@ -708,7 +732,7 @@ def cmd_icleval(args) -> int:
 
     _check_flags(args)
     check_icleval_args(args, {k: v for k, v in _overrides(args).items() if v is not None})
-    done = finished_run(args, _overrides(args))
+    done = finished_run(args, _overrides(args), _planned(args))
     if done is not None:  # a finished run resumed: its report, without loading the model
         print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
         return print_report(*done, args)
@@ -795,10 +819,11 @@ def cmd_profile(args) -> int:
 
 
 def cmd_gradstudy(args) -> int:
-    from ..diagnostics.gradstudy import StudySettings, markdown, study_prompt, summarize, write_report
+    from ..diagnostics.gradstudy import StudySettings, study_prompt, study_settings
     from ..run.progress import progress_bar
-    from ..formats.records import ResultWriter, check_out_dir, check_output, read_records
+    from ..formats.records import ResultWriter, check_out_dir, check_output, nothing_left
     from ..formats.requests import read_requests
+    from ..run.settings import engine_settings, resume_check
 
     requests = list(read_requests(args.requests))
     _check_flags(args)
@@ -810,10 +835,19 @@ def cmd_gradstudy(args) -> int:
     if args.report:
         require("matplotlib")
         check_out_dir(args.report, "--report", "study.md, study.json and the plots")
+    where, ids = f"--out {args.out}", [r.id for r in requests]
+    early = _planned(args)  # a resume's settings checked before the model loads
+    if early is not None:
+        want = study_settings(early[0], CalibrationConfig.for_model(early[1], **_overrides(args)), settings,
+                              args.add_special_tokens)
+        if nothing_left(args.out, ids, check=resume_check(want, where)):
+            print(f"nothing to do: all {len(ids)} requests are already in {args.out}", file=sys.stderr)
+            return _study_table(args, ids, settings, early[1].name)
     eng = _engine(args)
     cfg = eng.config(**_overrides(args))
     prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written
-    with ResultWriter(args.out) as out:
+    want = study_settings(engine_settings(eng), cfg, settings, args.add_special_tokens)
+    with ResultWriter(args.out, settings=want, check=resume_check(want, where)) as out:
         todo = [p for p in prompts if p.id not in out]
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
@@ -821,12 +855,21 @@ def cmd_gradstudy(args) -> int:
         with progress_bar(len(todo) * len(settings.points), "gradstudy", unit="point") as bar:
             for p in todo:
                 out.write(study_prompt(eng.backend, p, cfg, settings, on_point=lambda k: bar.update(1)))
-    ids = {p.id for p in prompts}
-    records = [r for r in read_records(args.out) if r.get("id") in ids]
+    return _study_table(args, ids, settings, eng.lm.name)
+
+
+def _study_table(args, ids, settings, title: str) -> int:
+    """gradstudy's table of the records of `ids` in --out (one settings: the resume check made sure), and its report
+    with --report."""
+    from ..diagnostics.gradstudy import markdown, summarize, write_report
+    from ..formats.records import read_records
+
+    wanted = set(ids)
+    records = [r for r in read_records(args.out) if r.get("id") in wanted]
     rows = summarize(records)
     print(markdown(rows))
     if args.report:
-        for path in write_report(args.report, rows, records, settings, title=eng.lm.name):
+        for path in write_report(args.report, rows, records, settings, title=title):
             print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -38,6 +38,19 @@ def group_requests(engine, requests: Sequence[Request], config: CalibrationConfi
     return list(groups.values())
 
 
+def calibrate_settings(args, engine: dict, config: CalibrationConfig, max_new_tokens: int) -> dict:
+    """The settings of calibrate's records (sicl_fast.run.settings): the engine's part, the config, the time budget,
+    the special tokens and the outputs the flags add (answers: their length and stop strings; exported
+    embeddings)."""
+    from ..run.settings import run_settings
+
+    gen = bool(args.generate)
+    outputs = {"generate": gen, "max_new_tokens": max_new_tokens if gen else None,
+               "stop": list(args.stop or ["\n"]) if gen else None, "export": bool(args.export)}
+    return run_settings("calibrate", engine, config, time_budget_s=args.time_budget,
+                        add_special_tokens=bool(args.add_special_tokens), outputs=outputs)
+
+
 def store_counts(engine) -> dict:
     """How many of the engine's calibrations came from its store, and how many ran."""
     return dict(engine.reuser.counts)
@@ -81,4 +94,4 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
     return records
 
 
-__all__ = ["check_requests", "group_requests", "store_counts", "calibrate_requests"]
+__all__ = ["check_requests", "group_requests", "calibrate_settings", "store_counts", "calibrate_requests"]

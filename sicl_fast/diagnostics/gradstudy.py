@@ -17,8 +17,9 @@ where step(.) is the calibration's own update (zo.ascend through the backend's o
 config's grad_mode, eta, cosine projection). mu is in units of the embedding scale, as everywhere.
 
 study_prompt() returns one JSON-ready record per prompt; summarize() pools the records into the table (means over
-prompts, points and seeds per estimator, mu and N); the CLI writes the records (resumable JSONL), the table and a
-plot of cosine against N, one line per mu.
+prompts, points and seeds per estimator, mu and N); the CLI writes the records (resumable JSONL, each with its
+settings, study_settings: a resume of another grid, config, model or plan is refused, so a table never pools two),
+the table and a plot of cosine against N, one line per mu.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from ..calibration.ascent import CalibrationConfig, Calibrator
 from ..errors import SiclError
 from ..calibration.grad import proxy_gradient
 from ..run.knobs import check_mu
+from ..run.settings import run_settings
 from ..formats.spans import Prompt
 from ..step.zo import estimate_gradient, step_directions
 
@@ -73,6 +75,14 @@ class StudySettings:
                 raise SiclError(f"gradstudy: {msg}")
         for m in self.mus:  # CalibrationConfig's rule for mu, before a model loads
             check_mu(m, "gradstudy", f"mu {m:g}")
+
+
+def study_settings(engine: dict, config: CalibrationConfig, settings: StudySettings,
+                   add_special_tokens: bool = False) -> dict:
+    """The settings of gradstudy's records (sicl_fast.run.settings): the engine's part, the config, the special tokens
+    and the study's grid (every field of StudySettings but chunk, the forward rows per batch: memory)."""
+    grid = {k: v for k, v in dataclasses.asdict(settings).items() if k != "chunk"}
+    return run_settings("gradstudy", engine, config, add_special_tokens=add_special_tokens, grid=grid)
 
 
 def _cosine(g: torch.Tensor, ref: torch.Tensor) -> float:
@@ -247,5 +257,5 @@ def write_report(out_dir, rows: Sequence[dict], records: Sequence[dict], setting
     return [str(out / "study.md"), str(out / "study.json"), str(png)]
 
 
-__all__ = ["StudySettings", "STUDY_NS", "STUDY_MUS", "STUDY_ESTIMATORS", "study_point", "study_prompt", "summarize",
-           "markdown", "write_report"]
+__all__ = ["StudySettings", "study_settings", "STUDY_NS", "STUDY_MUS", "STUDY_ESTIMATORS", "study_point",
+           "study_prompt", "summarize", "markdown", "write_report"]

@@ -12,6 +12,10 @@ see the same machine load); "host overhead" is what the whole step takes beyond 
     update            gradient estimate, clip, step, cosine projection
     host overhead     the whole step minus the phases above
 
+and, outside the step, the difference form's refresh of its value rows' float32 reference (StepForward.refresh,
+every REFRESH_EVERY steps; on CUDA a graph of its own): its time, that time amortised over the steps between two
+refreshes, and its kernels (a line below the table).
+
 FLOPs are counted from the shapes (2 per multiply-add of every product; attention's QK^T and PV over the keys
 each query sees; the elementwise work is not counted), split by the precision each product runs in: in the
 difference form (sicl_fast.models.rows) every projection and the span head are bf16 products and the attention is
@@ -249,6 +253,25 @@ def step_floor(backend, config, prompt, repeats: int = 5) -> Floor | None:
     return floor_of(st, measure_rates(backend.model, step_rows(st), st.forward.rows_on, repeats))
 
 
+@dataclass(frozen=True)
+class Refresh:
+    """The value rows' reference refresh of the difference form (module docstring): its best time, the steps
+    between two refreshes, its kernels."""
+
+    ms: float
+    every: int
+    kernels: int
+
+    @property
+    def per_step_ms(self) -> float:
+        return self.ms / self.every
+
+    def line(self, step_ms: float, step_kernels: int) -> str:
+        return (f"reference refresh: {self.ms:.2f} ms every {self.every} steps, {self.per_step_ms:.3f} ms a step "
+                f"amortised ({100 * self.per_step_ms / step_ms:.1f}% of the step); {self.kernels} kernels "
+                f"({self.kernels / step_kernels:.2f} steps' worth)")
+
+
 @dataclass
 class Profile:
     rows: list = field(default_factory=list)  # (phase, ms, share, GFLOP, GFLOP/s, floor ms, % of floor)
@@ -256,6 +279,7 @@ class Profile:
     peak_mb: float = 0.0
     floor: Floor | None = None
     kernels: KernelCount | None = None
+    refresh: Refresh | None = None  # None: no reference to refresh (plain products)
     info: dict = field(default_factory=dict)
 
     @property
@@ -281,6 +305,8 @@ class Profile:
                   "(bf16: the difference form's products and span head)",
                   f"peak extra memory of one step: {self.peak_mb:.1f} MiB",
                   self.kernels.line()]
+        if self.refresh is not None:
+            lines.append(self.refresh.line(self.step_ms, self.kernels.total))
         return "\n".join(lines)
 
     def as_json(self) -> dict:
@@ -289,6 +315,9 @@ class Profile:
                 "kernels": {"total": self.kernels.total, "per_layer": self.kernels.per_layer,
                             "rest": self.kernels.rest},
                 "rates": {"shape": r.shape, r.high_dtype: r.high, **({"bfloat16": r.low} if r.low else {})},
+                "refresh": None if self.refresh is None else {
+                    "ms": self.refresh.ms, "every": self.refresh.every, "per_step_ms": self.refresh.per_step_ms,
+                    "kernels": self.refresh.kernels},
                 "phases": [dict(zip(("phase", "ms", "share", "gflop", "gflops", "floor_ms", "pct_floor"), row))
                            for row in self.rows]}
 
@@ -314,16 +343,21 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
         "proxy": lambda: ops.proxy_planned(lp, st.proxy_plan),
         "update": lambda: ops.update(state.X, state.X0, f, state.step_t, spec, out=state.X_next),
     }
+    # the refresh of the value rows' reference, outside the step (the X it reads: the state's, as run_static's)
+    refresh = {"refresh": lambda: fwd.refresh(state.X)} if fwd.refresh_every else {}
     # the phases and the whole step timed in turn, round after round (best of each): the step minus its phases is
     # then not a difference of timings taken under different machine loads
-    best = best_in_turn({**phases, "whole step": st}, dev, repeats,
+    best = best_in_turn({**phases, "whole step": st, **refresh}, dev, repeats,
                         on_round=lambda r, n, t: say(f"round {r}/{n}: whole step {t['whole step']:.2f} ms, its "
-                                                     f"phases {sum(t.values()) - t['whole step']:.2f} ms"))
+                                                     f"phases {sum(t[k] for k in phases):.2f} ms"))
     step_ms = best.pop("whole step")
     times = {k: best.get(k, 0.0) for k in phases}
     times["host overhead"] = max(0.0, step_ms - sum(times.values()))
     for k in PHASES:
         say(f"{k}: {times[k]:.2f} ms ({100 * times[k] / step_ms:.1f}% of the step's best, {step_ms:.2f} ms)")
+    if refresh:
+        ms = best.pop("refresh")
+        say(f"refresh: {ms:.2f} ms every {fwd.refresh_every} steps ({ms / fwd.refresh_every:.3f} ms a step)")
     flops = step_flops(st)
     floor = floor_of(st, measure_rates(m, step_rows(st), fwd.rows_on))
     say(floor.rates.line())
@@ -337,6 +371,8 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
         st()
     out.peak_mb = mem.peak_mb
     out.kernels = kernels_per_step(st)
+    if refresh:
+        out.refresh = Refresh(ms=ms, every=fwd.refresh_every, kernels=count_kernels(refresh["refresh"]))
     out.info = dict(model=backend.lm.name, backend=backend.name, impl=ops.name,
                     dtype=str(m.dtype).replace("torch.", ""), device=str(dev), L=prompt.length, a=a,
                     b=prompt.demo_end, P=int(prompt.positions.numel()), N=spec.N, B=spec.B)
@@ -360,5 +396,6 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     return out
 
 
-__all__ = ["Profile", "profile_step", "count_kernels", "kernels_per_step", "layers_call", "KernelCount", "step_flops",
-           "step_flops_by_precision", "Rates", "measure_rates", "Floor", "floor_of", "step_floor", "PHASES"]
+__all__ = ["Profile", "Refresh", "profile_step", "count_kernels", "kernels_per_step", "layers_call", "KernelCount",
+           "step_flops", "step_flops_by_precision", "Rates", "measure_rates", "Floor", "floor_of", "step_floor",
+           "PHASES"]

@@ -3,7 +3,7 @@
 sicl_fast/commands/cli.py calls:
     add_icleval_eval_args(icleval_parser)          the flags below, on the icleval subcommand
     run_icleval_from_args(engine, config, args)    runs, prints the tables, writes the report; returns the exit code
-    finished_run(args, overrides)                  (model, records) of a resumed run with nothing left, or None
+    finished_run(args, overrides, early)           (model, records) of a resumed run with nothing left, or None
     print_report(model, records, args)             the tables (and --report) from the records
     add_report_command(subparsers)                 the `report` subcommand
     report_from_args(args)                         its implementation; returns the exit code
@@ -129,35 +129,35 @@ def run_icleval_from_args(engine, config, args, file=None) -> int:
     return print_report(workers.model_name, records, args, file)
 
 
-def finished_run(args, overrides: dict):
+def finished_run(args, overrides: dict, early):
     """(model name, records) when every record the run asks for is already in --out (a resumed run with nothing
-    left to do), found without loading the model: its name and preset come from its files
-    (sicl_fast.models.facts), and the records are checked as a resume checks them. None when there is work."""
+    left to do), found without loading the model: `early` is (the engine's part of the settings, the model without
+    its weights) as the run's engine would give them (sicl_fast.run.settings.planned; None: not known before the
+    load, the run then loads it), and the records are checked as a resume checks them: a file of other settings is
+    refused here. None when there is work."""
     from pathlib import Path
 
     from ..calibration.ascent import CalibrationConfig
-    from ..models.facts import model_facts
     from ..formats.records import nothing_left, read_records
-    from .methods import _check_existing, build_variants, record_key, select_samples, wanted_keys
+    from ..run.settings import resume_check
+    from .methods import _check_existing, build_variants, icleval_settings, record_key, select_samples, wanted_keys
 
-    if not Path(args.out).is_file():
+    if early is None or not Path(args.out).is_file():
         return None
-    try:
-        name, family, n_params = model_facts(args.model)
-    except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
-        return None
-    preset = CalibrationConfig.preset(family, n_params)
+    engine, lm = early
+    preset = CalibrationConfig.for_model(lm)
     config = preset.with_overrides(**overrides)
     variants = build_variants(args.method, None, config, make_variants(
         config, preset, ablate=args.ablate, sweep_N=args.sweep_N, sweep_mu=args.sweep_mu,
         reference=not args.no_reference), options_from_args(args))
     keys = wanted_keys(select_samples(args.dir, args.tasks, args.limit), variants)
-    if not nothing_left(args.out, keys, key=record_key):
+    want = icleval_settings(engine, config, getattr(args, "time_budget", None), args.answer_at)
+    if not nothing_left(args.out, keys, key=record_key, check=resume_check(want, f"--out {args.out}")):
         return None
     records = read_records(args.out)
-    _check_existing(records, variants, name, args.out, getattr(args, "time_budget", None), args.answer_at)
+    _check_existing(records, variants, lm.name, args.out, getattr(args, "time_budget", None), args.answer_at)
     wanted = set(keys)
-    return name, [r for r in records if record_key(r) in wanted]
+    return lm.name, [r for r in records if record_key(r) in wanted]
 
 
 def print_report(model: str, records: list[dict], args, file=None) -> int:

@@ -23,7 +23,9 @@ decoded from the best X after each of those step counts ({"1": ..., "5": ...}; a
 its final answer, counts past max_steps none; an X already decoded is not decoded again).
 The base answer is decoded once per sample and shared by all variants. Records are written whole (ResultWriter),
 so an interrupted run resumes where it stopped; a resumed run refuses records of another model or of a variant
-whose settings changed.
+whose settings changed. Every record carries its run's settings (sicl_fast.run.settings: the model, the run plan's
+axes, the run's config, time budget and --answer-at): a resume refuses a file of other settings or of settings
+unknown.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
 from ..formats.records import STDOUT, ResultWriter, check_output, read_records
+from ..run.settings import resume_check, run_settings, settings_diff
 from ..run.workers import as_workers, write_all
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
@@ -315,7 +318,7 @@ def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], op
 def lost_records(chunk: Sequence[tuple[Sample, Sequence[Variant]]], message: str, model: str,
                  time_budget_s: float | None = None) -> list[dict]:
     """The error records of samples whose worker died too often: one per variant, with the message (and the time
-    budget of the calibrations, a setting of the run as record_settings reads it)."""
+    budget of the calibrations, a setting of the run as variant_settings reads it)."""
     budget = {"time_budget_s": time_budget_s} if time_budget_s is not None else {}
     return [{**_common(sample, v, model), "config": v.config_dict(), "error": message,
              **(budget if v.method in CALIBRATIONS else {})}
@@ -350,13 +353,23 @@ def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model:
         name = rec.get("variant", "sicl")
         if name not in want or "config" not in rec:
             continue
-        diff = settings_diff(record_settings(rec, want[name]), want[name])
+        diff = settings_diff(variant_settings(rec, want[name]), want[name])
         if diff:
             raise SiclError(f"{path}: variant {name!r} was run with other settings ({', '.join(diff)} differ); "
                             f"use another --out or the same settings")
 
 
-def record_settings(rec: dict, like: dict | None = None) -> dict:
+def icleval_settings(engine: dict, config, time_budget_s: float | None = None,
+                     answer_at: Sequence[int] = ()) -> dict:
+    """The settings of an icleval run's records (sicl_fast.run.settings): the engine's part, the run's config (the
+    one its variants derive from; None where it calibrates nothing), the time budget and the step counts answered
+    at (--answer-at, those up to max_steps)."""
+    limit = config.max_steps if config is not None else None
+    answers = sorted({int(k) for k in answer_at if limit is None or int(k) <= limit})
+    return run_settings("icleval", engine, config, time_budget_s=time_budget_s, answers_at=answers)
+
+
+def variant_settings(rec: dict, like: dict | None = None) -> dict:
     """What the record `rec` (with a "config") was run with (_settings). A failed sample's record (lost_records)
     holds no answers along the way, and an older version's no time budget: those are taken from `like` (the
     settings it is compared with), not compared."""
@@ -368,21 +381,6 @@ def record_settings(rec: dict, like: dict | None = None) -> dict:
             if name in like:
                 got[name] = like[name]
     return got
-
-
-def settings_diff(got: dict, want: dict) -> list[str]:
-    """The names of the settings (record_settings) in which two runs of a variant differ, sorted; [] when none: the
-    one rule of a resumed icleval run and of `report` (which refuses to pool records of other settings)."""
-    return sorted(k for k in set(got) | set(want) if _norm(got.get(k)) != _norm(want.get(k)))
-
-
-def _norm(v):
-    """Configs compare after a JSON round trip (tuples become lists)."""
-    if isinstance(v, dict):
-        return {k: _norm(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_norm(x) for x in v]
-    return v
 
 
 def select_samples(data_dir, tasks=None, limit: int | None = None) -> list[Sample]:
@@ -444,7 +442,8 @@ def run_methods(
                 print(f"note: method {v.method!r} applies to classification files only "
                       f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
     model = workers.model_name
-    with ResultWriter(out_path, key=record_key) as out:
+    want = icleval_settings(workers.settings, config, time_budget_s, answer_at)
+    with ResultWriter(out_path, key=record_key, settings=want, check=resume_check(want, f"--out {out_path}")) as out:
         _check_existing(read_records(out_path), variants, model, out_path, time_budget_s, answer_at)
         todo = [(s, [v for v in variants if _applies(v, s) and (v.name, s.task_file, s.uid) not in out])
                 for s in samples]
@@ -473,7 +472,8 @@ __all__ = [
     "BaselineOptions",
     "build_variants",
     "record_key",
-    "record_settings",
+    "icleval_settings",
+    "variant_settings",
     "settings_diff",
     "run_methods",
     "check_records_out",

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from ..errors import SiclError
 from ..icleval.tasks import TASK_FILES
 from ..formats.records import read_records, write_text_atomic
+from ..run.settings import record_settings
 from . import stats
 from .budget import budget_curves, runs_compared
 
@@ -55,26 +56,65 @@ class Run:
 
 
 def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = None) -> list[Run]:
-    """One Run per results file, named by its model (the records' "model" field) or else by the file's stem."""
+    """One Run per results file and settings, named by its model (the records' "model" field) or else by the file's
+    stem (or by `names`, one per file). A file holding records of several settings (sicl_fast.run.settings: two
+    models, dtypes, difference products, backends, configs, ...) is split into one run per settings, each named with
+    what sets it apart, and said so on stderr: records of other settings are never pooled. Records without settings
+    (written before records carried them) are a run of their own per model, "settings unknown"."""
     if names is not None and len(names) != len(paths):
         raise SiclError(f"{len(names)} names for {len(paths)} results files")
     runs: list[Run] = []
     used: set[str] = set()
     for i, p in enumerate(paths):
-        recs = drop_failed(read_records(p, allow_empty=False), str(p))
-        if names is not None:
-            name = names[i]
-        else:
-            models = {r.get("model") for r in recs if r.get("model")}
-            name = models.pop() if len(models) == 1 else Path(p).stem
-            if name in used:
-                name = f"{name} ({Path(p).stem})"
-        k, base = 2, name
-        while name in used:
-            name, k = f"{base} #{k}", k + 1
-        used.add(name)
-        runs.append(Run(name=name, records=recs, source=str(p)))
+        parts = split_by_settings(drop_failed(read_records(p, allow_empty=False), str(p)))
+        if len(parts) > 1:
+            print(f"note: {p}: its records were made with {len(parts)} different settings, reported as "
+                  f"{len(parts)} runs (never pooled): " + "; ".join(label for _, label, _ in parts), file=sys.stderr)
+        for _, label, recs in parts:
+            if names is not None:
+                name = names[i]
+            else:
+                models = {r.get("model") for r in recs if r.get("model")}
+                name = models.pop() if len(models) == 1 else Path(p).stem
+                if name in used:
+                    name = f"{name} ({Path(p).stem})"
+            name = f"{name} [{label}]" if len(parts) > 1 else name
+            k, base = 2, name
+            while name in used:
+                name, k = f"{base} #{k}", k + 1
+            used.add(name)
+            runs.append(Run(name=name, records=recs, source=str(p)))
     return runs
+
+
+def split_by_settings(records: Sequence[dict]) -> list[tuple[dict | None, str, list[dict]]]:
+    """The records grouped by their settings (sicl_fast.run.settings.record_settings; those without, by their model),
+    in order of first appearance: (settings or None, a label naming what sets the group apart from the others, its
+    records)."""
+    from ..run.settings import flatten, settings_diff, short_name
+
+    groups: dict = {}
+    for r in records:
+        got = record_settings(r)
+        key = ("known", json.dumps(got, sort_keys=True)) if got is not None else ("unknown", str(r.get("model")))
+        groups.setdefault(key, (got, []))[1].append(r)
+    known = [g for g, _ in groups.values() if g is not None]
+    differ = sorted({n for g in known[1:] for n in settings_diff(known[0], g)})
+    unknown_models = {k[1] for k in groups if k[0] == "unknown"}
+    out = []
+    for (_, model), (got, recs) in groups.items():
+        if got is None:
+            label = "settings unknown" + (f", model {model}" if len(unknown_models) > 1 else "")
+        else:
+            flat = flatten(got)
+            shown = [f"{short_name(n)}={_label_value(flat.get(n))}" for n in differ[:3]]
+            label = ", ".join(shown + ([f"+{len(differ) - 3} more"] if len(differ) > 3 else [])) or "settings recorded"
+        out.append((got, label, recs))
+    return out
+
+
+def _label_value(v) -> str:
+    return "unset" if v is None else v if isinstance(v, str) else json.dumps(v)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -131,8 +171,8 @@ def drop_failed(records: Sequence[dict], where: str = "") -> list[dict]:
 
 
 def check_records(records: Sequence[dict], where: str = "") -> None:
-    """Every record needs the fields the report reads; one (variant, task, uid) at most once; the records of one
-    variant were run with one setting (check_settings)."""
+    """Every record needs the fields the report reads; one (variant, task, uid) at most once; every record of one
+    settings (split_by_settings), and the records of one variant with one setting (check_settings)."""
     need = ("task", "uid", "correct_base", "correct_calibrated")
     seen = set()
     for i, r in enumerate(records):
@@ -143,15 +183,21 @@ def check_records(records: Sequence[dict], where: str = "") -> None:
         if key in seen:
             raise SiclError(f"{where} record {i}: duplicate record for variant {key[0]!r}, {key[1]}:{key[2]}")
         seen.add(key)
+    parts = split_by_settings(records)
+    if len(parts) > 1:
+        raise SiclError(f"{where}: holds records of {len(parts)} settings ({'; '.join(p[1] for p in parts)}); a run "
+                        "pools the records of one settings (load_runs splits a file into one run per settings)")
     check_settings(records, where)
 
 
 def check_settings(records: Sequence[dict], where: str = "") -> None:
-    """Refuse a variant whose records were run with other settings (its config, time budget, --answer-at: the rule
-    a resumed icleval run applies, sicl_fast.evaluation.methods.settings_diff): pooled, they would read as one run
-    of the first record's settings. The message names each setting that differs with both values. Records
-    without a config (written by hand, or by an older version) are not compared."""
-    from .methods import record_settings, settings_diff
+    """Refuse a variant of one run whose records were run with other settings (its config, time budget,
+    --answer-at, compared by sicl_fast.run.settings.settings_diff, the rule of every resume): pooled, they would read
+    as one run of the first record's settings. Runs are split by their records' settings first (load_runs), so this
+    finds what those do not tell apart: records without settings (an older version's) or edited by hand. The
+    message names each setting that differs with both values. Records without a config are not compared."""
+    from ..run.settings import describe_diff
+    from .methods import settings_diff, variant_settings
 
     first: dict[str, tuple[dict, dict]] = {}
     for r in records:
@@ -159,20 +205,15 @@ def check_settings(records: Sequence[dict], where: str = "") -> None:
             continue
         name = variant_of(r)
         if name not in first:
-            first[name] = (r, record_settings(r))
+            first[name] = (r, variant_settings(r))
             continue
         r0, want = first[name]
-        got = record_settings(r, want)
+        got = variant_settings(r, want)
         diff = settings_diff(got, want)
         if diff:
-            shown = ", ".join(f"{k} {_fmt_setting(want.get(k))} / {_fmt_setting(got.get(k))}" for k in diff)
-            raise SiclError(f"{where}: variant {name!r} holds records run with other settings: {shown} "
-                            f"({r0['task']}:{r0['uid']} / {r['task']}:{r['uid']}); a report pools one run's "
-                            "records: give each run its own results file")
-
-
-def _fmt_setting(v) -> str:
-    return "unset" if v is None else json.dumps(v)
+            raise SiclError(f"{where}: variant {name!r} holds records run with other settings: "
+                            f"{describe_diff(want, got, diff)} ({r0['task']}:{r0['uid']} / {r['task']}:{r['uid']}); "
+                            "a report pools one run's records: give each run its own results file")
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -328,6 +369,7 @@ def build_report(runs: Sequence[Run]) -> dict:
         check_records(run.records, run.source or run.name)  # the file, where there is one
         groups = group_variants(run.records)
         out_runs.append({"name": run.name, "source": run.source, "n_records": len(run.records),
+                         "settings": record_settings(run.records[0]) if run.records else None,
                          "models": sorted({r["model"] for r in run.records if r.get("model")}),
                          "variants": [variant_report(k, v) for k, v in groups.items()],
                          "methods": methods_table(groups) if len(groups) > 1 else None})
@@ -402,6 +444,20 @@ def _config_line(cfg) -> str:
     return ", ".join(f"{k}={_fmt(v)}" for k, v in cfg.items())
 
 
+def _run_settings_line(st: dict) -> str:
+    """The run-level settings of a run (sicl_fast.run.settings) in one line; the config is each variant's line."""
+    model = st.get("model") or {}
+    parts = [f"model {model.get('name')} ({model.get('fingerprint')})",
+             f"{st.get('dtype')} on {st.get('device')}"]
+    parts += [f"{k} {'off' if st.get(k) is None else st.get(k)}"
+              for k in ("backend", "impl", "attention", "diff_matmul", "length_buckets", "pack")]
+    if st.get("time_budget_s") is not None:
+        parts.append(f"time budget {st['time_budget_s']} s")
+    if st.get("answers_at"):
+        parts.append(f"answers at {st['answers_at']}")
+    return ", ".join(parts)
+
+
 def render_markdown(report: dict) -> str:
     L: list[str] = ["# sicl_fast evaluation report", ""]
     L.append(
@@ -410,6 +466,10 @@ def render_markdown(report: dict) -> str:
     L.append("")
     for run in report["runs"]:
         L += [f"## {run['name']}", ""]
+        if run.get("settings"):
+            L += [f"Run settings: {_run_settings_line(run['settings'])}", ""]
+        elif "settings" in run:
+            L += ["Run settings: unknown (records written before they carried their settings)", ""]
         mt = run.get("methods")
         if mt:
             L += ["### Methods compared (accuracy %, per task)", "",

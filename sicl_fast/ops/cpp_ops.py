@@ -19,7 +19,7 @@ imports; `available()` is False and CppStepOps() raises a SiclError saying how t
     randn(seed, step, num, rows, d) -> U [num, rows, d] float32   (= sicl_fast.step.rng.directions)
     attention(q, k, v, prefix, pos0, k0, scale, softcap, window) -> o   the fast decoder's attention 'cpp'
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o   the same on a difference-form pass
-    span_head(hidden, weight, targets, softcap) -> [B, P]   CppStepOps's span head
+    span_head(hidden, weight, targets, softcap, bias) -> [B, P]   CppStepOps's span head
     span_head_rows(hidden, weight, targets, anchor, softcap, z_ref, value_slot) -> [B, P]
                                                ... of a difference-form pass (z_ref: the value rows' reference logits)
     CppStepOps, CppDecoderOps                  the ops protocols (sicl_fast.ops.base)
@@ -165,14 +165,17 @@ def randn(seed: int, step: int, num: int, rows: int, d: int) -> torch.Tensor:
     return out
 
 
-def span_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap=None) -> torch.Tensor:
-    """hidden [B, P, d], weight [V, d], targets [P] -> [B, P] float32 log-probabilities of the targets, on float32
-    CPU tensors (other dtypes and devices, and autograd, take the reference, vocab_chunked_logprobs). The products
-    run a vocabulary chunk (HEAD_CHUNK rows) at a time into one reused buffer; csrc/span_head.cpp's lse_chunk
-    folds each into the rows' running max and sum while it is still in cache."""
+def span_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap=None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [B, P, d], weight [V, d], targets [P], bias [V] or None -> [B, P] float32 log-probabilities of the
+    targets, on float32 CPU tensors (other dtypes and devices, and autograd, take the reference,
+    vocab_chunked_logprobs). The products run a vocabulary chunk (HEAD_CHUNK rows) at a time into one reused buffer
+    (the bias added there); csrc/span_head.cpp's lse_chunk folds each into the rows' running max and sum while it is
+    still in cache."""
     if (hidden.dtype != torch.float32 or weight.dtype != torch.float32 or hidden.device.type != "cpu"
+            or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
             or (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad))):
-        return vocab_chunked_logprobs(hidden, weight, targets, softcap)
+        return vocab_chunked_logprobs(hidden, weight, targets, softcap, bias=bias)
     B, P, d = hidden.shape
     V, M = weight.shape[0], B * P
     h = hidden.reshape(M, d)
@@ -184,6 +187,8 @@ def span_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         v1 = min(V, v0 + HEAD_CHUNK)
         z = buf[: M * (v1 - v0)].view(M, v1 - v0)
         torch.mm(h, weight[v0:v1].t(), out=z)
+        if bias is not None:
+            z.add_(bias[v0:v1])
         _ext().lse_chunk(z.numpy(), v0, tgt.numpy(), float(softcap or 0.0), m.numpy(), s.numpy(), picked.numpy())
     return (picked - (m + torch.log(s))).view(B, P)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SiclError
+from ..step.logprobs import vocab_chunked_logprobs
 from ..step.spec import StepSpec
 from .torch_ops import TorchStepOps
 
@@ -51,7 +52,9 @@ class TritonStepOps(TorchStepOps):
     def update(self, X, X0, f, step, spec: StepSpec, out=None, rows_end=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.K.zo_update(X.float(), X0.float(), f, step, spec, out=out, rows_end=rows_end)
 
-    def span_head(self, hidden, weight, targets, softcap=None) -> torch.Tensor:
+    def span_head(self, hidden, weight, targets, softcap=None, bias=None) -> torch.Tensor:
+        if bias is not None:  # an output module's bias (the hf backend's head of Phi-2, GPT-J): the reference's
+            return vocab_chunked_logprobs(hidden, weight, targets, softcap, bias=bias)
         # a prompt's targets: checked once by sicl_fast.run.checks.check_tokens, never read back per step
         return self.K.span_logprobs(hidden, weight, targets, softcap=softcap, check_targets=False)
 
@@ -73,6 +76,7 @@ class TritonDecoderOps:
         K = load_kernels(device)
         self.residual_norm, self.qk_rope, self.gated, self.softcap_ = K.residual_norm, K.qk_rope, K.gated, K.softcap_
         self.norm_rows, self.rope_rows, self.gated_rows = K.norm_rows, K.rope_rows, K.gated_rows  # the rows' epilogues
+        self.split_bf16 = K.split_bf16  # the reference pass's bf16 pieces (sicl_fast.models.reference)
 
 
 __all__ = ["TritonStepOps", "TritonDecoderOps", "load_kernels"]

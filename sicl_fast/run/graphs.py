@@ -37,7 +37,7 @@ class CapturedStep:
 
     def __init__(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None,
                  pool=None) -> None:
-        self.fn = fn
+        self.fn, self.pool = fn, pool
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

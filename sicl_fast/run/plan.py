@@ -6,13 +6,17 @@ refusal rule, each in one place.
     print(plan.explain())           every axis, its value and why it resolved so (`sicl-fast plan`)
 
 The axes:
-    backend       auto (fast for the families it runs, else hf), fast, fast-fp32 (fast with plain products), hf,
-                  naive
+    backend       auto (fast where the fast decoder's config builds from the whole model config, else hf with the
+                  refusal as the reason), fast, fast-fp32 (fast with plain products), hf, naive
+    head          how the hf backend makes the span rows' logits (sicl_fast.models.output_head: the LM head's
+                  weight with the family's bias, multiplier and soft-cap, or the model's own forward at those rows),
+                  checked against the model's own forward
     impl          the hot ops (sicl_fast.ops): auto (Triton on CUDA, the C++ extension on the CPU when built, else
                   torch; torch for the exact gradient), torch, cpp, triton
     attention     the fast decoder's attention kernel (sicl_fast.models.attention): auto, math, sdpa, flash, triton,
-                  cpp; attention_check: whether the kernel is compared with the math path when the backend is built
-                  (CUDA); per call the kernel hands what it cannot do exactly to the math path (named in explain())
+                  cpp; attention_check: whether the kernel is compared with the math path when the plan is made
+                  (CUDA; 'math' where it fails, with the kernel and why); per call the kernel hands what it cannot do
+                  exactly to the math path (named in explain())
     diff_matmul   the fast decoder's difference form for perturbation batches (sicl_fast.models.rows): auto, off
                   (plain products in the model dtype), bf16, fp8 (the differences in FP8 e4m3)
     loop          static (the sync-free step, sicl_fast.calibration.static) or eager (Calibrator.run); sync_every
@@ -43,7 +47,8 @@ from .graphs import BUCKET_CAPACITY, DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
 from ..models.attention import ATTN_IMPLS, flash_available
 from ..models.loading import check_device
-from ..models.decoder_config import SUPPORTED_FAMILIES, DecoderConfig
+from ..models.decoder_config import DecoderConfig, UnsupportedModelError
+from ..models.output_head import OutputHead, attention_of, eager_reason
 from ..models.transformer import DIFF_MATMUL, fast_low_precision
 from ..ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
 from ..ops.triton_ops import load_kernels
@@ -137,12 +142,52 @@ def no_differentiable_forward(name: str) -> str:
             + ", ".join(f"'{n}'" for n in GRAD_BACKENDS[:-1]) + f" and '{GRAD_BACKENDS[-1]}' backends")
 
 
-def resolve_backend(name: str, family: str) -> tuple[str, str]:
-    if name != "auto":
-        return name, "asked for"
-    if family in SUPPORTED_FAMILIES:
-        return "fast", f"auto: the fast forward runs the {family!r} family"
-    return "hf", f"auto: the fast forward does not run the {family!r} family"
+def resolve_backend(name: str, config, embedding, lm=None) -> tuple[str, str, DecoderConfig | None]:
+    """(the backend `name` resolves to, why, the fast decoder's config where it is the fast one) for a model's text
+    config and input-embedding module. 'auto' builds the fast decoder's config from the whole config and takes
+    'hf' on any refusal (another family, a rope type, partial rotary, ...), the refusal its reason; a fast backend
+    asked for raises it (UnsupportedModelError). lm: the loaded model, whose own logits the fast decoder's head
+    must make (fast_head_refusal); None before a model loads (the command line's --pack auto)."""
+    try:
+        decoder = DecoderConfig.from_hf(config, embedding) if name == "auto" or BACKENDS[name].cls == "fast" else None
+        why = fast_head_refusal(decoder, lm) if decoder is not None and lm is not None else None
+        if why is not None:
+            raise UnsupportedModelError(why)
+    except UnsupportedModelError as exc:
+        if name != "auto":
+            raise
+        return "hf", f"auto: the fast decoder refuses this {config.model_type!r} model: {exc}", None
+    if name == "auto":
+        return "fast", f"auto: the fast decoder runs this {config.model_type!r} model", decoder
+    return name, "asked for", decoder
+
+
+def fast_head_refusal(decoder: DecoderConfig, lm) -> str | None:
+    """Why the fast decoder's LM head would not make the model's own logits (None: it does): the model's head as
+    checked against its forward (LoadedModel.output_head) has a bias, a cut vocabulary, a rule the table does not
+    know, or another final soft-cap (Gemma3ForConditionalGeneration does not soft-cap, whatever its text config
+    says)."""
+    head = lm.output_head
+    if head.mode != "table":
+        return f"its logits are not its LM head's weight with the known rules: {head.why}"
+    if head.bias or head.vocab is not None:
+        return f"the fast decoder's head has no bias and no cut vocabulary: {head.why}"
+    if head.softcap != decoder.final_softcap:
+        return (f"the fast decoder soft-caps the logits at {decoder.final_softcap}, and {type(lm.model).__name__} "
+                f"at {head.softcap} ({head.why})")
+    return None
+
+
+def resolve_head(kind: BackendKind, lm) -> tuple[OutputHead | None, str]:
+    """(the hf backend's OutputHead, why): how the span rows' logits are made, checked against the model's own
+    forward (LoadedModel.output_head, which refuses a model that is not causal or whose input embeddings are not its
+    tokens': the naive backend's rule too). The fast decoder makes its own (its DecoderConfig)."""
+    if kind.cls == "fast":
+        return None, "the fast decoder's LM head (its config's final soft-cap), checked against the model's own logits"
+    head = lm.output_head  # the probe runs once per loaded model; its refusals hold for naive too
+    if kind.cls == "naive":
+        return None, "the model's own full logits, every row"
+    return head, head.why
 
 
 def resolve_impl(impl: str, device, grad: bool = False) -> tuple[str, str]:
@@ -182,9 +227,18 @@ MATH_PATH = {
 }
 
 
-def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str) -> tuple[str | None, str]:
+def resolve_attention(attn: str, kind: BackendKind, device, dtype, impl: str, lm=None) -> tuple[str | None, str]:
+    """The fast decoder's attention kernel and why; for the hf and naive backends, which run transformers' own
+    attention, a refusal where the loaded model's attention drops what its math needs (eager_reason; load() and
+    from_transformers() choose eager for such a model)."""
     if kind.cls != "fast":
-        return None, "transformers' own attention (not the fast decoder)"
+        runs = attention_of(lm.model) if lm is not None else None
+        why = eager_reason(lm.model.config) if lm is not None else None
+        if why is not None and runs != "eager":
+            raise SiclError(f"model {lm.name!r} ({lm.family}) runs transformers' {runs!r} attention, but {why}: "
+                            "load it with sicl_fast.load or from_transformers (which pick eager attention for it), or "
+                            "call model.set_attn_implementation('eager')")
+        return None, f"transformers' own attention ({runs})" + (f": eager, as {why}" if why else "")
     dev = torch.device(device)
     if attn == "triton":
         load_kernels(dev, "attention implementation 'triton'", "'sdpa' / 'math'")
@@ -222,8 +276,25 @@ def resolve_attention_check(attention: str | None, device, fallback: bool) -> tu
         return False, "the math path is the reference"
     if torch.device(device).type != "cuda":
         return False, "not CUDA: the CPU kernels are tested against the math path"
-    return True, ("CUDA: compared with the math path once, when the backend is built; "
+    return True, ("CUDA: compared with the math path once, when the plan is made; "
                   + ("'math' on a mismatch (auto)" if fallback else "a mismatch is an error (asked for)"))
+
+
+def verify_attention(attention: str, decoder: DecoderConfig, device, dtype, fallback: bool, rows: bool):
+    """The check resolve_attention_check turned on, run (Attention.verify on the model's heads, on its device, with
+    the difference form's rows where they are on): (the kernel the backend will run, the reason when that is not
+    `attention` (else None), the check's value and reason). A kernel that fails its check is replaced by 'math' with
+    fallback (asked 'auto'), else raises SiclError naming the kernel and why."""
+    from ..models.attention import Attention
+    from ..ops import attention_kernels
+
+    att = Attention(attention, decoder.attn_scale, decoder.attn_softcap, dtype, device, attention_kernels(attention))
+    problem = att.verify(decoder.H, decoder.Hk, decoder.hd, fallback=fallback, rows=rows)  # warns where it falls back
+    if problem is None:
+        return attention, None, "passed", "CUDA: compared with the math path once, on the model's heads: within " \
+            "tolerance"
+    return ("math", f"{attention!r} failed its check on this machine (attention_check): the math path", "failed",
+            f"CUDA: {problem}; 'math' instead")
 
 
 # what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17),
@@ -497,9 +568,10 @@ class RunPlan:
     impl: str  # 'torch', 'cpp', 'triton'
     attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not fast
     attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
-    attention_check: bool  # compare the kernel with the math path once when the backend is built (CUDA)
+    attention_check: bool  # the kernel compared with the math path once when the plan was made (CUDA)
     diff_matmul: str  # 'off', 'bf16', 'fp8'
     decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)
+    head: OutputHead | None  # how the hf backend makes the span rows' logits (None: not the hf backend)
     loop: str  # 'static' or 'eager': where zeroth-order calibrations run
     loop_asked: str
     sync_every: int
@@ -612,13 +684,18 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     c = choices if choices is not None else Choices(**kw)
     dev, dtype, family = torch.device(lm.device), lm.dtype, lm.family
     check_device(dev, f"model {lm.name!r} (on {dev})")
-    backend, why_backend = resolve_backend(c.backend, family)
+    backend, why_backend, decoder = resolve_backend(c.backend, lm.text_config, lm.model.get_input_embeddings(), lm)
     kind = BACKENDS[backend]
-    decoder = DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) if kind.cls == "fast" else None
     impl, why_impl = resolve_impl(c.impl, dev, c.grad)
-    attention, why_attention = resolve_attention(c.attn, kind, dev, dtype, impl)
+    attention, why_attention = resolve_attention(c.attn, kind, dev, dtype, impl, lm)
+    head, why_head = resolve_head(kind, lm)
     check, why_check = resolve_attention_check(attention, dev, c.attn == "auto")
     diff, why_diff = resolve_diff(c.diff_matmul, kind, dev, dtype)
+    checked = "on" if check else "off"
+    if check:
+        attention, failed, checked, why_check = verify_attention(attention, decoder, dev, dtype, c.attn == "auto",
+                                                                 diff != "off")
+        why_attention = failed or why_attention
     loop, why_loop = resolve_loop(c.loop, backend)
     static = loop == "static"
     if c.grad and static:  # the loop axis is the zeroth-order calibrations' (loop_for)
@@ -650,8 +727,9 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     loaded = lm.extra.get("why", {})  # how the model's device and dtype were chosen (sicl_fast.models.loading)
     why = (("device", str(dev), loaded.get("device", "the loaded model's")),
            ("dtype", str(dtype).replace("torch.", ""), loaded.get("dtype", "the loaded model's")),
-           ("backend", backend, why_backend), ("impl", impl, why_impl),
-           ("attention", attention or "-", why_attention), ("attention_check", "on" if check else "off", why_check),
+           ("backend", backend, why_backend), ("head", head.mode if head else "-", why_head),
+           ("impl", impl, why_impl),
+           ("attention", attention or "-", why_attention), ("attention_check", checked, why_check),
            ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("read_every", read_every, why_read),
            ("graphs", "on" if graphs else "off", why_graphs),
@@ -661,7 +739,8 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
                    attention=attention, attention_fallback=c.attn == "auto", attention_check=check, diff_matmul=diff,
-                   decoder=decoder, loop=loop, loop_asked=c.loop, sync_every=sync_every, read_every=read_every,
+                   decoder=decoder, head=head, loop=loop, loop_asked=c.loop, sync_every=sync_every,
+                   read_every=read_every,
                    graphs=graphs, graph_cache=graph_cache, length_buckets=buckets, pack=pack, grad=c.grad,
                    grad_refusal=refusal, reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
@@ -670,7 +749,8 @@ __all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PACKED_BUCKETS", "PLA
            "BackendKind", "Choices", "RunPlan", "auto_pack", "buckets_unused", "check_buckets", "make_plan",
            "plain_low_precision", "check_estimator", "check_unpacked",
            "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
-           "resolve_attention", "resolve_attention_check", "resolve_attention_kernel", "resolve_backend",
+           "fast_head_refusal", "resolve_attention", "resolve_attention_check", "resolve_attention_kernel",
+           "resolve_backend", "resolve_head",
            "resolve_buckets", "resolve_diff", "resolve_graph_cache", "resolve_graphs", "resolve_impl", "resolve_loop",
-           "resolve_pack", "resolve_read_every",
+           "resolve_pack", "resolve_read_every", "verify_attention",
            "resolve_reuse", "without_effect"]

@@ -3,6 +3,7 @@
 Both give the driver the same surface, so `calibrate` and `icleval` are written once:
 
     workers.model_name                 the engine's model name (records carry it)
+    workers.settings                   the engine's part of the records' settings (sicl_fast.run.settings)
     workers.config(**overrides)        the model's preset CalibrationConfig with overrides (None values ignored)
     workers.call(fn, *args)            fn(engine, *args) on one engine; for checks that must pass before any work
     workers.watch_steps(hook)          hook(step, proxy) for every calibration step of a local run (the progress
@@ -38,12 +39,16 @@ Outcome = Done | Lost
 
 
 def engine_facts(engine) -> dict:
-    """What the driver needs to know about the engine without holding the model: its name and config preset, and
-    what it computes on (the plan's thread count and torch's, which the plan set)."""
+    """What the driver needs to know about the engine without holding the model: its name and config preset, what
+    it computes on (the plan's thread count and torch's, which the plan set) and its part of the records' settings
+    (sicl_fast.run.settings.engine_settings)."""
     import torch
 
+    from .settings import engine_settings
+
     return {"name": engine.lm.name, "preset": engine.config(), "threads": engine.plan.threads,
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(),
+            "settings": engine_settings(engine)}
 
 
 class Workers:
@@ -65,6 +70,11 @@ class Workers:
     @property
     def model_name(self) -> str:
         return self._known()["name"]
+
+    @property
+    def settings(self) -> dict:
+        """The engine's part of the records' settings (sicl_fast.run.settings.engine_settings)."""
+        return self._known()["settings"]
 
     def config(self, config=None, **overrides):
         """Same rule as Engine.config: the preset (or `config`) with the non-None overrides."""

@@ -44,11 +44,12 @@ def vocab_chunked_logprobs(
     targets: torch.Tensor,
     softcap: float | None = None,
     max_elems: int = 1 << 22,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log_softmax(hidden @ head_weight.T) at the targets: hidden [B, P, d], head_weight [V, d], targets [P] -> [B, P]
-    float32 (float64 from a float64 model: the exact-gradient checks). Walks the vocabulary in chunks (256 to 8192
-    rows, B*P*chunk <= max_elems when it can) with a running max and rescaled sum, so only [B*P, chunk] float32
-    logits exist and the weight is read once."""
+    """log_softmax(hidden @ head_weight.T + bias) at the targets: hidden [B, P, d], head_weight [V, d], targets [P],
+    bias [V] or None -> [B, P] float32 (float64 from a float64 model: the exact-gradient checks). Walks the
+    vocabulary in chunks (256 to 8192 rows, B*P*chunk <= max_elems when it can) with a running max and rescaled sum,
+    so only [B*P, chunk] float32 logits exist and the weight is read once."""
     B, P, d = hidden.shape
     V = head_weight.shape[0]
     chunk = min(8192, max(256, max_elems // max(1, B * P)))
@@ -61,6 +62,8 @@ def vocab_chunked_logprobs(
     for v0 in range(0, V, chunk):
         v1 = min(V, v0 + chunk)
         z = torch.matmul(h, head_weight[v0:v1].t()).to(acc)  # [B*P, c]
+        if bias is not None:  # an output module's bias (Phi-2, GPT-J: the hf backend's head)
+            z = z + bias[v0:v1].to(acc)
         m, s, picked = _fold_chunk(z, v0, tgt, softcap, m, s, picked)
     return (picked - (m + torch.log(s))).view(B, P)
 

@@ -4,12 +4,14 @@
     cal, hit = store.get_or_compute(key, compute, should_stop)     compute() -> Calibration | None, run once per
                                                                    key across threads (and processes sharing the
                                                                    directory); None: nothing to keep
-    store.get(key, should_stop) / store.put(cal, should_stop)
+    store.get(key, should_stop, expect) / store.put(cal, should_stop)
 
 Lookups go memory, then disk (an entry read from disk is kept in memory). should_stop (optional) is the caller's
 calibration hook (sicl_fast.run.run_args.stop_check: its deadline, cancellation, time budget): a caller waiting for
 another's work (single flight, another process's lock) looks at it every few hundredths of a second and stops
-waiting when it fires (get_or_compute says what happens then). See entry.py (the stored object), keys.py (what a
+waiting when it fires (get_or_compute says what happens then). expect (optional, entry.Expected) is what the lookup
+expects its entry to be (its prompt's token ids and rows, the model's width): an entry read from disk that is not
+that is corrupt, moved aside and recomputed, never served. See entry.py (the stored object), keys.py (what a
 key holds), memory.py, disk.py (format, atomic writes, checksums, locking), flight.py, wait.py.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 from ..errors import SiclError
 from .disk import DiskStore
-from .entry import Calibration
+from .entry import Calibration, Expected
 from .flight import SingleFlight
 from .keys import calibration_key, engine_fingerprint
 from .memory import MemoryLRU
@@ -46,14 +48,15 @@ class CalibrationStore:
         with self._count_lock:
             self.stats[name] += 1
 
-    def get(self, key: str, should_stop: StopHook = None) -> Calibration | None:
+    def get(self, key: str, should_stop: StopHook = None, expect: Expected | None = None) -> Calibration | None:
         """The entry for key from memory or disk, or None (also when should_stop fired while another process held
-        the key's lock: the caller goes on as on a miss)."""
+        the key's lock: the caller goes on as on a miss). expect: what the lookup expects the entry to be
+        (entry.Expected), checked on what the disk serves (an entry in memory was checked, or computed, here)."""
         cal = self.memory.get(key)
         if cal is None and self.disk is not None:
             try:
                 with self.disk.lock(key, should_stop):
-                    cal = self.disk.read(key)
+                    cal = self.disk.read(key, expect)
             except GaveUp:
                 self._count("gave_up")
                 return None
@@ -77,8 +80,8 @@ class CalibrationStore:
         """Re-count an entry whose K/V was attached (the memory budget covers it)."""
         self.memory.touch(cal.key)
 
-    def get_or_compute(self, key: str, compute: Callable[[], Calibration | None], should_stop: StopHook = None
-                       ) -> tuple[Calibration | None, bool]:
+    def get_or_compute(self, key: str, compute: Callable[[], Calibration | None], should_stop: StopHook = None,
+                       expect: Expected | None = None) -> tuple[Calibration | None, bool]:
         """(entry, hit). On a miss compute() runs once for the key; threads asking meanwhile wait for it, and so
         do processes sharing the directory (its lock is held while computing). compute() returning None (nothing
         to keep: a run stopped early, a query-dependent result) leaves no entry: a waiter then looks again and
@@ -89,14 +92,14 @@ class CalibrationStore:
         and runs compute() itself at once, outside the single flight and the lock: a calibration whose hook has
         fired runs up to the first check (one step; the static loop's first read) and ends with the hook's reason
         (as a time budget of 0 does), so the caller gets what its own calibration would have given by then, and
-        nothing is written to disk (a run stopped from outside is not kept)."""
+        nothing is written to disk (a run stopped from outside is not kept). expect: as get's."""
         while True:
             cal = self.memory.get(key)
             if cal is not None:
                 self._count("hits")
                 return cal, True
             try:
-                got, led = self.flight.run(key, lambda: self._lead(key, compute, should_stop), should_stop)
+                got, led = self.flight.run(key, lambda: self._lead(key, compute, should_stop, expect), should_stop)
             except GaveUp:
                 self._count("gave_up")
                 cal = compute()
@@ -112,13 +115,14 @@ class CalibrationStore:
                 return got[0], True
             # the leader kept nothing or failed: look again, and lead a call of our own if still missing
 
-    def _lead(self, key: str, compute, should_stop: StopHook) -> tuple[Calibration | None, bool]:
+    def _lead(self, key: str, compute, should_stop: StopHook, expect: Expected | None = None
+              ) -> tuple[Calibration | None, bool]:
         """(entry, computed here). Under the disk lock when there is a disk: another process may have written it
         meanwhile, or may be computing it (then this waits and reads, or gives up: GaveUp)."""
         if self.disk is None:
             return self._compute(compute), True
         with self.disk.lock(key, should_stop):
-            cal = self.disk.read(key)
+            cal = self.disk.read(key, expect)
             if cal is not None:
                 self._count("disk_reads")
                 self.memory.put(cal)
@@ -136,4 +140,4 @@ class CalibrationStore:
         return cal
 
 
-__all__ = ["CalibrationStore", "Calibration", "calibration_key", "engine_fingerprint", "DEFAULT_MAX_BYTES"]
+__all__ = ["CalibrationStore", "Calibration", "Expected", "calibration_key", "engine_fingerprint", "DEFAULT_MAX_BYTES"]

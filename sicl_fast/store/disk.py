@@ -13,8 +13,10 @@ read of that key, or the sweep a DiskStore makes when it opens (of every key no 
 holds its lock (`lock(key)`): a second process asking for a key that another computes waits for it and then reads
 it (single flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook
 fires); nobody reads a sidecar and the tensors of two different writes. A read checks the sidecar's fields and their
-types, both checksums, the format and the shapes; an entry failing any check is reported (a SiclWarning and the
-log), moved to corrupt/ and treated as missing, so it is recomputed and never used.
+types, both checksums, the format and the shapes, then what it would serve against what the lookup expects
+(entry.Expected: the prompt's token ids and rows, the model's width, every number finite); an entry failing any
+check is reported (a SiclWarning and the log), moved to corrupt/ and treated as missing, so it is recomputed and
+never used.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 
 from ..errors import SiclWarning, require
 from ..formats.records import check_out_dir
-from .entry import Calibration
+from .entry import Calibration, Expected
 from .wait import wait
 
 log = logging.getLogger("sicl_fast.store")
@@ -168,15 +170,21 @@ class DiskStore:
                     continue  # held: a live writer, its temporary is not stale
                 self._remove_temporaries(key)
 
-    def read(self, key: str) -> Calibration | None:
+    def read(self, key: str, expect: Expected | None = None) -> Calibration | None:
         """The entry (call with lock(key) held), or None when there is none or it was corrupt (moved aside). The
-        temporaries a killed writer of this key left are removed first (the lock says no one writes them)."""
+        temporaries a killed writer of this key left are removed first (the lock says no one writes them). expect:
+        what the key's lookup expects (its prompt's ids and rows, the model's width): an entry that is not that is
+        corrupt too, whatever its checksums say."""
         self._remove_temporaries(key)
         tensors, sidecar = self.paths(key)
         if not sidecar.exists():
             return None
         try:
-            return self._load(key, tensors, sidecar)
+            cal = self._load(key, tensors, sidecar)
+            why = expect.problem(cal) if expect is not None else None
+            if why is not None:
+                raise CorruptEntry(f"it holds {why}")
+            return cal
         except CorruptEntry as exc:
             self._move_aside(key, str(exc))
             return None

@@ -15,11 +15,13 @@ content (sicl_fast.store.keys) and serves every query that follows the same rows
                                 no whole-matrix projection applies)
 
 The K/V of the calibrated rows (`kv`, for answering a query from its own rows only) is computed on first use and
-kept in memory only, counted in `nbytes` (the memory store's budget).
+kept in memory only, counted in `nbytes` (the memory store's budget). `Expected` is what a lookup of a key expects
+its entry to be (from its prompt and the engine's model): the disk store checks every entry it reads against it.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,4 +102,57 @@ class Calibration:
                 "seconds": round(self.seconds, 4), "projections": self.projections, "impl": self.impl}
 
 
-__all__ = ["Calibration", "SCOPES"]
+@dataclass(frozen=True)
+class Expected:
+    """What a lookup of a key expects its entry to be, from the prompt it serves and the engine's model: the key is
+    a hash of these, so an entry that differs is damaged (or forged) whatever its checksums say.
+
+    scope       'stem' or 'prompt' (n: demo_end, or the prompt's length)
+    input_ids   [n] int64: the token ids of rows [0, n)
+    token_spans, demo_start, demo_end: the prompt's
+    width       the model's hidden size d (rows [n, d] float32)"""
+
+    scope: str
+    input_ids: torch.Tensor
+    token_spans: tuple[tuple[int, int], ...]
+    demo_start: int
+    demo_end: int
+    width: int
+
+    @classmethod
+    def of(cls, prompt, scope: str, width: int) -> Expected:
+        n = prompt.demo_end if scope == "stem" else prompt.length
+        return cls(scope=scope, input_ids=prompt.input_ids[:n], token_spans=tuple(prompt.token_spans),
+                   demo_start=prompt.demo_start, demo_end=prompt.demo_end, width=width)
+
+    def problem(self, cal: Calibration) -> str | None:
+        """Why `cal` cannot be what this key serves (None: it can): its scope, its rows' width, dtype and count, its
+        token ids, spans and demonstration rows, and every number it serves finite (rows, proxies, history)."""
+        n, rows = self.input_ids.numel(), cal.rows
+        if cal.scope != self.scope:
+            return f"scope {cal.scope!r} under a {self.scope!r} key"
+        if rows.dim() != 2 or rows.shape[1] != self.width or rows.dtype != torch.float32:
+            return (f"rows of shape {tuple(rows.shape)} and dtype {str(rows.dtype).replace('torch.', '')}; the model "
+                    f"takes [n, {self.width}] float32")
+        if rows.shape[0] != n:
+            what = f"the key's demo_end is {self.demo_end}" if self.scope == "stem" else f"the prompt has {n} tokens"
+            return f"{rows.shape[0]} rows; {what}"
+        if cal.input_ids.shape != self.input_ids.shape or not torch.equal(cal.input_ids, self.input_ids.cpu()):
+            return "token ids other than the key's"
+        if (tuple(map(tuple, cal.token_spans)), cal.demo_start, cal.demo_end) != (
+                self.token_spans, self.demo_start, self.demo_end):
+            return "token spans or demonstration rows other than the key's"
+        if not bool(torch.isfinite(rows).all()):
+            return "rows that hold NaN or inf"
+        numbers = [cal.initial_proxy, cal.best_proxy, *cal.history] + ([cal.min_cosine] if cal.min_cosine is not None
+                                                                       else [])
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers):
+            return "a proxy, history value or cosine that is not a finite number"
+        counts = (cal.steps, cal.best_step, cal.projections)
+        if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in counts)
+                or cal.best_step > cal.steps or not all(isinstance(x, bool) for x in (cal.gated, cal.exact))):
+            return "step counts or flags of the wrong type or out of range"
+        return None
+
+
+__all__ = ["Calibration", "Expected", "SCOPES"]

@@ -19,6 +19,8 @@ import json
 
 import torch
 
+from ..models.facts import weights_digest
+
 KEY_FORMAT = 3  # 2: the run plan's result axes (the attention kernel added); 3: the CPU thread count and platform
 
 
@@ -27,21 +29,6 @@ def _blake(*parts: bytes) -> str:
     for p in parts:
         h.update(p)
     return h.hexdigest()
-
-
-def weights_digest(lm) -> str:
-    """A digest of every parameter (name, dtype, shape, bytes) and the model config, computed once per
-    LoadedModel (kept in lm.extra): about a second per 500 MB of weights on a CPU core."""
-    got = lm.extra.get("weights_digest")
-    if got is None:
-        h = hashlib.blake2b(digest_size=20)
-        h.update(lm.model.config.to_json_string(use_diff=False).encode())
-        for name, p in lm.model.named_parameters():
-            t = p.detach().contiguous().cpu()
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        got = lm.extra["weights_digest"] = h.hexdigest()
-    return got
 
 
 def tokenizer_digest(tokenizer) -> str:

@@ -1,0 +1,181 @@
+"""What a record was made with: the settings that change its numbers, and the one rule that compares them.
+
+Every record of `calibrate`, `icleval` and `gradstudy` carries its run's settings under "settings":
+
+    {"format": 1, "command": "calibrate",
+     "model": {"name": "smollm2-135m", "fingerprint": "file:..."},      models.facts.model_identity
+     "dtype": "float32", "device": "cpu", "backend": "fast", "impl": "cpp", "attention": "cpp",
+     "diff_matmul": "off", "length_buckets": null, "pack": 1,           the run plan's axes (engine_settings)
+     "config": {...},              the CalibrationConfig as asked (the model's preset with the knobs given; scale
+                                   null: the model's embedding scale, which the fingerprint fixes)
+     ...}                          the command's own: calibrate's time budget, special tokens and outputs
+                                   (--generate, --max-new-tokens, --stop, --export); icleval's time budget and
+                                   --answer-at; gradstudy's grid
+
+Left out, as they do not change what a record holds: the thread count (it moves a CPU run's last bits, which the
+calibration store's keys hold, but a resume on a machine with other cores, or a Ray pool, is the same run), the
+loop, sync_every and CUDA graphs (the same bits: tests/test_static.py), reuse (auto and off give the same bits, and
+a record reused under 'on' says exact: false itself), the store, gradstudy's --chunk (memory).
+
+`settings_diff` is the one comparison: every resume (`check_resume`, through the results writer) and `report` (which
+splits a file into runs by their settings) use it. A record without settings (written before records carried
+them, or by hand) has settings unknown (`record_settings` is None): never resumed with, never pooled with others.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from collections.abc import Callable, Sequence
+
+from ..errors import SiclError
+
+FORMAT = 1
+FIELD = "settings"  # where a record holds them
+
+
+def plan_settings(plan, attention: str | None = None) -> dict:
+    """The run plan's axes that change a record's numbers: RunPlan.result_axes (the weights' dtype, the device type,
+    backend, impl, the attention kernel that runs, the difference products, the length buckets) without the thread
+    count (module docstring), and the pack."""
+    axes = plan.result_axes(attention)
+    axes.pop("threads", None)
+    axes.setdefault("length_buckets", None)
+    axes["dtype"] = axes["dtype"].replace("torch.", "")
+    return {**axes, "pack": plan.pack}
+
+
+def model_plan_settings(lm, plan, attention: str | None = None) -> dict:
+    """The model (models.facts.model_identity) and plan_settings: an engine's part of a record's settings."""
+    from ..models.facts import model_identity
+
+    return {"model": model_identity(lm), **plan_settings(plan, attention)}
+
+
+def engine_settings(engine) -> dict:
+    """An Engine's part of a record's settings (model_plan_settings of its model, plan and the attention kernel its
+    backend runs)."""
+    return model_plan_settings(engine.lm, engine.plan, engine.backend.attention_kernel)
+
+
+def planned(model, dtype: str, device: str, choices) -> tuple[dict, object] | None:
+    """(engine_settings, the Unloaded model) as an Engine of these arguments would give them, before the model loads
+    (its architecture on the meta device through the same run plan: sicl_fast.models.facts.unloaded); None where the
+    model cannot be read without loading it (the run loads it and says what is wrong). A plan refused here is
+    refused as the load would refuse it."""
+    from ..models.facts import transformers_attention, unloaded
+    from .plan import make_plan
+
+    try:
+        lm = unloaded(model, dtype, device)
+    except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
+        return None
+    try:
+        with warnings.catch_warnings():  # said once, by the run's own plan
+            warnings.simplefilter("ignore")
+            plan = make_plan(lm, choices)
+        attention = plan.attention if plan.kind.cls == "fast" else transformers_attention(lm)  # as the backend's
+        return model_plan_settings(lm, plan, attention), lm
+    except SiclError:
+        raise
+    except Exception:  # noqa: BLE001 - as above
+        return None
+
+
+def run_settings(command: str, engine: dict, config=None, **parts) -> dict:
+    """A record's settings (module docstring): the command, the engine's part (engine_settings), the config (a
+    CalibrationConfig, or None where the run calibrates nothing) and the command's own parts, JSON-ready and as they
+    read back from a results file."""
+    out = {"format": FORMAT, "command": command, **engine,
+           "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config, **parts}
+    return json.loads(json.dumps(out))
+
+
+def record_settings(record: dict) -> dict | None:
+    """The settings a record holds, or None: unknown (none, or not an object)."""
+    s = record.get(FIELD)
+    return s if isinstance(s, dict) else None
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """{'config': {'max_steps': 3}} -> {'config.max_steps': 3}: the names settings_diff gives."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _norm(v):
+    """Values compare after a JSON round trip (tuples become lists)."""
+    return json.loads(json.dumps(v))
+
+
+def settings_diff(got: dict, want: dict) -> list[str]:
+    """The names of the settings in which two records differ, sorted (nested ones as 'config.max_steps'); [] when
+    none: the one rule of every resume and of `report`."""
+    a, b = flatten(_norm(got)), flatten(_norm(want))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+# what a setting is called in a message: the flag that sets it where there is one
+SHORT = {"model.name": "model", "model.fingerprint": "model files", "outputs.generate": "--generate",
+         "outputs.export": "--export", "outputs.max_new_tokens": "--max-new-tokens", "outputs.stop": "--stop",
+         "time_budget_s": "--time-budget", "answers_at": "--answer-at", "add_special_tokens": "--add-special-tokens",
+         "grid.Ns": "--study-N", "grid.mus": "--study-mu", "grid.estimators": "--study-estimators",
+         "grid.seeds": "--seeds", "grid.points": "--points"}
+
+
+def short_name(name: str) -> str:
+    """'config.max_steps' -> 'max_steps', 'outputs.generate' -> '--generate', 'grid.Ns' -> '--study-N'."""
+    return SHORT.get(name, name.split(".", 1)[1] if name.startswith("config.") else name)
+
+
+def show(v, name: str = "") -> str:
+    """A setting's value in a message: JSON, or 'off' / 'unset' for None."""
+    return ("off" if name == "length_buckets" else "unset") if v is None else json.dumps(v, ensure_ascii=False)
+
+
+def describe_diff(got: dict, want: dict, names: Sequence[str] | None = None, limit: int = 6) -> str:
+    """'max_steps 2 / 3, dtype "float32" / "bfloat16"': each setting that differs with both values (got's first),
+    at most `limit` of them."""
+    names = settings_diff(got, want) if names is None else names
+    if "outputs.generate" in names:  # the answers' length and stop strings come with --generate
+        names = [n for n in names if n not in ("outputs.max_new_tokens", "outputs.stop")]
+    a, b = flatten(_norm(got)), flatten(_norm(want))
+    shown = ", ".join(f"{short_name(k)} {show(a.get(k), k)} / {show(b.get(k), k)}" for k in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_resume(records: Sequence[dict], want: dict, where: str) -> None:
+    """Refuse to add records of settings `want` to a results file holding `records` of other settings, or of
+    settings unknown (SiclError, one line naming what differs); `where`: the file, for the message."""
+    unknown = [r for r in records if record_settings(r) is None]
+    if unknown:
+        raise SiclError(f"{where}: holds {len(unknown)} record(s) written without their settings (by a sicl_fast "
+                        "before records carried them, or by hand): whether they match this run's cannot be told, so "
+                        "this run does not add to them; use another --out")
+    distinct = {json.dumps(record_settings(r), sort_keys=True): record_settings(r) for r in records}
+    for got in distinct.values():  # a file holds one settings, or a few: each compared once
+        if got.get("command") != want.get("command"):
+            raise SiclError(f"{where}: holds records of sicl-fast {got.get('command')}, not of sicl-fast "
+                            f"{want.get('command')}; use another --out")
+        diff = settings_diff(got, want)
+        if diff:
+            why = (" (its records hold no calibrated embeddings to decode or export: they would be calibrated again, "
+                   "which another --out does)" if any(n.startswith("outputs.") for n in diff) else "")
+            raise SiclError(f"{where}: its records were made with other settings than this run's: "
+                            f"{describe_diff(got, want, diff)} (the file's / this run's); use another --out{why} or "
+                            "the same settings")
+
+
+def resume_check(want: dict, where: str) -> Callable[[Sequence[dict]], None]:
+    """check_resume of `want` as a results writer takes it (sicl_fast.formats.records.ResultWriter's check)."""
+    return lambda records: check_resume(records, want, where)
+
+
+__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "planned", "run_settings",
+           "record_settings", "flatten", "settings_diff", "short_name", "describe_diff", "check_resume",
+           "resume_check"]

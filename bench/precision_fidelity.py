@@ -246,9 +246,11 @@ def shard(text: str) -> tuple[int, int]:
     try:
         i, n = map(int, text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N, e.g. 0/2") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N, e.g. 0/2") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: N, the number of shards, must be >= 1")
     if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"--shard {text!r}: I must be in 0..N-1")
+        raise argparse.ArgumentTypeError(f"{text!r}: I must be in 0..{n - 1}")
     return i, n
 
 

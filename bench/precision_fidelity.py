@@ -262,8 +262,8 @@ def check_inputs(args) -> None:
     from sicl_fast.icleval import load_dir
     from sicl_fast.models.loading import resolve
 
-    if args.report is not None and os.path.isdir(args.report):
-        raise SiclError(f"--report {args.report}: is a directory; give a file name for the tables (e.g. report.md)")
+    if args.report is not None:
+        check_output(args.report, flag="--report")
     if args.report_only or args.fill_starts:
         if not os.path.isfile(args.out):
             flag = "--report-only" if args.report_only else "--fill-starts"

@@ -50,6 +50,8 @@ def test_precision_fidelity_bad_input_is_one_line(tmp_path, capsys, monkeypatch)
                           ([str(tmp_path / "other"), "--out", out],
                            ("x.json: unknown ICLEval task file", "; move it out, or name the files to load")),
                           (["x", "--report-only", "--out", out], ("no records file there (--report-only reads it",)),
+                          ([str(ICLEVAL_EXCERPTS), "--out", out, "--report", str(tmp_path / "junk.jsonl" / "r.md")],
+                           (f"--report {tmp_path}/junk.jsonl/r.md: {tmp_path}/junk.jsonl is not a directory",)),
                           (["x", "--report-only", "--out", str(tmp_path / "junk.jsonl")],
                            ("junk.jsonl:1: not a record of this study (no model, path",))):
         assert pf.main(argv) == 2

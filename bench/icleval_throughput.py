@@ -12,8 +12,10 @@ It runs `sicl-fast icleval DIR --method base sicl --out OUT/records.jsonl` (resu
 device session, continues where the records end) under a wall clock and a --budget-s of its own (the icleval
 process is interrupted with SIGINT at the budget, or by Ctrl-C: only whole records are written), then appends one
 line to OUT/throughput.jsonl: the date, the machine, the samples this call added, its wall seconds and samples per
-second, and the records so far. The headline (printed, and in OUT/throughput.md): samples per second over every
-call and the minutes the full set of samples in DIR's files would take (`n/a` before any sample is done). A call
+second, the flags after `--` and the records so far. The headline (printed, and in OUT/throughput.md): samples per
+second over the calls on this machine with the same flags after `--` (a call with other icleval flags, such as
+`-- --max-steps 20`, is another figure and says its flags), and the minutes the full set of samples in DIR's files
+would take (`n/a` before any sample is done). A call
 whose icleval run failed (bad flags, a crash) is not a throughput line: its exit status is passed on, after one
 line saying so. Bad input (a folder without ICLEval task files, --out on a file) is one line and exit status 2,
 before anything runs. --smoke: 2 samples per file, 3 steps, for a CPU run of the machinery (not a figure).
@@ -97,13 +99,18 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], extra
 
 
-def headline(calls: list[dict], smoke: bool, total: int, machine_name: str) -> str:
-    """Samples per second over every call of this kind (smoke or not), and the minutes the whole set would take
-    at that rate (n/a before any sample is done: no rate to divide by)."""
-    done = sum(c["added"] for c in calls if c["smoke"] == smoke)
-    seconds = sum(c["wall_s"] for c in calls if c["smoke"] == smoke)
+def headline(calls: list[dict], smoke: bool, total: int, machine_name: str, flags: list[str] = ()) -> str:
+    """Samples per second over the calls of this kind (smoke or not) on this machine with the same flags after `--`
+    (another machine or other icleval flags is another figure), and the minutes the whole set would take at that
+    rate (n/a before any sample is done: no rate to divide by)."""
+    flags = list(flags)
+    pool = [c for c in calls if c["smoke"] == smoke and c.get("machine", machine_name) == machine_name
+            and c.get("flags", []) == flags]
+    done = sum(c["added"] for c in pool)
+    seconds = sum(c["wall_s"] for c in pool)
     rate = done / seconds if seconds and done else None
-    return (f"{done} samples (base + sicl) in {seconds:.0f} s over {len(calls)} call(s) on {machine_name}: "
+    return (f"{done} samples (base + sicl) in {seconds:.0f} s over {len(pool)} call(s) on {machine_name}"
+            + (f" with icleval flags {' '.join(flags)}" if flags else "") + ": "
             + ("n/a samples/s (none done yet); the whole set's time n/a" if rate is None else
                f"{rate:.3f} samples/s; the {total} samples of these files would take {total / rate / 60:.1f} min")
             + (" (smoke: not a figure)" if smoke else ""))
@@ -189,10 +196,10 @@ def measure(args, extra: list[str]) -> int:
     line = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine(),
             "command": " ".join(cmd), "added": after - before, "wall_s": round(wall, 1),
             "samples_per_s": round((after - before) / wall, 4) if wall > 0 else None, "records": after,
-            "returncode": proc.returncode, "smoke": args.smoke}
+            "returncode": proc.returncode, "smoke": args.smoke, "flags": extra}
     with open(lines, "a") as f:
         f.write(json.dumps(line) + "\n")
-    head = headline(calls + [line], args.smoke, total, line["machine"])
+    head = headline(calls + [line], args.smoke, total, line["machine"], extra)
     print(head)
     (out / "throughput.md").write_text(f"{head}\n\nrecords: {after} of {total} samples in {records}\n")
     return 130 if interrupted else 0

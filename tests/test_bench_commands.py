@@ -106,4 +106,14 @@ def test_icleval_throughput_bad_input_and_a_failed_run(tmp_path, capfd):
     calls = [{"added": 0, "wall_s": 5.0, "smoke": False}]  # a budget that ended before the first sample
     assert tp.headline(calls, False, 24, "cpu") == ("0 samples (base + sicl) in 5 s over 1 call(s) on cpu: n/a "
                                                     "samples/s (none done yet); the whole set's time n/a")
+    # only the calls of this machine and these flags after -- are pooled (another GPU, or a run with
+    # `-- --max-steps 3`, is another figure), and the count of calls is theirs
+    calls = [{"added": 10, "wall_s": 10.0, "smoke": False, "machine": "cpu", "flags": []},
+             {"added": 90, "wall_s": 10.0, "smoke": False, "machine": "H100", "flags": []},
+             {"added": 90, "wall_s": 10.0, "smoke": False, "machine": "cpu", "flags": ["--max-steps", "3"]},
+             {"added": 6, "wall_s": 3.0, "smoke": True, "machine": "cpu", "flags": []}]
+    assert tp.headline(calls, False, 24, "cpu") == ("10 samples (base + sicl) in 10 s over 1 call(s) on cpu: 1.000 "
+                                                    "samples/s; the 24 samples of these files would take 0.4 min")
+    assert tp.headline(calls, False, 24, "cpu", ["--max-steps", "3"]).startswith(
+        "90 samples (base + sicl) in 10 s over 1 call(s) on cpu with icleval flags --max-steps 3: 9.000 samples/s")
     assert tp.exit_status(-9) == 137

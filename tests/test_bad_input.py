@@ -326,6 +326,9 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     # issue 29: every knob has a range (sicl_fast.run.knobs), checked while parsing
     (["--max-steps", "1000001"], "--max-steps: must be <= 1000000"),
     (["--max-steps", "1e30"], "--max-steps: must be an integer, got '1e30'"),
+    # issue 48's probe: it said "must be an integer" of a flag that takes words too
+    (["--length-buckets", "on"], "--length-buckets: must be 'auto', 'off' or an integer, got 'on'"),
+    (["--pack", "two"], "--pack: must be 'auto' or an integer, got 'two'"),
     (["--patience", "100000000000000000000000"], "--patience: must be <= 1000000"),
     (["--sync-every", "99999999999999999999"], "--sync-every: must be <= 1000000"),
     (["--N", "65537"], "--N/--num-directions: must be <= 65536"),

@@ -122,9 +122,10 @@ def arg_type(name: str, auto: bool = False, words: tuple = ()):
             return text
         try:
             value = int(text) if rng.integer else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be {'an integer' if rng.integer else 'a number'}, got {text!r}") from None
+        except ValueError:  # the words the flag takes named with the number (--length-buckets on)
+            kinds = [repr(w) for w in literal] + ["an integer" if rng.integer else "a number"]
+            either = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+            raise argparse.ArgumentTypeError(f"must be {either}, got {text!r}") from None
         problem = rng.problem(value)
         if problem is not None:
             raise argparse.ArgumentTypeError(problem)

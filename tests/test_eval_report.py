@@ -362,6 +362,10 @@ def test_summary_into_a_folder_a_missing_file_or_markers_twice_is_one_line(tmp_p
     assert twice.read_text().count("old") == 2 and not (tmp_path / "RUN").exists()  # refused before writing
     assert main(["report", str(res), "--report", str(tmp_path / "RUN"), "--summary-name", "s"]) == 2
     assert "--summary-name s has no effect without --summary-into" in capsys.readouterr().err
+    for bad in ("a -->", "a\nb"):  # issue 48's probe: taken, and "-->" ended the marker's comment early
+        assert main(["report", str(res), "--report", str(tmp_path / "RUN"), "--summary-into", str(twice),
+                     "--summary-name", bad]) == 2
+        assert f"--summary-name {bad!r}: use letters, digits" in capsys.readouterr().err
 
 
 def test_summary_into_a_link_a_read_only_file_or_foreign_markers(tmp_path, capsys):

@@ -11,6 +11,7 @@ sicl_fast/commands/cli.py calls:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from ..run.knobs import arg_type
@@ -201,6 +202,10 @@ def report_from_args(args, file=None) -> int:
                         "the markers in that file); give both or neither")
     if args.summary_name is not None and not args.summary_name.strip():
         raise SiclError("--summary-name: an empty name; give the NAME of the markers (default icleval)")
+    if args.summary_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.summary_name):
+        # it goes inside an HTML comment on one line: "-->" would end the comment, a newline split the marker
+        raise SiclError(f"--summary-name {args.summary_name!r}: use letters, digits, '_', '.' and '-' (the name goes "
+                        "inside the markers <!-- sicl-report:NAME:begin -->)")
     name = args.summary_name or "icleval"
     if args.summary_into:  # refused before any work: the file, its markers, whether it can be rewritten
         check_summary_target(args.summary_into, name)

@@ -1,4 +1,4 @@
-"""The plain float16 ascent against the difference form (the float16 warning's figures, bench/RESULTS.md section 20):
+"""The plain float16 ascent against the difference form (the float16 warning's figures, bench/RESULTS.md section 25):
 on the two short SmolLM2 prompts of tests/test_precision.py, the float32 gain of the X each path returns, as a share
 of plain float32's, after a seeded run of --steps steps (tau 0, patience 0), one thread. bf16 beside it, as the
 precision study's (RESULTS 17) reference.

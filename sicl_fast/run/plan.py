@@ -304,7 +304,7 @@ PLAIN_LOW_PRECISION = {
                  "bf16 ulp of an embedding; bench/RESULTS.md section 17: 5 % on SmolLM2, none on Gemma 3 270M); "
                  "diff_matmul 'bf16' (the default) keeps it"),
     "float16": ("a plain float16 ascent keeps only part of the float32 gain (the perturbation is about eight float16 "
-                "ulps of an embedding; bench/RESULTS.md section 20: 42 % and 81 % on two short SmolLM2 prompts); "
+                "ulps of an embedding; bench/RESULTS.md section 25: 42 % and 81 % on two short SmolLM2 prompts); "
                 "diff_matmul 'bf16' (the default) keeps it"),
 }
 

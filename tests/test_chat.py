@@ -168,8 +168,10 @@ def test_openai_error_objects(server, client):
     with pytest.raises(openai.BadRequestError, match="kappa must be < 1"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"),
                                        extra_body={"sicl": {"kappa": 2.0}})
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="field 'max_tokens': 9 exceeds"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_tokens=9)
+    with pytest.raises(openai.BadRequestError, match="field 'max_completion_tokens': 9 exceeds"):  # it said max_tokens
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_completion_tokens=9)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"), logprobs=True)
     # stop strings are checked before the job is queued (before: "" ended the answer of a reused calibration at

@@ -117,8 +117,8 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
         if value is not None and value != allowed:
             raise ServeHTTPError(400, "invalid_request", f"field {name!r}: only {allowed} is supported (the answer "
                                                          "is decoded greedily from the calibrated prompt)")
-    new = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
-    new = state.validator.new_tokens(new, rid, "max_tokens", default=settings.max_new_tokens)
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"  # what was sent
+    new = state.validator.new_tokens(getattr(body, field), rid, field, default=settings.max_new_tokens)
     request = render(engine.lm, [m.model_dump() for m in body.messages], rid)
     prompt = state.validator.prompt(request, reserve=new)
     sicl = body.sicl.model_dump(exclude_none=True) if body.sicl is not None else {}

@@ -14,6 +14,17 @@ refresh of the difference form's value-row reference (StepForward.refresh at the
 prefix rows in every pass, as the default projection scope does). Prints a markdown table.
 
     python bench/kernel_count.py --other /tmp/old --impl triton cpp --diff-matmul bf16 --scope prompt
+
+With --packed S: the packed step of S slots instead (each without its prefix K/V, the packed step's form), with
+bf16 difference products: its kernels a step (impl triton; prompts of 36.. tokens and N 1: the count depends on
+neither, the interpreter's time does); then what one slot's change costs, counted (kernels) and timed on the C++
+ops (seconds: prompts of --lengths, --N directions, SmolLM2's float32 weights): a new prompt of the replaced one's
+length (the layout stays) and a longer one (the pass is laid out again), each its step and the pass rearranged as
+each checkout's run_packed does it (the other checkout: a new StaticStep with its own forward and a new
+PackedStep), and what a read without a change costs (the other checkout's run_packed rebuilt its PackedStep at
+each read).
+
+    python bench/kernel_count.py --other /tmp/h46c_base --packed 8 --lengths 100 200 --N 8
 """
 from __future__ import annotations
 
@@ -68,6 +79,95 @@ print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "
 """
 
 
+WORKER_PACKED = PRELUDE + r"""
+import inspect, json, random, time
+import torch
+counter_file, S, lo, hi, N = sys.argv[2], *map(int, sys.argv[3:7])
+spec = importlib.util.spec_from_file_location("kernel_count_rules", counter_file)
+rules = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rules)
+from sicl_fast import CalibrationConfig
+from sicl_fast.backends import make_backend
+from sicl_fast.calibration.ascent import Calibrator
+from sicl_fast.calibration.packed import PackedStep
+from sicl_fast.calibration.static import StaticStep
+from sicl_fast.formats.requests import Request
+from sicl_fast.formats.spans import Prompt
+from sicl_fast.models import load
+lm = load()
+own = "own_forward" in inspect.signature(StaticStep.__init__).parameters  # this change's slots: no forward of their own
+rng = random.Random(0)
+
+def prompt(L):  # an 8-token prefix, three outputs of up to 4 tokens, a 16-token query
+    end, block = L - 16, (L - 24) // 3
+    w = min(4, block)
+    spans = tuple((8 + (t + 1) * block - w, 8 + (t + 1) * block) for t in range(2)) + ((end - w, end),)
+    return Prompt(request=Request(id=f"p{L}", prompt="x" * (L + 1), output_spans=((1, 2),)),
+                  input_ids=torch.tensor([rng.randrange(lm.tokenizer.vocab_size) for _ in range(L)]),
+                  token_spans=spans, demo_start=8, demo_end=end)
+
+def slot(be, cfg, p):
+    kw = {"own_forward": False} if own else {}
+    return StaticStep(be, cfg, p, be.embed(p), use_prefix=False, **kw)
+
+def change(be, step, slots, p, cfg):  # slot 1 takes a new prompt: what each checkout's run_packed does
+    slots[1] = slot(be, cfg, p)
+    if own:
+        step.set(slots)
+        return step
+    return PackedStep(be, slots)
+
+def read(be, step, slots):  # a read without a change
+    if own:
+        step.set(slots)
+        return step
+    return PackedStep(be, slots)
+
+out = {}
+lengths = [rng.randint(lo, hi) for _ in range(S)]
+for impl, n in (("triton", 1), ("cpp", N)):
+    be = make_backend("fast", lm, impl=impl, diff_matmul="bf16")
+    cfg = Calibrator(be, CalibrationConfig(N=n, tau=0.0, projection_scope="demos")).config
+    Ls = [36 + j for j in range(S)] if impl == "triton" else lengths  # the count alone: short prompts
+    ps = [prompt(L) for L in Ls]
+    same, longer = prompt(Ls[1]), prompt(max(Ls) + 8)  # slot 1's length (the layout stays), a longer one (it moves)
+    slots = [slot(be, cfg, p) for p in ps]
+    step = PackedStep(be, slots)
+    step()
+    if impl == "triton":
+        out["step"] = rules.count_kernels(step)
+        out["same_kernels"] = rules.count_kernels(lambda: change(be, step, slots, same, cfg))
+        out["read_kernels"] = rules.count_kernels(lambda: read(be, step, slots))
+        out["longer_kernels"] = rules.count_kernels(lambda: change(be, step, slots, longer, cfg))
+        continue
+    best = {}
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        got = fn()
+        best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+        return got
+    for _ in range(3):  # the best of 3 rounds, each in turn
+        step = timed("same", lambda: change(be, step, slots, same, cfg))
+        step = timed("read", lambda: read(be, step, slots))
+        timed("step", step)
+        step = timed("longer", lambda: change(be, step, slots, longer, cfg))
+        step = change(be, step, slots, same, cfg)  # back to slot 1's length (not timed)
+    out.update({f"{k}_s": v for k, v in best.items()}, lengths=lengths, n_layers=len(be.model.layers))
+print(json.dumps(out))
+"""
+
+
+def count_packed(root: Path, S: int, lengths: list, N: int) -> dict:
+    rules = HERE / "sicl_fast" / "diagnostics" / "kernel_count.py"
+    out = subprocess.run([sys.executable, "-c", WORKER_PACKED, str(root), str(rules), str(S), *map(str, lengths),
+                          str(N)], capture_output=True, text=True, timeout=7200,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    if out.returncode != 0:
+        raise SystemExit(f"{root} (packed): {out.stderr.strip().splitlines()[-3:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def count(root: Path, impl: str, length: int, N: int, diff: str, scope: str = "demos") -> dict:
     rules = HERE / "sicl_fast" / "diagnostics" / "kernel_count.py"
     out = subprocess.run([sys.executable, "-c", WORKER, str(root), str(rules), impl, str(length), str(N), diff,
@@ -88,7 +188,21 @@ def main(argv=None) -> int:
     ap.add_argument("--diff-matmul", default="off")
     ap.add_argument("--scope", default="demos", choices=["demos", "prompt"],
                     help="the projection scope: 'demos' keeps the prefix's K/V, 'prompt' runs its rows every pass")
+    ap.add_argument("--packed", type=int, default=None, metavar="S", help="the packed step of S slots instead")
+    ap.add_argument("--lengths", type=int, nargs=2, default=[100, 200], metavar=("MIN", "MAX"),
+                    help="--packed: the timed prompts' lengths, drawn in [MIN, MAX]")
     args = ap.parse_args(argv)
+    if args.packed is not None:
+        print("| checkout | kernels a step | a slot's change, same layout: kernels | s | a longer prompt (laid out "
+              "again): kernels | s | a read, no change: kernels | s | packed step s |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, root in (("before", args.other.resolve()), ("after", HERE)):
+            r = count_packed(root, args.packed, args.lengths, args.N)
+            print(f"| {name} ({root.name}) | {r['step']} | {r['same_kernels']} | {r['same_s']:.3f} | "
+                  f"{r['longer_kernels']} | {r['longer_s']:.3f} | {r['read_kernels']} | {r['read_s']:.3f} | "
+                  f"{r['step_s']:.3f} |", flush=True)
+        print(f"\n{args.packed} slots of {r['lengths']} tokens (timed, N {args.N}), {r['n_layers']} layers")
+        return 0
     print("| checkout | impl | kernels per step | per decoder layer | rest | refresh (steps' worth) | L (prefix) |")
     print("|---|---|---|---|---|---|---|")
     for impl in args.impl:

@@ -39,6 +39,8 @@ differences; references there and in sicl_fast.models.attention), one launch eac
     split_bf16(x, pieces) -> [pieces, n, k] bf16                                   float32 rows as bf16 pieces (the
                                                                                    reference pass's bf16 products)
 
+    fp8_rows(x) -> (q float8 e4m3, scale [M, 1])                                   FP8 differences, a scale a row
+
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).
 """
 from ._utils import interpreting
@@ -50,6 +52,7 @@ from .span_logprobs import span_logprobs, span_logprobs_rows
 from .zo_update import cached_tensors, zo_update
 from .bookkeep import bookkeep
 from .attention import attention_rows, prefix_attention
+from .fp8_rows import fp8_rows
 from .gated import gated
 from .gated_rows import gated_rows
 from .norm_rows import norm_rows
@@ -82,4 +85,6 @@ __all__ = [
     "softcap_",
     "prefix_attention",
     "split_bf16",
+
+    "fp8_rows",
 ]

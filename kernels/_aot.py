@@ -164,6 +164,10 @@ SPECS = {
                          {"HAS_SOFTCAP": True, "HAS_REF": True, "UPCAST": False, "BLOCK_M": 64, "BLOCK_MV": 8,
                           "BLOCK_V": 64, "BLOCK_K": 64},
                          {"num_warps": 8, "num_stages": 3}),
+    "fp8_rows": (("fp8_rows", "_fp8_rows_kernel"), {"x_ptr": _H, "q_ptr": "*u8", "scale_ptr": _F, "k": "i32"},
+                 {"BLOCK": 2048}, {"num_warps": _W(2048)}),
+    "split_bf16": (("split_bf16", "_split_bf16_kernel"), {"x_ptr": _F, "out_ptr": _H, "N": "i32"},
+                   {"PIECES": 3, "BLOCK": 1024}, {"num_warps": _W(1024)}),
 }
 
 

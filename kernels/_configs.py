@@ -120,10 +120,11 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
     shapes (each N of NS, both estimators, and L of `lengths`) and flags, the plain kernels in each model dtype of
     `dtypes` (float32 first)."""
     # the modules (the package's names gated, rope_rows, ... are the launchers)
-    (attention, best, bookkeep, gated, gated_rows, norm_rows, perturb, proxy, randn, rms_norm, rope, rope_rows,
-     softcap, span_logprobs, zo_update) = (importlib.import_module(f"{__package__}.{m}") for m in (
-        "attention", "best", "bookkeep", "gated", "gated_rows", "norm_rows", "perturb", "proxy", "randn", "rms_norm",
-        "rope", "rope_rows", "softcap", "span_logprobs", "zo_update"))
+    (attention, best, bookkeep, fp8_rows, gated, gated_rows, norm_rows, perturb, proxy, randn, rms_norm, rope,
+     rope_rows, softcap, span_logprobs, split_bf16, zo_update) = (
+        importlib.import_module(f"{__package__}.{m}") for m in (
+            "attention", "best", "bookkeep", "fp8_rows", "gated", "gated_rows", "norm_rows", "perturb", "proxy",
+            "randn", "rms_norm", "rope", "rope_rows", "softcap", "span_logprobs", "split_bf16", "zo_update"))
     f = {"qk_norm": False, "gemma": False, "attn_cap": None, "softcap": None, "window": None, "bias": False,
          "aligned": True, **FAMILIES[name]}
     if set(f) - _FIELDS:
@@ -154,6 +155,14 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
                              dict(HAS_SOFTCAP=f["softcap"] is not None, UPCAST=False, PRECISION="ieee"), p, al))
     out.append(_case("lse_combine", f"{name}: lse_combine_config()", span_logprobs.lse_combine_config(False), {},
                      aligned=al))
+    if "bfloat16" in dtypes:  # a bf16 model's difference form: its reference's bf16 pieces, its FP8 differences
+        for L in lengths:
+            n = L * max(d, H * hd, I)  # the value rows' largest product input (the reference pass takes L rows)
+            out.append(_case("split_bf16", f"{name} L {L}: split_config(n={n})", split_bf16.split_config(n, False),
+                             {}, aligned=al))
+        for k in dict.fromkeys((d, H * hd, I)):  # the inputs of qkv / gate_up, o, down
+            out.append(_case("fp8_rows", f"{name}: fp8_rows_config(k={k})", fp8_rows.fp8_rows_config(k, False), {},
+                             aligned=al))
     for N, central in ((N, central) for N in NS for central in (False, True)):
         B = 2 * N + 1 if central else N + 1
         for L in lengths:

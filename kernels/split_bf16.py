@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._math import to_bf16
-from ._utils import check_device, check_dtype, check_shape, interpreting, launch
+from ._utils import check_device, check_dtype, check_shape, launch, launch_config
 
 
 @triton.jit
@@ -32,10 +32,13 @@ def _split_bf16_kernel(x_ptr, out_ptr, N, PIECES: tl.constexpr, BLOCK: tl.conste
         out += N
 
 
-def split_config(n: int, interp: bool) -> int:
-    """BLOCK, the elements of x a program takes: 1024 on a GPU (4 warps, 8 elements a thread), 2^16 under the
-    interpreter, which pays per program; never more than the next power of two of n."""
-    return min(triton.next_power_of_2(max(1, n)), 1 << 16 if interp else 1024)
+def split_config(n: int, interp: bool | None = None) -> dict:
+    """The launch configuration over n elements (kernels._utils.launch_config): BLOCK, the elements of x a program
+    takes, 1024 on a GPU (4 warps, 8 elements a thread), 2^16 under the interpreter, which pays per program; never
+    more than the next power of two of n."""
+    top = triton.next_power_of_2(max(1, n))
+    return launch_config("split_bf16", interp, block=min(top, 1024), BLOCK=min(top, 1024),
+                         interpreter={"BLOCK": min(top, 1 << 16)})
 
 
 def split_bf16(x: torch.Tensor, pieces: int = 3) -> torch.Tensor:
@@ -49,7 +52,6 @@ def split_bf16(x: torch.Tensor, pieces: int = 3) -> torch.Tensor:
     N = x.numel()
     if N == 0:
         return out
-    BLOCK = split_config(N, interpreting())
-    launch(_split_bf16_kernel, (triton.cdiv(N, BLOCK),), x, out, N, device=dev, block=BLOCK, PIECES=pieces,
-           BLOCK=BLOCK)
+    cfg = split_config(N)
+    launch(_split_bf16_kernel, (triton.cdiv(N, cfg["BLOCK"]),), x, out, N, device=dev, PIECES=pieces, **cfg)
     return out

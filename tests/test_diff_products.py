@@ -85,6 +85,35 @@ def test_fp8_rows_round_trip():
     assert torch.equal(fp8_rows(torch.zeros(2, 5))[0].float(), torch.zeros(2, 5))
 
 
+@pytest.mark.parametrize("anchors", [None, [0, 0, 0, 3, 3]])  # one prompt (value rows first), two packed
+def test_fp8_differences_take_one_product_of_each_kind(anchors):
+    """FP8 differences: the value rows through one bf16 product, the difference rows through one FP8 product, no row
+    multiplied twice; each kind's rows equal the product of those rows alone (the value rows as the bf16 product of
+    every row gives them). The _scaled_mm branch (what CUDA sm_89+ runs; torch's CPU has the op too) writes the same
+    rows within bf16's rounding of the emulated product's."""
+    from sicl_fast.models.projections import _product
+    from sicl_fast.ops.torch_ops import TorchDecoderOps
+
+    g = torch.Generator().manual_seed(0)
+    rows = RowLayout.build(3, 5, 4, 3, anchors)
+    x = torch.randn(rows.R, 48, generator=g).bfloat16()
+    low = LowWeight(torch.randn(40, 48, generator=g), fp8=True)
+    calls = []
+    linear, linear_fp8 = low.linear, low.linear_fp8
+    low.linear = lambda a, out=None: calls.append(("bf16", a.shape[0])) or linear(a, out=out)
+    low.linear_fp8 = lambda q, s, out=None: calls.append(("fp8", q.shape[0])) or linear_fp8(q, s, out=out)
+    y = _product(low, x, rows, TorchDecoderOps())
+    value, diff = rows.value_rows, rows.difference_rows
+    assert calls == [("bf16", rows.values), ("fp8", rows.R - rows.values)] and value.numel() == rows.values
+    assert (rows.value_end is None) == (anchors is not None)
+    assert torch.equal(y[value], linear(x)[value])  # the value rows: the bf16 product's own
+    assert torch.equal(y[diff], linear_fp8(*fp8_rows(x[diff])))
+    low.scaled_mm = True
+    y_mm = _product(low, x, rows, TorchDecoderOps())
+    assert torch.equal(y_mm[value], y[value])
+    torch.testing.assert_close(y_mm[diff].float(), y[diff].float(), rtol=2 ** -7, atol=1e-6)
+
+
 def test_stacked_weights_are_held_once(models):
     """q | k | v and gate | up are one tensor each, and the transformers modules' parameters are views of it (no
     copy of the model's weights); a second backend on the same model finds them stacked and reuses them."""

@@ -176,3 +176,29 @@ def test_launch_budget_rows(family, scope, monkeypatch):
     ref = step_of(make_backend("fast", lm, impl="torch", diff_matmul="bf16"), make_prompt(6), cfg)
     ref()
     assert kernels_per_step(ref).layers > 2 * n.layers  # the count can tell fused from unfused
+
+
+# the packed step's launches a slot: perturb, its batch's copy into the pass, the gather of its span rows, the span
+# head (2), the proxy, the update (2) and the bookkeeping (2); measured 12
+BUDGET_PER_SLOT = 12
+
+
+def test_launch_budget_packed():
+    """The packed step (difference form): 9 kernels a decoder layer as the static step's (its forward_rows, which
+    test_launch_budget_rows counts a layer at a time), 30 for the rest and a fixed amount a slot, counted at 1 and 2
+    slots of prompts of two lengths (measured: 19 + 12 a slot on two layers)."""
+    from sicl_fast.calibration.packed import PackedStep
+    from test_packed import prompt_of
+
+    lm = build("llama", layers=2)
+    be = make_backend("fast", lm, impl="triton", diff_matmul="bf16")
+    cfg = Calibrator(be, dataclasses.replace(CFG, N=1)).config
+    slots = [StaticStep(be, cfg, p, be.embed(p), use_prefix=False, own_forward=False)
+             for p in (prompt_of(16, ((4, 7), (9, 12)), 0, 1), prompt_of(13, ((3, 5), (7, 10)), 2, 2))]
+    step = PackedStep(be, slots[:1])
+    step()  # what the first call makes lazily (bf16 weights, rotary tables): not counted
+    one = count_kernels(step)
+    step.set(slots)
+    per_slot = count_kernels(step) - one
+    assert 0 < per_slot <= BUDGET_PER_SLOT and 0 < one - per_slot <= 2 * BUDGET_PER_LAYER_ROWS + BUDGET_REST_ROWS, (
+        one, per_slot)

@@ -12,12 +12,14 @@ import torch
 from conftest import reference_backend
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.errors import SiclError
-from sicl_fast.calibration.packed import run_packed
+from sicl_fast.calibration.packed import PackedStep, run_packed
+from sicl_fast.calibration.static import StaticStep, run_static
 from sicl_fast.formats.requests import Request
 from sicl_fast.formats.spans import Prompt
+from sicl_fast.run.buckets import Bucket
 from test_fast_backend import V
 from test_ops import why_unavailable
-from test_static import assert_same_result
+from test_static import HostReadGuard, assert_same_result
 
 
 def prompt_of(L: int, spans, a: int, seed: int) -> Prompt:
@@ -147,3 +149,83 @@ def test_packed_min_delta_equals_eager(models, pack):
     steps_paper = [Calibrator(be, cfg).run(p).steps for p, cfg in paper]
     assert any(r.stop_reason == "patience" and r.steps < n for r, n in zip(refs, steps_paper)), (
         [r.steps for r in refs], steps_paper)
+
+
+# ------------------------------------------------------------------------- the difference form, slots that change
+
+
+def rows_backend(lm, **choices):
+    """The difference form without the prefix cache, on the C++ ops (their products give the same bits packed or
+    alone here; the torch reference's bf16 products over more rows moved a history by up to 2.5e-3)."""
+    if why_unavailable("cpp"):
+        pytest.skip(why_unavailable("cpp"))
+    return reference_backend("fast", lm, diff_matmul="bf16", prefix_cache=False, impl="cpp", **choices)
+
+
+def test_packed_difference_form_equals_the_static_step(models):
+    """Difference products: a slot packed alone is the prompt's static run (prefix 'none') bit for bit, its reference
+    refreshed at its own 16th step as there (beside others, within rounding: the next tests)."""
+    be = rows_backend(models["gemma2"])
+    items = [(p, cfg.replace(max_steps=18, patience=0)) for p, cfg in ITEMS]
+    refs = [run_static(be, cfg, p) for p, cfg in items]
+    for g, r in zip(run_packed(be, items, pack=1, sync_every=4), refs):
+        assert_same_result(g, r)
+
+
+def test_a_slot_that_changes_makes_its_own_reference_only(models, monkeypatch):
+    """Every prompt's reference is made once, when it takes its slot (no step of its own makes one): a slot that
+    changes leaves the others' references as they were, in place or copied where a longer prompt lays the pass out
+    again; the step (what a graph captures) reads nothing back to the host."""
+    be = rows_backend(models["llama"])
+    made = []
+    reference_rows = be.model.reference_rows
+    monkeypatch.setattr(be.model, "reference_rows", lambda x, *a, **k: made.append(x.shape[0]) or
+                        reference_rows(x, *a, **k))
+    items = [(p, cfg.replace(max_steps=6)) for p, cfg in ITEMS]  # no refresh (every 16 steps)
+    run_packed(be, items, pack=2, sync_every=2)
+    assert sorted(made) == sorted(p.demo_end for p, _ in items)
+    cfg = Calibrator(be, BASE).config
+    slots = [StaticStep(be, cfg, p, be.embed(p), use_prefix=False, own_forward=False) for p, _ in ITEMS[:3]]
+    step = PackedStep(be, slots)
+    step()
+    for new, layout in ((ITEMS[3][0], False), (prompt_of(60, ((20, 25), (50, 56)), 0, 9), True)):  # b 31, then 56
+        fwd = step.forward
+        before = [fwd.ref.rows(j * fwd.T, j * fwd.T + fwd.spans[j].b).tensors() for j in (0, 2)]
+        before = [[t.clone() for t in ts] for ts in before]
+        z = [fwd.z_refs[j] for j in (0, 2)]
+        made.clear()
+        slots[1] = StaticStep(be, cfg, new, be.embed(new), use_prefix=False, own_forward=False)
+        assert step.set(slots) and (fwd.T == 56) == layout
+        assert made == [new.demo_end]
+        for j, ts, zj in zip((0, 2), before, z):
+            now = fwd.ref.rows(j * fwd.T, j * fwd.T + fwd.spans[j].b).tensors()
+            assert all(torch.equal(a, b) for a, b in zip(now, ts)) and fwd.z_refs[j] is zj
+        step()
+    with HostReadGuard(monkeypatch):  # what a graph captures reads nothing back (the guard undoes the spy)
+        step.step()
+
+
+def test_prompts_of_one_shape_are_loaded_in_place_and_captured(models, monkeypatch):
+    """With length buckets, a prompt of the stopped slot's shape (config, prefix rows, span count, bucket) takes that
+    slot's tensors in place: the pack keeps its layout and, with graphs, its one capture (made once the layout went
+    through a read interval unchanged, its warm-up; none while the queue's tail shrinks the pack). The capture off
+    CUDA is the step itself: the results are the uncaptured run's, and each prompt's own padded run's within
+    rounding."""
+    from sicl_fast.calibration import packed
+    from sicl_fast.calibration.static import StepCache
+
+    be = rows_backend(models["llama"], length_buckets=4)
+    cfg = BASE.replace(max_steps=9, patience=1)
+    items = [(prompt_of(L, ((8, 12), (L - 9, L - 4)), 3, L), cfg) for L in (37, 39, 41, 44, 38)]
+    assert len({Bucket.of(p, 4) for p, _ in items}) == 1
+    built, captures = [], []
+    init = StaticStep.__init__
+    monkeypatch.setattr(StaticStep, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    monkeypatch.setattr(packed, "captured", lambda fn, device, **kw: captures.append(kw["warmup"]) or fn)
+    plain = run_packed(be, items, pack=2, sync_every=2, graphs=False)
+    assert len(built) == 2 and captures == []  # two slots' steps, every later prompt loaded into one of them
+    got = run_packed(be, items, pack=2, sync_every=2, graphs=True)
+    assert captures == [0]
+    for g, r, (p, c) in zip(got, plain, items):
+        assert_same_result(g, r)
+        assert_close_result(g, run_static(be, c, p, steps=StepCache("cpu", buckets=4)))

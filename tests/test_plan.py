@@ -3,6 +3,7 @@ to on this machine; fast-fp32 as a plan; the engine, make_backend and the loops 
 import dataclasses
 import re
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from sicl_fast.ops import cpp_ops
 from sicl_fast.calibration.packed import run_packed
 from sicl_fast.run import plan as plan_module
 from sicl_fast.run.plan import (BACKENDS, Choices, RunPlan, check_buckets, check_estimator, make_plan,
-                                resolve_attention, resolve_attention_check, resolve_graphs, resolve_impl,
+                                resolve_attention, resolve_attention_check, resolve_diff, resolve_graphs, resolve_impl,
                                 resolve_read_every, resolve_reuse)
 from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import CharTokenizer, build, make_prompt
@@ -66,6 +67,22 @@ def plan_of(model="llama", setup=None, then=None, needs=None, **choices):
 
 
 CFG = CalibrationConfig(N=2, max_steps=2, scale=1.0)
+
+
+def fp8_on_capability(cap: tuple):
+    """resolve_diff('fp8') on a CUDA device of compute capability `cap` (no GPU needed: the plan reads only that)."""
+    with mock.patch("torch.cuda.get_device_capability", lambda device=None: cap):
+        return resolve_diff("fp8", BACKENDS["fast"], "cuda", torch.bfloat16)
+
+
+def test_fp8_runs_on_fp8_tensor_cores_and_off_cuda():
+    """sm_89+ takes FP8 differences on its tensor cores; the CPU emulates them (the precision study's path); below
+    sm_89 the plan refuses (REFUSALS)."""
+    for cap in ((8, 9), (9, 0)):
+        assert fp8_on_capability(cap) == ("fp8", "asked for: the value rows through bf16 products, the difference "
+                                          "rows through FP8 ones (torch._scaled_mm), an FP8 copy of each weight "
+                                          "beside the bf16 one")
+    assert resolve_diff("fp8", BACKENDS["fast"], "cpu", torch.float32)[1].startswith("asked for: emulated off CUDA")
 
 
 def decoder_of(**changes):
@@ -135,6 +152,9 @@ REFUSALS = {
                                         "this model is 'llama .Module without a plain decoder.'"),
     "grad with forward-only ops": (plan_of(impl="cpp", grad=True), SiclError,
                                    "estimator 'grad' needs differentiable ops, and impl 'cpp' is forward-only"),
+    "fp8 below sm_89": (dict(call=lambda: fp8_on_capability((8, 0))), SiclError,
+                        r"diff_matmul 'fp8' needs FP8 tensor cores \(CUDA sm_89\+: Ada, Hopper\); cuda is sm_80.*"
+                        "use diff_matmul 'bf16'"),
     "cpp off the CPU": (dict(call=lambda: resolve_impl("cpp", "cuda")), SiclError,
                         "impl 'cpp' runs on the CPU; the model is on cuda .use 'triton' or 'torch'."),
     "cpp not built": (plan_of(impl="cpp", setup=cpp_not_built), SiclError,

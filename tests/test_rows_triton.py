@@ -240,3 +240,30 @@ def test_refusals(K):
         K.span_logprobs_rows(h, h[0], tg, anchor, z_ref=z)
     with pytest.raises(SiclError, match="z_ref"):
         K.span_logprobs_rows(h, h[0], tg, anchor, z_ref=torch.zeros(3, 3, 8, device=dev()), value_slot=anchor)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rows_bit_for_bit(K, dtype):
+    """kernels/fp8_rows.py against the reference (sicl_fast.models.weights.fp8_rows: torch's conversion) bit for bit:
+    every e4m3 value, every midpoint between two (ties to even) and the floats either side of it, in a row whose
+    scale is 1 (its largest magnitude 448), and rows of other scales (2^-30 .. 2^30, a zero row, values that become
+    e4m3 subnormals, more columns than a program's block)."""
+    from sicl_fast.models.weights import fp8_rows
+
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    v = e4m3[torch.isfinite(e4m3)].unique()
+    mid = (v[1:] + v[:-1]) / 2
+    pts = torch.cat([v, mid, torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9))])
+    pts = torch.cat([pts, -pts])
+    one = torch.cat([pts[pts.abs() <= 448], torch.tensor([448.0])])[None]
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 2500, generator=g) * torch.logspace(-9, 9, 6, base=8.0)[:, None]
+    rows[1] = 0
+    rows[2, ::5] *= 1e-5  # e4m3 subnormals after the scale
+    for x in (one if dtype == torch.float32 else one.bfloat16().float().unique()[None].clamp(-448, 448), rows):
+        x = x.to(dtype)
+        q, scale = K.fp8_rows(x.to(dev()))
+        q_ref, scale_ref = fp8_rows(x)
+        assert q.dtype == torch.float8_e4m3fn and scale.shape == (x.shape[0], 1)
+        assert torch.equal(scale.cpu(), scale_ref)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))

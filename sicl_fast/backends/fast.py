@@ -56,10 +56,10 @@ class FastBackend(Backend):
         length bucket's sizes (sicl_fast.run.buckets), or None."""
         return StepForward(self, prompt, prefix if self.prefix_cache else "none", B, X0, rows, bucket)
 
-    def packed_forward(self, prompts, Bs, Xs) -> PackedForward:
-        """The forward of several prompts' perturbation batches in one pass (B_j rows each, from X_j; the packed
-        step)."""
-        return PackedForward(self, prompts, Bs, Xs)
+    def packed_forward(self) -> PackedForward:
+        """The forward of several prompts' perturbation batches in one pass (the packed step; its slots laid out by
+        PackedForward.arrange)."""
+        return PackedForward(self)
 
     def span_plan(self, prompt: Prompt) -> SpanPlan:
         """The prompt's span positions and targets laid out on the device once (see SpanPlan)."""

@@ -253,52 +253,107 @@ class StepForward:
 
 
 class PackedForward:
-    """Several prompts' perturbation batches through one pass (the packed step, sicl_fast.calibration.packed): prompt
-    j's B_j rows stacked after the previous prompts', each right-padded with zeros to the longest b_j (causal attention
+    """Several prompts' perturbation batches through one pass (the packed step, sicl_fast.calibration.packed): slot
+    j's B_j rows stacked after the earlier slots', each right-padded with zeros to T, the longest b_j (causal attention
     never lets a real row see the padding after it), no prefix K/V (every row runs its rows [0, b_j)). In difference
-    form each prompt's rows are differences from its own first row (the layout's anchors), whose values are taken
-    against a float32 reference made from Xs (each prompt's X [L_j, d]) and again by refresh(Xs); plain otherwise.
+    form each slot's rows are differences from its own first row (the layout's anchors), whose values are taken
+    against a float32 reference of that slot's rows alone: its part of one RowsReference (value rows [j T, j T + b_j),
+    the rest zeros), made when the slot takes its prompt and again by refresh(j, X). A slot that changes makes its
+    own reference, never the others': a kept slot keeps its own (copied, where the layout moves it: another T, other
+    slots before it), and a slot that takes a prompt of its shape (load) is re-armed in place, so a graph captured on
+    this forward replays it. Plain products otherwise.
 
-        fwd = backend.packed_forward(prompts, Bs, Xs)
-        lps = fwd([batch_j [B_j, b_j', d] float32 ...])  -> [lp_j [B_j, P_j] float32 ...]"""
+        fwd = backend.packed_forward()
+        fwd.arrange(prompts, Bs, Xs, kept, buckets)   the slots: B_j rows from X_j [L_j, d]; kept[j] the slot's place in
+                                                       the last arrangement (None: a new prompt); buckets[j] a length
+                                                       bucket its rows and positions are padded to (or None)
+        fwd.load(j, prompt, X)                         slot j takes another prompt of its shape, in place
+        fwd.refresh(j, X)                              slot j's reference again at X, in place
+        lps = fwd([batch_j [B_j, b_j', d] float32 ...])  -> [lp_j [B_j, P_j] float32 ...]     no host read"""
 
-    def __init__(self, backend, prompts, Bs, Xs) -> None:
+    def __init__(self, backend) -> None:
         m = self.model = backend.model
         self.ops = backend.ops
         self.rows_on = m.rows_on
         self.refresh_every = REFRESH_EVERY if self.rows_on else 0
-        self.spans = [SpanPlan.of(p, m.device) for p in prompts]
-        self.blocks = []  # (first batch row, last + 1) of each prompt
-        r = 0
+        self.key = None  # (Bs, T): the layout's
+        self.T = 0
+        self.spans: list[SpanPlan] = []
+        self.buckets: list = []
+        self.blocks: list[tuple[int, int]] = []  # (first batch row, last + 1) of each slot
+        self.z_refs: list = []
+        self.x = self.rows = self.ref = None
+        self._one: dict = {}  # b -> the layout of one slot's b value rows (its reference pass)
+
+    def arrange(self, prompts, Bs, Xs, kept=None, buckets=None) -> None:
+        """Lay out the slots (class docstring). A slot kept in its place keeps everything; one kept elsewhere keeps
+        its span plan and reference logits and has its reference copied (the layout moved); a new one gets its
+        own."""
+        m, S = self.model, len(prompts)
+        kept = list(kept) if kept is not None else [None] * S
+        buckets = list(buckets) if buckets is not None else [None] * S
+        spans = [self.spans[k] if k is not None else SpanPlan.of(p, m.device, bk)
+                 for p, k, bk in zip(prompts, kept, buckets)]
+        T = max(span.b for span in spans)
+        old_z, old_ref, old_T = self.z_refs, self.ref, self.T
+        if (tuple(Bs), T) != self.key or any(k not in (None, j) for j, k in enumerate(kept)):
+            self._layout(Bs, T)
+            moved = [(j, k) for j, k in enumerate(kept) if k is not None]
+            if self.rows_on and moved:  # the kept slots' reference rows where the new layout has them: two launches
+                dst, src = (torch.tensor(v, device=m.device) for v in zip(*moved))  # a tensor, for every slot
+                n = min(old_T, T)  # a slot's rows past its b_j are zeros in both
+                for new, old in zip(self.ref.tensors(), old_ref.tensors()):
+                    w = new.shape[-1]
+                    new.view(S, T, w)[:, :n].index_copy_(0, dst, old.view(-1, old_T, w)[:, :n].index_select(0, src))
+        self.spans, self.buckets = spans, buckets
+        self.z_refs = [old_z[k] if k is not None and self.rows_on else None for k in kept]
+        for j, k in enumerate(kept):
+            if k is None:
+                self._take(j, Xs[j])
+
+    def _layout(self, Bs, T: int) -> None:
+        m = self.model
+        self.blocks, r = [], 0
         for B in Bs:
             self.blocks.append((r, r + B))
             r += B
-        self.b_max = max(p.demo_end for p in prompts)
-        dtype = torch.float32 if self.rows_on else m.dtype
-        self.x = torch.zeros(r, self.b_max, m.d, dtype=dtype, device=m.device)  # padding rows stay zero
+        self.key, self.T = (tuple(Bs), T), T
+        self.x = None  # the old buffer freed before the new one is made
+        self.x = torch.zeros(r, T, m.d, dtype=torch.float32 if self.rows_on else m.dtype, device=m.device)
         if self.rows_on:
-            self.rows = RowLayout.build(0, r, self.b_max, 0, [r0 for r0, r1 in self.blocks for _ in range(r1 - r0)],
+            self.rows = RowLayout.build(0, r, T, 0, [r0 for r0, r1 in self.blocks for _ in range(r1 - r0)],
                                         device=m.device)
-            self.anchors = [torch.zeros(r1 - r0, dtype=torch.int64, device=m.device) for r0, r1 in self.blocks]
-            self.ref, self.z_refs = self._reference(Xs)
+            self.anchors = [torch.zeros(B, dtype=torch.int64, device=m.device) for B in Bs]
+            self.ref = m.new_reference(len(Bs) * T)
 
-    def _reference(self, Xs):
-        """(the value rows' RowsReference, each prompt's reference logits at its span rows [1, P_j, V])."""
-        m = self.model
-        x = torch.zeros(len(Xs), self.b_max, m.d, device=m.device)
-        for j, (X, span) in enumerate(zip(Xs, self.spans)):
-            x[j, :span.b] = X[:span.b]
-        ref = m.reference_rows(x.view(-1, m.d), self.rows.value_layout())
-        hb = ref.hidden.view(len(Xs), self.b_max, -1)
-        return ref, [m.reference_logits(hb[j:j + 1].index_select(1, span.idx)) for j, span in enumerate(self.spans)]
-
-    def refresh(self, Xs) -> None:
-        """Take the value rows' reference again at each prompt's X (Xs, in order), in place."""
+    def _take(self, j: int, X: torch.Tensor) -> None:
+        """Slot j's buffers for its new prompt (its span plan in place): its rows of the pass zeroed, its reference
+        made (the padding rows' zeroed)."""
+        r0, r1 = self.blocks[j]
+        self.x[r0:r1].zero_()
         if self.rows_on:
-            ref, z_refs = self._reference(Xs)
-            self.ref.copy_(ref)
-            for mine, new in zip(self.z_refs, z_refs):
-                mine.copy_(new)
+            span, T = self.spans[j], self.T
+            self.ref.rows(j * T + span.b, (j + 1) * T).zero_()
+            if self.z_refs[j] is None:
+                self.z_refs[j] = torch.empty(1, span.idx.numel(), self.model.head.shape[0], device=self.model.device)
+            self.refresh(j, X)
+
+    def load(self, j: int, prompt: Prompt, X: torch.Tensor) -> None:
+        """Slot j takes `prompt` from X [L, d] (its shape: the same rows and positions), every tensor in place."""
+        self.spans[j].copy_(SpanPlan.of(prompt, self.model.device, self.buckets[j]))
+        self._take(j, X)
+
+    def refresh(self, j: int, X: torch.Tensor) -> None:
+        """Slot j's reference at its X [L, d] (rows [0, b_j): its value rows), written in place; the others'
+        untouched."""
+        if not self.rows_on:
+            return
+        m, span, T = self.model, self.spans[j], self.T
+        one = self._one.get(span.b)
+        if one is None:
+            one = self._one[span.b] = RowLayout.build(0, 1, span.b, 0, device=m.device)
+        ref = m.reference_rows(X[:span.b].to(m.device, torch.float32), one, out=self.ref.rows(j * T, j * T + span.b))
+        m.reference_logits(ref.hidden.index_select(0, span.idx)[None], out=self.z_refs[j])
 
     @torch.no_grad()
     def __call__(self, batches) -> list:
@@ -306,7 +361,7 @@ class PackedForward:
         for (r0, r1), span, batch in zip(self.blocks, self.spans, batches):
             self.x[r0:r1, :span.b].copy_(batch[:, :span.b])
         if self.rows_on:
-            h = self.rows.batch(m.forward_rows(self.x.view(-1, m.d), self.rows, ref=self.ref))  # [sum B_j, b_max, d]
+            h = self.rows.batch(m.forward_rows(self.x.view(-1, m.d), self.rows, ref=self.ref))  # [sum B_j, T, d]
         else:
             h = m.forward(self.x)
         out = []

@@ -2,19 +2,29 @@
 perturbation batches stacked into one forward.
 
     PackedStep(backend, slots)          slots: one StaticStep per prompt (its own X, X0, rows, best state, stop
-                                        flag, seed stream and config)
+                                        flag, seed stream and config; no forward of its own)
     run_packed(backend, items, pack)    a queue of (prompt, config); at most `pack` slots run together; a slot
                                         whose prompt stopped (or whose time budget ran out: checked at each read,
-                                        from the slot's start) is taken out and refilled at the next read
+                                        from the slot's start) takes the next prompt of the queue at that read
 
 Layout (sicl_fast.backends.step_forward.PackedForward): the slots' batches [B_j, b_j, d] are stacked along the
 batch and right-padded with zeros to the longest b_j. Causal attention never lets a position see a later one, so
 the padding changes nothing of a prompt's own rows and needs no mask; each slot reads its span positions from its
 own rows. The packed forward runs the full rows [0, b_j) (no prefix K/V); with difference products on, each slot's
-rows are differences from its own first row. A slot computes what its prompt computes alone without the prefix
-cache: bit for bit when it is packed alone, to rounding beside others (torch's CPU kernels may round a last bit
-differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and stops). Between two reads a
-stopped slot's state no longer changes (StaticStep), so its result is exact whatever the read interval.
+rows are differences from its own first row, against a float32 reference of its own rows, made when the slot takes
+its prompt and again every REFRESH_EVERY of its own steps (as it would be alone). A slot computes what its prompt
+computes alone without the prefix cache: bit for bit when it is packed alone, to rounding beside others (torch's
+CPU kernels may round a last bit differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and
+stops). Between two reads a stopped slot's state no longer changes (StaticStep), so its result is exact whatever the
+read interval.
+
+A slot that changes costs its own: the next prompt takes the stopped slot's place; where its shape is the stopped
+one's (StaticStep.shape: with length buckets, a prompt of the same config, prefix rows and span count in the same
+bucket) it is loaded into that slot's tensors in place (StaticStep.load, PackedForward.load: its reference, its
+span plan), else it gets a step of its own and the pass is laid out again, the other slots keeping their references
+(PackedForward.arrange). No slot's reference is made twice for one change. With CUDA graphs (the run plan's graphs),
+a pack whose layout went through one read interval unchanged (its warm-up) is captured in one graph and replayed
+until its layout changes; prompts loaded in place keep it. The queue's tail (a shrinking pack) runs uncaptured.
 """
 from __future__ import annotations
 
@@ -24,7 +34,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult
+from ..run.buckets import Bucket
 from ..run.checks import calibration_inputs
+from ..run.graphs import captured, model_refs, shared_pool
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
@@ -34,20 +46,64 @@ from .reads import Slot, read, steps_to_read
 
 
 class PackedStep:
-    """One step of every slot through one batched forward (module docstring)."""
+    """One step of every slot through one batched forward (module docstring). set() takes the slots (and says whether
+    the pass was laid out again); a call refreshes each slot's reference where its own step count says (outside any
+    graph, as run_static does), then runs the step: its captured CUDA graph's replay once capture() made one (the
+    step itself elsewhere). pool: the memory pool of its graphs (run.graphs.shared_pool), or None."""
 
-    def __init__(self, backend, slots: Sequence[StaticStep]) -> None:
-        self.backend, self.slots = backend, list(slots)
-        self.forward = backend.packed_forward([st.prompt for st in self.slots], [st.spec.B for st in self.slots],
-                                              [st.state.X for st in self.slots])
-        self.calls = 0
+    def __init__(self, backend, slots: Sequence[StaticStep] = (), pool=None) -> None:
+        self.backend, self.pool = backend, pool
+        self.forward = backend.packed_forward()
+        self.slots: list[StaticStep] = []
+        self.calls: list[int] = []  # the steps called on each slot
+        self.run = self.step
+        self.graph = False  # is `run` a captured graph of the current layout
+        self.captures = 0
+        if slots:
+            self.set(slots)
+
+    def set(self, slots: Sequence[StaticStep], loaded: Sequence[int] = ()) -> bool:
+        """Take `slots` (StaticSteps, in their places in the pass). A slot of the last set keeps its reference and
+        its count of calls; the places in `loaded` hold their same StaticStep re-armed for another prompt of its
+        shape (StaticStep.load), re-armed in place here too; any other slot is new and gets its own reference.
+        Returns whether the pass was laid out again (then a graph of the last layout is dropped)."""
+        where = {id(st): i for i, st in enumerate(self.slots)}
+        kept = [None if j in loaded else where.get(id(st)) for j, st in enumerate(slots)]
+        changed = [where.get(id(st)) for st in slots] != list(range(len(self.slots)))
+        if changed:
+            self.forward.arrange([st.prompt for st in slots], [st.spec.B for st in slots],
+                                 [st.state.X for st in slots], kept, [st.bucket for st in slots])
+            self.run, self.graph = self.step, False
+        else:
+            for j in loaded:
+                self.forward.load(j, slots[j].prompt, slots[j].state.X)
+        self.calls = [self.calls[k] if k is not None else 0 for k in kept]
+        self.slots = list(slots)
+        return changed
+
+    def capture(self) -> None:
+        """Capture the step of this layout in a CUDA graph (off CUDA: the step itself, nothing captured). Call it
+        after at least one eager step of the layout, its warm-up (every buffer it makes lazily exists), so that the
+        capture itself moves no slot's state."""
+        if not self.graph:
+            m = self.backend.model
+            self.run = captured(self.step, self.backend.device, warmup=0, keep=model_refs(m, self.backend.ops),
+                                pool=self.pool)
+            self.graph = True
+            self.captures += 1
 
     @torch.no_grad()
     def __call__(self) -> None:
         every = self.forward.refresh_every
-        if every and self.calls and self.calls % every == 0:  # the value rows' reference, every few steps
-            self.forward.refresh([st.state.X for st in self.slots])
-        self.calls += 1
+        for j, st in enumerate(self.slots):
+            if every and self.calls[j] and self.calls[j] % every == 0:  # the slot's reference, every few of its steps
+                self.forward.refresh(j, st.state.X)
+            self.calls[j] += 1
+        self.run()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """The step of every slot: no host read, every tensor fixed (capturable)."""
         for st in self.slots:
             st.perturb()
         for st, lp in zip(self.slots, self.forward([st.batch for st in self.slots])):
@@ -56,51 +112,73 @@ class PackedStep:
 
 def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,
                on_result: Callable[[int, CalibrationResult], None] | None = None,
-               time_budget_s: float | None = None, best_at: Sequence[int] = ()) -> list[CalibrationResult]:
+               time_budget_s: float | None = None, best_at: Sequence[int] = (),
+               graphs: bool | None = None) -> list[CalibrationResult]:
     """Calibrate every (prompt, config) of `items`, at most `pack` at once (module docstring). With
     on_result(i, res), each result goes there as it finishes (in completion order) and is not kept; without, the
     results come back in the order of `items`. time_budget_s: each item's budget from its start (as
     Calibrator.run's), checked at each read. best_at: step counts at which each item keeps its best X (a read lands
-    on each)."""
+    on each). graphs: capture the pack (None: the run plan's graphs); its length buckets (the plan's) pad each
+    slot."""
     for name, v in (("pack", pack), ("sync_every", sync_every)):
         check_range(name, v, "run_packed")
     budget = check_budget(time_budget_s, "run_packed")
     BestAt(best_at, "run_packed")  # the counts checked before any work
-    backend.plan.require_sync_free("packed")
+    plan = backend.plan
+    plan.require_sync_free("packed")
     for _, config in items:  # before any work (icleval packs its calibrations here, not through calibrate_many)
-        backend.plan.check_zeroth_order(config.estimator)
+        plan.check_zeroth_order(config.estimator)
+    graphs = plan.graphs if graphs is None else graphs
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
-    active: list[Slot] = []  # each with its item's index and its time budget's check
+    shapes: dict[int, tuple] = {}  # id(step) -> its StaticStep.shape
 
-    def admit() -> None:
-        while queue and len(active) < pack:
-            i, (prompt, config) = queue.pop(0)
-            config = resolve_scale(config, backend.lm)
-            kept = BestAt(best_at)
-            X0 = calibration_inputs(backend, prompt, config, kept=kept.copies(config.max_steps))
-            st = StaticStep(backend, config, prompt, X0, use_prefix=False)
-            t0 = time.perf_counter()
-            active.append(Slot(st, t0, kept, stop_check(None, budget, t0), index=i))
+    def admit(free: StaticStep | None = None) -> tuple[Slot, bool]:
+        """(the next queued item's slot, whether it took `free`, a stopped slot's step, in place)."""
+        i, (prompt, config) = queue.pop(0)
+        config = resolve_scale(config, backend.lm)
+        kept = BestAt(best_at)
+        bucket = None if plan.length_buckets is None else Bucket.of(prompt, plan.length_buckets,
+                                                                    backend.lm.max_context)
+        X0 = calibration_inputs(backend, prompt, config, kept=kept.copies(config.max_steps), bucket=bucket)
+        shape = StaticStep.shape(backend, config, prompt, X0, bucket, use_prefix=False)
+        loaded = free is not None and shapes.get(id(free)) == shape
+        if loaded:
+            free.load(prompt, X0)
+            st = free
+        else:
+            st = StaticStep(backend, config, prompt, X0, use_prefix=False, bucket=bucket, own_forward=False)
+            shapes.pop(id(free), None)
+            shapes[id(st)] = shape
+        t0 = time.perf_counter()
+        return Slot(st, t0, kept, stop_check(None, budget, t0), index=i), loaded
 
-    admit()
+    active: list[Slot] = [admit()[0] for _ in range(min(pack, len(queue)))]
+    full = len(active)
+    step = PackedStep(backend, [s.step for s in active], pool=shared_pool(backend.device) if graphs else None)
     while active:
-        step = PackedStep(backend, [s.step for s in active])  # a new layout whenever the slots change
         k = steps_to_read(active, sync_every)
         for _ in range(k):
             step()
-        still = []
-        for slot, (reason, n) in zip(active, read(active)):
+        loaded, gone = [], []
+        for j, (slot, (reason, n)) in enumerate(zip(active, read(active))):
             slot.calls += k
             res = slot.settle(reason, n)
             if res is None:
-                still.append(slot)
-            elif on_result is None:
+                continue
+            if on_result is None:
                 results[slot.index] = res
             else:
                 on_result(slot.index, res)
-        active[:] = still
-        admit()
+            if queue:  # the next prompt takes the place
+                active[j], took = admit(slot.step)
+                if took:
+                    loaded.append(j)
+            else:
+                gone.append(j)
+        active = [slot for j, slot in enumerate(active) if j not in gone]
+        if active and not step.set([s.step for s in active], loaded) and graphs and len(active) == full:
+            step.capture()  # the layout went through a read interval unchanged: warmed up
     return results if on_result is None else []
 
 

@@ -6,10 +6,11 @@ that reads the state back only every k steps. It computes Algorithm 1 exactly as
     step()                                          perturb -> forward -> span log-probs -> proxy ->
                                                     best / patience / SNR / stop bookkeeping -> update, in place
     run_static(backend, config, prompt, sync_every=k) -> CalibrationResult
-    StepCache(device, capacity, buckets)            steps (and their CUDA graphs: the step's, and its forward's
-                                                    reference refresh's) kept per prompt shape; with length
-                                                    buckets (sicl_fast.run.buckets) prompts of nearby lengths run
-                                                    padded to one shape and share a step
+    StepCache(device, capacity, buckets, budget)    steps (and their CUDA graphs: the step's, and its forward's
+                                                    reference refresh's) kept per prompt shape, bounded in count
+                                                    and bytes; with length buckets (sicl_fast.run.buckets)
+                                                    prompts of nearby lengths run padded to one shape and share a
+                                                    step
 
 One call of the step reads nothing back to the host: no .item(), no float() / bool() of a tensor, no Python
 branch on a tensor value (tests run it under a guard that fails on any). The step index and the stop flag are
@@ -34,6 +35,7 @@ from .ascent import CalibrationConfig, CalibrationResult
 from ..run.checks import calibration_inputs
 from ..errors import NumericalError
 from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs, shared_pool
+from ..run.memory import StepBytes, cache_budget, form_of, step_bytes
 from ..run.knobs import check_range
 from ..step.proxy import ProxyPlan
 from ..run.run_args import BestAt, check_budget, stop_check
@@ -50,10 +52,12 @@ class StaticStep:
     [L, d] float32, checked (sicl_fast.run.checks.calibration_inputs). use_prefix=False: always the full rows [0, b)
     (the packed step, sicl_fast.calibration.packed, runs prompts without their prefix K/V). bucket: a length bucket
     (sicl_fast.run.buckets.Bucket) the step runs padded to, so that prompts of other lengths in it share this step
-    and its graph (load); the state then holds X [bucket.length, d], whose first L rows are the prompt's (own)."""
+    and its graph (load); the state then holds X [bucket.length, d], whose first L rows are the prompt's (own).
+    own_forward=False: no forward of its own (`forward` None: a packed step's slot, whose batch goes through the
+    packed forward)."""
 
     def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
-                 use_prefix: bool = True, bucket: Bucket | None = None) -> None:
+                 use_prefix: bool = True, bucket: Bucket | None = None, own_forward: bool = True) -> None:
         backend.plan.require_sync_free("step")
         backend.plan.check_zeroth_order(config.estimator)
         self.backend, self.ops, self.prompt, self.bucket = backend, backend.ops, prompt, bucket
@@ -66,7 +70,7 @@ class StaticStep:
         self.state = StepState.new(self.padded(X0.to(dev)), cfg)
         self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
         self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0,
-                                            bucket=bucket)
+                                            bucket=bucket) if own_forward else None
 
     def _proxy_plan(self, prompt: Prompt) -> ProxyPlan:
         cfg, b = self.config, self.bucket
@@ -89,7 +93,7 @@ class StaticStep:
 
     @staticmethod
     def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
-              bucket: Bucket | None = None) -> tuple:
+              bucket: Bucket | None = None, use_prefix: bool = True) -> tuple:
         """What a step's buffers and kernel launches depend on (config resolved, X0 [L, d]). Prompts of one shape
         can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
         count or length, and their texts in everything; with a bucket, their lengths and span lengths too, within
@@ -97,7 +101,7 @@ class StaticStep:
         config = resolve_scale(config, backend.lm)
         spec = StepSpec.for_prompt(config, prompt, X0, bucket)
         return (config, spec, len(prompt.token_spans),
-                StepForward.shape(prompt, StaticStep.policy(spec), spec.B, bucket), bucket)
+                StepForward.shape(prompt, StaticStep.policy(spec, use_prefix), spec.B, bucket), bucket)
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
@@ -108,7 +112,8 @@ class StaticStep:
             self.rows_end.fill_(block_end(self.config, prompt))
         self.prompt = prompt
         self.state.reset(self.padded(X0.to(self.backend.device)))
-        self.forward.load(prompt, self.state.X0)
+        if self.forward is not None:
+            self.forward.load(prompt, self.state.X0)
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -150,18 +155,36 @@ class StaticStep:
 
 class StepCache:
     """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA (the step
-    itself elsewhere), at most `capacity` of them (least recently used dropped). get() re-arms the step of the
-    prompt's shape for that prompt (StaticStep.load), building and capturing it on the first prompt of a shape.
-    buckets: length buckets a doubling (sicl_fast.run.buckets; the run plan's length_buckets), so that prompts of
-    nearby lengths share a step and its graph; None: one step a shape. On CUDA every graph draws its temporaries
-    from one memory pool (graphs replay one at a time, so they can share it: a new bucket adds its buffers, not
-    another pool)."""
+    itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently used dropped first).
+    get() re-arms the step of the prompt's shape for that prompt (StaticStep.load), building and capturing it on the
+    first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the run plan's
+    length_buckets), so that prompts of nearby lengths share a step and its graph; None: one step a shape. On CUDA
+    every graph draws its temporaries from one memory pool (graphs replay one at a time, so they can share it: a new
+    bucket adds its buffers, not another pool).
 
-    def __init__(self, device, capacity: int = DEFAULT_CAPACITY, buckets: int | None = None) -> None:
+    The bytes: what each kept step holds (sicl_fast.run.memory.step_bytes, counted from the shapes before it is
+    built: its state, batch, prefix K/V, value rows' reference and logits, the pass K/V its graph holds) and once
+    the largest step's activations (the shared pool's). budget None: cache_budget, a share of the memory available
+    when the cache is made (the same rule on a CPU, where kept steps take RAM)."""
+
+    def __init__(self, device, capacity: int = DEFAULT_CAPACITY, buckets: int | None = None,
+                 budget: int | None = None) -> None:
         self.device = torch.device(device)
-        self.cache = ShapeCache(capacity)
+        self.budget = cache_budget(self.device) if budget is None else budget
+        self.cache = ShapeCache(capacity, self.budget)
         self.buckets = buckets
         self.pool = shared_pool(self.device)
+
+    @property
+    def held(self) -> int:
+        """The bytes the kept steps hold (what dropping them all would give back)."""
+        return self.cache.held()
+
+    @staticmethod
+    def step_bytes(backend, config: CalibrationConfig, prompt: Prompt, bucket: Bucket | None = None) -> StepBytes:
+        """What a StaticStep of `prompt` (config resolved) in `bucket` holds, from the shapes (nothing built)."""
+        return step_bytes(backend.lm, prompt, config, bucket=bucket, form=form_of(backend.plan),
+                          prefix=getattr(backend, "prefix_cache", True))
 
     def bucket(self, backend, config: CalibrationConfig, prompt: Prompt) -> Bucket | None:
         """The length bucket `prompt` runs in (None: buckets off)."""
@@ -182,7 +205,9 @@ class StepCache:
             st.forward.capture_refresh(st.state.X, self.device, keep=keep, pool=self.pool)
             return st, run
 
-        (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0, bucket), build)
+        size = self.step_bytes(backend, config, prompt, bucket)
+        (st, run), hit = self.cache.get(StaticStep.shape(backend, config, prompt, X0, bucket), build,
+                                        (size.kept, size.activations))
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
             st.load(prompt, X0)
         return st, run
@@ -205,7 +230,8 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     best_at = best_at if best_at is not None else BestAt()
     config = resolve_scale(config, backend.lm)
     bucket = steps.bucket(backend, config, prompt) if steps is not None else None
-    X0 = calibration_inputs(backend, prompt, config, X0, best_at.copies(config.max_steps), bucket)
+    X0 = calibration_inputs(backend, prompt, config, X0, best_at.copies(config.max_steps), bucket,
+                            steps.held if steps is not None else 0)
     if steps is None:
         st = run = StaticStep(backend, config, prompt, X0)
     else:

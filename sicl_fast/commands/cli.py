@@ -149,7 +149,7 @@ def _diff(g) -> None:
     g.add_argument("--diff-matmul", default="auto", choices=DIFF_MATMUL,
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
                         "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+) or in FP8 e4m3 "
-                        "(fp8: tensor cores on sm_89+, emulated elsewhere; never chosen by auto yet)")
+                        "(fp8: tensor cores on CUDA sm_89+, refused below, emulated off CUDA; not chosen by auto yet)")
 
 
 def _ops(g) -> None:

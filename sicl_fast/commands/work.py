@@ -10,6 +10,7 @@ from ..answering.answer import answer_result
 from ..answering.reuse import reuse_info
 from ..calibration.ascent import CalibrationConfig
 from ..run.checks import check_step_memory
+from ..run.memory import form_of
 from ..answering.export import CalibratedEmbeddings
 from ..formats.requests import Request
 
@@ -22,7 +23,8 @@ def check_requests(
     for r in requests:
         prompt = engine.prepare(r, reserve=reserve)
         if config is not None:
-            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack)
+            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack,
+                              form=form_of(engine.plan))
     return len(requests)
 
 

@@ -154,7 +154,8 @@ def step_runner(backend, prompt: Prompt, config: CalibrationConfig) -> tuple[Cal
         return eager, "eager"
     plan.check_pack(config.estimator)
     if plan.pack > 1:
-        slots = [StaticStep(backend, config, prompt, X0, use_prefix=False) for _ in range(plan.pack)]
+        slots = [StaticStep(backend, config, prompt, X0, use_prefix=False, own_forward=False)
+                 for _ in range(plan.pack)]
         return PackedStep(backend, slots), f"packed x{plan.pack}"
     if plan.graphs:
         return StepCache(backend.device, 1).get(backend, config, prompt, X0)[1], "static, graph"

@@ -76,7 +76,10 @@ class RowLayout:
     """The rows of one difference-form pass (module docstring). anchor: int64 [B] on the device; value_slot: int64
     [B] on the device, value batch row j's place among the value batch rows (0 for a difference row: unread);
     differences: the batch rows that hold differences (int64 on the device); anchors: the anchors as host ints (the
-    C++ ops and the shapes read them)."""
+    C++ ops and the shapes read them). The rows split by kind, for products that take the two kinds apart (FP8
+    differences, sicl_fast.models.projections): value_rows / difference_rows, int64 [V] / [R - V] on the device,
+    the pass's rows of each kind in order; value_end: lead + T where the value rows are the pass's first rows (one
+    anchor, row 0: one prompt), else None."""
 
     lead: int
     B: int
@@ -86,6 +89,8 @@ class RowLayout:
     value_slot: torch.Tensor
     differences: torch.Tensor
     anchors: tuple = field(repr=False)
+    value_rows: torch.Tensor = field(repr=False, default=None)
+    difference_rows: torch.Tensor = field(repr=False, default=None)
 
     @classmethod
     def build(cls, lead: int, B: int, T: int, pos0: int, anchors=None, device="cpu") -> RowLayout:
@@ -99,8 +104,16 @@ class RowLayout:
             slots.append(n if a == j else 0)
             n += a == j
         ints = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        kinds = [True] * lead + [a == j for j, a in enumerate(anchors) for _ in range(T)]  # is each row a value row
         return cls(lead=lead, B=B, T=T, pos0=pos0, anchor=ints(anchors), value_slot=ints(slots),
-                   differences=ints([j for j in range(B) if anchors[j] != j]), anchors=anchors)
+                   differences=ints([j for j in range(B) if anchors[j] != j]), anchors=anchors,
+                   value_rows=ints([r for r, v in enumerate(kinds) if v]),
+                   difference_rows=ints([r for r, v in enumerate(kinds) if not v]))
+
+    @property
+    def value_end(self) -> int | None:
+        """lead + T where the value rows are the pass's first lead + T rows (every anchor row 0), else None."""
+        return self.lead + self.T if all(a == 0 for a in self.anchors) else None
 
     @property
     def R(self) -> int:
@@ -235,6 +248,16 @@ class RowsReference:
 
     def tensors(self) -> list:
         return [t for layer in self.layers for pair in layer.values() for t in pair] + [self.hidden]
+
+    def rows(self, lo: int, hi: int) -> RowsReference:
+        """Rows [lo, hi) of every tensor, as views: a part of the value rows (a packed pass's slot), which
+        reference_rows(out=) writes and copy_ / zero_ change in place."""
+        return RowsReference([{name: tuple(t[lo:hi] for t in pair) for name, pair in layer.items()}
+                              for layer in self.layers], self.hidden[lo:hi])
+
+    def zero_(self) -> None:
+        for t in self.tensors():
+            t.zero_()
 
 
 __all__ = ["LOW_DTYPE", "RowLayout", "RowsReference", "batch_ref", "is_value", "to_form", "from_form", "to_rows",

@@ -329,7 +329,7 @@ class Transformer:
         model's own tensors for a bf16 model, one bf16 copy for a float32 model)."""
         if self._rows_dense is None:
             fp8 = self.diff_matmul == "fp8"
-            self._rows_dense = [RowsDense(LowWeights.of(L.w, fp8)) for L in self.layers]
+            self._rows_dense = [RowsDense(LowWeights.of(L.w, fp8), self.ops) for L in self.layers]
         return self._rows_dense
 
     @property
@@ -468,6 +468,7 @@ class Transformer:
         for r in self.rotary.values():
             r.reserve(max(rows.lead, rows.pos0 + rows.T))
 
+    @torch.no_grad()
     def reference_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None, keep: bool = False,
                        out: RowsReference | None = None):
         """The float32 reference of a pass's value rows (sicl_fast.models.rows.RowsReference): x [V, d] float32, the
@@ -477,6 +478,15 @@ class Transformer:
         taken against (made when a run starts and every few steps). out: a RowsReference to write in place (a
         refresh); keep: also return the pass's K/V, per layer (k, v) [V, Hk, hd] (a kept prefix's: prefix_rows)."""
         return reference_pass(self, x, rows, prefix, keep, out)
+
+    def new_reference(self, V: int) -> RowsReference:
+        """A RowsReference of V value rows, zeros (what reference_rows(out=) writes: a packed pass's, one slot at a
+        time)."""
+        z = lambda k: torch.zeros(V, k, dtype=torch.float32, device=self.device)  # noqa: E731
+        qd = self.H * self.hd
+        return RowsReference([{"qkv": (z(self.d), z(L.w.qkv.shape[0])), "o": (z(qd), z(self.d)),
+                               "gate_up": (z(self.d), z(2 * L.w.inter)), "down": (z(L.w.inter), z(self.d))}
+                              for L in self.layers], z(self.d))
 
     @torch.no_grad()  # a cache of constants: never differentiated
     def prefix_kv(self, rows: torch.Tensor) -> PrefixKV:

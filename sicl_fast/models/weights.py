@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import SiclError
 from .rows import LOW_DTYPE
 
 MADV_DONTNEED = 4  # Linux's
@@ -159,14 +160,33 @@ def packed_linear(x: torch.Tensor, packed) -> torch.Tensor:
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_CAPABILITY = (8, 9)  # the first CUDA capability with FP8 tensor cores (Ada; Hopper is 9.0)
 
 
 def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., k] -> (q [..., k] float8 e4m3, scale [..., 1] float32) with x ~ q * scale, one scale per row (its
-    largest magnitude maps to 448): 3 mantissa bits, so each element within 2^-4 relative of x's."""
+    largest magnitude maps to 448): 3 mantissa bits, so each element within 2^-4 relative of x's. The reference of
+    DecoderOps.fp8_rows (kernels/fp8_rows.py gives the same bits in one launch)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     return (x.float() / scale).to(FP8), scale
+
+
+def fp8_refusal(device) -> str | None:
+    """Why the difference form's FP8 products cannot run on `device`, or None where they can: on CUDA they need
+    FP8 tensor cores (sm_89+, torch._scaled_mm); below, the only form left would be the CPU's emulation, a float32
+    copy of every weight on the GPU and float32 products, slower than the bf16 products it would replace. Off CUDA
+    they are emulated (the precision study's path: bench/precision_fidelity.py 'fp32-fp8'), to measure their
+    accuracy, not their speed."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    cap = torch.cuda.get_device_capability(dev)
+    if tuple(cap) >= FP8_CAPABILITY:
+        return None
+    return (f"diff_matmul 'fp8' needs FP8 tensor cores (CUDA sm_89+: Ada, Hopper); {dev} is sm_{cap[0]}{cap[1]}, "
+            "where FP8 products could only be emulated in float32 (a float32 copy of every weight on the GPU, "
+            "slower than bf16): use diff_matmul 'bf16' (the default)")
 
 
 class LowWeight:
@@ -176,34 +196,47 @@ class LowWeight:
     kernel and bits as F.linear without its per-call reorder, 0.99-1.23x its rate at SmolLM2's shapes, RESULTS 18); then
     `w` is None. pack=False: the plain bf16 copy (the LM head's, which the span heads read a chunk at a time).
 
-    fp8: the difference rows go through FP8 e4m3 instead (a scale per token row for them, per output row for the
-    weight; torch._scaled_mm on CUDA sm_89+, elsewhere emulated: the quantised values dequantised and multiplied
-    exactly in float32, to measure what FP8 does to the ascent); the value rows stay bf16."""
+    fp8: the weight in FP8 e4m3 too, a scale per output row (`fp8`: (q [o, k], scale [o, 1])), for the difference
+    rows' product (linear_fp8); the value rows keep the bf16 product (sicl_fast.models.projections). On CUDA
+    (sm_89+ only: fp8_refusal) torch._scaled_mm multiplies the FP8 rows on the tensor cores, at twice the bf16 rate;
+    elsewhere the product is emulated, the quantised values dequantised and multiplied exactly in float32 (a
+    float32 copy of the dequantised weight, made on first use, off CUDA only), to measure what FP8 does to the
+    ascent."""
 
     def __init__(self, w: torch.Tensor, fp8: bool = False, pack: bool = True) -> None:
         low = w if w.dtype == LOW_DTYPE else w.to(LOW_DTYPE)
         self.packed = mkldnn_packed(low) if pack and low is not w else None
         self.w = low if self.packed is None else None
+        self.out_features = int(w.shape[0])
         self.fp8 = None
         if fp8:
+            why = fp8_refusal(w.device)
+            if why:
+                raise SiclError(why)
             self.fp8 = fp8_rows(w)  # (q [o, k], scale [o, 1])
+            self.scaled_mm = w.is_cuda  # else emulated
             self._deq = None
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., k] bf16 -> [..., o] bf16 (every row in bf16)."""
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., k] bf16 -> [..., o] bf16 (every row in bf16); out: a contiguous [M, o] bf16 buffer to write (x
+        then [M, k])."""
         if self.packed is not None:  # packed only for CPU weights, which take CPU rows
-            return packed_linear(x, self.packed)
-        return F.linear(x, self.w)
+            y = packed_linear(x, self.packed)
+            return y if out is None else out.copy_(y)
+        if out is None:
+            return F.linear(x, self.w)
+        return torch.mm(x, self.w.t(), out=out)
 
-    def linear_fp8(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, k] (difference rows) through FP8 -> [M, o] bf16."""
+    def linear_fp8(self, qx: torch.Tensor, sx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows in FP8, qx [M, k] float8 e4m3 with their scales sx [M, 1] float32 (fp8_rows' pair) -> [M, o] bf16,
+        the one product of those rows; out: as linear's."""
         qw, sw = self.fp8
-        qx, sx = fp8_rows(x)
-        if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9):
-            return torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.view(1, -1), out_dtype=LOW_DTYPE)
+        if self.scaled_mm:
+            return torch._scaled_mm(qx, qw.t(), scale_a=sx, scale_b=sw.view(1, -1), out_dtype=LOW_DTYPE, out=out)
         if self._deq is None:
             self._deq = qw.float() * sw
-        return F.linear(qx.float() * sx, self._deq).to(LOW_DTYPE)
+        y = F.linear(qx.float() * sx, self._deq).to(LOW_DTYPE)
+        return y if out is None else out.copy_(y)
 
 
 @dataclass
@@ -222,4 +255,4 @@ class LowWeights:
 
 
 __all__ = ["LayerWeights", "LowWeight", "LowWeights", "stack_params", "release_file_pages", "mkldnn_packed",
-           "packed_linear", "fp8_rows", "FP8", "FP8_MAX"]
+           "packed_linear", "fp8_rows", "fp8_refusal", "FP8", "FP8_MAX", "FP8_CAPABILITY"]

@@ -56,6 +56,9 @@ dtype, the row epilogues on float32 rows and the difference form's low dtype):
     split_bf16(x [n, k] f32, pieces) -> [pieces, n, k] bf16
         float32 rows as bf16 pieces whose sum is x (the reference pass's bf16 products with float32 accumulation,
         sicl_fast.models.reference; one launch where fused)
+
+    fp8_rows(x [M, k] low) -> (q [M, k] float8 e4m3, scale [M, 1] f32)
+        the difference rows of an FP8 product, a scale a row (sicl_fast.models.weights.fp8_rows; one launch fused)
     kv_in_place: qk_rope writes k_out / v_out as it rotates (else they would cost a copy)
 """
 from __future__ import annotations
@@ -123,6 +126,8 @@ class DecoderOps(Protocol):
     def gated_rows(self, y: torch.Tensor, bias, act_name: str, rows, y_ref=None, a_ref=None) -> torch.Tensor: ...
 
     def split_bf16(self, x: torch.Tensor, pieces: int = 3) -> torch.Tensor: ...
+
+    def fp8_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Ops(NamedTuple):

@@ -17,6 +17,8 @@ from ..step.logprobs import rows_logprobs, vocab_chunked_logprobs
 from ..models import elementwise as ew
 from ..models import rows
 from ..models.reference import split_bf16_reference
+
+from ..models.weights import fp8_rows
 from ..step.proxy import ProxyOut, checked_proxy, proxy_planned
 from ..step.spec import StepSpec
 from ..step.step_state import bookkeep_reference
@@ -77,6 +79,8 @@ class TorchDecoderOps:
     rope_rows = staticmethod(rows.rope_rows_reference)
     gated_rows = staticmethod(rows.gated_rows_reference)
     split_bf16 = staticmethod(split_bf16_reference)
+
+    fp8_rows = staticmethod(fp8_rows)
 
     def residual_norm(self, x, y, post_w, w, eps: float, gemma: bool):
         if y is None:

@@ -78,5 +78,7 @@ class TritonDecoderOps:
         self.norm_rows, self.rope_rows, self.gated_rows = K.norm_rows, K.rope_rows, K.gated_rows  # the rows' epilogues
         self.split_bf16 = K.split_bf16  # the reference pass's bf16 pieces (sicl_fast.models.reference)
 
+        self.fp8_rows = K.fp8_rows  # FP8 differences' quantisation
+
 
 __all__ = ["TritonStepOps", "TritonDecoderOps", "load_kernels"]

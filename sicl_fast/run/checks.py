@@ -7,17 +7,17 @@ checked once here, before any work, and refused with a SiclError naming the argu
                                                        width, on the model's device
     check_calibration(cal, lm, where)                  a stored Calibration whose rows have the model's width
     check_perturbation(config, lm)                     mu * scale large enough for float32 to perturb this model
-    check_step_memory(lm, prompt, config)              refuse a step whose estimated memory exceeds what is free
+    check_step_memory(lm, prompt, config)              refuse a step whose estimated memory (what it keeps and its
+                                                       activations: sicl_fast.run.memory) exceeds what is free
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 
 import torch
 
 from ..errors import NumericalError, SiclError
 from .knobs import MIN_MU
+from .memory import available_memory, form_of, step_bytes
 from ..step.spec import block_end
 from ..formats.spans import Prompt, vocabulary_key, vocabulary_size
 
@@ -78,50 +78,14 @@ def check_calibration(cal, lm, where: str) -> None:
                         f"engine's model {lm.name!r} has width {lm.hidden_size}: calibrate the prompt with this engine")
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free for a step: CUDA's free memory, or the smaller of MemAvailable and the cgroup's headroom."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    free = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if free is None:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        cg = Path("/sys/fs/cgroup")
-        limit = (cg / "memory.max").read_text().strip()
-        if limit != "max":
-            free = min(free, int(limit) - int((cg / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return free
-
-
-def step_memory(lm, prompt: Prompt, config, kept: int = 0, bucket=None) -> int:
-    """Estimated peak bytes of one ascent step: the [B, n, d] float32 batch and its directions, plus one layer's
-    activations for B x n rows (the forward runs layer by layer, without autograd): residual, norm, q / k / v /
-    attention output, the MLP's gate / up / product, and the attention scores, at 4 bytes an element. The exact
-    gradient (estimator "grad") runs one row, but autograd keeps every layer's activations for the backward (one
-    layer's with checkpoint), about twice over (forward values and their gradients). Beside the step, the buffers
-    that grow with a knob: the history (max_steps) and `kept` copies of X [L, d] kept along the way (BestAt, the
-    counts of --answer-at). bucket: the length bucket the step runs padded to (sicl_fast.run.buckets), or None."""
-    cfg = lm.text_config
-    B = config.batch
-    n = block_end(config, prompt, bucket)
-    d = lm.hidden_size
-    d_ff = int(getattr(cfg, "intermediate_size", 4 * d) or 4 * d)
-    heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
-    per_row = 2 * d + 6 * d + 3 * d_ff + heads * n
-    # the static loop's history (one float32 a step, allocated before step 1) and the copies of X kept
-    history = 4 * config.max_steps + 4 * kept * prompt.length * d
-    if config.estimator == "grad":
-        layers = 1 if config.checkpoint else int(getattr(cfg, "num_hidden_layers", 1) or 1)
-        return 4 * 2 * (layers + 1) * n * per_row + history
-    return 4 * B * n * per_row + history
+def step_memory(lm, prompt: Prompt, config, kept: int = 0, bucket=None, form: str | None = None,
+                prefix: bool = True) -> int:
+    """Estimated peak bytes of one ascent step: what the step keeps (its state with the history and `kept` copies of
+    X [L, d], the perturbation batch, and with the fast backend's forward (form 'rows' or 'plain') the prefix K/V,
+    the value rows' reference and its logits, the pass's K/V) and one layer's activations for its rows
+    (sicl_fast.run.memory.step_bytes; bucket: the length bucket it runs padded to, or None; prefix: False without
+    the prefix K/V, the packed step)."""
+    return step_bytes(lm, prompt, config, kept, bucket, form, prefix).total
 
 
 def check_tokens(prompt: Prompt, lm) -> None:
@@ -135,14 +99,17 @@ def check_tokens(prompt: Prompt, lm) -> None:
                         f"vocabulary [0, {V}) (a prompt tokenized for another model?)")
 
 
-def calibration_inputs(backend, prompt: Prompt, config, X0=None, kept: int = 0, bucket=None) -> torch.Tensor:
+def calibration_inputs(backend, prompt: Prompt, config, X0=None, kept: int = 0, bucket=None,
+                       reclaimable: int = 0) -> torch.Tensor:
     """Calibrator.run's entry checks: the prompt and its tokens, X0 (default: the prompt's own embeddings;
     returned as float32), the perturbation's size and the memory of one step with `kept` copies of X beside it
-    (padded to `bucket`, a length bucket, where one is given)."""
+    (padded to `bucket`, a length bucket, where one is given; reclaimable: what a step cache would give back for
+    it)."""
     check_prompt(prompt, backend.lm)
     X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
     check_perturbation(config, backend.lm)
-    check_step_memory(backend.lm, prompt, config, kept=kept, bucket=bucket)
+    check_step_memory(backend.lm, prompt, config, kept=kept, bucket=bucket, form=form_of(backend.plan),
+                      reclaimable=reclaimable)
     return X0.detach().float()  # the ascent moves X itself; no autograd history of the caller's tensor comes along
 
 
@@ -158,10 +125,14 @@ def check_perturbation(config, lm) -> None:
                         "to float32 rounding (raise mu or scale)")
 
 
-def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0, bucket=None) -> None:
-    """Refuse a step whose estimate (step_memory with `kept` copies of X, padded to `bucket` where given; `pack` such
-    steps at once for the packed step) exceeds the memory free on the model's device."""
-    need, free = pack * step_memory(lm, prompt, config, kept, bucket), available_memory(lm.device)
+def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0, bucket=None, form: str | None = None,
+                      reclaimable: int = 0) -> None:
+    """Refuse a step whose estimate (step_memory with `kept` copies of X, padded to `bucket` where given, its forward
+    of `form`; `pack` such steps at once, without the prefix K/V, for the packed step) exceeds the memory free on
+    the model's device and what a step cache would give back for it (`reclaimable`: the bytes its kept steps
+    hold)."""
+    need = pack * step_memory(lm, prompt, config, kept, bucket, form, prefix=pack == 1)
+    free = available_memory(lm.device) + reclaimable
     if need > free:
         rows = block_end(config, prompt, bucket)
         packed = f", {pack} prompts packed (--pack)" if pack > 1 else ""

@@ -4,7 +4,8 @@ them (the capture itself is CUDA only; the caches and the re-arming they rely on
     g = CapturedStep(step, keep)     warm the callable up on a side stream, capture it once; g() replays it
     g = captured(step, device, ...)  CapturedStep on CUDA, the callable itself elsewhere
     pool = shared_pool(device)       one memory pool for several graphs that never replay at once (None off CUDA)
-    ShapeCache(capacity)             at most `capacity` entries built per key, the least recently used dropped
+    ShapeCache(capacity, budget)     at most `capacity` entries built per key (and `budget` bytes held), the least
+                                     recently used dropped
     DecodeGraph(model, max_len)      one static KV cache and its decode step, captured on CUDA
 
 A captured callable must keep its inputs and outputs in fixed tensors and read nothing back to the host
@@ -72,22 +73,39 @@ def model_refs(model, ops) -> Callable[[], list]:
 
 class ShapeCache:
     """At most `capacity` entries, built on demand per key; the least recently used goes first (with it, its
-    graph's memory pool). stats: builds and hits."""
+    graph's memory pool). budget: at most that many bytes held as well (None: no bound), an entry's bytes given
+    when it is built as (kept, scratch): what it keeps, and the temporaries of one call, which the entries share
+    (their graphs draw on one pool and replay one at a time: the largest entry's scratch is held once). stats:
+    builds and hits; dropped: the entries dropped for room."""
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, budget: int | None = None) -> None:
         self.capacity = check_range("graph_cache", capacity, "ShapeCache", "capacity")
+        self.budget = budget
         self.entries: OrderedDict = OrderedDict()
+        self.sizes: dict = {}  # key -> (kept, scratch) bytes
         self.stats = {"builds": 0, "hits": 0}
+        self.dropped = 0
 
-    def get(self, key, build: Callable[[], object]) -> tuple[object, bool]:
-        """(entry, hit): the cached entry of `key`, or build() cached under it."""
+    def held(self, size: tuple = (0, 0)) -> int:
+        """The bytes the entries hold, with one more of `size` (kept, scratch) beside them."""
+        sizes = [*self.sizes.values(), size]
+        return sum(k for k, _ in sizes) + max(s for _, s in sizes)
+
+    def get(self, key, build: Callable[[], object], size: tuple = (0, 0)) -> tuple[object, bool]:
+        """(entry, hit): the cached entry of `key`, or build() cached under it, holding `size` bytes (kept,
+        scratch); before the build, the least recently used entries go until it fits (count and budget; an entry
+        larger than the budget alone is built all the same: the memory check refuses what cannot fit at all)."""
         if key in self.entries:
             self.entries.move_to_end(key)
             self.stats["hits"] += 1
             return self.entries[key], True
-        while len(self.entries) >= self.capacity:
-            self.entries.popitem(last=False)  # before the build: the old graph's pool is freed first
+        while self.entries and (len(self.entries) >= self.capacity
+                                or self.budget is not None and self.held(size) > self.budget):
+            old, _ = self.entries.popitem(last=False)  # before the build: the old graph's pool is freed first
+            del self.sizes[old]
+            self.dropped += 1
         entry = self.entries[key] = build()
+        self.sizes[key] = tuple(size)
         self.stats["builds"] += 1
         return entry, False
 

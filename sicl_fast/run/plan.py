@@ -50,6 +50,7 @@ from ..models.loading import check_device
 from ..models.decoder_config import DecoderConfig, UnsupportedModelError
 from ..models.output_head import OutputHead, attention_of, eager_reason
 from ..models.transformer import DIFF_MATMUL, fast_low_precision
+from ..models.weights import fp8_refusal
 from ..ops import DIFFERENTIABLE_IMPLS, IMPLS, cpp_ops
 from ..ops.triton_ops import load_kernels
 from ..step.spec import check_choice
@@ -325,6 +326,14 @@ def resolve_diff(diff: str, kind: BackendKind, device, dtype) -> tuple[str, str]
         if low:
             warnings.warn(PLAIN_LOW_PRECISION[name], SiclWarning, stacklevel=3)
         return "off", ("fast-fp32: every product plain, in the model dtype" if kind.plain else "asked for")
+    if diff == "fp8":
+        refusal = fp8_refusal(device)
+        if refusal:
+            raise SiclError(refusal)
+        if torch.device(device).type == "cuda":
+            return diff, ("asked for: the value rows through bf16 products, the difference rows through FP8 ones "
+                          "(torch._scaled_mm), an FP8 copy of each weight beside the bf16 one")
+        return diff, "asked for: emulated off CUDA (float32 products of FP8 values: the accuracy study's path, slow)"
     if diff != "auto":
         return diff, "asked for"
     # 'fp8' is never chosen by 'auto': its accuracy is measured (bench/precision_fidelity.py) but not its speed yet

@@ -46,6 +46,13 @@ def block_end(cfg, prompt, bucket=None) -> int:
     return prompt.length if cfg.perturb_query else prompt.demo_end
 
 
+def prefix_policy(kappa: float, scope: str) -> str:
+    """How a step's forward treats rows [0, a), which no step perturbs: 'kept' when nothing rescales them during a
+    run (the projection covers rows [a, b) only, or is off: kappa <= 0), else 'pass' (the whole-matrix projection
+    may rescale them: they run in every step's pass). See sicl_fast.backends.step_forward."""
+    return "kept" if not kappa > 0 or scope == "demos" else "pass"
+
+
 def resolve_scale(config, lm):
     """The CalibrationConfig `config` in the units every loop steps in: its own scale, or the model's embedding scale
     (lm.embedding_scale) when it has none (mu and eta are given in units of it)."""
@@ -137,11 +144,8 @@ class StepSpec:
 
     @property
     def prefix_policy(self) -> str:
-        """How a step's forward treats rows [0, a), which no step perturbs: 'kept' when nothing rescales them
-        during a run (the projection covers rows [a, b) only, or is off: their K/V are computed once), else 'pass'
-        (the whole-matrix projection may rescale them: they run in every step's pass). See
-        sicl_fast.backends.step_forward."""
-        return "kept" if not self.project or self.scope == "demos" else "pass"
+        """How a step's forward treats rows [0, a) (prefix_policy)."""
+        return prefix_policy(self.kappa, self.scope)
 
     @property
     def project_rows(self) -> tuple[int, int]:
@@ -161,4 +165,4 @@ class StepSpec:
 
 
 __all__ = ["StepSpec", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "block_end", "check_choice",
-           "f32", "resolve_scale"]
+           "f32", "prefix_policy", "resolve_scale"]

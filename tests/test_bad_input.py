@@ -404,6 +404,21 @@ def test_out_in_a_symlink_loop_is_one_line(tmp_path, capsys, no_model):
         one_line_error(capsys, f"--out {tmp_path / out}: ", needle)
 
 
+def test_length_buckets_where_every_calibration_takes_the_gradient(tmp_path, capsys, no_model):
+    """Issue 48's probe: icleval --method sicl-grad took a count of length buckets that pads nothing (its
+    calibrations run on the eager loop); with a zeroth-order method beside it the count serves that one."""
+    from conftest import ICLEVAL_EXCERPTS
+
+    argv = ["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", str(tmp_path / "o.jsonl"), "--length-buckets",
+            "4", "--method", "base", "sicl-grad"]
+    assert main(argv) == 2
+    one_line_error(capsys, "length_buckets 4: estimator 'grad' runs on the eager loop, which pads nothing")
+    assert not (tmp_path / "o.jsonl").exists()
+    from sicl_fast.commands.cli import _only_grad, build_parser
+
+    assert not _only_grad(build_parser().parse_args(argv[:-3] + ["--method", "sicl", "sicl-grad"]))
+
+
 def test_an_output_folder_that_cannot_be_one_is_one_line_before_any_work(tmp_path, capsys, no_model):
     """--report on a file, a dangling link or a link loop was an internal FileExistsError, and icleval's came after
     the whole run; an empty --report was an internal FileNotFoundError ('/report.md')."""

@@ -565,12 +565,21 @@ def _check_flags(args) -> None:
     if hasattr(args, "length_buckets"):  # a count where nothing is padded: packed, or every calibration the gradient
         from ..run.plan import check_buckets
 
-        check_buckets(args.length_buckets, _pack_count(args), getattr(args, "estimator", None) == "grad")
+        check_buckets(args.length_buckets, _pack_count(args), _only_grad(args))
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
             and from_models_dir(GEMMA3_FILE) is None):
         require(GEMMA3_PACKAGE)
     if getattr(args, "ray", None) is not None:
         require("ray")
+
+
+def _only_grad(args) -> bool:
+    """Does every calibration of this command take the exact gradient (--estimator grad, or icleval's calibrating
+    methods sicl-grad alone)? Then nothing runs the padded static step."""
+    from ..evaluation.methods import CALIBRATIONS
+
+    methods = {m for m in getattr(args, "method", None) or () if m in CALIBRATIONS}
+    return getattr(args, "estimator", None) == "grad" or methods == {"sicl-grad"}
 
 
 def _wants_grad(args) -> bool:

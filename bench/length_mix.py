@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--N", type=int, default=8)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--length-buckets", default="auto", help="the buckets mode's choice: auto, or a count a doubling")
+    ap.add_argument("--diff-matmul", default="auto", choices=("auto", "off", "bf16", "fp8"),
+                    help="every mode's difference products (the buckets' history difference depends on them)")
     ap.add_argument("--smoke", action="store_true", help="4 prompts of 40-90 tokens, 2 steps (the machinery)")
     ap.add_argument("--out", default=None, help="append the figures to this JSON-lines file")
     args = ap.parse_args(argv)
@@ -138,14 +140,14 @@ def main(argv=None) -> int:
     prompts = mix_prompts(int(lm.head_weight.shape[0]), args.prompts, args.min, args.max)
     load_before = os.getloadavg()
     buckets = args.length_buckets if args.length_buckets == "auto" else int(args.length_buckets)
-    res = measure(lm, prompts, args.steps, args.N, args.modes, buckets)
+    res = measure(lm, prompts, args.steps, args.N, args.modes, buckets, diff_matmul=args.diff_matmul)
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": lm.name,
               "device": torch.cuda.get_device_name(0) if lm.device.type == "cuda" else
               f"{platform.machine()} CPU, {os.cpu_count()} cores", "dtype": str(lm.dtype),
               "commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
                                        text=True).stdout.strip(),
               "prompts": args.prompts, "lengths": [args.min, args.max], "steps": args.steps, "N": args.N,
-              "length_buckets_asked": buckets,
+              "length_buckets_asked": buckets, "diff_matmul": args.diff_matmul,
               "load": [load_before, os.getloadavg()], "modes": res}
     for mode, r in res.items():
         ratio = f"{r['ratio']:.2f}x repeated" if r["ratio"] else ""

@@ -27,6 +27,10 @@ count. The float32 gain of a run is f32(X_best) - f32(X0'), both read by the fp3
 path's own start: the prompt's embeddings as its model makes them (on a bf16 model, bf16 values). f32(X0') - f32(X0)
 is the start's offset, the same for every run of that model dtype on the sample and not the ascent's doing (on
 Gemma 3 270M as large as a calibration's gain); `--fill-starts` adds X0' to records made before it was recorded.
+
+A ratio without a denominator (a float32 gain of 0, as plain bf16 gives on Gemma 3) is `n/a`. Bad input (a folder
+without ICLEval task files, a missing model package, a records file that is not one) is one line and exit status 2,
+before any model loads.
 """
 from __future__ import annotations
 
@@ -36,8 +40,15 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
+
+from sicl_fast.commands.cli import _Parser
+from sicl_fast.errors import SiclError, SiclWarning
+from sicl_fast.run.knobs import arg_type
+
+PROG = "precision_fidelity.py"
 
 PATHS = {  # name -> (model dtype, Engine choices)
     "fp32": ("float32", dict(backend="fast-fp32")),
@@ -67,11 +78,32 @@ def pick_samples(folder: str, per_file: int, max_tokens: int, tokenizer, max_con
     return [got[i] for i in range(per_file) for got in per if i < len(got)]
 
 
+KEYS = ("model", "path", "sample", "max_steps", "f32_gain", "f32_best", "f32_initial", "own_gain", "seconds",
+        "steps", "answer", "correct")  # what a record holds (run writes them; report and fill_starts read them)
+
+
+def read_study(path: str) -> list[dict]:
+    """The records of --out, each checked to be one of this study's (a SiclError names the line otherwise)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                raise SiclError(f"{path}:{n}: not a JSON record (is this the study's records file?)") from None
+            missing = [k for k in KEYS if not isinstance(r, dict) or k not in r]
+            if missing:
+                raise SiclError(f"{path}:{n}: not a record of this study (no {', '.join(missing)})")
+            records.append(r)
+    return records
+
+
 def done_keys(path: str) -> set:
     if not os.path.exists(path):
         return set()
-    with open(path) as f:
-        return {(r["model"], r["path"], r["sample"], r["max_steps"]) for r in map(json.loads, f) if r.get("path")}
+    return {(r["model"], r["path"], r["sample"], r["max_steps"]) for r in read_study(path)}
 
 
 def make_engines(model: str, paths, threads):
@@ -101,8 +133,7 @@ def fill_starts(args) -> None:
     from sicl_fast.evaluation.methods import sample_prompt
     from sicl_fast.icleval import load_dir
 
-    with open(args.out) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+    records = read_study(args.out)
     todo = [r for r in records if "f32_start" not in r]
     by_key = {f"{name}:{s.uid}": s for name, samples in load_dir(args.icleval).items() for s in samples}
     for model in sorted({r["model"] for r in todo}):
@@ -171,6 +202,15 @@ def run(args) -> None:
                       f"own {rec['own_gain']:+.3e} ({seconds:.0f} s)", flush=True)
 
 
+def ratio(a: float, b: float) -> float | None:
+    """a / b, None where there is no denominator (a float32 gain of 0 on every sample)."""
+    return a / b if b else None
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
 def report(records: list[dict]) -> str:
     """The study's tables: per model and path, the float32 gain kept (sum over samples against fp32's, and the
     median of the per-sample ratios), the answers equal to fp32's, the own gain against the float32 one, the
@@ -186,16 +226,17 @@ def report(records: list[dict]) -> str:
             got = [r for r in rs if r["path"] == path and r["sample"] in ref]
             if not got:
                 continue
-            kept = sum(r["f32_gain"] for r in got) / sum(ref[r["sample"]]["f32_gain"] for r in got)
+            kept = ratio(sum(r["f32_gain"] for r in got), sum(ref[r["sample"]]["f32_gain"] for r in got))
             ratios = [r["f32_gain"] / ref[r["sample"]]["f32_gain"] for r in got if ref[r["sample"]]["f32_gain"] > 0]
             same = sum(r["answer"] == ref[r["sample"]]["answer"] for r in got)
-            own = sum(r["own_gain"] for r in got) / sum(r["f32_gain"] for r in got)  # shown where it means a ratio
-            own = f"{own:.2f}" if kept > 0.05 else "-"
-            step = sum(r["seconds"] for r in got) / sum(r["steps"] for r in got)
+            # the own gain against the float32 one: shown where it means a ratio (the float32 gain kept)
+            own = ratio(sum(r["own_gain"] for r in got), sum(r["f32_gain"] for r in got))
+            own = f"{own:.2f}" if kept is not None and kept > 0.05 and own is not None else "-"
+            step = ratio(sum(r["seconds"] for r in got), sum(r["steps"] for r in got))
             offset = statistics.mean(abs(r.get("f32_start", r["f32_initial"]) - r["f32_initial"]) for r in got)
-            lines.append(f"| {path} | {100 * kept:.1f} % | {100 * statistics.median(ratios):.1f} % | "
+            lines.append(f"| {path} | {pct(kept)} | {pct(statistics.median(ratios) if ratios else None)} | "
                          f"{same} / {len(got)} | {own} | {offset:.1e} | {sum(r['correct'] for r in got)} / "
-                         f"{len(got)} | {step:.2f} |")
+                         f"{len(got)} | {'n/a' if step is None else f'{step:.2f}'} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -205,41 +246,89 @@ def shard(text: str) -> tuple[int, int]:
     try:
         i, n = map(int, text.split("/"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--shard {text!r}: expected I/N, e.g. 0/2") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected I/N, e.g. 0/2") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: N, the number of shards, must be >= 1")
     if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"--shard {text!r}: I must be in 0..N-1")
+        raise argparse.ArgumentTypeError(f"{text!r}: I must be in 0..{n - 1}")
     return i, n
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def check_inputs(args) -> None:
+    """What the study reads and writes, before any model loads: --out's records for --report-only and
+    --fill-starts; else a place for --out, the ICLEval folder (the task files it holds) and every model's files (a
+    missing package said with how to install it)."""
+    from sicl_fast.formats.records import check_output
+    from sicl_fast.icleval import load_dir
+    from sicl_fast.models.loading import resolve
+
+    if args.report is not None:
+        check_output(args.report, flag="--report")
+    if args.report_only or args.fill_starts:
+        if not os.path.isfile(args.out):
+            flag = "--report-only" if args.report_only else "--fill-starts"
+            raise SiclError(f"--out {args.out}: no records file there ({flag} reads it; run the study first)")
+        if not read_study(args.out):
+            raise SiclError(f"--out {args.out}: holds no records")
+    else:
+        check_output(args.out)
+    if not args.report_only:
+        load_dir(args.icleval)
+        for model in args.models:
+            resolve(MODELS[model])
+
+
+def warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our warnings in one line each (an ICLEval file that differs from the released data), as sicl-fast's."""
+    if issubclass(category, SiclWarning):
+        print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    ap = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("icleval", help="ICLEval's data/tasks_data folder (the task files)")
     ap.add_argument("--models", nargs="+", default=["smollm2"], choices=sorted(MODELS))
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
-    ap.add_argument("--per-file", type=int, default=3, help="samples taken from each task file")
-    ap.add_argument("--max-tokens", type=int, default=400, help="longest prompt taken (tokens)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--per-file", type=arg_type("limit"), default=3, help="samples taken from each task file")
+    ap.add_argument("--max-tokens", type=arg_type("length"), default=400, help="longest prompt taken (tokens)")
+    ap.add_argument("--steps", type=arg_type("max_steps"), default=20)
+    ap.add_argument("--threads", type=arg_type("threads"), default=None)
     ap.add_argument("--shard", type=shard, default=(0, 1), metavar="I/N",
                     help="run the samples I, I + N, I + 2N, ... (processes side by side, one --out file)")
     ap.add_argument("--out", default="bench/precision_fidelity/records.jsonl")
     ap.add_argument("--report", default=None, help="write the tables (markdown) here")
-    ap.add_argument("--report-only", action="store_true", help="make the tables from --out, run nothing")
-    ap.add_argument("--fill-starts", action="store_true",
-                    help="add f32_start to the records of --out made without it (then the report), run nothing else")
-    args = ap.parse_args()
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--report-only", action="store_true", help="make the tables from --out, run nothing")
+    only.add_argument("--fill-starts", action="store_true",
+                      help="add f32_start to the records of --out made without it (then the report), run nothing "
+                           "else")
+    args = ap.parse_args(argv)
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = warning_line
+            study(args)
+    except (SiclError, OSError) as exc:
+        what = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) and exc.filename else exc
+        print(f"{PROG}: error: {what}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def study(args) -> None:
+    """The study (or its report) as the flags ask: check_inputs, run or fill_starts, the tables."""
+    check_inputs(args)
     torch.manual_seed(0)
     if args.fill_starts:
         fill_starts(args)
     elif not args.report_only:
         run(args)
-    with open(args.out) as f:
-        text = report([json.loads(line) for line in f if line.strip()])
+    text = report(read_study(args.out))
     print(text)
     if args.report:
-        with open(args.report, "w") as f:
-            f.write(f"<!-- {' '.join(sys.argv)} -->\n\n" + text + "\n")
+        from sicl_fast.formats.records import write_text_atomic
+
+        write_text_atomic(args.report, f"<!-- {' '.join(sys.argv)} -->\n\n" + text + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 
 from .backends.generate import Generation
 from .calibration.ascent import PRESETS, CalibrationConfig, CalibrationResult, Calibrator
@@ -57,18 +58,30 @@ MOVED = {
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds an old path of MOVED and answers with the module at its new path (imported then, not before)."""
+    """Finds an old path of MOVED, or a module under one (`sicl_fast.calibration.step.X`), and answers with the
+    module at its new path (imported then, not before). It is the first finder: the path finder would otherwise load
+    a module under an old package path (whose __path__ is the new package's folder) a second time, as a second
+    module object."""
 
     def find_spec(self, name, path=None, target=None):
-        old = name.removeprefix(__name__ + ".")
-        if old == name or old not in MOVED:
+        new = self.new(name)
+        spec = importlib.util.find_spec(new) if new is not None else None
+        if spec is None:
             return None
         # the new path's file as the origin: `python -m` puts it in sys.argv[0]
-        return importlib.util.spec_from_loader(name, self, origin=importlib.util.find_spec(self.new(name)).origin)
+        return importlib.util.spec_from_loader(name, self, origin=spec.origin)
 
     @staticmethod
-    def new(name: str) -> str:
-        return f"{__name__}.{MOVED[name.removeprefix(__name__ + '.')]}"
+    def new(name: str) -> str | None:
+        """The new path of an old one: its longest prefix in MOVED replaced (None: not an old path)."""
+        parts = name.split(".")
+        if parts[0] != __name__:
+            return None
+        for i in range(len(parts), 1, -1):
+            old = ".".join(parts[1:i])
+            if old in MOVED:
+                return ".".join([__name__, MOVED[old], *parts[i:]])
+        return None
 
     def create_module(self, spec):
         module = importlib.import_module(self.new(spec.name))
@@ -79,14 +92,28 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = module.__spec__.loader_state
 
     def get_code(self, name):
-        """`python -m sicl_fast.cli`: runs the moved module's main(), as its own `python -m` would."""
-        return compile(f"import sys\nfrom {self.new(name)} import main\nsys.exit(main())", name, "exec")
+        """`python -m OLD`: the moved module's main() where it has one (`python -m sicl_fast.cli`); else one line
+        and exit status 2, as for any usage error (its new path would run nothing)."""
+        new = self.new(name)
+        if callable(getattr(importlib.import_module(new), "main", None)):
+            return compile(f"import sys\nfrom {new} import main\nsys.exit(main())", name, "exec")
+        line = (f"python -m {name}: {name} (now {new}) has no command line; the command line is `sicl-fast` "
+                "(or python -m sicl_fast.cli)")
+        return compile(f"import sys\nprint({line!r}, file=sys.stderr)\nsys.exit(2)", name, "exec")
 
 
-sys.meta_path.append(_MovedModules())
-# The old paths of modules already imported are registered now: `import sicl_fast.proxy` then leaves the package's
-# `proxy` (the function) as it was, where a first import through the finder would set it to the module.
-for _old, _new in MOVED.items():
-    if f"{__name__}.{_new}" in sys.modules:
-        sys.modules.setdefault(f"{__name__}.{_old}", sys.modules[f"{__name__}.{_new}"])
-del _old, _new
+class _Package(types.ModuleType):
+    """The package's module type: an old path imported through the finder becomes an attribute of its parent (as
+    any submodule does), except where the package has a name of its own there: `sicl_fast.proxy` stays the
+    function `proxy`, whose module is sicl_fast.step.proxy."""
+
+    def __setattr__(self, name, value):
+        if name in MOVED and isinstance(value, types.ModuleType) and not isinstance(
+                self.__dict__.get(name, value), types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_MovedModules"]  # one, after a reload
+sys.meta_path.insert(0, _MovedModules())
+sys.modules[__name__].__class__ = _Package

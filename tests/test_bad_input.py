@@ -244,6 +244,18 @@ def test_engine_given_a_path_or_conflicting_arguments(tiny_llama, tmp_path, no_m
     assert not (tmp_path / "sd").exists()
 
 
+def test_a_device_the_engine_does_not_run_on_is_a_sicl_error(tiny_llama):
+    """Issue 48: Engine(device="mps") was a bare RuntimeError from torch; a model on meta failed at its first proxy."""
+    import copy
+
+    with pytest.raises(SiclError, match="device 'mps': sicl_fast runs on the CPU and on CUDA GPUs, not on 'mps'"):
+        Engine(device="mps")
+    meta = copy.copy(tiny_llama)
+    meta.model = copy.deepcopy(tiny_llama.model).to("meta")
+    with pytest.raises(SiclError, match="model 'tiny-llama' \\(on meta\\): the meta device holds shapes without data"):
+        Engine(meta)
+
+
 def test_api_misuse_names_the_argument(eng, prompt):
     with pytest.raises(SiclError, match=r"prompt: must be a Prompt .*got dict"):
         eng.calibrate(STRUCT)
@@ -315,6 +327,9 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     # issue 29: every knob has a range (sicl_fast.run.knobs), checked while parsing
     (["--max-steps", "1000001"], "--max-steps: must be <= 1000000"),
     (["--max-steps", "1e30"], "--max-steps: must be an integer, got '1e30'"),
+    # issue 48's probe: it said "must be an integer" of a flag that takes words too
+    (["--length-buckets", "on"], "--length-buckets: must be 'auto', 'off' or an integer, got 'on'"),
+    (["--pack", "two"], "--pack: must be 'auto' or an integer, got 'two'"),
     (["--patience", "100000000000000000000000"], "--patience: must be <= 1000000"),
     (["--sync-every", "99999999999999999999"], "--sync-every: must be <= 1000000"),
     (["--N", "65537"], "--N/--num-directions: must be <= 65536"),
@@ -330,6 +345,12 @@ def test_negative_max_new_tokens_is_refused_while_parsing(tmp_path, capsys, no_m
     (["--estimator", "grad", "--pack", "2"], "estimator 'grad' calibrates one prompt at a time (pack 1)"),
     (["--estimator", "grad", "--loop", "static"], "run the zeroth-order ascent only; estimator 'grad' runs on the "
                                                   "eager loop"),
+    # issue 48: an internal error (exit 1) after the model loaded; meta left a 0-byte --out
+    (["--device", "mps"], "device 'mps': sicl_fast runs on the CPU and on CUDA GPUs, not on 'mps'; use 'cpu'"),
+    (["--device", "meta"], "device 'meta': the meta device holds shapes without data, so a model there cannot"),
+    # issue 48: taken, shown by `plan`, and padding nothing
+    (["--estimator", "grad", "--length-buckets", "4"], "length_buckets 4: estimator 'grad' runs on the eager loop"),
+    (["--pack", "2", "--length-buckets", "4"], "length_buckets 4: pack 2 runs the packed step"),
 ])
 def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags, needle):
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
@@ -353,6 +374,9 @@ def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags,
      "unknown key(s) ['label']"),
     (json.dumps({"id": "r", "prompt": "ab cd ef", "output_spans": [[0, 2]], "demos_start": 3}).encode() + b"\n",
      "starts before demos_start (3)"),
+    # issue 48: 5 was taken as "5" while 5.5 and true were "must be a non-empty string"
+    (json.dumps(dict(STRUCT, id=5.5)).encode() + b"\n", "field 'id': must be a non-empty string, or an integer (kept "
+                                                        "as its decimal string: 5 is \"5\"), got float"),
 ])
 def test_bad_requests_file_is_one_line(tmp_path, capsys, no_model, content, needle):
     path = tmp_path / "r.jsonl"
@@ -378,6 +402,21 @@ def test_out_in_a_symlink_loop_is_one_line(tmp_path, capsys, no_model):
     for out, needle in (("loop1", "is a symbolic link loop"), ("loop1/o.jsonl", "a symbolic link loop in its path")):
         assert main(["calibrate", reqs, "--out", str(tmp_path / out)]) == 2
         one_line_error(capsys, f"--out {tmp_path / out}: ", needle)
+
+
+def test_length_buckets_where_every_calibration_takes_the_gradient(tmp_path, capsys, no_model):
+    """Issue 48's probe: icleval --method sicl-grad took a count of length buckets that pads nothing (its
+    calibrations run on the eager loop); with a zeroth-order method beside it the count serves that one."""
+    from conftest import ICLEVAL_EXCERPTS
+
+    argv = ["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", str(tmp_path / "o.jsonl"), "--length-buckets",
+            "4", "--method", "base", "sicl-grad"]
+    assert main(argv) == 2
+    one_line_error(capsys, "length_buckets 4: estimator 'grad' runs on the eager loop, which pads nothing")
+    assert not (tmp_path / "o.jsonl").exists()
+    from sicl_fast.commands.cli import _only_grad, build_parser
+
+    assert not _only_grad(build_parser().parse_args(argv[:-3] + ["--method", "sicl", "sicl-grad"]))
 
 
 def test_an_output_folder_that_cannot_be_one_is_one_line_before_any_work(tmp_path, capsys, no_model):

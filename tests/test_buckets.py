@@ -227,3 +227,27 @@ def test_the_length_mix_bench_runs_each_mode(models):
     assert all(r["steps_run"] == 3 and r["ms_per_prompt"] > 0 for r in res.values())
     # on the CPU: no graphs, so auto takes no buckets, and nothing is cached per shape
     assert res["buckets"]["length_buckets"] is None and res["buckets"]["steps_built"] == 0
+
+
+def test_the_stated_tolerance_on_the_real_model_is_the_measured_one():
+    """docs/performance.md states how far a padded run lies from the unpadded one on SmolLM2, per form of the
+    products, as bench/buckets_history.py measured it (its records, bench/results_buckets_history.jsonl): each bound
+    the worst measured difference rounded up to two digits, at the measured number of steps. Issue 48: the page
+    promised 1e-5 where the difference form measured 2.5e-5 after 11 steps."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    records = {r["diff_matmul"]: r for r in map(json.loads, (root / "bench/results_buckets_history.jsonl").open())}
+    page = " ".join((root / "docs/performance.md").read_text().split())
+    said = re.search(r"On SmolLM2 \(float32 weights, (\d+) prompts of [^,]+, (\d+) steps; [^)]*\) a padded run's proxy "
+                     r"history lies within ([0-9.e-]+) of the unpadded run's with the difference form \(`--diff-matmul "
+                     r"bf16`; [^)]*\) and within ([0-9.e-]+) with `--diff-matmul off`", page)
+    assert said, "docs/performance.md no longer states the buckets' tolerance on SmolLM2 in the tested words"
+    prompts, steps, bounds = int(said[1]), int(said[2]), {"bf16": float(said[3]), "off": float(said[4])}
+    assert set(records) == set(bounds)
+    for form, bound in bounds.items():
+        rec = records[form]
+        assert (rec["steps"], len(rec["prompts"])) == (steps, prompts), form
+        assert rec["worst"] <= bound <= rec["worst"] * 1.1 + 1e-12, (form, rec["worst"], bound)

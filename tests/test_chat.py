@@ -168,8 +168,10 @@ def test_openai_error_objects(server, client):
     with pytest.raises(openai.BadRequestError, match="kappa must be < 1"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"),
                                        extra_body={"sicl": {"kappa": 2.0}})
-    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+    with pytest.raises(openai.BadRequestError, match="field 'max_tokens': 9 exceeds"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_tokens=9)
+    with pytest.raises(openai.BadRequestError, match="field 'max_completion_tokens': 9 exceeds"):  # it said max_tokens
+        client.chat.completions.create(model="tiny-llama", messages=conversation("five"), max_completion_tokens=9)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.chat.completions.create(model="tiny-llama", messages=conversation("five"), logprobs=True)
     # stop strings are checked before the job is queued (before: "" ended the answer of a reused calibration at
@@ -228,6 +230,10 @@ def test_tool_calls_are_refused_by_name(server):
     tool = convo[:5] + [{"role": "tool", "tool_call_id": "c1", "content": "7"}, convo[5]]
     msg = _post_chat(server, tool).json()["error"]["message"]
     assert "'messages[5]': role 'tool': tool calls are not supported" in msg, msg
+    named = convo[:1] + [{**convo[1], "name": "ann"}] + convo[2:]  # issue 48: the name was dropped without a word
+    msg = _post_chat(server, named).json()["error"]["message"]
+    assert "field 'messages[1].name': participant names are not supported (the model's chat template renders roles " \
+           "only, so the name would be dropped)" in msg, msg
 
 
 def test_calibrate_endpoint_reuses(server, engine):
@@ -242,7 +248,8 @@ def test_calibrate_endpoint_reuses(server, engine):
     assert bodies[1]["summary"]["best_proxy"] == ref.best_proxy and bodies[1]["history"] == ref.history
     off = httpx.post(server.url + "/v1/calibrate", headers=headers, timeout=120,
                      json={"request": req, "config": KNOBS, "reuse": "off"}).json()
-    assert "reuse" not in off and off["summary"]["steps"] == 3
+    assert off["summary"]["steps"] == 3  # a run without the store says so too (issue 48: the key was absent)
+    assert off["reuse"] == {"reused": False, "reuse": "off", "key": None, "exact": True}
 
 
 @pytest.mark.slow

@@ -127,6 +127,8 @@ def test_calibrate_packed_and_loops_agree(tmp_path):
     for i, r in runs["packed"].items():
         a = runs["alone"][i]
         assert r["steps"] == a["steps"] and r["stop_reason"] == a["stop_reason"]
+        # issue 48: packed records lacked these four (a run without the store says so)
+        assert set(r) == set(a) and (r["reused"], r["reuse"], r["key"], r["exact"]) == (False, "off", None, True)
         assert r["best_proxy"] == pytest.approx(a["best_proxy"], rel=1e-5)
 
 

@@ -253,6 +253,11 @@ def test_readme_commands_write_distinct_outputs():
     assert len(seen) >= 2
 
 
+def test_the_readme_is_a_newcomers_page():
+    """At most 150 lines (issue 48: it had grown to 154); the rest belongs to docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
 def test_every_summary_target_holds_its_markers():
     """A `report --summary-into FILE --summary-name NAME` shown in the docs writes into a file that has the markers
     (a table moved to another page takes its command along)."""

@@ -362,6 +362,50 @@ def test_summary_into_a_folder_a_missing_file_or_markers_twice_is_one_line(tmp_p
     assert twice.read_text().count("old") == 2 and not (tmp_path / "RUN").exists()  # refused before writing
     assert main(["report", str(res), "--report", str(tmp_path / "RUN"), "--summary-name", "s"]) == 2
     assert "--summary-name s has no effect without --summary-into" in capsys.readouterr().err
+    for bad in ("a -->", "a\nb"):  # issue 48's probe: taken, and "-->" ended the marker's comment early
+        assert main(["report", str(res), "--report", str(tmp_path / "RUN"), "--summary-into", str(twice),
+                     "--summary-name", bad]) == 2
+        assert f"--summary-name {bad!r}: use letters, digits" in capsys.readouterr().err
+
+
+def test_summary_into_a_link_a_read_only_file_or_foreign_markers(tmp_path, capsys):
+    """Issue 48: a read-only file was an internal error after the report was written (as root: replaced, its mode
+    lost); a symbolic link was replaced by a regular file and its target left stale; another summary's markers
+    between the pair were deleted without a word."""
+    import os
+
+    from sicl_fast.commands.cli import main
+
+    res = _write_jsonl(tmp_path / "r.jsonl", synthetic_records(6))
+    begin, end = "<!-- sicl-report:s:begin -->", "<!-- sicl-report:s:end -->"
+    target = tmp_path / "doc.md"
+    target.write_text(f"{begin}\nold\n{end}\n")
+    (tmp_path / "link.md").symlink_to(target)
+    nested = tmp_path / "nested.md"
+    nested.write_text(f"{begin}\n<!-- sicl-report:other:begin -->\nkeep\n<!-- sicl-report:other:end -->\n{end}\n")
+    target.chmod(0o444)
+
+    def report(into) -> int:
+        return main(["report", str(res), "--report", str(tmp_path / "RUN"), "--no-plots", "--summary-into",
+                     str(into), "--summary-name", "s"])
+
+    for into, needle in ((target, "is read-only (mode 0444); make it writable"),
+                         (nested, "holds the markers of 'other' between its 's' markers, which the table would "
+                                  "delete; move them out of the pair")):
+        assert report(into) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "RUN").exists() and "keep" in nested.read_text()  # refused before any work
+    target.chmod(0o640)
+    assert report(tmp_path / "link.md") == 0
+    assert (tmp_path / "link.md").is_symlink() and "| model |" in target.read_text()  # written through the link
+    assert oct(os.stat(target).st_mode & 0o777) == oct(0o640)  # its mode kept
+    # found by the probe: a hard link's other name kept the old text; CRLF files got "\n" lines in the table
+    os.link(target, tmp_path / "other_name.md")
+    target.write_bytes(f"{begin}\r\nold\r\n{end}\r\n".encode())
+    assert report(target) == 0
+    text = (tmp_path / "other_name.md").read_bytes()
+    assert b"| model |" in text and text.count(b"\n") == text.count(b"\r\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------

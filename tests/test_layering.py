@@ -1,5 +1,5 @@
 """The house's layering, over every import statement of sicl_fast (kernels/ included, as sicl_fast.kernels; those
-inside functions too: a lazy import is still an edge):
+inside functions and under `if TYPE_CHECKING:` too: a lazy or a type-only import is still an edge):
 
   * no cycle among the modules;
   * the tree reads by role: the top level holds only the package, engine.py and errors.py, and every folder says
@@ -11,6 +11,7 @@ inside functions too: a lazy import is still an edge):
   * no kernel or op imports a calibration loop, and the static and packed steps do not call back into the
     eager loop's Calibrator."""
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -29,30 +30,39 @@ def modules() -> dict:
     return out
 
 
+@functools.cache
 def import_graph() -> dict:
     """module -> the sicl_fast modules its import statements name (a `from package import name` names the
     submodule when there is one, else the package)."""
     mods = modules()
-    graph = {m: set() for m in mods}
+    graph = {}
     for name, (path, is_pkg) in mods.items():
-        pkg = name if is_pkg else name.rsplit(".", 1)[0]
-        tree = ast.parse(path.read_text())
-        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                       and "TYPE_CHECKING" in ast.unparse(node.test) for b in node.body for n in ast.walk(b)}
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
-                mod = ".".join(base + [node.module] if node.module else base) if node.level else node.module
-                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods or f"{mod}.{a.name}" in EXTENSIONS else mod
-                           for a in node.names]
-            else:
-                continue
-            graph[name] |= {t for t in targets if t in mods and t != name}
+        graph[name] = imports(tree_of(path), name if is_pkg else name.rsplit(".", 1)[0], mods) - {name}
     return graph
+
+
+@functools.cache
+def tree_of(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the tests of this module."""
+    return ast.parse(path.read_text())
+
+
+def imports(tree: ast.Module, pkg: str, mods) -> set:
+    """The modules of `mods` that the import statements of `tree` (a module of package `pkg`) name: every one, at
+    any depth (a function's, an `if TYPE_CHECKING:` block's)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1] if node.level else []
+            mod = ".".join(base + [node.module] if node.module else base) if node.level else node.module
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods or f"{mod}.{a.name}" in EXTENSIONS else mod
+                       for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in mods}
+    return out
 
 
 def cycles(graph: dict) -> list:
@@ -113,6 +123,9 @@ def test_the_walk_sees_what_it_must():
     g = import_graph()
     assert "sicl_fast.step.step_state" in g["sicl_fast.kernels.bookkeep"]  # an absolute import
     assert "sicl_fast.kernels" in g["sicl_fast.ops.triton_ops"]  # `from .. import kernels`, inside a function
+    # a type-only import is an edge too (calibration/reads.py once imported static.py so, a circle: issue #48)
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .static import StaticStep\n"
+    assert imports(ast.parse(typed), "sicl_fast.calibration", modules()) == {"sicl_fast.calibration.static"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert role("sicl_fast.serve.routes.chat") == "serve"
     assert role("sicl_fast.step.zo") == "step"
@@ -176,3 +189,19 @@ def test_static_step_does_not_call_back_into_calibrator():
         named |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         named |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         assert not {"Calibrator", "step_spec", "initial_embeddings"} & named, f
+
+
+def test_every_relative_import_names_a_module_of_the_tree():
+    """A relative import resolves to a module of the tree, by its new path: one that climbed past the package (the
+    lazy `from ...models.rows` left behind when step/ moved up a floor, issue #48) or named an old path (MOVED)
+    would fail, or work only through the finder, when it runs."""
+    mods = modules()
+    bad = []
+    for name, (path, is_pkg) in mods.items():
+        pkg = (name if is_pkg else name.rsplit(".", 1)[0]).split(".")
+        for node in ast.walk(tree_of(path)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                mod = ".".join(pkg[:len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+                if mod not in mods:
+                    bad.append((name, node.lineno, "." * node.level + (node.module or "")))
+    assert bad == [], bad

@@ -18,9 +18,9 @@ from sicl_fast.models.transformer import UnsupportedModelError, fast_low_precisi
 from sicl_fast.ops import cpp_ops
 from sicl_fast.calibration.packed import run_packed
 from sicl_fast.run import plan as plan_module
-from sicl_fast.run.plan import (BACKENDS, Choices, RunPlan, check_estimator, make_plan, resolve_attention,
-                            resolve_attention_check, resolve_diff, resolve_graphs, resolve_impl, resolve_read_every,
-                            resolve_reuse)
+from sicl_fast.run.plan import (BACKENDS, Choices, RunPlan, check_buckets, check_estimator, make_plan,
+                                resolve_attention, resolve_attention_check, resolve_diff, resolve_graphs, resolve_impl,
+                                resolve_read_every, resolve_reuse)
 from sicl_fast.calibration.static import StaticStep
 from test_fast_backend import CharTokenizer, build, make_prompt
 from test_ops import why_unavailable
@@ -210,6 +210,13 @@ REFUSALS = {
     "graph cache not a count": (plan_of(graph_cache=0), SiclError, "Engine: graph_cache must be >= 1, got 0"),
     "length buckets on the eager loop": (plan_of(loop="eager", length_buckets=4), SiclError,
                                          "length_buckets 4 pads the static step; backend 'fast' with loop 'eager'"),
+    # issue 48: both were taken, shown by `plan` and padded nothing
+    "length buckets with packing": (plan_of(pack=2, length_buckets=4), SiclError,
+                                    "length_buckets 4: pack 2 runs the packed step, which pads each pack to its "
+                                    "longest prompt, not to length buckets; use 'auto' or 'off', or pack 1"),
+    "length buckets where every calibration takes the gradient, before the model loads": (
+        dict(call=lambda: check_buckets(4, 1, grad=True)), SiclError,
+        "length_buckets 4: estimator 'grad' runs on the eager loop, which pads nothing; use 'auto' or 'off'"),
     "length buckets not a power of two": (plan_of(length_buckets=3), SiclError,
                                           "length buckets: 3 lengths a doubling; the count must be a power of two"),
     "length buckets beyond the table": (plan_of(length_buckets=65), SiclError,
@@ -382,10 +389,33 @@ def test_the_plain_low_precision_ascent_says_what_it_loses(odd_models, models):
     for choices in (dict(backend="fast", diff_matmul="off"), dict(backend="fast-fp32")):
         with pytest.warns(SiclWarning, match=r"a plain bfloat16 ascent keeps only a few per cent of the float32 gain"):
             make_plan(odd_models["bf16"], impl="torch", **choices)
+    with pytest.warns(SiclWarning, match=r"a plain float16 ascent keeps only part of the float32 gain \(the "
+                                         "perturbation is about eight float16 ulps"):  # it spoke of a bf16 ulp
+        make_plan(build("llama", torch.float16), impl="torch", backend="fast", diff_matmul="off")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         make_plan(models["llama"], backend="fast-fp32", impl="torch")
         make_plan(odd_models["bf16"], backend="fast", impl="torch")
+
+
+def test_length_buckets_and_the_gradient_where_they_run(models):
+    """Issue 48: `plan` showed length buckets with --pack > 1 and --estimator grad, which pad nothing, and 'loop
+    static' beside 'estimator grad ... the eager loop'; the refusal of the exact gradient under impl 'auto' advised
+    "use impl 'torch' or 'auto'". One rule (buckets_unused) for the plan, auto_pack and the command line."""
+    from sicl_fast.run.plan import auto_pack, forward_only, resolve_buckets
+
+    packed = resolve_buckets("auto", True, True, "fast", "auto", pack=8)  # captured steps, packed
+    assert packed == (None, "auto: pack 8 runs the packed step, which pads each pack to its longest prompt, not to "
+                            "length buckets")
+    assert resolve_buckets("auto", True, True, "fast", "auto", pack=1)[0] == 4
+    assert auto_pack(torch.device("cuda"), 135_000_000, buckets=True) == (
+        1, "auto: length buckets asked for, which the packed step does not use")  # a count asked: room for it
+    why = dict((a, w) for a, _, w in make_plan(models["llama"], impl="torch", grad=True, length_buckets=2).why)
+    assert why["loop"].endswith("; the exact gradient's calibrations run on the eager loop"), why["loop"]
+    assert why["length_buckets"].endswith("; the exact gradient's calibrations run on the eager loop, unpadded")
+    assert "build the engine for the exact gradient (Engine(grad=True); on the command line, --estimator grad), " \
+           "where 'auto' takes 'torch'" in forward_only("cpp", "auto")
+    assert "use impl 'torch' or 'auto'" in forward_only("cpp", "cpp")
 
 
 def test_explain_names_every_axis(models):

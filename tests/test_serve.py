@@ -337,7 +337,7 @@ def test_one_connection_survives_every_error_reply(server, engine, monkeypatch):
 # ---------------------------------------------------------------- limits
 
 
-def test_caps_on_steps_n_new_tokens(server):
+def test_caps_on_steps_n_new_tokens(server, engine):
     for body, field, flag in [
         ({"request": REQ, "config": {"max_steps": 100_001}}, "config.max_steps", "--max-steps"),
         ({"request": REQ, "config": {"N": 17}}, "config.N", "--max-n"),
@@ -347,6 +347,22 @@ def test_caps_on_steps_n_new_tokens(server):
         err = error_of(r)
         assert r.status_code == 422 and err["kind"] == "limit"
         assert f"request 'q1': field '{field}'" in err["message"] and flag in err["message"]
+    # issue 48: generate without max_new_tokens was refused about its default (32 > --max-new-tokens 16), which the
+    # client never sent; the default is capped now, as the chat endpoint caps max_tokens
+    r = post(server, "/v1/calibrate", {"request": raw_of_length(engine, 285, "cap"), "generate": True})
+    assert r.status_code == 422 and "285 tokens plus 16 tokens to generate" in error_of(r)["message"]
+    r = post(server, "/v1/calibrate", {"request": REQ, "generate": True, "config": {"max_steps": 1}})
+    assert r.status_code == 200 and set(r.json()["answers"]) == {"base", "calibrated"}
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(server, capsys, monkeypatch):
+    """Issue 48: `serve` on a port in use printed its URL, loaded the model, then exited 3 (uvicorn's code, not in
+    the exit-code table)."""
+    monkeypatch.setattr("sicl_fast.engine.load", lambda *a, **k: pytest.fail("the model loaded"))
+    port = server.url.rsplit(":", 1)[1]
+    assert main(["serve", "--port", port]) == 2
+    assert capsys.readouterr().err == (f"sicl-fast serve: error: cannot listen on 127.0.0.1:{port}: in use (another "
+                                       "server?); choose another --port or --host\n")
 
 
 def raw_of_length(engine, n: int, rid: str) -> dict:

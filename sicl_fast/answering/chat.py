@@ -65,12 +65,23 @@ def check_tools(messages: list[dict], rid: str) -> None:
                                f"conversation is the few-shot prompt: {SHAPE}, text only)")
 
 
+def check_names(messages: list[dict], rid: str) -> None:
+    """Refuse a participant's `name` in one line naming the turn: the chat template renders roles, not names, so it
+    would be dropped without a word."""
+    for i, m in enumerate(messages):
+        if m.get("name") is not None:
+            raise RequestError(f"request {rid!r}: field 'messages[{i}].name': participant names are not supported "
+                               "(the model's chat template renders roles only, so the name would be dropped); leave "
+                               "it out")
+
+
 def check_shape(messages: list[dict], rid: str) -> list[dict]:
     """[{'role', 'content'}] with roles normalised (developer -> system) and contents as text, in the shape
     system? (user assistant)+ user; anything else (tool calls, images among them) is refused with one line."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise RequestError(f"request {rid!r}: field 'messages': must be a list of messages")
     check_tools(messages, rid)
+    check_names(messages, rid)
     roles = [ROLES.get(m.get("role"), str(m.get("role"))) for m in messages]
     body = roles[1:] if roles[:1] == ["system"] else roles
     pairs = (len(body) - 1) // 2

@@ -118,6 +118,14 @@ class ReusedResult(CalibrationResult):
         return {**super().summary(), **self.reuse_info()}
 
 
+def reuse_info(res: CalibrationResult) -> dict:
+    """How `res` was obtained, for every record and reply: a ReusedResult's own; a run without the store (reuse
+    'off', the packed step) says so, as a calibration of its own."""
+    if isinstance(res, ReusedResult):
+        return res.reuse_info()
+    return {"reused": False, "reuse": "off", "key": None, "exact": True}
+
+
 class Reuser:
     """The engine's reuse logic over its store (Engine.calibrate with reuse 'auto' / 'on')."""
 
@@ -297,4 +305,4 @@ def full_embeddings(engine, cal: Calibration, prompt: Prompt) -> torch.Tensor:
 
 
 __all__ = ["EXACT_MARGIN", "min_whole_cosine", "CosineWatch", "watched", "stem_prompt",
-           "stem_matches", "ReusedResult", "Reuser", "fits", "full_embeddings"]
+           "stem_matches", "ReusedResult", "Reuser", "fits", "full_embeddings", "reuse_info"]

@@ -2,7 +2,8 @@
 read, one host read gives every slot's stop reason and steps run, and each slot keeps its best X for best_at,
 reports its steps, checks the caller's stop hook and, once stopped, gives its CalibrationResult.
 
-    slot = Slot(step, t0, best_at, should_stop, on_step)     one calibration (a StaticStep) as the reads see it
+    slot = Slot(step, t0, best_at, should_stop, on_step)     one calibration (a Stepped: a StaticStep) as the reads
+                                                             see it
     k = steps_to_read(slots, sync_every)                     the steps to run before the next read
     for slot, (reason, n) in zip(slots, read(slots)):        the one host read
         result = slot.settle(reason, n)                      None while it runs on
@@ -14,16 +15,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from ..step.step_state import GATE, RUNNING
+from ..run.run_args import BestAt
+from ..step.step_state import GATE, RUNNING, StepState
+from .ascent import CalibrationConfig, CalibrationResult
 
-if TYPE_CHECKING:  # names for the annotations only: static.py runs its loop on this module
-    from ..run.run_args import BestAt
-    from .ascent import CalibrationResult
-    from .static import StaticStep
+
+class Stepped(Protocol):
+    """What the reads need of a calibration: a StaticStep (static.py) is one. Named here, not imported from
+    static.py, which runs its loop on this module (no import circle, type-only ones included)."""
+
+    state: StepState
+    config: CalibrationConfig
+
+    def own(self, X: torch.Tensor) -> torch.Tensor: ...
+
+    def result(self, seconds: float, stop_reason: str | None = None, best_at: BestAt | None = None
+               ) -> CalibrationResult: ...
 
 
 @dataclass
@@ -32,7 +43,7 @@ class Slot:
     caller's hook with the time budget (run_args.stop_check); on_step(step, f0): its progress, given at each read;
     index: its place among the run's items; calls: the steps called on it; reported: the steps given to on_step."""
 
-    step: StaticStep
+    step: Stepped
     t0: float
     best_at: BestAt
     should_stop: Callable[[], str | None] | None = None
@@ -70,4 +81,4 @@ def read(slots: Sequence[Slot]) -> list[tuple[int, int]]:
     return list(zip(values[::2], values[1::2]))
 
 
-__all__ = ["Slot", "steps_to_read", "read"]
+__all__ = ["Slot", "Stepped", "steps_to_read", "read"]

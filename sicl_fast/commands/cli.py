@@ -529,7 +529,8 @@ def _resolve_pack(args) -> None:
         backend = resolve_backend(backend, text, arch.get_input_embeddings())[0]
     sync_free = BACKENDS[backend].sync_free
     static = sync_free and getattr(args, "loop", "auto") != "eager"
-    args.pack = auto_pack(dev, n_params, static, _wants_grad(args))[0]
+    asked = getattr(args, "length_buckets", "auto") not in ("auto", "off")
+    args.pack = auto_pack(dev, n_params, static, _wants_grad(args), buckets=asked)[0]
 
 
 def _check_flags(args) -> None:
@@ -537,9 +538,11 @@ def _check_flags(args) -> None:
     values given; the integer ranges were checked while parsing, sicl_fast.run.knobs), the stop strings and the
     optional packages the model asks for."""
     from ..backends.generate import check_stops
-    from ..models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir
+    from ..models.loading import GEMMA3_FILE, GEMMA3_PACKAGE, SHORT_NAMES, from_models_dir, resolve_device
 
     _check_read(args)
+    if hasattr(args, "device"):  # a device torch cannot use here (mps, meta, ...): before any file is made
+        resolve_device(args.device)
     if args.cmd != "plan":  # plan shows 'auto' resolved by the run plan itself, with its reason
         _resolve_pack(args)
     CalibrationConfig(**{k: v for k, v in _overrides(args).items() if v is not None})
@@ -559,11 +562,24 @@ def _check_flags(args) -> None:
         from ..run.plan import check_estimator
 
         check_estimator(args.estimator, getattr(args, "loop", "auto"), _pack_count(args))
+    if hasattr(args, "length_buckets"):  # a count where nothing is padded: packed, or every calibration the gradient
+        from ..run.plan import check_buckets
+
+        check_buckets(args.length_buckets, _pack_count(args), _only_grad(args))
     if (SHORT_NAMES.get(str(getattr(args, "model", None)).lower()) == "gemma3-270m"
             and from_models_dir(GEMMA3_FILE) is None):
         require(GEMMA3_PACKAGE)
     if getattr(args, "ray", None) is not None:
         require("ray")
+
+
+def _only_grad(args) -> bool:
+    """Does every calibration of this command take the exact gradient (--estimator grad, or icleval's calibrating
+    methods sicl-grad alone)? Then nothing runs the padded static step."""
+    from ..evaluation.methods import CALIBRATIONS
+
+    methods = {m for m in getattr(args, "method", None) or () if m in CALIBRATIONS}
+    return getattr(args, "estimator", None) == "grad" or methods == {"sicl-grad"}
 
 
 def _wants_grad(args) -> bool:
@@ -871,11 +887,17 @@ def cmd_serve(args) -> int:
     from ..serve import require
     from ..serve.settings import settings_from_args
 
-    require()  # the extra first, then the bind rule, then the model: fail fast
+    require()  # the extra first, then the bind rule and the socket, then the model: fail fast
     settings = settings_from_args(args)
-    from ..serve.server import serve
+    from ..serve.server import bind, serve
 
-    return serve(_engine(args), settings)
+    sock = bind(settings)
+    try:
+        engine = _engine(args)
+    except BaseException:
+        sock.close()
+        raise
+    return serve(engine, settings, sock)
 
 
 def cmd_cache(args) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..answering.answer import answer_result
+from ..answering.reuse import reuse_info
 from ..calibration.ascent import CalibrationConfig
 from ..run.checks import check_step_memory
 from ..run.memory import form_of
@@ -75,7 +76,7 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
 
     def record(i: int, res) -> None:
         p = prompts[i]
-        rec = {"id": p.id, **res.summary()}
+        rec = {"id": p.id, **res.summary(), **reuse_info(res)}  # the packed step's and reuse off's too
         if generate:
             rec["answer_base"] = engine.generate(p, max_new_tokens=max_new_tokens, stop_strings=stops).answer
             cal = getattr(res, "calibration", None)

@@ -11,6 +11,7 @@ sicl_fast/commands/cli.py calls:
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from ..run.knobs import arg_type
@@ -199,13 +200,19 @@ def report_from_args(args, file=None) -> int:
     if args.summary_name is not None and not args.summary_into:
         raise SiclError(f"--summary-name {args.summary_name} has no effect without --summary-into FILE.md (it names "
                         "the markers in that file); give both or neither")
+    if args.summary_name is not None and not args.summary_name.strip():
+        raise SiclError("--summary-name: an empty name; give the NAME of the markers (default icleval)")
+    if args.summary_name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.summary_name):
+        # it goes inside an HTML comment on one line: "-->" would end the comment, a newline split the marker
+        raise SiclError(f"--summary-name {args.summary_name!r}: use letters, digits, '_', '.' and '-' (the name goes "
+                        "inside the markers <!-- sicl-report:NAME:begin -->)")
     name = args.summary_name or "icleval"
+    if args.summary_into:  # refused before any work: the file, its markers, whether it can be rewritten
+        check_summary_target(args.summary_into, name)
     require("scipy")
     if not args.no_plots:
         require("matplotlib")
     runs = load_runs(args.results, args.names)
-    if args.summary_into:  # refused before anything is written when the file or its markers are missing
-        check_summary_target(args.summary_into, name)
     check_out_dir(args.report, "--report", "report.md, report.json and plots/")
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:

@@ -35,9 +35,9 @@ def _os_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = ()) -> None:
+def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), flag: str = "--out") -> None:
     """Refuse an --out that cannot work, before any model is loaded: a directory, one of the `inputs` (same path
-    or same file), or a place that cannot be created or written. Raises ResultsFileError."""
+    or same file), or a place that cannot be created or written. Raises ResultsFileError naming `flag`."""
     if str(path) == STDOUT:
         return
     p = Path(path)
@@ -46,27 +46,28 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # Path.resolve below would raise a RuntimeError
             how = describe_missing(p) if p.is_symlink() else "has a symbolic link loop in its path"
-            raise ResultsFileError(f"--out {p}: {how}") from None
+            raise ResultsFileError(f"{flag} {p}: {how}") from None
     if p.is_dir():
-        raise ResultsFileError(f"--out {p}: is a directory; give a file name (e.g. {p / 'results.jsonl'})")
+        example = p / ("results.jsonl" if flag == "--out" else "report.md")
+        raise ResultsFileError(f"{flag} {p}: is a directory; give a file name (e.g. {example})")
     for src in inputs:
         src = Path(src)
         same = p.resolve() == src.resolve()
         if not same and p.exists() and src.exists():
             same = os.path.samefile(p, src)
         if same:
-            raise ResultsFileError(f"--out {p}: is the input file {src}; the results need a file of their own")
+            raise ResultsFileError(f"{flag} {p}: is the input file {src}; the results need a file of their own")
     if p.exists():
         if not os.access(p, os.W_OK):
-            raise ResultsFileError(f"--out {p}: cannot write to it (permission denied)")
+            raise ResultsFileError(f"{flag} {p}: cannot write to it (permission denied)")
         return
     parent = p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ResultsFileError(f"--out {p}: {parent} is not a directory")
+        raise ResultsFileError(f"{flag} {p}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ResultsFileError(f"--out {p}: cannot create it in {parent} (permission denied)")
+        raise ResultsFileError(f"{flag} {p}: cannot create it in {parent} (permission denied)")
 
 
 def folder_arg(text: str) -> str:
@@ -314,11 +315,18 @@ def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temp file and rename: readers see the old file or the new one, never half of one."""
-    path = Path(path)
+    """Write to a temp file and rename: readers see the old file or the new one, never half of one. A symbolic link
+    is written through (its target replaced, the link kept) and a file replaced keeps its permission bits; a file
+    with other hard links is written in place (a new file would leave its other names with the old text)."""
+    path = Path(os.path.realpath(path))
+    if path.is_file() and path.stat().st_nlink > 1:
+        path.write_text(text, encoding="utf-8")
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
+    if path.exists():
+        os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
     os.replace(tmp, path)
 
 

@@ -192,7 +192,10 @@ def parse_request(obj: Any, where: str = "request") -> Request:
     check_text(obj, where)
     rid = obj.get("id")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool) or rid == "":
-        raise RequestError(f"{where}: field 'id': must be a non-empty string")
+        got = ("nothing (no 'id')" if "id" not in obj else "an empty string" if rid == "" else "null" if rid is None
+               else type(rid).__name__)
+        raise RequestError(f"{where}: field 'id': must be a non-empty string, or an integer (kept as its decimal "
+                           f"string: 5 is \"5\"), got {got}")
     rid = str(rid)
     if "demos" in obj:
         extra = set(obj) - {"id", "demos", "query", "template", "instruction"}

@@ -156,8 +156,8 @@ def load_dir(
         unknown = [n for n in present if task_name(n) not in TASKS]
         if unknown:
             raise ICLEvalError(
-                f"{unknown[0]}: unknown ICLEval task file in {directory}; pass tasks=[...] to choose files "
-                f"(unknown: {', '.join(unknown)})"
+                f"{unknown[0]}: unknown ICLEval task file in {directory} (unknown: {', '.join(unknown)}); move "
+                "it out, or name the files to load (sicl-fast icleval --tasks; tasks=[...] in Python)"
             )
         names = [task_name(n) for n in present]
         if not names:

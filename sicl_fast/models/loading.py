@@ -312,9 +312,24 @@ def resolve_device(device: str | torch.device | None) -> tuple[torch.device, str
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ModelLoadError(f"unknown device {device!r}: {exc}") from None
+    check_device(dev, f"device {str(device)!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available on this machine")
+        raise ModelLoadError(f"device {str(device)!r} asked for, but CUDA is not available on this machine")
     return dev, "asked for"
+
+
+DEVICE_TYPES = ("cpu", "cuda")  # what the ops, kernels and loops are built and tested for
+
+
+def check_device(dev: torch.device, what: str) -> None:
+    """Refuse a device the engine does not run on, naming it: one that holds no data (meta), or any type but the CPU
+    and CUDA (mps, xla, xpu, ...: no op of sicl_fast is built or tested there)."""
+    if dev.type == "meta":
+        raise ModelLoadError(f"{what}: the meta device holds shapes without data, so a model there cannot compute; "
+                             "use 'cpu', 'cuda' or 'auto'")
+    if dev.type not in DEVICE_TYPES:
+        raise ModelLoadError(f"{what}: sicl_fast runs on the CPU and on CUDA GPUs, not on {dev.type!r}; use 'cpu', "
+                             "'cuda', 'cuda:N' or 'auto'")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, dev: torch.device,
@@ -393,4 +408,4 @@ def describe(lm: LoadedModel) -> dict:
 
 
 __all__ = ["LoadedModel", "load", "from_transformers", "resolve", "describe", "model_folder", "converted_path",
-           "HOW_TO_POINT", "cache_dir", "resolve_device", "resolve_dtype"]
+           "HOW_TO_POINT", "cache_dir", "check_device", "resolve_device", "resolve_dtype"]

@@ -66,6 +66,7 @@ RANGES: dict[str, Range] = {
     "graph_cache": Range(1, 1024, why="captured shapes kept, each with its graph's memory"),
     "length_buckets": Range(1, 64, why="length buckets a doubling (a power of two); 64 pads at most 1.6 %"),
     "max_new_tokens": Range(0, 1 << 20, why="tokens to generate"),
+    "port": Range(0, 65_535, why="a TCP port; 0 takes a free one"),
     "store_mib": Range(0, 1 << 30, why="MiB of memory for the calibration store"),
     "time_budget_s": Range(0.0, MAX_BUDGET_S, integer=False, why="30 days; 0 runs one step"),
     "threads": Range(1, 4096, why="threads of one process (torch's and the C++ ops')"),
@@ -121,9 +122,10 @@ def arg_type(name: str, auto: bool = False, words: tuple = ()):
             return text
         try:
             value = int(text) if rng.integer else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be {'an integer' if rng.integer else 'a number'}, got {text!r}") from None
+        except ValueError:  # the words the flag takes named with the number (--length-buckets on)
+            kinds = [repr(w) for w in literal] + ["an integer" if rng.integer else "a number"]
+            either = kinds[0] if len(kinds) == 1 else f"{', '.join(kinds[:-1])} or {kinds[-1]}"
+            raise argparse.ArgumentTypeError(f"must be {either}, got {text!r}") from None
         problem = rng.problem(value)
         if problem is not None:
             raise argparse.ArgumentTypeError(problem)

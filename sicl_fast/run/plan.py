@@ -46,6 +46,7 @@ from .buckets import PER_OCTAVE, check_per_octave
 from .graphs import BUCKET_CAPACITY, DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
 from ..models.attention import ATTN_IMPLS, flash_available
+from ..models.loading import check_device
 from ..models.decoder_config import DecoderConfig, UnsupportedModelError
 from ..models.output_head import OutputHead, attention_of, eager_reason
 from ..models.transformer import DIFF_MATMUL, fast_low_precision
@@ -111,6 +112,8 @@ class Choices:
             check_range("graph_cache", self.graph_cache, "Engine")
         if self.length_buckets not in ("auto", "off"):
             check_per_octave(check_range("length_buckets", self.length_buckets, "Engine"))
+            if self.pack != "auto":  # with 'auto', once the plan knows the pack (which then leaves them room)
+                check_buckets(self.length_buckets, self.pack)
         if self.sync_every is not None:
             check_range("sync_every", self.sync_every, "Engine")
         if self.pack != "auto":  # with 'auto', once the plan knows the pack
@@ -122,10 +125,15 @@ class Choices:
 # ------------------------------------------------------------------------------------------- the rules, once
 
 
-def forward_only(impl: str) -> str | None:
-    """Why `impl` cannot carry the exact gradient's backward (None: it can)."""
+def forward_only(impl: str, asked: str | None = None) -> str | None:
+    """Why `impl` cannot carry the exact gradient's backward (None: it can). asked: the impl asked for ('auto' took
+    `impl` for a run without the exact gradient: the fix is to build the engine for it, not another impl)."""
     if impl in DIFFERENTIABLE_IMPLS:
         return None
+    if asked == "auto":
+        return (f"estimator 'grad' needs differentiable ops, and impl 'auto' took {impl!r} here, which is forward-only "
+                "(the C++ and Triton ops have no backward): build the engine for the exact gradient "
+                "(Engine(grad=True); on the command line, --estimator grad), where 'auto' takes 'torch'")
     return (f"estimator 'grad' needs differentiable ops, and impl {impl!r} is forward-only (the C++ and Triton ops "
             f"have no backward); use impl 'torch' or 'auto' (--impl torch)")
 
@@ -293,11 +301,16 @@ def verify_attention(attention: str, decoder: DecoderConfig, device, dtype, fall
             f"CUDA: {problem}; 'math' instead")
 
 
-# what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17)
-PLAIN_LOW_PRECISION = ("a plain {dtype} ascent keeps only a few per cent of the float32 gain (the perturbation is "
-                       "about one bf16 ulp of an embedding; bench/RESULTS.md section 17: 5 % on SmolLM2, none on "
-                       "Gemma 3 270M); diff_matmul 'bf16' "
-                       "(the default) keeps it")
+# what the precision study measured of the plain low-precision ascent (bench/precision_fidelity.py; RESULTS 17),
+# per model dtype: the perturbation is about one bf16 ulp of an embedding, eight float16 ulps
+PLAIN_LOW_PRECISION = {
+    "bfloat16": ("a plain bfloat16 ascent keeps only a few per cent of the float32 gain (the perturbation is about one "
+                 "bf16 ulp of an embedding; bench/RESULTS.md section 17: 5 % on SmolLM2, none on Gemma 3 270M); "
+                 "diff_matmul 'bf16' (the default) keeps it"),
+    "float16": ("a plain float16 ascent keeps only part of the float32 gain (the perturbation is about eight float16 "
+                "ulps of an embedding; bench/RESULTS.md section 25: 42 % and 81 % on two short SmolLM2 prompts); "
+                "diff_matmul 'bf16' (the default) keeps it"),
+}
 
 
 def plain_low_precision(dtype) -> bool:
@@ -314,7 +327,7 @@ def resolve_diff(diff: str, kind: BackendKind, device, dtype) -> tuple[str, str]
         return "off", "not the fast decoder"
     if kind.plain or diff == "off":
         if low:
-            warnings.warn(PLAIN_LOW_PRECISION.format(dtype=name), SiclWarning, stacklevel=3)
+            warnings.warn(PLAIN_LOW_PRECISION[name], SiclWarning, stacklevel=3)
         return "off", ("fast-fp32: every product plain, in the model dtype" if kind.plain else "asked for")
     if diff == "fp8":
         refusal = fp8_refusal(device)
@@ -371,14 +384,16 @@ AUTO_PACK = 8
 PACK_MAX_PARAMS = 1e9  # at and above, one prompt's products run at the bf16 rate already: packing gains nothing
 
 
-def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) -> tuple[int, str]:
+def auto_pack(device, n_params: int, static: bool = True, grad: bool = False, buckets: bool = False
+              ) -> tuple[int, str]:
     """(prompts per forward, why) for pack 'auto': 8 on CUDA for a model under 1B parameters with the static loop
     (a SmolLM2-shape mix of 24 prompts packed 8 at a time: 180 ms a prompt against 527 one by one on an H200, as
     issue #38 measured it: RESULTS 18), else 1 (the CPU: packing loses there, the padding and the attention growing
     with the square, RESULTS 10; 1B parameters and more: nothing to gain, Llama-3.1-8B 3,040 vs 2,977 ms (issue
-    #38), Gemma-2-2B packed slower (RESULTS 4); the exact gradient and the eager loop run one prompt at a time).
-    The one rule for the plan and for the command line, which decides before the model loads
-    (sicl_fast.models.facts gives the size)."""
+    #38), Gemma-2-2B packed slower (RESULTS 4); the exact gradient and the eager loop run one prompt at a time;
+    buckets: a count of length buckets asked for, which the packed step would leave unused (buckets_unused)). The
+    one rule for the plan and for the command line, which decides before the model loads (sicl_fast.models.facts
+    gives the size)."""
     if grad:
         return 1, "auto: the exact gradient calibrates one prompt at a time"
     if not static:
@@ -388,25 +403,57 @@ def auto_pack(device, n_params: int, static: bool = True, grad: bool = False) ->
     if n_params >= PACK_MAX_PARAMS:
         return 1, (f"auto: {n_params / 1e9:.1f}B parameters: one prompt's products run at the bf16 rate already "
                    "(RESULTS 4, 18)")
+    if buckets and buckets_unused(AUTO_PACK):
+        return 1, "auto: length buckets asked for, which the packed step does not use"
     return AUTO_PACK, (f"auto: CUDA and {n_params / 1e6:.0f}M parameters: up to {AUTO_PACK} prompts through one "
                        "forward (2.9x one by one at SmolLM2's shape on an H200, RESULTS 18)")
 
 
-def resolve_buckets(mode, graphs: bool, static: bool, name: str, loop: str) -> tuple[int | None, str]:
+# the packed step pads each pack to its longest prompt, not to a length bucket (sicl_fast.calibration.packed): the
+# one line to change when it takes buckets (buckets_unused is then only the exact gradient's rule)
+PACKED_BUCKETS = False
+
+
+def buckets_unused(pack: int, grad: bool = False) -> str | None:
+    """Why length buckets would pad nothing in a run of `pack` prompts a step, every calibration taking the exact
+    gradient when `grad` (None: they pad its static step). The one rule for Choices, the plan, auto_pack and the
+    command line."""
+    if pack > 1 and not PACKED_BUCKETS:
+        return f"pack {pack} runs the packed step, which pads each pack to its longest prompt, not to length buckets"
+    if grad:
+        return "estimator 'grad' runs on the eager loop, which pads nothing"
+    return None
+
+
+def check_buckets(mode, pack: int, grad: bool = False) -> None:
+    """A count of length buckets asked for where they would pad nothing (buckets_unused) is refused."""
+    why = buckets_unused(pack, grad) if mode not in ("auto", "off") else None
+    if why:
+        raise SiclError(f"length_buckets {mode}: {why}; use 'auto' or 'off'" + (", or pack 1" if pack > 1 else ""))
+
+
+def resolve_buckets(mode, graphs: bool, static: bool, name: str, loop: str, pack: int = 1,
+                    grad: bool = False) -> tuple[int | None, str]:
     """(length buckets a doubling or None, why): 'auto' takes PER_OCTAVE where the static step is captured (a new
-    length would cost a capture: 1.6 s at SmolLM2, RESULTS 4), none elsewhere (uncaptured, padding only adds work);
-    a count as asked, on the static loop only (the padded step is the static one)."""
+    length would cost a capture: 1.6 s at SmolLM2, RESULTS 4) and runs unpacked, none elsewhere (uncaptured, padding
+    only adds work); a count as asked, on the static loop without packing only (the padded step is the static one).
+    grad: the run takes the exact gradient, whose calibrations run on the eager loop, unpadded (said, not refused:
+    the zeroth-order ones of the same engine take the buckets)."""
+    grad_note = "; the exact gradient's calibrations run on the eager loop, unpadded" if grad else ""
     if mode == "off":
         return None, "asked for"
     if mode == "auto":
+        if graphs and buckets_unused(pack):
+            return None, f"auto: {buckets_unused(pack)}"
         if graphs:
             return PER_OCTAVE, (f"auto: captured steps; {PER_OCTAVE} lengths a doubling share one (at most 25 % "
-                                "padding, same results up to the products' summation order)")
+                                f"padding, same results up to the products' summation order){grad_note}")
         return None, "auto: no captured step to share (padding would only add work)"
     if not static:
         raise SiclError(f"length_buckets {mode} pads the static step; backend {name!r} with loop {loop!r} has none "
                         "(use 'auto' or 'off')")
-    return mode, f"asked for: {mode} lengths a doubling share one static step"
+    check_buckets(mode, pack)
+    return mode, f"asked for: {mode} lengths a doubling share one static step{grad_note}"
 
 
 def resolve_graph_cache(capacity: int | None, buckets: int | None) -> tuple[int, str]:
@@ -420,10 +467,11 @@ def resolve_graph_cache(capacity: int | None, buckets: int | None) -> tuple[int,
 
 
 def resolve_pack(pack, static: bool, name: str, loop: str, device=None, n_params: int = 0,
-                 grad: bool = False) -> tuple[int, str]:
-    """(prompts per packed step, why): 'auto' by auto_pack; a count as asked, > 1 only on the static loop."""
+                 grad: bool = False, buckets: bool = False) -> tuple[int, str]:
+    """(prompts per packed step, why): 'auto' by auto_pack (buckets: a count of length buckets asked for); a count
+    as asked, > 1 only on the static loop."""
     if pack == "auto":
-        return auto_pack(device, n_params, static, grad)
+        return auto_pack(device, n_params, static, grad, buckets)
     if pack > 1 and not static:
         raise SiclError(f"pack > 1 needs the static loop on the fast backend (backend {name!r}, loop {loop!r})")
     return pack, "one prompt at a time" if pack == 1 else f"up to {pack} prompts through one forward (packed step)"
@@ -497,10 +545,11 @@ def resolve_read_every(kind: BackendKind, device) -> tuple[int, str]:
     return 8, "not the CPU: a read waits for the device"
 
 
-def grad_refusal(impl: str, name: str, lm) -> str | None:
-    """Why estimator 'grad' cannot run on this implementation, backend and model (None: it can): forward-only ops,
-    a backend without a differentiable forward, weights autograd cannot go through."""
-    why = forward_only(impl)
+def grad_refusal(impl: str, name: str, lm, asked: str | None = None) -> str | None:
+    """Why estimator 'grad' cannot run on this implementation, backend and model (None: it can): forward-only ops
+    (asked: the impl asked for, forward_only), a backend without a differentiable forward, weights autograd cannot
+    go through."""
+    why = forward_only(impl, asked)
     if why:
         return why
     if not BACKENDS[name].differentiable:
@@ -646,6 +695,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     (UnsupportedModelError for a model the fast backend cannot run) naming what cannot be done and what to do."""
     c = choices if choices is not None else Choices(**kw)
     dev, dtype, family = torch.device(lm.device), lm.dtype, lm.family
+    check_device(dev, f"model {lm.name!r} (on {dev})")
     backend, why_backend, decoder = resolve_backend(c.backend, lm.text_config, lm.model.get_input_embeddings(), lm)
     kind = BACKENDS[backend]
     impl, why_impl = resolve_impl(c.impl, dev, c.grad)
@@ -660,14 +710,17 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
         why_attention = failed or why_attention
     loop, why_loop = resolve_loop(c.loop, backend)
     static = loop == "static"
+    if c.grad and static:  # the loop axis is the zeroth-order calibrations' (loop_for)
+        why_loop += "; the exact gradient's calibrations run on the eager loop"
     sync_every = c.sync_every if c.sync_every is not None else default_sync_every(dev)
     why_sync = "asked for" if c.sync_every is not None else f"default on {dev.type}"
     read_every, why_read = resolve_read_every(kind, dev)
     graphs, why_graphs = resolve_graphs(c.graphs, dev, static, backend, c.loop)
-    buckets, why_buckets = resolve_buckets(c.length_buckets, graphs, static, backend, c.loop)
-    graph_cache, why_cache = resolve_graph_cache(c.graph_cache, buckets)
     n_params = sum(p.numel() for p in lm.model.parameters()) if c.pack == "auto" else 0
-    pack, why_pack = resolve_pack(c.pack, static, backend, c.loop, dev, n_params, c.grad)
+    pack, why_pack = resolve_pack(c.pack, static, backend, c.loop, dev, n_params, c.grad,
+                                  buckets=c.length_buckets not in ("auto", "off"))
+    buckets, why_buckets = resolve_buckets(c.length_buckets, graphs, static, backend, c.loop, pack, c.grad)
+    graph_cache, why_cache = resolve_graph_cache(c.graph_cache, buckets)
     reuse, why_reuse = resolve_reuse(c.reuse, pack)
     threads, why_threads = resolve_threads(c.threads)
     for line in without_effect(c, backend, loop):  # legal, but nothing reads them here: one line each
@@ -675,7 +728,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     if c.sync_every is not None and loop == "eager":
         why_sync = "asked for; no effect on the eager loop, which reads its state every step"
     wait, why_wait = choose_wait_policy()
-    refusal = grad_refusal(impl, backend, lm)
+    refusal = grad_refusal(impl, backend, lm, c.impl)
     if c.grad and refusal:
         raise SiclError(refusal)
     if c.grad:
@@ -704,8 +757,9 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
                    grad_refusal=refusal, reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
 
-__all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PLAIN_LOW_PRECISION", "REUSE_MODES", "BackendKind",
-           "Choices", "RunPlan", "auto_pack", "make_plan", "plain_low_precision", "check_estimator", "check_unpacked",
+__all__ = ["AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PACKED_BUCKETS", "PLAIN_LOW_PRECISION", "REUSE_MODES",
+           "BackendKind", "Choices", "RunPlan", "auto_pack", "buckets_unused", "check_buckets", "make_plan",
+           "plain_low_precision", "check_estimator", "check_unpacked",
            "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
            "fast_head_refusal", "resolve_attention", "resolve_attention_check", "resolve_attention_kernel",
            "resolve_backend", "resolve_head",

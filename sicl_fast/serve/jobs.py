@@ -8,7 +8,7 @@ from collections.abc import Callable
 from ..answering.answer import answer_result
 from ..calibration.ascent import CalibrationResult
 from ..answering.export import CalibratedEmbeddings
-from ..answering.reuse import ReusedResult
+from ..answering.reuse import reuse_info
 from ..formats.records import proxy_record
 from .queue import Cancelled, Job
 from .validate import CalibrateCall, ProxyCall
@@ -34,8 +34,7 @@ def run_calibrate(engine, call: CalibrateCall, job: Job, on_step: Callable[[int,
         raise Cancelled()
     body = {"id": prompt.id, "model": engine.lm.name, "summary": CalibrationResult.summary(res), "history": res.history,
             "config": dataclasses.asdict(res.config), "prompt": prompt_info(prompt)}
-    if isinstance(res, ReusedResult):
-        body["reuse"] = res.reuse_info()
+    body["reuse"] = reuse_info(res)
     if call.generate:
         # a cancellation mid-decoding stops it at the next token (the reply is dropped anyway)
         stop = dict(max_new_tokens=call.max_new_tokens, stop_strings=call.stop, stop_fn=lambda _text: job.cancelled)

@@ -21,19 +21,21 @@ from ..run.plan import REUSE_MODES
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-# The two request forms, for the OpenAPI page only (parse_request is what checks them).
+# The two request forms, for the OpenAPI page only (parse_request is what checks them). An integer id is taken as its
+# decimal string.
+_ID = {"type": ["string", "integer"]}
 REQUEST_SCHEMA = {
     "description": "One prompt, in either JSON form of a requests JSONL line. 'id' defaults to the server's "
                    "request id.",
     "oneOf": [
         {"title": "raw", "type": "object", "required": ["prompt", "output_spans"], "additionalProperties": False,
-         "properties": {"id": {"type": "string"}, "prompt": {"type": "string"},
+         "properties": {"id": _ID, "prompt": {"type": "string"},
                         "output_spans": {"type": "array", "items": {"type": "array", "items": {"type": "integer"},
                                                                     "minItems": 2, "maxItems": 2},
                                          "description": "[char_start, char_end) of each demonstrated output"},
                         "demos_start": {"type": "integer", "description": "where the demonstrations begin"}}},
         {"title": "structured", "type": "object", "required": ["demos", "query"], "additionalProperties": False,
-         "properties": {"id": {"type": "string"}, "instruction": {"type": "string"}, "query": {"type": "string"},
+         "properties": {"id": _ID, "instruction": {"type": "string"}, "query": {"type": "string"},
                         "demos": {"type": "array", "items": {
                             "type": "object", "properties": {"input": {"type": "string"}, "output": {"type": "string"}},
                             "required": ["input", "output"]}},
@@ -85,7 +87,9 @@ class CalibrateBody(ProxyBody, RunOptions):
     """POST /v1/calibrate: the ascent on one prompt; optionally both greedy answers and the calibrated rows."""
 
     generate: bool = Field(False, description="also decode the greedy answers before and after calibration")
-    max_new_tokens: int = Field(32, ge=0, le=RANGES["max_new_tokens"].hi)
+    max_new_tokens: int | None = Field(None, ge=0, le=RANGES["max_new_tokens"].hi,
+                                       description="tokens an answer may take (default 32, capped by the server's "
+                                                   "--max-new-tokens)")
     stop: list[str] | None = Field(None, description="stop strings (default: a newline)")
     return_embeddings: bool = Field(False, description="return the calibrated rows as base64")
     embeddings_dtype: Literal[tuple(WIRE_DTYPES)] = "float32"  # type: ignore[valid-type]

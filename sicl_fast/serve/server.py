@@ -7,6 +7,7 @@ status 0 once no job runs or the grace period is over.
 from __future__ import annotations
 
 import copy
+import errno
 import logging
 import os
 import socket
@@ -59,16 +60,40 @@ class Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(engine, settings: ServeSettings) -> int:
-    """Serve until SIGTERM or SIGINT, then drain (shutdown.py) and return 0. The bind rule is checked before
-    anything listens. A job still running past the grace period ends with the process: os._exit(0) without the
-    interpreter's finalization, which would abort the process inside that job's torch call (EngineQueue.ended)."""
+def bind(settings: ServeSettings) -> socket.socket:
+    """The server's socket, listening on --host and --port (the bind rule checked first): a port in use, an address
+    this machine does not have or a port it may not take is one line (a SiclError), before the model loads;
+    connections wait in its backlog until the server runs."""
     check_bind(settings)
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+        sock.listen(2048)  # held from here (two servers bound but not listening could share the port)
+    except OSError as exc:
+        sock.close()
+        why = "in use (another server?)" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+        raise SiclError(f"cannot listen on {settings.host}:{settings.port}: {why}; choose another --port or --host"
+                        ) from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(engine, settings: ServeSettings, sock: socket.socket | None = None) -> int:
+    """Serve on `sock` (default: bind(settings)) until SIGTERM or SIGINT, then drain (shutdown.py) and return 0. A
+    job still running past the grace period ends with the process: os._exit(0) without the interpreter's
+    finalization, which would abort the process inside that job's torch call (EngineQueue.ended)."""
+    sock = sock if sock is not None else bind(settings)
     app = create_app(engine, settings)
     auth = "API key required" if settings.api_key else "no API key"
-    print(f"sicl-fast serve: model {engine.lm.name} ({engine.backend.name} backend), http://{settings.host}:"
-          f"{settings.port} ({auth}; docs at /docs)", file=sys.stderr, flush=True)
-    Server(app).run()
+    print(f"sicl-fast serve: model {engine.lm.name} ({engine.backend.name} backend), {url_of(sock)} ({auth}; docs "
+          "at /docs)", file=sys.stderr, flush=True)
+    Server(app).run(sockets=[sock])
     if not app.state.serve.queue.ended:
         log.info("exiting with the job that ran past the grace period still inside the engine (its reply was the "
                  "503)")
@@ -89,20 +114,15 @@ class ServerThread:
 
     def __init__(self, engine, settings: ServeSettings | None = None, log_level: str = "warning") -> None:
         self.settings = settings or ServeSettings(port=0)
-        check_bind(self.settings)
+        self.sock = bind(self.settings)
         self.app = create_app(engine, self.settings)
-        family = socket.AF_INET6 if ":" in self.settings.host else socket.AF_INET
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((self.settings.host, self.settings.port))
         self.server = Server(self.app, log_level)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="sicl-fast-serve")
 
     @property
     def url(self) -> str:
-        host, port = self.sock.getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        return url_of(self.sock)
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()

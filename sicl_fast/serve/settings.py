@@ -77,7 +77,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     d = ServeSettings()
     g = p.add_argument_group("server")
     g.add_argument("--host", default=d.host, help="address to listen on (default: loopback only)")
-    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--port", type=arg_type("port"), default=d.port, help=f"default {d.port}; 0: a free port")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the variable: "
                         "flags show up in the process list)")

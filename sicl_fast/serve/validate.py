@@ -19,6 +19,9 @@ class LimitError(RequestError):
     """A request asks for more than this server allows (a --max-* flag)."""
 
 
+DEFAULT_NEW_TOKENS = 32  # /v1/calibrate's answers when the body gives no max_new_tokens (the CLI's default too)
+
+
 @dataclass(frozen=True)
 class ProxyCall:
     prompt: Prompt
@@ -60,6 +63,17 @@ class Validator:
                              f"server's limit of {cap} tokens (--max-tokens)")
         return prompt
 
+    def new_tokens(self, asked: int | None, rid: str, field: str, default: int) -> int:
+        """The tokens a request's answers may take: `asked`, refused beyond --max-new-tokens; when the body gives
+        none, `default` capped by it (a client is not refused for a value it never sent)."""
+        cap = self.settings.max_new_tokens
+        if asked is None:
+            return min(default, cap)
+        if asked > cap:
+            raise LimitError(f"request {rid!r}: field {field!r}: {asked} exceeds this server's limit of {cap} "
+                             "(--max-new-tokens)")
+        return asked
+
     def config(self, knobs, rid: str) -> CalibrationConfig:
         over = knobs.model_dump(exclude_none=True) if knobs is not None else {}
         for name, cap, flag in (("max_steps", self.settings.max_steps, "--max-steps"),
@@ -81,13 +95,11 @@ class Validator:
         check_text(body.model_dump(), "body")
         rid = str(body.request.get("id"))
         stop = check_stops(body.stop, f"request {rid!r}: stop") if body.stop is not None else ("\n",)
-        if body.generate and body.max_new_tokens > self.settings.max_new_tokens:
-            raise LimitError(f"request {rid!r}: field 'max_new_tokens': {body.max_new_tokens} exceeds this server's "
-                             f"limit of {self.settings.max_new_tokens} (--max-new-tokens)")
-        prompt = self.prompt(body.request, reserve=body.max_new_tokens if body.generate else 0)
+        new = self.new_tokens(body.max_new_tokens, rid, "max_new_tokens", DEFAULT_NEW_TOKENS) if body.generate else 0
+        prompt = self.prompt(body.request, reserve=new)
         return CalibrateCall(
             prompt=prompt, config=self.config(body.config, prompt.id), generate=body.generate,
-            max_new_tokens=body.max_new_tokens, stop=stop,
+            max_new_tokens=new, stop=stop,
             return_embeddings=body.return_embeddings, embeddings_dtype=body.embeddings_dtype,
             embeddings_rows=body.embeddings_rows, timeout_s=body.timeout_s, time_budget_s=body.time_budget_s,
             reuse=body.reuse)

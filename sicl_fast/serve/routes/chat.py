@@ -31,7 +31,7 @@ from ...calibration.ascent import CalibrationConfig, CalibrationResult
 from ...answering.chat import StreamCut, render
 from ...errors import SiclError
 from ...backends.generate import check_stops
-from ...answering.reuse import ReusedResult
+from ...answering.reuse import reuse_info
 from ...formats.spans import Prompt
 from ..dispatch import POLL_S, admit, read_call, run_job, timing
 from ..errors import ServeHTTPError, from_sicl_error
@@ -40,7 +40,6 @@ from ..openapi import body_doc
 from ..queue import Cancelled, Job, ShuttingDown
 from ..schema import CalibrationKnobs, RunOptions
 from ..state import ServeState, serve_state
-from ..validate import LimitError
 
 router = APIRouter(tags=["openai"])
 log = logging.getLogger("sicl_fast.serve")
@@ -57,7 +56,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = Field(
         None, description='a string or a list of text parts {"type": "text", "text": ...}; other parts (images, '
                           'audio, files) are not supported')
-    name: str | None = None
+    name: str | None = Field(None, description="not supported (refused): the chat template renders roles only")
     tool_calls: list[Any] | None = Field(None, description="not supported (refused): the turns are text")
     function_call: Any = Field(None, description="not supported (refused)")
     tool_call_id: str | None = Field(None, description="not supported (refused)")
@@ -118,12 +117,8 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
         if value is not None and value != allowed:
             raise ServeHTTPError(400, "invalid_request", f"field {name!r}: only {allowed} is supported (the answer "
                                                          "is decoded greedily from the calibrated prompt)")
-    new = next((v for v in (body.max_completion_tokens, body.max_tokens) if v is not None), None)
-    cap = settings.max_new_tokens
-    if new is not None and new > cap:
-        raise LimitError(f"request {rid!r}: field 'max_tokens': {new} exceeds this server's limit of {cap} "
-                         "(--max-new-tokens)")
-    new = cap if new is None else new
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"  # what was sent
+    new = state.validator.new_tokens(getattr(body, field), rid, field, default=settings.max_new_tokens)
     request = render(engine.lm, [m.model_dump() for m in body.messages], rid)
     prompt = state.validator.prompt(request, reserve=new)
     sicl = body.sicl.model_dump(exclude_none=True) if body.sicl is not None else {}
@@ -171,8 +166,7 @@ def run_chat(state: ServeState, call: ChatCall, job: Job, push=None) -> dict:
     gen = answer_result(engine, res, call.prompt, call.max_new_tokens, call.stop, stop_fn)
     if job.cancelled:
         raise Cancelled()
-    sicl = {**CalibrationResult.summary(res), **(res.reuse_info() if isinstance(res, ReusedResult) else
-                                                  {"reused": False, "reuse": "off", "key": None, "exact": True})}
+    sicl = {**CalibrationResult.summary(res), **reuse_info(res)}
     return {"content": gen.answer, "rest": cut.finish(gen.answer), "completion_tokens": len(gen.token_ids),
             "finish_reason": "length" if gen.stop_reason == "max_new_tokens" else "stop", "sicl": sicl}
 

@@ -6,7 +6,7 @@ shared memory or register file and runs ranges the GPU compile refuses: a float3
 344,320 B, rope_rows chose 5 rows a program at 3 / 1 heads of 24.
 
 The compiles are cached by the kernels' sources, the configuration and Triton's version (kernels/_configs.cache_dir):
-a run from nothing compiles about 83 launch decisions in a child interpreter, a later one reads them. The full sweep
+a run from nothing compiles about 89 launch decisions in a child interpreter, a later one reads them. The full sweep
 (every family, length, dtype and flag set, and sm_80): `python bench/gpu_kernels.py --compile-only`."""
 import pytest
 

@@ -38,7 +38,6 @@ differences; references there and in sicl_fast.models.attention), one launch eac
     attention_rows(q, k, v, rows, prefix, scale, softcap, window, o_ref) -> o     lead + batch rows, o in the form
     split_bf16(x, pieces) -> [pieces, n, k] bf16                                   float32 rows as bf16 pieces (the
                                                                                    reference pass's bf16 products)
-
     fp8_rows(x) -> (q float8 e4m3, scale [M, 1])                                   FP8 differences, a scale a row
 
 Kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before triton is imported).

@@ -40,6 +40,17 @@ class CharTokenizer:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
+@torch.no_grad()
+def randomize_norms_and_biases(model) -> None:
+    """Norm weights moved off their init and biases drawn, in place: so that w against 1 + w, or a bias left out,
+    changes the logits a test compares."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.add_(0.2 * torch.randn_like(p))
+        elif name.endswith("bias"):
+            p.normal_(0.0, 0.1)
+
+
 def build(family: str, dtype=torch.float32, layers: int = 3, tokenizer=None):
     """layers < 3: the same model shapes with fewer decoder layers (for the slow paths: Triton's interpreter).
     tokenizer: a real one (its vocabulary sets the model's), for tests that tokenize text; else CharTokenizer."""
@@ -69,12 +80,7 @@ def build(family: str, dtype=torch.float32, layers: int = 3, tokenizer=None):
     model = cls(cfg)
     if family == "gemma2":
         model.config._attn_implementation = "eager"  # HF's SDPA path ignores the attention soft-cap
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
+    randomize_norms_and_biases(model)
     model.to(dtype)
     return from_transformers(model, tokenizer or CharTokenizer(), name=f"tiny-{family}")
 

@@ -33,7 +33,7 @@ from sicl_fast.models.decoder_config import DecoderConfig, UnsupportedModelError
 from sicl_fast.ops import cpp_ops
 from sicl_fast.run.plan import make_plan
 from sicl_fast.step.proxy import proxy_planned
-from test_fast_backend import V, CharTokenizer, make_prompt
+from test_fast_backend import V, CharTokenizer, make_prompt, randomize_norms_and_biases
 from test_fused_decoder import BUDGET_PER_LAYER_ROWS, BUDGET_REST_ROWS, CFG, assert_rows_close, one_layer
 from test_ops import device_of, why_unavailable
 from test_static import HostReadGuard
@@ -89,12 +89,7 @@ def build(family: str):
     cls, cfg = config(family)
     cfg._attn_implementation = "eager"
     model = cls(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
+    randomize_norms_and_biases(model)
     return from_transformers(model, CharTokenizer(), name=f"tiny-{family}")
 
 

@@ -26,9 +26,8 @@ import torch
 
 from other_checkout import PRELUDE, run_worker  # bench/, first on sys.path when run as a script
 
-WORKER = PRELUDE + r"""
-# the module paths before #41: both checkouts have them (sicl_fast.MOVED in a newer one)
-import json
+# both workers' start: one thread, and the process's memory figures (VmRSS, VmHWM) in MiB
+MEMORY_PRELUDE = PRELUDE + r"""
 import torch
 torch.set_num_threads(1)
 
@@ -38,8 +37,11 @@ def status(key):
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024  # kB -> MiB
+"""
 
-
+WORKER = MEMORY_PRELUDE + r"""
+# the module paths before #41: both checkouts have them (sicl_fast.MOVED in a newer one)
+import json
 from sicl_fast.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.benchmark import synthetic_prompt
@@ -62,17 +64,8 @@ print(json.dumps(out))
 """
 
 
-LOAD_WORKER = PRELUDE + r"""
+LOAD_WORKER = MEMORY_PRELUDE + r"""
 import json, time
-import torch
-torch.set_num_threads(1)
-
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024  # kB -> MiB
 
 
 from sicl_fast.models import loading

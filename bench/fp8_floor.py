@@ -14,20 +14,16 @@ the GPU's time even inside a graph, which the last column prices at --launch-us.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from types import SimpleNamespace
 
 import torch
 
-from step_memory import GGUF, MODELS, config_of, n_params, prompt_of  # bench/, first on sys.path as a script
+from step_memory import GGUF, config_of, n_params, prompt_of, step_parser  # bench/, first on sys.path as a script
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    ap.add_argument("--lengths", nargs="+", type=int, default=[256, 600])
-    ap.add_argument("--N", type=int, default=None, help="directions a step (default: the model's preset)")
+    ap = step_parser(__doc__.splitlines()[0])
     ap.add_argument("--bf16-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM / H200)")
     ap.add_argument("--fp8-tflops", type=float, default=1979.0, help="dense FP8 peak (H100 SXM / H200)")
     ap.add_argument("--gbps", type=float, default=3350.0, help="memory bandwidth (H100 SXM)")

@@ -72,11 +72,17 @@ def prompt_of(L: int, prefix: int = 8, query: int = 16, share: float = 0.15):
                   input_ids=torch.zeros(L, dtype=torch.int64), token_spans=spans, demo_start=prefix, demo_end=end)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_parser(description: str) -> argparse.ArgumentParser:
+    """The flags that say which steps to count (--models, --lengths, --N): this script's and bench/fp8_floor.py's."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--lengths", nargs="+", type=int, default=[256, 600])
     ap.add_argument("--N", type=int, default=None, help="directions a step (default: the model's preset)")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = step_parser(__doc__.splitlines()[0])
     ap.add_argument("--card-gib", type=float, default=80.0, help="the card whose step cache is counted")
     args = ap.parse_args(argv)
 

@@ -64,3 +64,10 @@ def require(module: str) -> None:
         extra, what = EXTRAS[module]
         raise MissingExtraError(f'{what}: the optional package {module} is not installed; '
                                 f'install it with: pip install "sicl-fast[{extra}]"')
+
+
+def first_line(exc: BaseException) -> str:
+    """'KeyError: data_offsets': an exception's type and the first line of its text, for a one-line message that
+    says what failed inside a damaged input (the whole text of some, torch.load's among them, runs over lines)."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

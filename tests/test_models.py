@@ -141,3 +141,106 @@ def test_bf16_checkpoint_reads_what_is_stored(tmp_path, smol):
         assert bf16_checkpoint(path, "gguf") == want, store
     assert bf16_checkpoint(resolve("smollm2")[1], "gguf") == (False, "the checkpoint stores matrices as Q4_1 "
                                                                      "(210), Q8_0 (1): not bf16 values")
+
+
+def _one_line_load_error(call, file) -> str:
+    """call() raises a ModelLoadError of one line naming `file` (issue 54: never a raw exception)."""
+    with pytest.raises(ModelLoadError) as info:
+        call()
+    msg = str(info.value)
+    assert "\n" not in msg and str(file) in msg, msg
+    return msg
+
+
+def test_damaged_checkpoint_headers_are_one_line_errors(tmp_path):
+    """Issue 54, defect 2: every damaged header `--dtype auto` reads (stored_dtype.bf16_checkpoint) is a one-line
+    ModelLoadError naming the file and what is wrong, never a raw OverflowError, AttributeError, KeyError,
+    JSONDecodeError or RuntimeError, and a header length of 2**40 is refused before it is allocated."""
+    import json
+    import struct
+
+    from sicl_fast.models.stored_dtype import bf16_checkpoint
+
+    def header(obj) -> bytes:
+        h = json.dumps(obj).encode()
+        return struct.pack("<Q", len(h)) + h
+
+    vector = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    cases = {  # file name, contents, what the message says
+        "random": ("model.safetensors", bytes(range(256)) * 4, "a header length of"),
+        "list": ("model.safetensors", header([1, 2]), "the header is a JSON list, not an object"),
+        "no offsets": ("model.safetensors", header({"w": {"dtype": "F32", "shape": [2]}}) + bytes(8),
+                       "tensor 'w' has no 'data_offsets'"),
+        "numeric dtype": ("model.safetensors", header({"w": {**vector, "dtype": 7}}) + bytes(8),
+                          "tensor 'w': 'dtype' is a JSON int, not a string"),
+        "cut vector": ("model.safetensors", header({"w": {**vector, "data_offsets": [0, 16], "shape": [4]}})
+                       + bytes(6), "data_offsets [0, 16] is not a byte range within the 6 bytes"),
+        "2**40": ("model.safetensors", struct.pack("<Q", 1 << 40) + b"{}", "a header length of 1099511627776"),
+        "index not JSON": ("model.safetensors.index.json", b"{not json", "JSONDecodeError"),
+        "index without weight_map": ("model.safetensors.index.json", b'{"metadata": {}}',
+                                     "the index has no 'weight_map'"),
+        "garbage .bin": ("pytorch_model.bin", b"garbage" * 10, "not a readable PyTorch .bin file"),
+    }
+    for i, (name, data, says) in enumerate(cases.values()):
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        (folder / name).write_bytes(data)
+        assert says in _one_line_load_error(lambda: bf16_checkpoint(folder, "dir"), folder / name)
+
+
+def test_checkpoint_header_parsers_raise_nothing_else(tmp_path):
+    """Issue 54, defect 2: a cheap fuzz of both header parsers (stored_dtype's safetensors and GGUF walks, one try
+    each, limits checked before a read): a valid file with random bytes changed, cut short, or (safetensors) its
+    header's fields replaced by other JSON values gives an answer or a one-line ModelLoadError naming the file."""
+    import json
+    import random
+    import struct
+
+    from safetensors.torch import save_file
+
+    from sicl_fast.models.stored_dtype import bf16_checkpoint
+    from tiny_gguf import write_tiny_gguf
+
+    rng = random.Random(54)
+    st_dir, gguf_dir = tmp_path / "st", tmp_path / "gguf"
+    st_dir.mkdir(), gguf_dir.mkdir()
+    save_file({"w": torch.randn(4, 2).bfloat16(), "norm": torch.tensor([1.0, 0.5])}, str(st_dir / "model.safetensors"))
+    st_file = st_dir / "model.safetensors"
+    gguf_file, _ = write_tiny_gguf(gguf_dir / "tiny.gguf", weights=True, store="BF16")
+    originals = {st_file: st_file.read_bytes(), gguf_file: gguf_file.read_bytes()}
+    n = struct.unpack("<Q", originals[st_file][:8])[0]
+    st_header = json.loads(originals[st_file][8:8 + n])
+    odd = [None, True, -1, 2 ** 64, 1.5, "F32", "x" * 3, [], [1], [0, 2 ** 63], {}, {"a": 1}, [-4, 2]]
+    outcomes = {"answer": 0, "refused": 0}
+
+    def check(file, data):
+        file.write_bytes(data)
+        try:
+            bf16_checkpoint(file if file.suffix == ".gguf" else file.parent, "gguf" if file.suffix == ".gguf"
+                            else "dir")
+            outcomes["answer"] += 1
+        except ModelLoadError as exc:
+            assert "\n" not in str(exc) and str(file) in str(exc), str(exc)
+            outcomes["refused"] += 1
+
+    for _ in range(120):
+        file = rng.choice(list(originals))
+        data = bytearray(originals[file])
+        how = rng.randrange(3)
+        if how == 0:  # bytes changed in the header's region
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(min(len(data), 1024))] = rng.randrange(256)
+        elif how == 1:  # cut short
+            del data[rng.randrange(len(data)):]
+        else:  # a field of the safetensors header replaced (or a GGUF count or length made huge)
+            if file == st_file:
+                h = json.loads(json.dumps(st_header))
+                entry = h[rng.choice(["w", "norm"])]
+                entry[rng.choice(["dtype", "shape", "data_offsets"])] = rng.choice(odd)
+                raw = json.dumps(h).encode()
+                data = bytearray(struct.pack("<Q", len(raw)) + raw + originals[file][8 + n:])
+            else:
+                at = rng.choice([8, 16]) if rng.random() < 0.5 else rng.randrange(24, 1024)
+                data[at:at + 8] = struct.pack("<Q", rng.choice([2 ** 40, 2 ** 63, 2 ** 64 - 1]))
+        check(file, bytes(data))
+    assert outcomes["answer"] and outcomes["refused"] > 60, outcomes  # both outcomes seen: the fuzz reaches both

@@ -22,7 +22,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator
 
-from ..errors import SiclError, require
+from ..errors import SiclError, first_line, require
 from ..run.knobs import check_range
 from ..run.workers import Done, Lost, Outcome, Workers
 
@@ -62,11 +62,6 @@ class EngineActor:
             return "failed", f"{type(exc).__name__}: {exc}"
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip()
-
-
 class RayPool(Workers):
     """`workers` actors of EngineActor(engine_kwargs). address: None or "local" starts a local Ray (ray.init()),
     "auto" or "ray://host:port" joins a cluster (an already initialised Ray in this process is used as is).
@@ -92,7 +87,7 @@ class RayPool(Workers):
             try:
                 ray.init(address=addr, include_dashboard=False, logging_level=logging.WARNING)
             except (ConnectionError, ValueError, RuntimeError) as exc:
-                raise SiclError(f"--ray {address}: could not start or join Ray: {_first_line(exc)}") from None
+                raise SiclError(f"--ray {address}: could not start or join Ray: {first_line(exc)}") from None
             self._started_ray = True
         res = ray.cluster_resources()
         cpus, gpus = int(res.get("CPU", 0)), int(res.get("GPU", 0))
@@ -139,7 +134,7 @@ class RayPool(Workers):
         try:
             return self._ray.get(ref)
         except self._lost_errors() as exc:
-            return "failed", _first_line(exc)
+            return "failed", first_line(exc)
 
     # -- Workers --------------------------------------------------------------------------------------------------
     def call(self, fn: Callable, *args):

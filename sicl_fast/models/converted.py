@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from ..errors import SiclError, SiclWarning
+from ..errors import SiclError, SiclWarning, first_line
 from ..formats.inputs import describe_missing, env_path
 
 CACHE_VERSION = 3  # bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder; v3: content key)
@@ -313,11 +313,6 @@ def _remove_unfinished(key: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
 def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path], None],
                 open_folder: Callable[[Path], T], tensors: Callable[[T], Mapping[str, torch.Tensor]]) -> T:
     """What `convert()` makes of `source`, through the cache: open_folder(entry) when a verified entry exists, else
@@ -342,7 +337,7 @@ def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path]
             try:
                 result, problem = _open_checked(entry, open_folder, tensors, upgrade=True)
             except Exception as exc:  # noqa: BLE001 - transformers raises many types on a bad folder
-                problem = f"does not load ({_first_line(exc)})"
+                problem = f"does not load ({first_line(exc)})"
             if problem is None:
                 return result
             warn_moved_aside(entry, problem, _move_aside(entry), source, stacklevel=3)
@@ -363,7 +358,7 @@ def _publish(target: Path, key: str, source: Path, write: Callable[[Path], None]
         os.rename(tmp, target)
     except Exception as exc:  # noqa: BLE001 - a full disk or a save error: the converted model is still returned
         warnings.warn(f"model cache: could not store {source.name} converted in {converted_dir()} "
-                      f"({_first_line(exc)}); the next load converts it again", SiclWarning, stacklevel=4)
+                      f"({first_line(exc)}); the next load converts it again", SiclWarning, stacklevel=4)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename

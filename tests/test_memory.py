@@ -2,8 +2,12 @@
 piece by piece, on the tiny models: the difference form with its prefix kept, run in every pass or absent, padded to a
 length bucket, the central estimator; the plain form. The step cache bounded by those bytes (least recently used
 dropped), its budget from the memory available, and a refresh of the value rows' reference written in place."""
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from sicl_fast.backends import make_backend
 from sicl_fast.calibration.ascent import CalibrationConfig
@@ -144,3 +148,88 @@ def test_a_refresh_writes_the_reference_in_place(models, monkeypatch):
     assert made == [1]  # the count can tell
     for mine, new in zip(fwd.ref.tensors() + [fwd.z_ref], ref.tensors() + [z_ref]):
         assert torch.equal(mine, new)
+
+
+class PeakBytes(TorchDispatchMode):
+    """The most bytes the tensors made inside the block held at once (each storage counted once, from the op that
+    made it to the death of its last tensor); storages of `existing` tensors (weights, inputs) are not counted."""
+
+    def __init__(self, *existing) -> None:
+        super().__init__()
+        self.old = {t.untyped_storage().data_ptr() for t in existing}
+        self.refs: dict = {}
+        self.size: dict = {}
+        self.live = self.peak = 0
+
+    def _gone(self, key) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.size.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in self.old:
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self.refs:
+                self.refs[key], self.size[key] = 0, t.untyped_storage().nbytes()
+                self.live += self.size[key]
+                self.peak = max(self.peak, self.live)
+            self.refs[key] += 1
+            weakref.finalize(t, self._gone, key)
+        return out
+
+
+@pytest.fixture(scope="module")
+def wide_vocab():
+    """A 2-layer random-weight Llama whose vocabulary (8192) is wide beside its width (32), as a real model's is:
+    the naive backend's full logits dominate its forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sicl_fast.models.loading import from_transformers
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return from_transformers(LlamaForCausalLM(cfg), None, name="tiny-wide-vocab")
+
+
+@pytest.mark.parametrize("backend", ["naive", "hf"])
+def test_the_count_holds_the_forward_of_the_model_s_own_backends(wide_vocab, backend):
+    """Issue 54, defect 1: the naive backend's forward makes the batch's full logits [B, n, V] and their
+    log-softmax; the memory check counts them (memory.naive_head_bytes), so the step's estimate of its forward's
+    temporaries holds what the forward really makes (every tensor made during one Backend.span_logprobs, at its
+    peak); the hf backend's too (its LM head at the span rows only). At 481e2be the naive count was 1.3 MB against
+    27.6 MB made here (SmolLM2, L 406, N 8: 170 MiB against 1,363 MiB, bench/RESULTS.md 32)."""
+    from sicl_fast.run.memory import form_of
+
+    be = make_backend(backend, wide_vocab)
+    cfg = resolve_scale(CalibrationConfig(**{**BASE, "N": 4}), be.lm)
+    p = synthetic_prompt(100, [(40, 50), (70, 84)], 4, 8192)
+    X = be.embed(p)
+    batch = X[:p.demo_end].expand(cfg.batch, -1, -1).clone()
+    batch[1:] += 0.01 * torch.randn_like(batch[1:])
+    counted = step_bytes(be.lm, p, cfg, form=form_of(be.plan))
+    existing = [*wide_vocab.model.parameters(), *wide_vocab.model.buffers(), batch, p.positions, p.targets]
+    with torch.no_grad(), PeakBytes(*existing) as made:
+        be.span_logprobs(batch, p)
+    assert made.live == 0 and made.peak <= counted.activations <= 3 * made.peak, (made.peak, counted.activations)
+
+
+def test_a_naive_step_that_does_not_fit_is_refused(wide_vocab, monkeypatch):
+    """Issue 54, defect 1: memory free for the step as 481e2be counted it but not for the naive backend's logits:
+    refused before the first forward, saying so (at 481e2be the step ran)."""
+    from sicl_fast.calibration.ascent import Calibrator
+    from sicl_fast.errors import SiclError
+    from sicl_fast.run import checks
+
+    be = make_backend("naive", wide_vocab)
+    cfg = CalibrationConfig(**{**BASE, "N": 4, "max_steps": 1})
+    p = synthetic_prompt(100, [(40, 50), (70, 84)], 4, 8192)
+    old = step_bytes(be.lm, p, resolve_scale(cfg, be.lm)).total  # the count without the logits (form None)
+    monkeypatch.setattr(checks, "available_memory", lambda device: 2 * old)
+    with pytest.raises(SiclError, match=r"one ascent step needs about .*\(the naive backend holds the logits of every "
+                                        r"row over the whole vocabulary"):
+        Calibrator(be, cfg).run(p)

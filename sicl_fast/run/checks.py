@@ -142,7 +142,9 @@ def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0, 
                 + ("shorten the prompt" if config.checkpoint else "use checkpoint (--checkpoint)")
                 if config.estimator == "grad" else
                 f"N={config.N}: {config.batch} rows of {rows} tokens{packed}), more than the {free / GiB:.1f} GiB "
-                "of memory free; lower N" + (" or --pack" if pack > 1 else "")))
+                "of memory free; lower N" + (" or --pack" if pack > 1 else "")
+                + (" (the naive backend holds the logits of every row over the whole vocabulary; the fast and hf "
+                   "backends do not)" if form == "naive" else "")))
 
 
 __all__ = ["check_prompt", "check_tokens", "check_embeddings", "calibration_inputs", "check_perturbation",

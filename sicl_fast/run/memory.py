@@ -24,7 +24,8 @@ A static step of the fast backend keeps, for as long as it is cached (its CUDA g
                 for the largest step), freed between two steps
 
 The activations are the old estimate's (issue 4): 4 bytes an element of the batch's rows times a layer's widths; the
-rest is exact, the tensors' own sizes.
+rest is exact, the tensors' own sizes. The naive backend's forward also makes the batch's full logits [B, n, V] and
+their log-softmax, counted with its activations (naive_head_bytes; issue 54).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ from ..step.spec import block_end, prefix_policy
 # what runs beside them (the decode graphs and their KV caches, the span head's vocabulary chunks, answers from the
 # store, the allocator's fragmentation); the same rule on a CPU, where kept steps take RAM as on a GPU
 CACHE_SHARE = 0.8
-FORMS = ("rows", "plain")  # the fast backend's step forward: the difference form, or plain products
+# the step forward: the fast backend's difference form or plain products, or the naive backend's (its full logits)
+FORMS = ("rows", "plain", "naive")
 
 
 def available_memory(device) -> int:
@@ -130,8 +132,9 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
                prefix: bool = True) -> StepBytes:
     """The bytes of one ascent step of `prompt` under the CalibrationConfig config (module docstring), padded to
     `bucket` (a length bucket) where given; kept: copies of X [L, d] kept along the way (BestAt). form: the fast
-    backend's step forward, 'rows' (the difference form) or 'plain', or None (another backend: its forward's
-    buffers are not ours to count); prefix: False where the step runs without the prefix K/V (the packed step, a
+    backend's step forward, 'rows' (the difference form) or 'plain'; 'naive' (the naive backend: the layers'
+    temporaries and its full logits, naive_head_bytes); or None (the hf backend: the layers' temporaries, its LM head
+    at the span rows only); prefix: False where the step runs without the prefix K/V (the packed step, a
     backend without the prefix cache). The exact gradient (estimator 'grad') runs one row, but autograd keeps every
     layer's activations for the backward (one layer's with checkpoint), about twice over."""
     s = ModelShape.of(lm)
@@ -152,6 +155,8 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
         return StepBytes(**out)
     if form not in FORMS:
         raise ValueError(f"form {form!r}; one of {FORMS} or None")
+    if form == "naive":
+        return StepBytes(**{**out, "activations": out["activations"] + naive_head_bytes(s, B, n)})
     policy = "none" if not prefix or a == 0 else prefix_policy(config.kappa, config.projection_scope)
     start = 0 if policy == "none" else a  # the first row each batch row runs
     T, lead = b - start, a if policy == "pass" else 0
@@ -166,11 +171,24 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
                      kv=f32 * (lead + B * T) * kv_row)
 
 
+def naive_head_bytes(s: ModelShape, B: int, n: int) -> int:
+    """What the naive backend's forward of a batch [B, n, d] makes beyond the layers' temporaries (backends.naive):
+    its input in the model dtype, the full logits [B, n, V] and their log-softmax in float32, held at once (the
+    model-dtype logits beside their float32 copy weigh no more). Added to the layers' temporaries, not the larger of
+    the two: the CPU's allocator keeps the layers' freed blocks resident while the logits are made (measured:
+    bench/forward_peak.py, bench/RESULTS.md 32)."""
+    return s.itemsize * B * n * s.d + (4 + max(4, s.itemsize)) * B * n * s.vocab
+
+
 def form_of(plan) -> str | None:
-    """The step forward's form a run plan gives its static and packed steps (step_bytes' form)."""
-    if plan is None or plan.kind.cls != "fast":
+    """The step forward's form a run plan gives its steps (step_bytes' form): the fast backend's static and packed
+    steps' ('rows' or 'plain'), 'naive' for the naive backend's (the model's full logits), None for the hf one's."""
+    if plan is None or plan.kind.cls not in ("fast", "naive"):
         return None
+    if plan.kind.cls == "naive":
+        return "naive"
     return "rows" if plan.diff_matmul != "off" else "plain"
 
 
-__all__ = ["CACHE_SHARE", "ModelShape", "StepBytes", "available_memory", "cache_budget", "form_of", "step_bytes"]
+__all__ = ["CACHE_SHARE", "ModelShape", "StepBytes", "available_memory", "cache_budget", "form_of", "naive_head_bytes",
+           "step_bytes"]

@@ -17,11 +17,12 @@ import torch
 
 from .calibration.ascent import CalibrationConfig, CalibrationResult, Calibrator
 from .backends import build_backend
-from .run.checks import check_embeddings, check_prompt
+from .run.checks import check_embeddings, check_prompt, check_step_memory
+from .run.memory import form_of
 from .errors import SiclError
 from .backends.generate import Generation
 from .models import LoadedModel, load
-from .calibration.packed import run_packed
+from .calibration.packed import check_packable, run_packed
 from .run.plan import Choices, make_plan, resolve_reuse
 from .step.proxy import ProxyOut
 from .formats.requests import Request, parse_request
@@ -174,6 +175,22 @@ class Engine:
     def answer_many(self, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",)) -> list[Generation]:
         """Greedy answers to many queries on one stored calibration, decoded as one batch (answering.answer)."""
         return answer_batch(self, calibration, queries, max_new_tokens, stop_strings)
+
+    def check_steps(self, prompts: Sequence[Prompt], configs: Sequence[CalibrationConfig | None]) -> None:
+        """Refuse, before any work, what calibrating each of `prompts` under each of `configs` (as `config` takes
+        them) would refuse on the way: a step too big for the memory free (run.checks.check_step_memory, `pack` such
+        steps at once where the plan packs the zeroth-order steps) and, packed, prompts whose rotary tables differ
+        (calibration.packed.check_packable). The calibrate and icleval commands call it before their results file is
+        opened, so that a refused run leaves none behind."""
+        packed = False
+        for config in configs:
+            cfg = self.config(config)
+            pack = self.plan.pack if cfg.estimator != "grad" else 1  # the exact gradient never runs packed
+            packed |= pack > 1
+            for p in prompts:
+                check_step_memory(self.lm, p, cfg, pack=pack, form=form_of(self.plan))
+        if packed:
+            check_packable(self.backend, prompts)
 
     def calibrate_many(self, prompts, config: CalibrationConfig | None = None, on_result=None,
                        time_budget_s: float | None = None, best_at: Sequence[int] = (),

@@ -892,3 +892,40 @@ def test_a_model_with_a_nan_weight_stops_under_every_impl(tiny_model_dir, impl, 
     e = Engine(lm, impl=impl)
     with pytest.raises(NumericalError, match="span log-probabilities contain NaN"):
         e.proxy(e.prepare(STRUCT))
+
+
+def test_longrope_past_its_pretraining_length_packs_and_a_refused_pack_writes_nothing(tiny_model_dir, tmp_path,
+                                                                                       capsys):
+    """Issue 54, defect 4: past original_max_position_embeddings (16 here) longrope gives every length the long
+    factors, so prompts of 18 and 26 tokens share one rotary table: --pack 2 runs them, with the proxies they have
+    one at a time (481e2be: "different rotary tables", exit 2). Prompts of 10 and 26 tokens (short and long
+    factors) are refused before the results file is opened: no --out is left behind (481e2be: a 0-byte one)."""
+    import shutil
+
+    model = tmp_path / "longrope"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0, 1.5, 2.0, 3.0],
+                              "long_factor": [2.0, 3.0, 5.0, 9.0], "original_max_position_embeddings": 16}
+    (model / "config.json").write_text(json.dumps(cfg))
+    flags = ["--model", str(model), "--backend", "fast-fp32", *FAST]
+    runs = {}
+    for words, pack in ((8, "2"), (8, "1"), (4, "2")):
+        reqs = write_jsonl(tmp_path / "r.jsonl", [
+            {"id": "a", "prompt": "hello world " * words + "hello:", "output_spans": [[6, 11], [18, 23]]},
+            {"id": "b", "prompt": "hello world " * 12 + "hello:", "output_spans": [[6, 11], [42, 47]]}])
+        out = tmp_path / f"{words}-{pack}.jsonl"
+        code = main(["calibrate", reqs, "--out", str(out), "--pack", pack, *flags])
+        runs[words, pack] = (code, out)
+    assert runs[8, "2"][0] == runs[8, "1"][0] == 0
+    packed, alone = ({r["id"]: r for r in read_records(runs[8, k][1])} for k in ("2", "1"))
+    for i in ("a", "b"):
+        assert packed[i]["initial_proxy"] == pytest.approx(alone[i]["initial_proxy"], abs=1e-5)
+    capsys.readouterr()
+    code, out = runs[4, "2"]
+    assert code == 2 and not out.exists()
+    main(["calibrate", reqs, "--out", str(out), "--pack", "2", *flags])
+    one_line_error(capsys, "rope 'all' (longrope) gives prompts of [10, 26] tokens different rotary tables",
+                   "--pack 1")
+    assert not out.exists()

@@ -283,6 +283,27 @@ def test_rope_tables_are_transformers_own(fams):
     assert reference_backend("fast", fams["phi3"]).model.rotary["all"].cos.shape[-1] == 8  # half of head 16
 
 
+def test_longrope_gives_every_length_past_its_threshold_one_table(fams):
+    """Issue 54, defect 4: longrope past original_max_position_embeddings (16) takes the long factors whatever the
+    length (transformers' forward over 20 tokens and over 48 rotate by the same tables), so prompts of 20 and 48
+    tokens share one rotary key and one pass (481e2be refused them as "different rotary tables"); 16 and 20 tokens
+    (short and long factors) still cannot."""
+    lm = fams["phi3"]
+    m = reference_backend("fast", lm).model
+    r = m.rotary["all"]
+    assert r.key(20) == r.key(48) != r.key(16)
+    m.fit_rope(20, 48)
+    cos, sin = r.tables(0, 48)
+    rot = lm.decoder.rotary_emb
+    for n in (20, 48):
+        rot.inv_freq, rot.max_seq_len_cached = rot.original_inv_freq, rot.original_max_seq_len
+        ref_cos, ref_sin = rot(torch.zeros(1, n, 1), torch.arange(n)[None])
+        torch.testing.assert_close(cos[:n, 0], ref_cos[0], rtol=0, atol=0)
+        torch.testing.assert_close(sin[:n, 0], ref_sin[0], rtol=0, atol=0)
+    with pytest.raises(SiclError, match=r"gives prompts of \[16, 20\] tokens different rotary tables"):
+        m.fit_rope(16, 20)
+
+
 def test_decoder_config_reads_the_quirks(fams):
     """DecoderConfig.from_hf: each family's quirks as the general fields the decoder reads."""
     cfg = {f: DecoderConfig.from_hf(lm.text_config, lm.model.get_input_embeddings()) for f, lm in fams.items()}

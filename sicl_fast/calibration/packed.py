@@ -110,6 +110,14 @@ class PackedStep:
             st.advance(self.backend.ops.proxy_planned(lp, st.proxy_plan).f)
 
 
+def check_packable(backend, prompts: Sequence[Prompt]) -> None:
+    """Refuse (a SiclError naming the lengths) prompts that cannot share a packed pass: their rotary tables differ
+    (a rope type whose frequencies depend on the length, past its threshold: Transformer.rope_keys). Any two of a
+    packed run's prompts may share a pass (a slot takes the next prompt as one ends), so all of them are checked,
+    before any work and before a results file is opened (Engine.check_steps)."""
+    backend.model.rope_keys(*(p.length for p in prompts))
+
+
 def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,
                on_result: Callable[[int, CalibrationResult], None] | None = None,
                time_budget_s: float | None = None, best_at: Sequence[int] = (),
@@ -128,6 +136,7 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     plan.require_sync_free("packed")
     for _, config in items:  # before any work (icleval packs its calibrations here, not through calibrate_many)
         plan.check_zeroth_order(config.estimator)
+    check_packable(backend, [p for p, _ in items])
     graphs = plan.graphs if graphs is None else graphs
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
@@ -182,4 +191,4 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     return results if on_result is None else []
 
 
-__all__ = ["PackedStep", "run_packed"]
+__all__ = ["PackedStep", "check_packable", "run_packed"]

@@ -9,8 +9,6 @@ from collections.abc import Sequence
 from ..answering.answer import answer_result
 from ..answering.reuse import reuse_info
 from ..calibration.ascent import CalibrationConfig
-from ..run.checks import check_step_memory
-from ..run.memory import form_of
 from ..answering.export import CalibratedEmbeddings
 from ..formats.requests import Request
 
@@ -18,13 +16,12 @@ from ..formats.requests import Request
 def check_requests(
     engine, requests: Sequence[Request], reserve: int = 0, config: CalibrationConfig | None = None
 ) -> int:
-    """Tokenize every request (a RequestError names the first bad one) and, with `config`, refuse a step too big for
-    memory (with --pack P, P such steps at once), before anything is written; returns the count."""
-    for r in requests:
-        prompt = engine.prepare(r, reserve=reserve)
-        if config is not None:
-            check_step_memory(engine.lm, prompt, engine.config(config), pack=engine.plan.pack,
-                              form=form_of(engine.plan))
+    """Tokenize every request (a RequestError names the first bad one) and, with `config`, refuse what calibrating
+    them would refuse on the way (Engine.check_steps: a step too big for memory, with --pack P P such steps at once;
+    packed prompts of different rotary tables), before anything is written; returns the count."""
+    prompts = [engine.prepare(r, reserve=reserve) for r in requests]
+    if config is not None:
+        engine.check_steps(prompts, [config])
     return len(requests)
 
 

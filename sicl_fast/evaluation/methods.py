@@ -288,10 +288,12 @@ def sample_prompt(engine, sample: Sample):
     return tokenize_sample(sample, engine.lm.tokenizer, engine.lm.max_context)
 
 
-def check_samples(engine, samples: Sequence[Sample]) -> int:
-    """Tokenize every sample before any work, so a bad one stops the run before anything is written."""
-    for s in samples:
-        sample_prompt(engine, s)
+def check_samples(engine, samples: Sequence[Sample], configs: Sequence = ()) -> int:
+    """Tokenize every sample before any work, so a bad one stops the run before anything is written, and refuse what
+    calibrating them under each of `configs` (the calibrating variants') would refuse on the way (Engine.check_steps:
+    a step too big for memory; packed prompts of different rotary tables)."""
+    prompts = [sample_prompt(engine, s) for s in samples]
+    engine.check_steps(prompts, configs)
     return len(samples)
 
 
@@ -431,7 +433,8 @@ def run_methods(
     workers = as_workers(engine)
     variants = build_variants(methods, workers, config, sicl_variants, options)
     samples = select_samples(data_dir, tasks, limit)
-    workers.call(check_samples, samples)  # every tokenization error before any work
+    # every tokenization error and every step refused before any work
+    workers.call(check_samples, samples, [v.config for v in variants if v.method in CALIBRATIONS])
     for v in variants:
         if v.method in BASELINES:
             for s in samples:

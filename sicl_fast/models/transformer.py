@@ -91,8 +91,12 @@ class Rotary:
         self.cos32 = self.sin32 = self.cos.float()
 
     def key(self, length: int) -> int | None:
-        """What the tables of a prompt of `length` tokens depend on: the length past the threshold, else None."""
-        return length if self.threshold is not None and length > self.threshold else None
+        """What the tables of a prompt of `length` tokens depend on: None up to the threshold; past it the length
+        (dynamic), or one key for every length (longrope: past original_max_position_embeddings every length takes
+        the long factors, as rope_inv_freq gives them; the tables of threshold + 1 tokens)."""
+        if self.threshold is None or length <= self.threshold:
+            return None
+        return self.threshold + 1 if self.params.get("rope_type") == "longrope" else length
 
     def fit(self, key: int | None) -> None:
         """Take the tables of the prompt length `key` (Rotary.key), in place (a captured graph reads them)."""
@@ -349,14 +353,23 @@ class Transformer:
     def fit_rope(self, *lengths: int) -> None:
         """The rotary tables for prompts of these lengths (in tokens, the query included), in place: they change
         only for rope types whose frequencies depend on the length (Rotary), and only past their threshold.
-        Prompts run in one pass (a packed step) must share one table: a SiclError says when they do not."""
+        Prompts run in one pass (a packed step) must share one table: a SiclError says when they do not
+        (rope_keys, before any table changes)."""
+        for key, k in self.rope_keys(*lengths).items():
+            self.rotary[key].fit(k)
+
+    def rope_keys(self, *lengths: int) -> dict:
+        """{rotary: the key (Rotary.key) prompts of these lengths share}; a SiclError when they need different
+        tables, so cannot run in one pass (a packed run checks its prompts with it before any work)."""
+        out = {}
         for key, r in self.rotary.items():
             keys = {r.key(n) for n in lengths}
             if len(keys) > 1:
                 raise SiclError(f"rope {key!r} ({r.params.get('rope_type')}) gives prompts of {sorted(set(lengths))} "
                                 f"tokens different rotary tables (its frequencies depend on the length past "
                                 f"{r.threshold} tokens): run them one at a time (--pack 1)")
-            r.fit(keys.pop())
+            out[key] = keys.pop()
+        return out
 
     @property
     def rope_lengths(self) -> tuple:

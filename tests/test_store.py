@@ -169,7 +169,7 @@ def test_a_sidecar_without_a_field_is_moved_aside(tmp_path, field, resealed):
     (lambda side: {**side, "tensors_bytes": True}, "tensors_bytes is of the wrong type"),
     (lambda side: {**side, "tensors_sha256": None}, "tensors_sha256 is of the wrong type"),
     (lambda side: {**side, "meta": [side["meta"]], "key": 7}, "key, meta are of the wrong type"),
-    (lambda side: {**side, "meta": {**side["meta"], "history": None}}, "unreadable entry"),
+    (lambda side: {**side, "meta": {**side["meta"], "history": None}}, "the metadata's history is of the wrong type"),
     (lambda side: {**side, "extra": 1}, "unknown fields extra"),
 ])
 def test_a_sidecar_of_the_wrong_shape_is_moved_aside(tmp_path, change, why):
@@ -183,6 +183,80 @@ def test_a_sidecar_of_the_wrong_shape_is_moved_aside(tmp_path, change, why):
         side["sha256"] = sidecar_sha256(side)
     sidecar.write_text(json.dumps(side))
     assert_moved_aside_and_recomputed(s, key, tmp_path, why)
+
+
+def reseal(s: CalibrationStore, key: str, meta: dict) -> None:
+    """Give `key`'s sidecar this metadata, resealed with a matching checksum (what a checksum cannot catch)."""
+    sidecar = s.disk.paths(key)[1]
+    side = json.loads(sidecar.read_text())
+    side["meta"] = meta
+    side["sha256"] = sidecar_sha256(side)
+    sidecar.write_text(json.dumps(side))
+
+
+def test_the_metadata_is_checked_field_by_field(tmp_path):
+    """Issue 54, defects 6 and 7: an entry's metadata must have exactly an entry's fields (entry.META: what
+    Calibration.meta writes), each of its JSON type. An extra "kv" (481e2be: AttributeError 'dict' object has no
+    attribute 'nbytes' in every later run, the entry kept), stop_reason 42 and impl an object (481e2be: served, and
+    both went into the record), and every other field of another type, resealed with a matching checksum, are
+    corrupt: reported, moved aside and recomputed, never served."""
+    key = "m" * 40
+    cases = [({"kv": {"k": [1.0]}}, "the metadata has unknown fields kv"),
+             ({"stop_reason": 42, "impl": {"name": "torch"}}, "the metadata's stop_reason, impl are of the wrong type"),
+             ({"scope": "everything"}, "the metadata's scope 'everything' is not one of stem, prompt"),
+             ({"token_spans": [[2, 4], [5]]}, "the metadata's token_spans are not pairs of token positions"),
+             ({"history": [0.25, "0.4", 0.5]}, "the metadata's history holds a value that is not a number")]
+    for name, value in entry(key).meta().items():
+        odd = {} if isinstance(value, list) else [value]
+        cases.append(({name: odd}, f"the metadata's {name} is of the wrong type"))
+    cases.append(({"gated": 0}, "the metadata's gated is of the wrong type"))
+    cases.append(({"steps": True}, "the metadata's steps is of the wrong type"))
+    for i, (change, why) in enumerate(cases):
+        root = tmp_path / str(i)
+        CalibrationStore(1 << 20, root).put(entry(key))
+        s = CalibrationStore(1 << 20, root)
+        reseal(s, key, {**entry(key).meta(), **change})
+        assert_moved_aside_and_recomputed(s, key, root, why)
+    from sicl_fast.store.entry import META
+
+    assert set(META) == set(entry(key).meta())  # the checked fields are the ones written
+
+
+def test_an_entry_that_cannot_be_moved_aside_is_said_so_once_and_kept(tmp_path):
+    """Issue 54, defect 8: corrupt/ replaced by a file after the store opened, so a corrupt entry cannot go there.
+    The warning says what was done (not moved, why, left in place), once for a lookup that reads the key twice
+    (reuse 'auto': get, then get_or_compute), and the entry is not overwritten by the recomputed one: it stays for
+    inspection; a later lookup of this store reads it as missing without a second warning. Once corrupt/ is a
+    folder again, a new store (another process) moves it there and stores the recomputed entry. 481e2be said "moved
+    to .../corrupt" twice and overwrote it."""
+    key = "v" * 40
+    CalibrationStore(1 << 20, tmp_path).put(entry(key))
+    s = CalibrationStore(1 << 20, tmp_path)
+    reseal(s, key, {**entry(key).meta(), "stop_reason": 42})
+    files = [p.read_bytes() for p in s.disk.paths(key)]
+    (tmp_path / "corrupt").rmdir()
+    (tmp_path / "corrupt").write_text("not a folder")
+
+    def lookup(store):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert store.get(key) is None
+            cal, hit = store.get_or_compute(key, lambda: entry(key, seed=5))
+        assert not hit and same(cal, entry(key, seed=5))
+        store.memory = MemoryLRU(1 << 20)  # the next lookup goes to the disk again
+        return [str(w.message) for w in caught if issubclass(w.category, SiclWarning)]
+
+    said = lookup(s)
+    assert len(said) == 1 and "is corrupt (the metadata's stop_reason is of the wrong type); could not be moved to " \
+        f"{tmp_path / 'corrupt'} (Not a directory): left in place for inspection" in said[0], said
+    assert "moved to" not in said[0].replace("could not be moved to", "")
+    assert [p.read_bytes() for p in s.disk.paths(key)] == files  # kept, not overwritten
+    assert lookup(s) == [] and [p.read_bytes() for p in s.disk.paths(key)] == files
+    (tmp_path / "corrupt").unlink()
+    said = lookup(CalibrationStore(1 << 20, tmp_path))
+    assert len(said) == 1 and f"moved to {tmp_path / 'corrupt'} and recomputed" in said[0], said
+    assert sorted(p.read_bytes() for p in (tmp_path / "corrupt").iterdir()) == sorted(files)
+    assert same(CalibrationStore(1 << 20, tmp_path).get(key), entry(key, seed=5))
 
 
 def test_single_flight_across_threads(tmp_path):

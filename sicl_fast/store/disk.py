@@ -13,10 +13,12 @@ read of that key, or the sweep a DiskStore makes when it opens (of every key no 
 holds its lock (`lock(key)`): a second process asking for a key that another computes waits for it and then reads
 it (single flight across processes; a waiter with a should_stop hook polls the lock and gives up when the hook
 fires); nobody reads a sidecar and the tensors of two different writes. A read checks the sidecar's fields and their
-types, both checksums, the format and the shapes, then what it would serve against what the lookup expects
-(entry.Expected: the prompt's token ids and rows, the model's width, every number finite); an entry failing any
-check is reported (a SiclWarning and the log), moved to corrupt/ and treated as missing, so it is recomputed and
-never used.
+types, both checksums, the format, the metadata's fields and their types (entry.meta_problem) and the shapes, then
+what it would serve against what the lookup expects (entry.Expected: the prompt's token ids and rows, the model's
+width, every number finite); an entry failing any check is reported once (a SiclWarning and the log, saying what was
+done), moved to corrupt/ and treated as missing, so it is recomputed and never used. One that cannot be moved
+(corrupt/ replaced by a file, no permission) is left in place, said so, read as missing and not overwritten by this
+process, so that it stays for inspection.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch
 
 from ..errors import SiclWarning, require
 from ..formats.records import check_out_dir
-from .entry import Calibration, Expected
+from .entry import Calibration, Expected, fields_problem, meta_problem
 from .wait import wait
 
 log = logging.getLogger("sicl_fast.store")
@@ -81,6 +83,16 @@ def _take(fd: int, timeout: float | None) -> bool:
         return False
 
 
+def _identity(path: Path) -> tuple | None:
+    """What tells one file at `path` from another written there later: inode, size, modification time (None: no
+    file)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class CorruptEntry(Exception):
     """An entry failed a check (the message says which)."""
 
@@ -96,21 +108,17 @@ def sidecar_sha256(side: dict) -> str:
 
 def check_sidecar(side, key: str) -> None:
     """Raise CorruptEntry unless `side` (parsed JSON) is the sidecar of `key`: an object with exactly the fields of
-    SIDECAR, each of its type, whose checksum matches, in this format."""
-    if not isinstance(side, dict):
-        raise CorruptEntry(f"the sidecar is a JSON {type(side).__name__}, not an object")
-    missing, extra = sorted(SIDECAR.keys() - side.keys()), sorted(side.keys() - SIDECAR.keys())
-    if missing:
-        raise CorruptEntry(f"the sidecar lacks {', '.join(missing)}")
-    if extra:
-        raise CorruptEntry(f"the sidecar has unknown fields {', '.join(extra)}")
-    wrong = [name for name, typ in SIDECAR.items()
-             if not isinstance(side[name], typ) or (typ is int and isinstance(side[name], bool))]
-    if wrong:
-        raise CorruptEntry(f"the sidecar's {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} of the wrong type")
+    SIDECAR, each of its type, whose checksum matches, in this format, and whose metadata has exactly the fields of an
+    entry, each of its type (entry.meta_problem)."""
+    why = fields_problem(side, SIDECAR, "the sidecar")
+    if why is not None:
+        raise CorruptEntry(why)
     if sidecar_sha256(side) != side["sha256"]:
         raise CorruptEntry("the sidecar's checksum does not match")
-    if side["format"] != FORMAT or side["key"] != key or side["meta"].get("key") != key:
+    why = meta_problem(side["meta"])
+    if why is not None:
+        raise CorruptEntry(why)
+    if side["format"] != FORMAT or side["key"] != key or side["meta"]["key"] != key:
         raise CorruptEntry("wrong format or key in the sidecar")
 
 
@@ -125,6 +133,9 @@ class DiskStore:
         for sub in ("entries", "locks", "corrupt"):
             check_out_dir(self.root / sub, "store", "the calibrations")
         self.corrupted = 0
+        # key -> the identity of a corrupt entry's sidecar that could not be moved aside (_move_aside): reported once,
+        # then read as missing and never overwritten while it is there
+        self._left: dict[str, tuple] = {}
         self._sweep()
 
     def paths(self, key: str) -> tuple[Path, Path]:
@@ -177,7 +188,7 @@ class DiskStore:
         corrupt too, whatever its checksums say."""
         self._remove_temporaries(key)
         tensors, sidecar = self.paths(key)
-        if not sidecar.exists():
+        if not sidecar.exists() or self._left_in_place(key):
             return None
         try:
             cal = self._load(key, tensors, sidecar)
@@ -218,24 +229,53 @@ class DiskStore:
         return cal
 
     def _move_aside(self, key: str, why: str) -> None:
+        """Move a corrupt entry to corrupt/, its sidecar first (once it is gone no reader takes the entry), and say
+        once what was done. A sidecar that cannot be moved (corrupt/ gone or not a folder, no permission) leaves the
+        entry whole where it is: it is recomputed, and kept from being overwritten (_left) so that it stays for
+        inspection; a tensors file that cannot follow its moved sidecar is replaced by the recomputed entry."""
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        moved = []
-        for path in self.paths(key):
-            if path.exists():
-                dest = self.root / "corrupt" / f"{path.stem}.{stamp}.{os.getpid()}{path.suffix}"
-                with contextlib.suppress(OSError):
-                    os.replace(path, dest)
-                    moved.append(dest.name)
+        corrupt = self.root / "corrupt"
+        tensors, sidecar = self.paths(key)
+        moved, failed = 0, None
+        for path in (sidecar, tensors):
+            if not path.exists():
+                continue
+            try:
+                os.replace(path, corrupt / f"{path.stem}.{stamp}.{os.getpid()}{path.suffix}")
+                moved += 1
+            except OSError as exc:
+                failed = exc.strerror or str(exc)
+                break
         self.corrupted += 1
-        msg = (f"store {self.root}: entry {key} is corrupt ({why}); moved to {self.root / 'corrupt'} and "
-               "recomputed")
+        if failed is None:
+            done = f"moved to {corrupt} and recomputed"
+        elif not moved:
+            self._left[key] = _identity(sidecar)
+            done = (f"could not be moved to {corrupt} ({failed}): left in place for inspection and recomputed, and "
+                    "this key is not stored again until it is removed")
+        else:
+            done = (f"its sidecar moved to {corrupt}; its tensors file could not be ({failed}) and is replaced by the "
+                    "recomputed entry")
+        msg = f"store {self.root}: entry {key} is corrupt ({why}); {done}"
         log.warning(msg)
         warnings.warn(msg, SiclWarning, stacklevel=4)
+
+    def _left_in_place(self, key: str) -> bool:
+        """Is the entry of `key` the corrupt one _move_aside could not move (already reported)? Another file since
+        (removed, or written by another process) is read as any."""
+        if key not in self._left:
+            return False
+        if self._left[key] == _identity(self.paths(key)[1]):
+            return True
+        del self._left[key]
+        return False
 
     def write(self, cal: Calibration) -> None:
         """Write an entry (call with lock(cal.key) held): tensors, then the sidecar, each atomically."""
         from safetensors.torch import save as save_tensors
 
+        if self._left_in_place(cal.key):  # a corrupt entry that could not be moved aside is not overwritten
+            return
         tensors, sidecar = self.paths(cal.key)
         tensors.parent.mkdir(parents=True, exist_ok=True)
         data = save_tensors({"rows": cal.rows.contiguous(), "input_ids": cal.input_ids.contiguous()},

@@ -30,6 +30,51 @@ import torch
 from ..calibration.ascent import CalibrationConfig, CalibrationResult
 
 SCOPES = ("stem", "prompt")
+NUMBER = (int, float)
+# every field of an entry's metadata (Calibration.meta, the disk store's sidecar "meta") and the JSON types it may
+# hold: an entry whose metadata lacks one, has another or holds another type is corrupt (meta_problem), never served
+META = {"key": str, "scope": str, "token_spans": list, "demo_start": int, "demo_end": int, "initial_proxy": NUMBER,
+        "best_proxy": NUMBER, "steps": int, "best_step": int, "gated": bool, "stop_reason": str, "history": list,
+        "projections": int, "seconds": NUMBER, "config": dict, "impl": str, "model": str, "exact": bool,
+        "min_cosine": (*NUMBER, type(None))}
+
+
+def of_type(value, typ) -> bool:
+    """Is the parsed JSON `value` of `typ` (a type or a tuple of them)? A bool is an int only where bool is named."""
+    typs = typ if isinstance(typ, tuple) else (typ,)
+    return isinstance(value, typs) and (bool in typs or not isinstance(value, bool))
+
+
+def fields_problem(obj, schema: dict, what: str) -> str | None:
+    """Why the parsed JSON `obj` is not an object with exactly the fields of `schema`, each of its type (of_type), or
+    None; `what` names it in the message ('the sidecar', 'the metadata')."""
+    if not isinstance(obj, dict):
+        return f"{what} is a JSON {type(obj).__name__}, not an object"
+    missing, extra = sorted(schema.keys() - obj.keys()), sorted(obj.keys() - schema.keys())
+    if missing:
+        return f"{what} lacks {', '.join(missing)}"
+    if extra:
+        return f"{what} has unknown fields {', '.join(extra)}"
+    wrong = [name for name, typ in schema.items() if not of_type(obj[name], typ)]
+    if wrong:
+        return f"{what}'s {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} of the wrong type"
+    return None
+
+
+def meta_problem(meta) -> str | None:
+    """Why `meta` (parsed JSON) cannot be an entry's metadata, or None: its fields and their types (META), the scope
+    one of SCOPES, the token spans pairs of ints, the history numbers (the config is checked by CalibrationConfig
+    itself when the entry is built)."""
+    why = fields_problem(meta, META, "the metadata")
+    if why is not None:
+        return why
+    if meta["scope"] not in SCOPES:
+        return f"the metadata's scope {meta['scope']!r} is not one of {', '.join(SCOPES)}"
+    if not all(isinstance(s, list) and len(s) == 2 and all(of_type(x, int) for x in s) for s in meta["token_spans"]):
+        return "the metadata's token_spans are not pairs of token positions"
+    if not all(of_type(x, NUMBER) for x in meta["history"]):
+        return "the metadata's history holds a value that is not a number"
+    return None
 
 
 @dataclass
@@ -90,6 +135,7 @@ class Calibration:
 
     @classmethod
     def from_parts(cls, meta: dict, rows: torch.Tensor, input_ids: torch.Tensor) -> Calibration:
+        """The entry of metadata `meta` (Calibration.meta's, passed by meta_problem) and its tensors."""
         fields = dict(meta)
         fields["token_spans"] = tuple(tuple(s) for s in meta["token_spans"])
         fields["config"] = CalibrationConfig(**meta["config"])
@@ -127,7 +173,8 @@ class Expected:
 
     def problem(self, cal: Calibration) -> str | None:
         """Why `cal` cannot be what this key serves (None: it can): its scope, its rows' width, dtype and count, its
-        token ids, spans and demonstration rows, and every number it serves finite (rows, proxies, history)."""
+        token ids, spans and demonstration rows, and every number it serves finite (rows, proxies, history). The
+        types of its metadata's fields were checked when it was read (meta_problem)."""
         n, rows = self.input_ids.numel(), cal.rows
         if cal.scope != self.scope:
             return f"scope {cal.scope!r} under a {self.scope!r} key"
@@ -146,13 +193,12 @@ class Expected:
             return "rows that hold NaN or inf"
         numbers = [cal.initial_proxy, cal.best_proxy, *cal.history] + ([cal.min_cosine] if cal.min_cosine is not None
                                                                        else [])
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers):
+        if not all(of_type(x, NUMBER) and math.isfinite(x) for x in numbers):
             return "a proxy, history value or cosine that is not a finite number"
         counts = (cal.steps, cal.best_step, cal.projections)
-        if (not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in counts)
-                or cal.best_step > cal.steps or not all(isinstance(x, bool) for x in (cal.gated, cal.exact))):
-            return "step counts or flags of the wrong type or out of range"
+        if not all(of_type(x, int) and x >= 0 for x in counts) or cal.best_step > cal.steps:
+            return "step counts of the wrong type or out of range"
         return None
 
 
-__all__ = ["Calibration", "Expected", "SCOPES"]
+__all__ = ["Calibration", "Expected", "META", "SCOPES", "fields_problem", "meta_problem", "of_type"]

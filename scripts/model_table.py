@@ -9,7 +9,8 @@ representative set of it in the suite and checks that the table is current).
     python scripts/model_table.py --families llama cohere      some families only (not with --write)
 
 One line per architecture on stderr as it goes (status, seconds). Exit status 1 when a backend gives other numbers
-than the model's own (a row 'wrong'), 2 on bad arguments.
+than the model's own (a row 'wrong'), 2 on bad arguments (an unknown model type; a --write document that cannot be
+read or written or holds no table's markers, checked before the sweep). A family named twice is checked once.
 """
 from __future__ import annotations
 
@@ -27,15 +28,22 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from sicl_fast.diagnostics.conformance import check, families, render, write
+    from sicl_fast.diagnostics.conformance import check, check_doc, families, render, write
+    from sicl_fast.errors import SiclError
 
     known = families()
-    names = args.families or list(known)
+    names = list(dict.fromkeys(args.families or known))  # a family named twice is checked (and listed) once
     unknown = [n for n in names if n not in known]
     if unknown or (args.write and args.families):
         what = f"unknown model types: {', '.join(unknown)}" if unknown else "--write needs the whole sweep"
         print(f"model_table.py: {what}", file=sys.stderr)
         return 2
+    if args.write:
+        try:  # before the sweep: a document it could not rewrite would lose a minute's table at the end
+            check_doc(args.write)
+        except SiclError as exc:
+            print(f"model_table.py: {exc}", file=sys.stderr)
+            return 2
     import transformers
 
     t0, rows = time.perf_counter(), []
@@ -45,7 +53,12 @@ def main(argv=None) -> int:
         print(f"[{i}/{len(names)}] {name}: {row.status} ({row.seconds:.2f} s)", file=sys.stderr, flush=True)
     table = render(rows, transformers.__version__)
     if args.write:
-        write(args.write, table)
+        try:
+            write(args.write, table)
+        except (SiclError, OSError) as exc:  # changed or removed during the sweep: the table is not lost
+            print(table)
+            print(f"model_table.py: {exc}; the table is on stdout", file=sys.stderr)
+            return 2
         took = time.perf_counter() - t0
         print(f"wrote the model table of {len(rows)} architectures into {args.write} ({took:.0f} s)", file=sys.stderr)
     else:

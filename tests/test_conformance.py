@@ -71,3 +71,34 @@ def test_the_model_table_is_current():
         assert figures.sub("#", table[family]["why not fast, or why refused or skipped"]) == \
             figures.sub("#", short_reason(r)), family
     assert not [f for f, cells in table.items() if cells["auto runs"] == "wrong"]
+
+
+def test_model_table_checks_its_document_first_and_each_family_once(tmp_path, capsys, monkeypatch):
+    """Issue 54, defect 9 and a lesser point: scripts/model_table.py --write checks its document before the sweep (a
+    missing one, or one without the table's markers: exit 2, one line; 481e2be swept every architecture, then
+    raised FileNotFoundError / ValueError and lost the table), and --families llama llama checks and lists llama
+    once (481e2be: twice). conformance.check names an unknown architecture (481e2be: 'skipped')."""
+    import importlib.util
+
+    from sicl_fast.diagnostics import conformance
+    from sicl_fast.errors import SiclError
+
+    spec = importlib.util.spec_from_file_location("model_table", Path(__file__).resolve().parents[1] / "scripts"
+                                                  / "model_table.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(conformance, "check", lambda family: pytest.fail(f"the sweep began ({family})"))
+    plain = tmp_path / "plain.md"
+    plain.write_text("# no table here\n")
+    for doc, says in ((tmp_path / "missing.md", "cannot read it (No such file or directory)"),
+                      (plain, "holds no model table (the markers <!-- model-table:begin -->")):
+        assert script.main(["--write", str(doc)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"model_table.py: --write {doc}: ") and says in err and "\n" not in err, err
+    swept = []
+    monkeypatch.setattr(conformance, "check", lambda family: swept.append(family) or conformance.Row(
+        family, "LlamaForCausalLM", "fast"))
+    assert script.main(["--families", "llama", "llama"]) == 0
+    assert swept == ["llama"] and capsys.readouterr().out.count("| llama |") == 1
+    with pytest.raises(SiclError, match=r"conformance: unknown architecture 'nonexistent': not a model type"):
+        check("nonexistent")

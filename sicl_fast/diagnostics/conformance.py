@@ -222,9 +222,16 @@ def _batch(X: torch.Tensor, prompt) -> torch.Tensor:
 
 
 def check(family: str) -> Row:
-    """One architecture's Row (module docstring)."""
+    """One architecture's Row (module docstring); a SiclError for a name that is not a causal-LM model type of the
+    installed transformers (families())."""
+    known = families()
+    if family not in known:
+        from ..errors import SiclError
+
+        raise SiclError(f"conformance: unknown architecture {family!r}: not a model type of the installed "
+                        f"transformers' causal-LM auto mapping ({len(known)} of them: conformance.families())")
     t0 = time.perf_counter()
-    row = Row(family, families().get(family, "?"), "skipped")
+    row = Row(family, known[family], "skipped")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -313,9 +320,22 @@ def render(rows: list[Row], version: str) -> str:
     return "\n".join(lines + ["", TABLE_END])
 
 
-def parse(text: str) -> tuple[str, dict[str, dict]]:
+def table_span(text: str, where: str) -> tuple[int, int]:
+    """(start, end) of the model table in a document's text, its markers included; a SiclError naming `where` when
+    the text does not hold TABLE_BEGIN and, after it, TABLE_END."""
+    start = text.find(TABLE_BEGIN)
+    end = text.find(TABLE_END, max(start, 0))
+    if start < 0 or end < 0:
+        from ..errors import SiclError
+
+        raise SiclError(f"{where}: holds no model table (the markers {TABLE_BEGIN} and {TABLE_END}, in that order)")
+    return start, end + len(TABLE_END)
+
+
+def parse(text: str, where: str = "the document") -> tuple[str, dict[str, dict]]:
     """(the transformers version, {family: {column: value}}) of the model table in a document's text."""
-    body = text[text.index(TABLE_BEGIN):text.index(TABLE_END)]
+    start, end = table_span(text, where)
+    body = text[start:end]
     version = body.split("from transformers ", 1)[1].split("'s ", 1)[0]
     rows = {}
     for line in body.splitlines():
@@ -325,14 +345,32 @@ def parse(text: str) -> tuple[str, dict[str, dict]]:
     return version, rows
 
 
-def write(path, table: str) -> None:
-    """Replace the model table in the document at `path` (between its markers) with `table`."""
+def check_doc(path) -> str:
+    """The text of the document `path` that write() will rewrite, checked before the sweep (scripts/model_table.py
+    --write): a readable text file it can write, holding the table's markers; a SiclError naming it otherwise."""
+    import os
     from pathlib import Path
 
-    text = Path(path).read_text()
-    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
-    Path(path).write_text(text[:start] + table + text[end:])
+    from ..errors import SiclError
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SiclError(f"--write {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    if not os.access(path, os.W_OK):
+        raise SiclError(f"--write {path}: cannot write to it (permission denied)")
+    table_span(text, f"--write {path}")
+    return text
+
+
+def write(path, table: str) -> None:
+    """Replace the model table in the document at `path` (between its markers) with `table` (check_doc's checks)."""
+    from pathlib import Path
+
+    text = check_doc(path)
+    start, end = table_span(text, f"--write {path}")
+    Path(path).write_text(text[:start] + table + text[end:], encoding="utf-8")
 
 
 __all__ = ["COLUMNS", "KNOBS", "MAX_PARAMS", "OVERRIDES", "Row", "Skip", "TINY", "TOL", "attention_as", "build",
-           "check", "families", "parse", "render", "short_reason", "tiny_config", "write"]
+           "check", "check_doc", "families", "parse", "render", "short_reason", "table_span", "tiny_config", "write"]

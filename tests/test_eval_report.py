@@ -517,3 +517,31 @@ def test_budget_curves_by_hand():
     assert row["mean_steps"] == [3.0, 2.0] and row["mean_seconds"] == [3.0, 2.5]
     assert row["accuracy"] == [0.5, 1.0] and row["stop_reasons"] == {"max_steps": 1, "time_budget": 1}
     assert runs_compared([("paper", recs)]) is None
+
+
+def test_runs_are_split_by_the_one_rule_and_empty_settings_are_none(tmp_path):
+    """Issue 54, lesser points: two runs whose settings differ only by true and 1 are told apart by what differs
+    ("checkpoint=true", "checkpoint=1"; 481e2be: "settings recorded; settings recorded", as the grouping and the
+    rule disagreed), 1 and 1.0 are one run (the rule finds them equal, and so does a resume), and a record whose
+    settings are {} has settings unknown: a resume says it was written without its settings (481e2be: "holds
+    records of sicl-fast None")."""
+    from sicl_fast.errors import SiclError
+    from sicl_fast.evaluation.report import split_by_settings
+    from sicl_fast.run.settings import check_resume, settings_diff
+
+    base = {"format": 1, "command": "icleval", "config": {"checkpoint": False, "mu": 1.0}}
+    rec = {"task": "t", "uid": 0, "correct_base": True, "correct_calibrated": True}
+
+    def with_config(uid, **config):
+        return {**rec, "uid": uid, "settings": {**base, "config": {**base["config"], **config}}}
+
+    records = [with_config(0, checkpoint=True), with_config(1, checkpoint=1), with_config(2, checkpoint=True)]
+    parts = split_by_settings(records)
+    assert [(label, len(recs)) for _, label, recs in parts] == [("checkpoint=true", 2), ("checkpoint=1", 1)]
+    assert settings_diff(records[0]["settings"], records[1]["settings"]) == ["config.checkpoint"]
+    parts = split_by_settings([with_config(0, mu=1), with_config(1, mu=1.0)])
+    assert [len(recs) for _, _, recs in parts] == [2]
+    empty = {**rec, "settings": {}}
+    assert [label for _, label, _ in split_by_settings([empty])] == ["settings unknown"]
+    with pytest.raises(SiclError, match=r"holds 1 record\(s\) written without their settings"):
+        check_resume([empty], base, "--out o.jsonl")

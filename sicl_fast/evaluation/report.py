@@ -88,15 +88,23 @@ def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = 
 
 
 def split_by_settings(records: Sequence[dict]) -> list[tuple[dict | None, str, list[dict]]]:
-    """The records grouped by their settings (sicl_fast.run.settings.record_settings; those without, by their model),
-    in order of first appearance: (settings or None, a label naming what sets the group apart from the others, its
-    records)."""
+    """The records grouped by their settings (sicl_fast.run.settings.record_settings; those without, by their model;
+    settings the one rule, settings_diff, finds equal in one group), in order of first appearance: (settings or None,
+    a label naming what sets the group apart from the others, its records)."""
     from ..run.settings import flatten, settings_diff, short_name
 
     groups: dict = {}
+    same: dict = {}  # the JSON of a settings object -> the key of its group: the first one settings_diff finds equal
     for r in records:
         got = record_settings(r)
-        key = ("known", json.dumps(got, sort_keys=True)) if got is not None else ("unknown", str(r.get("model")))
+        if got is None:
+            key = ("unknown", str(r.get("model")))
+        else:
+            text = json.dumps(got, sort_keys=True)
+            if text not in same:
+                same[text] = next((k for k, (g, _) in groups.items() if g is not None and not settings_diff(g, got)),
+                                  ("known", text))
+            key = same[text]
         groups.setdefault(key, (got, []))[1].append(r)
     known = [g for g, _ in groups.values() if g is not None]
     differ = sorted({n for g in known[1:] for n in settings_diff(known[0], g)})

@@ -92,9 +92,10 @@ def run_settings(command: str, engine: dict, config=None, **parts) -> dict:
 
 
 def record_settings(record: dict) -> dict | None:
-    """The settings a record holds, or None: unknown (none, or not an object)."""
+    """The settings a record holds, or None: unknown (none, not an object, or one without the command that made it:
+    `"settings": {}` is no settings)."""
     s = record.get(FIELD)
-    return s if isinstance(s, dict) else None
+    return s if isinstance(s, dict) and isinstance(s.get("command"), str) else None
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -113,11 +114,23 @@ def _norm(v):
     return json.loads(json.dumps(v))
 
 
+def _typed(v):
+    """A value as settings_diff compares it: true and 1 differ (JSON tells them apart, Python's == does not), 1 and
+    1.0 do not (a float setting given as an int)."""
+    if isinstance(v, bool):
+        return ("bool", v)
+    if isinstance(v, list):
+        return [_typed(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _typed(x) for k, x in v.items()}
+    return v
+
+
 def settings_diff(got: dict, want: dict) -> list[str]:
     """The names of the settings in which two records differ, sorted (nested ones as 'config.max_steps'); [] when
-    none: the one rule of every resume and of `report`."""
+    none: the one rule of every resume and of `report` (its runs are the records this rule finds equal)."""
     a, b = flatten(_norm(got)), flatten(_norm(want))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return sorted(k for k in set(a) | set(b) if _typed(a.get(k)) != _typed(b.get(k)))
 
 
 # what a setting is called in a message: the flag that sets it where there is one

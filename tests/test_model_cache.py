@@ -120,6 +120,30 @@ def test_a_damaged_entry_is_moved_aside_and_rebuilt(cache_root, gguf, damage):
     assert load_quietly(gguf)[1] == []
 
 
+def test_a_damaged_entry_that_cannot_be_moved_aside_is_said_so_and_kept(cache_root, gguf, capsys):
+    """Issue 54, item 4 (the store's defect 8 in the model cache): converted/.bad replaced by a file, so a damaged
+    entry cannot go there. A load says so in one warning (not "moved it to"), converts without caching and leaves
+    the entry in place (481e2be: a raw FileExistsError on every load); `cache verify` reports it damaged and left in
+    place (exit 1; 481e2be: the same traceback), and `cache path` refuses to hand it over in one line."""
+    good = proxy_of(load(gguf))
+    entry = converted_path(gguf)
+    DAMAGES["broken config.json"](entry)
+    (cache_root / "converted" / ".bad").write_text("not a folder")
+    for _ in range(2):
+        lm, warned = load_quietly(gguf)
+        assert len(warned) == 1 and f"{entry} has a config.json of 1 bytes" in warned[0] and (
+            f"could not move it to {cache_root / 'converted' / '.bad'} (File exists): it stays in place, and "
+            "tiny.gguf is converted again without caching it") in warned[0], warned
+        assert proxy_of(lm) == good and (entry / "config.json").read_text() == "{"
+    capsys.readouterr()
+    assert main(["cache", "verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"damaged  {entry}: has a config.json of 1 bytes" in out and "(File exists): it stays in place" in out
+    assert main(["cache", "path", str(gguf)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"the converted folder {entry} has a config.json" in err and "remove it" in err, err
+
+
 def _sampled_sparsely(monkeypatch) -> None:
     """Make the load-time file check sample the tiny model's weights as it samples a real model's (files of
     FULL_BELOW bytes or more): most bytes fall between the samples."""

@@ -930,9 +930,13 @@ def cmd_cache(args) -> int:
     if args.action == "verify":
         results = cache.verify_entries(entry_of(args.model), full=not args.quick)
         damaged = 0
-        for path, problem, dest in results:
+        for path, problem, dest, kept in results:
             if problem is None:
                 print(f"ok       {path}")
+            elif kept is not None:
+                damaged += 1
+                print(f"damaged  {path}: {problem}; {kept}: it stays in place (the next load converts without "
+                      "caching; `sicl-fast cache clear` removes it)")
             elif dest is None:
                 print(f"unused   {path}: {problem}")
             else:

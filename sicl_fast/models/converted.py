@@ -270,13 +270,17 @@ def _open_checked(entry: Path, open_folder: Callable[[Path], T], tensors: Callab
     return result, None
 
 
-def _move_aside(entry: Path) -> Path:
-    """Move a damaged entry to converted/.bad/ (kept for inspection; `sicl-fast cache clear` frees it)."""
+def _move_aside(entry: Path) -> tuple[Path | None, str | None]:
+    """Move a damaged entry to converted/.bad/ (kept for inspection; `sicl-fast cache clear` frees it): (where it
+    went, None), or (None, why it could not: .bad is a file, no permission), the entry left where it is."""
     bad = _bad_dir()
-    bad.mkdir(parents=True, exist_ok=True)
     dest = bad / f"{entry.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    os.rename(entry, dest)
-    return dest
+    try:
+        bad.mkdir(parents=True, exist_ok=True)
+        os.rename(entry, dest)
+    except OSError as exc:
+        return None, f"could not move it to {bad} ({exc.strerror or exc})"
+    return dest, None
 
 
 @contextlib.contextmanager
@@ -300,10 +304,14 @@ def _lock(key: str, wait: bool = True) -> Iterator[bool]:
         yield True
 
 
-def warn_moved_aside(entry: Path, problem: str, dest: Path, source: Path, stacklevel: int = 2) -> None:
-    """The one line a damaged entry gets when it is moved aside and its source is converted again."""
-    warnings.warn(f"model cache: {entry} {problem}; moved it to {dest} and converting {source.name} again",
-                  SiclWarning, stacklevel=stacklevel + 1)
+def warn_moved_aside(entry: Path, problem: str, dest: Path | None, source: Path, stacklevel: int = 2,
+                     kept: str | None = None) -> None:
+    """The one line a damaged entry gets when it is moved aside (to dest) and its source is converted again; or, when
+    it could not be moved (dest None, kept: why), that it stays and the source is converted without caching."""
+    done = (f"moved it to {dest} and converting {source.name} again" if dest is not None else
+            f"{kept}: it stays in place, and {source.name} is converted again without caching it (remove it with "
+            "`sicl-fast cache clear` to cache it again)")
+    warnings.warn(f"model cache: {entry} {problem}; {done}", SiclWarning, stacklevel=stacklevel + 1)
 
 
 def _remove_unfinished(key: str) -> None:
@@ -340,7 +348,10 @@ def load_cached(source: Path, convert: Callable[[], T], save: Callable[[T, Path]
                 problem = f"does not load ({first_line(exc)})"
             if problem is None:
                 return result
-            warn_moved_aside(entry, problem, _move_aside(entry), source, stacklevel=3)
+            dest, kept = _move_aside(entry)
+            warn_moved_aside(entry, problem, dest, source, stacklevel=3, kept=kept)
+            if dest is None:  # the damaged entry holds its place: nothing can be published over it
+                return convert()
         result = convert()
         sums = {name: tensor_sums(t) for name, t in tensors(result).items()}
         _publish(converted_dir() / f"{source.stem}-{key}", key, source, lambda folder: save(result, folder), sums)
@@ -460,21 +471,24 @@ def assembling(name: str) -> Iterator[bool]:
         yield locked
 
 
-def verify_entries(only: Path | None = None, full: bool = True) -> list[tuple[Path, str | None, Path | None]]:
+def verify_entries(only: Path | None = None, full: bool = True
+                   ) -> list[tuple[Path, str | None, Path | None, str | None]]:
     """Check every converted entry (or the one at `only`) and move the damaged ones aside: (entry, problem or
-    None, where it went or None). Entries without a manifest (made by an older version) are reported, not moved:
-    nothing loads them."""
+    None, where it went or None, why a damaged one could not be moved or None). Entries without a manifest (made by
+    an older version) are reported, not moved: nothing loads them."""
     results = []
     for e in entries():
         if e.state not in ("converted", "no manifest") or (only is not None and e.path != only):
             continue
         problem = verify(e.path, full=full)
-        dest = None
+        dest = kept = None
         if problem is not None and e.state == "converted":
             with _lock(key_of_entry(e.path)) as locked:
-                if locked and e.path.exists() and verify(e.path, full=full) is not None:
-                    dest = _move_aside(e.path)
-        results.append((e.path, problem, dest))
+                if not locked:
+                    kept = f"could not move it: the cache in {converted_dir()} cannot be written"
+                elif e.path.exists() and verify(e.path, full=full) is not None:
+                    dest, kept = _move_aside(e.path)
+        results.append((e.path, problem, dest, kept))
     return results
 
 

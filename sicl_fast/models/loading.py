@@ -142,9 +142,12 @@ def model_folder(model: str | os.PathLike | None = None, full: bool = False) -> 
         return path
     check_cache_dir()  # a file or a dangling link there: said plainly, not as a cache that cannot be written
     if full and (entry := find_entry(content_key(path))) is not None:
-        for _, problem, dest in verify_entries(only=entry, full=True):
+        for _, problem, dest, kept in verify_entries(only=entry, full=True):
             if problem is None:
                 return entry  # every byte checked: converted_path's sampled check would only read it again
+            if kept is not None:  # a damaged folder is not handed over, and a new one cannot take its place
+                raise ModelLoadError(f"the converted folder {entry} {problem}; {kept}: remove it (sicl-fast cache "
+                                     "clear) to convert the model again")
             if dest is not None:
                 warn_moved_aside(entry, problem, dest, path)
     folder = converted_path(path)

@@ -276,6 +276,22 @@ def test_the_key_holds_the_attention_kernel_and_not_the_loop(tiny_llama, one_thr
     assert_same(runs[1], own(sdpa, p, **BASE))
 
 
+def test_the_key_holds_the_model_s_weights_not_its_name(tiny_llama, one_thread):
+    """Issue 54, item 4 (defect 3's pattern in the store): the same weights under another name (a model loaded by
+    name and then by its own path, or through a link) compute the same bits, so an engine on it is served the
+    other's calibration from a shared store (481e2be: the name was part of the key, a miss)."""
+    import dataclasses
+
+    from sicl_fast.store import CalibrationStore
+
+    store = CalibrationStore()
+    first, renamed = (Engine(lm, store=store) for lm in (tiny_llama, dataclasses.replace(tiny_llama, name="renamed")))
+    p = first.prepare(request("five"))
+    runs = [eng.calibrate(p, reuse="auto", **BASE) for eng in (first, renamed)]
+    assert [r.reuse for r in runs] == ["fresh", "hit"] and runs[0].key == runs[1].key
+    assert "model" not in first.reuser.fingerprint
+
+
 def test_the_key_holds_the_cpu_thread_count_and_the_platform(tiny_llama, one_thread):
     """On the CPU another thread count moves float32 sums in their last bits (SmolLM2's proxy history differs
     between 1 and 2 threads), so engines that share a store but not their thread count do not share entries: each

@@ -3,8 +3,9 @@
     key = sha256(fingerprint of the engine, token ids of rows [0, n), token spans, first demonstration row,
                  every CalibrationConfig field (scale resolved), scope)
 
-The engine's fingerprint (`engine_fingerprint`, computed once per engine) names the model and a digest of its
-weights and config, a digest of the tokenizer, the run plan's axes that may change the bits of a calibration
+The engine's fingerprint (`engine_fingerprint`, computed once per engine) holds a digest of the model's weights and
+config (not its name: the same files loaded by name, by path or through a link are one model), a digest of the
+tokenizer, the run plan's axes that may change the bits of a calibration
 (RunPlan.result_axes: the backend, the implementation of the hot ops, the attention kernel that runs, the
 difference products, the model's dtype, the device type and, on the CPU, the thread count), and the platform the
 kernels were chosen for (`platform`: torch's version, and the CPU's vector capability or the GPU's name), so that
@@ -21,7 +22,9 @@ import torch
 
 from ..models.facts import weights_digest
 
-KEY_FORMAT = 3  # 2: the run plan's result axes (the attention kernel added); 3: the CPU thread count and platform
+# 2: the run plan's result axes (the attention kernel added); 3: the CPU thread count and platform; 4: the model's
+# name left out (its weights' digest is what identifies it: one model loaded by name and by path shares its entries)
+KEY_FORMAT = 4
 
 
 def _blake(*parts: bytes) -> str:
@@ -56,7 +59,7 @@ def platform(device: torch.device) -> dict:
 def engine_fingerprint(engine) -> dict:
     """What of the engine changes a calibration's bits (module docstring); JSON-ready."""
     lm, backend = engine.lm, engine.backend
-    return {"model": lm.name, "weights": weights_digest(lm), "tokenizer": tokenizer_digest(lm.tokenizer),
+    return {"weights": weights_digest(lm), "tokenizer": tokenizer_digest(lm.tokenizer),
             **backend.plan.result_axes(backend.attention_kernel), "platform": platform(torch.device(lm.device))}
 
 

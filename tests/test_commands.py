@@ -347,3 +347,17 @@ def test_budget_measurement_script_defaults(tmp_path):
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     want = [["icleval", "ICLEval/data/tasks_data"]] * 3 + [["report", "out/paper.jsonl"]]  # the three runs, the report
     assert [c.split()[:2] for c in calls] == want
+
+
+def test_icleval_refuses_a_step_too_big_before_opening_its_output(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 54, item 4 (defect 4's pattern: a file opened before a refusal): icleval checked only the samples'
+    tokens before opening --out, so a step too big for memory was refused by the first calibration, the results file
+    already made (481e2be: a 0-byte --out). Now every calibrating variant's step is checked first (as calibrate's
+    are), and the refusal leaves nothing behind."""
+    out = tmp_path / "icl.jsonl"
+    monkeypatch.setattr("sicl_fast.run.checks.available_memory", lambda device: 1 << 10)
+    assert main(["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out", str(out),
+                 "--model", str(tiny_model_dir), "--max-steps", "1", "--N", "2", "--quiet"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if ": error: " in x]
+    assert len(lines) == 1 and "one ascent step needs about" in lines[0] and "of memory free; lower N" in lines[0]
+    assert not out.exists()

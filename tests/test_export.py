@@ -82,6 +82,27 @@ def test_bad_inputs_are_clear_errors(tiny_run, tmp_path):
         CalibratedEmbeddings.from_result(prompt, res.embeddings, "m", rows="query")
 
 
+def test_a_malformed_embeddings_object_is_one_error_whatever_breaks():
+    """Issue 54, item 4 (a parser whose try let some failures out): from_json caught KeyError, TypeError and
+    ValueError only, so an infinite row_end (OverflowError) or input ids past int64 (RuntimeError) escaped raw;
+    a cheap fuzz of each field replaced by other JSON values gives an object or a SiclError, nothing else."""
+    import random
+
+    good = CalibratedEmbeddings(rows=torch.randn(3, 4), row_start=1, row_end=4, input_ids=torch.arange(5), model="m",
+                                id="x").to_json()
+    for bad in ({**good, "row_end": float("inf")}, {**good, "input_ids": [2 ** 70] * 5}):
+        with pytest.raises(SiclError, match="malformed embeddings object"):
+            CalibratedEmbeddings.from_json(bad)
+    odd = [None, True, -1, 2 ** 64, 1.5, float("inf"), float("nan"), "x", [], [1], [2 ** 70], {}, [-3, 4], "AAAA"]
+    rng = random.Random(54)
+    for _ in range(200):
+        obj = {**good, **{rng.choice(list(good)): rng.choice(odd) for _ in range(rng.randint(1, 2))}}
+        try:
+            CalibratedEmbeddings.from_json(obj)
+        except SiclError:
+            pass
+
+
 def test_vllm_prompt_embeds_form(tiny_run):
     _, _, res = tiny_run
     text = vllm_prompt_embeds(res.embeddings)

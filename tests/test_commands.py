@@ -145,6 +145,10 @@ def test_gradstudy(tiny_model_dir, reqs, tmp_path, capsys, monkeypatch):
     refused(capsys, "--study-N [2] / [2, 4]")
     assert main([*args, "--dtype", "bfloat16"]) == 2
     refused(capsys, 'dtype "float32" / "bfloat16"')
+    report = tmp_path / "study-report"  # issue 54, item 4: a refused resume makes no --report folder
+    assert main([*args, "--dtype", "bfloat16", "--report", str(report)]) == 2
+    refused(capsys, 'dtype "float32" / "bfloat16"')
+    assert not report.exists()
 
 
 def test_calibrate_resume_refuses_other_settings_before_the_model_loads(tiny_model_dir, reqs, tmp_path, capsys,
@@ -361,3 +365,18 @@ def test_icleval_refuses_a_step_too_big_before_opening_its_output(tiny_model_dir
     lines = [x for x in capsys.readouterr().err.splitlines() if ": error: " in x]
     assert len(lines) == 1 and "one ascent step needs about" in lines[0] and "of memory free; lower N" in lines[0]
     assert not out.exists()
+
+
+def test_a_refused_icleval_resume_makes_no_report_or_store_folder(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 54, item 4 (a folder made before a refusal): --report and --store were made while the flags were
+    checked, so a resume refused for its settings left them behind, empty (481e2be). Now they are checked there and
+    made when first written (the report at the end, the store with the engine)."""
+    out, report, store = tmp_path / "icl.jsonl", tmp_path / "rep", tmp_path / "store"
+    task = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out", str(out),
+            "--model", str(tiny_model_dir), "--max-steps", "1", "--N", "2", "--quiet"]
+    assert main(task) == 0
+    capsys.readouterr()
+    assert main([*task, "--dtype", "bfloat16", "--report", str(report), "--store", str(store)]) == 2
+    refused(capsys, 'dtype "float32" / "bfloat16"')
+    assert not report.exists() and not store.exists()
+    assert main([*task, "--report", str(report)]) == 0 and (report / "report.md").is_file()  # made when written

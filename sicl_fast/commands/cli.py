@@ -315,8 +315,8 @@ def _check_store(args) -> None:
         raise SiclError(f"{' and '.join(f'{f} {v}' for f, v in given)} would have no effect: {why}; drop "
                         f"{' and '.join(f for f, _ in given)}{fix}")
     if args.store is not None:
-        require("safetensors")
-        check_out_dir(args.store, "--store", "the calibrations")
+        require("safetensors")  # made with the engine's store: a refused resume leaves no folder
+        check_out_dir(args.store, "--store", "the calibrations", create=False)
 
 
 def _pack_count(args) -> int:
@@ -842,8 +842,8 @@ def cmd_gradstudy(args) -> int:
         raise SiclError("--out -: gradstudy reads its records back for the table; give a regular file")
     check_output(args.out, inputs=[args.requests])
     if args.report:
-        require("matplotlib")
-        check_out_dir(args.report, "--report", "study.md, study.json and the plots")
+        require("matplotlib")  # made when the report is written: a refused resume leaves no folder
+        check_out_dir(args.report, "--report", "study.md, study.json and the plots", create=False)
     where, ids = f"--out {args.out}", [r.id for r in requests]
     early = _planned(args)  # a resume's settings checked before the model loads
     if early is not None:

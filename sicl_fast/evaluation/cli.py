@@ -109,8 +109,8 @@ def check_icleval_args(args, knobs: dict | None = None) -> None:
     options_from_args(args)
     require("scipy")
     if args.report:
-        require("matplotlib")
-        check_out_dir(args.report, "--report", "report.md, report.json and plots/")
+        require("matplotlib")  # made when the report is written: a refused resume leaves no folder
+        check_out_dir(args.report, "--report", "report.md, report.json and plots/", create=False)
     check_records_out(args.out)
     select_samples(args.dir, args.tasks, args.limit)
 

@@ -78,10 +78,12 @@ def folder_arg(text: str) -> str:
     return text
 
 
-def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
+def check_out_dir(directory: str | os.PathLike, flag: str, what: str, create: bool = True) -> Path:
     """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
     it cannot be a writable folder: an empty name, a file, a dangling link or a link loop, no permission. `what`:
-    what goes in it, for the message."""
+    what goes in it, for the message. create=False: the same checks without making it (its nearest existing parent
+    a folder this process may write to), for a folder written at the end of a run that may still be refused
+    (a resume of other settings): a refused run leaves no empty folder behind."""
     if not str(directory).strip():  # Path("") is the current folder, which would fill with the outputs
         raise SiclError(f"{flag}: an empty folder name; give a folder for {what}")
     path = Path(directory)
@@ -89,6 +91,15 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
         raise SiclError(f"{flag} {path}: {describe_missing(path)}")
     if path.exists() and not path.is_dir():
         raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
+    if not create and not path.exists():
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise SiclError(f"{flag} {path}: {parent} is a file; give a folder for {what}")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise SiclError(f"{flag} {path}: cannot create it in {parent} (permission denied)")
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

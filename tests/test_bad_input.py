@@ -929,3 +929,14 @@ def test_longrope_past_its_pretraining_length_packs_and_a_refused_pack_writes_no
     one_line_error(capsys, "rope 'all' (longrope) gives prompts of [10, 26] tokens different rotary tables",
                    "--pack 1")
     assert not out.exists()
+
+
+def test_a_refused_request_leaves_no_export_folder(tiny_model_dir, tmp_path, capsys):
+    """Issue 54, item 4 (a folder made before a refusal): --export was made before the requests were checked, so a
+    request refused for its length left an empty folder (481e2be). Now it is made with its first file."""
+    reqs = write_jsonl(tmp_path / "r.jsonl", [{"id": "long", "prompt": "x" * 9000, "output_spans": [[1, 2]]}])
+    out, export = tmp_path / "o.jsonl", tmp_path / "exported"
+    assert main(["calibrate", reqs, "--out", str(out), "--export", str(export), "--model", str(tiny_model_dir),
+                 *FAST]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt': 9001 tokens exceed the model's context")
+    assert not out.exists() and not export.exists()

@@ -145,11 +145,16 @@ def test_out_equal_to_input_is_refused(tmp_path, capsys, no_model):
 
 
 @pytest.mark.parametrize("out,needle", [("DIR", "is a directory"), ("FILE/x.jsonl", "is not a directory"),
-                                        ("/proc/version", "cannot")])
+                                        ("/proc/version", "cannot"),
+                                        ("LINK/x.jsonl", "which does not exist (a dangling link)")])
 def test_unusable_out_is_one_line(tmp_path, capsys, no_model, out, needle):
+    """A folder on the way that is a dangling link: refused with the others before any work (issue 54, item 4:
+    481e2be let it pass here and failed when the results file was opened)."""
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
     (tmp_path / "FILE").write_text("x")
-    out = out.replace("DIR", str(tmp_path)).replace("FILE", str(tmp_path / "FILE"))
+    (tmp_path / "LINK").symlink_to(tmp_path / "gone")
+    out = out.replace("DIR", str(tmp_path)).replace("FILE", str(tmp_path / "FILE")).replace("LINK", str(tmp_path
+                                                                                                          / "LINK"))
     if out == "/proc/version" and not os.path.exists(out):
         pytest.skip("no /proc on this system")
     if out == "/proc/version":  # root may pass os.access: then opening it fails, also in one line
@@ -429,7 +434,8 @@ def test_an_output_folder_that_cannot_be_one_is_one_line_before_any_work(tmp_pat
     (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
     (tmp_path / "dangling").symlink_to(tmp_path / "gone" / "x")
     for report, needle in ((results, "is a file; give a folder for report.md"), ("loop1", "a symbolic link loop"),
-                           ("dangling", "(a dangling link)")):
+                           ("dangling", "(a dangling link)"), ("dangling/rep", "(a dangling link)"),
+                           ("loop1/rep", "a symbolic link loop")):
         report = str(tmp_path / report)
         assert main(["report", results, "--report", report, "--no-plots"]) == 2
         one_line_error(capsys, f"--report {report}: ", needle)

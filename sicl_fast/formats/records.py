@@ -61,13 +61,24 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
         if not os.access(p, os.W_OK):
             raise ResultsFileError(f"{flag} {p}: cannot write to it (permission denied)")
         return
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
+    why = _cannot_create(p)
+    if why is not None:
+        raise ResultsFileError(f"{flag} {p}: {why}")
+
+
+def _cannot_create(path: Path) -> str | None:
+    """Why `path` (not there yet) cannot be made, or None: its nearest existing parent is a dangling link or a link
+    loop, not a folder, or one this process may not write to."""
+    parent = path.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
         parent = parent.parent
+    if parent.is_symlink() and not parent.exists():
+        return f"{parent} {describe_missing(parent)}"
     if not parent.is_dir():
-        raise ResultsFileError(f"{flag} {p}: {parent} is not a directory")
+        return f"{parent} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ResultsFileError(f"{flag} {p}: cannot create it in {parent} (permission denied)")
+        return f"cannot create it in {parent} (permission denied)"
+    return None
 
 
 def folder_arg(text: str) -> str:
@@ -91,15 +102,12 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str, create: bo
         raise SiclError(f"{flag} {path}: {describe_missing(path)}")
     if path.exists() and not path.is_dir():
         raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
-    if not create and not path.exists():
-        parent = path.parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise SiclError(f"{flag} {path}: {parent} is a file; give a folder for {what}")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise SiclError(f"{flag} {path}: cannot create it in {parent} (permission denied)")
-        return path
+    if not path.exists():
+        why = _cannot_create(path)
+        if why is not None:
+            raise SiclError(f"{flag} {path}: {why}")
+        if not create:
+            return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -68,3 +68,27 @@ def test_icleval_resumed_with_nothing_left_loads_no_model(tiny_model_dir, tmp_pa
     # other settings for a variant already in the file: refused as a resume with work left refuses them
     assert main([*base, "--method", "sicl", "--eta", "0.1"]) == 2
     assert "with other settings than this run's: eta 0.05 / 0.1" in capsys.readouterr().err
+
+
+def test_a_resume_compares_the_model_files_not_their_name(tiny_model_dir, reqs, tmp_path, capsys, monkeypatch):
+    """Issue 54, defect 3: the same files named otherwise (a model folder, then a link to it; the embedded model by
+    name, then by its GGUF path) were refused as another model: the settings compared model.name. The fingerprint
+    is what a record is made with; its name is named only where the files differ."""
+    from sicl_fast.run.settings import describe_diff, settings_diff
+
+    out, link = tmp_path / "o.jsonl", tmp_path / "another-name"
+    link.symlink_to(tiny_model_dir)
+    argv = ["calibrate", reqs, "--out", str(out), "--max-steps", "1", "--tau", "0", "--N", "2", "--model"]
+    assert main([*argv, str(tiny_model_dir)]) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    no_model_load(monkeypatch)
+    assert main([*argv, str(link)]) == 0
+    assert "nothing to do: all 2 requests are already in" in capsys.readouterr().err and out.read_text() == before
+    embedded = {"model": {"name": "smollm2-135m", "fingerprint": "file:1"}, "dtype": "float32"}
+    by_path = {"model": {"name": "SmolLM2-135M.Q8_0.gguf", "fingerprint": "file:1"}, "dtype": "float32"}
+    assert settings_diff(embedded, by_path) == []
+    other = {**by_path, "model": {"name": "other.gguf", "fingerprint": "file:2"}}
+    assert settings_diff(embedded, other) == ["model.fingerprint", "model.name"]
+    assert describe_diff(embedded, other) == 'model files "file:1" / "file:2", model "smollm2-135m" / "other.gguf"'
+

@@ -18,8 +18,11 @@ loop, sync_every and CUDA graphs (the same bits: tests/test_static.py), reuse (a
 a record reused under 'on' says exact: false itself), the store, gradstudy's --chunk (memory).
 
 `settings_diff` is the one comparison: every resume (`check_resume`, through the results writer) and `report` (which
-splits a file into runs by their settings) use it. A record without settings (written before records carried
-them, or by hand) has settings unknown (`record_settings` is None): never resumed with, never pooled with others.
+splits a file into runs by their settings) use it. It compares what a record was made with, not what it calls it:
+the model by its files' fingerprint, not by its name (the embedded model named by its short name or by its own
+GGUF path, a model folder or a link to it, are the same files and the same numbers). A record without settings
+(written before records carried them, or by hand) has settings unknown (`record_settings` is None): never resumed
+with, never pooled with others.
 """
 from __future__ import annotations
 
@@ -113,11 +116,25 @@ def _norm(v):
     return json.loads(json.dumps(v))
 
 
+def compared(settings: dict) -> dict:
+    """The settings as the rule compares them: a model known by its fingerprint without its name (module
+    docstring); a model without a fingerprint (settings written by hand) by its name."""
+    model = settings.get("model")
+    if isinstance(model, dict) and model.get("fingerprint") is not None:
+        return {**settings, "model": {k: v for k, v in model.items() if k != "name"}}
+    return settings
+
+
 def settings_diff(got: dict, want: dict) -> list[str]:
     """The names of the settings in which two records differ, sorted (nested ones as 'config.max_steps'); [] when
-    none: the one rule of every resume and of `report`."""
-    a, b = flatten(_norm(got)), flatten(_norm(want))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    none: the one rule of every resume and of `report`. The model's name is not compared where both give its
+    fingerprint (compared); where the files differ, their names are named too when they differ (they say which)."""
+    a, b = flatten(_norm(compared(got))), flatten(_norm(compared(want)))
+    diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    if "model.fingerprint" in diff:
+        names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
+        diff |= {"model.name"} if names[0] != names[1] else set()
+    return sorted(diff)
 
 
 # what a setting is called in a message: the flag that sets it where there is one
@@ -177,5 +194,5 @@ def resume_check(want: dict, where: str) -> Callable[[Sequence[dict]], None]:
 
 
 __all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "planned", "run_settings",
-           "record_settings", "flatten", "settings_diff", "short_name", "describe_diff", "check_resume",
+           "record_settings", "flatten", "compared", "settings_diff", "short_name", "describe_diff", "check_resume",
            "resume_check"]

@@ -92,3 +92,42 @@ def test_a_resume_compares_the_model_files_not_their_name(tiny_model_dir, reqs, 
     assert settings_diff(embedded, other) == ["model.fingerprint", "model.name"]
     assert describe_diff(embedded, other) == 'model files "file:1" / "file:2", model "smollm2-135m" / "other.gguf"'
 
+
+def test_a_refused_resume_leaves_its_file_untouched(tiny_model_dir, reqs, tmp_path, capsys, monkeypatch):
+    """Issue 54, defect 5: a resume refused for its settings had already repaired the file (its torn last line moved
+    to OUT.bad, the file rewritten). Refused now means untouched; a resume that goes on repairs it."""
+    out = tmp_path / "o.jsonl"
+    argv = ["calibrate", reqs, "--out", str(out), "--max-steps", "1", "--tau", "0", "--N", "2", "--model",
+            str(tiny_model_dir)]
+    assert main(argv) == 0
+    torn = out.read_bytes().splitlines(keepends=True)[0] + b'{"id": "b", "ste'  # killed while it wrote b
+    out.write_bytes(torn)
+    capsys.readouterr()
+    no_model_load(monkeypatch)
+    assert main([*argv, "--seed", "3"]) == 2
+    assert "seed 0 / 3 (the file's / this run's)" in capsys.readouterr().err
+    assert out.read_bytes() == torn and not (tmp_path / "o.jsonl.bad").exists()
+    monkeypatch.undo()
+    assert main(argv) == 0  # the same settings: repaired, and b calibrated again
+    assert (tmp_path / "o.jsonl.bad").read_bytes() == b'{"id": "b", "ste\n'
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b"]
+
+
+def test_icleval_variants_are_refused_by_the_one_rule(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """Issue 54, item 2: icleval's variants kept a check and a message of their own (evaluation.methods
+    ._check_existing, beside run.settings.check_resume). A variant's part (here a baseline's options, which the
+    run's settings do not hold) is now compared by the one rule and said in its one message, before the model
+    loads."""
+    out = tmp_path / "icl.jsonl"
+    argv = ["icleval", str(ICLEVAL_EXCERPTS), "--tasks", "classifier_order", "--limit", "1", "--out", str(out),
+            "--model", str(tiny_model_dir), "--method", "cc", "--quiet"]
+    assert main([*argv, "--cf-inputs", "N/A"]) == 0
+    before = out.read_text()
+    capsys.readouterr()
+    no_model_load(monkeypatch)
+    assert main([*argv, "--cf-inputs", "N/A", "[MASK]"]) == 2
+    err = capsys.readouterr().err
+    assert (f"--out {out}: its records of variant 'cc' were made with other settings than this run's: cf_inputs "
+            '["N/A"] / ["N/A", "[MASK]"] (the file\'s / this run\'s); use another --out or the same settings') in err
+    assert out.read_text() == before
+    assert main([*argv, "--cf-inputs", "N/A"]) == 0 and "nothing to do" in capsys.readouterr().err

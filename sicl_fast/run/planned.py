@@ -20,10 +20,13 @@ Two ways to know it:
     (cache_dir()/plans/KEY.json, the newest KEEP) under a key of everything that plan is made from (plan_key): the
     model's files (their fingerprint: not their name or path), the arguments (dtype, device, the choices), this
     machine (the device it resolves, the GPU's name and capability, the cores this process may use), the software
-    (every file of sicl_fast and its kernels by size and time, the versions of torch, transformers and triton) and
-    the environment variables a plan may read (threads, OpenMP, Triton, torch, CUDA). Nothing of transformers is
-    imported on this path. A key whose plan was never remembered (the first run after an edit or an upgrade, another
-    machine, a model never loaded with these arguments) is planned.
+    (every file of sicl_fast and its kernels by size and time, the versions of torch, transformers, triton and
+    flash-attn) and the environment variables a plan may read (threads, OpenMP, Triton, torch, CUDA). Nothing of
+    transformers is imported on this path. A key whose plan was never remembered (the first run after an edit or an
+    upgrade, another machine, a model never loaded with these arguments) is planned. A recalled plan that the
+    engine would no longer make (something the key does not hold has changed) answers a resume as that plan would;
+    a run that loads checks its records again with what its engine planned (the results writer's check) and
+    remembers that plan in its place.
 """
 from __future__ import annotations
 
@@ -116,8 +119,8 @@ def plan_key(model, dtype: str, device: str, choices) -> tuple[str | None, dict 
 @functools.cache
 def software() -> dict:
     """The software a plan is made by: every file of sicl_fast and of its kernels (path, size, modification time: an
-    edit of a checkout, a rebuilt extension, changes it) and the versions of torch, transformers and triton. Once a
-    process."""
+    edit of a checkout, a rebuilt extension, changes it) and the versions of torch, transformers, triton and
+    flash-attn. Once a process."""
     roots = [Path(__file__).resolve().parents[1]]
     spec = importlib.util.find_spec("sicl_fast.kernels")  # installed beside the package, or mapped to kernels/
     roots += [Path(p).resolve() for p in (spec.submodule_search_locations or ()) if spec is not None]
@@ -129,7 +132,7 @@ def software() -> dict:
                 st = os.stat(os.path.join(folder, f))
                 h.update(f"{os.path.relpath(os.path.join(folder, f), root)}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     versions = {}
-    for dist in ("torch", "transformers", "triton"):
+    for dist in ("torch", "transformers", "triton", "flash_attn"):  # flash-attn: an attention kernel 'auto' takes
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

@@ -619,15 +619,25 @@ def test_peak_memory_writes_nothing_to_stderr(capfd):
     assert "USDT" not in cap.err and "profiler" not in cap.err and cap.err == "", cap.err
 
 
-def test_our_warnings_are_one_line_in_the_cli(tmp_path, capsys):
+def test_our_warnings_are_one_line_in_the_cli(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": "digits"}\nnot json\n')
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
-    # the one request is done, by a record without its settings: refused (issue 48), after the repair's warning
-    assert main(["calibrate", reqs, "--out", str(out)]) == 2
+    argv = ["calibrate", reqs, "--out", str(out), "--model", str(tiny_model_dir), *FAST]
+    # the one request is done, by a record without its settings: refused (issue 48), the file untouched (issue 54)
+    assert main(argv) == 2
+    one_line_error(capsys, "1 record(s) written without their settings")
+    assert out.read_text() == '{"id": "digits"}\nnot json\n'
+    out.unlink()
+    assert main(argv) == 0
+    with out.open("a") as fh:
+        fh.write("not json\n")
+    capsys.readouterr()
+    # the one request is done, by a record of this run's settings: nothing to do, after the repair's warning
+    assert main(argv) == 0
     err = capsys.readouterr().err
     assert "sicl-fast: warning: " in err and "1 unreadable line(s) moved to" in err and "Traceback" not in err
-    assert "warnings.warn" not in err and "1 record(s) written without their settings" in err
+    assert "warnings.warn" not in err and "nothing to do: all 1 requests are already in" in err
 
 
 # --------------------------------------------------------------------------------------- issue 29: text

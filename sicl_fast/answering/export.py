@@ -171,7 +171,7 @@ def export_path(directory: str | os.PathLike, rid: str) -> Path:
 def check_export_dir(directory: str | os.PathLike) -> Path:
     """Check the --export folder before any model is loaded (SiclError when it cannot be a writable folder); it is
     made with its first file (CalibratedEmbeddings.save), so a run refused before then leaves none behind."""
-    return check_out_dir(directory, "--export", "the embeddings files", create=False)
+    return check_out_dir(directory, "--export", "the embeddings files", make=False)
 
 
 class ExportingWriter:

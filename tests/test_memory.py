@@ -197,23 +197,40 @@ def wide_vocab():
     return from_transformers(LlamaForCausalLM(cfg), None, name="tiny-wide-vocab")
 
 
-@pytest.mark.parametrize("backend", ["naive", "hf"])
-def test_the_count_holds_the_forward_of_the_model_s_own_backends(wide_vocab, backend):
+@pytest.fixture(scope="module")
+def own_head():
+    """The conformance sweep's tiny BERT (its head is its own: the hf backend's head 'own') with a vocabulary of
+    8192."""
+    from sicl_fast.diagnostics.conformance import build
+    from sicl_fast.models.loading import from_transformers
+
+    cfg = build("bert").config
+    cfg.vocab_size = 8192
+    torch.manual_seed(0)
+    return from_transformers(type(build("bert"))(cfg), None, name="tiny-bert-wide-vocab")
+
+
+@pytest.mark.parametrize("backend", ["naive", "hf", "hf own"])
+def test_the_count_holds_the_forward_of_the_model_s_own_backends(wide_vocab, own_head, backend):
     """Issue 54, defect 1: the naive backend's forward makes the batch's full logits [B, n, V] and their
     log-softmax; the memory check counts them (memory.naive_head_bytes), so the step's estimate of its forward's
     temporaries holds what the forward really makes (every tensor made during one Backend.span_logprobs, at its
-    peak); the hf backend's too (its LM head at the span rows only). At 481e2be the naive count was 1.3 MB against
-    27.6 MB made here (SmolLM2, L 406, N 8: 170 MiB against 1,363 MiB, bench/RESULTS.md 32)."""
+    peak); the hf backend's too, with its head's table (the span rows only) and with the model's own head (item 4:
+    its logits [B, b, V] went uncounted, 1.3 MB against 4.1 MB made here; memory.own_head_bytes). At 481e2be the
+    naive count was 1.3 MB against 27.6 MB made here (SmolLM2, L 406, N 8: 170 MiB against 1,363 MiB,
+    bench/RESULTS.md 32)."""
     from sicl_fast.run.memory import form_of
 
-    be = make_backend(backend, wide_vocab)
+    lm = own_head if backend == "hf own" else wide_vocab
+    be = make_backend(backend.split()[0], lm)
+    assert (be.plan.head.mode if be.plan.head is not None else None) == {"hf own": "own", "hf": "table"}.get(backend)
     cfg = resolve_scale(CalibrationConfig(**{**BASE, "N": 4}), be.lm)
     p = synthetic_prompt(100, [(40, 50), (70, 84)], 4, 8192)
     X = be.embed(p)
     batch = X[:p.demo_end].expand(cfg.batch, -1, -1).clone()
     batch[1:] += 0.01 * torch.randn_like(batch[1:])
     counted = step_bytes(be.lm, p, cfg, form=form_of(be.plan))
-    existing = [*wide_vocab.model.parameters(), *wide_vocab.model.buffers(), batch, p.positions, p.targets]
+    existing = [*lm.model.parameters(), *lm.model.buffers(), batch, p.positions, p.targets]
     with torch.no_grad(), PeakBytes(*existing) as made:
         be.span_logprobs(batch, p)
     assert made.live == 0 and made.peak <= counted.activations <= 3 * made.peak, (made.peak, counted.activations)

@@ -9,7 +9,7 @@ import torch.utils.checkpoint
 
 from ..errors import SiclError
 from ..formats.spans import Prompt
-from ..models.output_head import own_logits
+from ..models.output_head import own_logits, own_rows
 from .base import Backend
 
 
@@ -23,8 +23,6 @@ class HFBackend(Backend):
     own forward at the span rows ([B, P, V], a few batch rows a call). The full [B, L, V] logits never exist. The
     same forward is differentiable (`differentiable_logprobs`, the exact-gradient ascent).
     """
-
-    OWN_ELEMS = 1 << 26  # mode 'own': the most logits one call makes (256 MB in float32); the batch goes in parts
 
     def span_logprobs(self, embeds: torch.Tensor, prompt: Prompt, near_row0: bool = False) -> torch.Tensor:
         self.check_embeds(embeds, prompt)
@@ -53,7 +51,7 @@ class HFBackend(Backend):
         """Mode 'own': the model's forward at the span rows, log_softmax at the targets, a few batch rows a call."""
         head, V = self.plan.head, self.lm.model.get_output_embeddings().weight.shape[0]
         per_row = pos.numel() if head.keep else x.shape[1]
-        rows = max(1, self.OWN_ELEMS // max(1, per_row * V))
+        rows = own_rows(per_row, V)
         out = []
         for r in range(0, x.shape[0], rows):
             z = own_logits(self.lm, x[r:r + rows], pos, head.keep)  # [rows, P, V] float32

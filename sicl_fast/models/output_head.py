@@ -157,6 +157,15 @@ def head_table(lm) -> OutputHead:
     return OutputHead("table", scale=terms.scale, bias=bias, softcap=terms.softcap, vocab=vocab, why=what)
 
 
+OWN_ELEMS = 1 << 26  # mode 'own': the most logits one call makes (256 MB in float32); the batch goes in parts
+
+
+def own_rows(per_row: int, V: int) -> int:
+    """Mode 'own': the batch rows one call of the model's forward takes, so that its logits [rows, per_row, V] hold
+    at most OWN_ELEMS (one row at least); per_row: the span rows (keep), else the forward's rows."""
+    return max(1, OWN_ELEMS // max(1, per_row * V))
+
+
 def own_logits(lm, x: torch.Tensor, rows: torch.Tensor, keep: bool) -> torch.Tensor:
     """The model's own logits at `rows` [P] of inputs_embeds x [B, n, d] -> [B, P, V] float32 (float64 from a float64
     model): through logits_to_keep when `keep`, else its full rows then those."""

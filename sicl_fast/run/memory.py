@@ -27,7 +27,8 @@ A static step of the fast backend keeps, for as long as it is cached (its CUDA g
 
 The activations are the old estimate's (issue 4): 4 bytes an element of the batch's rows times a layer's widths; the
 rest is exact, the tensors' own sizes. The naive backend's forward also makes the batch's full logits [B, n, V] and
-their log-softmax, counted with its activations (naive_head_bytes; issue 54).
+their log-softmax, counted with its activations (naive_head_bytes; issue 54), and the hf backend's with the model's
+own head its logits at the span rows (own_head_bytes).
 """
 from __future__ import annotations
 
@@ -37,14 +38,16 @@ from pathlib import Path
 
 import torch
 
+from ..models.output_head import own_rows
 from ..step.spec import block_end, prefix_policy
 
 # the share of the memory available when a step cache is made that its kept steps may take: the rest is left to
 # what runs beside them (the decode graphs and their KV caches, the span head's vocabulary chunks, answers from the
 # store, the allocator's fragmentation); the same rule on a CPU, where kept steps take RAM as on a GPU
 CACHE_SHARE = 0.8
-# the step forward: the fast backend's difference form or plain products, or the naive backend's (its full logits)
-FORMS = ("rows", "plain", "naive")
+# the step forward: the fast backend's difference form or plain products, the naive backend's (its full logits), or
+# the hf backend's with the model's own head (form_of)
+FORMS = ("rows", "plain", "naive", "own", "own-all")
 
 
 def available_memory(device) -> int:
@@ -136,12 +139,13 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
     """The bytes of one ascent step of `prompt` under the CalibrationConfig config (module docstring), padded to
     `bucket` (a length bucket) where given; kept: copies of X [L, d] kept along the way (BestAt). form: the fast
     backend's step forward, 'rows' (the difference form) or 'plain'; 'naive' (the naive backend: the layers'
-    temporaries and its full logits, naive_head_bytes); or None (the hf backend: the layers' temporaries, its LM head
-    at the span rows only); prefix: False where the step runs without the prefix K/V (the packed step, a backend
-    without the prefix cache); policy: the forward's prefix policy ('kept', 'pass', 'none') where the caller worked
-    it out (a StepPlan, sicl_fast.calibration.step_plan), else worked out here from prefix. The exact gradient
-    (estimator 'grad') runs one row, but autograd keeps every layer's activations for the backward (one layer's with
-    checkpoint), about twice over."""
+    temporaries and its full logits, naive_head_bytes); 'own' / 'own-all' (the hf backend with the model's own head:
+    own_head_bytes) or None (the hf backend with its head's table: the layers' temporaries); prefix: False where the
+    step runs without the prefix K/V (the packed step, a backend without the prefix cache); policy: the forward's
+    prefix policy ('kept', 'pass', 'none') where the caller worked it out (a StepPlan,
+    sicl_fast.calibration.step_plan), else worked out here from prefix. The exact gradient (estimator 'grad') runs
+    one row, but autograd keeps every layer's activations for the backward (one layer's with checkpoint), about
+    twice over."""
     s = ModelShape.of(lm)
     f32 = 4
     B = config.batch
@@ -163,6 +167,8 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
         raise ValueError(f"form {form!r}; one of {FORMS} or None")
     if form == "naive":
         return StepBytes(**{**out, "activations": out["activations"] + naive_head_bytes(s, B, n)})
+    if form in ("own", "own-all"):
+        return StepBytes(**{**out, "activations": out["activations"] + own_head_bytes(s, B, b, P, form == "own")})
     if policy is None:
         policy = "none" if not prefix or a == 0 else prefix_policy(config.kappa, config.projection_scope)
     start = 0 if policy == "none" else a  # the first row each batch row runs
@@ -187,15 +193,32 @@ def naive_head_bytes(s: ModelShape, B: int, n: int) -> int:
     return s.itemsize * B * n * s.d + (4 + max(4, s.itemsize)) * B * n * s.vocab
 
 
+def own_head_bytes(s: ModelShape, B: int, b: int, P: int, keep: bool) -> int:
+    """What the hf backend's head 'own' (the model's own forward at the span rows: models.output_head.own_logits,
+    own_rows batch rows a call) makes beyond the layers' temporaries for a batch of B rows of b, P span rows: per
+    call, the model's logits [r, P or b, V] in the model dtype (P with logits_to_keep: keep), their span rows (a
+    copy where not keep), their float32 copy (where the model dtype is not float32) and the log-sum-exp's temporary
+    [r, P, V], added together as naive_head_bytes adds its parts."""
+    per_row = P if keep else b
+    r = min(B, own_rows(per_row, s.vocab))
+    at_spans = r * P * s.vocab * ((0 if keep else s.itemsize) + (4 if s.itemsize != 4 else 0) + 4)
+    return r * per_row * s.vocab * s.itemsize + at_spans
+
+
 def form_of(plan) -> str | None:
     """The step forward's form a run plan gives its steps (step_bytes' form): the fast backend's static and packed
-    steps' ('rows' or 'plain'), 'naive' for the naive backend's (the model's full logits), None for the hf one's."""
-    if plan is None or plan.kind.cls not in ("fast", "naive"):
+    steps' ('rows' or 'plain'), 'naive' for the naive backend's (the model's full logits), for the hf backend's 'own'
+    or 'own-all' where its head is the model's own forward (with logits_to_keep, or its every row), else None (its
+    head at the span rows, a vocabulary chunk at a time)."""
+    if plan is None:
         return None
+    if plan.kind.cls == "hf":
+        head = plan.head
+        return None if head is None or head.mode != "own" else "own" if head.keep else "own-all"
     if plan.kind.cls == "naive":
         return "naive"
     return "rows" if plan.diff_matmul != "off" else "plain"
 
 
 __all__ = ["CACHE_SHARE", "ModelShape", "StepBytes", "available_memory", "cache_budget", "form_of", "naive_head_bytes",
-           "step_bytes"]
+           "own_head_bytes", "step_bytes"]

@@ -4,7 +4,7 @@ model's own (naive: the whole batch's [B, n, V] logits and their log-softmax; hf
 span rows only), on the embedded SmolLM2-135M in float32 on the CPU; with --other, another checkout's count beside
 this one's (the forward measured again there: the same code runs it).
 
-    git worktree add /tmp/base 481e2be && cp sicl_fast/_C*.so /tmp/base/sicl_fast/
+    git worktree add /tmp/base 481e2be && cp sicl_fast/ops/_C*.so /tmp/base/sicl_fast/
     python bench/forward_peak.py --lengths 406 --N 8 --other /tmp/base
 
 Each (checkout, backend, length) in its own interpreter (bench/other_checkout.py), one torch thread: the model

@@ -380,3 +380,17 @@ def test_a_refused_icleval_resume_makes_no_report_or_store_folder(tiny_model_dir
     refused(capsys, 'dtype "float32" / "bfloat16"')
     assert not report.exists() and not store.exists()
     assert main([*task, "--report", str(report)]) == 0 and (report / "report.md").is_file()  # made when written
+
+
+def test_gradstudy_refuses_a_step_too_big_before_opening_its_output(tiny_model_dir, reqs, tmp_path, capsys,
+                                                                    monkeypatch):
+    """Issue 54, item 4 (a file opened before a refusal): gradstudy's walk checked its exact-gradient step's memory
+    in its first prompt's study, --out already opened (481e2be: a 0-byte file). Now it is checked with the requests'
+    tokens (Engine.check_steps of gradstudy.walk_config)."""
+    out = tmp_path / "study.jsonl"
+    monkeypatch.setattr("sicl_fast.run.checks.available_memory", lambda device: 1 << 10)
+    assert main(["gradstudy", reqs, "--out", str(out), "--model", str(tiny_model_dir), "--study-N", "2",
+                 "--study-mu", "0.004", "--seeds", "1", "--points", "0"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if ": error: " in x]
+    assert len(lines) == 1 and "one ascent step needs about" in lines[0] and "the exact gradient of" in lines[0]
+    assert not out.exists()

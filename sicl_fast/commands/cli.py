@@ -864,7 +864,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_gradstudy(args) -> int:
-    from ..diagnostics.gradstudy import StudySettings, study_prompt, study_settings
+    from ..diagnostics.gradstudy import StudySettings, study_prompt, study_settings, walk_config
     from ..run.progress import progress_bar
     from ..formats.records import ResultWriter, check_out_dir, check_output, nothing_left
     from ..formats.requests import read_requests
@@ -894,6 +894,7 @@ def cmd_gradstudy(args) -> int:
     _remember(args, key, engine_facts(eng))
     cfg = eng.config(**_overrides(args))
     prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written
+    eng.check_steps(prompts, [walk_config(cfg)])  # and the walk's step checked for memory (issue 54: no 0-byte --out)
     want = study_settings(engine_settings(eng), cfg, settings, args.add_special_tokens)
     with ResultWriter(args.out, settings=want, check=resume_check(want, where)) as out:
         todo = [p for p in prompts if p.id not in out]

@@ -176,13 +176,19 @@ def _std(xs: Sequence[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
+def walk_config(config: CalibrationConfig) -> CalibrationConfig:
+    """The config of the walk between a study's points: an exact-gradient calibration with every row normalised to
+    move eta (what the CLI checks the memory of before its results file opens)."""
+    return config.replace(estimator="grad", grad_mode="normalize", snr_threshold=0.0, checkpoint=False)
+
+
 def study_prompt(backend, prompt: Prompt, config: CalibrationConfig, settings: StudySettings,
                  on_point: Callable[[int], None] | None = None) -> dict:
     """The study of one prompt: one record {id, L, rows, scale, points: [study_point records]}. The walk between
     points is an exact-gradient calibration with every row normalised to move eta (patience and gate off: the
     points are measured wherever the walk is)."""
     backend.plan.check_grad()
-    walk_cfg = config.replace(estimator="grad", grad_mode="normalize", snr_threshold=0.0, checkpoint=False)
+    walk_cfg = walk_config(config)
     walk = Calibrator(backend, walk_cfg)
     cal = Calibrator(backend, config.replace(estimator="forward", snr_threshold=0.0, checkpoint=False))
     X0 = walk.initial_embeddings(prompt)
@@ -258,4 +264,4 @@ def write_report(out_dir, rows: Sequence[dict], records: Sequence[dict], setting
 
 
 __all__ = ["StudySettings", "study_settings", "STUDY_NS", "STUDY_MUS", "STUDY_ESTIMATORS", "study_point",
-           "study_prompt", "summarize", "markdown", "write_report"]
+           "study_prompt", "summarize", "markdown", "walk_config", "write_report"]

@@ -400,7 +400,7 @@ def test_bad_store_arguments(tmp_path):
         CalibrationStore(-1)
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(SiclError, match="cannot create"):
+    with pytest.raises(SiclError, match=f"store {f / 'sub'}: {f} is not a directory"):
         CalibrationStore(1, f / "sub")
 
 

@@ -61,7 +61,7 @@ def idle(request):
     """Each test starts with the engine idle (a previous test's long jobs have ended)."""
     if "server" in request.fixturenames:
         srv = request.getfixturevalue("server")
-        wait_for(lambda: not srv.app.state.serve.queue.busy and srv.app.state.serve.queue.depth == 0, 30)
+        wait_for(lambda: not srv.app.state.serve.scheduler.busy and srv.app.state.serve.scheduler.depth == 0, 30)
 
 
 def wait_for(cond, timeout: float) -> None:
@@ -131,7 +131,7 @@ def calibrate_head(server, body: bytes) -> str:
 
 
 def test_health_models_openapi(server, client, engine):
-    assert client.health() == {"status": "ok", "model": "tiny-llama", "queue_depth": 0, "busy": False}
+    assert client.health() == {"status": "ok", "model": "tiny-llama", "queue_depth": 0, "busy": False, "in_flight": 0}
     (m,) = client.models()
     assert m["id"] == "tiny-llama" and m["family"] == "llama" and m["context"] == 512 and m["d"] == 32
     assert m["preset"]["N"] == 8 and m["preset"]["max_steps"] == 250
@@ -198,7 +198,7 @@ def test_metrics(client):
     text = client.metrics()
     for name in ("sicl_fast_requests_total", "sicl_fast_errors_total", "sicl_fast_request_seconds_bucket",
                  "sicl_fast_queue_depth", "sicl_fast_engine_busy", "sicl_fast_queue_wait_seconds_bucket",
-                 "sicl_fast_engine_seconds_bucket", "sicl_fast_calibration_steps_total", "sicl_fast_steps_per_second"):
+                 "sicl_fast_batch_seconds_bucket", "sicl_fast_calibration_steps_total", "sicl_fast_steps_per_second"):
         assert name in text, name
     assert metric(client, "sicl_fast_requests_total", endpoint="/v1/calibrate", status="200") >= 1
     assert metric(client, "sicl_fast_calibration_steps_total") >= 2
@@ -424,10 +424,10 @@ def test_queue_full_gives_429_with_retry_after(server, client):
 
     t1 = threading.Thread(target=run, args=("running",))
     t1.start()
-    wait_for(lambda: server.app.state.serve.queue.busy, 10)
+    wait_for(lambda: server.app.state.serve.scheduler.busy, 10)
     t2 = threading.Thread(target=run, args=("waiting",))
     t2.start()
-    wait_for(lambda: server.app.state.serve.queue.depth == 1, 10)
+    wait_for(lambda: server.app.state.serve.scheduler.depth == 1, 10)
     assert client.health()["queue_depth"] == 1 and metric(client, "sicl_fast_queue_depth") == 1
     t0 = time.monotonic()
     with pytest.raises(QueueFullError) as exc:
@@ -485,7 +485,7 @@ def test_client_disconnect_cancels_running_job(server, client):
     body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
     raw_http(server, calibrate_head(server, body), body, close_after=0.5)  # starts the job, then hangs up
     wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == before + 1, 10)
-    wait_for(lambda: not server.app.state.serve.queue.busy, 10)
+    wait_for(lambda: not server.app.state.serve.scheduler.busy, 10)
     steps = metric(client, "sicl_fast_calibration_steps_total")
     time.sleep(0.3)
     assert metric(client, "sicl_fast_calibration_steps_total") == steps  # the engine really stopped
@@ -493,18 +493,18 @@ def test_client_disconnect_cancels_running_job(server, client):
 
 
 def test_client_disconnect_cancels_queued_job(server, client):
-    done = metric(client, "sicl_fast_engine_seconds_count", job="calibrate")
+    done = metric(client, "sicl_fast_batch_seconds_count", job="calibrate")
     cancelled = metric(client, "sicl_fast_errors_total", kind="cancelled")
     t = threading.Thread(target=lambda: client.calibrate(REQ, timeout_s=1.5, **LONG))
     t.start()
-    wait_for(lambda: server.app.state.serve.queue.busy, 10)
+    wait_for(lambda: server.app.state.serve.scheduler.busy, 10)
     body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
     raw_http(server, calibrate_head(server, body), body, close_after=0.4)  # queued behind it, then gone
     t.join(30)
     wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == cancelled + 1, 10)
-    wait_for(lambda: not server.app.state.serve.queue.busy and server.app.state.serve.queue.depth == 0, 10)
+    wait_for(lambda: not server.app.state.serve.scheduler.busy and server.app.state.serve.scheduler.depth == 0, 10)
     # only the first job ever held the engine
-    assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
+    assert metric(client, "sicl_fast_batch_seconds_count", job="calibrate") == done + 1
 
 
 def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
@@ -513,7 +513,7 @@ def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
     monkeypatch.setattr(engine, "proxy", lambda *a, **k: (release.wait(30), proxy(*a, **k))[1])
     with ServerThread(engine, ServeSettings(port=0, max_connections=2)) as srv:
         waiting = [in_thread(post, srv, "/v1/proxy", {"request": REQ}) for _ in range(2)]  # one runs, one waits
-        wait_for(lambda: srv.app.state.serve.queue.depth == 1, 10)
+        wait_for(lambda: srv.app.state.serve.scheduler.depth == 1, 10)
         try:
             for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
                 err = error_of(r)
@@ -534,7 +534,7 @@ def test_a_job_running_past_the_grace_period_gets_a_503(engine, monkeypatch, how
     monkeypatch.setattr(engine, "proxy", lambda *a, **k: time.sleep(3))
     srv = ServerThread(engine, ServeSettings(port=0, grace_s=0.3 if how == "grace period over" else 60)).start()
     t, out = in_thread(post, srv, "/v1/proxy", {"request": REQ})
-    wait_for(lambda: srv.app.state.serve.queue.busy, 10)
+    wait_for(lambda: srv.app.state.serve.scheduler.busy, 10)
     if how == "second signal":
         srv.server.drain.request()
     srv.shutdown(timeout=30)  # (another) SIGTERM
@@ -773,12 +773,12 @@ def test_a_job_past_the_grace_period_ends_with_the_process_cleanly(tiny_dir):
 def test_the_idle_engine_worker_has_ended_when_the_server_stops(engine):
     """After a drain with no job running, the engine's worker thread has returned before the server does: a thread
     that ran torch code must not be left to wake up during the interpreter's finalization (it aborted the process
-    at exit: EngineQueue.ended)."""
+    at exit: Scheduler.ended)."""
     srv = ServerThread(engine, ServeSettings(port=0)).start()
-    queue = srv.app.state.serve.queue
+    scheduler = srv.app.state.serve.scheduler
     Client(srv.url).proxy(REQ)  # the worker has run torch code
     srv.shutdown()
-    assert not srv.thread.is_alive() and queue.ended
+    assert not srv.thread.is_alive() and scheduler.ended
 
 
 @pytest.mark.slow

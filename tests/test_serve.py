@@ -31,6 +31,7 @@ from sicl_fast.errors import RequestError, SiclError  # noqa: E402
 from sicl_fast.formats.requests import parse_request  # noqa: E402
 from sicl_fast.serve.server import ServerThread  # noqa: E402
 from sicl_fast.serve.settings import ServeSettings, check_bind, is_loopback  # noqa: E402
+from sicl_fast.scheduler import engine_lock  # noqa: E402
 
 REQ = {"id": "q1", "instruction": "Write each number word as a digit.",
        "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}], "query": "five"}
@@ -438,6 +439,26 @@ def test_queue_full_gives_429_with_retry_after(server, client):
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     t1.join(30), t2.join(30)
     assert results == {"running": "deadline", "waiting": "deadline"}
+    # a streaming chat completion is refused before its stream begins: here two arrive while a calibration runs;
+    # the second is refused by the check before its body is read when the first already waits, else (both passed
+    # it) by the scheduler, which admits neither (one calibration at a time) and keeps the first waiting
+    t1 = threading.Thread(target=run, args=("running",))
+    t1.start()
+    wait_for(lambda: server.app.state.serve.scheduler.busy, 10)
+    chat = {"model": "tiny-llama", "stream": True, "max_tokens": 2, "sicl": {"max_steps": 1},
+            "messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
+                         {"role": "user", "content": "two"}]}
+    with engine_lock(server.app.state.serve.engine):  # both are in before the calibration's next step
+        streams = [in_thread(post, server, "/v1/chat/completions", chat) for _ in range(2)]
+        wait_for(lambda: server.app.state.serve.scheduler.depth + sum("r" in out for _, out in streams) == 2, 10)
+    for t, _ in streams:
+        t.join(30)
+    t1.join(30)
+    replies = sorted((out["r"] for _, out in streams), key=lambda r: r.status_code)
+    assert [r.status_code for r in replies] == [200, 429] and int(replies[1].headers["retry-after"]) >= 1
+    assert replies[1].headers["content-type"] == "application/json" and "--max-queue 1" in error_of(replies[1])[
+        "message"]
+    assert replies[0].text.endswith("data: [DONE]\n\n")
 
 
 def test_deadline_returns_the_best_so_far(client, engine):

@@ -20,11 +20,19 @@ other work may fit another's in between.
 """
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
 
 from ..calibration.packed import PackedRun
 from .coroutine import Coroutine
 from .work import Calibrate, Call
+
+
+# engine -> the lane whose one-at-a-time calibration runs on it: one per engine, whatever the schedulers on it (the
+# static steps of the engine's StepCache are shared by prompts of one shape, so two runs at once would share one)
+_ONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ONE_GUARD = threading.Lock()
 
 
 class CalibrationLane:
@@ -58,7 +66,8 @@ class CalibrationLane:
             return True
         if self.packable(item):
             return len(self.slots) < self.packed.pack
-        return self.running is None
+        with _ONE_GUARD:
+            return self.running is None and _ONE.get(self.engine) in (None, self)
 
     def start(self, owner, item, stop_reason) -> None:
         """Begin the work (its first turn comes with the next unit). stop_reason(): the request's own ('cancelled',
@@ -70,6 +79,8 @@ class CalibrationLane:
                                 on_step=item.on_step)
             self.slots[i] = owner
         else:
+            with _ONE_GUARD:
+                _ONE[self.engine] = self
             self.running = (owner, self._coroutine(item, stop_reason))
 
     def _coroutine(self, item: Calibrate, stop_reason) -> Coroutine:
@@ -120,6 +131,8 @@ class CalibrationLane:
             if co.done:
                 co.join()
                 self.running = None
+                with _ONE_GUARD:
+                    _ONE.pop(self.engine, None)
                 self.rope.pop("one", None)
                 done.append((owner, co.result, co.error))
         return done

@@ -30,6 +30,7 @@ boundary with the best X so far (stop_reason 'deadline' / 'shutdown'; a cancelle
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import logging
 import math
@@ -56,6 +57,7 @@ log = logging.getLogger("sicl_fast.scheduler")
 _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 IDLE_POLL_S = 0.05  # how often an idle loop with work it cannot admit looks again
+EXIT_WAIT_S = 30.0  # at the interpreter's exit, how long a scheduler left running has to stop its work
 
 
 def engine_lock(engine) -> threading.RLock:
@@ -65,6 +67,13 @@ def engine_lock(engine) -> threading.RLock:
         if lock is None:
             lock = _LOCKS[engine] = threading.RLock()
         return lock
+
+
+def _close_at_exit(ref) -> None:
+    """At the interpreter's exit: close a scheduler left running (Scheduler.ended says why it must end first)."""
+    sched = ref()
+    if sched is not None and not sched.ended:
+        sched.close(EXIT_WAIT_S)
 
 
 class Observer:
@@ -117,6 +126,7 @@ class Scheduler:
         self._draining = self._closed = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------------------------------ front ends
 
@@ -296,6 +306,9 @@ class Scheduler:
         self.used = self.used - cost
         if op.ticket.done:
             return
+        if op.ticket.cancelled:  # whatever its work gave (a calibration stopped with reason 'cancelled')
+            self._end(op.ticket, error=Cancelled())
+            return
         op.results[i] = result
         op.error = op.error or error
         op.left -= 1
@@ -316,8 +329,7 @@ class Scheduler:
                     self._owner.pop(item)
                 elif isinstance(item, Answer):
                     self.answers.drop(item)
-                    self._owner.pop(item)
-                    self.used = self.used - self._cost_of(item)
+                    self.used = self.used - self._owner.pop(item)[2]
             self._pending = [p for p in self._pending if p[2] in self._owner]
         t.end(result, error)
         if admitted:
@@ -326,9 +338,6 @@ class Scheduler:
                 self.observer.finished(t)
             except Exception:  # noqa: BLE001
                 log.exception("the scheduler's observer failed")
-
-    def _cost_of(self, item) -> Cost:
-        return Cost() if item not in self._owner else self._owner[item][2]
 
     def _is_waiting(self, item) -> bool:
         return any(p[2] is item for p in self._pending)

@@ -842,3 +842,30 @@ def test_text_that_is_not_unicode_is_a_400_and_out_of_range_knobs_a_422(server, 
     r = post(server, "/v1/calibrate", {"request": REQ, "generate": True, "stop": [""]})
     assert r.status_code == 422 and "an empty stop string" in error_of(r)["message"]
     assert metric(client, "sicl_fast_calibration_steps_total") == steps  # nothing ran
+
+
+def test_the_packed_server_path_with_packing_forced(tiny_llama):
+    """A server whose engine packs (pack 2, forced on the CPU): concurrent /v1/calibrate requests run as slots of one
+    packed step, each with its own config, within the packed step's tolerance of its run alone (tests/test_packed.py),
+    and an answer after each, as a row of the decode batch."""
+    eng = Engine(tiny_llama, pack=2)
+    reqs = [{**REQ, "id": f"p{i}", "demos": [{"input": "one" * (i + 1), "output": "1"},
+                                             {"input": "seven", "output": "7" * (i + 1)}]} for i in range(2)]
+    knobs = [{"max_steps": 3 + 2 * i, "N": 4, "tau": 0.0, "seed": i} for i in range(2)]
+    alone = [eng.calibrate(eng.prepare(r, reserve=4), **k) for r, k in zip(reqs, knobs)]
+    with ServerThread(eng, ServeSettings(port=0)) as srv:
+        with engine_lock(eng):  # both are in before the first step
+            calls = [in_thread(post, srv, "/v1/calibrate", {"request": r, "config": k, "generate": True,
+                                                            "max_new_tokens": 4, "stop": []})
+                     for r, k in zip(reqs, knobs)]
+            wait_for(lambda: srv.app.state.serve.scheduler.depth + srv.app.state.serve.scheduler.in_flight == 2, 10)
+        for t, _ in calls:
+            t.join(60)
+        assert srv.app.state.serve.scheduler.work.packed.full == 2
+    for (_, out), ref, r in zip(calls, alone, reqs):
+        body = out["r"].json()
+        assert body["summary"]["steps"] == ref.steps and body["summary"]["stop_reason"] == ref.stop_reason
+        assert body["history"] == pytest.approx(ref.history, rel=1e-5, abs=0)
+        assert body["reuse"]["reuse"] == "off"
+        gen = eng.generate(eng.prepare(r, reserve=4), ref.embeddings, max_new_tokens=4, stop_strings=())
+        assert body["answers"]["calibrated"] == gen.answer

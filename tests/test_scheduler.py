@@ -191,6 +191,34 @@ def test_neither_lane_starves_the_other(engine, sched, stored, alone):
     assert res.steps == 5 and during >= 1 and len(done) > during
 
 
+def test_a_lane_that_ran_alone_has_no_lead(engine, stored, alone):
+    """A lane's time alone is no credit: after answers ran alone for a long while (their lane's clock far ahead), a
+    calibration that starts alone and an answer that comes during it share the engine: the answer does not wait
+    for the calibration's end."""
+    s = Scheduler(engine)
+    s.vtime["answers"] = 1e6  # as after a long time of answers alone
+    steps = threading.Event()
+    cal = s.calibrate(engine.prepare(request("ten")), reuse="off", max_steps=2000, patience=0, tau=0.0,
+                      on_step=lambda i, f: i >= 3 and steps.set())
+    assert steps.wait(60)  # it runs alone
+    ans = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=())
+    assert tokens(ans) == alone["nine"] and not cal.done
+    cal.cancel()
+    s.close()
+
+
+def test_a_stored_calibration_answers_at_once_beside_a_running_one(engine, sched):
+    """A calibration the store's memory holds (the stem's, or a prompt's own: per query) is answered without
+    waiting for the one running, which keeps the one-at-a-time lane."""
+    own = engine.prepare(request("eleven", demos=(("two", "2"), ("six", "6"))))
+    first = engine.calibrate(own, max_steps=2, N=4, tau=0.0, perturb_query=True)  # stored under its own key
+    assert first.reuse == "per-query" and not first.reused
+    long = sched.calibrate(engine.prepare(request("ten")), reuse="off", **LONG)
+    got = sched.calibrate(own, max_steps=2, N=4, tau=0.0, perturb_query=True).result(60)
+    assert got.reused and got.reuse == "per-query" and got.history == first.history and not long.done
+    long.cancel()
+
+
 def test_admission_in_arrival_order_within_the_limits(engine, stored, alone):
     obs = Rows()
     s = Scheduler(engine, Limits(max_rows=2), observer=obs)

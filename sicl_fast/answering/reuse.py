@@ -200,7 +200,8 @@ class Reuser:
         """Engine.calibrate with reuse `mode` ('auto' or 'on'; module docstring)."""
         t0 = time.perf_counter()
         cfg, key, how = self.shared(prompt, config, mode)
-        res = self.hit(prompt, key, how, mode, t0) or self.route(prompt, cfg, key, how, mode, t0, on_step, should_stop)
+        res = self.hit(prompt, cfg, key, how, mode, t0) or self.route(prompt, cfg, key, how, mode, t0, on_step,
+                                                                      should_stop)
         self.counts["reused" if res.reused else "calibrated"] += 1
         return res
 
@@ -219,21 +220,30 @@ class Reuser:
         return cfg, key, mode
 
     def stored(self, prompt: Prompt, config: CalibrationConfig, mode: str) -> ReusedResult | None:
-        """What calibrate gives `prompt` when the store's memory already holds the calibration that serves it (a
-        hit, in either mode): that result, at once, with no run, no wait for another caller and no disk read; None
-        otherwise (calibrate would look further, wait or run). The scheduler asks before it queues a calibration, so
-        that a query on a stored prompt never waits behind another prompt's calibration."""
+        """What calibrate gives `prompt` when the store's memory already holds the calibration that serves it (the
+        stem's, or this prompt's own): that result, at once, with no run, no wait for another caller and no disk
+        read; None otherwise (calibrate would look further, wait or run). The scheduler asks before it queues a
+        calibration, so that a query on a stored prompt never waits behind another prompt's calibration."""
         t0 = time.perf_counter()
-        _, key, how = self.shared(prompt, config, mode)
-        res = self.hit(prompt, key, how, mode, t0)
+        cfg, key, how = self.shared(prompt, config, mode)
+        res = self.hit(prompt, cfg, key, how, mode, t0)
         if res is not None:
             self.counts["reused"] += 1
         return res
 
-    def hit(self, prompt: Prompt, key: str | None, how: str, mode: str, t0: float) -> ReusedResult | None:
-        """The result from the stem's calibration in the store's memory, when it serves this prompt in `mode`."""
-        cal = self.store.peek(key, exact=mode == "auto") if how == mode else None
-        return None if cal is None else self.for_prompt(cal, prompt, t0, "hit", key)
+    def hit(self, prompt: Prompt, cfg: CalibrationConfig, key: str | None, how: str, mode: str, t0: float
+            ) -> ReusedResult | None:
+        """The result from the store's memory, as route would give it from there: the stem's calibration where it
+        serves this prompt in `mode` ('on': any; 'auto': an exact one), else this prompt's own (calibrated per
+        query before: reuse 'per-query' or 'boundary'); None when route would run, wait or read the disk."""
+        if how == mode:
+            cal = self.store.peek(key, exact=mode == "auto")
+            if cal is not None:
+                return self.for_prompt(cal, prompt, t0, "hit", key)
+            if mode == "on":  # a miss calibrates the stem
+                return None
+        own = self.store.peek(self.key(prompt, cfg, "prompt"))
+        return None if own is None else self.for_prompt(own, prompt, t0, how if how != mode else "per-query", key)
 
     def route(self, prompt: Prompt, cfg: CalibrationConfig, key: str | None, how: str, mode: str, t0: float,
               on_step=None, should_stop=None) -> ReusedResult:

@@ -422,8 +422,8 @@ class Scheduler:
         """One unit of the lane that has had less of the engine (module docstring); -> whether one ran."""
         busy = {"answers": self.answers.busy, "work": self.work.busy}
         for name, other in (("answers", "work"), ("work", "answers")):
-            if busy[name] and not self._busy_before[name] and busy[other]:
-                self.vtime[name] = max(self.vtime[name], self.vtime[other])  # no credit for its idle time
+            if busy[name] and not self._busy_before[name]:  # it starts level: no credit for its idle time, nor
+                self.vtime[name] = max(self.vtime[name], self.vtime[other])  # the other's lead from its own
         self._busy_before = busy
         lanes = [n for n in ("answers", "work") if busy[n]]
         if not lanes:

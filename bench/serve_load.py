@@ -18,7 +18,8 @@ that after the first one every request is a store hit on one stored calibration.
           requests back to back: answers per second, tokens per second, latency p50 / p99, answers equal to alone
   mix     a calibration of another prompt (/v1/calibrate, reuse off, --mix-steps steps, no early stop) starts, and
           --mix-delay s later --mix-answers answers arrive one after the other: each one's latency against its alone
-          latency and the calibration's step (its seconds / steps), target <= 2 x alone + one step
+          latency and the calibration's step alone (the same calibration, --mix-alone-steps steps with nothing
+          beside it: seconds / steps), target <= 2 x alone + one step
 
 Prints a table and writes the JSON (--out): the targets of issue 52 on this CPU are, at 8 clients, at least 3x the
 other server's answer throughput with p50 at most half of its p50, and the mix target above.
@@ -167,9 +168,13 @@ def load(server: Server, clients: int, stream: bool, alone: dict, args) -> dict:
 
 
 def mix(server: Server, alone_s: dict, alone: dict, args) -> dict:
-    """Answers arriving while a calibration of another prompt runs (module docstring)."""
-    body = {"request": MIX_REQUEST, "reuse": "off",
-            "config": {"max_steps": args.mix_steps, "patience": 0, "tau": 0.0, "min_delta": 0.0}}
+    """Answers arriving while a calibration of another prompt runs (module docstring). Its step alone: the same
+    calibration's, --mix-alone-steps steps with nothing beside it (its seconds / steps, the setup in its first)."""
+    config = {"patience": 0, "tau": 0.0, "min_delta": 0.0}
+    s = httpx.post(server.url + "/v1/calibrate", json={"request": MIX_REQUEST, "reuse": "off", "config": {
+        **config, "max_steps": args.mix_alone_steps}}, timeout=args.timeout).json()["summary"]
+    step = s["seconds"] / max(1, s["steps"])
+    body = {"request": MIX_REQUEST, "reuse": "off", "config": {**config, "max_steps": args.mix_steps}}
     out = {}
 
     def calibrate() -> None:
@@ -189,11 +194,10 @@ def mix(server: Server, alone_s: dict, alone: dict, args) -> dict:
                         "during": cal.is_alive()})
     cal.join()
     s = out["summary"]
-    step = s["seconds"] / max(1, s["steps"])
     for a in answers:
         a["target_s"] = 2 * a["alone_s"] + step
         a["met"] = a["latency_s"] <= a["target_s"]
-    return {"calibration": {"steps": s["steps"], "seconds": s["seconds"], "step_s": step,
+    return {"calibration": {"steps": s["steps"], "seconds": s["seconds"], "step_alone_s": step,
                             "latency_s": out["latency_s"]}, "answers": answers}
 
 
@@ -207,6 +211,7 @@ def main() -> int:
     ap.add_argument("--mix-steps", type=int, default=30)
     ap.add_argument("--mix-delay", type=float, default=1.0)
     ap.add_argument("--mix-answers", type=int, default=4)
+    ap.add_argument("--mix-alone-steps", type=int, default=5, help="steps of the mix's calibration run alone first")
     ap.add_argument("--threads", type=int, default=1, help="each server's threads (OMP_NUM_THREADS and --threads)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take")
     ap.add_argument("--out", default="bench/results_serve_batching.json")
@@ -273,7 +278,8 @@ def table(res: dict) -> str:
     for name, srv in res["servers"].items():
         m = srv["mix"]
         c = m["calibration"]
-        lines.append(f"\nmix ({name}): a {c['steps']}-step calibration, {c['step_s']:.3f} s a step; answers "
+        lines.append(f"\nmix ({name}): a {c['steps']}-step calibration in {c['seconds']:.1f} s, "
+                     f"{c['step_alone_s']:.3f} s a step alone; answers "
                      + "; ".join(f"{a['latency_s']:.3f} s (alone {a['alone_s']:.3f} s, target {a['target_s']:.3f} s, "
                                  f"{'met' if a['met'] else 'missed'}{'' if a['during'] else ', after it'})"
                                  for a in m["answers"]))

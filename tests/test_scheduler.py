@@ -143,6 +143,25 @@ def test_a_calibration_between_answers_keeps_its_result(engine, sched, stored, a
     assert {q: tokens(t) for q, t in answers.items()} == {q: alone[q] for q in answers}
 
 
+def test_a_flow_calibrates_then_answers_from_its_embeddings(engine, sched):
+    """A flow of its own (Scheduler.submit): a calibration without the store that perturbs the query rows too, then
+    its answer as a row of its own prefix: the full calibrated matrix's answer (Engine.generate), its query rows
+    the calibrated ones."""
+    from sicl_fast.scheduler import Answer, Calibrate
+
+    prompt = engine.prepare(request("nine", demos=(("two", "2"), ("six", "6"))), reserve=NEW)
+    cfg = engine.config(max_steps=6, N=4, tau=0.0, seed=2, eta=1.0, mu=0.05, perturb_query=True)
+
+    def flow():
+        res = yield Calibrate(prompt, cfg, reuse="off")
+        gen = yield Answer.after(res, prompt, NEW, ())
+        return res, gen
+
+    res, gen = sched.submit(flow(), "mine").result(60)
+    assert not torch.equal(res.embeddings[prompt.demo_end:], engine.backend.embed(prompt)[prompt.demo_end:])
+    assert gen.token_ids == engine.generate(prompt, res.embeddings, max_new_tokens=NEW, stop_strings=()).token_ids
+
+
 def test_a_deadline_stops_only_its_own_request(engine, sched, stored, alone):
     long = sched.calibrate(engine.prepare(request("ten")), reuse="off", deadline=time.monotonic() + 0.3, **LONG)
     prompt = engine.prepare(request("ten", demos=(("two", "2"), ("six", "6"))))
@@ -282,5 +301,32 @@ def test_concurrent_calibrations_share_the_packed_step(packing):
         assert long.result(60).stop_reason == "deadline"
         own = s.calibrate(prompts[2], configs[2]).result(60)  # the slots are free again
         assert own.history == pytest.approx(alone[2].history, rel=1e-5, abs=0)
+    finally:
+        s.close()
+
+
+def test_each_piece_of_work_runs_with_its_own_rotary_tables(one_thread):
+    """A rope type whose tables depend on the prompt length (Phi-3's longrope past its pretraining length, 16 here):
+    a calibration of a 24-token prompt steps between answers on prompts of at most 16 tokens, each with its own
+    tables (Transformer.restore_rope): the calibration's history and the answers are theirs alone."""
+    from conftest import synthetic_prompt
+    from test_answer import B_ROWS, prompt as query, stored as stored_of
+    from test_fast_families import V, build
+
+    eng = Engine(build("phi3"), impl="torch")
+    long = synthetic_prompt(24, ((3, 6), (8, 12)), 1, V, seed=1)
+    knobs = dict(max_steps=12, N=4, tau=0.0, patience=0)
+    ref = eng.calibrate(long, reuse="off", **knobs)
+    stem = torch.arange(B_ROWS) + 3
+    cal = stored_of(eng, stem)
+    queries = [query(stem.tolist() + list(range(20, 20 + n))) for n in (2, 4, 6)]
+    alone = [eng.answer(cal, q, max_new_tokens=4, stop_strings=()).token_ids for q in queries]
+    s = Scheduler(eng)
+    try:
+        with engine_lock(eng):
+            t = s.calibrate(long, reuse="off", **knobs)
+            answers = [s.answer(cal, q, max_new_tokens=4, stop_strings=()) for q in queries]
+        assert [tokens(a) for a in answers] == alone
+        assert t.result(60).history == ref.history
     finally:
         s.close()

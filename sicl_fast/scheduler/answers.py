@@ -24,6 +24,22 @@ from ..answering.reuse import full_embeddings
 log = logging.getLogger("sicl_fast.scheduler")
 
 
+def listener(on_text):
+    """An answer's stop_fn that tells on_text(text) of each token and never stops it, unless on_text fails (its
+    stream is gone): then that answer stops there, and the batch goes on."""
+    if on_text is None:
+        return None
+
+    def stop_fn(text: str) -> bool:
+        try:
+            on_text(text)
+        except Exception:  # noqa: BLE001 - the listener's own failure ends its answer only
+            log.warning("an answer's listener failed; that answer stops here", exc_info=True)
+            return True
+        return False
+    return stop_fn
+
+
 class AnswerLane:
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -43,25 +59,27 @@ class AnswerLane:
         return len(self.rows) + len(self.whole)
 
     def prefix(self, item):
-        """(the Calibration the item decodes against, whether it is its own) for an Answer: module docstring."""
+        """(the Calibration the item decodes against, the query's own rows after it [T, d], whether the prefix is
+        its own) for an Answer: module docstring. From embeddings X, both are X's (a calibration that perturbed the
+        query rows changed those too)."""
+        backend = self.engine.backend
         if item.calibration is not None:
-            return item.calibration, False
-        X = item.embeddings if item.embeddings is not None else self.engine.backend.embed(item.prompt)
-        return embeddings_prefix(item.prompt, X, self.engine.lm.name), True
+            cal = item.calibration
+            return cal, backend.embed(item.prompt)[cal.length:], False
+        X = item.embeddings if item.embeddings is not None else backend.embed(item.prompt)
+        cal = embeddings_prefix(item.prompt, X, self.engine.lm.name)
+        return cal, X[cal.length:].float(), True
 
     def start(self, owner, item) -> None:
         """Queue the item's row in its prefix's batch (it is prefilled at the next unit); errors raise here."""
         if not self.kv:
             self.whole.append((owner, item))
             return
-        cal, own = self.prefix(item)
+        cal, rows, own = self.prefix(item)
         backend, m = self.engine.backend, self.engine.backend.model
         rope = tuple(r.key(item.prompt.length) for r in m.rotary.values())
         key = (id(cal) if own or not cal.key else cal.key, rope)
-        rows = backend.embed(item.prompt)[cal.length:]
-        on_text = item.on_text
-        stop_fn = None if on_text is None else lambda text: bool(on_text(text))
-        row = AnswerRow(item.prompt, rows, item.max_new_tokens, tuple(item.stop_strings), stop_fn)
+        row = AnswerRow(item.prompt, rows, item.max_new_tokens, tuple(item.stop_strings), listener(item.on_text))
         batch = self.batches.get(key)
         if batch is None:
             batch = DecodeBatch(backend, cal, None if own else self.engine.store)
@@ -117,9 +135,8 @@ class AnswerLane:
         try:
             X = (full_embeddings(eng, item.calibration, item.prompt) if item.calibration is not None
                  else item.embeddings)
-            on_text = item.on_text
             gen = eng.generate(item.prompt, X, max_new_tokens=item.max_new_tokens, stop_strings=item.stop_strings,
-                               stop_fn=None if on_text is None else lambda text: bool(on_text(text)))
+                               stop_fn=listener(item.on_text))
         except Exception as exc:  # noqa: BLE001
             return owner, None, exc
         self.tokens += len(gen.token_ids)

@@ -1,8 +1,8 @@
 """What the scheduler lets into the batch at once, and what each piece of work costs, in rows, tokens and bytes.
 
     Limits(max_queue, max_rows, max_tokens, max_bytes)
-    Cost.of_answer(lm, item, prefix_rows, every, transient)     an answer's row, K/V slots and bytes
-    Cost.of_calibration(lm, plan, item, packed)                 a calibration's step bytes (run.memory.step_bytes)
+    Cost.of_answer(lm, prompt, max_new_tokens, prefix_rows, every, transient)   an answer's row, K/V slots, bytes
+    Cost.of_calibration(lm, plan, prompt, config, packed)       a calibration's step bytes (run.memory.step_bytes)
 
 The bytes are counted as the step cache counts a step's (sicl_fast.run.memory): an answer holds the K/V of its own
 slots (its query rows after the prefix, its new tokens and a read interval past them, every layer, in the model

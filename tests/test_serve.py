@@ -536,7 +536,8 @@ def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
     monkeypatch.setattr(engine, "proxy", lambda *a, **k: (release.wait(30), proxy(*a, **k))[1])
     with ServerThread(engine, ServeSettings(port=0, max_connections=2)) as srv:
         waiting = [in_thread(post, srv, "/v1/proxy", {"request": REQ}) for _ in range(2)]  # one runs, one waits
-        wait_for(lambda: srv.app.state.serve.scheduler.depth == 1, 10)
+        sched = srv.app.state.serve.scheduler
+        wait_for(lambda: sched.depth + sched.in_flight == 2, 10)
         try:
             for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
                 err = error_of(r)

@@ -62,8 +62,10 @@ class CalibrationLane:
                 and item.config.estimator != "grad")
 
     def takes(self, item) -> bool:
+        """Is there a place for the item now: a call when none is in the lane (they run one a unit; the others wait
+        in the queue, counted against max_queue), a calibration in a free slot."""
         if isinstance(item, Call):
-            return True
+            return not self.calls
         if self.packable(item):
             return len(self.slots) < self.packed.pack
         with _ONE_GUARD:

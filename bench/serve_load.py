@@ -17,9 +17,9 @@ that after the first one every request is a store hit on one stored calibration.
   load    for each --clients count and each mode (non-streaming, streaming), every client sends --requests
           requests back to back: answers per second, tokens per second, latency p50 / p99, answers equal to alone
   mix     a calibration of another prompt (/v1/calibrate, reuse off, --mix-steps steps, no early stop) starts, and
-          --mix-delay s later --mix-answers answers arrive one after the other: each one's latency against its alone
-          latency and the calibration's step alone (the same calibration, --mix-alone-steps steps with nothing
-          beside it: seconds / steps), target <= 2 x alone + one step
+          --mix-delay s later --mix-answers answers arrive one after the other: each one's latency against its
+          latency alone and the calibration's step alone (both measured just before: each answer once, the same
+          calibration --mix-alone-steps steps with nothing beside it), target <= 2 x alone + one step
 
 Prints a table and writes the JSON (--out): the targets of issue 52 on this CPU are, at 8 clients, at least 3x the
 other server's answer throughput with p50 at most half of its p50, and the mix target above.
@@ -167,9 +167,10 @@ def load(server: Server, clients: int, stream: bool, alone: dict, args) -> dict:
             "mean_tokens": statistics.mean(tokens) if tokens else None, "not_alone": wrong}
 
 
-def mix(server: Server, alone_s: dict, alone: dict, args) -> dict:
-    """Answers arriving while a calibration of another prompt runs (module docstring). Its step alone: the same
-    calibration's, --mix-alone-steps steps with nothing beside it (its seconds / steps, the setup in its first)."""
+def mix(server: Server, alone: dict, args) -> dict:
+    """Answers arriving while a calibration of another prompt runs (module docstring). Their latency alone and the
+    calibration's step alone are measured just before: each answer once, and the same calibration for
+    --mix-alone-steps steps with nothing beside it (its seconds / steps, the setup in its first)."""
     config = {"patience": 0, "tau": 0.0, "min_delta": 0.0}
     s = httpx.post(server.url + "/v1/calibrate", json={"request": MIX_REQUEST, "reuse": "off", "config": {
         **config, "max_steps": args.mix_alone_steps}}, timeout=args.timeout).json()["summary"]
@@ -182,10 +183,11 @@ def mix(server: Server, alone_s: dict, alone: dict, args) -> dict:
         r = httpx.post(server.url + "/v1/calibrate", json=body, timeout=args.timeout).json()
         out.update(latency_s=time.perf_counter() - t0, summary=r["summary"])
 
+    client = server.client(args.timeout)
+    alone_s = {q: chat(client, server.model, q, False, args)[0] for q in QUERIES[:args.mix_answers]}  # just before
     cal = threading.Thread(target=calibrate)
     cal.start()
     time.sleep(args.mix_delay)
-    client = server.client(args.timeout)
     answers = []
     for k in range(args.mix_answers):
         q = QUERIES[k % len(QUERIES)]
@@ -250,8 +252,7 @@ def main() -> int:
                 k += 1
         for s in order(k):
             al = res["servers"][s.name]["alone"]
-            res["servers"][s.name]["mix"] = mix(s, {q: v["s"] for q, v in al.items()},
-                                                {q: v["answer"] for q, v in al.items()}, args)
+            res["servers"][s.name]["mix"] = mix(s, {q: v["answer"] for q, v in al.items()}, args)
     finally:
         for s in servers:
             s.close()

@@ -16,13 +16,14 @@ max_queue waiting (QueueFull); then runs one unit of one lane:
     calibrations  a step (or read interval) of the calibration in flight, a read interval of the packed step, or
                   a call (scheduler.calibrations)
 
-The lanes share the engine's time fairly: the one that has had less of it since both had work runs next (a lane
-that gets work starts level with the other, so no credit builds up while it is idle), so an answer that arrives
-during a calibration takes at most about twice its time alone plus the calibration step in progress, and a stream
-of answers slows a calibration to half speed, never more. Within a lane, admission is in arrival order; work that
-does not fit the rows or tokens waits with its lane, and the oldest work that does not fit the bytes holds back
-all younger work until it fits (so nothing starves). A unit runs under the engine's lock (`engine_lock`), so two
-schedulers on one engine (two servers in one process) take turns.
+The lanes share the engine's time by weight (SHARES: two thirds to the answers while both have work): the one whose
+clock (its seconds on the engine over its weight) is behind runs next, and a lane that gets work starts level with
+the other (no credit builds up while it is idle). So an answer that arrives during a calibration takes about one
+and a half times its time alone plus the calibration step in progress (a step is not cut), and a stream of answers
+slows a calibration to a third of its speed, never more: it ends. Within a lane, admission is in arrival order;
+work that does not fit the rows or tokens waits with its lane, and the oldest work that does not fit the bytes
+holds back all younger work until it fits (so nothing starves). A unit runs under the engine's lock
+(`engine_lock`), so two schedulers on one engine (two servers in one process) take turns.
 
 Cancellation (Ticket.cancel: a client that went away), a deadline and the drain act on their own request only: a
 waiting request leaves the queue; an answer leaves its batch at the next token; a calibration stops at its next step
@@ -58,6 +59,10 @@ _LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 IDLE_POLL_S = 0.05  # how often an idle loop with work it cannot admit looks again
 EXIT_WAIT_S = 30.0  # at the interpreter's exit, how long a scheduler left running has to stop its work
+# each lane's share of the engine's time while both have work: answers are short and someone waits for each token
+# (an answer during a calibration: about 1.5x its time alone plus the step in progress); a calibration still
+# gets a third, so a stream of answers never stops it
+SHARES = {"answers": 2.0, "work": 1.0}
 
 
 def engine_lock(engine) -> threading.RLock:
@@ -437,7 +442,7 @@ class Scheduler:
             else:
                 done = self.work.unit()
         seconds = time.perf_counter() - t0
-        self.vtime[name] += seconds
+        self.vtime[name] += seconds / SHARES[name]
         if name == "answers":
             try:
                 self.observer.decoded(rows, self.answers.tokens - tokens, seconds)

@@ -2,7 +2,7 @@
 (its scheduler decodes concurrent answers together and steps calibrations between them) beside another checkout's
 (`--other`, e.g. 481e2be, whose server runs one request at a time), side by side in one run.
 
-    git worktree add /tmp/base 481e2be && cp sicl_fast/_C*.so /tmp/base/sicl_fast/   # (or git archive | tar -x)
+    mkdir /tmp/base && git archive 481e2be | tar -x -C /tmp/base && cp sicl_fast/ops/_C*.so /tmp/base/sicl_fast/
     python bench/serve_load.py --other /tmp/base
     python bench/serve_load.py --other /tmp/base --clients 1 8 --requests 2 --mix-answers 2 --out /tmp/short.json
 

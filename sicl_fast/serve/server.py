@@ -109,7 +109,7 @@ class ServerThread:
         with ServerThread(engine, ServeSettings(port=0)) as srv:
             httpx.get(srv.url + "/health")
 
-    `shutdown()` drains as SIGTERM does; leaving the block stops it at once (the running job is cancelled).
+    `shutdown()` drains as SIGTERM does; leaving the block stops it at once (the work in flight is cancelled).
     """
 
     def __init__(self, engine, settings: ServeSettings | None = None, log_level: str = "warning") -> None:

@@ -9,42 +9,51 @@ GPU machine (docs/gpu_runbook.md section 3).
 
 The steps, most important first, each with its time limit on the GPU (s) and what the limit is sized from (the
 figures' models: random weights at the shapes of bench/models/*.json, built by bench/gpu_suite.py on the device;
---dry-run: its two-layer smoke shapes; a child's start, torch and CUDA, is about 10 s of each):
-    cuda_tests   CUDA_TESTS (below) on the device (conftest's TRITON_DEVICE is CUDA there), --maxfail MAXFAIL; 150 s:
-                 a cold Triton cache compiles each kernel specialisation at its first launch, and the selection is
-                 sized by bench/cold_compiles.py (bench/RESULTS.md section 29): its N_SPECS specialisations took
-                 COMPILE_S s to compile for sm_90 on the 2-core CPU here, one at a time as pytest compiles them,
-                 plus their launchers' C builds, plus the tests' own run (the 365 GPU tests of RESULTS section 4 ran
-                 in 131 s with their compiles); --dry-run: the command only (on the CPU they are the suite's own)
-    kernels      bench/gpu_kernels.py --quick: parity (PASS / FAIL) and timing at Llama-3.1-8B's shapes; 60 s: its
-                 two dozen kernel launches at one shape set compile in about 15 s (cold_compiles.py's 0.3-1 s a
-                 specialisation), do_bench's timings about 1 s a row; --dry-run: its difference-form parity checks
+--dry-run: its two-layer smoke shapes; a child's start, torch and CUDA, is taken as 10 s of each; the limits add up
+to 530 s, within the 540 s budget, the 9 minutes of a 15-minute lease that the machine's start leaves):
+    cuda_tests   CUDA_TESTS (below) on the device (conftest's TRITON_DEVICE is CUDA there; the tests that need the
+                 real SmolLM2 skip without its files), pytest --maxfail MAXFAIL; 120 s. A cold Triton cache compiles
+                 each kernel specialisation at its first launch, one at a time: bench/cold_compiles.py counts 194
+                 distinct ones in this selection (92 of them test_cuda.py's engine work), 56 s of CPU for their
+                 sm_90 compiles and launchers on the 2-core machine here (bench/RESULTS.md section 29); with the
+                 child's start, pytest's collection (2 s) and the tests' own run (the 365 GPU tests of RESULTS
+                 section 4 took 131 s with their compiles), about 100 s. Left out: tests/test_rows_ops.py and
+                 tests/test_ops.py, whose Triton cases (the parity contract the suite runs on every CPU run) would add
+                 334 specialisations and 92 s (all nine files: 528, 148 s); MAXFAIL bounds what a kernel that fails
+                 on the device costs (a failed compile is not cached: each test that launches it compiles it again)
+                 and still names every kernel it reaches; --dry-run: the command only (the suite runs them on the CPU)
+    kernels      bench/gpu_kernels.py --quick: parity (PASS / FAIL) and timing at Llama-3.1-8B's shapes; 45 s: about
+                 30 launch decisions at one shape set (kernels/_configs.family_cases: 23 a bf16 Llama step), 10-15
+                 s of cold compiles at cold_compiles.py's 0.24 s a specialisation (median; 1.2 s the longest), about
+                 20 do_bench rows of a fraction of a second; --dry-run: its difference-form parity checks
                  (rows_section) at tiny shapes under Triton's interpreter
     bf16_pieces  the bf16-piece reference product (sicl_fast.models.reference.reference_product: float32 rows as 3
                  bf16 pieces through one bf16 product with float32 accumulation, kernels/split_bf16 on CUDA) and the
                  plain float32 product, each against the float64 product of the same values at Llama-3.1-8B's inner
                  sizes (x [600, 4096] @ W [14336, 4096]^T and x [600, 14336] @ W [4096, 14336]^T, W bf16), with
                  torch's allow_bf16_reduced_precision_reduction as the library leaves it (its value is a figure) and
-                 with it forced on and off; 30 s: 6 products of 70 GFLOP and their float64 forms, under a second,
-                 after the child's start
+                 with it forced on and off; 20 s: one split_bf16 compile and 10 products of 70 GFLOP (the float64
+                 ones at the H200's 60 TFLOP/s), a second, after the child's start
     smollm2      the default step at SmolLM2 L 256 N 8 with float32 weights (what --dtype auto gives the registry's GGUF
                  models; every other choice the plan's default: bf16 difference products, Triton, graphs, buckets): ms
                  a step over a whole calibration (its reads and reference refreshes amortised), the kernels a step
-                 (the profiler), one refresh's ms; decode ms a token (gpu_suite's Suite.decode); 90 s: the step's
-                 kernels compile cold (about 40 specialisations, 20-30 s), 2 x 64 steps of 3.6 ms and a capture of
-                 1.6 s (RESULTS section 4), the profiler's pass, decode's answers of 32 tokens at 2.5 ms a token at
-                 two lengths with their captures
+                 (the profiler), one refresh's ms; decode ms a token (gpu_suite's Suite.decode); 65 s: the step's
+                 about 21 launch decisions compiled cold (5-10 s), 2 x 64 steps of 3.6 ms and a capture of 1.6 s
+                 (RESULTS section 4), the profiler's passes, decode's answers of 32 tokens at 2.5 ms a token at two
+                 lengths with their captures
     llama        Llama-3.1-8B at L 600 N 8, bf16 weights: the default step, the plain bf16 step (diff_matmul 'off'),
                  FP8 differences; peak memory over 12 length buckets (one engine, prompts of 12 buckets' lengths, 2
-                 steps each); 150 s: the 8B model's build on the device, 3 modes x 2 x 16 steps of about 125 ms
-                 (RESULTS section 4: 123 ms captured), their captures and compiles, 12 bucket builds of 2 steps
-    gemma2       Gemma-2-2B at L 600 N 8, bf16: the default and the plain bf16 step; 60 s: 2 x 2 x 16 steps of about
-                 45 ms (RESULTS section 4), compiles of the soft-cap and window variants, captures
+                 steps each); 100 s: the 8B model's build on the device, 3 modes x 2 x 16 steps of about 125 ms
+                 (RESULTS section 4: 123 ms captured; 15 s) with their first calls' compiles (23 launch decisions)
+                 and captures (0.7 s), 12 bucket builds and captures of 2 steps each
+    gemma2       Gemma-2-2B at L 600 N 8, bf16: the default and the plain bf16 step; 45 s: 2 x 2 x 16 steps of about
+                 45 ms (RESULTS section 4), the compiles of its soft-cap and window variants (24 launch decisions),
+                 captures
     length_mix   bench/length_mix.measure: 24 prompts of 200-600 tokens with length buckets against one repeated
-                 length (SmolLM2 shape); 50 s: 2 x 24 prompts x 50 steps at 3.6-5.7 ms (RESULTS section 4: 227 ms a
-                 prompt repeated), a few bucket captures
+                 length (SmolLM2 shape); 45 s: 2 x 24 prompts x 50 steps at 3.6-5.7 ms (RESULTS section 4: 227 ms a
+                 prompt repeated, 11 s a mode), a few bucket captures of 1.6 s
     anchor       last, its compiles the longest: torch.compile of the plain bf16 forward (bench/gpu_suite.anchor_step)
-                 at SmolLM2 L 256 N 8 and Llama-3.1-8B L 600 N 8; 100 s: the compiles took 32.7 s and 26.8 s on an
+                 at SmolLM2 L 256 N 8 and Llama-3.1-8B L 600 N 8; 90 s: the compiles took 32.7 s and 26.8 s on an
                  H200 (RESULTS section 4), the Llama model's build, do_bench's timings; --dry-run: n/a (it compiles
                  with CUDA graphs)
 
@@ -74,14 +83,14 @@ sys.path.insert(1, str(HERE))
 
 from sicl_fast.commands.cli import _Parser  # noqa: E402 - after the tree is on the path
 
-# cuda_tests: what runs on the device (module docstring): sized by bench/cold_compiles.py to its limit
-CUDA_TESTS = ["tests/test_cuda.py", "tests/test_kernel_proxy.py", "tests/test_kernel_rng.py",
-              "tests/test_kernel_span_logprobs.py", "tests/test_rows_triton.py", "tests/test_rows_ops.py",
-              "tests/test_ops.py", "tests/test_fused_decoder.py", "tests/test_launch.py"]
-MAXFAIL = 20  # failures before pytest stops: a broken kernel fails many tests alike; the rest of the limit goes on
-# step -> its time limit on the GPU (s; module docstring): 730 in all, within the 9 minutes when a step ends early
-STEPS = {"cuda_tests": 150, "kernels": 60, "bf16_pieces": 30, "smollm2": 90, "llama": 150, "gemma2": 60,
-         "length_mix": 50, "anchor": 100}
+# cuda_tests: what runs on the device, most important first (module docstring: sized by bench/cold_compiles.py)
+CUDA_TESTS = ["tests/test_cuda.py", "tests/test_kernel_rng.py", "tests/test_kernel_proxy.py",
+              "tests/test_kernel_span_logprobs.py", "tests/test_rows_triton.py", "tests/test_fused_decoder.py",
+              "tests/test_launch.py"]
+MAXFAIL = 20  # failures before pytest stops (module docstring)
+# step -> its time limit on the GPU (s; module docstring): 530 in all, within the default 540 s budget
+STEPS = {"cuda_tests": 120, "kernels": 45, "bf16_pieces": 20, "smollm2": 65, "llama": 100, "gemma2": 45,
+         "length_mix": 45, "anchor": 90}
 GRACE_S = 15  # after a step's SIGINT, before its SIGKILL: pytest's summary, the figures so far
 MIN_STEP_S = 10  # a step is not started with less of the budget left
 DRY_TIMEOUT = 120  # --dry-run: each step in this process under an alarm
@@ -209,8 +218,9 @@ def step_bf16_pieces(fig: Figures, dry: bool) -> None:
                 got[f"{k}_pieces"] = _rel_errors(reference.reference_product(ops, x, w), ref)
                 if label == "as_left":  # the float32 product's rounding: the floor the pieces are measured against
                     got[f"{k}_float32"] = _rel_errors(torch.mm(x, w.float().t()), ref)
-            if label == "as_left":
+            if label == "as_left":  # the flags the products ran under (TF32 would make the float32 floor 10-bit)
                 got["allow_bf16_reduced_precision_reduction"] = flag.allow_bf16_reduced_precision_reduction
+                got["float32_matmul_precision"] = torch.get_float32_matmul_precision()
             fig[label] = got
     finally:
         flag.allow_bf16_reduced_precision_reduction, reference.SPLIT = before, split_was

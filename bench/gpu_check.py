@@ -82,6 +82,7 @@ sys.path.insert(0, str(ROOT))  # the tree's own package: a plain copy runs witho
 sys.path.insert(1, str(HERE))
 
 from sicl_fast.commands.cli import _Parser  # noqa: E402 - after the tree is on the path
+from sicl_fast.run.knobs import arg_type  # noqa: E402
 
 # cuda_tests: what runs on the device, most important first (module docstring: sized by bench/cold_compiles.py)
 CUDA_TESTS = ["tests/test_cuda.py", "tests/test_kernel_rng.py", "tests/test_kernel_proxy.py",
@@ -602,17 +603,6 @@ def collect(out: Path, step: str, status: str) -> dict:
     return {"_status": status, **({"_partial": figures} if figures else {})}
 
 
-def _budget(text: str) -> float:
-    """--budget-s: seconds, a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
 def out_problem(out: Path) -> str | None:
     """Why --out cannot take this run's figures (a file; a folder that holds an earlier run's files), or None."""
     if out.exists() and not out.is_dir():
@@ -631,8 +621,8 @@ def main(argv=None) -> int:
                                                  "(e.g. $OUT)")
     ap.add_argument("--dry-run", action="store_true", help="the CPU form: tiny shapes, every step in this process")
     ap.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS), help="the steps to run, in order")
-    ap.add_argument("--budget-s", type=_budget, default=540.0, help="the whole check's seconds (default 540: 9 "
-                                                                     "minutes)")
+    ap.add_argument("--budget-s", type=arg_type("check_budget_s"), default=540.0,
+                    help="the whole check's seconds (default 540: 9 minutes)")
     ap.add_argument("--step", choices=list(STEPS), help=argparse.SUPPRESS)  # a child runs one step
     args = ap.parse_args(argv)
     out = Path(args.out)

@@ -193,9 +193,9 @@ def test_a_step_whose_time_is_up_streams_its_childrens_output_into_its_log(tmp_p
 
 
 @pytest.mark.parametrize("flags,said", [
-    (["--budget-s", "0"], "argument --budget-s: must be > 0 seconds, got 0"),
-    (["--budget-s", "-5"], "argument --budget-s: must be > 0 seconds, got -5"),
-    (["--budget-s", "soon"], "argument --budget-s: must be a number of seconds, got 'soon'"),
+    (["--budget-s", "0"], "argument --budget-s: must be >= 1.0, got 0.0"),
+    (["--budget-s", "-5"], "argument --budget-s: must be >= 1.0, got -5.0"),
+    (["--budget-s", "soon"], "argument --budget-s: must be a number, got 'soon'"),
 ])
 def test_a_bad_budget_is_one_line(tmp_path, capsys, flags, said):
     mod = load_module()

@@ -541,7 +541,9 @@ def run_in_process(step: str, out: Path, dry: bool, timeout: float | None) -> st
     try:
         STEP_FUNCTIONS[step](Figures(out, step), dry)
         return "ok"
-    except (StepTimeout, KeyboardInterrupt):
+    except (StepTimeout, KeyboardInterrupt) as exc:
+        if isinstance(exc, KeyboardInterrupt) and timeout is not None:  # Ctrl-C in the CPU form: stop there
+            raise
         print(f"{step}: its time is up; its figures so far are kept in {step}.json", flush=True)
         return f"timed out after {timeout or STEPS[step]:.0f} s"
     except Exception as exc:  # noqa: BLE001 - a step's failure is its status; the check goes on

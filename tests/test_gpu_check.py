@@ -30,6 +30,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES_PACKAGES = ("torch", "triton", "transformers")  # what a GPU machine has (with what they require)
+# the dry run is the CPU form (Triton's interpreter, set before triton is imported); on a GPU run the check itself
+cpu_form = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form; on a GPU run "
+                                                                "bench/gpu_check.py itself")
 
 
 def load_module():
@@ -79,7 +82,7 @@ def devices_packages(dst: Path, roots=DEVICES_PACKAGES) -> Path:
 def check(tmp_path_factory):
     """(exit status, {step: figures}, check.md, out, the module, stdout) of one dry run from a plain copy."""
     if torch.cuda.is_available():
-        pytest.skip("the dry run is the CPU form; on a GPU run bench/gpu_check.py itself")
+        pytest.skip(cpu_form.kwargs["reason"])
     base = tmp_path_factory.mktemp("bare")
     tree, home, out = plain_copy(base / "tree"), base / "home", base / "out"
     home.mkdir()
@@ -133,6 +136,7 @@ def test_the_table_has_each_target_beside_its_figure(check):
     assert got["peak memory over 12 buckets at Llama shape within the device"] == "not measured"
 
 
+@cpu_form
 def test_a_used_out_is_refused_and_its_figures_never_shown(tmp_path, capsys):
     """A rerun into the folder of an earlier run: one line, exit status 2, nothing of the old run printed or
     changed (481e2be printed the old figures of a skipped step as this run's)."""
@@ -147,6 +151,7 @@ def test_a_used_out_is_refused_and_its_figures_never_shown(tmp_path, capsys):
     assert said.err.startswith(f"gpu_check.py: error: --out {tmp_path} already holds 3 files")
 
 
+@cpu_form
 def test_a_step_cut_short_failed_or_skipped_shows_no_figure(tmp_path, monkeypatch):
     """A step that wrote a figure, then failed or ran out of time, and a step skipped for the budget: the table
     shows no figure of theirs and says which; check.json keeps what they wrote under _partial."""

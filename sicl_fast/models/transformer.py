@@ -55,6 +55,7 @@ from .attention import Attention
 from .decoder_config import (NO_ROPE, SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq,
                              rope_threshold, unsupported)
 from .projections import Dense, RowsDense
+from .reductions import full_reductions
 from .reference import reference_head, reference_pass
 from .rows import LOW_DTYPE, RowLayout, RowsReference
 from .weights import LayerWeights, LowWeight, LowWeights
@@ -526,6 +527,7 @@ class Transformer:
         return (h, [kv.kept for kv in kvs]) if collect else h
 
     @torch.no_grad()
+    @full_reductions()  # the difference products reduce in float32 (sicl_fast.models.reductions)
     def forward_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None,
                      ref: RowsReference | None = None) -> torch.Tensor:
         """The difference form's forward (module docstring): x [R, d] float32, the pass's rows (the lead rows, then

@@ -101,7 +101,8 @@ class Engine:
         self.steps = None  # the static steps and their graphs, per prompt shape
         self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)
         if self.plan.graphs or self.plan.length_buckets:
-            self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets)
+            self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets,
+                                   graphs=self.plan.graphs)
         if self.plan.graphs:
             self.backend.use_graphs(self.plan.graph_cache)
 

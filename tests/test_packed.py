@@ -211,6 +211,7 @@ def test_prompts_of_one_shape_are_loaded_in_place_and_captured(models, monkeypat
     through a read interval unchanged, its warm-up; none while the queue's tail shrinks the pack). The capture off
     CUDA is the step itself: the results are the uncaptured run's, and each prompt's own padded run's within
     rounding."""
+    from fake_graphs import FakeCuda
     from sicl_fast.calibration import packed
     from sicl_fast.calibration.static import StepCache
 
@@ -221,11 +222,12 @@ def test_prompts_of_one_shape_are_loaded_in_place_and_captured(models, monkeypat
     built, captures = [], []
     init = StaticStep.__init__
     monkeypatch.setattr(StaticStep, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
-    monkeypatch.setattr(packed, "captured", lambda fn, device, **kw: captures.append(kw["warmup"]) or fn)
+    FakeCuda(monkeypatch)  # graphs captured on the CPU: their owner's capture spied (the step itself runs)
+    monkeypatch.setattr(packed.Captures, "capture", lambda self, fn, **kw: captures.append(kw["warmup"]) or fn)
     plain = run_packed(be, items, pack=2, sync_every=2, graphs=False)
     assert len(built) == 2 and captures == []  # two slots' steps, every later prompt loaded into one of them
     got = run_packed(be, items, pack=2, sync_every=2, graphs=True)
     assert captures == [0]
     for g, r, (p, c) in zip(got, plain, items):
         assert_same_result(g, r)
-        assert_close_result(g, run_static(be, c, p, steps=StepCache("cpu", buckets=4)))
+        assert_close_result(g, run_static(be, c, p, steps=StepCache("cpu", buckets=4, graphs=False)))

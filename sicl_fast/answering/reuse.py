@@ -28,6 +28,7 @@ query), "boundary" or "off".
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -127,10 +128,11 @@ def reuse_info(res: CalibrationResult) -> dict:
 
 
 class Reuser:
-    """The engine's reuse logic over its store (Engine.calibrate with reuse 'auto' / 'on')."""
+    """The engine's reuse logic over its store (Engine.calibrate with reuse 'auto' / 'on'). It holds the engine
+    weakly (the engine holds it): a dropped engine frees its steps and graphs by reference counting."""
 
     def __init__(self, engine, store: CalibrationStore) -> None:
-        self.engine = engine
+        self.engine = engine if isinstance(engine, weakref.ProxyTypes) else weakref.proxy(engine)
         self.store = store
         self._fingerprint: dict | None = None
         self.counts = {"reused": 0, "calibrated": 0}  # this engine's calibrations, by whether they came from the store

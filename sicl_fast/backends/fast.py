@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..run.graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
+from ..run.graphs import DEFAULT_CAPACITY, Captures, DecodeGraph, ShapeCache, cache_rows
 from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
 from ..ops import attention_kernels
 from ..formats.spans import Prompt
@@ -45,8 +45,10 @@ class FastBackend(Backend):
 
     def use_graphs(self, capacity: int = DEFAULT_CAPACITY) -> None:
         """Decode through captured CUDA graphs from now on: one static KV cache and graph per cache length
-        (cache_rows buckets), at most `capacity` kept. The engine calls it once when its plan's graphs are on."""
-        self.decoders = ShapeCache(capacity)
+        (cache_rows buckets), at most `capacity` kept, each graph on a pool of its own, all on one capture stream
+        (sicl_fast.run.graphs.Captures). The engine calls it once when its plan's graphs are on."""
+        self._decode_captures = Captures(self.device, shared=False)
+        self.decoders = ShapeCache(capacity, captures=self._decode_captures, graphs_of=lambda dec: [dec.graph])
 
     def step_forward(self, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
                      rows: bool | None = None, bucket=None) -> StepForward:
@@ -105,7 +107,7 @@ class FastBackend(Backend):
             n = cache_rows(rows)
             if lm.max_context is not None:
                 n = max(min(n, lm.max_context), rows)
-            dec, _ = self.decoders.get(n, lambda: DecodeGraph(m, n, self.ops, m.device))
+            dec, _ = self.decoders.get(n, lambda: DecodeGraph(m, n, self.ops, self._decode_captures))
             cache, step = dec.cache, dec.step
 
         @torch.no_grad()  # the forward records autograd for inputs that require grad; decoding never needs it

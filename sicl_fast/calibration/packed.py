@@ -36,7 +36,7 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult
 from ..run.buckets import Bucket
 from ..run.checks import calibration_inputs
-from ..run.graphs import captured, model_refs, shared_pool
+from ..run.graphs import Captures, model_refs, weakly
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
@@ -49,16 +49,17 @@ class PackedStep:
     """One step of every slot through one batched forward (module docstring). set() takes the slots (and says whether
     the pass was laid out again); a call refreshes each slot's reference where its own step count says (outside any
     graph, as run_static does), then runs the step: its captured CUDA graph's replay once capture() made one (the
-    step itself elsewhere). pool: the memory pool of its graphs (run.graphs.shared_pool), or None."""
+    step itself elsewhere). captures: the owner of its graphs (sicl_fast.run.graphs.Captures: their stream and
+    pool), or None (nothing captured). A layout's graph holds this step only weakly, and goes with the layout: the
+    only graph of its stream then (no other replays after it), so it is destroyed at once."""
 
-    def __init__(self, backend, slots: Sequence[StaticStep] = (), pool=None) -> None:
-        self.backend, self.pool = backend, pool
+    def __init__(self, backend, slots: Sequence[StaticStep] = (), captures: Captures | None = None) -> None:
+        self.backend, self.captures = backend, captures
         self.forward = backend.packed_forward()
         self.slots: list[StaticStep] = []
         self.calls: list[int] = []  # the steps called on each slot
-        self.run = self.step
-        self.graph = False  # is `run` a captured graph of the current layout
-        self.captures = 0
+        self.graph = None  # the captured step of the current layout (capture), or None: the step runs itself
+        self.captured = 0
         if slots:
             self.set(slots)
 
@@ -71,9 +72,9 @@ class PackedStep:
         kept = [None if j in loaded else where.get(id(st)) for j, st in enumerate(slots)]
         changed = [where.get(id(st)) for st in slots] != list(range(len(self.slots)))
         if changed:
+            self.graph = None  # the old layout's graph first: it reads the tensors arrange replaces
             self.forward.arrange([st.prompt for st in slots], [st.spec.B for st in slots],
                                  [st.state.X for st in slots], kept, [st.bucket for st in slots])
-            self.run, self.graph = self.step, False
         else:
             for j in loaded:
                 self.forward.load(j, slots[j].prompt, slots[j].state.X)
@@ -82,15 +83,13 @@ class PackedStep:
         return changed
 
     def capture(self) -> None:
-        """Capture the step of this layout in a CUDA graph (off CUDA: the step itself, nothing captured). Call it
+        """Capture the step of this layout in a CUDA graph (where its captures capture nothing: nothing). Call it
         after at least one eager step of the layout, its warm-up (every buffer it makes lazily exists), so that the
         capture itself moves no slot's state."""
-        if not self.graph:
+        if self.graph is None and self.captures is not None and self.captures.on:
             m = self.backend.model
-            self.run = captured(self.step, self.backend.device, warmup=0, keep=model_refs(m, self.backend.ops),
-                                pool=self.pool)
-            self.graph = True
-            self.captures += 1
+            self.graph = self.captures.capture(weakly(self.step), warmup=0, keep=model_refs(m, self.backend.ops))
+            self.captured += 1
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -99,7 +98,10 @@ class PackedStep:
             if every and self.calls[j] and self.calls[j] % every == 0:  # the slot's reference, every few of its steps
                 self.forward.refresh(j, st.state.X)
             self.calls[j] += 1
-        self.run()
+        if self.graph is not None:
+            self.graph()
+        else:
+            self.step()
 
     @torch.no_grad()
     def step(self) -> None:
@@ -155,7 +157,7 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
 
     active: list[Slot] = [admit()[0] for _ in range(min(pack, len(queue)))]
     full = len(active)
-    step = PackedStep(backend, [s.step for s in active], pool=shared_pool(backend.device) if graphs else None)
+    step = PackedStep(backend, [s.step for s in active], captures=Captures(backend.device) if graphs else None)
     while active:
         k = steps_to_read(active, sync_every)
         for _ in range(k):

@@ -34,7 +34,7 @@ import torch
 from .ascent import CalibrationConfig, CalibrationResult
 from ..run.checks import calibration_inputs
 from ..errors import NumericalError
-from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs, shared_pool
+from ..run.graphs import DEFAULT_CAPACITY, Captures, ShapeCache, model_refs
 from ..run.memory import StepBytes, cache_budget, form_of, step_bytes
 from ..run.knobs import check_range
 from ..step.proxy import ProxyPlan
@@ -154,26 +154,34 @@ class StaticStep:
 
 
 class StepCache:
-    """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA (the step
-    itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently used dropped first).
-    get() re-arms the step of the prompt's shape for that prompt (StaticStep.load), building and capturing it on the
-    first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the run plan's
-    length_buckets), so that prompts of nearby lengths share a step and its graph; None: one step a shape. On CUDA
-    every graph draws its temporaries from one memory pool (graphs replay one at a time, so they can share it: a new
-    bucket adds its buffers, not another pool).
+    """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA unless
+    graphs=False (the step itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently used
+    dropped first). get() re-arms the step of the prompt's shape for that prompt (StaticStep.load), building and
+    capturing it on the first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the run
+    plan's length_buckets), so that prompts of nearby lengths share a step and its graph; None: one step a shape.
+    The graphs are one owner's (sicl_fast.run.graphs.Captures): one capture stream, and one memory pool for their
+    temporaries (graphs replay one at a time, so they can share it: a new bucket adds its buffers, not another pool);
+    a dropped step's graphs are destroyed, or retired where the torch version frees a stream's cuBLAS workspaces with
+    any of its graphs (run.graphs, the workspace hazard).
 
     The bytes: what each kept step holds (sicl_fast.run.memory.step_bytes, counted from the shapes before it is
     built: its state, batch, prefix K/V, value rows' reference and logits, the pass K/V its graph holds) and once
     the largest step's activations (the shared pool's). budget None: cache_budget, a share of the memory available
-    when the cache is made (the same rule on a CPU, where kept steps take RAM)."""
+    when the cache is made (the same rule on a CPU, where kept steps take RAM). A dropped step is freed by reference
+    counting as it leaves the cache (neither it nor its graphs hold each other), before the next step is built."""
 
     def __init__(self, device, capacity: int = DEFAULT_CAPACITY, buckets: int | None = None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.budget = cache_budget(self.device) if budget is None else budget
-        self.cache = ShapeCache(capacity, self.budget)
+        self.captures = Captures(self.device) if graphs else None
+        self.cache = ShapeCache(capacity, self.budget, self.captures, graphs_of=_graphs_of)
         self.buckets = buckets
-        self.pool = shared_pool(self.device)
+
+    @property
+    def pool(self):
+        """The memory pool of the steps' graphs (None: none captured)."""
+        return None if self.captures is None else self.captures.pool
 
     @property
     def held(self) -> int:
@@ -199,10 +207,12 @@ class StepCache:
 
         def build():
             st = StaticStep(backend, config, prompt, X0, bucket=bucket)
+            if self.captures is None or not self.captures.on:
+                return st, st
             keep = model_refs(backend.model, backend.ops)
-            run = captured(st, self.device, keep=keep, pool=self.pool)
+            run = self.captures.capture(st, keep=keep)
             # the forward's refresh of its reference at the state's X: a graph of its own on the same pool
-            st.forward.capture_refresh(st.state.X, self.device, keep=keep, pool=self.pool)
+            st.forward.capture_refresh(st.state.X, self.captures, keep=keep)
             return st, run
 
         size = self.step_bytes(backend, config, prompt, bucket)
@@ -211,6 +221,12 @@ class StepCache:
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
             st.load(prompt, X0)
         return st, run
+
+
+def _graphs_of(entry) -> list:
+    """The graphs of a StepCache entry (step, run): the step's and its forward's refresh's."""
+    st, run = entry
+    return [run, st.forward.refresh_graph]
 
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,

@@ -4,11 +4,12 @@ true for the CPU, so that the product's capture path (sicl_fast.run.graphs) runs
 
     fake = FakeCuda(monkeypatch)        installed until the test ends
     fake.graphs, fake.destroyed         every graph made (weak references), and how many were destroyed
-    fake.replays                        the replays so far
+    fake.replays, fake.captures         the replays and the captures so far
     fake.hazards                        replays of a graph after another graph captured on its stream was destroyed
                                         (torch 2.11-2.12 frees the cuBLAS workspace such a graph still uses:
                                         pytorch/pytorch#193402)
-    fake.fault = fn                     every later capture's replay runs fn(graph) after its ops (a faulty capture)
+    fake.fault = fn                     a faulty capture: the k-th capture (from 0) replays fn(ops, k) of the ops it
+                                        recorded (ops[:-1]: its last op left out)
 
 As a real capture: the ops run once while recorded (their outputs are the graph's buffers) and every tensor they write
 that existed before is put back afterwards, so the capture moves no state; a replay runs the recorded ops again on
@@ -70,7 +71,9 @@ class Recorder(TorchDispatchMode):
                 self.saved += [(t, t.clone()) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         out = func(*args, **kwargs)
         if not func.is_view and str(func) not in NO_KERNEL:
-            self.ops.append((func, args, kwargs, out))
+            outs = out if isinstance(out, torch.Tensor) else [t for t in tree_leaves(out)
+                                                               if isinstance(t, torch.Tensor)]
+            self.ops.append((func, args, kwargs, outs))
         return out
 
     def restore(self) -> None:
@@ -87,6 +90,7 @@ class FakeCuda:
         self.destroyed = 0
         self.hazards: list = []
         self.replays = 0
+        self.captures = 0
         self.fault = None
         self.clock = itertools.count()
         self.deaths: dict = {}  # stream id -> the clock of each destruction of a graph captured on it
@@ -95,20 +99,22 @@ class FakeCuda:
 
         class CUDAGraph:
             def __init__(self, *a, **k) -> None:
-                self.ops, self.stream, self.t, self.fault = None, None, None, None
+                self.ops, self.stream, self.t = None, None, None
                 fake.graphs.append(weakref.ref(self))
 
             def replay(self) -> None:
                 fake.replays += 1
                 if any(t > self.t for t in fake.deaths.get(self.stream, [])):  # another graph of its stream died
                     fake.hazards.append((self.stream, self.t))
-                for func, args, kwargs, out in self.ops:
+                for func, args, kwargs, outs in self.ops:
                     new = func(*args, **kwargs)
-                    for r, o in zip(tree_leaves(new), tree_leaves(out)):
-                        if isinstance(o, torch.Tensor) and r.data_ptr() != o.data_ptr():
+                    if isinstance(outs, torch.Tensor):  # one output (most ops): written where the capture's was
+                        if new.data_ptr() != outs.data_ptr():
+                            outs.copy_(new)
+                        continue
+                    for r, o in zip([t for t in tree_leaves(new) if isinstance(t, torch.Tensor)], outs):
+                        if r.data_ptr() != o.data_ptr():
                             o.copy_(r)
-                if self.fault is not None:
-                    self.fault(self)
 
             def reset(self) -> None:
                 if self.ops is not None:
@@ -143,8 +149,11 @@ class FakeCuda:
                 if exc[0] is None and self.calls[0]:
                     raise RuntimeError("the fake capture records torch ops only: a Triton launch or a C++ call ran "
                                        "inside it (use impl 'torch')")
-                g = self.g
-                g.ops, g.stream, g.t, g.fault = self.rec.ops, self.stream.cuda_stream, next(fake.clock), fake.fault
+                g, ops = self.g, self.rec.ops
+                if fake.fault is not None:
+                    ops = fake.fault(ops, fake.captures)
+                fake.captures += 1
+                g.ops, g.stream, g.t = ops, self.stream.cuda_stream, next(fake.clock)
                 return False
 
         class stream_ctx:

@@ -157,16 +157,17 @@ class StepForward:
         else:
             self._reference(X, (self.ref, self.z_ref))
 
-    def capture_refresh(self, X: torch.Tensor, captures, keep=None) -> None:
+    def capture_refresh(self, X: torch.Tensor, captures, keep=None, check=None) -> None:
         """Capture refresh(X) as a graph of its own with `captures` (sicl_fast.run.graphs.Captures: warm-up refreshes
         on its stream, then the capture, on its pool), which later refresh(X) calls with this same tensor X replay:
         the static step's refresh between two replays of its step (StepCache). Where captures capture nothing (off
         CUDA) nothing changes (the refresh runs eagerly, the same operations). The graph's callable holds this
-        forward weakly: the forward and its graph free each other by reference counting."""
+        forward weakly: the forward and its graph free each other by reference counting. check: the ReplayCheck of
+        its first replay (run.graphs.first_replay)."""
         if self.rows_on and self.ref is not None and captures.on:
             self._refresh_graph = None
             self._refresh_graph = (X, captures.capture(weakly(self._reference, X, (self.ref, self.z_ref)),
-                                                       keep=keep))
+                                                       keep=keep, check=check))
 
     @property
     def refresh_graph(self):

@@ -17,6 +17,12 @@ buffers by address, and the model and ops replace some of them later (a longer r
 K/V buffers, a cleared mask cache): `keep` holds references to every one of them for as long as the graph lives
 (Transformer.cached_tensors, StepOps.cached_tensors), so a later replacement never frees memory a graph reads.
 
+The first replay of each new capture is checked (first_replay): its outputs against the same step run uncaptured
+through the torch ops (the owner's ReplayCheck says what to compare and how closely); on a mismatch or an error the
+same step runs uncaptured with the plan's ops, and if that is wrong too, through the torch ops; the owner switches
+the run over in place (the plan says which and why: sicl_fast.run.plan.fall_back) and the run goes on. Nothing of
+the check runs inside a capture: it reads the outputs on the host after a replay.
+
 Freed by reference counting: a graph is held by its owner (a cache entry, a forward, a packed step) and holds nothing
 that holds the owner back (the callable it captured is a `weakly` one), so a dropped step, refresh, decode cache or
 packed layout gives its memory back when its last reference goes, without waiting for a cyclic collection.
@@ -107,15 +113,91 @@ def weakly(method, *args) -> Callable[[], None]:
     return call
 
 
+class ReplayCheck:
+    """What the first replay of a capture is compared with (first_replay), given by the graph's owner. name: the
+    step, for the messages.
+
+        state()            the tensors the step writes: saved before the first replay, put back before another try
+        reference()        the step's outputs (new tensors) as the same step computes them uncaptured through the
+                           torch ops, from the state as it is (it writes none of state())
+        outputs()          the step's outputs after a call, in reference()'s order
+        compare(got, want) None, or why they differ (the owner's stated tolerances)
+        fall_back(to, why) the run goes on 'uncaptured' (the plan's ops, the graph not replayed again) or through the
+                           'torch' ops (switched in place, the step run again through them)"""
+
+    name = "step"
+
+    def state(self) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def reference(self) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def outputs(self) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def compare(self, got: list, want: list) -> str | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def fall_back(self, to: str, why: str) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def off_by(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> str | None:
+    """Why `got` is not `want` within `tol` (the largest absolute difference; NaN where the other is not counts as
+    off), or None."""
+    got, want = got.double(), want.double()
+    nan = torch.isnan(got) != torch.isnan(want)
+    if bool(nan.any()):
+        return f"{name} is NaN where the reference's is not (or not where it is)"
+    both = ~torch.isnan(want)
+    err = float((got[both] - want[both]).abs().max()) if bool(both.any()) else 0.0
+    return None if err <= tol else f"{name} is off by {err:.3g} (tolerance {tol:.3g})"
+
+
+def _tried(run: Callable[[], None], check: ReplayCheck, want: list) -> str | None:
+    """Why run()'s outputs are not the reference's (an error counts as not), or None."""
+    try:
+        run()
+        return check.compare([t.clone() for t in check.outputs()], want)
+    except Exception as exc:  # noqa: BLE001 - any error of a replay or a kernel falls back (the module docstring)
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def first_replay(step: CapturedStep, check: ReplayCheck) -> str | None:
+    """The first replay of `step`, checked (module docstring): None where it matched the reference (the state is the
+    replay's), else the fallback the run took, 'uncaptured' (the state is the plan's ops' uncaptured step) or
+    'torch' (the owner switched to the torch ops and ran the step again through them)."""
+    state = check.state()
+    saved = [t.clone() for t in state]
+    want = check.reference()
+    why = _tried(step.graph.replay, check, want)
+    if why is None:
+        return None
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    eager = _tried(step.fn, check, want)
+    if eager is None:
+        check.fall_back("uncaptured", f"the captured {check.name}'s first replay {why}; uncaptured it matched the "
+                                      "torch ops")
+        return "uncaptured"
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    check.fall_back("torch", f"the captured {check.name}'s first replay {why}, and uncaptured it {eager}")
+    return "torch"
+
+
 class CapturedStep:
     """fn captured in a CUDA graph after `warmup` calls on `stream` (a side stream of its own: None); calling it
     replays the graph. keep: a callable returning the tensors the graph reads by address but does not own (module
     docstring), called after the capture and held. pool: a memory pool shared with other graphs (a Captures'), or
-    None (its own)."""
+    None (its own). check: a ReplayCheck its first replay is checked with (first_replay); after a fallback the
+    step runs fn uncaptured."""
 
     def __init__(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None,
-                 pool=None, stream=None) -> None:
-        self.fn, self.pool = fn, pool
+                 pool=None, stream=None, check: ReplayCheck | None = None) -> None:
+        self.fn, self.pool, self.check = fn, pool, check
+        self.fallback: str | None = None  # what the first replay's check fell back to
         side = stream if stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -128,11 +210,17 @@ class CapturedStep:
         self.kept = keep() if keep is not None else []
 
     def __call__(self) -> None:
-        self.graph.replay()
+        if self.check is not None:
+            check, self.check = self.check, None
+            self.fallback = first_replay(self, check)
+        elif self.fallback is None:
+            self.graph.replay()
+        else:
+            self.fn()
 
     def release(self):
         """Give up the graph, the callable and what it kept (the step no longer replays); -> the graph object."""
-        graph, self.graph, self.fn, self.kept = self.graph, None, None, []
+        graph, self.graph, self.fn, self.kept, self.check = self.graph, None, None, [], None
         return graph
 
 
@@ -156,11 +244,13 @@ class Captures:
             weakref.finalize(self, _release_stream, key)
             self.pool = torch.cuda.graph_pool_handle() if shared else None
 
-    def capture(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None):
-        """fn captured on this owner's stream and pool (CapturedStep), or fn itself off CUDA."""
+    def capture(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None,
+                check: ReplayCheck | None = None):
+        """fn captured on this owner's stream and pool (CapturedStep, its first replay checked with `check`), or fn
+        itself off CUDA."""
         if not self.on:
             return fn
-        return CapturedStep(fn, warmup, keep, self.pool, self.stream)
+        return CapturedStep(fn, warmup, keep, self.pool, self.stream, check)
 
     def drop(self, *steps) -> None:
         """Captured steps their owner will not replay again while other graphs of this stream may (the rest of
@@ -266,16 +356,18 @@ class DecodeGraph:
     With captures that capture (CUDA) the step is a replayed graph: the token goes into a fixed input buffer, the
     position is the cache's device-held `pos`, so any fill of the cache replays the same graph. Reuse: the caller's
     prefill writes the cache's rows [0, L) and sets pos = L; rows past pos are masked, whatever an earlier answer
-    left there."""
+    left there. check(self): the ReplayCheck of its graph's first replay (FastBackend's DecodeCheck)."""
 
-    def __init__(self, model, max_len: int, ops, captures: Captures | None = None) -> None:
+    def __init__(self, model, max_len: int, ops, captures: Captures | None = None,
+                 check: Callable[[DecodeGraph], ReplayCheck] | None = None) -> None:
         self.model, self.max_len = model, max_len
         self.cache = model.new_cache(max_len)
         self.token = torch.zeros(1, dtype=torch.int64, device=model.device)
         self.logits = torch.empty(model.head.shape[0], dtype=model.dtype, device=model.device)
         # the warm-up decodes at positions 0, 1 (rows the next prefill overwrites)
-        self._run = (captures.capture(weakly(self._decode), keep=model_refs(model, ops)) if captures is not None
-                     else None)
+        self._run = (captures.capture(weakly(self._decode), keep=model_refs(model, ops),
+                                      check=check(self) if check is not None else None)
+                     if captures is not None else None)
 
     @property
     def graph(self):
@@ -294,6 +386,7 @@ class DecodeGraph:
         return self.logits
 
 
-__all__ = ["CapturedStep", "Captures", "capturable", "capture_stream", "weakly", "workspace_hazard", "model_refs",
+__all__ = ["CapturedStep", "Captures", "ReplayCheck", "first_replay", "off_by",
+           "capturable", "capture_stream", "weakly", "workspace_hazard", "model_refs",
            "ShapeCache", "DecodeGraph", "cache_rows", "GRAPH_MODES", "DEFAULT_CAPACITY", "BUCKET_CAPACITY",
            "HAZARD_VERSIONS", "WORKSPACE_HAZARD"]

@@ -5,7 +5,8 @@ Every record of `calibrate`, `icleval` and `gradstudy` carries its run's setting
     {"format": 1, "command": "calibrate",
      "model": {"name": "smollm2-135m", "fingerprint": "file:..."},      models.facts.model_identity
      "dtype": "float32", "device": "cpu", "backend": "fast", "impl": "cpp", "attention": "cpp",
-     "diff_matmul": "off", "length_buckets": null, "pack": 1,           the run plan's axes (engine_settings)
+     "diff_matmul": "off", "length_buckets": null, "pack": 1,           the run plan's axes (engine_settings), and
+     "fallback": null,                                                  what a failed capture check fell back to
      "config": {...},              the CalibrationConfig as asked (the model's preset with the knobs given; scale
                                    null: the model's embedding scale, which the fingerprint fixes)
      ...}                          the command's own: calibrate's time budget, special tokens and outputs
@@ -14,7 +15,8 @@ Every record of `calibrate`, `icleval` and `gradstudy` carries its run's setting
 
 Left out, as they do not change what a record holds: the thread count (it moves a CPU run's last bits, which the
 calibration store's keys hold, but a resume on a machine with other cores, or a Ray pool, is the same run), the
-loop, sync_every and CUDA graphs (the same bits: tests/test_static.py), reuse (auto and off give the same bits, and
+loop, sync_every and CUDA graphs (the same bits: tests/test_static.py; a fallback from a captured step that failed
+its check is noted, "fallback", and never compared: NOTES), reuse (auto and off give the same bits, and
 a record reused under 'on' says exact: false itself), the store, gradstudy's --chunk (memory).
 
 `settings_diff` is the one comparison: every resume (`check_resume`, through the results writer) and `report` (which
@@ -34,15 +36,20 @@ FORMAT = 1
 FIELD = "settings"  # where a record holds them
 
 
+# what a record notes of how it ran without being a reason to refuse another's: a fallback after a failed check of a
+# captured step (RunPlan.fallback; an 'uncaptured' one gives the same bits, and a 'torch' one says so in its impl)
+NOTES = ("fallback",)
+
+
 def plan_settings(plan, attention: str | None = None) -> dict:
     """The run plan's axes that change a record's numbers: RunPlan.result_axes (the weights' dtype, the device type,
     backend, impl, the attention kernel that runs, the difference products, the length buckets) without the thread
-    count (module docstring), and the pack."""
+    count (module docstring), and the pack; and the plan's fallback (a note: NOTES)."""
     axes = plan.result_axes(attention)
     axes.pop("threads", None)
     axes.setdefault("length_buckets", None)
     axes["dtype"] = axes["dtype"].replace("torch.", "")
-    return {**axes, "pack": plan.pack}
+    return {**axes, "pack": plan.pack, "fallback": plan.fallback}
 
 
 def model_plan_settings(lm, plan, attention: str | None = None) -> dict:
@@ -117,7 +124,7 @@ def settings_diff(got: dict, want: dict) -> list[str]:
     """The names of the settings in which two records differ, sorted (nested ones as 'config.max_steps'); [] when
     none: the one rule of every resume and of `report`."""
     a, b = flatten(_norm(got)), flatten(_norm(want))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in NOTES)
 
 
 # what a setting is called in a message: the flag that sets it where there is one

@@ -21,6 +21,7 @@ import torch
 from ..errors import SiclWarning
 from ..run.graphs import DEFAULT_CAPACITY, Captures, DecodeGraph, ReplayCheck, ShapeCache, cache_rows, off_by
 from ..run.plan import fall_back
+from ..models.projections import RowsDense
 from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
 from ..ops import attention_kernels
 from ..formats.spans import Prompt
@@ -56,13 +57,17 @@ class FastBackend(Backend):
         self.decoders = ShapeCache(capacity, captures=self._decode_captures, graphs_of=lambda dec: [dec.graph])
 
     def torch_twin(self) -> FastBackend:
-        """This backend on the torch ops and the math attention, graphs off, on the same weights (stacked once: no
-        copy of the model dtype's) and the same rotary tables: what a new capture's first replay is checked against
-        (sicl_fast.run.graphs.first_replay), and what a fallback to the torch ops runs on. A new one each call (its
-        buffers go with it)."""
+        """This backend on the torch ops and the math attention, graphs off, on the same weights (stacked once, and
+        the same low-dtype copies: no copy of any weight) and the same rotary tables: what a new capture's first
+        replay is checked against (sicl_fast.run.graphs.first_replay), and what a fallback to the torch ops runs on.
+        A new one each call (its buffers go with it)."""
         twin = FastBackend(self.lm, dataclasses.replace(self.plan, impl="torch", attention="math", graphs=False),
                            self.prefix_cache)
-        twin.model.rotary = self.model.rotary
+        m, t = self.model, twin.model
+        t.rotary = m.rotary
+        if m.rows_on:  # the low-dtype weights too (a float32 model's bf16 copy, the FP8 copies), the products its own
+            t._rows_dense = [RowsDense(rd.low, t.ops) for rd in m.rows_dense()]
+            t._head_low = m.head_low
         return twin
 
     def fall_back(self, to: str, why: str) -> None:

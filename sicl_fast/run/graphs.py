@@ -28,9 +28,9 @@ that holds the owner back (the callable it captured is a `weakly` one), so a dro
 packed layout gives its memory back when its last reference goes, without waiting for a cyclic collection.
 
 The cuBLAS workspace hazard (torch 2.11 and 2.12, pytorch/pytorch#193402): destroying a graph frees the cuBLAS
-workspace of every graph captured on the same stream (the graph's destructor clears its capture stream's
-workspaces, and the graphs captured after a warm-up on that stream embed the one the warm-up made), and those graphs
-then read freed memory when they replay (an illegal address, or silent corruption). Two rules together keep any
+workspaces torch caches for its capture stream (the destructor clears them), which the other graphs captured on
+that stream may have baked in, and those graphs then read freed memory when they replay (an illegal address, or
+silent corruption). Two rules together keep any
 graph from replaying after another graph of its stream died: each owner captures on a stream no other live owner
 captures on (`capture_stream`), and on the affected versions (`WORKSPACE_HAZARD`) an owner that drops one graph while
 others of its stream may still replay retires it instead (the graph object kept, unreplayed; the tensors it read
@@ -55,9 +55,10 @@ DEFAULT_CAPACITY = 4  # graphs kept per cache without length buckets (each decod
 # static steps kept with length buckets (sicl_fast.run.buckets): 4 sizes a doubling over 64 to 4096 tokens make 24, a
 # mix of 200-600-token prompts 7; their graphs share one pool, so a kept bucket costs its step's buffers only
 BUCKET_CAPACITY = 16
-# the torch versions [first, last] whose graph destructor frees the cuBLAS workspaces of its whole capture stream
-# (pytorch/pytorch#193402: #175276 in 2.11 added the clearing; #193832 and #194109 scope the workspaces to each
-# captured invocation after 2.12), read from the release notes and the pull requests' merge dates
+# the torch versions [first, last] whose graph destructor frees the cuBLAS workspaces of its whole capture stream:
+# pytorch/pytorch#193402 (the clearing came with #175276; #193832 and #194109 scope a captured invocation's workspace
+# to its graph), affecting 2.11 and 2.12 as issue #53 reads it; a later version found affected goes here (retiring
+# where there is no hazard costs memory only)
 HAZARD_VERSIONS = ((2, 11), (2, 12))
 STREAM_POOL = 32  # torch hands out streams round robin from 32 a device and priority (c10::cuda::getStreamFromPool)
 

@@ -1,4 +1,4 @@
-"""Builds the optional C++ extension sicl_fast._C (csrc/, pybind11, OpenMP when the compiler has it).
+"""Builds the optional C++ extension sicl_fast.ops._C (csrc/, pybind11, OpenMP when the compiler has it).
 
 Everything else is declared in pyproject.toml. If the extension cannot be built (no compiler), the install goes
 on without it: sicl_fast then imports and says what is missing when the C++ path is asked for.
@@ -22,13 +22,13 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure
-            print(f"WARNING: sicl_fast._C not built ({exc}); the C++ CPU path will be unavailable", file=sys.stderr)
+            print(f"WARNING: sicl_fast.ops._C not built ({exc}); the C++ CPU path will be unavailable", file=sys.stderr)
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:  # noqa: BLE001
-            print(f"WARNING: sicl_fast._C not built ({exc}); the C++ CPU path will be unavailable", file=sys.stderr)
+            print(f"WARNING: sicl_fast.ops._C not built ({exc}); the C++ CPU path will be unavailable", file=sys.stderr)
 
 
 ext_modules = []
@@ -38,7 +38,7 @@ sources = (
 if Pybind11Extension is not None and sources:
     ext_modules.append(
         Pybind11Extension(
-            "sicl_fast._C",
+            "sicl_fast.ops._C",  # beside the ops that call it (sicl_fast.ops.cpp_ops), below every floor that uses it
             sources,
             cxx_std=17,
             # -ffp-contract=off: no fused multiply-adds, so the Philox normals are bit-identical to the Triton kernels

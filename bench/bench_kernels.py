@@ -38,7 +38,7 @@ def run(benchmark, name: str, fn, rounds: int):
     benchmark.pedantic(fn, rounds=rounds, warmup_rounds=1, iterations=1)
 
 
-need_cpp = pytest.mark.skipif(not cpp_ops.available(), reason=f"sicl_fast._C not built; {cpp_ops.BUILD_HINT}")
+need_cpp = pytest.mark.skipif(not cpp_ops.available(), reason=f"sicl_fast.ops._C not built; {cpp_ops.BUILD_HINT}")
 
 
 # ---------------------------------------------------------------- proxy

@@ -1,6 +1,7 @@
-"""A / B of the C++ extension's hot decoder ops: this checkout's sicl_fast._C against another checkout's, both loaded
-in one process and called in turn on the same buffers (so both see the same machine load), at SmolLM2-135M's shapes
-in one ascent step (N 8: B 9 rows; 9 query / 3 key heads of 64; MLP width 1536).
+"""A / B of the C++ extension's hot decoder ops: this checkout's sicl_fast.ops._C against another checkout's (built at
+sicl_fast/ops/, or at sicl_fast/ before issue #54 moved it), both loaded in one process and called in turn on the
+same buffers (so both see the same machine load), at SmolLM2-135M's shapes in one ascent step (N 8: B 9 rows; 9
+query / 3 key heads of 64; MLP width 1536).
 
     mkdir /tmp/old && git archive 638d7b0 | tar -x -C /tmp/old && (cd /tmp/old && python setup.py build_ext --inplace)
     python bench/cpp_ops_ab.py --other /tmp/old --length 256 512
@@ -26,10 +27,12 @@ B, H, HK, HD, I = 9, 9, 3, 64, 1536
 
 
 def load_extension(root: str, name: str):
-    """The checkout's built sicl_fast._C, imported under `name` (its init function is PyInit__C either way)."""
-    found = glob.glob(os.path.join(root, "sicl_fast", "_C*.so"))
+    """The checkout's built extension (sicl_fast/ops/_C*.so; sicl_fast/_C*.so in a checkout from before issue #54),
+    imported under `name` (its init function is PyInit__C either way)."""
+    found = glob.glob(os.path.join(root, "sicl_fast", "ops", "_C*.so")) or glob.glob(os.path.join(root, "sicl_fast",
+                                                                                                 "_C*.so"))
     if not found:
-        sys.exit(f"no built extension under {root}/sicl_fast (python setup.py build_ext --inplace there)")
+        sys.exit(f"no built extension under {root}/sicl_fast/ops (python setup.py build_ext --inplace there)")
     loader = importlib.machinery.ExtensionFileLoader(name, found[0])
     module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, found[0], loader=loader))
     loader.exec_module(module)

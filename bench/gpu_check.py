@@ -123,7 +123,8 @@ def _step_ms(gs, eng, lm, L: int, N: int, steps: int, seed: int = 7) -> tuple[fl
     res, s = gs.Clock(lm.device, None).seconds(lambda: eng.calibrate(prompt, cfg))
     with torch.no_grad():
         X0 = lm.model.get_input_embeddings()(prompt.input_ids.to(lm.device)).float()
-    st = (eng.steps.get(eng.backend, cfg, prompt, X0)[0] if eng.steps is not None
+    st = (eng.steps.get(eng.backend, *gs.plan_step(eng.backend, cfg, prompt, X0, eng.steps.buckets))[0]
+          if eng.steps is not None
           else gs.StaticStep(eng.backend, cfg, prompt, X0))
     return 1e3 * s / res.steps, st
 

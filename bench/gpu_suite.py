@@ -82,6 +82,7 @@ from sicl_fast.formats.requests import Request  # noqa: E402
 from sicl_fast.formats.spans import Prompt  # noqa: E402
 from sicl_fast.step.spec import StepSpec  # noqa: E402
 from sicl_fast.calibration.static import StaticStep  # noqa: E402
+from sicl_fast.calibration.step_plan import plan_step  # noqa: E402
 
 MODELS_DIR = HERE / "models"
 SMOL, LLAMA, GEMMA, QWEN = "smollm2-135m", "llama-3.1-8b", "gemma-2-2b", "qwen3-4b"
@@ -377,7 +378,7 @@ def fast_graphs_step(c: Cell):
     """Engine(backend='fast', loop='static', graphs='on'): the step as Engine.calibrate replays it, taken from the
     engine's per-shape step cache (a StaticStep and its captured CUDA graph, sicl_fast.calibration.static.StepCache)."""
     eng = fast_engine(c.lm, graphs=True)
-    st, run = eng.steps.get(eng.backend, c.cfg, c.prompt, c.X0)
+    st, run = eng.steps.get(eng.backend, *plan_step(eng.backend, c.cfg, c.prompt, c.X0, eng.steps.buckets))
     _static(c, eng, st)
     return run, lambda: float(st.state.history[0])
 

@@ -1,6 +1,6 @@
 """Before / after: seeded calibrations of this checkout against another checkout of sicl_fast, compared bit for bit.
 
-    mkdir /tmp/base && git archive 89e93f6 | tar -x -C /tmp/base && cp sicl_fast/_C*.so /tmp/base/sicl_fast/
+    mkdir /tmp/base && git archive 89e93f6 | tar -x -C /tmp/base && cp sicl_fast/ops/_C*.so /tmp/base/sicl_fast/
     python bench/same_histories.py --other /tmp/base [--smollm2]
 
 A grid of 36 seeded runs on tiny random-weight models (Llama with llama3 rope scaling and biases; Gemma 2 with

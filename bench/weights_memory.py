@@ -2,7 +2,7 @@
 once, and the difference form's bf16 copies), on the embedded SmolLM2-135M; with --load, the load itself as
 `--dtype auto` runs it on CUDA.
 
-    git worktree add /tmp/base 1269398 && cp sicl_fast/_C*.so /tmp/base/sicl_fast/
+    git worktree add /tmp/base 1269398 && cp sicl_fast/ops/_C*.so /tmp/base/sicl_fast/
     python bench/weights_memory.py --other /tmp/base --dtype float32 bfloat16
     python bench/weights_memory.py --other /tmp/base --load smollm2 gemma3-270m --bf16-dir /tmp/smollm2-bf16
 

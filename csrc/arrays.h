@@ -1,5 +1,5 @@
 // Argument checks and raw pointers for the numpy buffers the ops receive (torch tensors pass theirs with
-// .numpy(); bf16 tensors as int16 views). Shared by every source file of sicl_fast._C.
+// .numpy(); bf16 tensors as int16 views). Shared by every source file of sicl_fast.ops._C.
 #pragma once
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

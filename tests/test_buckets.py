@@ -18,6 +18,7 @@ from sicl_fast import Engine
 from sicl_fast.backends import make_backend
 from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.calibration.static import StepCache, run_static
+from sicl_fast.calibration.step_plan import plan_step
 from sicl_fast.step.proxy import ProxyPlan
 from sicl_fast.errors import SiclError
 from sicl_fast.formats.spans import span_offsets
@@ -157,7 +158,7 @@ def test_a_padded_prompt_calibrates_as_the_unpadded_one(models, impl, family, a,
     p = synthetic_prompt(45, [(14, 20), (26, 31)], a, V, seed=3)
     steps = StepCache("cpu", buckets=4)
     got = run_static(be, cfg, p, steps=steps)
-    assert steps.bucket(be, cfg, p) == Bucket(rows=32, length=48, positions=32)  # every size padded
+    assert plan_step(be, cfg, p, buckets=4)[0].bucket == Bucket(rows=32, length=48, positions=32)  # every size padded
     assert_close_run(got, run_static(be, cfg, p))
 
 
@@ -168,9 +169,10 @@ def test_two_lengths_in_one_bucket_share_one_step(models, monkeypatch):
     p1 = synthetic_prompt(41, [(10, 14), (20, 26)], 6, V, seed=1)  # b 26, P 10
     p2 = synthetic_prompt(43, [(9, 12), (21, 27)], 6, V, seed=2)  # b 27, P 9
     steps = StepCache("cpu", buckets=4)
-    assert steps.bucket(be, cfg, p1) == steps.bucket(be, cfg, p2) == Bucket(rows=28, length=44, positions=32)
+    plans = [plan_step(be, cfg, p, buckets=steps.buckets) for p in (p1, p2)]
+    assert plans[0][0].bucket == plans[1][0].bucket == Bucket(rows=28, length=44, positions=32)
     r1 = run_static(be, cfg, p1, steps=steps)
-    st, _ = steps.get(be, cfg, p2, be.embed(p2))
+    st, _ = steps.get(be, *plans[1])
     assert steps.cache.stats == {"builds": 1, "hits": 1} and len(steps.cache) == 1
     with HostReadGuard(monkeypatch):  # the re-armed step reads nothing back either
         st()

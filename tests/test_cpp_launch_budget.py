@@ -27,7 +27,7 @@ from test_fast_backend import make_prompt
 CFG = CalibrationConfig(N=3, mu=0.05, eta=0.5, max_steps=4, tau=0.0, scale=1.0)
 BUDGET_PER_LAYER, BUDGET_REST = 9, 30
 
-pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 
 
 def static_step(lm, impl: str, scope: str) -> StaticStep:

@@ -147,7 +147,7 @@ def test_torch_reference_matches_the_models_own_logits(fams, family):
     torch.testing.assert_close(fast.span_logprobs(X, p), own_logprobs(lm, X, p, X[0]), **F32)
 
 
-@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cpp_paths_match_the_models_own_logits_within_the_launch_budget(fams, family):
     """The C++ ops: float32 products (kept prefix), the difference form with both prefix policies, and the

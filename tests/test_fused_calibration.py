@@ -162,10 +162,10 @@ def test_impl_torch_runs_no_cpp_or_triton_code(setup, no_compiled_code):
 
 
 def test_imports_without_triton_or_extension():
-    """With triton and sicl_fast._C unimportable, sicl_fast imports, auto picks torch, and asking for the missing
+    """With triton and sicl_fast.ops._C unimportable, sicl_fast imports, auto picks torch, and asking for the missing
     implementations explains how to get them."""
     code = (
-        "import sys; sys.modules['triton'] = None; sys.modules['sicl_fast._C'] = None\n"
+        "import sys; sys.modules['triton'] = None; sys.modules['sicl_fast.ops._C'] = None\n"
         "import sicl_fast\n"
         "from sicl_fast.ops import cpp_ops\n"
         "from sicl_fast.run.plan import resolve_impl\n"

@@ -203,7 +203,7 @@ def test_bad_settings_are_refused(llama):
 
 def test_engine_without_differentiable_ops_refuses_grad(llama):
     """An engine built for the zeroth-order ascent on the C++ ops says what to do instead of failing in autograd."""
-    pytest.importorskip("sicl_fast._C")
+    pytest.importorskip("sicl_fast.ops._C")
     eng = Engine(llama, backend="fast", impl="cpp")
     with pytest.raises(SiclError, match="impl 'cpp' is forward-only"):
         eng.calibrate(_prompt(), CalibrationConfig(estimator="grad", max_steps=1))

@@ -4,10 +4,11 @@ inside functions and under `if TYPE_CHECKING:` too: a lazy or a type-only import
   * no cycle among the modules;
   * the tree reads by role: the top level holds only the package, engine.py and errors.py, and every folder says
     in its docstring what lives there;
-  * no arrow back up: the role folders (the package's subpackages; a nested package is its parent's role)
-    import one another without a cycle, so each sits above the ones it imports (ROLE_ORDER, bottom first, is the
-    order docs/development.md shows); errors.py is below them all; engine.py and the package itself are above the
-    core and imported only by the front ends (commands/, serve/, diagnostics/, evaluation/);
+  * no import runs back up a floor (FLOORS, bottom first): errors.py, the role folders (the package's subpackages; a
+    nested package is its parent's role) in the order docs/development.md shows (ROLE_ORDER), engine.py above the
+    core and below the front ends (commands/, serve/, diagnostics/, evaluation/), and the package itself on top: it
+    only hands names on, so nothing imports it (`from .. import X` of a name the package defines, or of a compiled
+    extension at its root, is an import of the package); a compiled extension sits on its folder's floor;
   * no kernel or op imports a calibration loop, and the static and packed steps do not call back into the
     eager loop's Calibrator."""
 import ast
@@ -16,7 +17,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTENSIONS = {"sicl_fast._C"}  # compiled (setup.py): a leaf, with no .py file to walk
+EXTENSIONS = {"sicl_fast.ops._C"}  # compiled (setup.py): a leaf of its folder's floor, with no .py file to walk
 
 
 def modules() -> dict:
@@ -33,9 +34,10 @@ def modules() -> dict:
 @functools.cache
 def import_graph() -> dict:
     """module -> the sicl_fast modules its import statements name (a `from package import name` names the
-    submodule when there is one, else the package)."""
+    submodule or the compiled extension when there is one, else the package). The extensions are nodes without
+    edges."""
     mods = modules()
-    graph = {}
+    graph = {ext: set() for ext in EXTENSIONS}
     for name, (path, is_pkg) in mods.items():
         graph[name] = imports(tree_of(path), name if is_pkg else name.rsplit(".", 1)[0], mods) - {name}
     return graph
@@ -61,7 +63,7 @@ def imports(tree: ast.Module, pkg: str, mods) -> set:
                        for a in node.names]
         else:
             continue
-        out |= {t for t in targets if t in mods}
+        out |= {t for t in targets if t in mods or t in EXTENSIONS}
     return out
 
 
@@ -103,12 +105,26 @@ ROLE_ORDER = ["formats", "models", "step", "kernels", "ops", "run", "backends", 
               "answering", "icleval", "evaluation", "diagnostics", "serve", "commands"]
 FRONT_ENDS = ("commands", "serve", "diagnostics", "evaluation")
 TOP = {"sicl_fast", "sicl_fast.engine", "sicl_fast.errors"}
+# Every floor, bottom first: errors.py, the core's folders, the engine (it runs the core; the front ends run it), the
+# front ends, and the package itself, which only hands on names from below (its __init__ imports the engine)
+_CORE = ROLE_ORDER[:len(ROLE_ORDER) - len(FRONT_ENDS)]
+FLOORS = ["sicl_fast.errors", *_CORE, "sicl_fast.engine", *ROLE_ORDER[len(_CORE):], "sicl_fast"]
 
 
 def role(module: str) -> str:
     """The role folder of a module ("serve" for sicl_fast.serve.routes.chat), or the module itself at the top
     level."""
     return module if module in TOP else module.split(".")[1]
+
+
+def floor(module: str) -> int:
+    """A module's floor: its role's place in FLOORS (0: errors.py, the bottom)."""
+    return FLOORS.index(role(module))
+
+
+def runs_back_up(graph: dict) -> list:
+    """The imports (module, what it imports) that run back up a floor, sorted."""
+    return sorted((a, b) for a, deps in graph.items() for b in deps if floor(b) > floor(a))
 
 
 def role_graph(graph: dict) -> dict:
@@ -127,6 +143,18 @@ def test_the_walk_sees_what_it_must():
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .static import StaticStep\n"
     assert imports(ast.parse(typed), "sicl_fast.calibration", modules()) == {"sicl_fast.calibration.static"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    # `from .. import X` of a name the package itself defines is an import of the package (its __init__, which
+    # imports the engine): the serve app once took __version__ so, and the C++ ops their extension where it sat at the
+    # package's root (issue #54); an extension of the tree is an import of that extension, on its folder's floor
+    mods = modules()
+    assert imports(ast.parse("from .. import __version__"), "sicl_fast.serve", mods) == {"sicl_fast"}
+    assert imports(ast.parse("from .. import _C"), "sicl_fast.ops", mods) == {"sicl_fast"}
+    assert imports(ast.parse("from . import _C"), "sicl_fast.ops", mods) == {"sicl_fast.ops._C"}
+    assert imports(ast.parse("import sicl_fast"), "sicl_fast.ops", mods) == {"sicl_fast"}
+    assert runs_back_up({"sicl_fast.ops.cpp_ops": {"sicl_fast"}, "sicl_fast.commands.cli": {"sicl_fast.engine"},
+                         "sicl_fast.store.disk": {"sicl_fast.engine"}, "sicl_fast.run.plan": {"sicl_fast.errors"}}) == [
+        ("sicl_fast.ops.cpp_ops", "sicl_fast"), ("sicl_fast.store.disk", "sicl_fast.engine")]
+    assert floor("sicl_fast.ops._C") == floor("sicl_fast.ops.cpp_ops")
     assert role("sicl_fast.serve.routes.chat") == "serve"
     assert role("sicl_fast.step.zo") == "step"
     assert role("sicl_fast.calibration.static") == "calibration" and role("sicl_fast.engine") == "sicl_fast.engine"
@@ -155,22 +183,25 @@ def test_every_folder_is_a_package_that_says_what_lives_there():
         assert ".".join(("sicl_fast", *rel[1:]) if rel[0] == "sicl_fast" else ("sicl_fast", *rel)) in listed, folder
 
 
-def test_no_arrow_back_up():
-    """Every import between role folders goes down ROLE_ORDER; errors.py imports none of them."""
-    roles = role_graph(import_graph())
+def test_no_import_runs_back_up():
+    """Every import goes down FLOORS or stays on its floor: between role folders down ROLE_ORDER; errors.py imports
+    none of them; engine.py and the package's __init__ (which imports the engine) sit above the core, so a core module
+    that imported them would import what imports it; and nothing imports the package itself, which only hands names
+    on (a `from .. import X` of a name it defines included)."""
+    graph = import_graph()
+    roles = role_graph(graph)
     assert set(roles) == set(ROLE_ORDER) | TOP, set(roles) ^ (set(ROLE_ORDER) | TOP)
-    up = sorted((a, b) for a, deps in roles.items() if a in ROLE_ORDER for b in deps
-                if b in ROLE_ORDER and ROLE_ORDER.index(b) > ROLE_ORDER.index(a))
-    assert up == [], up
+    assert set(FLOORS) == set(ROLE_ORDER) | TOP and set(FLOORS[-len(FRONT_ENDS) - 1:-1]) == set(FRONT_ENDS)
+    assert runs_back_up(graph) == []
     assert roles["sicl_fast.errors"] == set()
 
 
-def test_only_the_front_ends_import_the_engine():
-    """engine.py and the package's __init__ (which imports the engine) sit above the core: a core module that
-    imported them would import what imports it."""
-    for name, deps in import_graph().items():
-        if role(name) not in FRONT_ENDS and name not in TOP:
-            assert not {"sicl_fast", "sicl_fast.engine"} & deps, name
+def test_the_extensions_are_the_ones_setup_builds():
+    """EXTENSIONS (the compiled modules the walk counts) are setup.py's extension modules, at their built path."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    built = {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "Pybind11Extension"}
+    assert built == EXTENSIONS
 
 
 def test_kernels_and_ops_do_not_import_the_loops():

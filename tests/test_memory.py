@@ -8,6 +8,7 @@ import torch
 from sicl_fast.backends import make_backend
 from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.calibration.static import StaticStep, StepCache, run_static
+from sicl_fast.calibration.step_plan import plan_step
 from sicl_fast.run import memory
 from sicl_fast.run.buckets import Bucket
 from sicl_fast.run.memory import StepBytes, step_bytes
@@ -106,7 +107,7 @@ def test_the_step_cache_is_bounded_in_bytes(models, monkeypatch):
     be = make_backend("fast", models["llama"], impl="torch", diff_matmul="bf16")
     cfg = resolve_scale(CalibrationConfig(**{**BASE, "max_steps": 2}), be.lm)
     prompts = [synthetic_prompt(L, [(10, 14), (L - 20, L - 16)], 6, V, seed=L) for L in (40, 70, 100)]
-    sizes = [StepCache.step_bytes(be, cfg, p, Bucket.of(p, 4)) for p in prompts]
+    sizes = [plan_step(be, cfg, p, buckets=4)[0].bytes for p in prompts]  # what the cache counts them by
     budget = sizes[1].kept + sizes[2].kept + max(s.activations for s in sizes)
     assert budget < sum(s.kept for s in sizes) + max(s.activations for s in sizes)  # not all three
     cache = StepCache("cpu", capacity=16, buckets=4, budget=budget)

@@ -48,7 +48,7 @@ TOL = {
 
 def why_unavailable(impl: str) -> str | None:
     if impl == "cpp" and not cpp_ops.available():
-        return f"the C++ extension sicl_fast._C is not built; {cpp_ops.BUILD_HINT}"
+        return f"the C++ extension sicl_fast.ops._C is not built; {cpp_ops.BUILD_HINT}"
     if impl == "triton":
         try:
             import triton  # noqa: F401
@@ -206,7 +206,7 @@ def test_randn_bit_identical(compiled_impl, seed, step, shape):
     assert torch.equal(bits(got), bits(ref))
 
 
-@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 def test_cpp_update_independent_of_thread_count():
     X, X0 = mats(40, 64, seed=3)
     f = torch.rand(9)
@@ -318,7 +318,7 @@ def same_nonfinite(got, ref) -> None:
         assert torch.equal(test(got), test(ref)), (test.__name__, got, ref)
 
 
-cpp_only = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+cpp_only = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 
 
 # ------------------------------------------------------------------------------------------------- best tracking
@@ -553,7 +553,7 @@ def test_later_families_elementwise(dec, dev, dtype):
             assert torch.equal(gq[..., rot:].cpu(), q[..., rot:])  # past the rotary width: as it was
 
 
-@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 @pytest.mark.parametrize("B,T,H,Hk,hd,d", [(3, 37, 3, 1, 18, 37), (9, 130, 9, 3, 64, 576)])
 def test_cpp_rope_bit_identical_and_norm_on_many_rows(B, T, H, Hk, hd, d):
     """The C++ rotary does the reference's products and sum one by one: the same bits; its residual norm over
@@ -580,7 +580,7 @@ def test_cpp_rope_bit_identical_and_norm_on_many_rows(B, T, H, Hk, hd, d):
         cpp_ops.set_num_threads(n)
 
 
-@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 def test_cpp_rope_into_a_batch_of_cache_rows_and_per_row_positions():
     """K / V written into the first T of S rows of a batched cache (rows not evenly strided: through a copy), and
     batched decoding's per-row positions (cos / sin [B, 1, 1, hd]: the reference's path)."""
@@ -676,7 +676,7 @@ def test_a_fused_attention_runs_the_kernels_it_is_handed():
     assert attention_kernels("math") is None and attention_kernels("sdpa") is None
 
 
-@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+@pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 @pytest.mark.parametrize("case", CPP_ATTN_CASES, ids=[f"B{c[0]}T{c[1]}a{c[2]}hd{c[5]}w{c[6]}cap{c[7]}"
                                                       for c in CPP_ATTN_CASES])
 def test_cpp_attention_matches_the_math_path(case):
@@ -743,7 +743,7 @@ def test_cpp_attention_is_a_plan_choice():
     """impl 'cpp' takes the C++ attention ('auto') on any model: a difference-form pass is float32 whatever the
     weights (a bf16 model's plain forward hands its bf16 rows to the math path); off the CPU, a clear refusal."""
     if not cpp_ops.available():
-        pytest.skip("the C++ extension sicl_fast._C is not built")
+        pytest.skip("the C++ extension sicl_fast.ops._C is not built")
     from sicl_fast.errors import SiclError
     from sicl_fast.run.plan import BACKENDS, resolve_attention
 

@@ -164,7 +164,7 @@ REFUSALS = {
     "cpp off the CPU": (dict(call=lambda: resolve_impl("cpp", "cuda")), SiclError,
                         "impl 'cpp' runs on the CPU; the model is on cuda .use 'triton' or 'torch'."),
     "cpp not built": (plan_of(impl="cpp", setup=cpp_not_built), SiclError,
-                      "the C\\+\\+ extension sicl_fast._C is not built.*setup.py build_ext"),
+                      "the C\\+\\+ extension sicl_fast.ops._C is not built.*setup.py build_ext"),
     "triton without CUDA or the interpreter": (plan_of(impl="triton", setup=no_interpreter, needs="triton"),
                                                SiclError,
                                                "impl 'triton' runs on CUDA; for cpu tensors set TRITON_INTERPRET=1"),

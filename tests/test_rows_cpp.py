@@ -31,7 +31,7 @@ from sicl_fast.step.step_state import StepState, bookkeep_reference
 from sicl_fast.step.zo import finite_differences
 from test_rows_ops import LAYOUT_IDS, LAYOUTS, WITH_REF, form_of, layout, near_rows, reference_of
 
-pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+pytestmark = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 
 # a layout large enough for every op to run on several threads: lead rows and packed anchors
 BIG = RowLayout.build(4, 5, 48, 4, [0, 0, 0, 3, 3])

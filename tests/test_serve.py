@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
+import sicl_fast  # noqa: E402
 from sicl_fast import Calibrator, Engine  # noqa: E402
 from sicl_fast.commands.cli import main  # noqa: E402
 from sicl_fast.serve.client import Client, QueueFullError, ServerError  # noqa: E402
@@ -136,6 +137,7 @@ def test_health_models_openapi(server, client, engine):
     assert m["id"] == "tiny-llama" and m["family"] == "llama" and m["context"] == 512 and m["d"] == 32
     assert m["preset"]["N"] == 8 and m["preset"]["max_steps"] == 250
     spec = httpx.get(server.url + "/openapi.json").json()
+    assert spec["info"]["version"] == sicl_fast.__version__  # read from the install, not from the package's __init__
     assert {"/health", "/v1/models", "/metrics", "/v1/proxy", "/v1/calibrate"} <= set(spec["paths"])
     ref = spec["paths"]["/v1/calibrate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
     body_schema = spec["components"]["schemas"][ref.rsplit("/", 1)[1]]

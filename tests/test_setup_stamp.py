@@ -30,8 +30,8 @@ def checkout(tmp_path):
     (tmp_path / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / ".venv" / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / ".venv" / "bin" / "python").chmod(0o755)
-    (tmp_path / "sicl_fast").mkdir()
-    (tmp_path / "sicl_fast" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (tmp_path / "sicl_fast" / "ops").mkdir(parents=True)
+    (tmp_path / "sicl_fast" / "ops" / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     (tmp_path / ".venv" / "sicl-setup.stamp").write_text(
         f"sources {sources_hash(tmp_path)}\ngemma3 0\nray 1\nextension built\n")
     return tmp_path
@@ -48,7 +48,8 @@ def test_current_setup_is_skipped(checkout):
         assert run.returncode == 0 and CURRENT in run.stdout, run.stderr
 
 
-@pytest.mark.parametrize("change", ["csrc", "pyproject", "option", "extension gone", "force", "no stamp"])
+@pytest.mark.parametrize("change", ["csrc", "pyproject", "option", "extension gone", "extension at its old path",
+                                    "force", "no stamp"])
 def test_stale_setup_is_redone(checkout, change):
     env = {}
     if change == "csrc":
@@ -59,7 +60,10 @@ def test_stale_setup_is_redone(checkout, change):
     elif change == "option":
         env = {"SICL_GEMMA3": "1"}  # the last install did not have the Gemma 3 packages
     elif change == "extension gone":
-        next((checkout / "sicl_fast").glob("_C.*.so")).unlink()
+        next((checkout / "sicl_fast" / "ops").glob("_C.*.so")).unlink()
+    elif change == "extension at its old path":  # built before it moved to sicl_fast.ops (issue #54): not current
+        built = next((checkout / "sicl_fast" / "ops").glob("_C.*.so"))
+        built.rename(checkout / "sicl_fast" / built.name)
     elif change == "force":
         env = {"SICL_SETUP_FORCE": "1"}
     else:

@@ -14,7 +14,7 @@ from sicl_fast.errors import SiclError
 from sicl_fast.ops import cpp_ops
 from sicl_fast.run.threads import WAIT_ENV, apply_threads, available_cores, decide_wait_policy, resolve_threads
 
-needs_cpp = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast._C is not built")
+needs_cpp = pytest.mark.skipif(not cpp_ops.available(), reason="the C++ extension sicl_fast.ops._C is not built")
 
 
 @pytest.fixture

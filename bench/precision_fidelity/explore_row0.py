@@ -14,7 +14,7 @@ the differences'):
 Seeded runs (--steps, tau 0, patience 0, one thread) on ICLEval samples of up to 330 tokens; each run's gain read
 off the float32 proxy of the X it returns (f32), beside its own proxy's gain (own) and its error in f(X0) (init).
 
-    git worktree add /tmp/old 1269398 && cp sicl_fast/_C*.so /tmp/old/sicl_fast/
+    git worktree add /tmp/old 1269398 && cp sicl_fast/ops/_C*.so /tmp/old/sicl_fast/
     cd /tmp/old && OMP_NUM_THREADS=1 PYTHONPATH=/tmp/old python /work/main/bench/precision_fidelity/explore_row0.py \\
         ../shared/icleval/data --variants fp32 row0-f32 x-rounded w-rounded shared hi-lo reference
 

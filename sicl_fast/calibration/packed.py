@@ -20,7 +20,7 @@ stops). Between two reads a stopped slot's state no longer changes (StaticStep),
 read interval.
 
 A slot that changes costs its own: the next prompt takes the stopped slot's place; where its shape is the stopped
-one's (StaticStep.shape: with length buckets, a prompt of the same config, prefix rows and span count in the same
+one's (StepPlan.shape: with length buckets, a prompt of the same config, prefix rows and span count in the same
 bucket) it is loaded into that slot's tensors in place (StaticStep.load, PackedForward.load: its reference, its
 span plan), else it gets a step of its own and the pass is laid out again, the other slots keeping their references
 (PackedForward.arrange). No slot's reference is made twice for one change. With CUDA graphs (the run plan's graphs),
@@ -36,15 +36,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult
-from ..run.buckets import Bucket
-from ..run.checks import calibration_inputs
 from ..run.graphs import Captures, ReplayCheck, model_refs, off_by, weakly
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from ..step.spec import resolve_scale
 from .static import StaticStep, compare_steps, step_outputs
 from .reads import Slot, read, steps_to_read
+from .step_plan import plan_step
 
 
 class PackedStep:
@@ -263,25 +261,23 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     graphs = plan.graphs if graphs is None else graphs
     queue = list(enumerate(items))
     results: list[CalibrationResult | None] = [None] * len(items)
-    shapes: dict[int, tuple] = {}  # id(step) -> its StaticStep.shape
+    shapes: dict[int, tuple] = {}  # id(step) -> its plan's shape (StepPlan.shape)
 
     def admit(free: StaticStep | None = None) -> tuple[Slot, bool]:
         """(the next queued item's slot, whether it took `free`, a stopped slot's step, in place)."""
         i, (prompt, config) = queue.pop(0)
-        config = resolve_scale(config, backend.lm)
         kept = BestAt(best_at)
-        bucket = None if plan.length_buckets is None else Bucket.of(prompt, plan.length_buckets,
-                                                                    backend.lm.max_context)
-        X0 = calibration_inputs(backend, prompt, config, kept=kept.copies(config.max_steps), bucket=bucket)
-        shape = StaticStep.shape(backend, config, prompt, X0, bucket, use_prefix=False)
-        loaded = free is not None and shapes.get(id(free)) == shape
+        # the slot's step planned once (its spec, bucket, bytes, proxy plan), without the prefix K/V
+        step_plan, X0 = plan_step(backend, config, prompt, buckets=plan.length_buckets,
+                                  kept=kept.copies(config.max_steps), use_prefix=False)
+        loaded = free is not None and shapes.get(id(free)) == step_plan.shape
         if loaded:
-            free.load(prompt, X0)
+            free.load(step_plan, X0)
             st = free
         else:
-            st = StaticStep(backend, config, prompt, X0, use_prefix=False, bucket=bucket, own_forward=False)
+            st = StaticStep.planned(backend, step_plan, X0, own_forward=False)
             shapes.pop(id(free), None)
-            shapes[id(st)] = shape
+            shapes[id(st)] = step_plan.shape
         t0 = time.perf_counter()
         return Slot(st, t0, kept, stop_check(None, budget, t0), index=i), loaded
 

@@ -2,7 +2,10 @@
 that reads the state back only every k steps. It computes Algorithm 1 exactly as the readable eager loop
 (`Calibrator.run`, the reference) does, and is tested equal to it bit for bit.
 
-    step = StaticStep(backend, config, prompt)      allocates every buffer once
+    step = StaticStep(backend, config, prompt, X0)  allocates every buffer once
+    step = StaticStep.planned(backend, plan, X0)    the same from the prompt's StepPlan (sicl_fast.calibration.
+                                                    step_plan: its spec, bucket, proxy plan, forward policy and
+                                                    bytes, each worked out once, with the entry checks)
     step()                                          perturb -> forward -> span log-probs -> proxy ->
                                                     best / patience / SNR / stop bookkeeping -> update, in place
     run_static(backend, config, prompt, sync_every=k) -> CalibrationResult
@@ -33,18 +36,16 @@ import weakref
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult
-from ..run.checks import calibration_inputs
 from ..errors import NumericalError
 from ..run.graphs import DEFAULT_CAPACITY, Captures, ReplayCheck, ShapeCache, model_refs, off_by
-from ..run.memory import StepBytes, cache_budget, form_of, step_bytes
+from ..run.memory import cache_budget
 from ..run.knobs import check_range
-from ..step.proxy import ProxyPlan
 from ..run.run_args import BestAt, check_budget, stop_check
-from ..backends.step_forward import StepForward
 from ..formats.spans import Prompt
-from ..step.spec import StepSpec, block_end, resolve_scale
+from ..step.spec import resolve_scale
 from ..run.buckets import Bucket
 from .reads import Slot, read, steps_to_read
+from .step_plan import StepPlan, plan_step
 from ..step.step_state import GATE, NONFINITE, REASONS, StepState
 
 
@@ -55,28 +56,31 @@ class StaticStep:
     (sicl_fast.run.buckets.Bucket) the step runs padded to, so that prompts of other lengths in it share this step
     and its graph (load); the state then holds X [bucket.length, d], whose first L rows are the prompt's (own).
     own_forward=False: no forward of its own (`forward` None: a packed step's slot, whose batch goes through the
-    packed forward)."""
+    packed forward). plan: the prompt's StepPlan where the caller made one (StaticStep.planned); else the step plans
+    itself from config, prompt, X0, use_prefix and bucket (sicl_fast.calibration.step_plan.StepPlan.of)."""
 
     def __init__(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
-                 use_prefix: bool = True, bucket: Bucket | None = None, own_forward: bool = True) -> None:
+                 use_prefix: bool = True, bucket: Bucket | None = None, own_forward: bool = True,
+                 plan: StepPlan | None = None) -> None:
         backend.plan.require_sync_free("step")
         backend.plan.check_zeroth_order(config.estimator)
-        self.backend, self.ops, self.prompt, self.bucket = backend, backend.ops, prompt, bucket
-        self.config = cfg = resolve_scale(config, backend.lm)
+        if plan is None:
+            plan = StepPlan.of(backend, resolve_scale(config, backend.lm), prompt, X0, bucket, use_prefix)
+        self.backend, self.ops, self.prompt, self.bucket = backend, backend.ops, plan.prompt, plan.bucket
+        self.config, self.spec = plan.config, plan.spec
         dev = backend.device
-        self.spec = StepSpec.for_prompt(cfg, prompt, X0, bucket)
         # the block's own end, read on the device by the noise kernels and the update (None: the spec's b)
-        self.rows_end = None if bucket is None else torch.tensor([block_end(cfg, prompt)], device=dev)
-        self.proxy_plan = self._proxy_plan(prompt)
-        self.state = StepState.new(self.padded(X0.to(dev)), cfg)
+        self.rows_end = None if plan.rows_end is None else torch.tensor([plan.rows_end], device=dev)
+        self.proxy_plan = plan.proxy  # the step's own from here: load() writes the next prompt's into it
+        self.state = StepState.new(self.padded(X0.to(dev)), self.config)
         self.batch = torch.empty(self.spec.B, self.spec.b, self.spec.d, dtype=torch.float32, device=dev)
-        self.forward = backend.step_forward(prompt, self.policy(self.spec, use_prefix), self.spec.B, self.state.X0,
-                                            bucket=bucket) if own_forward else None
+        self.forward = backend.step_forward(plan.prompt, plan.policy, self.spec.B, self.state.X0,
+                                            bucket=plan.bucket) if own_forward else None
 
-    def _proxy_plan(self, prompt: Prompt) -> ProxyPlan:
-        cfg, b = self.config, self.bucket
-        return ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), self.backend.device, cfg.alpha,
-                               cfg.beta, cfg.gamma, cfg.q, width=None if b is None else b.positions)
+    @classmethod
+    def planned(cls, backend, plan: StepPlan, X0: torch.Tensor, own_forward: bool = True) -> StaticStep:
+        """The step of a StepPlan (plan_step's, made with the entry checks) from X0 [L, d] float32."""
+        return cls(backend, plan.config, plan.prompt, X0, bucket=plan.bucket, own_forward=own_forward, plan=plan)
 
     def padded(self, X: torch.Tensor) -> torch.Tensor:
         """X [L, d] as the state holds it: followed by zero rows up to the bucket's length (X itself: no bucket)."""
@@ -88,33 +92,22 @@ class StaticStep:
         return X[:self.prompt.length]
 
     @staticmethod
-    def policy(spec: StepSpec, use_prefix: bool = True) -> str:
-        """The prefix policy of the step's forward: the spec's, or 'none' (use_prefix=False: the packed step)."""
-        return spec.prefix_policy if use_prefix else "none"
-
-    @staticmethod
     def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
               bucket: Bucket | None = None, use_prefix: bool = True) -> tuple:
-        """What a step's buffers and kernel launches depend on (config resolved, X0 [L, d]). Prompts of one shape
-        can share one StaticStep, and its captured graph, through `load`: their spans may differ in place, not in
-        count or length, and their texts in everything; with a bucket, their lengths and span lengths too, within
-        the bucket's sizes."""
-        config = resolve_scale(config, backend.lm)
-        spec = StepSpec.for_prompt(config, prompt, X0, bucket)
-        return (config, spec, len(prompt.token_spans),
-                StepForward.shape(prompt, StaticStep.policy(spec, use_prefix), spec.B, bucket), bucket)
+        """What a step's buffers and kernel launches depend on (X0 [L, d]): its plan's shape (StepPlan.shape)."""
+        return StepPlan.of(backend, resolve_scale(config, backend.lm), prompt, X0, bucket, use_prefix).shape
 
-    def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
-        """Re-arm this step for `prompt` (of this step's `shape`) from X0 [L, d]: every tensor the step reads is
-        overwritten in place, so a graph captured on this step replays the new prompt, and the state starts as a
-        new StaticStep's would."""
-        self.proxy_plan.copy_(self._proxy_plan(prompt))
+    def load(self, plan: StepPlan, X0: torch.Tensor) -> None:
+        """Re-arm this step for the prompt of `plan` (of this step's shape: StepPlan.shape) from X0 [L, d]: every
+        tensor the step reads is overwritten in place (the plan's proxy plan and block end among them), so a graph
+        captured on this step replays the new prompt, and the state starts as a new StaticStep's would."""
+        self.proxy_plan.copy_(plan.proxy)
         if self.rows_end is not None:
-            self.rows_end.fill_(block_end(self.config, prompt))
-        self.prompt = prompt
+            self.rows_end.fill_(plan.rows_end)
+        self.prompt = plan.prompt
         self.state.reset(self.padded(X0.to(self.backend.device)))
         if self.forward is not None:
-            self.forward.load(prompt, self.state.X0)
+            self.forward.load(plan.prompt, self.state.X0)
 
     def rebind(self, backend) -> None:
         """Run on `backend`'s ops and model from now on (a fallback to the torch ops after a captured step failed
@@ -166,18 +159,18 @@ class StaticStep:
 
 
 class StepCache:
-    """Static steps kept per prompt shape (StaticStep.shape), each with its captured CUDA graph on CUDA unless
-    graphs=False (the step itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently used
-    dropped first). get() re-arms the step of the prompt's shape for that prompt (StaticStep.load), building and
-    capturing it on the first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the run
-    plan's length_buckets), so that prompts of nearby lengths share a step and its graph; None: one step a shape.
-    The graphs are one owner's (sicl_fast.run.graphs.Captures): one capture stream, and one memory pool for their
-    temporaries (graphs replay one at a time, so they can share it: a new bucket adds its buffers, not another pool);
-    a dropped step's graphs are destroyed, or retired where the torch version frees a stream's cuBLAS workspaces with
-    any of its graphs (run.graphs, the workspace hazard).
+    """Static steps kept per prompt shape (StepPlan.shape), each with its captured CUDA graph on CUDA unless
+    graphs=False (the step itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently
+    used dropped first). get() re-arms the step of the plan's shape for the plan's prompt (StaticStep.load), building
+    and capturing it on the first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the
+    run plan's length_buckets; plan_step pads a prompt to its bucket), so that prompts of nearby lengths share a step
+    and its graph; None: one step a shape. The graphs are one owner's (sicl_fast.run.graphs.Captures): one capture
+    stream, and one memory pool for their temporaries (graphs replay one at a time, so they can share it: a new
+    bucket adds its buffers, not another pool); a dropped step's graphs are destroyed, or retired where the torch
+    version frees a stream's cuBLAS workspaces with any of its graphs (run.graphs, the workspace hazard).
 
-    The bytes: what each kept step holds (sicl_fast.run.memory.step_bytes, counted from the shapes before it is
-    built: its state, batch, prefix K/V, value rows' reference and logits, the pass K/V its graph holds) and once
+    The bytes: what each kept step holds (its plan's: sicl_fast.run.memory.step_bytes, counted from the shapes before
+    it is built: its state, batch, prefix K/V, value rows' reference and logits, the pass K/V its graph holds) and once
     the largest step's activations (the shared pool's), with a captured step's room for the step its first replay is
     checked against (StepCheck: transient, counted with the temporaries). budget None: cache_budget, a share of the
     memory available when the cache is made (the same rule on a CPU, where kept steps take RAM). A dropped step is
@@ -202,25 +195,12 @@ class StepCache:
         """The bytes the kept steps hold (what dropping them all would give back)."""
         return self.cache.held()
 
-    @staticmethod
-    def step_bytes(backend, config: CalibrationConfig, prompt: Prompt, bucket: Bucket | None = None) -> StepBytes:
-        """What a StaticStep of `prompt` (config resolved) in `bucket` holds, from the shapes (nothing built)."""
-        return step_bytes(backend.lm, prompt, config, bucket=bucket, form=form_of(backend.plan),
-                          prefix=getattr(backend, "prefix_cache", True))
-
-    def bucket(self, backend, config: CalibrationConfig, prompt: Prompt) -> Bucket | None:
-        """The length bucket `prompt` runs in (None: buckets off)."""
-        if self.buckets is None:
-            return None
-        return Bucket.of(prompt, self.buckets, backend.lm.max_context)
-
-    def get(self, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor):
-        """(step, run): the StaticStep armed for prompt from X0 [L, d] (config resolved), and the callable that
-        runs one step of it (its graph's replay on CUDA)."""
-        bucket = self.bucket(backend, config, prompt)
+    def get(self, backend, plan: StepPlan, X0: torch.Tensor):
+        """(step, run): the StaticStep of `plan` (plan_step's, padded to this cache's buckets) armed for its prompt
+        from X0 [L, d], and the callable that runs one step of it (its graph's replay on CUDA)."""
 
         def build():
-            st = StaticStep(backend, config, prompt, X0, bucket=bucket)
+            st = StaticStep.planned(backend, plan, X0)
             if self.captures is None or not self.captures.on or backend.plan.fallback is not None:
                 return st, st
             keep = model_refs(backend.model, backend.ops)
@@ -229,15 +209,15 @@ class StepCache:
             st.forward.capture_refresh(st.state.X, self.captures, keep=keep, check=RefreshCheck(st))
             return st, run
 
-        size = self.step_bytes(backend, config, prompt, bucket)
         # a new capture's first replay is checked against a step of its own on the torch ops (StepCheck), made and
         # dropped beside it: room for one more step's kept bytes, counted with the temporaries
-        twin = size.kept if self.captures is not None and self.captures.on and backend.plan.fallback is None else 0
+        checked = self.captures is not None and self.captures.on and backend.plan.fallback is None
+        twin = plan.bytes.kept if checked else 0
         # the impl in the key: after a fallback to the torch ops (first_replay) the steps are made anew on them
-        key = (StaticStep.shape(backend, config, prompt, X0, bucket), backend.plan.impl)
-        (st, run), hit = self.cache.get(key, build, (size.kept, size.activations + twin))
+        key = (plan.shape, backend.plan.impl)
+        (st, run), hit = self.cache.get(key, build, (plan.bytes.kept, plan.bytes.activations + twin))
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
-            st.load(prompt, X0)
+            st.load(plan, X0)
         return st, run
 
 
@@ -366,14 +346,12 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
     t0 = time.perf_counter()
     should_stop = stop_check(should_stop, check_budget(time_budget_s, "run_static"), t0)
     best_at = best_at if best_at is not None else BestAt()
-    config = resolve_scale(config, backend.lm)
-    bucket = steps.bucket(backend, config, prompt) if steps is not None else None
-    X0 = calibration_inputs(backend, prompt, config, X0, best_at.copies(config.max_steps), bucket,
-                            steps.held if steps is not None else 0)
+    plan, X0 = plan_step(backend, config, prompt, X0, None if steps is None else steps.buckets,
+                         best_at.copies(config.max_steps), reclaimable=0 if steps is None else steps.held)
     if steps is None:
-        st = run = StaticStep(backend, config, prompt, X0)
+        st = run = StaticStep.planned(backend, plan, X0)
     else:
-        st, run = steps.get(backend, config, prompt, X0)
+        st, run = steps.get(backend, plan, X0)
     slot = Slot(st, t0, best_at, should_stop, on_step)
     every = st.forward.refresh_every
     while True:

@@ -24,6 +24,7 @@ from ..formats.requests import render_structured
 from ..formats.spans import Prompt, tokenize
 from ..step.spec import resolve_scale
 from ..calibration.static import StaticStep, StepCache, run_static
+from ..calibration.step_plan import plan_step
 
 _WORDS = ("river stone light paper green quiet seven market window garden silver morning table yellow north "
           "winter coffee letter bridge forest candle orange music rocket planet school doctor animal").split()
@@ -158,7 +159,7 @@ def step_runner(backend, prompt: Prompt, config: CalibrationConfig) -> tuple[Cal
                  for _ in range(plan.pack)]
         return PackedStep(backend, slots), f"packed x{plan.pack}"
     if plan.graphs:
-        return StepCache(backend.device, 1).get(backend, config, prompt, X0)[1], "static, graph"
+        return StepCache(backend.device, 1).get(backend, *plan_step(backend, config, prompt, X0))[1], "static, graph"
     return StaticStep(backend, config, prompt, X0), "static"
 
 

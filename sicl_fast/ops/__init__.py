@@ -8,7 +8,8 @@
 
 Which implementation runs ('auto' follows the device; the exact gradient needs a differentiable one; 'cpp' runs on
 the CPU) is a rule of the run plan (sicl_fast.run.plan.resolve_impl); make_ops builds what the plan chose and decides
-nothing. No environment variable is read. The protocols and the shapes: sicl_fast.ops.base.
+nothing. No environment variable is read. The protocols and the shapes: sicl_fast.ops.base. The C++ extension is
+built here, as sicl_fast.ops._C (setup.py, csrc/), below every floor that uses it.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ the run plan, sicl_fast.run.plan) and passed down; nothing below decides again o
     DecoderOps   the fast decoder's elementwise work and the difference products' epilogues (the model holds it)
 
 Implementations: torch (sicl_fast.ops.torch_ops, the reference, any device; the oracle of the others), cpp
-(sicl_fast.ops.cpp_ops, the C++ extension sicl_fast._C, float32 CPU tensors), triton (sicl_fast.ops.triton_ops,
+(sicl_fast.ops.cpp_ops, the C++ extension sicl_fast.ops._C, float32 CPU tensors), triton (sicl_fast.ops.triton_ops,
 the kernels sicl_fast.kernels: CUDA or the CPU interpreter). An implementation without its own form of an op
 inherits the reference's; where it adds nothing to a kernel, the kernel function itself is bound as the op.
 

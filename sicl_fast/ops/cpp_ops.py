@@ -1,4 +1,4 @@
-"""The C++ CPU implementation (extension `sicl_fast._C`, csrc/): CppStepOps (perturb, update, proxy, the static
+"""The C++ CPU implementation (extension `sicl_fast.ops._C`, csrc/): CppStepOps (perturb, update, proxy, the static
 step's bookkeeping `bookkeep`, the span heads) and CppDecoderOps (the difference form's row epilogues norm_rows,
 rope_rows, gated_rows; the plain forward's residual norms and rotary), on float32 activations and the difference
 form's bf16 rows, CPU tensors. The span heads' products are torch's, a vocabulary chunk at a time, their
@@ -43,7 +43,7 @@ from .base import fired_tensor
 from .torch_ops import TorchDecoderOps, TorchStepOps
 
 try:  # the extension is optional
-    from .. import _C  # type: ignore[attr-defined]
+    from . import _C  # type: ignore[attr-defined]
 
     _IMPORT_ERROR: Exception | None = None
 except ImportError as exc:  # not built
@@ -69,7 +69,7 @@ def available() -> bool:
 def _ext():
     """The extension module; a SiclError saying how to build it when it is not built."""
     if _C is None:
-        raise SiclError(f"the C++ extension sicl_fast._C is not built ({_IMPORT_ERROR}); {BUILD_HINT}")
+        raise SiclError(f"the C++ extension sicl_fast.ops._C is not built ({_IMPORT_ERROR}); {BUILD_HINT}")
     return _C
 
 

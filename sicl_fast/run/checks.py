@@ -9,6 +9,8 @@ checked once here, before any work, and refused with a SiclError naming the argu
     check_perturbation(config, lm)                     mu * scale large enough for float32 to perturb this model
     check_step_memory(lm, prompt, config)              refuse a step whose estimated memory (what it keeps and its
                                                        activations: sicl_fast.run.memory) exceeds what is free
+    check_inputs(backend, prompt, config, X0)          a calibration's prompt, X0 and perturbation; with the
+    calibration_inputs(...)                            memory of its step too
 """
 from __future__ import annotations
 
@@ -105,11 +107,19 @@ def calibration_inputs(backend, prompt: Prompt, config, X0=None, kept: int = 0, 
     returned as float32), the perturbation's size and the memory of one step with `kept` copies of X beside it
     (padded to `bucket`, a length bucket, where one is given; reclaimable: what a step cache would give back for
     it)."""
+    X0 = check_inputs(backend, prompt, config, X0)
+    check_step_memory(backend.lm, prompt, config, kept=kept, bucket=bucket, form=form_of(backend.plan),
+                      reclaimable=reclaimable)
+    return X0
+
+
+def check_inputs(backend, prompt: Prompt, config, X0=None) -> torch.Tensor:
+    """calibration_inputs' checks but the memory's: the prompt and its tokens, X0 (default: the prompt's own
+    embeddings; returned as float32) and the perturbation's size. A StepPlan (sicl_fast.calibration.step_plan) checks
+    the memory on the bytes it counted."""
     check_prompt(prompt, backend.lm)
     X0 = check_embeddings(backend.embed(prompt) if X0 is None else X0, prompt, backend.lm, "X0")
     check_perturbation(config, backend.lm)
-    check_step_memory(backend.lm, prompt, config, kept=kept, bucket=bucket, form=form_of(backend.plan),
-                      reclaimable=reclaimable)
     return X0.detach().float()  # the ascent moves X itself; no autograd history of the caller's tensor comes along
 
 
@@ -126,12 +136,14 @@ def check_perturbation(config, lm) -> None:
 
 
 def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0, bucket=None, form: str | None = None,
-                      reclaimable: int = 0) -> None:
+                      reclaimable: int = 0, size=None) -> None:
     """Refuse a step whose estimate (step_memory with `kept` copies of X, padded to `bucket` where given, its forward
     of `form`; `pack` such steps at once, without the prefix K/V, for the packed step) exceeds the memory free on
     the model's device and what a step cache would give back for it (`reclaimable`: the bytes its kept steps
-    hold)."""
-    need = pack * step_memory(lm, prompt, config, kept, bucket, form, prefix=pack == 1)
+    hold). size: the step's StepBytes where the caller counted them (a StepPlan's, its copies of X among them):
+    the estimate is theirs then."""
+    need = pack * (size.total if size is not None else step_memory(lm, prompt, config, kept, bucket, form,
+                                                                   prefix=pack == 1))
     free = available_memory(lm.device) + reclaimable
     if need > free:
         rows = block_end(config, prompt, bucket)
@@ -145,5 +157,5 @@ def check_step_memory(lm, prompt: Prompt, config, pack: int = 1, kept: int = 0, 
                 "of memory free; lower N" + (" or --pack" if pack > 1 else "")))
 
 
-__all__ = ["check_prompt", "check_tokens", "check_embeddings", "calibration_inputs", "check_perturbation",
-           "check_step_memory", "step_memory", "available_memory"]
+__all__ = ["check_prompt", "check_tokens", "check_embeddings", "calibration_inputs", "check_inputs",
+           "check_perturbation", "check_step_memory", "step_memory", "available_memory"]

@@ -5,12 +5,14 @@ tensors a built step holds, piece by piece.
 
     available_memory(device) -> bytes free for a step (CUDA: the driver's free memory plus what torch's allocator
                                 holds unused; the CPU: MemAvailable, or the cgroup's headroom when smaller)
-    step_bytes(lm, prompt, config, kept, bucket, form, prefix) -> StepBytes
+    step_bytes(lm, prompt, config, kept, bucket, form, prefix, policy) -> StepBytes
     cache_budget(device) -> bytes the kept steps may take (CACHE_SHARE of the memory available)
 
 A static step of the fast backend keeps, for as long as it is cached (its CUDA graph reads them by address):
 
-    state       X, X0, X_next, the best X [L, d] float32; the history [max_steps]; the copies of X kept along the way
+    state       X, X0, X_next, the best X [L, d] float32; the history [max_steps]
+    copies      the copies of X [L, d] the run keeps along the way (best_at): the run's, not the step's, so not in
+                what a cached step holds (kept)
     batch       the perturbation batch [B, b, d] float32 (b: the perturbed block's end)
     prefix      the kept prefix's K/V and hidden rows (prefix policy 'kept'): float32 in the difference form, the
                 model dtype in the plain one
@@ -104,6 +106,7 @@ class StepBytes:
     """One step's bytes, by what holds them (module docstring)."""
 
     state: int = 0
+    copies: int = 0
     batch: int = 0
     prefix: int = 0
     reference: int = 0
@@ -113,13 +116,13 @@ class StepBytes:
 
     @property
     def kept(self) -> int:
-        """What the step holds between two steps (a cached step's cost)."""
-        return sum(getattr(self, f.name) for f in fields(self)) - self.activations
+        """What the step holds between two steps (a cached step's cost): not the run's copies of X."""
+        return sum(getattr(self, f.name) for f in fields(self)) - self.activations - self.copies
 
     @property
     def total(self) -> int:
-        """What running it needs: what it keeps and one layer's temporaries."""
-        return self.kept + self.activations
+        """What running it needs: what it keeps, the run's copies of X and one layer's temporaries."""
+        return self.kept + self.copies + self.activations
 
     def scaled(self, n: int) -> StepBytes:
         """n such steps (the packed step's slots)."""
@@ -127,13 +130,15 @@ class StepBytes:
 
 
 def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None = None,
-               prefix: bool = True) -> StepBytes:
+               prefix: bool = True, policy: str | None = None) -> StepBytes:
     """The bytes of one ascent step of `prompt` under the CalibrationConfig config (module docstring), padded to
     `bucket` (a length bucket) where given; kept: copies of X [L, d] kept along the way (BestAt). form: the fast
     backend's step forward, 'rows' (the difference form) or 'plain', or None (another backend: its forward's
     buffers are not ours to count); prefix: False where the step runs without the prefix K/V (the packed step, a
-    backend without the prefix cache). The exact gradient (estimator 'grad') runs one row, but autograd keeps every
-    layer's activations for the backward (one layer's with checkpoint), about twice over."""
+    backend without the prefix cache); policy: the forward's prefix policy ('kept', 'pass', 'none') where the caller
+    worked it out (a StepPlan, sicl_fast.calibration.step_plan), else worked out here from prefix. The exact gradient
+    (estimator 'grad') runs one row, but autograd keeps every layer's activations for the backward (one layer's with
+    checkpoint), about twice over."""
     s = ModelShape.of(lm)
     f32 = 4
     B = config.batch
@@ -142,17 +147,19 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
     b = bucket.rows if bucket is not None else prompt.demo_end  # the forward's rows
     P = bucket.positions if bucket is not None else int(prompt.positions.numel())
     a = prompt.demo_start
-    state = f32 * (4 * L * s.d + config.max_steps + kept * prompt.length * s.d)
+    state = f32 * (4 * L * s.d + config.max_steps)
+    copies = f32 * kept * prompt.length * s.d
     per_row = 2 * s.d + 6 * s.d + 3 * s.inter + s.H * n  # one layer's widths, the attention scores' among them
     if config.estimator == "grad":
         layers = 1 if config.checkpoint else s.layers
-        return StepBytes(state=state, activations=f32 * 2 * (layers + 1) * n * per_row)
-    out = dict(state=state, batch=f32 * B * n * s.d, activations=f32 * B * n * per_row)
+        return StepBytes(state=state, copies=copies, activations=f32 * 2 * (layers + 1) * n * per_row)
+    out = dict(state=state, copies=copies, batch=f32 * B * n * s.d, activations=f32 * B * n * per_row)
     if form is None:
         return StepBytes(**out)
     if form not in FORMS:
         raise ValueError(f"form {form!r}; one of {FORMS} or None")
-    policy = "none" if not prefix or a == 0 else prefix_policy(config.kappa, config.projection_scope)
+    if policy is None:
+        policy = "none" if not prefix or a == 0 else prefix_policy(config.kappa, config.projection_scope)
     start = 0 if policy == "none" else a  # the first row each batch row runs
     T, lead = b - start, a if policy == "pass" else 0
     kv_row = 2 * s.layers * s.Hk * s.hd  # K and V of one row, every layer

@@ -3,7 +3,7 @@ to the C++ ops, and one OpenMP wait policy.
 
     n, why = resolve_threads(None)  the count asked for, else OMP_NUM_THREADS when set, else the cores this process
                                     may use (os.sched_getaffinity); why says which (a run plan axis)
-    apply_threads(n)                torch's intra-op threads and sicl_fast._C's thread count, both n
+    apply_threads(n)                torch's intra-op threads and sicl_fast.ops._C's thread count, both n
                                     (sicl_fast.backends.build_backend calls it with the plan's count: the one place)
     choose_wait_policy()            once, when sicl_fast is imported: OMP_WAIT_POLICY=PASSIVE unless the user set
                                     OMP_WAIT_POLICY or GOMP_SPINCOUNT; returns (policy, why) for the run plan

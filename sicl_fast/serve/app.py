@@ -8,12 +8,12 @@ exception handlers (errors.py), then its route (routes/). A new concern is a mod
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.routing import iter_route_contexts
 
-from .. import __version__
 from . import errors, openapi
 from .auth import key_dependencies
 from .metrics import RequestMetrics
@@ -39,9 +39,18 @@ def lifespan(state: ServeState):
     return run
 
 
+def package_version() -> str:
+    """sicl-fast's version as installed (pyproject.toml's, as sicl_fast.__version__): read from the install, not from
+    the package's __init__, the top floor, which only hands names on and imports the engine."""
+    try:
+        return importlib.metadata.version("sicl-fast")
+    except importlib.metadata.PackageNotFoundError:  # a tree run without an install
+        return "unknown (not installed)"
+
+
 def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
     state = ServeState.build(engine, settings or ServeSettings())
-    app = FastAPI(title="sicl_fast", version=__version__, lifespan=lifespan(state),
+    app = FastAPI(title="sicl_fast", version=package_version(), lifespan=lifespan(state),
                   description="Test-time calibration of few-shot prompts (self-improving in-context learning). "
                               f"Model: {engine.lm.name}. One engine; requests queue and run one at a time.")
     app.state.serve = state

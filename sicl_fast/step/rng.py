@@ -1,7 +1,7 @@
 """Counter-based Gaussian noise: Philox4x32-10 + Box-Muller, the reference of every noise path.
 
 The perturbation directions U_i are a pure function of (seed, step, i, element), so every path (this torch
-reference, the Triton kernels in `sicl_fast.kernels`, the C++ extension `sicl_fast._C`) draws the same
+reference, the Triton kernels in `sicl_fast.kernels`, the C++ extension `sicl_fast.ops._C`) draws the same
 directions and a kernel can regenerate them for the gradient instead of storing them.
 
 Keying (shared by all paths):

@@ -26,8 +26,8 @@ if not torch.cuda.is_available():
 from sicl_fast.backends import make_backend  # noqa: E402
 from sicl_fast.backends.fast import DecodeCheck  # noqa: E402
 from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator  # noqa: E402
-from sicl_fast.calibration.static import (F0_TOL, MOVE_TOL, RefreshCheck, StaticStep, StepCheck,  # noqa: E402
-                                          step_outputs)
+from sicl_fast.calibration.static import (F0_TOL, MOVE_TOL, REF_TOL, RefreshCheck, StaticStep,  # noqa: E402
+                                          StepCheck, step_outputs)
 from sicl_fast.diagnostics.benchmark import synthetic_prompt  # noqa: E402
 from sicl_fast.models import load  # noqa: E402
 from sicl_fast.run.graphs import DecodeGraph  # noqa: E402
@@ -57,7 +57,7 @@ def margins(lm, impl: str, length: int) -> dict:
     refresh = RefreshCheck(st)
     want = refresh.reference()
     st.forward.refresh(st.state.X)
-    out["refresh (worst tensor)"] = max(ratio(g, w, 1e-3 * float(w.abs().max()) + 1e-30)
+    out["refresh (worst tensor)"] = max(ratio(g, w, REF_TOL * float(w.abs().max()) + 1e-30)
                                         for g, w in zip(refresh.outputs(), want))
     m = be.model
     dec = DecodeGraph(m, 256, be.ops)
@@ -70,9 +70,7 @@ def margins(lm, impl: str, length: int) -> dict:
         decode = DecodeCheck(dec, be)
         want = decode.reference()
         dec._decode()
-    logits = want[0]
-    share = 1e-3 if logits.dtype == torch.float32 else 2.0 ** -4
-    out["decode logits"] = ratio(dec.logits, logits, share * float(logits.float().abs().max()))
+    out["decode logits"] = ratio(dec.logits, want[0], DecodeCheck.tolerance(want[0]))
     return out
 
 

@@ -144,6 +144,14 @@ def test_engine_graph_modes_on_the_cpu(models):
 # ------------------------------------------------------------------ issue 53: freed by reference counting, the hazard
 
 
+@pytest.fixture(scope="module")
+def one_layer():
+    """A one-layer Llama of the tiny models' shapes: what owns, checks and drops graphs, quickly."""
+    from test_fast_backend import build
+
+    return build("llama", layers=1)
+
+
 @pytest.fixture
 def no_cyclic_collector(monkeypatch):
     """The cyclic collector off (and gc.collect refused): what is freed is freed by reference counting alone."""
@@ -156,6 +164,18 @@ def no_cyclic_collector(monkeypatch):
     gc.enable()
 
 
+def step_size(backend, config, prompt, X0=None, bucket=None, plan=None):
+    """The bytes of a StaticStep (run.memory.step_bytes through its StepPlan: the plan it was made with, or its
+    own)."""
+    from sicl_fast.calibration.step_plan import StepPlan
+    from sicl_fast.step.spec import resolve_scale
+
+    if plan is None:
+        X0 = backend.embed(prompt) if X0 is None else X0
+        plan = StepPlan.of(backend, resolve_scale(config, backend.lm), prompt, X0[:prompt.length], bucket)
+    return plan.bytes
+
+
 def lengths_prompt(L: int) -> Prompt:
     """A prompt of L tokens (a shape of its own per length), two spans, three prefix rows."""
     from test_packed import prompt_of
@@ -163,7 +183,7 @@ def lengths_prompt(L: int) -> Prompt:
     return prompt_of(L, ((5, 9), (12, L - 3)), 3, L)
 
 
-def test_dropped_steps_and_their_graphs_are_freed_by_reference_counting(models, monkeypatch, no_cyclic_collector):
+def test_dropped_steps_and_their_graphs_are_freed_by_reference_counting(one_layer, monkeypatch, no_cyclic_collector):
     """The step cache filled past its byte budget through the capture path (tests/fake_graphs.py), with the cyclic
     collector off: each step it drops, with its forward (reference, prefix K/V) and graphs (the step's, the
     refresh's), is gone as it leaves, and the bytes of the steps still reachable (run.memory.step_bytes, the
@@ -176,10 +196,10 @@ def test_dropped_steps_and_their_graphs_are_freed_by_reference_counting(models, 
 
     fake = FakeCuda(monkeypatch)
     monkeypatch.setattr(step_forward, "REFRESH_EVERY", 4)  # 16 in a run, sooner here
-    be = make_backend("fast", models["llama"], diff_matmul="bf16", impl="torch")
+    be = make_backend("fast", one_layer, diff_matmul="bf16", impl="torch")
     cfg = Calibrator(be, CalibrationConfig(**{**BASE, "max_steps": 5})).config  # a refresh after step 4
     prompts = [lengths_prompt(L) for L in (48, 50, 52, 50, 54, 56)]  # 50 again: a hit
-    sizes = [StepCache.step_bytes(be, cfg, p) for p in prompts]
+    sizes = [step_size(be, cfg, p) for p in prompts]
     # two steps at a time, not three: each kept, and the temporaries with the step a capture is checked against
     budget = 2 * max(s.kept for s in sizes) + max(s.activations + s.kept for s in sizes)
     steps = StepCache("cuda", capacity=8, budget=budget)
@@ -191,10 +211,11 @@ def test_dropped_steps_and_their_graphs_are_freed_by_reference_counting(models, 
 
     init = StaticStep.__init__
 
-    def spy(self, backend, config, prompt, *a, **k):  # the cache's steps and the capture checks' (run.graphs)
-        worst[0] = max(worst[0], live(StepCache.step_bytes(backend, config, prompt)))  # as it is built
-        init(self, backend, config, prompt, *a, **k)
-        made.append(((weakref.ref(self), weakref.ref(self.forward)), StepCache.step_bytes(backend, config, prompt)))
+    def spy(self, backend, config, prompt, X0, *a, **k):  # the cache's steps and the capture checks' (run.graphs)
+        size = step_size(backend, config, prompt, X0, k.get("bucket"), k.get("plan"))
+        worst[0] = max(worst[0], live(size))  # as it is built
+        init(self, backend, config, prompt, X0, *a, **k)
+        made.append(((weakref.ref(self), weakref.ref(self.forward)), size))
         if backend is be:
             ours.append(made[-1][0])
     ours = []
@@ -256,7 +277,7 @@ def test_workspace_hazard_versions():
 
 
 @pytest.mark.parametrize("retire", [True, False])
-def test_no_graph_replays_after_another_graph_of_its_stream_died(models, monkeypatch, retire):
+def test_no_graph_replays_after_another_graph_of_its_stream_died(one_layer, monkeypatch, retire):
     """torch 2.11-2.12 free the cuBLAS workspace of every graph captured on a stream when one of them is destroyed
     (pytorch/pytorch#193402; the fake records it: FakeCuda.hazards). With retirement (those versions) a step cache
     dropping steps for room replays no graph after another graph of its stream died: the dropped ones are retired,
@@ -271,10 +292,10 @@ def test_no_graph_replays_after_another_graph_of_its_stream_died(models, monkeyp
 
     fake = FakeCuda(monkeypatch)
     monkeypatch.setattr(graphs, "WORKSPACE_HAZARD", retire)
-    be = make_backend("fast", models["llama"], diff_matmul="bf16", impl="torch")
+    be = make_backend("fast", one_layer, diff_matmul="bf16", impl="torch")
     cfg = Calibrator(be, CalibrationConfig(**{**BASE, "max_steps": 1})).config
     steps = StepCache("cpu", capacity=2, budget=10 ** 12)  # captures through the fake
-    sizes = {n: StepCache.step_bytes(be, cfg, lengths_prompt(n)) for n in (56, 52, 48, 44, 40)}
+    sizes = {n: step_size(be, cfg, lengths_prompt(n)) for n in (56, 52, 48, 44, 40)}
     seq = (56, 52, 48, 52, 44, 40, 52) if retire else (56, 52, 48, 52)  # without: 52 replays after 56 died
     for i, n in enumerate(seq):
         run_static(be, cfg, lengths_prompt(n), steps=steps)

@@ -180,9 +180,14 @@ class DecodeCheck(ReplayCheck):
     def outputs(self) -> list:
         return [self.dec().logits]
 
+    @staticmethod
+    def tolerance(logits: torch.Tensor) -> float:
+        """The stated tolerance for the reference's next-token logits (class docstring)."""
+        share = 1e-3 if logits.dtype == torch.float32 else 2.0 ** -4
+        return share * float(logits.float().abs().max())
+
     def compare(self, got: list, want: list) -> str | None:
-        share = 1e-3 if want[0].dtype == torch.float32 else 2.0 ** -4
-        return off_by("the logits", got[0], want[0], share * float(want[0].float().abs().max()))
+        return off_by("the logits", got[0], want[0], self.tolerance(want[0]))
 
     def fall_back(self, to: str, why: str) -> None:
         backend, dec = self.backend(), self.dec()

@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult
-from ..run.graphs import Captures, ReplayCheck, model_refs, off_by, weakly
+from ..run.graphs import Captures, ReplayCheck, model_refs, weakly
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from .static import StaticStep, compare_steps, step_outputs
+from .static import StaticStep, compare_references, compare_steps, step_outputs
 from .reads import Slot, read, steps_to_read
 from .step_plan import plan_step
 
@@ -206,8 +206,7 @@ class PackedCheck(ReplayCheck):
 
 class PackedRefreshCheck(ReplayCheck):
     """The first replay of a slot's captured refresh (PackedStep.refresh) against the torch twin's packed forward
-    with that slot alone, at the same X: the slot's reference rows and logits within 1e-3 of their largest
-    magnitude (as static.RefreshCheck)."""
+    with that slot alone, at the same X: the slot's reference rows and logits by static.compare_references."""
 
     name = "packed slot's reference refresh"
 
@@ -230,11 +229,7 @@ class PackedRefreshCheck(ReplayCheck):
         return self.state()
 
     def compare(self, got: list, want: list) -> str | None:
-        for i, (g, w) in enumerate(zip(got, want)):
-            why = off_by(f"the reference's tensor {i}", g, w, 1e-3 * float(w.abs().max()) + 1e-30)
-            if why:
-                return why
-        return None
+        return compare_references(got, want)
 
     def fall_back(self, to: str, why: str) -> None:
         self.step().fall_back(to, why)

@@ -287,11 +287,24 @@ class StepCheck(ReplayCheck):
             st()
 
 
+# a refresh's first replay against the torch ops' (RefreshCheck, the packed slots' too): every tensor of the value
+# rows' reference, and their logits, within 1e-3 of its largest magnitude (float32 sums in another order; a wrong
+# kernel or a stale graph is off by far more)
+REF_TOL = 1e-3
+
+
+def compare_references(got: list, want: list) -> str | None:
+    """Why a refresh's tensors (the reference's, then the logits) are not the reference's (REF_TOL); or None."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        why = off_by(f"the reference's tensor {i}", g, w, REF_TOL * float(w.abs().max()) + 1e-30)
+        if why:
+            return why
+    return None
+
+
 class RefreshCheck(ReplayCheck):
     """The first replay of a StaticStep's forward's refresh graph (StepForward.capture_refresh) against the torch
-    twin's forward's reference at the same X: every tensor of the value rows' reference, and their logits, within
-    1e-3 of its largest magnitude (float32 sums in another order; a wrong kernel or a stale graph is off by far
-    more)."""
+    twin's forward's reference at the same X: compare_references."""
 
     name = "reference refresh"
 
@@ -312,11 +325,7 @@ class RefreshCheck(ReplayCheck):
         return self.state()
 
     def compare(self, got: list, want: list) -> str | None:
-        for i, (g, w) in enumerate(zip(got, want)):
-            why = off_by(f"the reference's tensor {i}", g, w, 1e-3 * float(w.abs().max()) + 1e-30)
-            if why:
-                return why
-        return None
+        return compare_references(got, want)
 
     def fall_back(self, to: str, why: str) -> None:
         st = self.st()
@@ -368,4 +377,5 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             return result
 
 
-__all__ = ["StaticStep", "StepCache", "StepCheck", "RefreshCheck", "compare_steps", "step_outputs", "run_static"]
+__all__ = ["StaticStep", "StepCache", "StepCheck", "RefreshCheck", "compare_steps", "compare_references",
+           "step_outputs", "run_static", "F0_TOL", "MOVE_TOL", "REF_TOL"]

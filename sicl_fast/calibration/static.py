@@ -213,8 +213,9 @@ class StepCache:
         # dropped beside it: room for one more step's kept bytes, counted with the temporaries
         checked = self.captures is not None and self.captures.on and backend.plan.fallback is None
         twin = plan.bytes.kept if checked else 0
-        # the impl in the key: after a fallback to the torch ops (first_replay) the steps are made anew on them
-        key = (plan.shape, backend.plan.impl)
+        # the fallback in the key: after one (first_replay) every step is made anew, as the plan now says (uncaptured,
+        # on the torch ops where it says so), none taken from before
+        key = (plan.shape, backend.plan.fallback)
         (st, run), hit = self.cache.get(key, build, (plan.bytes.kept, plan.bytes.activations + twin))
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
             st.load(plan, X0)

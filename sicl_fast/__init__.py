@@ -14,6 +14,7 @@ choose_wait_policy()  # before torch loads OpenMP, which reads the wait policy o
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import types
 
@@ -116,6 +117,29 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
-sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_MovedModules"]  # one, after a reload
+class _TreeKernels(importlib.abc.MetaPathFinder):
+    """Finds `sicl_fast.kernels` in a source tree, where the kernels sit beside the package (kernels/ at the top
+    level, as the layout has it) and nothing is installed: a plain copy of the repository (the GPU machine's device
+    check, bench/gpu_check.py) imports them as an install does (pyproject.toml's package-dir maps them there; a
+    wheel holds them as sicl_fast/kernels, and this finder is then not installed). The package's own folder's
+    neighbour, never another copy's: a tree run beside an editable install of another tree takes its own kernels."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def find_spec(self, name, path=None, target=None):
+        if name != f"{__name__}.kernels":
+            return None
+        return importlib.util.spec_from_file_location(name, os.path.join(self.folder, "__init__.py"),
+                                                      submodule_search_locations=[self.folder])
+
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_tree = os.path.dirname(_here)
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ not in ("_MovedModules", "_TreeKernels")]
 sys.meta_path.insert(0, _MovedModules())
+if not os.path.isdir(os.path.join(_here, "kernels")) and os.path.isfile(os.path.join(_tree, "pyproject.toml")) \
+        and os.path.isfile(os.path.join(_tree, "kernels", "__init__.py")):
+    sys.meta_path.insert(0, _TreeKernels(os.path.join(_tree, "kernels")))
+del _here, _tree
 sys.modules[__name__].__class__ = _Package

@@ -22,7 +22,7 @@ from .errors import SiclError
 from .backends.generate import Generation
 from .models import LoadedModel, load
 from .calibration.packed import run_packed
-from .run.plan import Choices, make_plan, resolve_reuse
+from .run.plan import Choices, RunPlan, confirm_plan, make_plan, resolve_reuse
 from .step.proxy import ProxyOut
 from .formats.requests import Request, parse_request
 from .run.run_args import BestAt, check_budget, stop_check
@@ -58,7 +58,10 @@ class Engine:
     or store_dir is given (else 'off'). store: a CalibrationStore (shared between engines if you like); else one is
     made with `store_bytes` of memory (default sicl_fast.store.DEFAULT_MAX_BYTES) and, with `store_dir`, a
     directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
-    (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.run.threads)."""
+    (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.run.threads). plan: the RunPlan
+    of these same arguments made before the model loaded (sicl_fast.run.planned, which a command makes to check a
+    resume before any weight is read): the engine's plan once the loaded weights confirm it (run.plan.confirm_plan),
+    so that what was checked is what runs; None: made here."""
 
     def __init__(
         self,
@@ -83,6 +86,7 @@ class Engine:
         store_dir: str | os.PathLike | None = None,
         store_bytes: int | None = None,
         threads: int | None = None,
+        plan: RunPlan | None = None,
     ) -> None:
         check_engine_args(lm, model=model, dtype=dtype, device=device, store=store, store_dir=store_dir,
                           store_bytes=store_bytes)
@@ -95,7 +99,8 @@ class Engine:
             DEFAULT_MAX_BYTES if store_bytes is None else store_bytes, store_dir)
         self._reuser = None
         self.lm = lm if lm is not None else load(model, dtype=dtype or "auto", device=device or "auto")
-        self.backend = build_backend(make_plan(self.lm, choices), self.lm)
+        plan = make_plan(self.lm, choices) if plan is None else confirm_plan(plan, self.lm, choices)
+        self.backend = build_backend(plan, self.lm)
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
         self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)

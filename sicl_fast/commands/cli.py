@@ -611,34 +611,63 @@ def _engine_kwargs(args, add_special_tokens=None) -> dict:
     return kw
 
 
-def _engine(args, add_special_tokens=None):
+def _engine(args, add_special_tokens=None, early=None):
+    """The command's Engine; early: what _planned planned before the load, whose plan the engine takes (Engine's
+    plan)."""
     from ..engine import Engine
 
-    return Engine(**_engine_kwargs(args, add_special_tokens))
+    return Engine(**_engine_kwargs(args, add_special_tokens), plan=early.plan if early is not None else None)
+
+
+def _choices(args):
+    """The run plan's choices of this command's engine (sicl_fast.run.plan.Choices), as _engine_kwargs gives them."""
+    from ..run.plan import Choices
+
+    return Choices(**_plan_choices(args, reuse=reuse_mode(args)))
 
 
 def _planned(args):
-    """(the engine's part of the records' settings, the model without its weights) as this command's engine would
-    give them, for a resume checked before the model loads (sicl_fast.run.settings.planned); None for a new or
-    streamed --out, and where they cannot be told before the weights are read."""
+    """(the key this command's plan is remembered by, what its engine would plan: sicl_fast.run.planned.Planned, its
+    part of the records' settings, the model's name, family and size, the plan), before the model loads: the key for
+    _remember (None for a streamed --out, never resumed), the Planned for a resume checked before any weight is read
+    (None for a new or streamed --out, and where it cannot be told before the weights are read)."""
     from pathlib import Path
 
-    from ..run.plan import Choices
-    from ..run.settings import planned
+    from ..run.planned import plan_key, planned
 
-    if str(args.out) == "-" or not Path(args.out).is_file():
-        return None
-    return planned(args.model, args.dtype, args.device, Choices(**_plan_choices(args, reuse=reuse_mode(args))))
+    if str(args.out) == "-":
+        return None, None
+    if not Path(args.out).is_file():
+        return plan_key(args.model, args.dtype, args.device, _choices(args))[0], None
+    early = planned(args.model, args.dtype, args.device, _choices(args))
+    return (early.key if early is not None else None), early
 
 
-def _workers(args, add_special_tokens=None):
-    """Where calibrate / icleval run their work: this process, or a Ray pool with --ray (sicl_fast.run.workers)."""
+def _preset(early) -> CalibrationConfig:
+    """The model's calibration preset, as the engine's config() gives it, from what _planned planned."""
+    return CalibrationConfig.preset(early.family, early.n_params)
+
+
+def _remember(args, key: str | None, facts: dict) -> None:
+    """Keep what this command's engine planned after its load (facts: run.workers.engine_facts) under the key
+    _planned took before it (the engine sets environment variables of its own), for the next resume of a results
+    file to recall without planning (sicl_fast.run.planned.remember): a local engine's (a Ray pool's may run on
+    other machines)."""
+    from ..run.planned import remember
+
+    if getattr(args, "ray", None) is None:
+        remember(key, facts)
+
+
+def _workers(args, add_special_tokens=None, early=None):
+    """Where calibrate / icleval run their work: this process, or a Ray pool with --ray (sicl_fast.run.workers).
+    early: as _engine's (a Ray pool's engines plan for themselves)."""
     if getattr(args, "ray", None) is None:
         from ..run.workers import LocalWorkers
 
         if args.workers != 1:
             raise SiclError(f"--workers {args.workers} needs --ray (one process runs one engine)")
-        return LocalWorkers(_engine(args, add_special_tokens))
+        return LocalWorkers(_engine(args, add_special_tokens, early))
     from .distributed import RayPool
 
     return RayPool(_engine_kwargs(args, add_special_tokens), workers=args.workers, address=args.ray,
@@ -702,16 +731,17 @@ def cmd_calibrate(args) -> int:
     _check_flags(args)
     check_output(args.out, inputs=[args.requests])
     where = f"--out {args.out}"
-    early = _planned(args)  # a resume's settings checked before the model loads (None: a new file, or not yet known)
+    key, early = _planned(args)  # a resume's settings checked before the model loads (None: a new file, not known)
     if early is not None:
-        want = calibrate_settings(args, early[0], CalibrationConfig.for_model(early[1], **_overrides(args)),
+        want = calibrate_settings(args, early.settings, _preset(early).with_overrides(**_overrides(args)),
                                   _max_new_tokens(args))
         if nothing_left(args.out, [r.id for r in requests], check=resume_check(want, where)):
             print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
             return 0  # a finished run resumed: no model to load
     if args.export:  # after the resume's check: a refused resume makes no folder
         check_export_dir(args.export)
-    with _workers(args) as workers:
+    with _workers(args, early=early) as workers:
+        _remember(args, key, workers.facts)
         cfg = workers.config(**_overrides(args))
         # every request tokenized and its step's memory checked before anything is written
         workers.call(check_requests, requests, _max_new_tokens(args) if args.generate else 0, cfg)
@@ -737,15 +767,21 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_icleval(args) -> int:
-    from ..evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
+    from ..evaluation.cli import REPORT_FILES, check_icleval_args, finished_run, print_report, run_icleval_from_args
+    from ..formats.records import check_out_dir
 
     _check_flags(args)
     check_icleval_args(args, {k: v for k, v in _overrides(args).items() if v is not None})
-    done = finished_run(args, _overrides(args), _planned(args))
+    key, early = _planned(args)  # a resume's settings checked before the model loads
+    done = finished_run(args, _overrides(args), early)
+    if args.report:  # after the resume's check: a refused resume makes no folder
+        check_out_dir(args.report, "--report", REPORT_FILES)
     if done is not None:  # a finished run resumed: its report, without loading the model
         print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
         return print_report(*done, args)
-    with _workers(args, add_special_tokens=True) as workers:  # ICLEval: the tokenizer's default special tokens
+    # ICLEval: the tokenizer's default special tokens
+    with _workers(args, add_special_tokens=True, early=early) as workers:
+        _remember(args, key, workers.facts)
         cfg = workers.config(**_overrides(args))
         rc = run_icleval_from_args(workers, cfg, args)
         _store_line(workers, args)
@@ -833,6 +869,7 @@ def cmd_gradstudy(args) -> int:
     from ..formats.records import ResultWriter, check_out_dir, check_output, nothing_left
     from ..formats.requests import read_requests
     from ..run.settings import engine_settings, resume_check
+    from ..run.workers import engine_facts
 
     requests = list(read_requests(args.requests))
     _check_flags(args)
@@ -843,16 +880,18 @@ def cmd_gradstudy(args) -> int:
     check_output(args.out, inputs=[args.requests])
     if args.report:
         require("matplotlib")
-        check_out_dir(args.report, "--report", "study.md, study.json and the plots")
+        check_out_dir(args.report, "--report", STUDY_FILES, make=False)
     where, ids = f"--out {args.out}", [r.id for r in requests]
-    early = _planned(args)  # a resume's settings checked before the model loads
-    if early is not None:
-        want = study_settings(early[0], CalibrationConfig.for_model(early[1], **_overrides(args)), settings,
-                              args.add_special_tokens)
-        if nothing_left(args.out, ids, check=resume_check(want, where)):
-            print(f"nothing to do: all {len(ids)} requests are already in {args.out}", file=sys.stderr)
-            return _study_table(args, ids, settings, early[1].name)
-    eng = _engine(args)
+    key, early = _planned(args)  # a resume's settings checked before the model loads
+    done = early is not None and nothing_left(args.out, ids, check=resume_check(study_settings(
+        early.settings, _preset(early).with_overrides(**_overrides(args)), settings, args.add_special_tokens), where))
+    if args.report:  # after the resume's check: a refused resume makes no folder
+        check_out_dir(args.report, "--report", STUDY_FILES)
+    if done:
+        print(f"nothing to do: all {len(ids)} requests are already in {args.out}", file=sys.stderr)
+        return _study_table(args, ids, settings, early.name)
+    eng = _engine(args, early=early)
+    _remember(args, key, engine_facts(eng))
     cfg = eng.config(**_overrides(args))
     prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written
     want = study_settings(engine_settings(eng), cfg, settings, args.add_special_tokens)
@@ -865,6 +904,9 @@ def cmd_gradstudy(args) -> int:
             for p in todo:
                 out.write(study_prompt(eng.backend, p, cfg, settings, on_point=lambda k: bar.update(1)))
     return _study_table(args, ids, settings, eng.lm.name)
+
+
+STUDY_FILES = "study.md, study.json and the plots"  # what gradstudy's --report folder gets, for its messages
 
 
 def _study_table(args, ids, settings, title: str) -> int:

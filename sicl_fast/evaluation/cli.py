@@ -20,6 +20,8 @@ from .ablations import ABLATIONS, make_variants
 from .icleval_cls import DCPMI_PREMISES
 from .methods import CALIBRATIONS, METHODS, BaselineOptions, run_methods
 
+REPORT_FILES = "report.md, report.json and plots/"  # what --report's folder gets, for its messages
+
 
 def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("evaluation (methods, baselines, ablations, report)")
@@ -99,9 +101,10 @@ def check_method_flags(args, knobs: dict) -> None:
 
 
 def check_icleval_args(args, knobs: dict | None = None) -> None:
-    """Everything `sicl-fast icleval` can check before a model is loaded: flags no method of the run reads
-    (check_method_flags; `knobs`: the calibration knobs given), the baselines' settings, --out, the data folder,
-    --tasks and --limit (the samples are selected once here), and the optional packages of the tables and plots."""
+    """Everything `sicl-fast icleval` can check before a model is loaded and before a resume is checked: flags no
+    method of the run reads (check_method_flags; `knobs`: the calibration knobs given), the baselines' settings,
+    --out, the data folder, --tasks and --limit (the samples are selected once here), and the optional packages of
+    the tables and plots. The --report folder is made after the resume's check (a refused resume makes none)."""
     from ..errors import require
     from .methods import check_records_out, select_samples
 
@@ -110,7 +113,7 @@ def check_icleval_args(args, knobs: dict | None = None) -> None:
     require("scipy")
     if args.report:
         require("matplotlib")
-        check_out_dir(args.report, "--report", "report.md, report.json and plots/")
+        check_out_dir(args.report, "--report", REPORT_FILES, make=False)
     check_records_out(args.out)
     select_samples(args.dir, args.tasks, args.limit)
 
@@ -132,33 +135,31 @@ def run_icleval_from_args(engine, config, args, file=None) -> int:
 
 def finished_run(args, overrides: dict, early):
     """(model name, records) when every record the run asks for is already in --out (a resumed run with nothing
-    left to do), found without loading the model: `early` is (the engine's part of the settings, the model without
-    its weights) as the run's engine would give them (sicl_fast.run.settings.planned; None: not known before the
-    load, the run then loads it), and the records are checked as a resume checks them: a file of other settings is
-    refused here. None when there is work."""
+    left to do), found without loading the model: `early` is what the run's engine would plan
+    (sicl_fast.run.planned.Planned; None: not known before the load, the run then loads it), and the records are
+    checked as a resume checks them (resume_rule): a file of other settings is refused here. None when there is
+    work."""
     from pathlib import Path
 
     from ..calibration.ascent import CalibrationConfig
     from ..formats.records import nothing_left, read_records
-    from ..run.settings import resume_check
-    from .methods import _check_existing, build_variants, icleval_settings, record_key, select_samples, wanted_keys
+    from .methods import build_variants, icleval_settings, record_key, resume_rule, select_samples, wanted_keys
 
     if early is None or not Path(args.out).is_file():
         return None
-    engine, lm = early
-    preset = CalibrationConfig.for_model(lm)
+    preset = CalibrationConfig.preset(early.family, early.n_params)
     config = preset.with_overrides(**overrides)
     variants = build_variants(args.method, None, config, make_variants(
         config, preset, ablate=args.ablate, sweep_N=args.sweep_N, sweep_mu=args.sweep_mu,
         reference=not args.no_reference), options_from_args(args))
     keys = wanted_keys(select_samples(args.dir, args.tasks, args.limit), variants)
-    want = icleval_settings(engine, config, getattr(args, "time_budget", None), args.answer_at)
-    if not nothing_left(args.out, keys, key=record_key, check=resume_check(want, f"--out {args.out}")):
+    budget = getattr(args, "time_budget", None)
+    want = icleval_settings(early.settings, config, budget, args.answer_at)
+    if not nothing_left(args.out, keys, key=record_key,
+                        check=resume_rule(want, variants, args.out, budget, args.answer_at)):
         return None
-    records = read_records(args.out)
-    _check_existing(records, variants, lm.name, args.out, getattr(args, "time_budget", None), args.answer_at)
     wanted = set(keys)
-    return lm.name, [r for r in records if record_key(r) in wanted]
+    return early.name, [r for r in read_records(args.out) if record_key(r) in wanted]
 
 
 def print_report(model: str, records: list[dict], args, file=None) -> int:
@@ -213,7 +214,7 @@ def report_from_args(args, file=None) -> int:
     if not args.no_plots:
         require("matplotlib")
     runs = load_runs(args.results, args.names)
-    check_out_dir(args.report, "--report", "report.md, report.json and plots/")
+    check_out_dir(args.report, "--report", REPORT_FILES)
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:
         write_summary_into(args.summary_into, name, rep, source=", ".join(map(str, args.results)))

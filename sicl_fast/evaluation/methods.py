@@ -341,22 +341,22 @@ def _settings(config: dict, method: str, time_budget_s: float | None, answers_at
     return out
 
 
-def _check_existing(records: Iterable[dict], variants: Sequence[Variant], model: str, path,
-                    time_budget_s: float | None = None, answer_at: Sequence[int] = ()) -> None:
-    """A resumed file must hold records of this model, and each variant with the settings asked for now (the
-    answers along the way too: a record without the counts asked for now would be skipped without them)."""
-    want = {v.name: _settings(v.config_dict(), v.method, time_budget_s, answer_at) for v in variants}
-    for rec in records:
-        m = rec.get("model")
-        if m is not None and m != model:
-            raise SiclError(f"{path}: holds records of model {m!r}, this run uses {model!r}; use another --out")
+def resume_rule(want: dict, variants: Sequence[Variant], path, time_budget_s: float | None = None,
+                answer_at: Sequence[int] = ()):
+    """The resume check of an icleval run of settings `want` (icleval_settings), as a results writer takes it: the
+    one rule of every command (sicl_fast.run.settings.check_resume), with each variant's part. A record of a variant
+    this run runs was run with its config (a baseline's options), time budget and answers along the way
+    (variant_settings), which must be what this run runs that variant with (the answers too: a record without the
+    counts asked for now would be skipped without them)."""
+    asked = {v.name: _settings(v.config_dict(), v.method, time_budget_s, answer_at) for v in variants}
+
+    def variant(rec: dict):
         name = rec.get("variant", "sicl")
-        if name not in want or "config" not in rec:
-            continue
-        diff = settings_diff(variant_settings(rec, want[name]), want[name])
-        if diff:
-            raise SiclError(f"{path}: variant {name!r} was run with other settings ({', '.join(diff)} differ); "
-                            f"use another --out or the same settings")
+        if name not in asked or not isinstance(rec.get("config"), dict):
+            return None
+        return name, variant_settings(rec, asked[name]), asked[name]
+
+    return resume_check(want, f"--out {path}", variant)
 
 
 def icleval_settings(engine: dict, config, time_budget_s: float | None = None,
@@ -443,8 +443,8 @@ def run_methods(
                       f"(classifier_order, classifier_duplication, classifier_format); none selected", file=sys.stderr)
     model = workers.model_name
     want = icleval_settings(workers.settings, config, time_budget_s, answer_at)
-    with ResultWriter(out_path, key=record_key, settings=want, check=resume_check(want, f"--out {out_path}")) as out:
-        _check_existing(read_records(out_path), variants, model, out_path, time_budget_s, answer_at)
+    check = resume_rule(want, variants, out_path, time_budget_s, answer_at)
+    with ResultWriter(out_path, key=record_key, settings=want, check=check) as out:
         todo = [(s, [v for v in variants if _applies(v, s) and (v.name, s.task_file, s.uid) not in out])
                 for s in samples]
         todo = [(s, vs) for s, vs in todo if vs]
@@ -473,6 +473,7 @@ __all__ = [
     "build_variants",
     "record_key",
     "icleval_settings",
+    "resume_rule",
     "variant_settings",
     "settings_diff",
     "run_methods",

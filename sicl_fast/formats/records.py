@@ -3,7 +3,8 @@
 A record is written with a single write() of a complete line and flushed, so a crash can leave at most one
 partial last line. On reopening a regular file, every line that is a complete JSON object with a key is kept
 (the first of several with one key: two runs that once shared the file left duplicates); every other line (a
-torn write, a hand edit) is moved to FILE.bad, and a warning says how many. The file is locked (flock) while a
+torn write, a hand edit) is moved to FILE.bad, and a warning says how many. That repair comes after the resume's
+check (the writer's `check`): a resume refused leaves the file as it was. The file is locked (flock) while a
 writer has it open, so a second run on the same --out stops with one line instead of duplicating the work.
 
 An output that is not a regular file (`-` for stdout, a pipe, /dev/stdout) is streamed: it is never read back,
@@ -78,10 +79,11 @@ def folder_arg(text: str) -> str:
     return text
 
 
-def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
+def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool = True) -> Path:
     """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
     it cannot be a writable folder: an empty name, a file, a dangling link or a link loop, no permission. `what`:
-    what goes in it, for the message."""
+    what goes in it, for the message. make=False: only what can be told without making it (a command checks its
+    flags first, then a resume, and makes its folders only once the resume is not refused)."""
     if not str(directory).strip():  # Path("") is the current folder, which would fill with the outputs
         raise SiclError(f"{flag}: an empty folder name; give a folder for {what}")
     path = Path(directory)
@@ -89,6 +91,8 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str) -> Path:
         raise SiclError(f"{flag} {path}: {describe_missing(path)}")
     if path.exists() and not path.is_dir():
         raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
+    if not make:
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -114,8 +118,9 @@ class ResultWriter:
 
     settings: stamped into every record written, under "settings" (what the run's numbers depend on,
     sicl_fast.run.settings), beneath the settings a record brings of its own (the engine's part after a fallback:
-    commands.work); check: called with the records the file holds once it is opened and repaired, before anything is
-    written (a resume's settings check, sicl_fast.run.settings.resume_check: it raises to refuse).
+    commands.work); check: called with the records the file holds once it is opened and read, before it is
+    repaired and before anything is written (a resume's settings check, sicl_fast.run.settings.resume_check: it
+    raises to refuse, and a refused resume leaves the file as it was, a torn last line included).
     written: records written by this writer; done: the keys in the file (resumed and written).
     """
 
@@ -157,34 +162,36 @@ class ResultWriter:
                 raise ResultsFileError(f"--out {self.path}: another run is writing to it (the file is locked); "
                                        "wait for it to finish or choose another --out") from None
             raise ResultsFileError(f"--out {self.path}: cannot lock it: {_os_reason(exc)}") from None
-        try:
-            self._recover(fh)
+        try:  # read first, check, and only then repair: a refused resume leaves the file (and FILE.bad) untouched
+            found = self._read(fh)
+            if self.check is not None:
+                self.check(self.records)
+            self._repair(fh, *found)
         except OSError as exc:
             fh.close()
             raise ResultsFileError(f"--out {self.path}: cannot repair it for resuming: {_os_reason(exc)}") from None
-        if self.check is not None:
-            try:
-                self.check(self.records)
-            except BaseException:
-                fh.close()
-                raise
+        except BaseException:
+            fh.close()
+            raise
         self.records = []
         self._binary = True
         return fh
 
-    def _recover(self, fh) -> None:
+    def _read(self, fh) -> tuple:
+        """What the file holds, read without changing anything: (its bytes, the kept lines, the unreadable ones, the
+        duplicates dropped, the copy of an interrupted repair restored, the path of that copy); the kept records in
+        self.done (their keys) and self.records (for `check`)."""
         fh.seek(0)
         data = fh.read()
         keep: list[bytes] = []
         bad: list[bytes] = []
         duplicates = 0
         backup = self.path.with_name(self.path.name + ".resume-tmp")
-        # a repair killed while it rewrote the file (below) left its copy of the kept records, and the file only a
+        # a repair killed while it rewrote the file (_repair) left its copy of the kept records, and the file only a
         # part of them: the copy's records come first, and the file's lines that repeat them are not duplicates
         saved = backup.read_bytes() if backup.is_file() else b""
         if not saved.endswith(b"\n"):  # none, or killed while the copy was written: the file was not touched yet
-            backup.unlink(missing_ok=True)
-            saved = b""
+            saved = b""  # (that partial copy is removed by _repair)
         restored = set()
         rest = b"" if saved.startswith(data) else data  # the file holds a part of the copy (a torn line at most)
         for line in saved.splitlines(keepends=True) + [b""] + rest.splitlines(keepends=True):
@@ -206,7 +213,15 @@ class ResultWriter:
                 if self.check is not None:
                     self.records.append(parsed[1])
         self.resumed = len(keep)
-        if saved:
+        return data, keep, bad, duplicates, saved, backup
+
+    def _repair(self, fh, data: bytes, keep: list[bytes], bad: list[bytes], duplicates: int, saved: bytes,
+                backup: Path) -> None:
+        """Make the file hold the kept lines alone (_read's findings): unreadable lines moved to FILE.bad, duplicates
+        dropped, an interrupted repair finished; a file that needs none of it is not written."""
+        if not saved:
+            backup.unlink(missing_ok=True)  # a copy cut short: the file was not touched yet
+        else:
             warnings.warn(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy "
                           f"{backup} restored ({len(keep)} record(s) kept)", SiclWarning, stacklevel=4)
         if not saved and not bad and not duplicates and sum(map(len, keep)) == len(data):

@@ -87,6 +87,7 @@ RANGES: dict[str, Range] = {
     "chunk": Range(1, 65_536, why="forward rows per batch"),
     "demo_orders": Range(1, 100_000, why="candidate orders"),
     "demo_top_k": Range(1, 100_000, why="orders kept"),
+    "check_budget_s": Range(1.0, 24 * 3600.0, integer=False, why="a day; bench/gpu_check.py is sized for 9 minutes"),
 }
 
 

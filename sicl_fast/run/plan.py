@@ -4,6 +4,8 @@ refusal rule, each in one place.
     choices = Choices(backend="auto", impl="auto", ...)     the choices as given, checked before a model loads
     plan = make_plan(lm, choices)   (or make_plan(lm, backend="fast", ...))          a frozen RunPlan
     print(plan.explain())           every axis, its value and why it resolved so (`sicl-fast plan`)
+    plan = confirm_plan(early, lm, choices)   a plan made before the load (on the model's architecture without its
+                                    weights: sicl_fast.run.planned), kept once the loaded weights agree with it
 
 The axes:
     backend       auto (fast where the fast decoder's config builds from the whole model config, else hf with the
@@ -777,9 +779,38 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
                    grad_refusal=refusal, reuse=reuse, threads=threads, wait_policy=wait, why=why)
 
 
+def _unexplained(head: OutputHead | None) -> OutputHead | None:
+    """A head without its `why` (the probe's words and the table's differ where they agree)."""
+    return head if head is None else dataclasses.replace(head, why="")
+
+
+def confirm_plan(plan: RunPlan, lm, choices: Choices) -> RunPlan:
+    """The plan made before the load from the same choices (sicl_fast.run.planned: on the model's architecture
+    without its weights) as the loaded model `lm` confirms it: what only the weights tell is read from them (the
+    output head checked against the model's own forward, LoadedModel.output_head, which may refuse what the head's
+    table alone allowed; the exact gradient's refusal, from the weights' dtypes; how the device and dtype were
+    chosen). Where they agree, that plan is the engine's: nothing is resolved again (the attention kernel's check on
+    CUDA included). Where they do not, or `lm` is not the model the plan was made for, the plan is made afresh on
+    `lm` (make_plan, which falls back or refuses as it does)."""
+    dev = torch.device(lm.device)
+    if plan.model != lm.name or plan.device.type != dev.type or plan.dtype != lm.dtype:
+        return make_plan(lm, choices)
+    if plan.kind.cls == "fast" and fast_head_refusal(plan.decoder, lm) is not None:
+        return make_plan(lm, choices)
+    head, why_head = resolve_head(plan.kind, lm)
+    refusal = grad_refusal(plan.impl, plan.backend, lm, choices.impl)
+    if _unexplained(head) != _unexplained(plan.head) or refusal != plan.grad_refusal:
+        return make_plan(lm, choices)
+    loaded = lm.extra.get("why", {})  # as make_plan reads them
+    why = tuple((axis, value, loaded.get(axis, reason) if axis in ("device", "dtype") else
+                 why_head if axis == "head" else reason) for axis, value, reason in plan.why)
+    return dataclasses.replace(plan, device=dev, head=head, why=why)
+
+
 __all__ = ["AUTO_PACK", "BACKENDS", "FALLBACKS", "LOOPS", "fall_back",
            "MATH_PATH", "PACKED_BUCKETS", "PLAIN_LOW_PRECISION", "REUSE_MODES",
-           "BackendKind", "Choices", "RunPlan", "auto_pack", "buckets_unused", "check_buckets", "make_plan",
+           "BackendKind", "Choices", "RunPlan", "auto_pack", "buckets_unused", "check_buckets", "confirm_plan",
+           "make_plan",
            "plain_low_precision", "check_estimator", "check_unpacked",
            "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
            "fast_head_refusal", "resolve_attention", "resolve_attention_check", "resolve_attention_kernel",

@@ -20,14 +20,23 @@ its check is noted, "fallback", and never compared: NOTES), reuse (auto and off 
 a record reused under 'on' says exact: false itself), the store, gradstudy's --chunk (memory).
 
 `settings_diff` is the one comparison: every resume (`check_resume`, through the results writer) and `report` (which
-splits a file into runs by their settings) use it. A record without settings (written before records carried
-them, or by hand) has settings unknown (`record_settings` is None): never resumed with, never pooled with others.
+splits a file into runs by their settings) use it. It compares what a record was made with, not what it calls it:
+the model by its files' fingerprint, not by its name (the embedded model named by its short name or by its own
+GGUF path, a model folder or a link to it, are the same files and the same numbers). A record without settings
+(written before records carried them, or by hand) has settings unknown (`record_settings` is None): never resumed
+with, never pooled with others.
+
+One resume rule for every command: `check_resume` compares each record's settings with this run's and refuses in
+one message naming what differs. icleval's records of one run differ by variant (an ablation's config, a baseline's
+options, derived from the run's config and flags): their variant's part is compared under the same rule and the
+same message (`check_resume`'s `variant`).
+
+What a run would write is known before its model loads: sicl_fast.run.planned.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from collections.abc import Callable, Sequence
 
 from ..errors import SiclError
@@ -65,30 +74,6 @@ def engine_settings(engine) -> dict:
     return model_plan_settings(engine.lm, engine.plan, engine.backend.attention_kernel)
 
 
-def planned(model, dtype: str, device: str, choices) -> tuple[dict, object] | None:
-    """(engine_settings, the Unloaded model) as an Engine of these arguments would give them, before the model loads
-    (its architecture on the meta device through the same run plan: sicl_fast.models.facts.unloaded); None where the
-    model cannot be read without loading it (the run loads it and says what is wrong). A plan refused here is
-    refused as the load would refuse it."""
-    from ..models.facts import transformers_attention, unloaded
-    from .plan import make_plan
-
-    try:
-        lm = unloaded(model, dtype, device)
-    except Exception:  # noqa: BLE001 - cannot tell without loading: the run loads it and reports what is wrong
-        return None
-    try:
-        with warnings.catch_warnings():  # said once, by the run's own plan
-            warnings.simplefilter("ignore")
-            plan = make_plan(lm, choices)
-        attention = plan.attention if plan.kind.cls == "fast" else transformers_attention(lm)  # as the backend's
-        return model_plan_settings(lm, plan, attention), lm
-    except SiclError:
-        raise
-    except Exception:  # noqa: BLE001 - as above
-        return None
-
-
 def run_settings(command: str, engine: dict, config=None, **parts) -> dict:
     """A record's settings (module docstring): the command, the engine's part (engine_settings), the config (a
     CalibrationConfig, or None where the run calibrates nothing) and the command's own parts, JSON-ready and as they
@@ -120,11 +105,26 @@ def _norm(v):
     return json.loads(json.dumps(v))
 
 
+def compared(settings: dict) -> dict:
+    """The settings as the rule compares them: a model known by its fingerprint without its name (module
+    docstring); a model without a fingerprint (settings written by hand) by its name."""
+    model = settings.get("model")
+    if isinstance(model, dict) and model.get("fingerprint") is not None:
+        return {**settings, "model": {k: v for k, v in model.items() if k != "name"}}
+    return settings
+
+
 def settings_diff(got: dict, want: dict) -> list[str]:
     """The names of the settings in which two records differ, sorted (nested ones as 'config.max_steps'); [] when
-    none: the one rule of every resume and of `report`."""
-    a, b = flatten(_norm(got)), flatten(_norm(want))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in NOTES)
+    none: the one rule of every resume and of `report`. The model's name is not compared where both give its
+    fingerprint (compared); where the files differ, their names are named too when they differ (they say which).
+    NOTES (a fallback) are never compared."""
+    a, b = flatten(_norm(compared(got))), flatten(_norm(compared(want)))
+    diff = {k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in NOTES}
+    if "model.fingerprint" in diff:
+        names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
+        diff |= {"model.name"} if names[0] != names[1] else set()
+    return sorted(diff)
 
 
 # what a setting is called in a message: the flag that sets it where there is one
@@ -156,9 +156,12 @@ def describe_diff(got: dict, want: dict, names: Sequence[str] | None = None, lim
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_resume(records: Sequence[dict], want: dict, where: str) -> None:
+def check_resume(records: Sequence[dict], want: dict, where: str,
+                 variant: Callable[[dict], tuple[str, dict, dict] | None] | None = None) -> None:
     """Refuse to add records of settings `want` to a results file holding `records` of other settings, or of
-    settings unknown (SiclError, one line naming what differs); `where`: the file, for the message."""
+    settings unknown (SiclError, one line naming what differs); `where`: the file, for the message. variant: for a
+    command whose records differ by variant (icleval), record -> (its variant's name, what the record was run with,
+    what this run runs that variant with), or None where this run does not run it: compared as the settings are."""
     unknown = [r for r in records if record_settings(r) is None]
     if unknown:
         raise SiclError(f"{where}: holds {len(unknown)} record(s) written without their settings (by a sicl_fast "
@@ -169,20 +172,30 @@ def check_resume(records: Sequence[dict], want: dict, where: str) -> None:
         if got.get("command") != want.get("command"):
             raise SiclError(f"{where}: holds records of sicl-fast {got.get('command')}, not of sicl-fast "
                             f"{want.get('command')}; use another --out")
-        diff = settings_diff(got, want)
-        if diff:
-            why = (" (its records hold no calibrated embeddings to decode or export: they would be calibrated again, "
-                   "which another --out does)" if any(n.startswith("outputs.") for n in diff) else "")
-            raise SiclError(f"{where}: its records were made with other settings than this run's: "
-                            f"{describe_diff(got, want, diff)} (the file's / this run's); use another --out{why} or "
-                            "the same settings")
+        _refuse_other(got, want, where)
+    if variant is not None:
+        parts = (variant(r) for r in records)
+        for name, got, asked in {json.dumps(p, sort_keys=True): p for p in parts if p is not None}.values():
+            _refuse_other(got, asked, where, f" of variant {name!r}")
 
 
-def resume_check(want: dict, where: str) -> Callable[[Sequence[dict]], None]:
+def _refuse_other(got: dict, want: dict, where: str, of: str = "") -> None:
+    """check_resume's one message: the settings that differ, with both values (describe_diff)."""
+    diff = settings_diff(got, want)
+    if diff:
+        why = (" (its records hold no calibrated embeddings to decode or export: they would be calibrated again, "
+               "which another --out does)" if any(n.startswith("outputs.") for n in diff) else "")
+        raise SiclError(f"{where}: its records{of} were made with other settings than this run's: "
+                        f"{describe_diff(got, want, diff)} (the file's / this run's); use another --out{why} or "
+                        "the same settings")
+
+
+def resume_check(want: dict, where: str, variant: Callable[[dict], tuple[str, dict, dict] | None] | None = None
+                 ) -> Callable[[Sequence[dict]], None]:
     """check_resume of `want` as a results writer takes it (sicl_fast.formats.records.ResultWriter's check)."""
-    return lambda records: check_resume(records, want, where)
+    return lambda records: check_resume(records, want, where, variant)
 
 
-__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "planned", "run_settings",
-           "record_settings", "flatten", "settings_diff", "short_name", "describe_diff", "check_resume",
+__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "run_settings",
+           "record_settings", "flatten", "compared", "settings_diff", "short_name", "describe_diff", "check_resume",
            "resume_check"]

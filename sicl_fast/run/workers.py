@@ -4,6 +4,7 @@ Both give the driver the same surface, so `calibrate` and `icleval` are written 
 
     workers.model_name                 the engine's model name (records carry it)
     workers.settings                   the engine's part of the records' settings (sicl_fast.run.settings)
+    workers.facts                      all the driver knows of the engine (engine_facts)
     workers.config(**overrides)        the model's preset CalibrationConfig with overrides (None values ignored)
     workers.call(fn, *args)            fn(engine, *args) on one engine; for checks that must pass before any work
     workers.watch_steps(hook)          hook(step, proxy) for every calibration step of a local run (the progress
@@ -39,15 +40,16 @@ Outcome = Done | Lost
 
 
 def engine_facts(engine) -> dict:
-    """What the driver needs to know about the engine without holding the model: its name and config preset, what
-    it computes on (the plan's thread count and torch's, which the plan set) and its part of the records' settings
-    (sicl_fast.run.settings.engine_settings)."""
+    """What the driver needs to know about the engine without holding the model: its name, family, parameter count
+    and config preset, what it computes on (the plan's thread count and torch's, which the plan set) and its part of
+    the records' settings (sicl_fast.run.settings.engine_settings)."""
     import torch
 
     from .settings import engine_settings
 
-    return {"name": engine.lm.name, "preset": engine.config(), "threads": engine.plan.threads,
-            "torch_threads": torch.get_num_threads(),
+    return {"name": engine.lm.name, "family": engine.lm.family,
+            "n_params": sum(p.numel() for p in engine.lm.model.parameters()), "preset": engine.config(),
+            "threads": engine.plan.threads, "torch_threads": torch.get_num_threads(),
             "settings": engine_settings(engine)}
 
 
@@ -70,6 +72,11 @@ class Workers:
     @property
     def model_name(self) -> str:
         return self._known()["name"]
+
+    @property
+    def facts(self) -> dict:
+        """engine_facts of the engine (of one of them)."""
+        return self._known()
 
     @property
     def settings(self) -> dict:

@@ -236,8 +236,8 @@ def test_prompts_of_one_shape_are_loaded_in_place_and_captured(models, monkeypat
 def test_a_captured_layouts_refreshes_are_one_launch_a_slot(models, monkeypatch):
     """In a captured layout (the capture faked: tests/fake_graphs.py) each slot's reference refresh is a graph of its
     own after its first, which was eager (its warm-up): a step where both slots refresh launches the step's graph
-    and one graph a slot, where the eager refreshes launch hundreds of kernels each (two decoder layers here, about
-    450 at SmolLM2); the run is the uncaptured one's bit for bit."""
+    and one graph a slot, where the eager refreshes launch over a hundred kernels each (three decoder layers here;
+    394 at SmolLM2, bench/RESULTS.md section 30); the run is the uncaptured one's bit for bit."""
     from fake_graphs import FakeCuda
     from sicl_fast.backends import make_backend
     from sicl_fast.diagnostics.kernel_count import count_kernels

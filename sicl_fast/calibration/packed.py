@@ -108,7 +108,7 @@ class PackedStep:
 
     def refresh(self, j: int, st: StaticStep) -> None:
         """Slot j's reference at its X, in place (PackedForward.refresh): a graph of its own once the layout is
-        captured (its replay: one launch where the eager pass makes hundreds, about 450 at SmolLM2), captured after
+        captured (its replay: one launch where the eager pass makes hundreds, 394 at SmolLM2), captured after
         the slot's first refresh in the layout (which was its warm-up), replayed by the later ones; a slot loaded in
         place keeps it (every tensor it reads is rewritten in place)."""
         graph = self.refreshes.get(j)

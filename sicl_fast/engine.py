@@ -157,8 +157,7 @@ class Engine:
         counts at which the best X is kept (the result's best_at; a calibration from the store has no run: reuse
         'off' only)."""
         cfg = self.config(config, **overrides)
-        # the plan's mode (or `reuse`), refused with best_at: a calibration from the store has no run to keep it from
-        mode = resolve_reuse(self.plan.reuse if reuse is None else reuse, 1, keeps_best=bool(best_at))[0]
+        mode = self.reuse_mode(reuse, keeps_best=bool(best_at))
         should_stop = stop_check(should_stop, check_budget(time_budget_s, "Engine.calibrate"), time.perf_counter())
         if mode != "off":
             return self.reuser.calibrate(prompt, cfg, mode, on_step=on_step, should_stop=should_stop)
@@ -174,6 +173,38 @@ class Engine:
                               should_stop=should_stop, steps=self.steps, on_update=on_update, best_at=kept)
         return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop, on_update=on_update,
                                                  best_at=kept)
+
+    def reuse_mode(self, reuse: str | None = None, keeps_best: bool = False) -> str:
+        """The store mode calibrate runs with: the plan's (or `reuse`), refused with best_at (keeps_best): a
+        calibration from the store has no run to keep it from."""
+        return resolve_reuse(self.plan.reuse if reuse is None else reuse, 1, keeps_best=keeps_best)[0]
+
+    def stored_result(self, prompt: Prompt, config: CalibrationConfig | None = None, reuse: str | None = None,
+                      **overrides) -> CalibrationResult | None:
+        """What calibrate(prompt, config, reuse=reuse) returns when the store's memory already holds the
+        calibration that serves the prompt: that result, at once (no run, no wait for another caller, no disk
+        read); None when calibrate would run, wait or read the disk, and with reuse 'off'
+        (answering.reuse.Reuser.stored)."""
+        cfg = self.config(config, **overrides)
+        mode = self.reuse_mode(reuse)
+        return None if mode == "off" else self.reuser.stored(prompt, cfg, mode)
+
+    def scheduler(self, limits=None):
+        """This engine's scheduler (sicl_fast.scheduler.Scheduler), started on first use: requests submitted to it
+        from any number of threads (or asyncio tasks) share the engine, answers decoding together in one batch per
+        calibration, calibrations stepping between them. limits: a scheduler.Limits (the default's on first use;
+        another while one runs is refused). Once it runs, give the engine's work to it, not to the engine's own
+        methods from other threads."""
+        from .scheduler import Limits, Scheduler
+
+        current = getattr(self, "_scheduler", None)
+        if current is not None and not current.closed:
+            if limits is not None and limits != current.limits:
+                raise SiclError("Engine.scheduler: this engine's scheduler already runs with other limits; close it "
+                                "first (scheduler().close())")
+            return current
+        self._scheduler = Scheduler(self, limits or Limits())
+        return self._scheduler
 
     @property
     def reuser(self) -> Reuser:

@@ -17,6 +17,10 @@ class ModelLoadError(SiclError):
     """A model could not be found or loaded."""
 
 
+class LimitError(RequestError):
+    """A request asks for more than this server (or scheduler) allows: the message names the limit's flag."""
+
+
 class ContextLengthError(RequestError):
     """The prompt (plus tokens to generate) does not fit the model's context window."""
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sicl_fast import Engine
-from sicl_fast.answering.answer_kv import decode_queries
+from sicl_fast.answering.decode_batch import decode_queries
 from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.errors import SiclError
 from sicl_fast.formats.requests import Request

@@ -5,6 +5,9 @@ A tiny random-weight Llama with SmolLM2's tokenizer and chat template; one end-t
 from __future__ import annotations
 
 import json
+import re
+import threading
+import time
 
 import pytest
 
@@ -15,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 from sicl_fast import Engine  # noqa: E402
 from sicl_fast.answering.chat import StreamCut, render  # noqa: E402
 from sicl_fast.errors import RequestError  # noqa: E402
+from sicl_fast.scheduler import engine_lock  # noqa: E402
 from sicl_fast.serve.server import ServerThread  # noqa: E402
 from sicl_fast.serve.settings import ServeSettings  # noqa: E402
 
@@ -265,3 +269,177 @@ def test_chat_end_to_end_on_smollm2(smol, one_thread):
     assert [g.model_extra["sicl"]["reuse"] for g in got] == ["fresh", "hit"]
     assert all(g.choices[0].finish_reason == "stop" for g in got)
     assert json.loads(got[1].model_dump_json())["sicl"]["exact"] is True
+
+
+# ---------------------------------------------------------------- the scheduler behind the server (issue 52)
+
+
+class Pause:
+    """Holds the server's scheduler after its n-th decoding unit (in its observer's hook, outside every lock) until
+    released: a request can then join, disconnect or be drained at a known token."""
+
+    def __init__(self, metrics, after: int) -> None:
+        self.real, self.after = metrics.decoded, after
+        self.rows: list[int] = []
+        self.paused, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, rows: int, tokens: int, seconds: float) -> None:
+        self.real(rows, tokens, seconds)
+        self.rows.append(rows)
+        if len(self.rows) == self.after:
+            self.paused.set()
+            self.release.wait(60)
+
+
+def ask(client, query: str, stream: bool = False, max_tokens: int = 8) -> str:
+    kw = dict(model="tiny-llama", messages=conversation(query), max_tokens=max_tokens, extra_body={"sicl": KNOBS})
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                   if c.choices)
+
+
+def in_threads(fns) -> list:
+    out = [None] * len(fns)
+    threads = [threading.Thread(target=lambda i=i, f=f: out.__setitem__(i, f())) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    return threads, out
+
+
+def wait_for(cond, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_concurrent_clients_decode_together_with_their_answers_alone(server, client, engine, monkeypatch):
+    """Six clients (three streaming) on one stored calibration are answered in one batch, each with the answer it
+    gets alone; /metrics has the batch's figures."""
+    sched, metrics = server.app.state.serve.scheduler, server.app.state.serve.metrics
+    queries = ["five", "nine", "forty two", "seven hundred", "x", "one one one"]
+    alone = {q: ask(client, q) for q in queries}  # one at a time: the first stores the calibration
+    seen = Pause(metrics, after=0)  # records each decoding unit's rows
+    monkeypatch.setattr(metrics, "decoded", seen)
+    with engine_lock(engine):  # every request is in before the first token
+        threads, out = in_threads([lambda q=q, s=s: ask(client, q, s) for q, s in zip(queries, [0, 1] * 3)])
+        wait_for(lambda: sched.depth + sched.in_flight == len(queries))
+    for t in threads:
+        t.join(60)
+    assert dict(zip(queries, out)) == alone
+    assert max(seen.rows) == len(queries)  # one batch
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for name in ("sicl_fast_batch_size_bucket", "sicl_fast_generated_tokens_total", "sicl_fast_tokens_per_second",
+                 "sicl_fast_batch_seconds_bucket", "sicl_fast_queue_wait_seconds_bucket", "sicl_fast_in_flight",
+                 "sicl_fast_batch_rows"):
+        assert name in text, name
+    assert re.search(r'^sicl_fast_batch_size_bucket\{le="4.0"\} (\S+)$', text, re.M)[1] != re.search(
+        r"^sicl_fast_batch_size_count (\S+)$", text, re.M)[1]  # a unit of more than 4 rows
+
+
+def test_a_request_joins_a_running_batch_over_http(server, client, monkeypatch):
+    """A request that arrives while another decodes joins its batch at the next token; both answers are theirs
+    alone."""
+    sched, metrics = server.app.state.serve.scheduler, server.app.state.serve.metrics
+    first, second = "three hundred", "twelve"
+    alone = {q: ask(client, q) for q in (first, second)}
+    pause = Pause(metrics, after=2)
+    monkeypatch.setattr(metrics, "decoded", pause)
+    threads, out = in_threads([lambda: ask(client, first)])
+    assert pause.paused.wait(60)  # the first has decoded two tokens
+    more, out2 = in_threads([lambda: ask(client, second, stream=True)])
+    wait_for(lambda: sched.depth == 1)
+    pause.release.set()
+    for t in threads + more:
+        t.join(60)
+    assert (out[0], out2[0]) == (alone[first], alone[second])
+    assert pause.rows[:2] == [1, 1] and 2 in pause.rows[2:]  # decoded together from the third token
+
+
+def test_a_disconnected_stream_leaves_its_batch(server, client, engine, monkeypatch):
+    """A streaming client that goes away mid-answer cancels its request: its row leaves the batch at the next token,
+    the others decode on to the answers they get alone."""
+    sched, metrics = server.app.state.serve.scheduler, server.app.state.serve.metrics
+    queries = ["six", "eight"]
+    alone = {q: ask(client, q) for q in queries}
+    pause = Pause(metrics, after=2)
+    monkeypatch.setattr(metrics, "decoded", pause)
+    body = {"model": "tiny-llama", "messages": conversation("four"), "max_tokens": 8, "stream": True,
+            "sicl": KNOBS}
+    hangup, streaming = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as reply:
+            next(reply.iter_lines())  # the role's chunk: admitted
+            streaming.set()
+            hangup.wait(60)  # then the client goes away
+
+    with engine_lock(engine):  # the three are in before the first token
+        threads, out = in_threads([lambda q=q: ask(client, q) for q in queries] + [stream])
+        wait_for(lambda: sched.depth + sched.in_flight == 3)
+    assert pause.paused.wait(60) and streaming.wait(60)
+    tickets = list(sched._open)
+    hangup.set()
+    wait_for(lambda: any(t.cancelled for t in tickets))
+    pause.release.set()
+    for t in threads:
+        t.join(60)
+    assert dict(zip(queries, out)) == alone
+    wait_for(lambda: sched.in_flight == 0 and not sched.busy)
+    assert sum(t.cancelled for t in tickets) == 1 and all(t.done for t in tickets)
+    assert pause.rows[1:3] == [3, 2]  # all three in the paused unit, the next one without it
+
+
+def test_a_deadline_stops_only_its_own_calibration(engine):
+    """A calibration that would run for ever stops at its own deadline with the best X so far; answers decoding
+    meanwhile and a calibration waiting behind it are unchanged."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    req = {"id": "d1", "instruction": "Copy the word.", "demos": [{"input": "a", "output": "a"},
+                                                                  {"input": "b", "output": "b"}], "query": "c"}
+    knobs = {"max_steps": 3, "N": 4, "tau": 0.0, "seed": 4}
+    ref = engine.calibrate(engine.prepare(req), reuse="off", **knobs)
+    long = {"request": req, "reuse": "off", "timeout_s": 1.0,
+            "config": {"max_steps": 100_000, "patience": 0, "tau": 0.0, "N": 4}}
+    with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=8, max_steps=100_000)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        alone = {q: ask(client, q) for q in ("five", "nine")}
+        calls = [lambda: httpx.post(srv.url + "/v1/calibrate", json=long, headers=headers, timeout=60).json(),
+                 lambda: httpx.post(srv.url + "/v1/calibrate", json={"request": req, "reuse": "off",
+                                                                     "config": knobs},
+                                    headers=headers, timeout=60).json()]
+        first, out = in_threads(calls[:1])
+        wait_for(lambda: srv.app.state.serve.scheduler.work.running is not None)
+        second, out2 = in_threads(calls[1:])  # it waits for the calibration slot
+        answers = {q: ask(client, q) for q in ("five", "nine")}
+        assert first[0].is_alive()  # answered while the calibration ran
+        for t in first + second:
+            t.join(60)
+    assert answers == alone
+    assert out[0]["summary"]["stop_reason"] == "deadline" and out[0]["summary"]["steps"] >= 1
+    assert out2[0]["summary"]["stop_reason"] == "max_steps" and out2[0]["history"] == ref.history
+
+
+def test_sigterm_drains_the_batch_in_flight(engine, monkeypatch):
+    """The drain (what SIGTERM does) lets the answers in flight decode to their stop (200) and answers the request
+    still waiting for a row with the 503."""
+    with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=8, max_batch_rows=1)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        alone = ask(client, "two")
+        metrics = srv.app.state.serve.metrics
+        pause = Pause(metrics, after=2)
+        monkeypatch.setattr(metrics, "decoded", pause)
+        threads, out = in_threads([lambda: ask(client, "two")])
+        assert pause.paused.wait(60)
+        later, late = in_threads([lambda: _post_chat(srv, conversation("ten"), max_tokens=8, sicl=KNOBS)])
+        wait_for(lambda: srv.app.state.serve.scheduler.depth == 1)  # no row for it: it waits
+        srv.server.drain.request()
+        wait_for(lambda: late[0] is not None)
+        pause.release.set()
+        for t in threads + later:
+            t.join(60)
+        srv.thread.join(30)
+    assert out[0] == alone
+    assert late[0].status_code == 503 and late[0].json()["error"]["kind"] == "shutting_down"
+    assert not srv.thread.is_alive()

@@ -102,7 +102,7 @@ def cycles(graph: dict) -> list:
 # parent's role (serve.routes is the server's): every folder is one floor. step/ (one step's torch math, which the
 # ops and kernels implement) sits below them, the loops of calibration/ above the backends that run the steps.
 ROLE_ORDER = ["formats", "models", "step", "kernels", "ops", "run", "backends", "calibration", "store",
-              "answering", "icleval", "evaluation", "diagnostics", "serve", "commands"]
+              "answering", "scheduler", "icleval", "evaluation", "diagnostics", "serve", "commands"]
 FRONT_ENDS = ("commands", "serve", "diagnostics", "evaluation")
 TOP = {"sicl_fast", "sicl_fast.engine", "sicl_fast.errors"}
 # Every floor, bottom first: errors.py, the core's folders, the engine (it runs the core; the front ends run it), the

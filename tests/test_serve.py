@@ -32,6 +32,7 @@ from sicl_fast.errors import RequestError, SiclError  # noqa: E402
 from sicl_fast.formats.requests import parse_request  # noqa: E402
 from sicl_fast.serve.server import ServerThread  # noqa: E402
 from sicl_fast.serve.settings import ServeSettings, check_bind, is_loopback  # noqa: E402
+from sicl_fast.scheduler import engine_lock  # noqa: E402
 
 REQ = {"id": "q1", "instruction": "Write each number word as a digit.",
        "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}], "query": "five"}
@@ -62,7 +63,7 @@ def idle(request):
     """Each test starts with the engine idle (a previous test's long jobs have ended)."""
     if "server" in request.fixturenames:
         srv = request.getfixturevalue("server")
-        wait_for(lambda: not srv.app.state.serve.queue.busy and srv.app.state.serve.queue.depth == 0, 30)
+        wait_for(lambda: not srv.app.state.serve.scheduler.busy and srv.app.state.serve.scheduler.depth == 0, 30)
 
 
 def wait_for(cond, timeout: float) -> None:
@@ -132,7 +133,7 @@ def calibrate_head(server, body: bytes) -> str:
 
 
 def test_health_models_openapi(server, client, engine):
-    assert client.health() == {"status": "ok", "model": "tiny-llama", "queue_depth": 0, "busy": False}
+    assert client.health() == {"status": "ok", "model": "tiny-llama", "queue_depth": 0, "busy": False, "in_flight": 0}
     (m,) = client.models()
     assert m["id"] == "tiny-llama" and m["family"] == "llama" and m["context"] == 512 and m["d"] == 32
     assert m["preset"]["N"] == 8 and m["preset"]["max_steps"] == 250
@@ -200,7 +201,7 @@ def test_metrics(client):
     text = client.metrics()
     for name in ("sicl_fast_requests_total", "sicl_fast_errors_total", "sicl_fast_request_seconds_bucket",
                  "sicl_fast_queue_depth", "sicl_fast_engine_busy", "sicl_fast_queue_wait_seconds_bucket",
-                 "sicl_fast_engine_seconds_bucket", "sicl_fast_calibration_steps_total", "sicl_fast_steps_per_second"):
+                 "sicl_fast_batch_seconds_bucket", "sicl_fast_calibration_steps_total", "sicl_fast_steps_per_second"):
         assert name in text, name
     assert metric(client, "sicl_fast_requests_total", endpoint="/v1/calibrate", status="200") >= 1
     assert metric(client, "sicl_fast_calibration_steps_total") >= 2
@@ -426,10 +427,10 @@ def test_queue_full_gives_429_with_retry_after(server, client):
 
     t1 = threading.Thread(target=run, args=("running",))
     t1.start()
-    wait_for(lambda: server.app.state.serve.queue.busy, 10)
+    wait_for(lambda: server.app.state.serve.scheduler.busy, 10)
     t2 = threading.Thread(target=run, args=("waiting",))
     t2.start()
-    wait_for(lambda: server.app.state.serve.queue.depth == 1, 10)
+    wait_for(lambda: server.app.state.serve.scheduler.depth == 1, 10)
     assert client.health()["queue_depth"] == 1 and metric(client, "sicl_fast_queue_depth") == 1
     t0 = time.monotonic()
     with pytest.raises(QueueFullError) as exc:
@@ -440,6 +441,26 @@ def test_queue_full_gives_429_with_retry_after(server, client):
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     t1.join(30), t2.join(30)
     assert results == {"running": "deadline", "waiting": "deadline"}
+    # a streaming chat completion is refused before its stream begins: here two arrive while a calibration runs;
+    # the second is refused by the check before its body is read when the first already waits, else (both passed
+    # it) by the scheduler, which admits neither (one calibration at a time) and keeps the first waiting
+    t1 = threading.Thread(target=run, args=("running",))
+    t1.start()
+    wait_for(lambda: server.app.state.serve.scheduler.busy, 10)
+    chat = {"model": "tiny-llama", "stream": True, "max_tokens": 2, "sicl": {"max_steps": 1},
+            "messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
+                         {"role": "user", "content": "two"}]}
+    with engine_lock(server.app.state.serve.engine):  # both are in before the calibration's next step
+        streams = [in_thread(post, server, "/v1/chat/completions", chat) for _ in range(2)]
+        wait_for(lambda: server.app.state.serve.scheduler.depth + sum("r" in out for _, out in streams) == 2, 10)
+    for t, _ in streams:
+        t.join(30)
+    t1.join(30)
+    replies = sorted((out["r"] for _, out in streams), key=lambda r: r.status_code)
+    assert [r.status_code for r in replies] == [200, 429] and int(replies[1].headers["retry-after"]) >= 1
+    assert replies[1].headers["content-type"] == "application/json" and "--max-queue 1" in error_of(replies[1])[
+        "message"]
+    assert replies[0].text.endswith("data: [DONE]\n\n")
 
 
 def test_deadline_returns_the_best_so_far(client, engine):
@@ -487,7 +508,7 @@ def test_client_disconnect_cancels_running_job(server, client):
     body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
     raw_http(server, calibrate_head(server, body), body, close_after=0.5)  # starts the job, then hangs up
     wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == before + 1, 10)
-    wait_for(lambda: not server.app.state.serve.queue.busy, 10)
+    wait_for(lambda: not server.app.state.serve.scheduler.busy, 10)
     steps = metric(client, "sicl_fast_calibration_steps_total")
     time.sleep(0.3)
     assert metric(client, "sicl_fast_calibration_steps_total") == steps  # the engine really stopped
@@ -495,18 +516,18 @@ def test_client_disconnect_cancels_running_job(server, client):
 
 
 def test_client_disconnect_cancels_queued_job(server, client):
-    done = metric(client, "sicl_fast_engine_seconds_count", job="calibrate")
+    done = metric(client, "sicl_fast_batch_seconds_count", job="calibrate")
     cancelled = metric(client, "sicl_fast_errors_total", kind="cancelled")
     t = threading.Thread(target=lambda: client.calibrate(REQ, timeout_s=1.5, **LONG))
     t.start()
-    wait_for(lambda: server.app.state.serve.queue.busy, 10)
+    wait_for(lambda: server.app.state.serve.scheduler.busy, 10)
     body = json.dumps({"request": REQ, "timeout_s": 120, "config": LONG}).encode()
     raw_http(server, calibrate_head(server, body), body, close_after=0.4)  # queued behind it, then gone
     t.join(30)
     wait_for(lambda: metric(client, "sicl_fast_errors_total", kind="cancelled") == cancelled + 1, 10)
-    wait_for(lambda: not server.app.state.serve.queue.busy and server.app.state.serve.queue.depth == 0, 10)
+    wait_for(lambda: not server.app.state.serve.scheduler.busy and server.app.state.serve.scheduler.depth == 0, 10)
     # only the first job ever held the engine
-    assert metric(client, "sicl_fast_engine_seconds_count", job="calibrate") == done + 1
+    assert metric(client, "sicl_fast_batch_seconds_count", job="calibrate") == done + 1
 
 
 def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
@@ -515,7 +536,8 @@ def test_requests_beyond_max_connections_get_the_json_503(engine, monkeypatch):
     monkeypatch.setattr(engine, "proxy", lambda *a, **k: (release.wait(30), proxy(*a, **k))[1])
     with ServerThread(engine, ServeSettings(port=0, max_connections=2)) as srv:
         waiting = [in_thread(post, srv, "/v1/proxy", {"request": REQ}) for _ in range(2)]  # one runs, one waits
-        wait_for(lambda: srv.app.state.serve.queue.depth == 1, 10)
+        sched = srv.app.state.serve.scheduler
+        wait_for(lambda: sched.depth + sched.in_flight == 2, 10)
         try:
             for r in (post(srv, "/v1/proxy", {"request": REQ}), httpx.get(srv.url + "/health")):
                 err = error_of(r)
@@ -536,7 +558,7 @@ def test_a_job_running_past_the_grace_period_gets_a_503(engine, monkeypatch, how
     monkeypatch.setattr(engine, "proxy", lambda *a, **k: time.sleep(3))
     srv = ServerThread(engine, ServeSettings(port=0, grace_s=0.3 if how == "grace period over" else 60)).start()
     t, out = in_thread(post, srv, "/v1/proxy", {"request": REQ})
-    wait_for(lambda: srv.app.state.serve.queue.busy, 10)
+    wait_for(lambda: srv.app.state.serve.scheduler.busy, 10)
     if how == "second signal":
         srv.server.drain.request()
     srv.shutdown(timeout=30)  # (another) SIGTERM
@@ -775,12 +797,12 @@ def test_a_job_past_the_grace_period_ends_with_the_process_cleanly(tiny_dir):
 def test_the_idle_engine_worker_has_ended_when_the_server_stops(engine):
     """After a drain with no job running, the engine's worker thread has returned before the server does: a thread
     that ran torch code must not be left to wake up during the interpreter's finalization (it aborted the process
-    at exit: EngineQueue.ended)."""
+    at exit: Scheduler.ended)."""
     srv = ServerThread(engine, ServeSettings(port=0)).start()
-    queue = srv.app.state.serve.queue
+    scheduler = srv.app.state.serve.scheduler
     Client(srv.url).proxy(REQ)  # the worker has run torch code
     srv.shutdown()
-    assert not srv.thread.is_alive() and queue.ended
+    assert not srv.thread.is_alive() and scheduler.ended
 
 
 @pytest.mark.slow
@@ -823,3 +845,30 @@ def test_text_that_is_not_unicode_is_a_400_and_out_of_range_knobs_a_422(server, 
     r = post(server, "/v1/calibrate", {"request": REQ, "generate": True, "stop": [""]})
     assert r.status_code == 422 and "an empty stop string" in error_of(r)["message"]
     assert metric(client, "sicl_fast_calibration_steps_total") == steps  # nothing ran
+
+
+def test_the_packed_server_path_with_packing_forced(tiny_llama):
+    """A server whose engine packs (pack 2, forced on the CPU): concurrent /v1/calibrate requests run as slots of one
+    packed step, each with its own config, within the packed step's tolerance of its run alone (tests/test_packed.py),
+    and an answer after each, as a row of the decode batch."""
+    eng = Engine(tiny_llama, pack=2)
+    reqs = [{**REQ, "id": f"p{i}", "demos": [{"input": "one" * (i + 1), "output": "1"},
+                                             {"input": "seven", "output": "7" * (i + 1)}]} for i in range(2)]
+    knobs = [{"max_steps": 3 + 2 * i, "N": 4, "tau": 0.0, "seed": i} for i in range(2)]
+    alone = [eng.calibrate(eng.prepare(r, reserve=4), **k) for r, k in zip(reqs, knobs)]
+    with ServerThread(eng, ServeSettings(port=0)) as srv:
+        with engine_lock(eng):  # both are in before the first step
+            calls = [in_thread(post, srv, "/v1/calibrate", {"request": r, "config": k, "generate": True,
+                                                            "max_new_tokens": 4, "stop": []})
+                     for r, k in zip(reqs, knobs)]
+            wait_for(lambda: srv.app.state.serve.scheduler.depth + srv.app.state.serve.scheduler.in_flight == 2, 10)
+        for t, _ in calls:
+            t.join(60)
+        assert srv.app.state.serve.scheduler.work.packed.full == 2
+    for (_, out), ref, r in zip(calls, alone, reqs):
+        body = out["r"].json()
+        assert body["summary"]["steps"] == ref.steps and body["summary"]["stop_reason"] == ref.stop_reason
+        assert body["history"] == pytest.approx(ref.history, rel=1e-5, abs=0)
+        assert body["reuse"]["reuse"] == "off"
+        gen = eng.generate(eng.prepare(r, reserve=4), ref.embeddings, max_new_tokens=4, stop_strings=())
+        assert body["answers"]["calibrated"] == gen.answer

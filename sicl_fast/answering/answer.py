@@ -12,12 +12,14 @@ other backends decode the full matrix.
 """
 from __future__ import annotations
 
-from .answer_kv import decode_queries, supports_kv_answers
+from .answer_kv import supports_kv_answers
+from .decode_batch import decode_queries
 from ..run.checks import check_prompt
 from ..errors import SiclError
 from ..backends.generate import Generation, check_stops
 from ..run.knobs import check_range
 from .reuse import fits, full_embeddings
+from ..calibration.ascent import CalibrationConfig
 from ..formats.spans import Prompt
 from ..store import Calibration
 
@@ -66,6 +68,18 @@ def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_st
     return out
 
 
+def embeddings_prefix(prompt: Prompt, X, model: str) -> Calibration:
+    """The rows [0, b) of embeddings X [L, d] of `prompt` as a Calibration kept nowhere (key ''): the prefix an
+    answer from X (a calibration run without the store, or the prompt's own embeddings) decodes against, query-only,
+    as a stored calibration's (the server's scheduler batches such answers so)."""
+    b = prompt.demo_end
+    return Calibration(key="", scope="stem", rows=X[:b].detach().float().contiguous(),
+                       input_ids=prompt.input_ids[:b].clone(), token_spans=tuple(prompt.token_spans),
+                       demo_start=prompt.demo_start, demo_end=b, initial_proxy=float("nan"),
+                       best_proxy=float("nan"), steps=0, best_step=0, gated=False, stop_reason="", history=[],
+                       projections=0, seconds=0.0, config=CalibrationConfig(), impl="", model=model, exact=True)
+
+
 def answer_one(engine, calibration, query, max_new_tokens: int = 32, stop_strings=("\n",),
                stop_fn=None) -> Generation:
     return answer_batch(engine, calibration, [query], max_new_tokens, stop_strings, stop_fn)[0]
@@ -82,4 +96,5 @@ def answer_result(engine, res, prompt: Prompt, max_new_tokens: int = 32, stop_st
                            stop_fn=stop_fn)
 
 
-__all__ = ["ANSWER_BATCH", "answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt"]
+__all__ = ["ANSWER_BATCH", "answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt",
+           "embeddings_prefix"]

@@ -2,7 +2,10 @@
 [0, b), then greedy decoding; many queries (of any lengths) as one batch.
 
     kv = stored_kv(model, calibration)          the K/V of rows [0, b), per layer [1, b, Hk, hd] (once per entry)
-    gens = decode_queries(backend, calibration, prompts, query_rows, max_new_tokens, stop_strings)
+    QueryKV(kv.kv[i], k, v, slot)               one layer's K/V of a batch of queries after those rows
+
+The batch that decodes them (its rows joining and leaving: answering.decode_batch.DecodeBatch; a fixed list:
+decode_batch.decode_queries) is built on these.
 
 Layout: query j's own rows [b, L_j) (T_j of them) sit at positions b .. L_j - 1, and own-key slot s of row j holds
 position b + s. The prefill runs the B queries right-padded to T = max T_j (a row's padding comes after its real
@@ -23,8 +26,6 @@ import math
 import torch
 
 from ..backends.step_forward import fixed_rows_kv
-from ..errors import SiclError
-from ..backends.generate import Generation, _take, check_inputs, cut_at_stops
 from ..models.attention import attend_math, merge
 from ..models.transformer import Positions
 
@@ -104,76 +105,9 @@ def decoding_positions(model, at: torch.Tensor) -> Positions:
                          for k, r in model.rotary.items()}, at=at)
 
 
-def decode_queries(backend, cal, prompts, query_rows: list[torch.Tensor], max_new_tokens: int, stop_strings=(),
-                 stop_fn=None, store=None) -> list[Generation]:
-    """Greedy answers of prompts (each fitting `cal`, answering.reuse.fits) from the stored K/V: query_rows[j] is
-    prompt j's own embeddings [T_j, d] (rows [b, L_j)). Stop rules per row as generate.greedy_decode's."""
-    lm, m = backend.lm, backend.model
-    b, B = cal.length, len(prompts)
-    ctx = lm.max_context
-    for p, x in zip(prompts, query_rows):
-        check_inputs(lm, x, max_new_tokens)  # width, values, max_new_tokens >= 0
-        if ctx is not None and p.length + max_new_tokens > ctx:
-            raise SiclError(f"request {p.id!r}: {p.length} tokens plus {max_new_tokens} new tokens exceed the "
-                            f"context of {ctx}")
-    T = [int(x.shape[0]) for x in query_rows]
-    Tmax, S = max(T), max(T) + max(max_new_tokens, 1)
-    m.fit_rope(*(p.length for p in prompts))  # one batch: one rotary table (Transformer.fit_rope)
-    for r in m.rotary.values():
-        r.reserve(b + S)
-    stored = stored_kv(m, cal, store)
-    dev, dt = m.device, m.dtype
-    lengths = torch.tensor(T, dtype=torch.int64, device=dev)
-    slot = lengths.clone()
-    # zeros, not empty: a masked key has weight 0, and 0 times a NaN left in unused memory would still be NaN
-    kvs = [QueryKV(pre, torch.zeros(B, S, m.Hk, m.hd, dtype=dt, device=dev),
-                   torch.zeros(B, S, m.Hk, m.hd, dtype=dt, device=dev), slot) for pre in stored.kv]
-    eos = lm.eos_token_ids
-    outs = [Generation() for _ in range(B)]
-    done = [False] * B
-
-    @torch.no_grad()
-    def prefill() -> torch.Tensor:
-        last = stored.last.expand(B, -1).clone()  # a query without rows of its own answers after row b - 1
-        if Tmax > 0:
-            x = torch.zeros(B, Tmax, m.d, dtype=dt, device=dev)
-            for j, rows in enumerate(query_rows):
-                x[j, :T[j]] = rows.to(device=dev, dtype=dt)
-            h = m.run(x, Positions.rows(m.rotary, b, Tmax), kvs)
-            own = [j for j in range(B) if T[j] > 0]
-            last[own] = h[own, [T[j] - 1 for j in own]]
-        return m.logits(last)  # [B, V]
-
-    @torch.no_grad()
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        h = m.run(m.embed(tokens.view(B, 1)), decoding_positions(m, b + slot), kvs)
-        slot.add_(1)
-        return m.logits(h[:, 0])
-
-    if max_new_tokens > 0:
-        every = backend.read_every  # the plan's (FastBackend)
-        logits = prefill()
-        tokens = torch.empty(max_new_tokens, B, dtype=torch.int64, device=dev)
-        read = 0
-        for i in range(max_new_tokens):
-            tokens[i] = logits.float().argmax(dim=-1)
-            if (i + 1) % every == 0 or i + 1 == max_new_tokens:
-                for row in tokens[read:i + 1].tolist():
-                    for j, t in enumerate(row):
-                        if not done[j]:
-                            done[j] = _take(lm, outs[j], t, eos, stop_strings, stop_fn, max_new_tokens)
-                read = i + 1
-                if all(done):
-                    break
-            logits = step(tokens[i])
-    for out in outs:
-        out.answer = cut_at_stops(out.text, stop_strings)
-    return outs
-
-
 def supports_kv_answers(backend) -> bool:
     """Does the backend run our decoder (the fast backends)? Others answer from the full calibrated matrix."""
     return hasattr(backend, "model") and hasattr(backend.model, "run")
 
 
-__all__ = ["StoredKV", "QueryKV", "stored_kv", "decode_queries", "decoding_positions", "supports_kv_answers"]
+__all__ = ["StoredKV", "QueryKV", "stored_kv", "decoding_positions", "supports_kv_answers"]

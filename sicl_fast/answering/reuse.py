@@ -203,22 +203,58 @@ class Reuser:
     def calibrate(self, prompt: Prompt, config: CalibrationConfig, mode: str, on_step=None, should_stop=None
                   ) -> ReusedResult:
         """Engine.calibrate with reuse `mode` ('auto' or 'on'; module docstring)."""
-        res = self.route(prompt, config, mode, on_step, should_stop)
+        t0 = time.perf_counter()
+        cfg, key, how = self.shared(prompt, config, mode)
+        res = self.hit(prompt, cfg, key, how, mode, t0) or self.route(prompt, cfg, key, how, mode, t0, on_step,
+                                                                      should_stop)
         self.counts["reused" if res.reused else "calibrated"] += 1
         return res
 
-    def route(self, prompt: Prompt, config: CalibrationConfig, mode: str, on_step=None, should_stop=None
-              ) -> ReusedResult:
+    def shared(self, prompt: Prompt, config: CalibrationConfig, mode: str) -> tuple[CalibrationConfig, str | None, str]:
+        """(config resolved, the stem's key, how the prompt can share it): 'per-query' (the config perturbs the
+        query: nothing to share; key None), 'boundary' (the query changed the stem's tokens), or `mode`."""
         check_prompt(prompt, self.engine.lm)
-        t0 = time.perf_counter()
-        cfg = self.resolve(config)
         if mode == "off":
             raise SiclError("Reuser.calibrate: reuse 'off' runs Engine.run, without the store")
+        cfg = self.resolve(config)
         if cfg.perturb_query:  # the query's rows are perturbed: nothing to share
-            return self.per_query(prompt, cfg, "per-query", None, t0, on_step, should_stop)
+            return cfg, None, "per-query"
         key = self.key(prompt, cfg)
         if not stem_matches(prompt, self.engine.lm.tokenizer, self.engine.add_special_tokens):
-            return self.per_query(prompt, cfg, "boundary", key, t0, on_step, should_stop)
+            return cfg, key, "boundary"
+        return cfg, key, mode
+
+    def stored(self, prompt: Prompt, config: CalibrationConfig, mode: str) -> ReusedResult | None:
+        """What calibrate gives `prompt` when the store's memory already holds the calibration that serves it (the
+        stem's, or this prompt's own): that result, at once, with no run, no wait for another caller and no disk
+        read; None otherwise (calibrate would look further, wait or run). The scheduler asks before it queues a
+        calibration, so that a query on a stored prompt never waits behind another prompt's calibration."""
+        t0 = time.perf_counter()
+        cfg, key, how = self.shared(prompt, config, mode)
+        res = self.hit(prompt, cfg, key, how, mode, t0)
+        if res is not None:
+            self.counts["reused"] += 1
+        return res
+
+    def hit(self, prompt: Prompt, cfg: CalibrationConfig, key: str | None, how: str, mode: str, t0: float
+            ) -> ReusedResult | None:
+        """The result from the store's memory, as route would give it from there: the stem's calibration where it
+        serves this prompt in `mode` ('on': any; 'auto': an exact one), else this prompt's own (calibrated per
+        query before: reuse 'per-query' or 'boundary'); None when route would run, wait or read the disk."""
+        if how == mode:
+            cal = self.store.peek(key, exact=mode == "auto")
+            if cal is not None:
+                return self.for_prompt(cal, prompt, t0, "hit", key)
+            if mode == "on":  # a miss calibrates the stem
+                return None
+        own = self.store.peek(self.key(prompt, cfg, "prompt"))
+        return None if own is None else self.for_prompt(own, prompt, t0, how if how != mode else "per-query", key)
+
+    def route(self, prompt: Prompt, cfg: CalibrationConfig, key: str | None, how: str, mode: str, t0: float,
+              on_step=None, should_stop=None) -> ReusedResult:
+        """calibrate past the memory: per query, or the store in `mode` (disk, single flight, a run)."""
+        if how != mode:
+            return self.per_query(prompt, cfg, how, key, t0, on_step, should_stop)
         if mode == "on":
             return self.reuse_on(prompt, cfg, key, t0, on_step, should_stop)
         return self.reuse_auto(prompt, cfg, key, t0, on_step, should_stop)

@@ -6,6 +6,8 @@ perturbation batches stacked into one forward.
     run_packed(backend, items, pack)    a queue of (prompt, config); at most `pack` slots run together; a slot
                                         whose prompt stopped (or whose time budget ran out: checked at each read,
                                         from the slot's start) takes the next prompt of the queue at that read
+    PackedRun(backend, pack)            that loop one read interval at a time, its queue open (add()): the
+                                        server's scheduler packs concurrent calibrations through it
 
 Layout (sicl_fast.backends.step_forward.PackedForward): the slots' batches [B_j, b_j, d] are stacked along the
 batch and right-padded with zeros to the longest b_j. Causal attention never lets a position see a later one, so
@@ -235,74 +237,121 @@ class PackedRefreshCheck(ReplayCheck):
         self.step().fall_back(to, why)
 
 
-def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,
-               on_result: Callable[[int, CalibrationResult], None] | None = None,
-               time_budget_s: float | None = None, best_at: Sequence[int] = (),
-               graphs: bool | None = None) -> list[CalibrationResult]:
-    """Calibrate every (prompt, config) of `items`, at most `pack` at once (module docstring). With
-    on_result(i, res), each result goes there as it finishes (in completion order) and is not kept; without, the
-    results come back in the order of `items`. time_budget_s: each item's budget from its start (as
-    Calibrator.run's), checked at each read. best_at: step counts at which each item keeps its best X (a read lands
-    on each). graphs: capture the pack (None: the run plan's graphs); its length buckets (the plan's) pad each
-    slot."""
-    for name, v in (("pack", pack), ("sync_every", sync_every)):
-        check_range(name, v, "run_packed")
-    budget = check_budget(time_budget_s, "run_packed")
-    BestAt(best_at, "run_packed")  # the counts checked before any work
-    plan = backend.plan
-    plan.require_sync_free("packed")
-    for _, config in items:  # before any work (icleval packs its calibrations here, not through calibrate_many)
-        plan.check_zeroth_order(config.estimator)
-    graphs = plan.graphs if graphs is None else graphs
-    queue = list(enumerate(items))
-    results: list[CalibrationResult | None] = [None] * len(items)
-    shapes: dict[int, tuple] = {}  # id(step) -> its plan's shape (StepPlan.shape)
+class PackedRun:
+    """The packed loop, one read interval a call (run_packed drives it over a fixed list; the server's scheduler
+    over the calibrations as they arrive): add() queues a calibration; interval() fills the free slots from the
+    queue (at most `pack` run at once), runs the steps to the next read, reads, and gives the calibrations that
+    stopped, whose slots take the next queued ones (module docstring). Each item keeps its own config, time budget
+    (from its start), stop hook, best_at and progress hook. graphs: capture the pack (None: the run plan's); its
+    length buckets (the plan's) pad each slot."""
 
-    def admit(free: StaticStep | None = None) -> tuple[Slot, bool]:
+    def __init__(self, backend, pack: int, sync_every: int = 1, graphs: bool | None = None) -> None:
+        for name, v in (("pack", pack), ("sync_every", sync_every)):
+            check_range(name, v, "run_packed")
+        backend.plan.require_sync_free("packed")
+        self.backend, self.pack, self.sync_every = backend, pack, sync_every
+        self.graphs = backend.plan.graphs if graphs is None else graphs
+        self.queue: list[tuple] = []  # (index, prompt, config, time budget, best_at, should_stop, on_step)
+        self.active: list[Slot] = []
+        self.shapes: dict[int, tuple] = {}  # id(step) -> its plan's shape (StepPlan.shape)
+        self.step: PackedStep | None = None
+        self.full = 0  # the most slots run together so far: a pack that full is captured once warmed up
+        self.added = 0
+
+    def add(self, prompt: Prompt, config: CalibrationConfig, time_budget_s: float | None = None,
+            best_at: Sequence[int] = (), should_stop: Callable[[], str | None] | None = None,
+            on_step: Callable[[int, float], None] | None = None) -> int:
+        """Queue one calibration (checked now); -> its index, which interval() gives back with its result."""
+        self.backend.plan.check_zeroth_order(config.estimator)
+        budget = check_budget(time_budget_s, "run_packed")
+        BestAt(best_at, "run_packed")  # the counts checked before any work
+        self.queue.append((self.added, prompt, config, budget, tuple(best_at), should_stop, on_step))
+        self.added += 1
+        return self.added - 1
+
+    @property
+    def size(self) -> int:
+        """Calibrations running and queued."""
+        return len(self.active) + len(self.queue)
+
+    def _admit(self, free: StaticStep | None = None) -> tuple[Slot, bool]:
         """(the next queued item's slot, whether it took `free`, a stopped slot's step, in place)."""
-        i, (prompt, config) = queue.pop(0)
+        backend, plan = self.backend, self.backend.plan
+        i, prompt, config, budget, best_at, should_stop, on_step = self.queue.pop(0)
         kept = BestAt(best_at)
         # the slot's step planned once (its spec, bucket, bytes, proxy plan), without the prefix K/V
         step_plan, X0 = plan_step(backend, config, prompt, buckets=plan.length_buckets,
                                   kept=kept.copies(config.max_steps), use_prefix=False)
-        loaded = free is not None and shapes.get(id(free)) == step_plan.shape
+        loaded = free is not None and self.shapes.get(id(free)) == step_plan.shape
         if loaded:
             free.load(step_plan, X0)
             st = free
         else:
             st = StaticStep.planned(backend, step_plan, X0, own_forward=False)
-            shapes.pop(id(free), None)
-            shapes[id(st)] = step_plan.shape
+            self.shapes.pop(id(free), None)
+            self.shapes[id(st)] = step_plan.shape
         t0 = time.perf_counter()
-        return Slot(st, t0, kept, stop_check(None, budget, t0), index=i), loaded
+        return Slot(st, t0, kept, stop_check(should_stop, budget, t0), on_step, index=i), loaded
 
-    active: list[Slot] = [admit()[0] for _ in range(min(pack, len(queue)))]
-    full = len(active)
-    step = PackedStep(backend, [s.step for s in active], captures=Captures(backend.device) if graphs else None)
-    while active:
-        k = steps_to_read(active, sync_every)
+    def interval(self) -> list[tuple[int, CalibrationResult]]:
+        """One read interval (class docstring) -> (index, result) of each calibration that stopped in it."""
+        grew = False
+        while self.queue and len(self.active) < self.pack:
+            self.active.append(self._admit()[0])
+            grew = True
+        if not self.active:
+            return []
+        if self.step is None:
+            captures = Captures(self.backend.device) if self.graphs else None
+            self.step = PackedStep(self.backend, [s.step for s in self.active], captures=captures)
+        elif grew:
+            self.step.set([s.step for s in self.active])
+        self.full = max(self.full, len(self.active))
+        k = steps_to_read(self.active, self.sync_every)
         for _ in range(k):
-            step()
-        loaded, gone = [], []
-        for j, (slot, (reason, n)) in enumerate(zip(active, read(active))):
+            self.step()
+        done, loaded, gone = [], [], []
+        for j, (slot, (reason, n)) in enumerate(zip(self.active, read(self.active))):
             slot.calls += k
             res = slot.settle(reason, n)
             if res is None:
                 continue
-            if on_result is None:
-                results[slot.index] = res
-            else:
-                on_result(slot.index, res)
-            if queue:  # the next prompt takes the place
-                active[j], took = admit(slot.step)
+            done.append((slot.index, res))
+            if self.queue:  # the next prompt takes the place
+                self.active[j], took = self._admit(slot.step)
                 if took:
                     loaded.append(j)
             else:
                 gone.append(j)
-        active = [slot for j, slot in enumerate(active) if j not in gone]
-        if active and not step.set([s.step for s in active], loaded) and graphs and len(active) == full:
-            step.capture()  # the layout went through a read interval unchanged: warmed up
+        self.active = [slot for j, slot in enumerate(self.active) if j not in gone]
+        if not self.active:
+            self.step, self.shapes = None, {}  # idle: nothing held (a later calibration lays out a new pass)
+        elif not self.step.set([s.step for s in self.active], loaded) and self.graphs and len(self.active) == self.full:
+            self.step.capture()  # the layout went through a read interval unchanged: warmed up
+        return done
+
+
+def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack: int, sync_every: int = 1,
+               on_result: Callable[[int, CalibrationResult], None] | None = None,
+               time_budget_s: float | None = None, best_at: Sequence[int] = (),
+               graphs: bool | None = None) -> list[CalibrationResult]:
+    """Calibrate every (prompt, config) of `items`, at most `pack` at once (module docstring; PackedRun). With
+    on_result(i, res), each result goes there as it finishes (in completion order) and is not kept; without, the
+    results come back in the order of `items`. time_budget_s: each item's budget from its start (as
+    Calibrator.run's), checked at each read. best_at: step counts at which each item keeps its best X (a read lands
+    on each). graphs: capture the pack (None: the run plan's graphs); its length buckets (the plan's) pad each
+    slot."""
+    run = PackedRun(backend, pack, sync_every, graphs)
+    for prompt, config in items:  # every item checked before any work (icleval packs its calibrations here)
+        run.add(prompt, config, time_budget_s, best_at)
+    results: list[CalibrationResult | None] = [None] * len(items)
+    while run.size:
+        for i, res in run.interval():
+            if on_result is None:
+                results[i] = res
+            else:
+                on_result(i, res)
     return results if on_result is None else []
 
 
-__all__ = ["PackedStep", "PackedCheck", "PackedRefreshCheck", "run_packed"]
+__all__ = ["PackedStep", "PackedRun", "PackedCheck", "PackedRefreshCheck", "run_packed"]

@@ -182,6 +182,14 @@ def _pack(g) -> None:
                         "CUDA for a model under 1B parameters, where it pays, else 1 (sicl-fast plan says why)")
 
 
+def _serve_pack(g) -> None:
+    g.add_argument("--pack", type=arg_type("pack", auto=True), default=1, metavar="P",
+                   help="calibrate up to P concurrent requests as slots of one packed step (each joining at a read "
+                        "and leaving at its own stop), without the store (their reuse is off unless a request asks "
+                        "for it); auto: 8 on CUDA for a model under 1B parameters, where it pays, else 1 (default 1: "
+                        "calibrations one at a time, through the store)")
+
+
 def _budget(g) -> None:
     g.add_argument("--time-budget", dest="time_budget", type=arg_type("time_budget_s"), default=None, metavar="S",
                    help="stop each calibration at the first step boundary after S seconds (static loop: the first "
@@ -234,6 +242,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "backend_fast": _group("backend", lambda g: _backend(g, "fast")),
         "threads": _group("threads", _threads),
         "loop": _group("loop", _loop), "pack": _group("packing", _pack),
+        "serve_pack": _group("packing", _serve_pack),
         "proxy": _group("proxy weights", lambda g: _knob_flags(g, PROXY_KNOBS)),
         "estimator": _group("estimator", lambda g: _knob_flags(g, ("estimator",))),
         "ascent": _group("ascent", lambda g: _knob_flags(g, ascent)),
@@ -261,7 +270,7 @@ COMMAND_GROUPS = {
     "bench": ("model", "ops", "diff", "threads", "loop", "pack", "proxy", "estimator", "step"),
     "profile": ("model", "tokens", "backend_fast", "ops", "diff", "threads", "proxy", "estimator", "step"),
     "gradstudy": ("model", "tokens", "backend", "ops", "diff", "threads", "proxy", "estimator", "ascent"),
-    "serve": ("model", "tokens", "backend", "ops", "diff", "threads", "loop", "reuse", "store"),
+    "serve": ("model", "tokens", "backend", "ops", "diff", "threads", "loop", "serve_pack", "reuse", "store"),
     "plan": ("model", "backend", "ops", "diff", "threads", "loop", "pack", "estimator", "reuse"),
     "report": (),
 }

@@ -364,6 +364,12 @@ class Transformer:
         calls were computed under."""
         return tuple(r.length for r in self.rotary.values())
 
+    def restore_rope(self, lengths: tuple) -> None:
+        """Fit the rotary tables back to `lengths` (an earlier rope_lengths), in place: the server's scheduler gives
+        each piece of work the tables it ran with, whatever ran in between."""
+        for r, key in zip(self.rotary.values(), lengths):
+            r.fit(key)
+
     # ----------------------------------------------------------------------------------------- pieces
 
     def _norm_weight(self, module):

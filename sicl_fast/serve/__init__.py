@@ -6,13 +6,14 @@ missing. The server's parts, one job a module:
     settings.py   ServeSettings (caps, auth, bind address, the `serve` flags) and the loopback-only bind rule
     schema.py     request bodies (pydantic, strict: their types and the OpenAPI schema)
     validate.py   bodies -> engine calls (parse, tokenize, caps) before anything is queued
-    queue.py      EngineQueue: one worker thread runs jobs on the engine one at a time; bounded; cancellation; drain
-    jobs.py       what a job does on the engine: proxy, calibrate (deadline / cancel hook), answers, embeddings
+    jobs.py       what a request does on the engine, as a flow of the scheduler (sicl_fast.scheduler, which owns the
+                  engine: answers decode together, calibrations step between them; bounded; cancellation; drain)
     metrics.py    Prometheus metrics; the ASGI middleware that counts, times and logs (one line) every request
     app.py        create_app(engine, settings): the application put together from the parts below
-    state.py      ServeState: the engine, settings, queue, metrics, validator and shutdown of one server
+    state.py      ServeState: the engine, settings, scheduler, metrics, validator and shutdown of one server
     routes/       one module per concern (info: health, models, metrics; calibration: proxy, calibrate)
-    dispatch.py   route -> engine: admission, body -> call, the job and waiting for it (disconnect, shutdown)
+    dispatch.py   route -> scheduler: admission, body -> call, the request's flow and waiting for it (disconnect,
+                  shutdown)
     body.py       reading a body: JSON only (415), size (413), depth and syntax (400), schema (422)
     errors.py     the JSON error replies, their handlers, and CatchAll (no exception reaches uvicorn)
     auth.py       the API key

@@ -24,17 +24,17 @@ from .shutdown import RefuseWhileDraining
 from .state import ServeState
 
 ROUTES = (info, calibration, chat)  # modules with `router` (behind the key), `BODIES` and maybe `public` (no key)
-CLOSE_WAIT_S = 30.0  # at exit without a drain, how long to wait for the running job to stop at its next step
+CLOSE_WAIT_S = 30.0  # at exit without a drain, how long to wait for the work in flight to stop at its next step
 
 
 def lifespan(state: ServeState):
     @asynccontextmanager
     async def run(app: FastAPI):
         yield
-        # after a drain a job still running is past the grace period: do not wait for it (serve() then exits without
-        # finalizing); an idle worker is always joined, as it ends at once (EngineQueue.ended says why it must)
-        past_grace = state.shutdown.draining and state.queue.busy
-        await asyncio.to_thread(state.queue.close, 0.0 if past_grace else CLOSE_WAIT_S)
+        # after a drain, work still in flight is past the grace period: do not wait for it (serve() then exits without
+        # finalizing); an idle scheduler is always joined, as it ends at once (Scheduler.ended says why it must)
+        past_grace = state.shutdown.draining and state.scheduler.busy
+        await asyncio.to_thread(state.scheduler.close, 0.0 if past_grace else CLOSE_WAIT_S)
 
     return run
 
@@ -52,7 +52,8 @@ def create_app(engine, settings: ServeSettings | None = None) -> FastAPI:
     state = ServeState.build(engine, settings or ServeSettings())
     app = FastAPI(title="sicl_fast", version=package_version(), lifespan=lifespan(state),
                   description="Test-time calibration of few-shot prompts (self-improving in-context learning). "
-                              f"Model: {engine.lm.name}. One engine; requests queue and run one at a time.")
+                              f"Model: {engine.lm.name}. One engine, owned by a scheduler: answers decode together, "
+                              "calibrations step between them.")
     app.state.serve = state
     guarded = key_dependencies(state.settings.api_key)
     for module in ROUTES:

@@ -1,16 +1,16 @@
-"""What a queued job does on the engine (on the worker thread): the proxy, or a calibration with its answers and
-embeddings. Each returns the JSON-ready response body."""
+"""What a request does on the engine, as a flow of the scheduler (sicl_fast.scheduler): the proxy (a call), or a
+calibration with its answers (two rows of the decode batch: the uncalibrated prompt's and the calibrated one's)
+and embeddings. Each returns the JSON-ready response body; it runs on the scheduler's thread between its yields."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 
-from ..answering.answer import answer_result
-from ..calibration.ascent import CalibrationResult
 from ..answering.export import CalibratedEmbeddings
 from ..answering.reuse import reuse_info
+from ..calibration.ascent import CalibrationResult
 from ..formats.records import proxy_record
-from .queue import Cancelled, Job
+from ..scheduler import Answer, Calibrate, Call, Cancelled
 from .validate import CalibrateCall, ProxyCall
 
 
@@ -19,29 +19,37 @@ def prompt_info(prompt) -> dict:
             "token_spans": [list(s) for s in prompt.token_spans]}
 
 
-def run_proxy(engine, call: ProxyCall, job: Job) -> dict:
+def run_proxy(engine, call: ProxyCall) -> dict:
     out = engine.proxy(call.prompt, call.config)
     return {**proxy_record(call.prompt, out), "c": [float(x) for x in out.c[0]], "prompt": prompt_info(call.prompt)}
 
 
-def run_calibrate(engine, call: CalibrateCall, job: Job, on_step: Callable[[int, float], None] | None = None) -> dict:
-    """The ascent (stopped early by the job's deadline, its cancellation or the request's time budget), then the
-    optional answers and rows."""
-    prompt = call.prompt
-    res = engine.calibrate(prompt, call.config, on_step=on_step, reuse=call.reuse, should_stop=job.stop_reason,
-                           time_budget_s=call.time_budget_s)
+def proxy_flow(call: ProxyCall):
+    return (yield Call(lambda engine: run_proxy(engine, call)))
+
+
+def calibrated(call, on_step: Callable[[int, float], None] | None, done: Callable[[CalibrationResult], None]):
+    """A flow's calibration of call.prompt (the request's run options): its result, Cancelled when its client went
+    away; done(result) hears of it (metrics)."""
+    res = yield Calibrate(call.prompt, call.config, call.reuse, call.time_budget_s, on_step)
     if res.stop_reason == "cancelled":
         raise Cancelled()
+    done(res)
+    return res
+
+
+def calibrate_flow(engine, call: CalibrateCall, on_step=None, done=lambda res: None):
+    """The ascent (stopped early by the request's deadline, its cancellation or its time budget), then the optional
+    answers and rows."""
+    prompt = call.prompt
+    res = yield from calibrated(call, on_step, done)
     body = {"id": prompt.id, "model": engine.lm.name, "summary": CalibrationResult.summary(res), "history": res.history,
             "config": dataclasses.asdict(res.config), "prompt": prompt_info(prompt)}
     body["reuse"] = reuse_info(res)
     if call.generate:
-        # a cancellation mid-decoding stops it at the next token (the reply is dropped anyway)
-        stop = dict(max_new_tokens=call.max_new_tokens, stop_strings=call.stop, stop_fn=lambda _text: job.cancelled)
-        body["answers"] = {"base": engine.generate(prompt, **stop).answer,
-                           "calibrated": answer_result(engine, res, prompt, **stop).answer}
-        if job.cancelled:
-            raise Cancelled()
+        base, cal = yield [Answer(prompt, call.max_new_tokens, call.stop),
+                           Answer.after(res, prompt, call.max_new_tokens, call.stop)]
+        body["answers"] = {"base": base.answer, "calibrated": cal.answer}
     if call.return_embeddings:
         emb = CalibratedEmbeddings.from_result(prompt, res.embeddings, engine.lm.name, rows=call.embeddings_rows,
                                                dtype=call.embeddings_dtype)

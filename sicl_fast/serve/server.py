@@ -87,14 +87,14 @@ def url_of(sock: socket.socket) -> str:
 def serve(engine, settings: ServeSettings, sock: socket.socket | None = None) -> int:
     """Serve on `sock` (default: bind(settings)) until SIGTERM or SIGINT, then drain (shutdown.py) and return 0. A
     job still running past the grace period ends with the process: os._exit(0) without the interpreter's
-    finalization, which would abort the process inside that job's torch call (EngineQueue.ended)."""
+    finalization, which would abort the process inside that job's torch call (Scheduler.ended)."""
     sock = sock if sock is not None else bind(settings)
     app = create_app(engine, settings)
     auth = "API key required" if settings.api_key else "no API key"
     print(f"sicl-fast serve: model {engine.lm.name} ({engine.backend.name} backend), {url_of(sock)} ({auth}; docs "
           "at /docs)", file=sys.stderr, flush=True)
     Server(app).run(sockets=[sock])
-    if not app.state.serve.queue.ended:
+    if not app.state.serve.scheduler.ended:
         log.info("exiting with the job that ran past the grace period still inside the engine (its reply was the "
                  "503)")
         logging.shutdown()
@@ -109,7 +109,7 @@ class ServerThread:
         with ServerThread(engine, ServeSettings(port=0)) as srv:
             httpx.get(srv.url + "/health")
 
-    `shutdown()` drains as SIGTERM does; leaving the block stops it at once (the running job is cancelled).
+    `shutdown()` drains as SIGTERM does; leaving the block stops it at once (the work in flight is cancelled).
     """
 
     def __init__(self, engine, settings: ServeSettings | None = None, log_level: str = "warning") -> None:

@@ -3,10 +3,12 @@
 With g = --grace-s, from the signal at t0:
 
     t0          every new request is answered 503 (the JSON error, Retry-After, Connection: close), /health
-                included; each queued job is answered 503 and never runs; the running job goes on
+                included; each request still waiting to be admitted is answered 503 and never runs; the batches in
+                flight go on (answers decode to their stop)
     t0 + 0.8 g  a calibration still running stops after its current step and answers with the best X so far
-                (stop_reason "shutdown"); a job that ends before (done, or at its own timeout_s) answers as usual
-    t0 + g      a job still running is answered 503 and the server exits; it exits at once when no job runs
+                (stop_reason "shutdown"); work that ends before (done, or at its own timeout_s) answers as usual
+    t0 + g      a request still in flight is answered 503 and the server exits; it exits at once when nothing is
+                in flight
 
 The process then exits with status 0. A second signal makes t0 + g now.
 """
@@ -19,7 +21,7 @@ import time
 from fastapi import Request
 
 from .errors import ServeHTTPError, error_response
-from .queue import EngineQueue
+from ..scheduler import Scheduler
 
 log = logging.getLogger("sicl_fast.serve")
 
@@ -32,9 +34,9 @@ class Shutdown:
     """The drain of one server. `request` may be called from a signal handler: it only writes two floats; the
     event loop calls `tick` (every 0.1 s) to act on them."""
 
-    def __init__(self, grace_s: float, queue: EngineQueue) -> None:
+    def __init__(self, grace_s: float, scheduler: Scheduler) -> None:
         self.grace_s = grace_s
-        self.queue = queue
+        self.scheduler = scheduler
         self.end: float | None = None  # time.monotonic() by which the server exits; None: not shutting down
         self.stop_at: float | None = None  # when the running calibration is asked to stop
         self._began = False
@@ -61,12 +63,13 @@ class Shutdown:
             return False
         if not self._began:
             self._began = True
-            running = self.queue.busy
-            dropped = self.queue.drain(self.stop_at)
+            running = self.scheduler.busy
+            dropped = self.scheduler.drain(self.stop_at)
             log.info("shutting down: taking no new work; %d queued job(s) answered 503; %s", dropped,
-                     f"the running job is asked to stop in {STOP_FRACTION * self.grace_s:g} s and answered 503 if it "
-                     f"runs past {self.grace_s:g} s (--grace-s)" if running else "no job running")
-        return not self.queue.busy or self.expired()
+                     f"the work in flight may go on: a calibration is asked to stop in "
+                     f"{STOP_FRACTION * self.grace_s:g} s, and what runs past {self.grace_s:g} s (--grace-s) is "
+                     "answered 503" if running else "no job running")
+        return not self.scheduler.busy or self.expired()
 
     def error(self, message: str) -> ServeHTTPError:
         """The 503 for work refused or dropped while draining; Retry-After: when this server will be gone."""

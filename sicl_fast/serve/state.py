@@ -1,4 +1,4 @@
-"""ServeState: what one server holds (engine, settings, queue, metrics, validator, shutdown), made once by
+"""ServeState: what one server holds (engine, settings, scheduler, metrics, validator, shutdown), made once by
 create_app and reached by every route and middleware as `request.app.state.serve` (or `Depends(serve_state)`)."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from ..scheduler import Scheduler
 from .metrics import ServeMetrics
-from .queue import EngineQueue
 from .settings import ServeSettings
 from .shutdown import Shutdown
 from .validate import Validator
@@ -17,18 +17,18 @@ from .validate import Validator
 class ServeState:
     engine: object
     settings: ServeSettings
-    queue: EngineQueue
+    scheduler: Scheduler
     metrics: ServeMetrics
     validator: Validator
     shutdown: Shutdown
 
     @classmethod
     def build(cls, engine, settings: ServeSettings) -> ServeState:
-        queue = EngineQueue(settings.max_queue)
-        metrics = ServeMetrics(queue)
-        queue.on_finish = lambda job: metrics.job_finished(job, job.kind)
-        return cls(engine=engine, settings=settings, queue=queue, metrics=metrics,
-                   validator=Validator(engine, settings), shutdown=Shutdown(settings.grace_s, queue))
+        metrics = ServeMetrics()
+        scheduler = Scheduler(engine, settings.limits(), observer=metrics, name="sicl-fast-serve-scheduler")
+        metrics.watch(scheduler)
+        return cls(engine=engine, settings=settings, scheduler=scheduler, metrics=metrics,
+                   validator=Validator(engine, settings), shutdown=Shutdown(settings.grace_s, scheduler))
 
 
 def serve_state(request: Request) -> ServeState:

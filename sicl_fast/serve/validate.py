@@ -7,16 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..calibration.ascent import CalibrationConfig
-from ..errors import RequestError, SiclError
+from ..errors import LimitError, RequestError, SiclError
 from ..backends.generate import check_stops
 from ..formats.requests import check_text
 from ..formats.spans import Prompt
 from .schema import CalibrateBody, ProxyBody
 from .settings import ServeSettings
-
-
-class LimitError(RequestError):
-    """A request asks for more than this server allows (a --max-* flag)."""
 
 
 DEFAULT_NEW_TOKENS = 32  # /v1/calibrate's answers when the body gives no max_new_tokens (the CLI's default too)

@@ -4,7 +4,7 @@
     cal, hit = store.get_or_compute(key, compute, should_stop)     compute() -> Calibration | None, run once per
                                                                    key across threads (and processes sharing the
                                                                    directory); None: nothing to keep
-    store.get(key, should_stop, expect) / store.put(cal, should_stop)
+    store.get(key, should_stop, expect) / store.put(cal, should_stop) / store.peek(key)   (peek: memory only)
 
 Lookups go memory, then disk (an entry read from disk is kept in memory). should_stop (optional) is the caller's
 calibration hook (sicl_fast.run.run_args.stop_check: its deadline, cancellation, time budget): a caller waiting for
@@ -63,6 +63,15 @@ class CalibrationStore:
             if cal is not None:
                 self._count("disk_reads")
                 self.memory.put(cal)
+        return cal
+
+    def peek(self, key: str, exact: bool = False) -> Calibration | None:
+        """The entry for key when memory holds it (and it is exact, with `exact`), counted as a hit; else None. No
+        disk read and no wait."""
+        cal = self.memory.get(key)
+        if cal is None or (exact and not cal.exact):
+            return None
+        self._count("hits")
         return cal
 
     def put(self, cal: Calibration, should_stop: StopHook = None) -> None:

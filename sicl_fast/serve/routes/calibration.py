@@ -6,10 +6,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from ..dispatch import read_call, run_job, timing
-from ..jobs import run_calibrate, run_proxy
+from ..jobs import calibrate_flow, proxy_flow
 from ..metrics import note
 from ..openapi import body_doc
-from ..queue import Job
 from ..schema import CalibrateBody, ProxyBody
 from ..state import ServeState, serve_state
 
@@ -22,9 +21,9 @@ async def proxy(request: Request, state: ServeState = Depends(serve_state)) -> d
     """f, C, R, G, the per-demonstration c and the token spans of a prompt's own embeddings."""
     call = await read_call(request, ProxyBody, state.validator.proxy)
     note(request, id=call.prompt.id)
-    out, job = await run_job(request, "proxy", lambda job: run_proxy(state.engine, call, job))
+    out, ticket = await run_job(request, "proxy", proxy_flow(call))
     note(request, proxy=out["proxy"])
-    return {**out, "timing": timing(job)}
+    return {**out, "timing": timing(ticket)}
 
 
 @router.post("/v1/calibrate", openapi_extra=body_doc(CalibrateBody))
@@ -34,13 +33,10 @@ async def calibrate(request: Request, state: ServeState = Depends(serve_state)) 
     call = await read_call(request, CalibrateBody, state.validator.calibrate)
     note(request, id=call.prompt.id)
     deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
-
-    def work(job: Job) -> dict:
-        out = run_calibrate(state.engine, call, job, on_step=lambda step, f: state.metrics.steps.inc())
-        state.metrics.calibration_done(out["summary"]["steps"], out["summary"]["seconds"])
-        return out
-
-    out, job = await run_job(request, "calibrate", work, deadline)
+    metrics = state.metrics
+    flow = calibrate_flow(state.engine, call, on_step=lambda step, f: metrics.steps.inc(),
+                          done=lambda res: metrics.calibration_done(res.steps, res.seconds))
+    out, ticket = await run_job(request, "calibrate", flow, deadline)
     s = out["summary"]
     note(request, steps=s["steps"], proxy=(s["initial_proxy"], s["best_proxy"]), stop=s["stop_reason"])
-    return {**out, "timing": timing(job)}
+    return {**out, "timing": timing(ticket)}

@@ -26,18 +26,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...answering.answer import answer_result
 from ...calibration.ascent import CalibrationConfig, CalibrationResult
 from ...answering.chat import StreamCut, render
 from ...errors import SiclError
 from ...backends.generate import check_stops
 from ...answering.reuse import reuse_info
 from ...formats.spans import Prompt
-from ..dispatch import POLL_S, admit, read_call, run_job, timing
+from ...scheduler import Answer, Cancelled, ShuttingDown
+from ..dispatch import POLL_S, outcome, read_call, run_job, submit, timing, watch
 from ..errors import ServeHTTPError, from_sicl_error
+from ..jobs import calibrated
 from ..metrics import note
 from ..openapi import body_doc
-from ..queue import Cancelled, Job, ShuttingDown
 from ..schema import CalibrationKnobs, RunOptions
 from ..state import ServeState, serve_state
 
@@ -148,24 +148,19 @@ async def read_chat(request: Request, state: ServeState) -> ChatCall:
         raise from_sicl_error(exc, 400) from None
 
 
-def run_chat(state: ServeState, call: ChatCall, job: Job, push=None) -> dict:
-    """On the worker: calibrate (through the store), then decode greedily; push(delta) streams the answer."""
-    engine = state.engine
-    res = engine.calibrate(call.prompt, call.config, reuse=call.reuse, should_stop=job.stop_reason,
-                           time_budget_s=call.time_budget_s, on_step=lambda step, f: state.metrics.steps.inc())
-    if res.stop_reason == "cancelled":
-        raise Cancelled()
-    state.metrics.calibration_done(res.steps, res.seconds)
+def chat_flow(state: ServeState, call: ChatCall, push=None):
+    """The request on the scheduler: its calibration (through the store), then its answer as a row of the decode
+    batch of its calibration; push(delta) streams the answer as it is decoded."""
+    metrics = state.metrics
+    res = yield from calibrated(call, lambda step, f: metrics.steps.inc(),
+                                lambda res: metrics.calibration_done(res.steps, res.seconds))
     cut = StreamCut(call.stop)
 
-    def stop_fn(text: str) -> bool:
+    def on_text(text: str) -> None:
         if push is not None and (delta := cut.push(text)):
             push(delta)
-        return job.cancelled
 
-    gen = answer_result(engine, res, call.prompt, call.max_new_tokens, call.stop, stop_fn)
-    if job.cancelled:
-        raise Cancelled()
+    gen = yield Answer.after(res, call.prompt, call.max_new_tokens, call.stop, on_text)
     sicl = {**CalibrationResult.summary(res), **reuse_info(res)}
     return {"content": gen.answer, "rest": cut.finish(gen.answer), "completion_tokens": len(gen.token_ids),
             "finish_reason": "length" if gen.stop_reason == "max_new_tokens" else "stop", "sicl": sicl}
@@ -184,14 +179,13 @@ async def chat_completions(request: Request, state: ServeState = Depends(serve_s
     head = {"id": f"chatcmpl-{request.state.request_id}", "created": int(time.time()), "model": state.engine.lm.name}
     deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
     if call.stream:
-        return StreamingResponse(stream(request, state, call, head, deadline), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    out, job = await run_job(request, "chat", lambda job: run_chat(state, call, job), deadline)
+        return await stream(request, state, call, head, deadline)
+    out, ticket = await run_job(request, "chat", chat_flow(state, call), deadline)
     note_sicl(request, out["sicl"])
     return {**head, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out["content"], "refusal": None},
                          "finish_reason": out["finish_reason"], "logprobs": None}],
-            "usage": usage(call, out), "sicl": {**out["sicl"], "timing": timing(job)}}
+            "usage": usage(call, out), "sicl": {**out["sicl"], "timing": timing(ticket)}}
 
 
 def sse(obj) -> bytes:
@@ -199,15 +193,18 @@ def sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-def stream(request: Request, state: ServeState, call: ChatCall, head: dict, deadline):
-    """The job is queued now (a full queue is still a 429, before any byte is sent); the generator then sends the
-    role, the answer's deltas as the worker decodes them, the last chunk, the usage chunk, and [DONE]. A client
-    that goes away cancels the job."""
+async def stream(request: Request, state: ServeState, call: ChatCall, head: dict, deadline) -> StreamingResponse:
+    """The request is submitted and admitted first (a full queue is still a 429, before any byte is sent); the reply
+    then sends the role, the answer's deltas as the scheduler decodes them, the last chunk, the usage chunk, and
+    [DONE]. A client that goes away cancels the request: its answer leaves the batch at the next token."""
     loop = asyncio.get_running_loop()
     deltas: asyncio.Queue = asyncio.Queue()
-    push = lambda text: loop.call_soon_threadsafe(deltas.put_nowait, text)  # noqa: E731 (from the worker thread)
-    job = admit(state, lambda: state.queue.submit(lambda j: run_chat(state, call, j, push), deadline, "chat"))
-    fut = asyncio.wrap_future(job.future)
+    push = lambda text: loop.call_soon_threadsafe(deltas.put_nowait, text)  # noqa: E731 (from the scheduler)
+    ticket = submit(request, "chat", chat_flow(state, call, push), deadline)
+    await watch(request, ticket, ticket.decided)  # admitted, or ended (a 429, a 503, an error: replied as such)
+    if ticket.done:
+        outcome(request, ticket)
+    fut = asyncio.wrap_future(ticket.future)
 
     def chunk(delta: dict, finish=None, **extra) -> bytes:
         return sse({**head, "object": "chat.completion.chunk", "system_fingerprint": None,
@@ -224,7 +221,7 @@ def stream(request: Request, state: ServeState, call: ChatCall, head: dict, dead
                     continue
                 get.cancel()
                 if not done and (await request.is_disconnected() or state.shutdown.expired()):
-                    job.cancel()
+                    ticket.cancel()
                     return
             try:
                 out = fut.result()
@@ -233,7 +230,7 @@ def stream(request: Request, state: ServeState, call: ChatCall, head: dict, dead
             except Exception as exc:  # noqa: BLE001 - the reply has begun: the error goes in the stream
                 rid = request.state.request_id
                 if not isinstance(exc, (SiclError, ShuttingDown)):
-                    log.error("internal error in job %s (chat, streaming)", rid, exc_info=exc)
+                    log.error("internal error in request %s (chat, streaming)", rid, exc_info=exc)
                 err = (from_sicl_error(exc) if isinstance(exc, SiclError) else
                        ServeHTTPError(503, "shutting_down", "the server shut down before this request was answered")
                        if isinstance(exc, ShuttingDown) else
@@ -250,10 +247,10 @@ def stream(request: Request, state: ServeState, call: ChatCall, head: dict, dead
             yield b"data: [DONE]\n\n"
             note_sicl(request, out["sicl"])
         finally:
-            job.cancel()  # a no-op once the job is over; stops it when the client went away mid-stream
+            ticket.cancel()  # a no-op once the request is over; stops it when the client went away mid-stream
             fut.cancel()
 
-    return events()
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-__all__ = ["router", "BODIES", "ChatBody", "chat_call", "run_chat"]
+__all__ = ["router", "BODIES", "ChatBody", "chat_call", "chat_flow"]

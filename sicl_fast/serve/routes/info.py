@@ -17,7 +17,9 @@ BODIES = ()
 @public.get("/health")
 async def health(state: ServeState = Depends(serve_state)) -> dict:
     """Liveness: no key needed."""
-    return {"status": "ok", "model": state.engine.lm.name, "queue_depth": state.queue.depth, "busy": state.queue.busy}
+    sched = state.scheduler
+    return {"status": "ok", "model": state.engine.lm.name, "queue_depth": sched.depth, "busy": sched.busy,
+            "in_flight": sched.in_flight}
 
 
 @router.get("/v1/models")

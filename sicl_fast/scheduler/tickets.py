@@ -1,0 +1,116 @@
+"""A request to the scheduler (a Ticket) and the ways it can end besides its result.
+
+    ticket = scheduler.submit(flow, kind="chat", deadline=None)
+    ticket.result(timeout)            the flow's return value (or its exception: Cancelled, ShuttingDown, QueueFull,
+    await ticket                      a SiclError of the work); `ticket.future` is a concurrent.futures.Future
+    ticket.cancel()                   it leaves at the next boundary of the work it is in (a token, a step)
+
+A flow is a generator: it yields work (sicl_fast.scheduler.work: a calibration, an answer, a call on the engine, or a
+list of them, which run together) and gets each result back, and returns the reply; the scheduler runs the work on
+the engine and advances the flow on its own thread, so a flow must be quick between two yields.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Generator
+from typing import Any
+
+
+class QueueFull(Exception):
+    """max_queue requests already wait to be admitted; retry_after: seconds until one is likely admitted."""
+
+    def __init__(self, waiting: int, max_queue: int, retry_after: int) -> None:
+        super().__init__(f"the engine queue is full ({waiting} waiting, --max-queue {max_queue}); "
+                         f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Cancelled(Exception):
+    """The request was cancelled (its client went away) before or while it ran."""
+
+
+class ShuttingDown(Exception):
+    """The scheduler is draining (the server is shutting down): no new requests; one still waiting never runs."""
+
+
+class Ticket:
+    """One request (module docstring). deadline: time.monotonic() after which stop_reason() says 'deadline' (a
+    calibration stops at its next step with the best X so far); shutdown_at: set by the drain, after which it says
+    'shutdown'. submitted / admitted / finished: time.monotonic() of each (admitted: its first work took a place
+    in the batch; None while it waits)."""
+
+    def __init__(self, flow: Generator, kind: str = "request", deadline: float | None = None) -> None:
+        self.flow, self.kind, self.deadline = flow, kind, deadline
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._cancelled = threading.Event()
+        self.submitted = time.monotonic()
+        self.admitted: float | None = None
+        self.finished: float | None = None
+        self.shutdown_at: float | None = None
+        self.decided: concurrent.futures.Future = concurrent.futures.Future()  # done once admitted or ended
+        self.seq = 0  # arrival order (the scheduler's)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def stop_reason(self) -> str | None:
+        """'cancelled', 'deadline', 'shutdown' (the earlier of the two times that passed) or None: what should stop
+        this request's calibration now."""
+        if self._cancelled.is_set():
+            return "cancelled"
+        now = time.monotonic()
+        due = [(t, why) for t, why in ((self.deadline, "deadline"), (self.shutdown_at, "shutdown"))
+               if t is not None and now >= t]
+        return min(due)[1] if due else None
+
+    def end(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Set the outcome (once; a waiter that gave up on the future is not an error)."""
+        self.finished = time.monotonic()
+        self.flow.close()
+        try:
+            if error is None:
+                self.future.set_result(result)
+            else:
+                self.future.set_exception(error)
+        except concurrent.futures.InvalidStateError:
+            pass
+        self.decide()
+
+    def decide(self) -> None:
+        """Admitted (or ended): what a streaming reply waits for before it sends its headers."""
+        try:
+            self.decided.set_result(None)
+        except concurrent.futures.InvalidStateError:
+            pass
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.future.result(timeout)
+
+    def __await__(self):
+        return asyncio.wrap_future(self.future).__await__()
+
+    @property
+    def queue_seconds(self) -> float:
+        """Time waiting to be admitted (so far, while it waits)."""
+        return (self.admitted or self.finished or time.monotonic()) - self.submitted
+
+    @property
+    def batch_seconds(self) -> float:
+        """Time in the batch: from admission to the end (0 when never admitted)."""
+        if self.admitted is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.admitted
+
+
+__all__ = ["Ticket", "QueueFull", "Cancelled", "ShuttingDown"]

@@ -1,0 +1,330 @@
+"""The scheduler that owns the engine (sicl_fast.scheduler), from its Python front end, on a tiny random-weight Llama
+with SmolLM2's tokenizer: answers decode together with the tokens each gets alone, for every batch size and join
+time (a row joining at the next token, rows leaving at their stop or when cancelled); a calibration stepping between
+answers keeps its result bit for bit; a deadline stops only its own calibration; neither lane starves the other;
+admission in arrival order within the limits, and the queue full; concurrent calibrations as slots of the packed
+step with packing forced (pack 2 on the CPU), within the packed step's tolerance of each alone. The HTTP front end:
+tests/test_serve.py and tests/test_chat.py."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from sicl_fast import Engine
+from sicl_fast.scheduler import Cancelled, Limits, Observer, QueueFull, Scheduler, engine_lock
+
+NEW = 10
+QUERIES = ["five", "nine", "forty two", "three hundred and six", "x", "twelve and a half", "seven", "one one"]
+# a calibration that runs until its deadline or cancellation
+LONG = {"max_steps": 100_000, "patience": 0, "tau": 0.0}
+
+
+def request(query: str, demos=(("one", "1"), ("seven", "7"))) -> dict:
+    return {"id": query, "instruction": "Write each number word as a digit.",
+            "demos": [{"input": i, "output": o} for i, o in demos], "query": query}
+
+
+class Rows(Observer):
+    """Every decoding unit's rows (what joined and left shows here)."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def decoded(self, rows: int, tokens: int, seconds: float) -> None:
+        self.rows.append(rows)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, one_thread):
+    return Engine(tiny_llama, reuse="auto")
+
+
+@pytest.fixture(scope="module")
+def stored(engine):
+    """A stored calibration (reuse 'auto', exact) that every query of QUERIES fits."""
+    res = engine.calibrate(engine.prepare(request("five"), reserve=NEW), max_steps=3, N=4, tau=0.0)
+    assert res.calibration is not None and res.exact
+    return res.calibration
+
+
+@pytest.fixture(scope="module")
+def alone(engine, stored):
+    """Each query's answer alone (Engine.answer: a batch of one), before any scheduler runs on the engine."""
+    return {q: engine.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()).token_ids for q in QUERIES}
+
+
+@pytest.fixture(scope="module")
+def sched(engine, alone):
+    s = Scheduler(engine, Limits())
+    yield s
+    assert s.close()
+
+
+def tokens(ticket) -> list[int]:
+    return ticket.result(60).token_ids
+
+
+def test_answers_decode_together_with_their_tokens_alone(sched, stored, alone):
+    for n in (1, 2, 3, 8):
+        tickets = {q: sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES[:n]}
+        assert {q: tokens(t) for q, t in tickets.items()} == {q: alone[q] for q in QUERIES[:n]}, n
+
+
+@pytest.mark.parametrize("at", [1, 3, NEW - 1])
+def test_a_request_joins_a_running_batch_at_its_next_token(engine, stored, alone, at):
+    """Each query joins when the one before it has decoded `at` tokens (its own on_text submits it: the scheduler's
+    thread, so the joiner is taken in at the very next iteration), each with its own stop strings and length."""
+    obs = Rows()
+    s = Scheduler(engine, observer=obs)
+    chain = QUERIES[:4]
+    tickets: dict[str, object] = {}
+
+    def submit(k: int):
+        seen = [0]
+
+        def on_text(_text: str) -> None:
+            seen[0] += 1
+            if seen[0] == at and k + 1 < len(chain):
+                tickets[chain[k + 1]] = submit(k + 1)
+        return s.answer(stored, request(chain[k]), max_new_tokens=NEW, stop_strings=(), on_text=on_text)
+
+    tickets[chain[0]] = submit(0)
+    try:
+        for q in chain:
+            assert tokens(tickets[q]) == alone[q], (q, at)
+    finally:
+        s.close()
+    assert max(obs.rows) >= 2  # they decoded together: a row joined while the others ran
+    # stop strings and lengths of their own: a short one leaves first, the others go on unchanged
+    s = Scheduler(engine)
+    short = s.answer(stored, request("nine"), max_new_tokens=3, stop_strings=())
+    long = s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())
+    assert tokens(short) == alone["nine"][:3] and tokens(long) == alone["five"]
+    s.close()
+
+
+def test_asyncio_front_end(sched, stored, alone):
+    async def main():
+        return await asyncio.gather(*(sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=())
+                                      for q in QUERIES[:4]))
+    got = asyncio.run(main())
+    assert [g.token_ids for g in got] == [alone[q] for q in QUERIES[:4]]
+
+
+def test_a_cancelled_answer_leaves_without_disturbing_the_others(sched, stored, alone):
+    box = {}
+
+    def on_text(_text: str, seen=[0]) -> None:  # noqa: B006 - the count of this one answer
+        seen[0] += 1
+        if seen[0] == 2:
+            box["t"].cancel()
+
+    box["t"] = sched.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=(), on_text=on_text)
+    others = {q: sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in ("five", "x")}
+    with pytest.raises(Cancelled):
+        box["t"].result(60)
+    assert {q: tokens(t) for q, t in others.items()} == {q: alone[q] for q in others}
+
+
+def test_a_calibration_between_answers_keeps_its_result(engine, sched, stored, alone):
+    """A calibration (another prompt, without the store) steps between the answers' tokens: its history and X are
+    those of the same calibration alone, bit for bit, and the answers are theirs alone."""
+    prompt = engine.prepare(request("ten", demos=(("two", "2"), ("six", "6"), ("eight", "8"))))
+    knobs = dict(max_steps=6, N=4, tau=0.0, seed=7)
+    ref = engine.calibrate(prompt, reuse="off", **knobs)
+    cal = sched.calibrate(prompt, reuse="off", **knobs)
+    answers = {q: sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES[:3]}
+    res = cal.result(60)
+    assert res.history == ref.history and res.steps == 6 and torch.equal(res.embeddings, ref.embeddings)
+    assert {q: tokens(t) for q, t in answers.items()} == {q: alone[q] for q in answers}
+
+
+def test_a_flow_calibrates_then_answers_from_its_embeddings(engine, sched):
+    """A flow of its own (Scheduler.submit): a calibration without the store that perturbs the query rows too, then
+    its answer as a row of its own prefix: the full calibrated matrix's answer (Engine.generate), its query rows
+    the calibrated ones."""
+    from sicl_fast.scheduler import Answer, Calibrate
+
+    prompt = engine.prepare(request("nine", demos=(("two", "2"), ("six", "6"))), reserve=NEW)
+    cfg = engine.config(max_steps=6, N=4, tau=0.0, seed=2, eta=1.0, mu=0.05, perturb_query=True)
+
+    def flow():
+        res = yield Calibrate(prompt, cfg, reuse="off")
+        gen = yield Answer.after(res, prompt, NEW, ())
+        return res, gen
+
+    res, gen = sched.submit(flow(), "mine").result(60)
+    assert not torch.equal(res.embeddings[prompt.demo_end:], engine.backend.embed(prompt)[prompt.demo_end:])
+    assert gen.token_ids == engine.generate(prompt, res.embeddings, max_new_tokens=NEW, stop_strings=()).token_ids
+
+
+def test_a_deadline_stops_only_its_own_request(engine, sched, stored, alone):
+    long = sched.calibrate(engine.prepare(request("ten")), reuse="off", deadline=time.monotonic() + 0.3, **LONG)
+    prompt = engine.prepare(request("ten", demos=(("two", "2"), ("six", "6"))))
+    after = sched.calibrate(prompt, reuse="off", max_steps=3, N=4, tau=0.0, seed=2)  # waits for the slot
+    answers = {q: sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES[:2]}
+    res = long.result(60)
+    assert res.stop_reason == "deadline" and 1 <= res.steps < LONG["max_steps"]
+    own = after.result(60)
+    ref = engine.calibrate(prompt, reuse="off", max_steps=3, N=4, tau=0.0, seed=2)
+    assert own.stop_reason == "max_steps" and own.history == ref.history
+    assert {q: tokens(t) for q, t in answers.items()} == {q: alone[q] for q in answers}
+
+
+def test_neither_lane_starves_the_other(engine, sched, stored, alone):
+    """A calibration that would run for ever does not hold answers back (they all end while it runs), and a stream
+    of answers does not hold a calibration back (it ends while answers keep coming)."""
+    long = sched.calibrate(engine.prepare(request("ten")), reuse="off", **LONG)
+    answers = [sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES]
+    assert [tokens(t) for t in answers] == [alone[q] for q in QUERIES]
+    assert not long.done  # still calibrating: the answers did not wait for it
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.result(60)
+    # answers without a pause (each one that ends is replaced), and a calibration submitted among them
+    stop, done, feeder = threading.Event(), [], []
+
+    def feed(q: str) -> None:
+        if stop.is_set():
+            return
+        t = sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=())
+        feeder.append(t)
+        t.future.add_done_callback(lambda f: (done.append(f), feed(q)))
+
+    for q in QUERIES[:4]:
+        feed(q)
+    cal = sched.calibrate(engine.prepare(request("ten", demos=(("two", "2"), ("six", "6")))), reuse="off",
+                          max_steps=5, N=4, tau=0.0)
+    rows = []
+    cal.future.add_done_callback(lambda f: rows.append(sched.answers.size))  # answers in flight as it ends
+    res = cal.result(120)  # it ends (it would wait for ever if the answers held it back)
+    stop.set()
+    for t in list(feeder):
+        t.result(60)
+    assert res.steps == 5 and rows[0] >= 1 and done
+
+
+def test_a_lane_that_ran_alone_has_no_lead(engine, stored, alone):
+    """A lane's time alone is no credit: after answers ran alone for a long while (their lane's clock far ahead), a
+    calibration that starts alone and an answer that comes during it share the engine: the answer does not wait
+    for the calibration's end."""
+    s = Scheduler(engine)
+    s.vtime["answers"] = 1e6  # as after a long time of answers alone
+    steps = threading.Event()
+    cal = s.calibrate(engine.prepare(request("ten")), reuse="off", max_steps=2000, patience=0, tau=0.0,
+                      on_step=lambda i, f: i >= 3 and steps.set())
+    assert steps.wait(60)  # it runs alone
+    ans = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=())
+    assert tokens(ans) == alone["nine"] and not cal.done
+    cal.cancel()
+    s.close()
+
+
+def test_a_stored_calibration_answers_at_once_beside_a_running_one(engine, sched):
+    """A calibration the store's memory holds (the stem's, or a prompt's own: per query) is answered without
+    waiting for the one running, which keeps the one-at-a-time lane."""
+    own = engine.prepare(request("eleven", demos=(("two", "2"), ("six", "6"))))
+    first = engine.calibrate(own, max_steps=2, N=4, tau=0.0, perturb_query=True)  # stored under its own key
+    assert first.reuse == "per-query" and not first.reused
+    long = sched.calibrate(engine.prepare(request("ten")), reuse="off", **LONG)
+    got = sched.calibrate(own, max_steps=2, N=4, tau=0.0, perturb_query=True).result(60)
+    assert got.reused and got.reuse == "per-query" and got.history == first.history and not long.done
+    long.cancel()
+
+
+def test_admission_in_arrival_order_within_the_limits(engine, stored, alone):
+    obs = Rows()
+    s = Scheduler(engine, Limits(max_rows=2), observer=obs)
+    with engine_lock(engine):  # every request is queued before the first token
+        tickets = [s.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES[:5]]
+    assert [tokens(t) for t in tickets] == [alone[q] for q in QUERIES[:5]]
+    admitted = [t.admitted for t in tickets]
+    assert admitted == sorted(admitted) and max(obs.rows) == 2
+    s.close()
+
+
+def test_beyond_the_queue_new_requests_are_refused(engine, stored, alone):
+    s = Scheduler(engine, Limits(max_queue=1, max_rows=1))
+    with engine_lock(engine):  # the first holds the one row; one waits; the younger two are refused
+        tickets = [s.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES[:4]]
+    assert tokens(tickets[0]) == alone[QUERIES[0]] and tokens(tickets[1]) == alone[QUERIES[1]]
+    for t in tickets[2:]:
+        with pytest.raises(QueueFull) as full:
+            t.result(60)
+        assert full.value.retry_after >= 1 and "--max-queue 1" in str(full.value)
+    s.close()
+
+
+def test_a_request_over_a_limit_by_itself_is_refused(engine, stored):
+    s = Scheduler(engine, Limits(max_tokens=8))
+    with pytest.raises(Exception, match=r"exceed this server's limit of 8 \(--max-batch-tokens\)"):
+        s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=()).result(60)
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def packing(tiny_llama, one_thread):
+    return Engine(tiny_llama, pack=2)
+
+
+def test_concurrent_calibrations_share_the_packed_step(packing):
+    """Packing forced (pack 2 on the CPU): three calibrations of their own configs (steps, seeds) run as slots of one
+    packed step, the third joining at the read where the first stops; each within the packed step's tolerance of its
+    run alone (tests/test_packed.py: rtol 1e-5, same steps and stops). A deadline and a cancellation stop only
+    their own slot."""
+    prompts = [packing.prepare(request(q, demos=(("one" * (i + 1), "1"), ("seven", "7" * (i + 1)))))
+               for i, q in enumerate(("five", "nine", "ten"))]
+    configs = [packing.config(max_steps=3 + 2 * i, N=4, tau=0.0, seed=i) for i in range(3)]
+    alone = [packing.calibrate(p, c, reuse="off") for p, c in zip(prompts, configs)]
+    s = Scheduler(packing)
+    try:
+        with engine_lock(packing):
+            tickets = [s.calibrate(p, c) for p, c in zip(prompts, configs)]
+        for a, t in zip(alone, tickets):
+            got = t.result(60)
+            assert (got.steps, got.stop_reason) == (a.steps, a.stop_reason)
+            assert got.history == pytest.approx(a.history, rel=1e-5, abs=0)
+        assert s.work.packed is not None and s.work.packed.full == 2  # two slots ran together
+        with engine_lock(packing):
+            long = s.calibrate(prompts[0], configs[0].replace(**LONG), deadline=time.monotonic() + 0.3)
+            gone = s.calibrate(prompts[1], configs[1].replace(**LONG))
+        time.sleep(0.1)
+        gone.cancel()
+        with pytest.raises(Cancelled):
+            gone.result(60)
+        assert long.result(60).stop_reason == "deadline"
+        own = s.calibrate(prompts[2], configs[2]).result(60)  # the slots are free again
+        assert own.history == pytest.approx(alone[2].history, rel=1e-5, abs=0)
+    finally:
+        s.close()
+
+
+def test_each_piece_of_work_runs_with_its_own_rotary_tables(one_thread):
+    """A rope type whose tables depend on the prompt length (Phi-3's longrope past its pretraining length, 16 here):
+    a calibration of a 24-token prompt steps between answers on prompts of at most 16 tokens, each with its own
+    tables (Transformer.restore_rope): the calibration's history and the answers are theirs alone."""
+    from conftest import synthetic_prompt
+    from test_answer import B_ROWS, prompt as query, stored as stored_of
+    from test_fast_families import V, build
+
+    eng = Engine(build("phi3"), impl="torch")
+    long = synthetic_prompt(24, ((3, 6), (8, 12)), 1, V, seed=1)
+    knobs = dict(max_steps=12, N=4, tau=0.0, patience=0)
+    ref = eng.calibrate(long, reuse="off", **knobs)
+    stem = torch.arange(B_ROWS) + 3
+    cal = stored_of(eng, stem)
+    queries = [query(stem.tolist() + list(range(20, 20 + n))) for n in (2, 4, 6)]
+    alone = [eng.answer(cal, q, max_new_tokens=4, stop_strings=()).token_ids for q in queries]
+    s = Scheduler(eng)
+    try:
+        with engine_lock(eng):
+            t = s.calibrate(long, reuse="off", **knobs)
+            answers = [s.answer(cal, q, max_new_tokens=4, stop_strings=()) for q in queries]
+        assert [tokens(a) for a in answers] == alone
+        assert t.result(60).history == ref.history
+    finally:
+        s.close()

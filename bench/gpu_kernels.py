@@ -23,8 +23,8 @@ them, each against the torch reference it replaces:
 
     norm_rows / rope_rows / gated_rows   Triton (one launch; norm_rows also without references)
                                                                     vs  sicl_fast.models.rows' references
-    attention_rows                       Triton (one launch, float32 IEEE products; also tf32x3 and 1 row a
-                                         program)                   vs  attention_rows_reference (math path)
+    attention_rows                       Triton (one launch, float32 products at tf32x3; also IEEE and 1 row
+                                         a program)                 vs  attention_rows_reference (math path)
     span_logprobs_rows                   Triton (two launches; also 64 x 128 tiles, and without the reference
                                          logits)                    vs  step.logprobs.rows_logprobs
 
@@ -201,7 +201,7 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
                 o_ref = ref_of(attention_rows_reference(ref_attn, q, k, v, rows, None, prefix, dtype=torch.float32), T)
                 flops = 4.0 * H * hd * B * (T * ROWS_PREFIX + T * (T + 1) / 2)
                 nb = R * (H + 2 * Hk) * hd * 4 + R * H * hd * 2 + T * H * hd * 4
-                for impl, kw in (("triton", {}), ("triton tf32x3", {"precision": "tf32x3"}),
+                for impl, kw in (("triton (tf32x3)", {}), ("triton ieee", {"precision": "ieee"}),
                                  ("triton 1 row a program", {"rows_per_program": 1})):
                     add(model, "attention_rows", N, T, B, impl, do_bench(
                         lambda kw=kw: K.attention_rows(q, k, v, rows, prefix, scale, cap, None, o_ref, **kw)), flops,
@@ -211,7 +211,7 @@ def rows_section(add, dev, do_bench, models, Ns, Ts, torch_too: bool = True, che
                         lambda: attention_rows_reference(ref_attn, q, k, v, rows, None, prefix, o_ref)), flops, nb)
                 if check:
                     ref = attention_rows_reference(ref_attn, q, k, v, rows, None, prefix, o_ref).float()
-                    for impl, kw in (("ieee", {}), ("tf32x3", {"precision": "tf32x3"})):
+                    for impl, kw in (("tf32x3", {}), ("ieee", {"precision": "ieee"})):
                         got = K.attention_rows(q, k, v, rows, prefix, scale, cap, None, o_ref, **kw).float()
                         err = float(((got - ref).abs() - ref.abs() * 2 ** -7).max())
                         checks.append((f"{model} attention_rows ({impl}) vs reference: {err:.2e} beyond a bf16 ulp",

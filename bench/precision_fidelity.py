@@ -19,6 +19,15 @@ The paths (each an Engine configuration; `fp32` is the reference):
     bf16-rows-split     bf16-rows with the reference's products of the bf16 weights as on CUDA: the float32 rows in
                  3 bf16 pieces, bf16 products accumulated in float32 (sicl_fast.models.reference; emulated here)
     bf16-rows-split2    the same with 2 pieces (16 of float32's 24 bits)
+    bf16-rows-split-tc  bf16-rows-split with the tensor cores' float32 accumulation modelled (truncating, each group of
+                 16 products: sicl_fast.models.tensor_cores.tc_accumulate; reference.ACCUMULATION 'tensor-cores')
+    fp32-rows-math      fp32-rows with the math path's attention (IEEE float32: the side the next path is compared
+                 with, the same attention code)
+    fp32-rows-tf32x3    fp32-rows with the attention's float32 products rounded as the Triton kernel's tf32x3 rounds
+                 them on the tensor cores (3 TF32 products; emulated here in torch on the math path,
+                 sicl_fast.models.tensor_cores: the operands' rounding exactly, the accumulation in float32)
+    bf16-rows-math, bf16-rows-tf32x3    the same two on the bf16 model's difference form
+    fp32-tf32x3         fp32 with the emulated tf32x3 attention (the float32 model's plain forward on a GPU)
 
 Every run: tau 0 and patience 0 (the full --steps, no gate), the preset's other settings (N 8 below 1B
 parameters), the same seed on every path. Records are appended one per (model, path, sample, steps) and a rerun
@@ -59,9 +68,17 @@ PATHS = {  # name -> (model dtype, Engine choices)
     "fp32-fp8": ("float32", dict(backend="fast", diff_matmul="fp8")),
     "bf16-rows-split": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
     "bf16-rows-split2": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
+    "bf16-rows-split-tc": ("bfloat16", dict(backend="fast", diff_matmul="bf16")),
+    "fp32-rows-math": ("float32", dict(backend="fast", diff_matmul="bf16", attn="math")),
+    "fp32-rows-tf32x3": ("float32", dict(backend="fast", diff_matmul="bf16", attn="math", attn_precision="tf32x3")),
+    "bf16-rows-math": ("bfloat16", dict(backend="fast", diff_matmul="bf16", attn="math")),
+    "bf16-rows-tf32x3": ("bfloat16", dict(backend="fast", diff_matmul="bf16", attn="math", attn_precision="tf32x3")),
+    "fp32-tf32x3": ("float32", dict(backend="fast-fp32", attn="math", attn_precision="tf32x3")),
 }
-# the paths whose reference takes a bf16 weight's products in bf16 pieces: (reference.SPLIT, reference.PIECES)
-SPLIT_PATHS = {"bf16-rows-split": ("on", 3), "bf16-rows-split2": ("on", 2)}
+# the paths whose reference takes a bf16 weight's products in bf16 pieces: (reference.SPLIT, reference.PIECES,
+# reference.ACCUMULATION)
+SPLIT_PATHS = {"bf16-rows-split": ("on", 3, "float32"), "bf16-rows-split2": ("on", 2, "float32"),
+               "bf16-rows-split-tc": ("on", 3, "tensor-cores")}
 MODELS = {"smollm2": None, "gemma3-270m": "gemma3-270m"}  # name -> sicl_fast.models.load's model argument
 
 
@@ -180,12 +197,13 @@ def run(args) -> None:
                 f32_start = f32_of_start(ref, eng, prompt)
                 t0 = time.perf_counter()
                 StepForward.references = path != "fp32-rows-rounded"
-                reference.SPLIT, reference.PIECES = SPLIT_PATHS.get(path, ("auto", 3))
+                reference.SPLIT, reference.PIECES, reference.ACCUMULATION = SPLIT_PATHS.get(path,
+                                                                                           ("auto", 3, "float32"))
                 try:
                     res = eng.calibrate(prompt, max_steps=args.steps, tau=0.0, patience=0)
                 finally:
                     StepForward.references = True
-                    reference.SPLIT, reference.PIECES = "auto", 3
+                    reference.SPLIT, reference.PIECES, reference.ACCUMULATION = "auto", 3, "float32"
                 seconds = time.perf_counter() - t0
                 f32_best = float(ref.proxy(prompt, embeds=res.embeddings.float()).f[0])
                 stop = lambda text, s=s: should_stop(s, text)  # noqa: E731

@@ -9,6 +9,7 @@ not reproduce step.rng bit for bit) and by `bench/gpu_kernels.py --compile-only`
     compile_many(names, arch=90) -> {name: that dict}                    several, in one separate interpreter
     spec_mismatches() -> list of str: where SPECS disagrees with the kernels' own parameters (tested empty)
     float_ops(ptx) -> Counter of the float32 arithmetic instructions in a PTX listing
+    tensor_core_ops(ptx) -> Counter of its tensor-core instructions (mma.sync, wgmma.mma_async) by operand type
 
 Under TRITON_INTERPRET=1 the kernels of this process are interpreted functions, which cannot be compiled (and
 so are triton.language's own @jit helpers, such as tl.randint4x, made when triton is first imported), so
@@ -111,7 +112,7 @@ SPECS = {
                                          "G", "hd", "pos0", "window")},
                    "scale": "fp32", "cap": "fp32"},
                   {"HAS_PREFIX": True, "HAS_SOFTCAP": True, "HAS_WINDOW": True, "UPCAST": False,
-                   "PRECISION": "ieee", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 256},
+                   "PRECISION": "ieee", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 256, "CHUNK_D": 64},
                   {"num_warps": 4, "num_stages": 2}),
     "bookkeep_state": (("bookkeep", "_bookkeep_state_kernel"),
                       {"f_ptr": _F, "params_ptr": _D, "s_ptr": "*i64", "steps_run_ptr": "*i64", "reason_ptr": "*i64",
@@ -154,7 +155,7 @@ SPECS = {
                                               "rows_per_group", "window")},
                         "scale": "fp32", "cap": "fp32"},
                        {"PREFIX_CAUSAL": False, "HAS_SOFTCAP": True, "HAS_WINDOW": True, "HAS_REF": True,
-                        "PRECISION": "ieee", "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_D": 64},
+                        "PRECISION": "tf32x3", "BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_D": 64, "CHUNK_D": 64},
                        {"num_warps": 8, "num_stages": 1}),
     "lse_rows_partial": (("span_logprobs", "_lse_rows_partial_kernel"),
                          {"h_ptr": _H, "stride_hb": "i32", "stride_hp": "i32", "w_ptr": _H, "stride_wv": "i32",
@@ -262,9 +263,23 @@ def compile_ptx(name: str, arch: int = 90, cache_dir: str | None = None) -> dict
     return json.loads(r.stdout)
 
 
+def tensor_core_ops(ptx: str) -> Counter:
+    """Counter of tensor-core instructions in a PTX listing, keyed by instruction, shape and operand type:
+    'mma.sync m16n8k8 tf32' (sm_80's warp-level mma: a warp's), 'wgmma.mma_async m64n32k8 tf32' (sm_90's: a warp
+    group's, four warps)."""
+    got = Counter()
+    for op, mods in re.findall(r"\b(mma\.sync|wgmma\.mma_async)((?:\.[a-z0-9]+)*)", ptx):
+        shape = next((m for m in mods.split(".") if re.fullmatch(r"m\d+n\d+k\d+", m)), "?")
+        kinds = [t for t in ("tf32", "bf16", "f16", "e4m3", "e5m2") if f".{t}" in mods]
+        got[f"{op} {shape} {kinds[0] if kinds else '?'}"] += 1
+    return got
+
+
 def float_ops(ptx: str) -> Counter:
-    """Counter of float32 arithmetic instructions (mul.rn.f32, fma.rn.f32, div.rn.f32, sqrt.approx.f32, ...)."""
-    return Counter(re.findall(r"\b(?:add|sub|mul|fma|div|sqrt|rsqrt|rcp|ex2|lg2)(?:\.[a-z0-9]+)*\.f32\b", ptx))
+    """Counter of float32 arithmetic instructions (mul.rn.f32, fma.rn.f32, div.rn.f32, sqrt.approx.f32, ..., and
+    cvt.rna.tf32.f32: tf32x3's rounding of an operand)."""
+    return Counter(re.findall(r"\b(?:(?:add|sub|mul|fma|div|sqrt|rsqrt|rcp|ex2|lg2)(?:\.[a-z0-9]+)*\.f32|"
+                              r"cvt\.rna\.tf32\.f32)\b", ptx))
 
 
 if __name__ == "__main__":  # python -m sicl_fast.kernels._aot NAME[,NAME..] ARCH: the separate interpreter

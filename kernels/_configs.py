@@ -18,7 +18,8 @@ configuration compiled for sm_90 (and sm_80) as the JIT specialises it (kernels/
     LIMITS                          the shared memory of a block by arch: 232,448 B (sm_90), 166,912 B (sm_80)
 
 A result is {"shared": bytes, "regs": int, "stack": bytes (a spill makes a stack frame), "float_ops": {op: n},
-"seconds": the compile's, "error": str or None}, cached as one JSON file a case under cache_dir()
+"tensor_ops": {instruction: n} (the tensor cores' mma.sync / wgmma.mma_async, _aot.tensor_core_ops), "seconds": the
+compile's, "error": str or None}, cached as one JSON file a case under cache_dir()
 (SICL_COMPILE_CACHE, else the user cache's sicl_fast/sm_compile), keyed by the sha256 of the kernel's sources (its
 module and what it imports from this package and from sicl_fast) and of _aot.py's, the case and Triton's version: a
 changed kernel, configuration or Triton compiles again.
@@ -175,10 +176,11 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
             _case("qk_rope", f"{tag}: qk_rope_config(H={H}, Hk={Hk}, hd={hd})", rope.qk_rope_config(H, Hk, hd, False),
                   dict(**qk, GEMMA=f32_norms), p, al),
             _case("gated", f"{tag}: gated_config(n={I})", gated.gated_config(I, False), dict(ACT=act), p, al),
-            _case("attention", f"{tag}: prefix_attention_config(hd={hd}, {dt})",
-                  attention.prefix_attention_config(hd, _torch_dtype(dt), interp=False),
-                  dict(HAS_PREFIX=True, UPCAST=False, PRECISION="ieee", **attn_flags), p, al),
         ]
+        for prec in attention.PRECISIONS if dt == "float32" else ("ieee",):  # a float32 q's: each precision's tiles
+            out.append(_case("attention", f"{tag}: prefix_attention_config(hd={hd}, {dt}, precision={prec!r})",
+                             attention.prefix_attention_config(hd, _torch_dtype(dt), interp=False, precision=prec),
+                             dict(HAS_PREFIX=True, UPCAST=False, PRECISION=prec, **attn_flags), p, al))
         if f["softcap"] is not None:
             out.append(_case("softcap", f"{tag}: softcap_config()", softcap.softcap_config(False), {}, p, al))
         for L in lengths:
@@ -211,9 +213,10 @@ def family_cases(name: str, dtypes=DTYPES, lengths=LENGTHS) -> list[Case]:
                 _case("gated_rows", f"{tag}: gated_rows_config(R={R}, I={I})",
                       gated_rows.gated_rows_config(R, I, False),
                       dict(ACT=act, HAS_BIAS=out_bias, Y_REF=True, A_REF=True), aligned=al),
-                _case("attention_rows", f"{tag}: attention_rows_config(hd={hd})",
-                      attention.attention_rows_config(hd, interp=False),
-                      dict(PREFIX_CAUSAL=False, HAS_REF=True, PRECISION="ieee", **attn_flags), aligned=al),
+                *(_case("attention_rows", f"{tag}: attention_rows_config(hd={hd}, precision={prec!r})",
+                        attention.attention_rows_config(hd, interp=False, precision=prec),
+                        dict(PREFIX_CAUSAL=False, HAS_REF=True, PRECISION=prec, **attn_flags), aligned=al)
+                  for prec in attention.PRECISIONS),
                 _case("proxy", f"{tag}: proxy_config(W={P})", proxy.proxy_config(P, False), {}, aligned=al),
                 _case("zo_step", f"{tag}: zo_step_config(d={d})", zo_update.zo_step_config(d, interp=False),
                       dict(CENTRAL=central, NORMALIZE=False, PROJECT=True, STEP_PTR=True, END_PTR=True, HI_END=True),
@@ -384,8 +387,8 @@ def _compile_one(spec, signature, constexprs, options, aligned, arch) -> dict:
         return {"error": f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:500]}
     regs, stack = _resources(k.asm["cubin"])
     return {"shared": int(k.metadata.shared), "regs": regs, "stack": stack,
-            "float_ops": dict(_aot.float_ops(k.asm["ptx"])), "seconds": round(time.perf_counter() - t0, 2),
-            "error": None}
+            "float_ops": dict(_aot.float_ops(k.asm["ptx"])), "tensor_ops": dict(_aot.tensor_core_ops(k.asm["ptx"])),
+            "seconds": round(time.perf_counter() - t0, 2), "error": None}
 
 
 if __name__ == "__main__":  # python -m sicl_fast.kernels._configs CACHE ARCH < cases (JSON): the child interpreter

@@ -159,5 +159,56 @@ def _patch_interpreter_index() -> None:
     _interp._patch_lang_tensor = patched
 
 
+def _tf32_pieces(x: np.ndarray) -> tuple:
+    """float32 x -> (hi, lo): hi x rounded to tf32 to nearest, ties away (cvt.rna.tf32.f32), lo = x - hi with its low
+    13 bits dropped (a tensor core's read of a tf32 operand); NaN kept in hi. sicl_fast.models.tensor_cores.pieces'
+    numpy form."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    hi = ((x.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+    nan = np.isnan(x)
+    if nan.any():
+        hi = np.where(nan, x, hi)
+    lo = ((x - hi).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+    return hi, lo
+
+
+def tf32x3_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b (float32) as tl.dot's 'tf32x3' rounds it on a GPU, up to the tensor cores' accumulation: Triton's
+    decomposition (a_lo b_hi + a_hi b_lo, NaN replaced by 0, + a_hi b_hi) of the operands' tf32 pieces. The numpy form
+    of sicl_fast.models.tensor_cores.tc_matmul (tested equal to it to float32's summation order), for the
+    interpreter, where it is 2x faster than the torch form on a tile."""
+    ah, al = _tf32_pieces(a)
+    bh, bl = _tf32_pieces(b)
+    small = np.matmul(al, bh) + np.matmul(ah, bl)
+    nan = np.isnan(small)
+    if nan.any():
+        small = np.where(nan, np.float32(0), small)
+    return small + np.matmul(ah, bh)
+
+
+def _patch_interpreter_dot() -> None:
+    """Triton's interpreter multiplies float32 operands in numpy's float32 whatever tl.dot's input_precision says;
+    the GPU's 'tf32x3' rounds them (3 TF32 products on the tensor cores). Emulate it explicitly (tf32x3_matmul), so
+    that a kernel run here rounds as on the GPU up to the tensor cores' accumulation. The other precisions as the
+    interpreter has them."""
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter as _interp
+
+    orig = _interp.InterpreterBuilder.create_dot
+    if getattr(orig, "_sicl_patched", False):
+        return
+    tf32x3 = ir.INPUT_PRECISION.TF32x3
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if input_precision == tf32x3 and a.data.dtype == np.float32 and b.data.dtype == np.float32:
+            y = tf32x3_matmul(a.data, b.data)
+            return _interp.TensorHandle(y.astype(d.data.dtype) + d.data, d.dtype.scalar)
+        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    create_dot._sicl_patched = True
+    _interp.InterpreterBuilder.create_dot = create_dot
+
+
 if interpreting():
     _patch_interpreter_index()
+    _patch_interpreter_dot()

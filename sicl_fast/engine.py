@@ -35,28 +35,29 @@ from .store import DEFAULT_MAX_BYTES, CalibrationStore
 
 class Engine:
     """lm: a LoadedModel (or None to load `model` with `dtype` / `device`, default 'auto': CUDA where there is one,
-    and the precision that calibrates as float32 does there, sicl_fast.models.loading.resolve_dtype; a name or a
-    path given as lm, or those three beside lm, are refused: check_engine_args). Every other argument is a choice of the
-    run plan (sicl_fast.run.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
-    backend; impl, the implementation of the hot ops ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops); attn and
-    diff_matmul, the fast decoder's attention kernel and difference products; loop, how calibrations run: 'static'
-    (the sync-free step of sicl_fast.calibration.static, reading its state every `sync_every` steps), 'eager' (the
-    reference loop, Calibrator.run), 'auto' (static where the backend supports it); both give the same result. pack:
-    calibrate_many runs up to `pack` prompts at once through one batched forward (sicl_fast.calibration.packed); 'auto':
-    where it pays (8 on CUDA for a model under 1B parameters, else 1: sicl_fast.run.plan.auto_pack). grad: this
-    engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto' then picks the differentiable torch
-    ops, and a backend, impl or model that cannot be differentiated is refused here; its calibrations run on the
-    eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for CUDA), 'on', 'off':
-    static-loop calibrations replay a CUDA graph of the step, captured once per prompt shape, and the fast backend
-    decodes through captured graphs (sicl_fast.run.graphs); at most `graph_cache` graphs of each kind are kept (None: 4,
-    16 with length buckets). Results equal the uncaptured path's. The packed step (pack > 1) runs uncaptured.
-    length_buckets: 'auto' (4 where graphs are on), 'off', or a power of two K: the static step runs padded to a
-    ladder of K lengths a doubling, so that prompts of nearby lengths share one step and its graph
-    (sicl_fast.run.buckets); results equal the unpadded step's up to the products' summation order.
-    reuse: what `calibrate` does by default with the calibration store (sicl_fast.answering.reuse): 'off' (calibrate
-    every prompt), 'auto' (reuse stored calibrations where exact), 'on' (reuse them always); unset, 'auto' when a store
-    or store_dir is given (else 'off'). store: a CalibrationStore (shared between engines if you like); else one is
-    made with `store_bytes` of memory (default sicl_fast.store.DEFAULT_MAX_BYTES) and, with `store_dir`, a
+    and the precision that calibrates as float32 does there, sicl_fast.models.loading.resolve_dtype; a name or a path
+    given as lm, or those three beside lm, are refused: check_engine_args). Every other argument is a choice of the run
+    plan (sicl_fast.run.plan: resolved once here, with every refusal, into `self.plan`; `sicl-fast plan` prints it):
+    backend; impl, the implementation of the hot ops ('auto', 'torch', 'cpp', 'triton'; sicl_fast.ops); attn,
+    attn_precision and diff_matmul, the fast decoder's attention kernel, its float32 products ('auto': 3 TF32 products
+    on the tensor cores with the Triton kernel; 'ieee': IEEE float32) and difference products; loop, how calibrations
+    run: 'static' (the sync-free step of sicl_fast.calibration.static, reading its state every `sync_every` steps),
+    'eager' (the reference loop, Calibrator.run), 'auto' (static where the backend supports it); both give the same
+    result. pack: calibrate_many runs up to `pack` prompts at once through one batched forward
+    (sicl_fast.calibration.packed); 'auto': where it pays (8 on CUDA for a model under 1B parameters, else 1:
+    sicl_fast.run.plan.auto_pack). grad: this engine will run the exact-gradient ascent (estimator 'grad'): impl 'auto'
+    then picks the differentiable torch ops, and a backend, impl or model that cannot be differentiated is refused here;
+    its calibrations run on the eager loop (the static and packed steps are zeroth-order only). graphs: 'auto' (on for
+    CUDA), 'on', 'off': static-loop calibrations replay a CUDA graph of the step, captured once per prompt shape, and
+    the fast backend decodes through captured graphs (sicl_fast.run.graphs); at most `graph_cache` graphs of each kind
+    are kept (None: 4, 16 with length buckets). Results equal the uncaptured path's. The packed step (pack > 1) runs
+    uncaptured. length_buckets: 'auto' (4 where graphs are on), 'off', or a power of two K: the static step runs padded
+    to a ladder of K lengths a doubling, so that prompts of nearby lengths share one step and its graph
+    (sicl_fast.run.buckets); results equal the unpadded step's up to the products' summation order. reuse: what
+    `calibrate` does by default with the calibration store (sicl_fast.answering.reuse): 'off' (calibrate every prompt),
+    'auto' (reuse stored calibrations where exact), 'on' (reuse them always); unset, 'auto' when a store or store_dir is
+    given (else 'off'). store: a CalibrationStore (shared between engines if you like); else one is made with
+    `store_bytes` of memory (default sicl_fast.store.DEFAULT_MAX_BYTES) and, with `store_dir`, a
     directory on disk (shared by processes). threads: torch's and the C++ ops' thread count, for the whole process
     (None: OMP_NUM_THREADS when set, else the cores this process may use; sicl_fast.run.threads). plan: the RunPlan
     of these same arguments made before the model loaded (sicl_fast.run.planned, which a command makes to check a
@@ -81,6 +82,7 @@ class Engine:
         graph_cache: int | None = None,
         length_buckets: int | str = "auto",
         attn: str = "auto",
+        attn_precision: str = "auto",
         reuse: str | None = None,
         store: CalibrationStore | None = None,
         store_dir: str | os.PathLike | None = None,
@@ -91,7 +93,8 @@ class Engine:
         check_engine_args(lm, model=model, dtype=dtype, device=device, store=store, store_dir=store_dir,
                           store_bytes=store_bytes)
         reuse = default_reuse(reuse, store is not None or store_dir is not None, pack)
-        choices = Choices(backend=backend, impl=impl, attn=attn, diff_matmul=diff_matmul, loop=loop,
+        choices = Choices(backend=backend, impl=impl, attn=attn, attn_precision=attn_precision,
+                          diff_matmul=diff_matmul, loop=loop,
                           sync_every=sync_every, graphs=graphs, graph_cache=graph_cache,
                           length_buckets=length_buckets, pack=pack, grad=grad,
                           reuse=reuse, threads=threads)  # every choice checked before the store or the model

@@ -11,7 +11,8 @@ without one; the kernel modules' own tests also run on the GPU there, through co
                                      lengths in one length bucket share a graph (test_buckets.py's tolerances);
                                      two buckets on one pool, an evicted bucket captured again; the reference
                                      refresh's own graph replayed in place past step 16 (bit for bit)
-    refresh products                 a bf16 model's split reference == float32 products (cuBLAS's float32 output)
+    refresh products                 a bf16 model's split reference == float32 products (cuBLAS's float32 output);
+                                     the split product at the models' inner sizes (k 576 - 14336) against float64
     device auto                      CUDA, with the GPU's run plan
     FP8 and packing                  torch._scaled_mm's FP8 differences track float32; the packed step == one by one
     decoding                         greedy answer on CUDA == on the CPU (float32)
@@ -30,6 +31,7 @@ from conftest import needs_default_model
 from test_fast_backend import SUPPORTED_FAMILIES, CharTokenizer, build, make_prompt, perturbed
 from test_graphs import moved
 from test_static import BASE, assert_same_result
+from sicl_fast.kernels._configs import FAMILIES
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -218,6 +220,35 @@ def test_a_bf16_models_split_reference_equals_float32_products_on_cuda(cpu_model
     copied = fwd._reference(X)
     for a, b in zip(split[0].tensors() + [split[1]], copied[0].tensors() + [copied[1]]):
         assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+INNER = sorted({k for name in ("SmolLM2-135M", "Gemma-2-2B", "Llama-3.1-8B")
+                for k in (FAMILIES[name]["d"], FAMILIES[name]["H"] * FAMILIES[name]["hd"], FAMILIES[name]["I"])})
+
+
+@pytest.mark.parametrize("k", INNER)
+def test_the_split_reference_product_at_the_models_inner_sizes_on_cuda(k):
+    """A bf16 weight's float32 product from 3 bf16 pieces of the rows (cuBLAS's bf16 product with a float32 output,
+    reductions in float32: sicl_fast.models.reductions) at the inner sizes of SmolLM2's, Gemma-2-2B's and
+    Llama-3.1-8B's four products, against the float64 product, relative to sum |x_i w_i|: within 16x the error of
+    cuBLAS's IEEE float32 product of the same operands plus 2e-6. The emulated tensor-core accumulation (truncating, a
+    group of 16 products at a time) gives 1.2e-6 at k 14336 and 2e-8 in float32's round to nearest
+    (bench/tensor_core_products.py, RESULTS 31): a GPU that truncates more than modelled fails here, one that rounds
+    as modelled passes."""
+    from sicl_fast.models import reference
+    from sicl_fast.models.reductions import full_reductions
+    from sicl_fast.ops import make_ops
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(32, k, generator=g).cuda()
+    w = (torch.randn(256, k, generator=g) / k ** 0.5).to("cuda", torch.bfloat16)
+    exact = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    with full_reductions():  # as the reference pass runs its products (tests/test_reductions.py)
+        split = reference.reference_product(make_ops("triton", "cuda").decoder, x, w)
+    ieee = torch.mm(x, w.float().t())  # TF32 off (no_tf32)
+    err = lambda y: float(((y.double() - exact).abs() / scale).max())  # noqa: E731
+    assert err(split) <= 16 * err(ieee) + 2e-6, (err(split), err(ieee))
 
 
 @needs_default_model

@@ -112,6 +112,14 @@ REFUSALS = {
     "unknown impl": (plan_of(impl="fast"), SiclError, "ops: unknown impl 'fast'; choose one of"),
     "unknown attention": (plan_of(attn="fa3"), SiclError, "unknown attention implementation 'fa3'"),
     "unknown diff_matmul": (plan_of(diff_matmul="int4"), SiclError, "unknown diff_matmul 'int4'"),
+    "unknown attn_precision": (plan_of(attn_precision="tf32"), SiclError, "Engine: unknown attn_precision 'tf32'"),
+    "tf32x3 on an attention that multiplies in IEEE float32": (
+        plan_of(attn="sdpa", attn_precision="tf32x3", impl="torch"), SiclError,
+        "attn_precision 'tf32x3' runs on the Triton attention .the tensor cores. or, emulated, on the math path; the "
+        "'sdpa' attention multiplies in IEEE float32"),
+    "tf32x3 emulated with the exact gradient": (
+        plan_of(attn="math", attn_precision="tf32x3", grad=True), SiclError,
+        "attn_precision 'tf32x3' on the math path is an emulation without a backward"),
     "unknown loop": (plan_of(loop="fast"), SiclError, "Engine: unknown loop 'fast'"),
     "unknown graphs": (plan_of(graphs="yes"), SiclError, "Engine: unknown graphs 'yes'"),
     "pack not a count": (plan_of(pack=0), SiclError, "Engine: pack must be >= 1, got 0"),
@@ -420,8 +428,8 @@ def test_length_buckets_and_the_gradient_where_they_run(models):
 
 def test_explain_names_every_axis(models):
     text = make_plan(models["llama"], backend="fast-fp32", impl="torch").explain()
-    for axis in ("backend", "impl", "attention", "attention_check", "diff_matmul", "loop", "sync_every", "read_every",
-                 "graphs", "length_buckets", "graph_cache", "pack", "estimator"):
+    for axis in ("backend", "impl", "attention", "attention_check", "attention_precision", "diff_matmul", "loop",
+                 "sync_every", "read_every", "graphs", "length_buckets", "graph_cache", "pack", "estimator"):
         assert re.search(rf"^  {axis} +\S", text, re.M), axis
     assert "fast-fp32: every product plain, in the model dtype" in text and "tiny-llama" in text
     # the attention kernel's per-call hand-offs to the math path are said beside it
@@ -480,6 +488,40 @@ def test_an_attention_kernel_that_fails_its_check_is_math_with_the_reason(models
     with pytest.raises(SiclError, match=r"'triton' attention failed its check.*prefix_attention \(float32, "
                        r"head_dim 16\) raised OutOfResources"):
         make_plan(lm, backend="fast", impl="triton", attn="triton")
+
+
+def test_the_float32_attentions_precision_is_the_plans(models, odd_models):
+    """attn_precision (issue 53, item 6): auto is tf32x3 with the Triton attention (its tensor cores) and the kernel's
+    own IEEE float32 elsewhere; ieee asked for runs IEEE FMA on Triton; tf32x3 asked on the math path is its torch
+    emulation. The model's Attention gets it, the store's key and a record's settings hold it where it is not IEEE
+    (the keys made before it stay), and a kernel that fails its check falls back to the math path in IEEE."""
+    lm = models["llama"]
+    plain = make_plan(lm, backend="fast", impl="torch", attn="sdpa")
+    assert plain.attention_precision == "ieee" and "attention_precision" not in plain.result_axes()
+    assert re.search(r"^  attention_precision +ieee +auto: the 'sdpa' kernel's own float32 products", plain.explain(),
+                     re.M)
+    emulated = make_plan(lm, backend="fast", impl="torch", attn="math", attn_precision="tf32x3")
+    assert emulated.attention_precision == "tf32x3" and emulated.result_axes()["attention_precision"] == "tf32x3"
+    be = build_backend(emulated, lm)
+    assert (be.model.attention.impl, be.model.attention.precision) == ("math", "tf32x3")
+    assert make_plan(odd_models["gpt2"]).attention_precision is None  # transformers' own attention
+    with pytest.warns(SiclWarning, match="attn_precision 'ieee' has no effect on backend 'hf'"):
+        make_plan(odd_models["gpt2"], attn_precision="ieee")
+    if why_unavailable("triton") is None:
+        tri = make_plan(lm, backend="fast", impl="triton")
+        assert (tri.attention, tri.attention_precision) == ("triton", "tf32x3")
+        assert tri.result_axes()["attention_precision"] == "tf32x3"
+        assert tri.result_axes("math").get("attention_precision") is None  # the math path that runs: IEEE
+        ieee = make_plan(lm, backend="fast", impl="triton", attn_precision="ieee")
+        assert ieee.attention_precision == "ieee" and "IEEE float32 FMA on the CUDA cores" in ieee.explain()
+        assert build_backend(ieee, lm).model.attention.precision == "ieee"
+    broken = type("Broken", (), {"prefix_attention": staticmethod(lambda *a, **k: 1 / 0)})()
+    att = Attention("triton", 0.5, None, torch.float32, "cpu", kernels=broken, precision="tf32x3")
+    with pytest.warns(RuntimeWarning, match="raised ZeroDivisionError.*using 'math'"):
+        att.verify(2, 1, 8, fallback=True)
+    assert (att.impl, att.precision) == ("math", "ieee")  # a failed check: the math path, no emulation
+    with pytest.raises(SiclError, match="the 'cpp' attention multiplies in IEEE float32; precision 'tf32x3'"):
+        Attention("cpp", 0.5, None, torch.float32, "cpu", kernels=cpp_ops, precision="tf32x3")
 
 
 def test_a_backend_runs_a_plan_it_does_not_make(models):

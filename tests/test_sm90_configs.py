@@ -6,8 +6,9 @@ shared memory or register file and runs ranges the GPU compile refuses: a float3
 344,320 B, rope_rows chose 5 rows a program at 3 / 1 heads of 24.
 
 The compiles are cached by the kernels' sources, the configuration and Triton's version (kernels/_configs.cache_dir):
-a run from nothing compiles about 89 launch decisions in a child interpreter, a later one reads them. The full sweep
-(every family, length, dtype and flag set, and sm_80): `python bench/gpu_kernels.py --compile-only`."""
+a run from nothing compiles about 97 launch decisions (the float32 attention's at both precisions among them) in a
+child interpreter, a later one reads them. The full sweep (every family, length, dtype and flag set, and sm_80):
+`python bench/gpu_kernels.py --compile-only`."""
 import pytest
 
 from test_ops import why_unavailable
@@ -53,6 +54,40 @@ def test_every_launch_decision_compiles_for_sm90_within_the_gpu(configs, compile
              and c.aligned}
     assert heads == {(dt, hd) for dt in ("*fp32", "*bf16") for hd in (64, 128, 256)}
     assert {c.spec for c in compiled} == set(configs._aot.SPECS) - {"lse_partial_f32"}  # every kernel
+
+
+def fma_share(case, result) -> float:
+    """The share of an attention decision's products taken by FMA on the CUDA cores: the compile's static FMA count
+    a thread (both key loops: the prefix's and the row's own) x its threads, over the multiply-adds of one block of
+    each loop (q k^T and p v: 2 x BLOCK_M x BLOCK_N x BLOCK_D each). About 1 for IEEE products; the softmax's own
+    FMAs where the products run on the tensor cores."""
+    consts, opts = dict(case.constexprs), dict(case.options)
+    products = 2 * 2 * consts["BLOCK_M"] * consts["BLOCK_N"] * consts["BLOCK_D"]
+    return result["float_ops"].get("fma.rn.f32", 0) * 32 * opts["num_warps"] / products
+
+
+def test_the_float32_attention_runs_on_the_tensor_cores(configs, compiled):
+    """Issue 53, item 6: both attention kernels' float32 launch decisions at tf32x3 (the default) compile to
+    tensor-core instructions on tf32 operands (mma.sync or wgmma.mma_async: kernels/_aot.tensor_core_ops), their FMAs
+    a few per cent of the products (the softmax's); at 'ieee' (asked for) to IEEE FMA on the CUDA cores for every
+    product and no tensor-core instruction; the bf16 prefix attention's on bf16 operands."""
+    seen = set()
+    for case, result in compiled.items():
+        if case.spec not in ("attention", "attention_rows"):
+            continue
+        consts, tensor = dict(case.constexprs), result["tensor_ops"]
+        if dict(case.signature).get("q_ptr") == "*bf16":
+            assert any(op.endswith(" bf16") for op in tensor), (case.what, tensor)
+            continue
+        seen.add((case.spec, consts["BLOCK_D"], consts["PRECISION"]))
+        if consts["PRECISION"] == "ieee":
+            assert not tensor and fma_share(case, result) > 0.9, (case.what, tensor, fma_share(case, result))
+        else:
+            assert tensor and all(op.startswith(("mma.sync m16n8k8 ", "wgmma.mma_async m64n")) and op.endswith(" tf32")
+                                  for op in tensor), (case.what, tensor)
+            assert fma_share(case, result) < 0.1, (case.what, fma_share(case, result))
+    assert seen == {(spec, hd, p) for spec in ("attention", "attention_rows") for hd in (32, 64, 128, 256)
+                    for p in ("tf32x3", "ieee")}
 
 
 def test_a_problem_is_named(configs):

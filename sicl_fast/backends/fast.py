@@ -38,7 +38,7 @@ class FastBackend(Backend):
         super().__init__(lm, plan)
         p = self.plan
         self.model = Transformer(lm, p.decoder, self.decoder_ops, p.attention, p.diff_matmul,
-                                 attention_kernels(p.attention))
+                                 attention_kernels(p.attention), p.attention_precision)
         self.prefix_cache = prefix_cache
         self.read_every = p.read_every  # decoding: tokens between two host reads
         self.decoders: ShapeCache | None = None  # captured decode steps per cache length (use_graphs)

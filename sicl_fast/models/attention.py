@@ -13,6 +13,11 @@ being copied) and the rows themselves (or a KV cache's keys). Kernels:
 
 Shapes: q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch row shares;
 o [B, T, H, hd] in q's dtype; lse [B, T, H] float32.
+
+precision: how a float32 attention's products round (the run plan's attention_precision; sicl_fast.models.tensor_cores):
+'ieee' (IEEE float32: the math, SDPA and C++ kernels' own, the Triton kernel's FMA on the CUDA cores when asked) or
+'tf32x3' (the Triton kernel's products on the tensor cores; on the math path the same rounding emulated in torch,
+the precision study's path: bench/precision_fidelity.py).
 """
 from __future__ import annotations
 
@@ -23,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SiclError
+from .tensor_cores import tc_matmul
 
 ATTN_IMPLS = ("auto", "math", "sdpa", "flash", "triton", "cpp")
+PRECISE_IMPLS = ("triton", "math")  # the kernels whose float32 products take another precision than IEEE
 
 try:  # optional; never needed on the CPU
     from flash_attn import flash_attn_func as _flash_attn_func
@@ -54,20 +61,23 @@ def _is(vis, what: str) -> bool:
     return isinstance(vis, str) and vis == what
 
 
-def attend_math(q, k, v, bias, scale: float, softcap: float | None):
+def attend_math(q, k, v, bias, scale: float, softcap: float | None, precision: str = "ieee"):
     """Explicit attention. q [B, T, H, hd]; k, v [Bk, N, Hk, hd] with Bk == B, or Bk == 1 for keys every batch
     row shares (the batch is folded into the query rows: no copy of k / v per row); bias: None (all visible)
     or float32 [T, 1, N], 0 / -inf. Returns o [B, T, H, hd] (q's dtype) and lse [B, T, H] float32 (-inf where
     a query sees no key; its o is 0 then). In place on its own temporaries, except while autograd records
     (the exact-gradient ascent): in-place ops would overwrite what the backward needs, so the same operations
-    run out of place then."""
+    run out of place then. precision: a float32 attention's two products as the tensor cores round them
+    (tensor_cores.tc_matmul; 'ieee': torch.matmul)."""
+    mm = torch.matmul if precision == "ieee" or q.dtype != torch.float32 else (
+        lambda a, b: tc_matmul(a, b, precision))
     B, T, H, hd = q.shape
     Bk, N, Hk, _ = k.shape
     G = H // Hk
     Bq, X = (1, B) if (Bk == 1 and B > 1) else (B, 1)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     qq = q.view(Bq, X, T, Hk, G, hd).permute(0, 3, 1, 2, 4, 5).reshape(Bq, Hk, X * T * G, hd)
-    s = torch.matmul(qq, k.permute(0, 2, 3, 1))  # [Bq, Hk, X*T*G, N]
+    s = mm(qq, k.permute(0, 2, 3, 1))  # [Bq, Hk, X*T*G, N]
     s = s.float() if s.dtype != torch.float32 else s
     if grad:
         s = s * scale
@@ -95,7 +105,7 @@ def attend_math(q, k, v, bias, scale: float, softcap: float | None):
         l = l.clamp(min=torch.finfo(torch.float32).tiny)
     vv = v.transpose(1, 2)  # [Bk, Hk, N, hd]
     if v.dtype == torch.float32:
-        o = torch.matmul(e, vv)
+        o = mm(e, vv)
         o = o / l if grad else o.div_(l)  # [Bq, Hk, X*T*G, hd]
     else:  # normalise in float32 before the cast, as transformers' eager attention
         o = torch.matmul((e / l if grad else e.div_(l)).to(v.dtype), vv)
@@ -203,17 +213,28 @@ class Attention:
     resolved it, sicl_fast.run.plan.resolve_attention), scale, soft-cap, and a cache of masks per shape. `kernels`:
     the fused forms 'cpp' and 'triton' run, handed in as the decoder's other ops are (sicl_fast.ops.attention_kernels:
     `attention` and `attention_rows` for 'cpp', `prefix_attention` and `attention_rows` for 'triton'); the other
-    kernels are torch's and flash-attn's. On CUDA a fused kernel is trusted only after `verify` (FastBackend calls it
-    once, explicitly)."""
+    kernels are torch's and flash-attn's. precision: a float32 attention's products (module docstring: 'tf32x3' on the
+    Triton kernel, or emulated on the math path; 'ieee' on every kernel). On CUDA a fused kernel is trusted only after
+    `verify` (FastBackend calls it once, explicitly)."""
 
-    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device, kernels=None) -> None:
+    def __init__(self, impl: str, scale: float, softcap: float | None, dtype, device, kernels=None,
+                 precision: str = "ieee") -> None:
         self.scale, self.softcap, self.dtype, self.device = scale, softcap, dtype, torch.device(device)
         if impl in ("cpp", "triton") and kernels is None:
             raise SiclError(f"the {impl!r} attention runs the kernels it is handed: pass "
                             f"kernels=sicl_fast.ops.attention_kernels({impl!r})")
+        if precision != "ieee" and impl not in PRECISE_IMPLS:
+            raise SiclError(f"the {impl!r} attention multiplies in IEEE float32; precision {precision!r} runs on "
+                            f"{' and '.join(repr(i) for i in PRECISE_IMPLS)} (sicl_fast.run.plan)")
         self._kernels = kernels
         self.impl = impl
+        self.precision = precision  # a float32 attention's products (module docstring)
         self._masks: dict = {}
+
+    def _math_precision(self, impl: str) -> str:
+        """The precision of the math path's products in a call of kernel `impl`: this attention's where it is the
+        math path itself (the emulation), IEEE where a fused kernel hands a call over or a check's reference runs."""
+        return self.precision if impl == self.impl == "math" else "ieee"
 
     def masks(self, q0: int, T: int, k0: int, N: int, window):
         """(visibility, bool mask [T, N] or None, additive float32 bias [T, 1, N] or None) on the device, cached."""
@@ -246,7 +267,8 @@ class Attention:
         impl = impl or self.impl
         T = q.shape[1]
         if impl == "triton" and (cache_len is None or (pos0 == 0 and cache_len == T)):
-            return self._kernels.prefix_attention(q, k, v, prefix, pos0, window, self.scale, self.softcap)
+            return self._kernels.prefix_attention(q, k, v, prefix, pos0, window, self.scale, self.softcap,
+                                                  precision=self.precision if impl == self.impl else "ieee")
         if impl == "cpp" and q.dtype == torch.float32 and not (torch.is_grad_enabled() and (q.requires_grad
                                                                                           or k.requires_grad)):
             return self._kernels.attention(q, k, v, prefix, pos0, 0 if cache_len is not None else pos0, self.scale,
@@ -264,7 +286,7 @@ class Attention:
             elif impl == "sdpa" and self.softcap is None:
                 res = attend_sdpa(q, kk, vv, vis, self.scale, need_lse)
             if res is None:
-                res = attend_math(q, kk, vv, bias, self.scale, self.softcap)
+                res = attend_math(q, kk, vv, bias, self.scale, self.softcap, self._math_precision(impl))
             out = res if out is None else (merge(out[0], out[1], res[0], res[1]), None)
         return out[0]
 
@@ -279,7 +301,8 @@ class Attention:
         if self.impl == "cpp" and not rows_need_math(q):
             return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
         if self.impl == "triton":
-            return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref)
+            return self._kernels.attention_rows(q, k, v, rows, prefix, self.scale, self.softcap, window, o_ref,
+                                                precision=self.precision)
         return attention_rows_reference(self, q, k, v, rows, window, prefix, o_ref)
 
     def decode(self, q, k, v, keys: torch.Tensor, pos: torch.Tensor, window) -> torch.Tensor:
@@ -373,9 +396,9 @@ class Attention:
         if not fallback:
             raise SiclError(msg + "; use attn='math'")
         warnings.warn(msg + "; using 'math'", RuntimeWarning, stacklevel=3)
-        self.impl = "math"
+        self.impl, self.precision = "math", "ieee"  # the math path in IEEE float32 (no emulation)
         return problem
 
 
-__all__ = ["ATTN_IMPLS", "Attention", "flash_available", "visibility", "attend_math", "attend_sdpa", "attend_flash",
-           "merge", "attention_rows_reference"]
+__all__ = ["ATTN_IMPLS", "PRECISE_IMPLS", "Attention", "flash_available", "visibility", "attend_math", "attend_sdpa",
+           "attend_flash", "merge", "attention_rows_reference"]

@@ -26,7 +26,12 @@ float32 product up to the order of its sums, from the weight's own bytes, at the
 rows, about a third of one step's products at B 9, every 16 steps). Elsewhere (torch has no bf16 product with a
 float32 output on the CPU) the weight is made float32 one product at a time, as the reference always did there:
 a transient copy, and no graph to keep it out of. SPLIT chooses ('auto': split where the device has that product;
-'on': always, emulated with float32 operands off CUDA, for the precision study; 'off': never).
+'on': always, emulated with float32 operands off CUDA, for the precision study; 'off': never). ACCUMULATION: how the
+emulation sums ('float32': to nearest, as torch on the CPU; 'tensor-cores': as sicl_fast.models.tensor_cores models a
+tensor core's float32 accumulation, truncating: the precision study's path, slow).
+
+The products run with cuBLAS's reduced-precision reductions off (sicl_fast.models.reductions): the pass and the head
+are one full_reductions scope each.
 """
 from __future__ import annotations
 
@@ -34,12 +39,16 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import SiclError
+from .reductions import full_reductions
 from .rows import LOW_DTYPE, RowLayout, RowsReference
+from .tensor_cores import tc_accumulate
 
 # bf16 pieces of a float32 row in a bf16 weight's float32 product: 3, all of float32's 24 bits (2 left SmolLM2's
 # reference ten times further from float32 products than another float32 summation order: RESULTS 22)
 PIECES = 3
 SPLIT = "auto"  # 'auto', 'on', 'off': the module docstring
+ACCUMULATION = "float32"  # off CUDA, how the split products' emulation sums: 'float32' or 'tensor-cores'
+TC_GROUP = 16  # products a tensor core sums before its accumulator rounds (a bf16 MMA's k: tensor_cores.tc_accumulate)
 HEAD_CHUNK = 32768  # vocabulary rows a split head product takes at a time (its float32 output: PIECES x n x chunk)
 
 
@@ -64,9 +73,12 @@ def splits(device: torch.device) -> bool:
 
 def bf16_mm_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """a [n, k] bf16 @ w^T (w [o, k] bf16) -> [n, o] float32, accumulated in float32: one cuBLAS product on CUDA;
-    elsewhere the same products on float32 operands (exact: bf16 values and their products are float32 values)."""
+    elsewhere the same products on float32 operands (exact: bf16 values and their products are float32 values),
+    summed as ACCUMULATION says."""
     if a.device.type == "cuda":
         return torch.mm(a, w.t(), out_dtype=torch.float32)
+    if ACCUMULATION == "tensor-cores":
+        return tc_accumulate(a.float(), w.t().float(), TC_GROUP)
     return torch.mm(a.float(), w.t().float())
 
 
@@ -83,6 +95,7 @@ def reference_product(ops, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor |
     return torch.sum(y.view(PIECES, n, -1), 0, out=out)
 
 
+@full_reductions()
 def reference_head(ops, h: torch.Tensor, head: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The LM head's float32 product of reference hidden rows h [n, d] float32 (head [V', d], the model's own) ->
     [n, V'] float32 before any soft-cap, into `out` when given: one product of a float32 head; a bf16 head's a
@@ -171,6 +184,7 @@ def _attention(m, q, k, v, rows: RowLayout, window, prefix) -> torch.Tensor:
 
 
 @torch.no_grad()
+@full_reductions()  # a bf16 weight's products from bf16 pieces reduce in float32 (sicl_fast.models.reductions)
 def reference_pass(m, x: torch.Tensor, rows: RowLayout, prefix=None, keep: bool = False,
                    out: RowsReference | None = None):
     """The float32 reference of a pass's value rows (module docstring) on the Transformer m: x [V, d] float32, the
@@ -214,4 +228,4 @@ def reference_pass(m, x: torch.Tensor, rows: RowLayout, prefix=None, keep: bool 
 
 
 __all__ = ["reference_pass", "reference_product", "reference_head", "split_bf16_reference", "bf16_mm_f32",
-           "splits", "PIECES", "SPLIT", "HEAD_CHUNK"]
+           "splits", "PIECES", "SPLIT", "ACCUMULATION", "TC_GROUP", "HEAD_CHUNK"]

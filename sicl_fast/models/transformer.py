@@ -55,6 +55,7 @@ from .attention import Attention
 from .decoder_config import (NO_ROPE, SUPPORTED_FAMILIES, DecoderConfig, UnsupportedModelError, rope_inv_freq,
                              rope_threshold, unsupported)
 from .projections import Dense, RowsDense
+from .reductions import full_reductions
 from .reference import reference_head, reference_pass
 from .rows import LOW_DTYPE, RowLayout, RowsReference
 from .weights import LayerWeights, LowWeight, LowWeights
@@ -282,10 +283,11 @@ class Transformer:
     (sicl_fast.models.attention: 'math', 'sdpa', 'flash', 'triton', 'cpp'); diff_matmul: the plan's difference
     products ('off': perturbation batches take the plain forward; 'bf16' / 'fp8': forward_rows, the differences in
     bf16 or FP8 e4m3); attention_kernels: the fused kernels of attention 'cpp' or 'triton', handed in as ops is
-    (sicl_fast.ops.attention_kernels)."""
+    (sicl_fast.ops.attention_kernels); attention_precision: the plan's float32 attention products ('ieee', 'tf32x3':
+    sicl_fast.models.attention)."""
 
     def __init__(self, lm, config: DecoderConfig, ops, attention: str = "sdpa", diff_matmul: str = "off",
-                 attention_kernels=None) -> None:
+                 attention_kernels=None, attention_precision: str = "ieee") -> None:
         dec = lm.decoder
         if not hasattr(dec, "layers") or not hasattr(dec, "norm"):
             raise unsupported(f"{config.family} ({type(lm.model).__name__} without a plain decoder)")
@@ -336,7 +338,8 @@ class Transformer:
         self.dense = [Dense(L.w, c.act_name, ops) for L in self.layers]
         self._rows_dense: list[RowsDense] | None = None  # the difference form's products, made on first use
         self._head_low: LowWeight | None = None
-        self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device, attention_kernels)
+        self.attention = Attention(attention, c.attn_scale, c.attn_softcap, self.dtype, self.device, attention_kernels,
+                                   attention_precision)
         self._rows_kv: tuple = ((), [])  # ((B, T), per layer (k, v) [B, T, Hk, hd]): see rows_kv
         self._pass_kv: tuple = (None, [])  # (R, per layer (k, v) [R, Hk, hd] float32): see pass_kv
         self._zeros = torch.zeros(0, dtype=LOW_DTYPE, device=self.device)  # see zero_form
@@ -530,6 +533,7 @@ class Transformer:
         return (h, [kv.kept for kv in kvs]) if collect else h
 
     @torch.no_grad()
+    @full_reductions()  # the difference products reduce in float32 (sicl_fast.models.reductions)
     def forward_rows(self, x: torch.Tensor, rows: RowLayout, prefix: PrefixKV | None = None,
                      ref: RowsReference | None = None) -> torch.Tensor:
         """The difference form's forward (module docstring): x [R, d] float32, the pass's rows (the lead rows, then

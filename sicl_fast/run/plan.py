@@ -19,6 +19,11 @@ The axes:
                   cpp; attention_check: whether the kernel is compared with the math path when the plan is made
                   (CUDA; 'math' where it fails, with the kernel and why); per call the kernel hands what it cannot do
                   exactly to the math path (named in explain())
+    attention_precision  how the fast decoder's float32 attention multiplies (the reference pass's, the difference
+                  form's and a float32 model's): auto ('tf32x3' with the Triton kernel: 3 TF32 products on the tensor
+                  cores, about 21 of float32's 24 bits, which keep the float32 gain: bench/RESULTS.md section 31;
+                  'ieee' with the others, their own float32 products), tf32x3 (the Triton kernel's; on the math path
+                  emulated in torch, the precision study's path), ieee (IEEE float32 FMA on the CUDA cores with Triton)
     diff_matmul   the fast decoder's difference form for perturbation batches (sicl_fast.models.rows): auto, off
                   (plain products in the model dtype), bf16, fp8 (the differences in FP8 e4m3)
     loop          static (the sync-free step, sicl_fast.calibration.static) or eager (Calibrator.run); sync_every
@@ -48,7 +53,7 @@ from ..errors import SiclError, SiclWarning
 from .buckets import PER_OCTAVE, check_per_octave
 from .graphs import BUCKET_CAPACITY, DEFAULT_CAPACITY, GRAPH_MODES
 from .knobs import check_range
-from ..models.attention import ATTN_IMPLS, flash_available
+from ..models.attention import ATTN_IMPLS, PRECISE_IMPLS, flash_available
 from ..models.loading import check_device
 from ..models.decoder_config import DecoderConfig, UnsupportedModelError
 from ..models.output_head import OutputHead, attention_of, eager_reason
@@ -60,6 +65,7 @@ from ..step.spec import check_choice
 from .threads import choose_wait_policy, resolve_threads, warn_oversubscribed
 
 LOOPS = ("auto", "static", "eager")
+ATTN_PRECISIONS = ("auto", "tf32x3", "ieee")
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class Choices:
     backend: str = "auto"
     impl: str = "auto"
     attn: str = "auto"
+    attn_precision: str = "auto"
     diff_matmul: str = "auto"
     loop: str = "auto"
     sync_every: int | None = None
@@ -105,6 +112,7 @@ class Choices:
         check_choice(self.impl, IMPLS, "impl", "ops")
         if self.attn not in ATTN_IMPLS:
             raise SiclError(f"unknown attention implementation {self.attn!r}; choose one of {ATTN_IMPLS}")
+        check_choice(self.attn_precision, ATTN_PRECISIONS, "attn_precision", "Engine")
         if self.diff_matmul not in DIFF_MATMUL:
             raise SiclError(f"unknown diff_matmul {self.diff_matmul!r}; choose one of {DIFF_MATMUL}")
         check_choice(self.loop, LOOPS, "loop", "Engine")
@@ -273,6 +281,33 @@ def resolve_attention_kernel(attn: str, dev: torch.device, dtype, impl: str) -> 
     return "sdpa", "auto: torch's SDPA"
 
 
+def resolve_attention_precision(asked: str, attention: str | None, grad: bool = False) -> tuple[str | None, str]:
+    """(how the fast decoder's float32 attention multiplies, why) for the kernel `attention` (None: not the fast
+    decoder, which runs transformers' own attention): module docstring's attention_precision. 'tf32x3' runs on the
+    Triton kernel, or emulated on the math path (without a backward: refused with the exact gradient); the other
+    kernels multiply in IEEE float32 and refuse it."""
+    if attention is None:
+        return None, "not the fast decoder"
+    if asked == "auto":
+        if attention == "triton":
+            return "tf32x3", ("auto: the Triton kernel's float32 products on the tensor cores, 3 TF32 products (about "
+                              "21 of float32's 24 bits; they keep the float32 gain: bench/RESULTS.md section 31)")
+        return "ieee", f"auto: the {attention!r} kernel's own float32 products"
+    if asked == "tf32x3" and attention not in PRECISE_IMPLS:
+        raise SiclError(f"attn_precision 'tf32x3' runs on the Triton attention (the tensor cores) or, emulated, on the "
+                        f"math path; the {attention!r} attention multiplies in IEEE float32 (use attn 'triton' or "
+                        "'math', or attn_precision 'auto')")
+    if asked == "tf32x3" and attention == "math":
+        if grad:
+            raise SiclError("attn_precision 'tf32x3' on the math path is an emulation without a backward; the exact "
+                            "gradient takes attn_precision 'auto' or 'ieee'")
+        return "tf32x3", "asked for: emulated in torch on the math path (the precision study's path, slow)"
+    if attention == "triton":
+        return asked, ("asked for: IEEE float32 FMA on the CUDA cores" if asked == "ieee" else
+                       "asked for: 3 TF32 products on the tensor cores")
+    return asked, "asked for"
+
+
 def resolve_attention_check(attention: str | None, device, fallback: bool) -> tuple[bool, str]:
     """Whether the fast backend compares its attention kernel with the math path once, when it is built
     (Attention.verify): on CUDA, where a fused kernel may fail or differ on the machine; fallback (the kernel was
@@ -287,7 +322,8 @@ def resolve_attention_check(attention: str | None, device, fallback: bool) -> tu
                   + ("'math' on a mismatch (auto)" if fallback else "a mismatch is an error (asked for)"))
 
 
-def verify_attention(attention: str, decoder: DecoderConfig, device, dtype, fallback: bool, rows: bool):
+def verify_attention(attention: str, decoder: DecoderConfig, device, dtype, fallback: bool, rows: bool,
+                     precision: str = "ieee"):
     """The check resolve_attention_check turned on, run (Attention.verify on the model's heads, on its device, with
     the difference form's rows where they are on): (the kernel the backend will run, the reason when that is not
     `attention` (else None), the check's value and reason). A kernel that fails its check is replaced by 'math' with
@@ -295,7 +331,8 @@ def verify_attention(attention: str, decoder: DecoderConfig, device, dtype, fall
     from ..models.attention import Attention
     from ..ops import attention_kernels
 
-    att = Attention(attention, decoder.attn_scale, decoder.attn_softcap, dtype, device, attention_kernels(attention))
+    att = Attention(attention, decoder.attn_scale, decoder.attn_softcap, dtype, device, attention_kernels(attention),
+                    precision)
     problem = att.verify(decoder.H, decoder.Hk, decoder.hd, fallback=fallback, rows=rows)  # warns where it falls back
     if problem is None:
         return attention, None, "passed", "CUDA: compared with the math path once, on the model's heads: within " \
@@ -584,6 +621,7 @@ class RunPlan:
     attention: str | None  # the fast decoder's kernel ('math', 'sdpa', 'flash', 'triton', 'cpp'); None: not fast
     attention_fallback: bool  # asked 'auto': a fused kernel that fails its check on CUDA falls back to 'math'
     attention_check: bool  # the kernel compared with the math path once when the plan was made (CUDA)
+    attention_precision: str | None  # the float32 attention's products: 'tf32x3' or 'ieee'; None: not fast
     diff_matmul: str  # 'off', 'bf16', 'fp8'
     decoder: DecoderConfig | None  # the fast decoder's model facts (None: not the fast backend)
     head: OutputHead | None  # how the hf backend makes the span rows' logits (None: not the hf backend)
@@ -655,6 +693,9 @@ class RunPlan:
         entry made with one count is not what an engine with another computes, and would be served to it as
         exact). On CUDA it is not.
 
+        The attention's precision is one where it is not IEEE float32 ('tf32x3': the Triton kernel's default, or
+        the math path's emulation), for the attention that runs.
+
         Left out, as they give the same bits: the loop and sync_every (the static step equals the eager loop bit
         for bit at any read interval, tests/test_static.py and bench/same_histories.py), graphs and graph_cache (a
         captured step replays the same kernels, test_static.py's capture test), grad (it picks the ops, whose impl
@@ -663,6 +704,9 @@ class RunPlan:
         axes = {"backend": self.backend, "impl": self.impl, "attention": attention or self.attention,
                 "diff_matmul": self.diff_matmul, "dtype": str(self.dtype), "device": self.device.type,
                 "threads": self.threads if self.device.type == "cpu" else None}
+        precision = self.attention_precision if (attention or self.attention) == self.attention else "ieee"
+        if precision not in (None, "ieee"):  # present only when not IEEE float32: the keys made before it stay
+            axes["attention_precision"] = precision
         if self.length_buckets is not None:  # the padded forward's products may sum in another order (present only
             axes["length_buckets"] = self.length_buckets  # when on: the keys of runs without buckets stay as they were)
         return axes
@@ -706,6 +750,9 @@ def without_effect(c: Choices, backend: str, loop: str) -> list[str]:
                    "multiplies differences in lower precision")
     if c.attn != "auto" and kind.cls != "fast":
         out.append(f"attn {c.attn!r} has no effect on backend {backend!r}, which runs transformers' own attention")
+    if c.attn_precision != "auto" and kind.cls != "fast":
+        out.append(f"attn_precision {c.attn_precision!r} has no effect on backend {backend!r}, which runs "
+                   "transformers' own attention")
     if c.sync_every is not None and loop == "eager":
         out.append(f"sync_every {c.sync_every} has no effect on the eager loop, which reads its state every step "
                    "(it sets the static loop's reads)")
@@ -724,12 +771,15 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
     attention, why_attention = resolve_attention(c.attn, kind, dev, dtype, impl, lm)
     head, why_head = resolve_head(kind, lm)
     check, why_check = resolve_attention_check(attention, dev, c.attn == "auto")
+    precision, why_precision = resolve_attention_precision(c.attn_precision, attention, c.grad)
     diff, why_diff = resolve_diff(c.diff_matmul, kind, dev, dtype)
     checked = "on" if check else "off"
     if check:
         attention, failed, checked, why_check = verify_attention(attention, decoder, dev, dtype, c.attn == "auto",
-                                                                 diff != "off")
+                                                                 diff != "off", precision)
         why_attention = failed or why_attention
+        if failed:
+            precision, why_precision = "ieee", "the math path's own, after the attention check's fallback"
     loop, why_loop = resolve_loop(c.loop, backend)
     static = loop == "static"
     if c.grad and static:  # the loop axis is the zeroth-order calibrations' (loop_for)
@@ -764,6 +814,7 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("backend", backend, why_backend), ("head", head.mode if head else "-", why_head),
            ("impl", impl, why_impl),
            ("attention", attention or "-", why_attention), ("attention_check", checked, why_check),
+           ("attention_precision", precision or "-", why_precision),
            ("diff_matmul", diff, why_diff), ("loop", loop, why_loop), ("sync_every", sync_every, why_sync),
            ("read_every", read_every, why_read),
            ("graphs", "on" if graphs else "off", why_graphs),
@@ -772,7 +823,8 @@ def make_plan(lm, choices: Choices | None = None, **kw) -> RunPlan:
            ("estimator", "grad" if c.grad else "zeroth-order", why_grad), ("reuse", reuse, why_reuse),
            ("threads", threads, why_threads), ("wait_policy", wait, why_wait))
     return RunPlan(model=lm.name, family=family, device=dev, dtype=dtype, backend=backend, impl=impl,
-                   attention=attention, attention_fallback=c.attn == "auto", attention_check=check, diff_matmul=diff,
+                   attention=attention, attention_fallback=c.attn == "auto", attention_check=check,
+                   attention_precision=precision, diff_matmul=diff,
                    decoder=decoder, head=head, loop=loop, loop_asked=c.loop, sync_every=sync_every,
                    read_every=read_every,
                    graphs=graphs, graph_cache=graph_cache, length_buckets=buckets, pack=pack, grad=c.grad,
@@ -807,13 +859,14 @@ def confirm_plan(plan: RunPlan, lm, choices: Choices) -> RunPlan:
     return dataclasses.replace(plan, device=dev, head=head, why=why)
 
 
-__all__ = ["AUTO_PACK", "BACKENDS", "FALLBACKS", "LOOPS", "fall_back",
-           "MATH_PATH", "PACKED_BUCKETS", "PLAIN_LOW_PRECISION", "REUSE_MODES",
+__all__ = ["ATTN_PRECISIONS", "AUTO_PACK", "BACKENDS", "FALLBACKS", "LOOPS", "MATH_PATH", "PACKED_BUCKETS",
+           "PLAIN_LOW_PRECISION", "REUSE_MODES", "fall_back",
            "BackendKind", "Choices", "RunPlan", "auto_pack", "buckets_unused", "check_buckets", "confirm_plan",
            "make_plan",
            "plain_low_precision", "check_estimator", "check_unpacked",
            "check_zeroth_order", "default_sync_every", "forward_only", "grad_refusal", "no_differentiable_forward",
            "fast_head_refusal", "resolve_attention", "resolve_attention_check", "resolve_attention_kernel",
+           "resolve_attention_precision",
            "resolve_backend", "resolve_head",
            "resolve_buckets", "resolve_diff", "resolve_graph_cache", "resolve_graphs", "resolve_impl", "resolve_loop",
            "resolve_pack", "resolve_read_every", "verify_attention",

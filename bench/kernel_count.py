@@ -22,9 +22,12 @@ ops (seconds: prompts of --lengths, --N directions, SmolLM2's float32 weights): 
 length (the layout stays) and a longer one (the pass is laid out again), each its step and the pass rearranged as
 each checkout's run_packed does it (the other checkout: a new StaticStep with its own forward and a new
 PackedStep), and what a read without a change costs (the other checkout's run_packed rebuilt its PackedStep at
-each read).
+each read). Also the kernels of a step where every slot refreshes its reference, beyond the step's: eager (the
+CPU captures nothing), and, in a checkout whose captured layout captures each slot's refresh (issue #53), captured
+as a CUDA run captures them, through tests/fake_graphs.py's capture on the CPU (impl torch): one launch a slot.
 
     python bench/kernel_count.py --other /tmp/h46c_base --packed 8 --lengths 100 200 --N 8
+    python bench/kernel_count.py --other /tmp/old --packed 8 --counts-only       # the kernel counts alone
 """
 from __future__ import annotations
 
@@ -82,7 +85,7 @@ print(json.dumps({"total": total, "layers": layers, "n_layers": len(m.layers), "
 WORKER_PACKED = PRELUDE + r"""
 import inspect, json, random, time
 import torch
-counter_file, S, lo, hi, N = sys.argv[2], *map(int, sys.argv[3:7])
+counter_file, S, lo, hi, N, with_times = sys.argv[2], *map(int, sys.argv[3:8])
 spec = importlib.util.spec_from_file_location("kernel_count_rules", counter_file)
 rules = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rules)
@@ -125,7 +128,7 @@ def read(be, step, slots):  # a read without a change
 
 out = {}
 lengths = [rng.randint(lo, hi) for _ in range(S)]
-for impl, n in (("triton", 1), ("cpp", N)):
+for impl, n in (("triton", 1), ("cpp", N))[:2 if with_times else 1]:
     be = make_backend("fast", lm, impl=impl, diff_matmul="bf16")
     cfg = Calibrator(be, CalibrationConfig(N=n, tau=0.0, projection_scope="demos")).config
     Ls = [36 + j for j in range(S)] if impl == "triton" else lengths  # the count alone: short prompts
@@ -136,6 +139,8 @@ for impl, n in (("triton", 1), ("cpp", N)):
     step()
     if impl == "triton":
         out["step"] = rules.count_kernels(step)
+        step.calls = [16] * S  # the next call refreshes every slot's reference first (eagerly: the CPU captures none)
+        out["refresh_kernels"] = rules.count_kernels(step) - out["step"]
         out["same_kernels"] = rules.count_kernels(lambda: change(be, step, slots, same, cfg))
         out["read_kernels"] = rules.count_kernels(lambda: read(be, step, slots))
         out["longer_kernels"] = rules.count_kernels(lambda: change(be, step, slots, longer, cfg))
@@ -154,14 +159,31 @@ for impl, n in (("triton", 1), ("cpp", N)):
         step = timed("longer", lambda: change(be, step, slots, longer, cfg))
         step = change(be, step, slots, same, cfg)  # back to slot 1's length (not timed)
     out.update({f"{k}_s": v for k, v in best.items()}, lengths=lengths, n_layers=len(be.model.layers))
+if hasattr(PackedStep, "refresh"):  # this change: a captured layout's refreshes, captured through the fake capture
+    sys.path.insert(0, os.path.join(root, "tests"))  # (tests/fake_graphs.py: torch.cuda's graph API on the CPU,
+    import pytest  # recording torch ops: impl 'torch')
+    from fake_graphs import FakeCuda
+    from sicl_fast.run.graphs import Captures
+    FakeCuda(pytest.MonkeyPatch())
+    be = make_backend("fast", lm, impl="torch", diff_matmul="bf16")
+    cfg = Calibrator(be, CalibrationConfig(N=1, tau=0.0, projection_scope="demos")).config
+    step = PackedStep(be, [slot(be, cfg, prompt(36 + j)) for j in range(S)], captures=Captures("cpu"))
+    step()  # the layout's warm-up
+    step.capture()
+    step()  # the graph's first replay (checked against the torch ops)
+    plain = rules.count_kernels(step)
+    for _ in range(3):  # each slot's first refresh in the layout (eager, then captured), its first replay (checked),
+        step.calls = [16] * S  # then a replay
+        captured = rules.count_kernels(step) - plain
+    out["refresh_captured"] = captured
 print(json.dumps(out))
 """
 
 
-def count_packed(root: Path, S: int, lengths: list, N: int) -> dict:
+def count_packed(root: Path, S: int, lengths: list, N: int, timed: bool = True) -> dict:
     rules = HERE / "sicl_fast" / "diagnostics" / "kernel_count.py"
     out = subprocess.run([sys.executable, "-c", WORKER_PACKED, str(root), str(rules), str(S), *map(str, lengths),
-                          str(N)], capture_output=True, text=True, timeout=7200,
+                          str(N), str(int(timed))], capture_output=True, text=True, timeout=7200,
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     if out.returncode != 0:
         raise SystemExit(f"{root} (packed): {out.stderr.strip().splitlines()[-3:]}")
@@ -191,17 +213,21 @@ def main(argv=None) -> int:
     ap.add_argument("--packed", type=int, default=None, metavar="S", help="the packed step of S slots instead")
     ap.add_argument("--lengths", type=int, nargs=2, default=[100, 200], metavar=("MIN", "MAX"),
                     help="--packed: the timed prompts' lengths, drawn in [MIN, MAX]")
+    ap.add_argument("--counts-only", action="store_true", help="--packed: the kernel counts, not the C++ timings")
     args = ap.parse_args(argv)
     if args.packed is not None:
-        print("| checkout | kernels a step | a slot's change, same layout: kernels | s | a longer prompt (laid out "
-              "again): kernels | s | a read, no change: kernels | s | packed step s |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| checkout | kernels a step | a step's refreshes (every slot's): kernels, eager | captured | a slot's "
+              "change, same layout: kernels | s | a longer prompt (laid out again): kernels | s | a read, no change: "
+              "kernels | s | packed step s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name, root in (("before", args.other.resolve()), ("after", HERE)):
-            r = count_packed(root, args.packed, args.lengths, args.N)
-            print(f"| {name} ({root.name}) | {r['step']} | {r['same_kernels']} | {r['same_s']:.3f} | "
-                  f"{r['longer_kernels']} | {r['longer_s']:.3f} | {r['read_kernels']} | {r['read_s']:.3f} | "
-                  f"{r['step_s']:.3f} |", flush=True)
-        print(f"\n{args.packed} slots of {r['lengths']} tokens (timed, N {args.N}), {r['n_layers']} layers")
+            r = count_packed(root, args.packed, args.lengths, args.N, not args.counts_only)
+            t = {k: f"{r[k]:.3f}" if k in r else "-" for k in ("same_s", "longer_s", "read_s", "step_s")}
+            print(f"| {name} ({root.name}) | {r['step']} | {r['refresh_kernels']} | {r.get('refresh_captured', '-')} "
+                  f"| {r['same_kernels']} | {t['same_s']} | {r['longer_kernels']} | {t['longer_s']} | "
+                  f"{r['read_kernels']} | {t['read_s']} | {t['step_s']} |", flush=True)
+        if not args.counts_only:
+            print(f"\n{args.packed} slots of {r['lengths']} tokens (timed, N {args.N}), {r['n_layers']} layers")
         return 0
     print("| checkout | impl | kernels per step | per decoder layer | rest | refresh (steps' worth) | L (prefix) |")
     print("|---|---|---|---|---|---|---|")

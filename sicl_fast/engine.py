@@ -103,15 +103,26 @@ class Engine:
             DEFAULT_MAX_BYTES if store_bytes is None else store_bytes, store_dir)
         self._reuser = None
         self.lm = lm if lm is not None else load(model, dtype=dtype or "auto", device=device or "auto")
-        self.plan = make_plan(self.lm, choices) if plan is None else confirm_plan(plan, self.lm, choices)
-        self.backend = build_backend(self.plan, self.lm)
+        plan = make_plan(self.lm, choices) if plan is None else confirm_plan(plan, self.lm, choices)
+        self.backend = build_backend(plan, self.lm)
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
         self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)
         if self.plan.graphs or self.plan.length_buckets:
-            self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets)
+            self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets,
+                                   graphs=self.plan.graphs)
         if self.plan.graphs:
             self.backend.use_graphs(self.plan.graph_cache)
+
+    @property
+    def plan(self):
+        """The run plan (sicl_fast.run.plan.RunPlan): the backend's, which a fallback after a failed check of a
+        captured step replaces (sicl_fast.run.graphs.first_replay: the plan's `fallback` says which and why)."""
+        return self.backend.plan
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self.backend.plan = plan
 
     def prepare(self, request: Request | dict[str, Any], reserve: int = 0) -> Prompt:
         """Tokenize a request (either JSON form or a Request); `reserve` tokens must fit after it."""

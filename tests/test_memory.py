@@ -119,7 +119,7 @@ def test_the_step_cache_is_bounded_in_bytes(models, monkeypatch):
         run_static(be, cfg, p, steps=cache)
         assert 0 < cache.held <= budget
     assert len(cache.cache) == 2 and cache.cache.dropped == 1 and cache.cache.stats == {"builds": 3, "hits": 0}
-    assert [k[-1] for k in cache.cache.entries] == [Bucket.of(p, 4) for p in prompts[1:]]  # the first one went
+    assert [k[0][-1] for k in cache.cache.entries] == [Bucket.of(p, 4) for p in prompts[1:]]  # the first one went
     run_static(be, cfg, prompts[2], steps=cache)
     assert cache.cache.stats == {"builds": 3, "hits": 1}
     monkeypatch.setattr(memory, "available_memory", lambda device: 10_000)

@@ -211,6 +211,7 @@ def test_prompts_of_one_shape_are_loaded_in_place_and_captured(models, monkeypat
     through a read interval unchanged, its warm-up; none while the queue's tail shrinks the pack). The capture off
     CUDA is the step itself: the results are the uncaptured run's, and each prompt's own padded run's within
     rounding."""
+    from fake_graphs import FakeCuda
     from sicl_fast.calibration import packed
     from sicl_fast.calibration.static import StepCache
 
@@ -221,11 +222,54 @@ def test_prompts_of_one_shape_are_loaded_in_place_and_captured(models, monkeypat
     built, captures = [], []
     init = StaticStep.__init__
     monkeypatch.setattr(StaticStep, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
-    monkeypatch.setattr(packed, "captured", lambda fn, device, **kw: captures.append(kw["warmup"]) or fn)
+    FakeCuda(monkeypatch)  # graphs captured on the CPU: their owner's capture spied (the step itself runs)
+    monkeypatch.setattr(packed.Captures, "capture", lambda self, fn, **kw: captures.append(kw["warmup"]) or fn)
     plain = run_packed(be, items, pack=2, sync_every=2, graphs=False)
     assert len(built) == 2 and captures == []  # two slots' steps, every later prompt loaded into one of them
     got = run_packed(be, items, pack=2, sync_every=2, graphs=True)
     assert captures == [0]
     for g, r, (p, c) in zip(got, plain, items):
         assert_same_result(g, r)
-        assert_close_result(g, run_static(be, c, p, steps=StepCache("cpu", buckets=4)))
+        assert_close_result(g, run_static(be, c, p, steps=StepCache("cpu", buckets=4, graphs=False)))
+
+
+def test_a_captured_layouts_refreshes_are_one_launch_a_slot(models, monkeypatch):
+    """In a captured layout (the capture faked: tests/fake_graphs.py) each slot's reference refresh is a graph of its
+    own after its first, which was eager (its warm-up): a step where both slots refresh launches the step's graph
+    and one graph a slot, where the eager refreshes launch over a hundred kernels each (three decoder layers here;
+    394 at SmolLM2, bench/RESULTS.md section 30); the run is the uncaptured one's bit for bit."""
+    from fake_graphs import FakeCuda
+    from sicl_fast.backends import make_backend
+    from sicl_fast.diagnostics.kernel_count import count_kernels
+    from sicl_fast.run.graphs import Captures
+
+    be = make_backend("fast", models["llama"], diff_matmul="bf16", impl="torch")
+    cfg = BASE.replace(max_steps=16, patience=0)
+    ps = [prompt_of(L, ((5, 9), (12, L - 3)), 2, L) for L in (20, 26)]
+
+    def packed(captures):
+        slots = [StaticStep(be, cfg, p, be.embed(p), use_prefix=False, own_forward=False) for p in ps]
+        step = PackedStep(be, slots, captures=captures)
+        step.forward.refresh_every = 4  # REFRESH_EVERY's 16, sooner
+        step()  # the layout's warm-up
+        step.capture()
+        return step, slots
+    plain, plain_slots = packed(None)
+    fake = FakeCuda(monkeypatch)
+    step, slots = packed(Captures("cpu"))
+    counts = {}
+    for k in range(1, 14):  # the slots' steps 1 .. 13 (0 was the warm-up): both refresh before 4, 8 and 12
+        plain()
+        if k in (4, 11, 12, 13):
+            counts[k] = count_kernels(step)
+        else:
+            step()
+    # 4: eager (each slot's first in the layout), then captured; 8: their first replays, checked (run.graphs:
+    # first_replay); 12: replays
+    assert counts[12] == 3 and counts[11] == counts[13] == 1  # the step's graph and a graph a slot
+    assert len(step.refreshes) == 2 and fake.hazards == []
+    for st, ref in zip(slots, plain_slots):
+        assert torch.equal(st.state.X, ref.state.X)
+        torch.testing.assert_close(st.state.history, ref.state.history, rtol=0, atol=0, equal_nan=True)
+    eager_refresh = count_kernels(lambda: plain.forward.refresh(0, plain_slots[0].state.X))
+    assert counts[4] > 2 * eager_refresh > 200  # eager (each slot's first in the layout), then captured

@@ -112,24 +112,26 @@ def test_a_static_run_refreshes_as_the_eager_loop(models, monkeypatch):
 
 
 def test_capture_refresh_replays_its_graph_for_its_own_X(models, monkeypatch):
-    """capture_refresh (the capture faked: CUDA's) gives the refresh a graph that refresh(X) replays for the X
-    tensor it was captured on, and for no other; off CUDA it captures nothing."""
-    st = step_of(models["llama"], CPU_IMPL)
-    fwd = st.forward
-    made, replays = [], []
+    """capture_refresh (the capture faked: tests/fake_graphs.py) gives the refresh a graph that refresh(X) replays
+    for the X tensor it was captured on, and for no other, writing what the eager refresh writes; where nothing
+    captures (the CPU) it captures nothing."""
+    from fake_graphs import FakeCuda
+    from sicl_fast.run.graphs import Captures
 
-    def fake(fn, device, warmup=2, keep=None, pool=None):
-        made.append((device, keep, pool))
-        return lambda: replays.append(1) or fn()
-    monkeypatch.setattr(step_forward, "captured", fake)
-    fwd.capture_refresh(st.state.X, "cpu")
-    assert made == [] and fwd._refresh_graph is None
-    fwd.capture_refresh(st.state.X, "cuda", keep="keep", pool="pool")
-    assert made == [("cuda", "keep", "pool")]
+    st = step_of(models["llama"], "torch")
+    fwd = st.forward
+    fwd.capture_refresh(st.state.X, Captures("cpu"))
+    assert fwd.refresh_graph is None
+    fake = FakeCuda(monkeypatch)
+    fwd.capture_refresh(st.state.X, Captures("cpu"))
+    assert fwd.refresh_graph is not None and fake.replays == 0
     st()
+    want = [t.clone() for t in (*fwd._reference(st.state.X)[0].tensors(), fwd._reference(st.state.X)[1])]
     fwd.refresh(st.state.X)
+    assert fake.replays == 1
+    assert all(torch.equal(a, b) for a, b in zip((*fwd.ref.tensors(), fwd.z_ref), want))
     fwd.refresh(st.state.X0)  # another tensor: eager
-    assert replays == [1]
+    assert fake.replays == 1
 
 
 @pytest.mark.parametrize("impl,family,scope,dtype", [

@@ -28,6 +28,7 @@ query), "boundary" or "off".
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -127,19 +128,23 @@ def reuse_info(res: CalibrationResult) -> dict:
 
 
 class Reuser:
-    """The engine's reuse logic over its store (Engine.calibrate with reuse 'auto' / 'on')."""
+    """The engine's reuse logic over its store (Engine.calibrate with reuse 'auto' / 'on'). It holds the engine
+    weakly (the engine holds it): a dropped engine frees its steps and graphs by reference counting."""
 
     def __init__(self, engine, store: CalibrationStore) -> None:
-        self.engine = engine
+        self.engine = engine if isinstance(engine, weakref.ProxyTypes) else weakref.proxy(engine)
         self.store = store
-        self._fingerprint: dict | None = None
+        self._fingerprint: tuple | None = None  # (the plan it was made for, the fingerprint)
         self.counts = {"reused": 0, "calibrated": 0}  # this engine's calibrations, by whether they came from the store
 
     @property
     def fingerprint(self) -> dict:
-        if self._fingerprint is None:
-            self._fingerprint = engine_fingerprint(self.engine)
-        return self._fingerprint
+        """engine_fingerprint of the engine, made again when its plan changed (a fallback to the torch ops after a
+        captured step failed its check changes the bits, and so the keys)."""
+        plan = self.engine.plan
+        if self._fingerprint is None or self._fingerprint[0] is not plan:
+            self._fingerprint = (plan, engine_fingerprint(self.engine))
+        return self._fingerprint[1]
 
     def key(self, prompt: Prompt, config: CalibrationConfig, scope: str = "stem") -> str:
         """The store key of the prompt's stem ('stem': rows [0, b)) or whole prompt ('prompt'); config resolved."""

@@ -11,11 +11,17 @@ gradient take the plain forward in the model dtype.
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
 
-from ..run.graphs import DEFAULT_CAPACITY, DecodeGraph, ShapeCache, cache_rows
+from ..errors import SiclWarning
+from ..run.graphs import DEFAULT_CAPACITY, Captures, DecodeGraph, ReplayCheck, ShapeCache, cache_rows, off_by
+from ..run.plan import fall_back
+from ..models.projections import RowsDense
 from ..models.transformer import SUPPORTED_FAMILIES, Transformer, UnsupportedModelError
 from ..ops import attention_kernels
 from ..formats.spans import Prompt
@@ -45,8 +51,38 @@ class FastBackend(Backend):
 
     def use_graphs(self, capacity: int = DEFAULT_CAPACITY) -> None:
         """Decode through captured CUDA graphs from now on: one static KV cache and graph per cache length
-        (cache_rows buckets), at most `capacity` kept. The engine calls it once when its plan's graphs are on."""
-        self.decoders = ShapeCache(capacity)
+        (cache_rows buckets), at most `capacity` kept, each graph on a pool of its own, all on one capture stream
+        (sicl_fast.run.graphs.Captures). The engine calls it once when its plan's graphs are on."""
+        self._decode_captures = Captures(self.device, shared=False)
+        self.decoders = ShapeCache(capacity, captures=self._decode_captures, graphs_of=lambda dec: [dec.graph])
+
+    def torch_twin(self) -> FastBackend:
+        """This backend on the torch ops and the math attention, graphs off, on the same weights (stacked once, and
+        the same low-dtype copies: no copy of any weight) and the same rotary tables: what a new capture's first
+        replay is checked against (sicl_fast.run.graphs.first_replay), and what a fallback to the torch ops runs on.
+        A new one each call (its buffers go with it)."""
+        twin = FastBackend(self.lm, dataclasses.replace(self.plan, impl="torch", attention="math", graphs=False),
+                           self.prefix_cache)
+        m, t = self.model, twin.model
+        t.rotary = m.rotary
+        if m.rows_on:  # the low-dtype weights too (a float32 model's bf16 copy, the FP8 copies), the products its own
+            t._rows_dense = [RowsDense(rd.low, t.ops) for rd in m.rows_dense()]
+            t._head_low = m.head_low
+        return twin
+
+    def fall_back(self, to: str, why: str) -> None:
+        """Go on after the first replay of a new capture failed its check (run.graphs.first_replay): the plan says
+        which and why (run.plan.fall_back), nothing is captured from now on (the decode graphs dropped), and with
+        'torch' the model and the ops are the torch twin's (the steps that ran on the old ones switch in place:
+        their owners' checks do it)."""
+        warnings.warn(f"CUDA graphs: {why}; the run goes on "
+                      + ("uncaptured" if to == "uncaptured" else "through the torch ops, uncaptured"), SiclWarning,
+                      stacklevel=2)
+        self.plan = fall_back(self.plan, to, why)
+        self.decoders = None
+        if to == "torch":
+            twin = self.torch_twin()
+            self.model, self.ops, self.decoder_ops = twin.model, twin.ops, twin.decoder_ops
 
     def step_forward(self, prompt: Prompt, prefix: str, B: int, X0: torch.Tensor | None = None,
                      rows: bool | None = None, bucket=None) -> StepForward:
@@ -105,7 +141,8 @@ class FastBackend(Backend):
             n = cache_rows(rows)
             if lm.max_context is not None:
                 n = max(min(n, lm.max_context), rows)
-            dec, _ = self.decoders.get(n, lambda: DecodeGraph(m, n, self.ops, m.device))
+            dec, _ = self.decoders.get(n, lambda: DecodeGraph(m, n, self.ops, self._decode_captures,
+                                                              check=lambda d: DecodeCheck(d, self)))
             cache, step = dec.cache, dec.step
 
         @torch.no_grad()  # the forward records autograd for inputs that require grad; decoding never needs it
@@ -118,4 +155,46 @@ class FastBackend(Backend):
         return greedy_decode(lm, prefill, step, max_new_tokens, stop_strings, stop_fn, read_every=self.read_every)
 
 
-__all__ = ["FastBackend", "SUPPORTED_FAMILIES", "UnsupportedModelError", "SpanPlan", "StepForward"]
+class DecodeCheck(ReplayCheck):
+    """The first replay of a decode graph (DecodeGraph) against the torch twin's decode step on a copy of its cache:
+    the next-token logits within 1e-3 of their largest magnitude for a float32 model, 2^-4 for a bf16 / fp16 one
+    (the model dtype's rounding through every layer; a wrong kernel or a stale graph is off by far more)."""
+
+    name = "decode step"
+
+    def __init__(self, dec: DecodeGraph, backend: FastBackend) -> None:
+        self.dec, self.backend = weakref.ref(dec), weakref.ref(backend)  # both own the graph this check is held by
+
+    def state(self) -> list:
+        c = self.dec().cache
+        return [*c.k, *c.v, c.pos, self.dec().logits]
+
+    def reference(self) -> list:
+        dec, twin = self.dec(), self.backend().torch_twin()
+        cache = twin.model.new_cache(dec.max_len)
+        for mine, theirs in zip([*cache.k, *cache.v, cache.pos], [*dec.cache.k, *dec.cache.v, dec.cache.pos]):
+            mine.copy_(theirs)
+        with torch.no_grad():
+            return [twin.model.decode_logits(dec.token, cache).clone()]
+
+    def outputs(self) -> list:
+        return [self.dec().logits]
+
+    @staticmethod
+    def tolerance(logits: torch.Tensor) -> float:
+        """The stated tolerance for the reference's next-token logits (class docstring)."""
+        share = 1e-3 if logits.dtype == torch.float32 else 2.0 ** -4
+        return share * float(logits.float().abs().max())
+
+    def compare(self, got: list, want: list) -> str | None:
+        return off_by("the logits", got[0], want[0], self.tolerance(want[0]))
+
+    def fall_back(self, to: str, why: str) -> None:
+        backend, dec = self.backend(), self.dec()
+        backend.fall_back(to, why)
+        if to == "torch":
+            dec.model = backend.model
+            dec._decode()
+
+
+__all__ = ["FastBackend", "DecodeCheck", "SUPPORTED_FAMILIES", "UnsupportedModelError", "SpanPlan", "StepForward"]

@@ -32,7 +32,7 @@ import torch
 
 from ..models.rows import LOW_DTYPE, RowLayout, is_value
 from ..formats.spans import Prompt
-from ..run.graphs import captured
+from ..run.graphs import weakly
 
 PREFIX_POLICIES = ("kept", "pass", "none")
 # steps between two references of the value rows: the values' changes from their reference (the rounding applies
@@ -113,13 +113,13 @@ class StepForward:
         self.start = 0 if self.policy == "none" else a  # the first row each batch row runs
         X0 = X0 if X0 is not None else backend.embed(prompt)
         self.prefix = self._kept_prefix(prompt, X0) if self.policy == "kept" else None
+        self._refresh_graph = None  # (the X it reads, its CUDA graph): capture_refresh
         if self.rows_on:
             self.rows = RowLayout.build(a if self.policy == "pass" else 0, B, b - self.start, self.start,
                                         device=m.device)
             # where a span's first prediction is the prefix's last row: its change in the value rows, none elsewhere
             self._value_mask = is_value(self.rows.anchor).to(LOW_DTYPE).view(B, 1, 1)
             self.value_rows = self.rows.value_layout()  # made once: a refresh makes no tensor from host data
-            self._refresh_graph = None  # (the X it reads, its CUDA graph): capture_refresh
             self.ref, self.z_ref = self._reference(X0) if self.references else (None, None)
 
     @staticmethod
@@ -157,15 +157,22 @@ class StepForward:
         else:
             self._reference(X, (self.ref, self.z_ref))
 
-    def capture_refresh(self, X: torch.Tensor, device, keep=None, pool=None) -> None:
-        """On CUDA, capture refresh(X) as a graph of its own (sicl_fast.run.graphs.captured: warm-up refreshes on a
-        side stream, then the capture; keep and pool as there), which later refresh(X) calls with this same tensor X
-        replay: the static step's refresh between two replays of its step (StepCache). Elsewhere nothing changes
-        (the refresh runs eagerly, the same operations)."""
-        if self.rows_on and self.ref is not None and torch.device(device).type == "cuda":
+    def capture_refresh(self, X: torch.Tensor, captures, keep=None, check=None) -> None:
+        """Capture refresh(X) as a graph of its own with `captures` (sicl_fast.run.graphs.Captures: warm-up refreshes
+        on its stream, then the capture, on its pool), which later refresh(X) calls with this same tensor X replay:
+        the static step's refresh between two replays of its step (StepCache). Where captures capture nothing (off
+        CUDA) nothing changes (the refresh runs eagerly, the same operations). The graph's callable holds this
+        forward weakly: the forward and its graph free each other by reference counting. check: the ReplayCheck of
+        its first replay (run.graphs.first_replay)."""
+        if self.rows_on and self.ref is not None and captures.on:
             self._refresh_graph = None
-            self._refresh_graph = (X, captured(lambda: self._reference(X, (self.ref, self.z_ref)), device, keep=keep,
-                                               pool=pool))
+            self._refresh_graph = (X, captures.capture(weakly(self._reference, X, (self.ref, self.z_ref)),
+                                                       keep=keep, check=check))
+
+    @property
+    def refresh_graph(self):
+        """The captured refresh (capture_refresh), or None."""
+        return None if self._refresh_graph is None else self._refresh_graph[1]
 
     def load(self, prompt: Prompt, X0: torch.Tensor) -> None:
         """Re-arm for `prompt` (of this forward's `shape`) from X0 [L, d]: every tensor a pass reads is overwritten

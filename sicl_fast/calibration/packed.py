@@ -14,7 +14,8 @@ batch and right-padded with zeros to the longest b_j. Causal attention never let
 the padding changes nothing of a prompt's own rows and needs no mask; each slot reads its span positions from its
 own rows. The packed forward runs the full rows [0, b_j) (no prefix K/V); with difference products on, each slot's
 rows are differences from its own first row, against a float32 reference of its own rows, made when the slot takes
-its prompt and again every REFRESH_EVERY of its own steps (as it would be alone). A slot computes what its prompt
+its prompt and again every REFRESH_EVERY of its own steps (as it would be alone); in a captured layout each slot's
+refresh is a graph of its own after its first (PackedStep.refresh). A slot computes what its prompt
 computes alone without the prefix cache: bit for bit when it is packed alone, to rounding beside others (torch's
 CPU kernels may round a last bit differently for another row count; tests/test_packed.py: rtol 1e-5, same steps and
 stops). Between two reads a stopped slot's state no longer changes (StaticStep), so its result is exact whatever the
@@ -31,16 +32,17 @@ until its layout changes; prompts loaded in place keep it. The queue's tail (a s
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult
-from ..run.graphs import captured, model_refs, shared_pool
+from ..run.graphs import Captures, ReplayCheck, model_refs, weakly
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from .static import StaticStep
+from .static import StaticStep, compare_references, compare_steps, step_outputs
 from .reads import Slot, read, steps_to_read
 from .step_plan import plan_step
 
@@ -49,16 +51,18 @@ class PackedStep:
     """One step of every slot through one batched forward (module docstring). set() takes the slots (and says whether
     the pass was laid out again); a call refreshes each slot's reference where its own step count says (outside any
     graph, as run_static does), then runs the step: its captured CUDA graph's replay once capture() made one (the
-    step itself elsewhere). pool: the memory pool of its graphs (run.graphs.shared_pool), or None."""
+    step itself elsewhere). captures: the owner of its graphs (sicl_fast.run.graphs.Captures: their stream and
+    pool), or None (nothing captured). A layout's graph holds this step only weakly, and goes with the layout: the
+    only graph of its stream then (no other replays after it), so it is destroyed at once."""
 
-    def __init__(self, backend, slots: Sequence[StaticStep] = (), pool=None) -> None:
-        self.backend, self.pool = backend, pool
+    def __init__(self, backend, slots: Sequence[StaticStep] = (), captures: Captures | None = None) -> None:
+        self.backend, self.captures = backend, captures
         self.forward = backend.packed_forward()
         self.slots: list[StaticStep] = []
         self.calls: list[int] = []  # the steps called on each slot
-        self.run = self.step
-        self.graph = False  # is `run` a captured graph of the current layout
-        self.captures = 0
+        self.graph = None  # the captured step of the current layout (capture), or None: the step runs itself
+        self.refreshes: dict = {}  # slot -> its captured reference refresh in this layout (refresh)
+        self.captured = 0
         if slots:
             self.set(slots)
 
@@ -71,9 +75,10 @@ class PackedStep:
         kept = [None if j in loaded else where.get(id(st)) for j, st in enumerate(slots)]
         changed = [where.get(id(st)) for st in slots] != list(range(len(self.slots)))
         if changed:
+            self.graph = None  # the old layout's graphs first: they read the tensors arrange replaces
+            self.refreshes = {}
             self.forward.arrange([st.prompt for st in slots], [st.spec.B for st in slots],
                                  [st.state.X for st in slots], kept, [st.bucket for st in slots])
-            self.run, self.graph = self.step, False
         else:
             for j in loaded:
                 self.forward.load(j, slots[j].prompt, slots[j].state.X)
@@ -82,24 +87,63 @@ class PackedStep:
         return changed
 
     def capture(self) -> None:
-        """Capture the step of this layout in a CUDA graph (off CUDA: the step itself, nothing captured). Call it
+        """Capture the step of this layout in a CUDA graph (where its captures capture nothing: nothing). Call it
         after at least one eager step of the layout, its warm-up (every buffer it makes lazily exists), so that the
         capture itself moves no slot's state."""
-        if not self.graph:
+        if self.graph is None and self.captures is not None and self.captures.on and self.backend.plan.fallback is None:
             m = self.backend.model
-            self.run = captured(self.step, self.backend.device, warmup=0, keep=model_refs(m, self.backend.ops),
-                                pool=self.pool)
-            self.graph = True
-            self.captures += 1
+            self.graph = self.captures.capture(weakly(self.step), warmup=0, keep=model_refs(m, self.backend.ops),
+                                               check=PackedCheck(self))
+            self.captured += 1
 
     @torch.no_grad()
     def __call__(self) -> None:
         every = self.forward.refresh_every
         for j, st in enumerate(self.slots):
             if every and self.calls[j] and self.calls[j] % every == 0:  # the slot's reference, every few of its steps
-                self.forward.refresh(j, st.state.X)
+                self.refresh(j, st)
             self.calls[j] += 1
-        self.run()
+        if self.graph is not None:
+            self.graph()
+        else:
+            self.step()
+
+    def refresh(self, j: int, st: StaticStep) -> None:
+        """Slot j's reference at its X, in place (PackedForward.refresh): a graph of its own once the layout is
+        captured (its replay: one launch where the eager pass makes hundreds, 394 at SmolLM2), captured after
+        the slot's first refresh in the layout (which was its warm-up), replayed by the later ones; a slot loaded in
+        place keeps it (every tensor it reads is rewritten in place)."""
+        graph = self.refreshes.get(j)
+        if graph is not None:
+            graph()
+            return
+        self.forward.refresh(j, st.state.X)
+        if self.graph is not None:  # the layout is captured: the slot's refresh too, from now on
+            m = self.backend.model
+            self.refreshes[j] = self.captures.capture(weakly(self.forward.refresh, j, st.state.X), warmup=0,
+                                                      keep=model_refs(m, self.backend.ops),
+                                                      check=PackedRefreshCheck(self, j))
+
+    def rebind(self, backend) -> None:
+        """Run on `backend`'s ops and model from now on (a fallback to the torch ops after a captured layout or
+        refresh failed its check: sicl_fast.run.graphs.first_replay), in place: every slot keeps its state and its
+        count of calls; the pass is laid out again on backend's forward, each slot's reference taken at its X."""
+        slots, calls = self.slots, self.calls
+        for st in slots:
+            st.rebind(backend)
+        self.backend, self.forward = backend, backend.packed_forward()
+        self.slots, self.graph, self.refreshes = [], None, {}
+        self.set(slots)
+        self.calls = calls
+
+    def fall_back(self, to: str, why: str) -> None:
+        """A captured layout or refresh failed its check: the backend's plan says so (FastBackend.fall_back), this
+        layout's graphs are dropped together (the only graphs of their stream), and with 'torch' the step goes on
+        through the torch ops (rebind)."""
+        self.backend.fall_back(to, why)
+        self.graph, self.refreshes = None, {}
+        if to == "torch":
+            self.rebind(self.backend)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -108,6 +152,89 @@ class PackedStep:
             st.perturb()
         for st, lp in zip(self.slots, self.forward([st.batch for st in self.slots])):
             st.advance(self.backend.ops.proxy_planned(lp, st.proxy_plan).f)
+
+
+class PackedCheck(ReplayCheck):
+    """The first replay of a packed layout's graph against the same step of every slot on the backend's torch twin
+    (FastBackend.torch_twin): each slot a new StaticStep with the slot's state, the twin's pass laid out alike with
+    the layout's references copied into it; each slot by compare_steps (sicl_fast.calibration.static). The packed
+    step is held weakly (it owns the graph that holds this check)."""
+
+    name = "packed step"
+
+    def __init__(self, step: PackedStep) -> None:
+        self.step = weakref.ref(step)
+        self.Xs: list = []
+
+    def state(self) -> list:
+        return [t for st in self.step().slots for t in st.state.tensors()]
+
+    def reference(self) -> list:
+        step = self.step()
+        twin = step.backend.torch_twin()
+        slots = []
+        for st in step.slots:
+            t = StaticStep(twin, st.config, st.prompt, st.own(st.state.X0), use_prefix=False, bucket=st.bucket,
+                           own_forward=False)
+            t.state.copy_(st.state)
+            slots.append(t)
+        ref = PackedStep(twin, slots)
+        fwd = ref.forward
+        if fwd.rows_on:  # the layout's references, as the step reads them
+            for mine, theirs in zip((*fwd.ref.tensors(), *fwd.z_refs), (*step.forward.ref.tensors(),
+                                                                       *step.forward.z_refs)):
+                mine.copy_(theirs)
+        self.Xs = [st.state.X.clone() for st in step.slots]
+        ref.step()
+        return [t.clone() for st in slots for t in step_outputs(st)]
+
+    def outputs(self) -> list:
+        return [t for st in self.step().slots for t in step_outputs(st)]
+
+    def compare(self, got: list, want: list) -> str | None:
+        n = len(got) // len(self.Xs)
+        for j, X in enumerate(self.Xs):
+            why = compare_steps(got[j * n:(j + 1) * n], want[j * n:(j + 1) * n], X)
+            if why:
+                return f"slot {j}: {why}"
+        return None
+
+    def fall_back(self, to: str, why: str) -> None:
+        step = self.step()
+        step.fall_back(to, why)
+        if to == "torch":
+            step.step()
+
+
+class PackedRefreshCheck(ReplayCheck):
+    """The first replay of a slot's captured refresh (PackedStep.refresh) against the torch twin's packed forward
+    with that slot alone, at the same X: the slot's reference rows and logits by static.compare_references."""
+
+    name = "packed slot's reference refresh"
+
+    def __init__(self, step: PackedStep, j: int) -> None:
+        self.step, self.j = weakref.ref(step), j
+
+    def state(self) -> list:
+        fwd, j = self.step().forward, self.j
+        b = fwd.spans[j].b
+        return [*fwd.ref.rows(j * fwd.T, j * fwd.T + b).tensors(), fwd.z_refs[j]]
+
+    def reference(self) -> list:
+        step, j = self.step(), self.j
+        st = step.slots[j]
+        fwd = step.backend.torch_twin().packed_forward()
+        fwd.arrange([st.prompt], [st.spec.B], [st.state.X], None, [st.bucket])
+        return [t.clone() for t in (*fwd.ref.rows(0, fwd.spans[0].b).tensors(), fwd.z_refs[0])]
+
+    def outputs(self) -> list:
+        return self.state()
+
+    def compare(self, got: list, want: list) -> str | None:
+        return compare_references(got, want)
+
+    def fall_back(self, to: str, why: str) -> None:
+        self.step().fall_back(to, why)
 
 
 class PackedRun:
@@ -175,8 +302,8 @@ class PackedRun:
         if not self.active:
             return []
         if self.step is None:
-            pool = shared_pool(self.backend.device) if self.graphs else None
-            self.step = PackedStep(self.backend, [s.step for s in self.active], pool=pool)
+            captures = Captures(self.backend.device) if self.graphs else None
+            self.step = PackedStep(self.backend, [s.step for s in self.active], captures=captures)
         elif grew:
             self.step.set([s.step for s in self.active])
         self.full = max(self.full, len(self.active))
@@ -236,4 +363,4 @@ def run_packed(backend, items: Sequence[tuple[Prompt, CalibrationConfig]], pack:
     return results if on_result is None else []
 
 
-__all__ = ["PackedStep", "PackedRun", "check_packable", "run_packed"]
+__all__ = ["PackedStep", "PackedRun", "PackedCheck", "PackedRefreshCheck", "check_packable", "run_packed"]

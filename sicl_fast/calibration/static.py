@@ -31,12 +31,13 @@ weight layout.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
 from .ascent import CalibrationConfig, CalibrationResult
 from ..errors import NumericalError
-from ..run.graphs import DEFAULT_CAPACITY, ShapeCache, captured, model_refs, shared_pool
+from ..run.graphs import DEFAULT_CAPACITY, Captures, ReplayCheck, ShapeCache, model_refs, off_by
 from ..run.memory import cache_budget
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
@@ -108,6 +109,17 @@ class StaticStep:
         if self.forward is not None:
             self.forward.load(plan.prompt, self.state.X0)
 
+    def rebind(self, backend) -> None:
+        """Run on `backend`'s ops and model from now on (a fallback to the torch ops after a captured step failed
+        its check: sicl_fast.run.graphs.first_replay), in place: the state and the proxy plan kept, the forward made
+        anew on `backend`, its reference taken at the state's X."""
+        self.backend, self.ops = backend, backend.ops
+        if self.forward is not None:
+            old = self.forward
+            self.forward = backend.step_forward(self.prompt, old.policy, self.spec.B, self.state.X0,
+                                                bucket=self.bucket)
+            self.forward.refresh(self.state.X)
+
     @torch.no_grad()
     def __call__(self) -> None:
         """One step of Algorithm 1 on the device state (module docstring)."""
@@ -147,27 +159,36 @@ class StaticStep:
 
 
 class StepCache:
-    """Static steps kept per prompt shape (StepPlan.shape), each with its captured CUDA graph on CUDA (the step
-    itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently used dropped first).
-    get() re-arms the step of the plan's shape for the plan's prompt (StaticStep.load), building and capturing it on
-    the first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the run plan's
-    length_buckets; plan_step pads a prompt to its bucket), so that prompts of nearby lengths share a step and its
-    graph; None: one step a shape. On CUDA
-    every graph draws its temporaries from one memory pool (graphs replay one at a time, so they can share it: a new
-    bucket adds its buffers, not another pool).
+    """Static steps kept per prompt shape (StepPlan.shape), each with its captured CUDA graph on CUDA unless
+    graphs=False (the step itself elsewhere), at most `capacity` of them and at most `budget` bytes (least recently
+    used dropped first). get() re-arms the step of the plan's shape for the plan's prompt (StaticStep.load), building
+    and capturing it on the first prompt of a shape. buckets: length buckets a doubling (sicl_fast.run.buckets; the
+    run plan's length_buckets; plan_step pads a prompt to its bucket), so that prompts of nearby lengths share a step
+    and its graph; None: one step a shape. The graphs are one owner's (sicl_fast.run.graphs.Captures): one capture
+    stream, and one memory pool for their temporaries (graphs replay one at a time, so they can share it: a new
+    bucket adds its buffers, not another pool); a dropped step's graphs are destroyed, or retired where the torch
+    version frees a stream's cuBLAS workspaces with any of its graphs (run.graphs, the workspace hazard).
 
     The bytes: what each kept step holds (its plan's: sicl_fast.run.memory.step_bytes, counted from the shapes before
     it is built: its state, batch, prefix K/V, value rows' reference and logits, the pass K/V its graph holds) and once
-    the largest step's activations (the shared pool's). budget None: cache_budget, a share of the memory available
-    when the cache is made (the same rule on a CPU, where kept steps take RAM)."""
+    the largest step's activations (the shared pool's), with a captured step's room for the step its first replay is
+    checked against (StepCheck: transient, counted with the temporaries). budget None: cache_budget, a share of the
+    memory available when the cache is made (the same rule on a CPU, where kept steps take RAM). A dropped step is
+    freed by reference counting as it leaves the cache (neither it nor its graphs hold each other), before the next
+    step is built."""
 
     def __init__(self, device, capacity: int = DEFAULT_CAPACITY, buckets: int | None = None,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, graphs: bool = True) -> None:
         self.device = torch.device(device)
         self.budget = cache_budget(self.device) if budget is None else budget
-        self.cache = ShapeCache(capacity, self.budget)
+        self.captures = Captures(self.device) if graphs else None
+        self.cache = ShapeCache(capacity, self.budget, self.captures, graphs_of=_graphs_of)
         self.buckets = buckets
-        self.pool = shared_pool(self.device)
+
+    @property
+    def pool(self):
+        """The memory pool of the steps' graphs (None: none captured)."""
+        return None if self.captures is None else self.captures.pool
 
     @property
     def held(self) -> int:
@@ -180,16 +201,144 @@ class StepCache:
 
         def build():
             st = StaticStep.planned(backend, plan, X0)
+            if self.captures is None or not self.captures.on or backend.plan.fallback is not None:
+                return st, st
             keep = model_refs(backend.model, backend.ops)
-            run = captured(st, self.device, keep=keep, pool=self.pool)
+            run = self.captures.capture(st, keep=keep, check=StepCheck(st))
             # the forward's refresh of its reference at the state's X: a graph of its own on the same pool
-            st.forward.capture_refresh(st.state.X, self.device, keep=keep, pool=self.pool)
+            st.forward.capture_refresh(st.state.X, self.captures, keep=keep, check=RefreshCheck(st))
             return st, run
 
-        (st, run), hit = self.cache.get(plan.shape, build, (plan.bytes.kept, plan.bytes.activations))
+        # a new capture's first replay is checked against a step of its own on the torch ops (StepCheck), made and
+        # dropped beside it: room for one more step's kept bytes, counted with the temporaries
+        checked = self.captures is not None and self.captures.on and backend.plan.fallback is None
+        twin = plan.bytes.kept if checked else 0
+        # the fallback in the key: after one (first_replay) every step is made anew, as the plan now says (uncaptured,
+        # on the torch ops where it says so), none taken from before
+        key = (plan.shape, backend.plan.fallback)
+        (st, run), hit = self.cache.get(key, build, (plan.bytes.kept, plan.bytes.activations + twin))
         if hit or run is not st:  # a used step, or the capture's warm-up steps moved the new one's state
             st.load(plan, X0)
         return st, run
+
+
+# the first replay of a captured step against the torch ops' step (sicl_fast.run.graphs.first_replay): f0 (the history)
+# within 1e-3 (1 + |f0|) (float32 sums in another order through every layer, and a bf16 difference product rounding a
+# last bit differently, move it by far less), the update X_next and X within 5 % of the step's move (the move is a sum
+# of the rows' proxies' differences over mu, each a few ulps of f apart: a per cent at most) plus 1e-6 of X, the
+# counters and the stop reason equal
+F0_TOL, MOVE_TOL = 1e-3, 0.05
+
+
+def compare_steps(got: list, want: list, X: torch.Tensor) -> str | None:
+    """Why a step's outputs (step_outputs) are not the reference's (the tolerances above), X the state's X before
+    the step; or None."""
+    hist, X_next, X_new, *counters = got
+    w_hist, w_next, w_new, *w_counters = want
+    move = float((w_next - X).abs().max()) * MOVE_TOL + 1e-6 * float(X.abs().max())
+    for why in (off_by("f0 (the history)", hist, w_hist, F0_TOL * (1 + float(w_hist.nan_to_num().abs().max()))),
+                off_by("the update X_next", X_next, w_next, move), off_by("X", X_new, w_new, move)):
+        if why:
+            return why
+    if not all(torch.equal(a, b) for a, b in zip(counters, w_counters)):
+        return "the step's counters or stop reason differ"
+    return None
+
+
+def step_outputs(st) -> list:
+    """What a step's first replay is compared by (compare_steps): history, X_next, X, step index, steps run, stop
+    reason, projections."""
+    s = st.state
+    return [s.history, s.X_next, s.X, s.step_t, s.steps_run, s.reason, s.projections]
+
+
+class StepCheck(ReplayCheck):
+    """The first replay of a StaticStep's graph (StepCache) against a new step of the same prompt on the backend's
+    torch twin (FastBackend.torch_twin) from the same state: compare_steps. The step is held weakly (it owns the
+    graph that holds this check)."""
+
+    name = "static step"
+
+    def __init__(self, st: StaticStep) -> None:
+        self.st = weakref.ref(st)
+        self.X = None
+
+    def state(self) -> list:
+        return self.st().state.tensors()
+
+    def reference(self) -> list:
+        st = self.st()
+        twin = StaticStep(st.backend.torch_twin(), st.config, st.prompt, st.own(st.state.X0), bucket=st.bucket)
+        twin.state.copy_(st.state)
+        self.X = st.state.X.clone()
+        twin()
+        return [t.clone() for t in step_outputs(twin)]
+
+    def outputs(self) -> list:
+        return step_outputs(self.st())
+
+    def compare(self, got: list, want: list) -> str | None:
+        return compare_steps(got, want, self.X)
+
+    def fall_back(self, to: str, why: str) -> None:
+        st = self.st()
+        st.backend.fall_back(to, why)
+        if to == "torch":
+            st.rebind(st.backend)
+            st()
+
+
+# a refresh's first replay against the torch ops' (RefreshCheck, the packed slots' too): every tensor of the value
+# rows' reference, and their logits, within 1e-3 of its largest magnitude (float32 sums in another order; a wrong
+# kernel or a stale graph is off by far more)
+REF_TOL = 1e-3
+
+
+def compare_references(got: list, want: list) -> str | None:
+    """Why a refresh's tensors (the reference's, then the logits) are not the reference's (REF_TOL); or None."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        why = off_by(f"the reference's tensor {i}", g, w, REF_TOL * float(w.abs().max()) + 1e-30)
+        if why:
+            return why
+    return None
+
+
+class RefreshCheck(ReplayCheck):
+    """The first replay of a StaticStep's forward's refresh graph (StepForward.capture_refresh) against the torch
+    twin's forward's reference at the same X: compare_references."""
+
+    name = "reference refresh"
+
+    def __init__(self, st: StaticStep) -> None:
+        self.st = weakref.ref(st)
+
+    def state(self) -> list:
+        fwd = self.st().forward
+        return [*fwd.ref.tensors(), fwd.z_ref]
+
+    def reference(self) -> list:
+        st = self.st()
+        fwd = st.forward
+        twin = st.backend.torch_twin().step_forward(st.prompt, fwd.policy, st.spec.B, st.state.X, bucket=st.bucket)
+        return [t.clone() for t in (*twin.ref.tensors(), twin.z_ref)]
+
+    def outputs(self) -> list:
+        return self.state()
+
+    def compare(self, got: list, want: list) -> str | None:
+        return compare_references(got, want)
+
+    def fall_back(self, to: str, why: str) -> None:
+        st = self.st()
+        st.backend.fall_back(to, why)
+        if to == "torch":
+            st.rebind(st.backend)  # its new forward's reference is at the state's X
+
+
+def _graphs_of(entry) -> list:
+    """The graphs of a StepCache entry (step, run): the step's and its forward's refresh's."""
+    st, run = entry
+    return [run, st.forward.refresh_graph]
 
 
 def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
@@ -229,4 +378,5 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             return result
 
 
-__all__ = ["StaticStep", "StepCache", "run_static"]
+__all__ = ["StaticStep", "StepCache", "StepCheck", "RefreshCheck", "compare_steps", "compare_references",
+           "step_outputs", "run_static", "F0_TOL", "MOVE_TOL", "REF_TOL"]

@@ -1,5 +1,6 @@
 """Counting the kernels a piece of work launches, the same way on any device (a CPU run counts what a GPU
-would launch): dispatched torch ops that launch a kernel + Triton launches + C++ extension calls.
+would launch): dispatched torch ops that launch a kernel + Triton launches + C++ extension calls + CUDA graph
+replays (one launch a graph).
 
     count_kernels(fn) -> int            any device
     cuda_kernel_events(fn) -> int       CUDA: the profiler's kernel events, the count that matters there
@@ -53,10 +54,17 @@ def _counted(fn, counter: list):
 
 @contextlib.contextmanager
 def count_compiled_calls(counter: list):
-    """Counts Triton launches and C++ extension calls (they bypass torch's dispatcher) into counter[0]."""
+    """Counts Triton launches, C++ extension calls (they bypass torch's dispatcher) and CUDA graph replays (one
+    launch each, whatever the graph holds) into counter[0]."""
+    import torch
+
     import sicl_fast.ops.cpp_ops as cpp_ops  # absolute: bench/kernel_count.py loads this file by its path
 
     patches = []  # (object, attribute, original value)
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is not None and "replay" in vars(graph):
+        patches.append((graph, "replay", vars(graph)["replay"]))
+        graph.replay = _counted(vars(graph)["replay"], counter)
     ext = cpp_ops._C
     if ext is not None:
         class Counted:

@@ -134,7 +134,8 @@ class ResultWriter:
     """Append-only JSONL with resume. `key(record)` gives the identity used to skip finished work.
 
     settings: stamped into every record written, under "settings" (what the run's numbers depend on,
-    sicl_fast.run.settings); check: called with the records the file holds once it is opened and read, before it is
+    sicl_fast.run.settings), beneath the settings a record brings of its own (the engine's part after a fallback:
+    commands.work); check: called with the records the file holds once it is opened and read, before it is
     repaired and before anything is written (a resume's settings check, sicl_fast.run.settings.resume_check: it
     raises to refuse, and a refused resume leaves the file as it was, a torn last line included).
     written: records written by this writer; done: the keys in the file (resumed and written).
@@ -268,8 +269,8 @@ class ResultWriter:
         return key in self.done
 
     def write(self, record: dict) -> None:
-        if self.settings is not None:
-            record = {**record, "settings": self.settings}
+        if self.settings is not None:  # a record's own settings (those its run changed: a fallback) on top
+            record = {**record, "settings": {**self.settings, **record.get("settings", {})}}
         line = json.dumps(record, ensure_ascii=False) + "\n"
         try:
             if self._binary:

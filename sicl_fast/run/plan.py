@@ -638,6 +638,7 @@ class RunPlan:
     reuse: str  # the calibration store: 'auto', 'on', 'off' (sicl_fast.answering.reuse)
     threads: int  # torch's and the C++ ops' thread count
     wait_policy: str  # how OpenMP's threads wait at a barrier ('passive', the environment's, libgomp's default)
+    fallback: str | None = None  # what a failed check of a new capture's first replay switched to, and why (fall_back)
     why: tuple = field(default=(), compare=False)
 
     @property
@@ -718,6 +719,24 @@ class RunPlan:
         for axis, value, reason in self.why:
             lines.append(f"  {axis:<{width}}  {value!s:<13}  {reason}")
         return "\n".join(lines)
+
+
+FALLBACKS = ("uncaptured", "torch")
+
+
+def fall_back(plan: RunPlan, to: str, why: str) -> RunPlan:
+    """The plan a run goes on with after the first replay of a new capture failed its check (sicl_fast.run.graphs:
+    first_replay): 'uncaptured' (graphs off: the plan's ops gave the step right uncaptured) or 'torch' (graphs off,
+    the torch ops and the math attention: the plan's ops were wrong uncaptured too). `fallback` says which and why
+    (the records' settings carry it: sicl_fast.run.settings), and so do the reasons of the axes it changed."""
+    check_choice(to, FALLBACKS, "fallback", "fall_back")
+    changes = {"graphs": False}
+    if to == "torch":
+        changes.update(impl="torch", attention="math")
+    shown = {**changes, "graphs": "off"}
+    rows = tuple((axis, shown[axis], f"fell back ({to}): {why}") if axis in shown else (axis, value, reason)
+                 for axis, value, reason in plan.why if axis != "fallback")
+    return dataclasses.replace(plan, **changes, fallback=f"{to}: {why}", why=rows + (("fallback", to, why),))
 
 
 def without_effect(c: Choices, backend: str, loop: str) -> list[str]:
@@ -840,8 +859,8 @@ def confirm_plan(plan: RunPlan, lm, choices: Choices) -> RunPlan:
     return dataclasses.replace(plan, device=dev, head=head, why=why)
 
 
-__all__ = ["ATTN_PRECISIONS", "AUTO_PACK", "BACKENDS", "LOOPS", "MATH_PATH", "PACKED_BUCKETS", "PLAIN_LOW_PRECISION",
-           "REUSE_MODES",
+__all__ = ["ATTN_PRECISIONS", "AUTO_PACK", "BACKENDS", "FALLBACKS", "LOOPS", "MATH_PATH", "PACKED_BUCKETS",
+           "PLAIN_LOW_PRECISION", "REUSE_MODES", "fall_back",
            "BackendKind", "Choices", "RunPlan", "auto_pack", "buckets_unused", "check_buckets", "confirm_plan",
            "make_plan",
            "plain_low_precision", "check_estimator", "check_unpacked",

@@ -5,7 +5,8 @@ Every record of `calibrate`, `icleval` and `gradstudy` carries its run's setting
     {"format": 1, "command": "calibrate",
      "model": {"name": "smollm2-135m", "fingerprint": "file:..."},      models.facts.model_identity
      "dtype": "float32", "device": "cpu", "backend": "fast", "impl": "cpp", "attention": "cpp",
-     "diff_matmul": "off", "length_buckets": null, "pack": 1,           the run plan's axes (engine_settings)
+     "diff_matmul": "off", "length_buckets": null, "pack": 1,           the run plan's axes (engine_settings), and
+     "fallback": null,                                                  what a failed capture check fell back to
      "config": {...},              the CalibrationConfig as asked (the model's preset with the knobs given; scale
                                    null: the model's embedding scale, which the fingerprint fixes)
      ...}                          the command's own: calibrate's time budget, special tokens and outputs
@@ -14,7 +15,8 @@ Every record of `calibrate`, `icleval` and `gradstudy` carries its run's setting
 
 Left out, as they do not change what a record holds: the thread count (it moves a CPU run's last bits, which the
 calibration store's keys hold, but a resume on a machine with other cores, or a Ray pool, is the same run), the
-loop, sync_every and CUDA graphs (the same bits: tests/test_static.py), reuse (auto and off give the same bits, and
+loop, sync_every and CUDA graphs (the same bits: tests/test_static.py; a fallback from a captured step that failed
+its check is noted, "fallback", and never compared: NOTES), reuse (auto and off give the same bits, and
 a record reused under 'on' says exact: false itself), the store, gradstudy's --chunk (memory).
 
 `settings_diff` is the one comparison: every resume (`check_resume`, through the results writer) and `report` (which
@@ -43,15 +45,20 @@ FORMAT = 1
 FIELD = "settings"  # where a record holds them
 
 
+# what a record notes of how it ran without being a reason to refuse another's: a fallback after a failed check of a
+# captured step (RunPlan.fallback; an 'uncaptured' one gives the same bits, and a 'torch' one says so in its impl)
+NOTES = ("fallback",)
+
+
 def plan_settings(plan, attention: str | None = None) -> dict:
     """The run plan's axes that change a record's numbers: RunPlan.result_axes (the weights' dtype, the device type,
     backend, impl, the attention kernel that runs, the difference products, the length buckets) without the thread
-    count (module docstring), and the pack."""
+    count (module docstring), and the pack; and the plan's fallback (a note: NOTES)."""
     axes = plan.result_axes(attention)
     axes.pop("threads", None)
     axes.setdefault("length_buckets", None)
     axes["dtype"] = axes["dtype"].replace("torch.", "")
-    return {**axes, "pack": plan.pack}
+    return {**axes, "pack": plan.pack, "fallback": plan.fallback}
 
 
 def model_plan_settings(lm, plan, attention: str | None = None) -> dict:
@@ -124,9 +131,9 @@ def settings_diff(got: dict, want: dict) -> list[str]:
     """The names of the settings in which two records differ, sorted (nested ones as 'config.max_steps'); [] when
     none: the one rule of every resume and of `report` (its runs are the records this rule finds equal). The model's
     name is not compared where both give its fingerprint (compared); where the files differ, their names are named
-    too when they differ (they say which)."""
+    too when they differ (they say which). NOTES (a fallback) are never compared."""
     a, b = flatten(_norm(compared(got))), flatten(_norm(compared(want)))
-    diff = {k for k in set(a) | set(b) if _typed(a.get(k)) != _typed(b.get(k))}
+    diff = {k for k in set(a) | set(b) if _typed(a.get(k)) != _typed(b.get(k)) and k not in NOTES}
     if "model.fingerprint" in diff:
         names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
         diff |= {"model.name"} if names[0] != names[1] else set()

@@ -65,6 +65,17 @@ class StepState:
     def counters(self) -> tuple:
         return self.step_t, self.steps_run, self.reason, self.low_snr, self.projections
 
+    def tensors(self) -> list:
+        """Every tensor of the state (the best state's too), in one order: what a step may write."""
+        best = self.best
+        return [self.X, self.X0, self.X_next, best.best_X, best.best_f, best.counters, *self.counters, self.history,
+                self.minus_inf, self.anchor, self.thresholds, self.flags]
+
+    def copy_(self, other: StepState) -> None:
+        """Take another state of the same shapes, in place."""
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs)
+
     def reset(self, X0: torch.Tensor) -> None:
         """Start again from X0 [L, d], in place (every tensor keeps its address: a captured graph replays it)."""
         self.X0.copy_(X0)

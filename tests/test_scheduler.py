@@ -328,3 +328,15 @@ def test_each_piece_of_work_runs_with_its_own_rotary_tables(one_thread):
         assert t.result(60).history == ref.history
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("bad", [[["not work"]], {"a": 1}, 5])
+def test_a_flow_that_yields_no_work_fails_alone(sched, stored, alone, bad):
+    """A flow that yields something other than scheduler.work items (an unhashable list in a list, a dict, a number)
+    fails its own request with a TypeError that names what it yielded; the scheduler's loop goes on."""
+    def flow():
+        yield bad
+
+    with pytest.raises(TypeError, match=f"yielded {type(bad).__name__}"):
+        sched.submit(flow(), "odd").result(10)
+    assert tokens(sched.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]

@@ -51,7 +51,7 @@ from .answers import AnswerLane
 from .calibrations import CalibrationLane
 from .limits import Cost, Limits, over_limit
 from .tickets import Cancelled, QueueFull, ShuttingDown, Ticket
-from .work import Answer, Calibrate, Call
+from .work import WORK, Answer, Calibrate, Call
 
 log = logging.getLogger("sicl_fast.scheduler")
 
@@ -268,6 +268,13 @@ class Scheduler:
             return
         op.many = isinstance(got, (list, tuple))
         op.items = list(got) if op.many else [got]
+        odd = next((item for item in op.items if not isinstance(item, WORK)), None)
+        if odd is not None:  # its own failure: an item the lanes cannot run (nor key, if unhashable) stops here
+            op.items = []
+            self._end(t, error=TypeError(f"request {t.kind!r}: its flow yielded {type(odd).__name__} {odd!r:.60}; a "
+                                         "flow yields scheduler.work items (Calibrate, Answer, Call) or a list of "
+                                         "them"))
+            return
         op.results, op.left, op.error = [None] * len(op.items), len(op.items), None
         if not op.items:
             self._advance(op, [])

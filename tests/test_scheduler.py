@@ -340,3 +340,30 @@ def test_a_flow_that_yields_no_work_fails_alone(sched, stored, alone, bad):
     with pytest.raises(TypeError, match=f"yielded {type(bad).__name__}"):
         sched.submit(flow(), "odd").result(10)
     assert tokens(sched.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+
+
+def test_a_cancelled_future_or_task_cancels_its_request(engine, sched):
+    """Cancelling what a front end holds cancels the request: `ticket.future.cancel()`, or the asyncio task that
+    awaits the ticket (asyncio.wait_for's timeout). The calibration stops at its next step and the scheduler is idle
+    again (before, the work ran on, and its request stayed open for ever: /health busy, the drain waiting)."""
+    prompt = engine.prepare(request("ten"))
+    t = sched.calibrate(prompt, reuse="off", **LONG)
+    time.sleep(0.1)
+    assert t.future.cancel() and t.cancelled
+
+    async def wait_briefly():
+        inner = sched.calibrate(prompt, reuse="off", **LONG)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.ensure_future(_awaited(inner)), 0.2)
+        return inner
+
+    inner = asyncio.run(wait_briefly())
+    assert inner.cancelled
+    end = time.monotonic() + 30
+    while sched.busy:
+        assert time.monotonic() < end, "the cancelled requests still hold the scheduler"
+        time.sleep(0.02)
+
+
+async def _awaited(ticket):
+    return await ticket

@@ -292,10 +292,7 @@ class Scheduler:
                     self._owner[item] = (op, i, Cost())
                     self._done(item, res)
                     return
-            cost = self._cost(item)
-            why = cost.fits(Cost(), self.limits, self.max_bytes)
-            if why is not None:
-                raise LimitError(f"request {item.prompt.id!r}: {over_limit(why, cost, self.limits, self.max_bytes)}")
+            cost = self.refuse_alone(item)
         except Exception as exc:  # noqa: BLE001 - the request's own failure
             self._owner[item] = (op, i, Cost())
             self._done(item, error=exc)
@@ -303,9 +300,23 @@ class Scheduler:
         self._owner[item] = (op, i, cost)
         bisect.insort(self._pending, (t.seq, id(item), item))
 
-    def _cost(self, item) -> Cost:
+    def refuse_alone(self, item, least: bool = False) -> Cost:
+        """The item's cost; LimitError when it exceeds a limit by itself (it could never be admitted). Checked as the
+        item is queued, and by a front end before it queues a request whose later work it knows (a chat's answer,
+        which comes after its calibration). least: an Answer priced as the least it may hold, its calibration not
+        known yet (one stored over its whole prompt, a per-query calibration's: its new tokens only), so that a check
+        made early refuses nothing the queue takes."""
+        cost = self._cost(item, least)
+        why = cost.fits(Cost(), self.limits, self.max_bytes)
+        if why is not None:
+            raise LimitError(f"request {item.prompt.id!r}: {over_limit(why, cost, self.limits, self.max_bytes)}")
+        return cost
+
+    def _cost(self, item, least: bool = False) -> Cost:
         lm, plan = self.engine.lm, self.engine.plan
         if isinstance(item, Answer):
+            if least:
+                return Cost.of_answer(lm, item.prompt, item.max_new_tokens, item.prompt.length, self.every, False)
             n = item.calibration.length if item.calibration is not None else item.prompt.demo_end
             return Cost.of_answer(lm, item.prompt, item.max_new_tokens, n, self.every, item.calibration is None)
         if isinstance(item, Calibrate):

@@ -125,6 +125,7 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
     knobs = CalibrationKnobs(**{k: v for k, v in sicl.items() if k in KNOBS})
     stop = check_stops((body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
                        f"request {rid!r}: field 'stop'")
+    state.scheduler.refuse_alone(Answer(prompt, new, stop), least=True)  # before its calibration runs
     return ChatCall(prompt=prompt, config=state.validator.config(knobs, rid), reuse=sicl.get("reuse"),
                     max_new_tokens=new, stop=stop, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -465,3 +465,14 @@ def test_an_answer_over_a_batch_limit_is_refused_before_its_calibration(engine):
         assert srv.app.state.serve.metrics.steps._value.get() == 0  # no calibration ran for them
         assert client.chat.completions.create(model="tiny-llama", messages=fresh, max_tokens=8,
                                               extra_body={"sicl": KNOBS}).usage.completion_tokens <= 8  # it fits
+
+
+def test_a_calibration_over_a_batch_limit_is_the_chat_endpoints_400(engine):
+    """A calibration that exceeds --max-batch-bytes by itself (refused as it is queued, before any step) is, on the
+    chat endpoint, the 400 every other bad request there is (docs/openai.md), streaming or not; it was a 422."""
+    fresh = [{**conversation("five")[0], "content": "Spell the number."}] + conversation("five")[1:]
+    with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=8, max_batch_bytes=500_000)) as srv:
+        for stream in (False, True):
+            r = _post_chat(srv, fresh, max_tokens=4, stream=stream, sicl=KNOBS)
+            assert r.status_code == 400, r.text
+            assert "exceed this server's limit of 500000 (--max-batch-bytes)" in r.json()["error"]["message"]

@@ -181,7 +181,7 @@ async def chat_completions(request: Request, state: ServeState = Depends(serve_s
     deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
     if call.stream:
         return await stream(request, state, call, head, deadline)
-    out, ticket = await run_job(request, "chat", chat_flow(state, call), deadline)
+    out, ticket = await run_job(request, "chat", chat_flow(state, call), deadline, limit_status=400)
     note_sicl(request, out["sicl"])
     return {**head, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out["content"], "refusal": None},
@@ -204,7 +204,7 @@ async def stream(request: Request, state: ServeState, call: ChatCall, head: dict
     ticket = submit(request, "chat", chat_flow(state, call, push), deadline)
     await watch(request, ticket, ticket.decided)  # admitted, or ended (a 429, a 503, an error: replied as such)
     if ticket.done:
-        outcome(request, ticket)
+        outcome(request, ticket, limit_status=400)
     fut = asyncio.wrap_future(ticket.future)
 
     def chunk(delta: dict, finish=None, **extra) -> bytes:

@@ -367,3 +367,37 @@ def test_a_cancelled_future_or_task_cancels_its_request(engine, sched):
 
 async def _awaited(ticket):
     return await ticket
+
+
+def test_a_calibration_waiting_for_bytes_does_not_hold_answers_back(packing):
+    """--max-batch-bytes that fits one packed calibration and an answer, not two calibrations (pack 2): a second
+    calibration waits for the bytes the first holds, and an answer that comes meanwhile is served while the first
+    still runs (a long calibration never holds answers back). Before, the waiting calibration held back every
+    younger request until the first one ended."""
+    from sicl_fast.scheduler import Answer, Cost
+
+    prompts = [packing.prepare(request(q, demos=(("one" * (i + 1), "1"), ("seven", "7")))) for i, q in
+               enumerate(("five", "nine"))]
+    cfg = packing.config(N=4, **LONG)
+    query = packing.prepare(request("ten"), reserve=NEW)
+    cal = Cost.of_calibration(packing.lm, packing.plan, prompts[0], cfg, True).bytes
+    ans = Cost.of_answer(packing.lm, query, NEW, query.demo_end, 1, True).bytes
+    assert 2 * ans < cal
+    s = Scheduler(packing, Limits(max_bytes=cal + 2 * ans))
+
+    def answer():
+        return (yield Answer(query, NEW, ()))
+
+    try:
+        first = s.calibrate(prompts[0], cfg, reuse="off", deadline=time.monotonic() + 10)
+        wait_until = time.monotonic() + 30
+        while first.admitted is None:
+            assert time.monotonic() < wait_until
+            time.sleep(0.01)
+        with engine_lock(packing):
+            second = s.calibrate(prompts[1], cfg, reuse="off")
+            got = s.submit(answer(), "answer")
+        assert got.result(60).token_ids == packing.generate(query, max_new_tokens=NEW, stop_strings=()).token_ids
+        assert not first.done and second.admitted is None  # served while the first runs, the second waiting
+    finally:
+        s.close()

@@ -22,7 +22,8 @@ the other (no credit builds up while it is idle). So an answer that arrives duri
 and a half times its time alone plus the calibration step in progress (a step is not cut), and a stream of answers
 slows a calibration to a third of its speed, never more: it ends. Within a lane, admission is in arrival order;
 work that does not fit the rows or tokens waits with its lane, and the oldest work that does not fit the bytes
-holds back all younger work until it fits (so nothing starves). A unit runs under the engine's lock
+holds back all younger work until it fits (so nothing starves), but for younger answers while it waits for bytes that
+calibrations hold (they may run long; the answers end soon, and then it holds them back too). A unit runs under the engine's lock
 (`engine_lock`), so two schedulers on one engine (two servers in one process) take turns.
 
 Cancellation (Ticket.cancel: a client that went away), a deadline and the drain act on their own request only: a
@@ -125,6 +126,7 @@ class Scheduler:
         self._waiting: dict[Ticket, None] = {}  # requests never admitted, in arrival order
         self._seq = 0
         self.used = Cost()
+        self.used_work = Cost()  # of which the calibrations' and calls' (the work lane's)
         self.vtime = {"answers": 0.0, "work": 0.0}
         self._busy_before = {"answers": False, "work": False}
         self._mean_s = 1.0  # running mean of a request's time in the batch (Retry-After)
@@ -327,6 +329,8 @@ class Scheduler:
         """An item ended: its place is free; its request goes on once every item of its yield has."""
         op, i, cost = self._owner.pop(item)
         self.used = self.used - cost
+        if not isinstance(item, Answer):
+            self.used_work = self.used_work - cost
         if op.ticket.done:
             return
         if op.ticket.cancelled:  # whatever its work gave (a calibration stopped with reason 'cancelled')
@@ -413,8 +417,11 @@ class Scheduler:
                 blocked.add(lane)
                 continue
             why = cost.fits(self.used, self.limits, self.max_bytes)
+            if why == "bytes" and lane != "answers" and cost.fits(self.used_work, self.limits, self.max_bytes):
+                blocked.update(("packed", "one", "call"))  # it waits for bytes a calibration holds: younger work
+                continue  # waits behind it, younger answers go on (a long calibration never holds answers back)
             if why == "bytes":
-                break  # the oldest that does not fit holds back everything younger
+                break  # the oldest that does not fit holds back everything younger (what it waits for ends soon)
             if why is not None:
                 blocked.add(lane)
                 continue
@@ -425,6 +432,8 @@ class Scheduler:
                 self._waiting.pop(t, None)
                 t.decide()
             self.used = self.used + cost
+            if lane != "answers":
+                self.used_work = self.used_work + cost
             try:
                 if lane == "answers":
                     self.answers.start(item, item)

@@ -401,3 +401,44 @@ def test_a_calibration_waiting_for_bytes_does_not_hold_answers_back(packing):
         assert not first.done and second.admitted is None  # served while the first runs, the second waiting
     finally:
         s.close()
+
+
+def test_an_engine_runs_one_calibration_at_a_time(engine, sched):
+    """Engine.calibrate called while another calibration runs on the engine (its scheduler's, paused between two
+    steps, or another thread's) is refused in one line, and the one running keeps its own result; a calibration
+    given to the scheduler while another thread's runs waits for it. Before, both ran at once on the engine's shared
+    buffers and gave wrong histories without a word."""
+    from sicl_fast.errors import SiclError
+
+    prompt = engine.prepare(request("ten", demos=(("two", "2"), ("six", "6"))))
+    same = engine.prepare(request("six", demos=(("two", "2"), ("six", "6"))))  # the same shape
+    knobs = dict(max_steps=6, N=4, tau=0.0, seed=3)
+    ref = engine.calibrate(prompt, reuse="off", **knobs)
+    started = threading.Event()
+    long = sched.calibrate(same, reuse="off", on_step=lambda i, f: started.set(), **LONG)
+    assert started.wait(60)
+    with pytest.raises(SiclError, match="another calibration is running on this engine"):
+        engine.calibrate(prompt, reuse="off", **knobs)
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.result(60)
+    end = time.monotonic() + 30
+    while engine.calibrating:  # the cancelled one stops at its next step
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    go, running = threading.Event(), threading.Event()
+    out = {}
+
+    def hold(step, f):
+        running.set()
+        go.wait(60)
+
+    other = threading.Thread(target=lambda: out.update(r=engine.calibrate(same, reuse="off", on_step=hold, **knobs)))
+    other.start()
+    assert running.wait(60)
+    queued = sched.calibrate(prompt, reuse="off", **knobs)  # waits for the other thread's run
+    time.sleep(0.1)
+    assert not queued.done
+    go.set()
+    other.join(60)
+    assert queued.result(60).history == ref.history and out["r"].steps == 6

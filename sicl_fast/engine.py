@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any
 from collections.abc import Sequence
@@ -107,6 +108,7 @@ class Engine:
         self.backend = build_backend(plan, self.lm)
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
+        self._running = threading.Lock()  # held by the calibration that runs (run): one at a time
         self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)
         if self.plan.graphs or self.plan.length_buckets:
             self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets,
@@ -169,14 +171,28 @@ class Engine:
 
     def run(self, prompt: Prompt, cfg: CalibrationConfig, on_step=None, should_stop=None, on_update=None,
             best_at: Sequence[int] = ()) -> CalibrationResult:
-        """One calibration on this engine's loop, without the store (hooks as Calibrator.run's)."""
+        """One calibration on this engine's loop, without the store (hooks as Calibrator.run's). One at a time: a
+        second while one runs (another thread's, or the one its scheduler holds between two steps) is refused, as
+        the two would share the engine's buffers (and its static steps)."""
         kept = BestAt(best_at, "Engine.calibrate")
         on_step = on_step if on_step is not None else self.step_hook
-        if self.plan.loop_for(cfg.estimator) == "static":
-            return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
-                              should_stop=should_stop, steps=self.steps, on_update=on_update, best_at=kept)
-        return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop, on_update=on_update,
-                                                 best_at=kept)
+        if not self._running.acquire(blocking=False):
+            raise SiclError("Engine.calibrate: another calibration is running on this engine (another thread's, or "
+                            "its scheduler's between two steps), and an engine runs one at a time: wait for it, or "
+                            "give both to engine.scheduler()")
+        try:
+            if self.plan.loop_for(cfg.estimator) == "static":
+                return run_static(self.backend, cfg, prompt, sync_every=self.plan.sync_every, on_step=on_step,
+                                  should_stop=should_stop, steps=self.steps, on_update=on_update, best_at=kept)
+            return Calibrator(self.backend, cfg).run(prompt, on_step=on_step, should_stop=should_stop,
+                                                     on_update=on_update, best_at=kept)
+        finally:
+            self._running.release()
+
+    @property
+    def calibrating(self) -> bool:
+        """Is a calibration running on this engine (run: any thread's, its scheduler's between two steps too)?"""
+        return self._running.locked()
 
     def reuse_mode(self, reuse: str | None = None, keeps_best: bool = False) -> str:
         """The store mode calibrate runs with: the plan's (or `reuse`), refused with best_at (keeps_best): a

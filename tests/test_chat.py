@@ -443,3 +443,36 @@ def test_sigterm_drains_the_batch_in_flight(engine, monkeypatch):
     assert out[0] == alone
     assert late[0].status_code == 503 and late[0].json()["error"]["kind"] == "shutting_down"
     assert not srv.thread.is_alive()
+
+
+def test_an_answer_over_a_batch_limit_is_refused_before_its_calibration(engine):
+    """An answer that exceeds --max-batch-tokens by itself is refused before the request is queued: the chat
+    endpoint's 400 (streaming too: before the stream begins) and /v1/calibrate's 422, each naming the flag, with no
+    calibration step run. Before, the calibration ran first, then a chat stream that had begun with a 200 ended in
+    an error event (a 422 without streaming)."""
+    fresh = [{**conversation("five")[0], "content": "Spell the digit."}] + conversation("five")[1:]
+    with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=64, max_batch_tokens=40)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError, match=r"exceed this server's limit of 40 \(--max-batch-tokens\)"):
+            client.chat.completions.create(model="tiny-llama", messages=fresh, max_tokens=64, extra_body={"sicl": KNOBS})
+        r = _post_chat(srv, fresh, max_tokens=64, stream=True, sicl=KNOBS)
+        assert r.status_code == 400 and "--max-batch-tokens" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/calibrate", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                       json={"request": {"id": "g", "instruction": "Spell the digit.", "query": "five",
+                                         "demos": [{"input": "one", "output": "1"}]},
+                             "config": KNOBS, "generate": True, "max_new_tokens": 64})
+        assert r.status_code == 422 and "(--max-batch-tokens)" in r.json()["error"]["message"]
+        assert srv.app.state.serve.metrics.steps._value.get() == 0  # no calibration ran for them
+        assert client.chat.completions.create(model="tiny-llama", messages=fresh, max_tokens=8,
+                                              extra_body={"sicl": KNOBS}).usage.completion_tokens <= 8  # it fits
+
+
+def test_a_calibration_over_a_batch_limit_is_the_chat_endpoints_400(engine):
+    """A calibration that exceeds --max-batch-bytes by itself (refused as it is queued, before any step) is, on the
+    chat endpoint, the 400 every other bad request there is (docs/openai.md), streaming or not; it was a 422."""
+    fresh = [{**conversation("five")[0], "content": "Spell the number."}] + conversation("five")[1:]
+    with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=8, max_batch_bytes=500_000)) as srv:
+        for stream in (False, True):
+            r = _post_chat(srv, fresh, max_tokens=4, stream=stream, sicl=KNOBS)
+            assert r.status_code == 400, r.text
+            assert "exceed this server's limit of 500000 (--max-batch-bytes)" in r.json()["error"]["message"]

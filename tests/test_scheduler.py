@@ -328,3 +328,117 @@ def test_each_piece_of_work_runs_with_its_own_rotary_tables(one_thread):
         assert t.result(60).history == ref.history
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("bad", [[["not work"]], {"a": 1}, 5])
+def test_a_flow_that_yields_no_work_fails_alone(sched, stored, alone, bad):
+    """A flow that yields something other than scheduler.work items (an unhashable list in a list, a dict, a number)
+    fails its own request with a TypeError that names what it yielded; the scheduler's loop goes on."""
+    def flow():
+        yield bad
+
+    with pytest.raises(TypeError, match=f"yielded {type(bad).__name__}"):
+        sched.submit(flow(), "odd").result(10)
+    assert tokens(sched.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+
+
+def test_a_cancelled_future_or_task_cancels_its_request(engine, sched):
+    """Cancelling what a front end holds cancels the request: `ticket.future.cancel()`, or the asyncio task that
+    awaits the ticket (asyncio.wait_for's timeout). The calibration stops at its next step and the scheduler is idle
+    again (before, the work ran on, and its request stayed open for ever: /health busy, the drain waiting)."""
+    prompt = engine.prepare(request("ten"))
+    t = sched.calibrate(prompt, reuse="off", **LONG)
+    time.sleep(0.1)
+    assert t.future.cancel() and t.cancelled
+
+    async def wait_briefly():
+        inner = sched.calibrate(prompt, reuse="off", **LONG)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.ensure_future(_awaited(inner)), 0.2)
+        return inner
+
+    inner = asyncio.run(wait_briefly())
+    assert inner.cancelled
+    end = time.monotonic() + 30
+    while sched.busy:
+        assert time.monotonic() < end, "the cancelled requests still hold the scheduler"
+        time.sleep(0.02)
+
+
+async def _awaited(ticket):
+    return await ticket
+
+
+def test_a_calibration_waiting_for_bytes_does_not_hold_answers_back(packing):
+    """--max-batch-bytes that fits one packed calibration and an answer, not two calibrations (pack 2): a second
+    calibration waits for the bytes the first holds, and an answer that comes meanwhile is served while the first
+    still runs (a long calibration never holds answers back). Before, the waiting calibration held back every
+    younger request until the first one ended."""
+    from sicl_fast.scheduler import Answer, Cost
+
+    prompts = [packing.prepare(request(q, demos=(("one" * (i + 1), "1"), ("seven", "7")))) for i, q in
+               enumerate(("five", "nine"))]
+    cfg = packing.config(N=4, **LONG)
+    query = packing.prepare(request("ten"), reserve=NEW)
+    cal = Cost.of_calibration(packing.lm, packing.plan, prompts[0], cfg, True).bytes
+    ans = Cost.of_answer(packing.lm, query, NEW, query.demo_end, 1, True).bytes
+    assert 2 * ans < cal
+    s = Scheduler(packing, Limits(max_bytes=cal + 2 * ans))
+
+    def answer():
+        return (yield Answer(query, NEW, ()))
+
+    try:
+        first = s.calibrate(prompts[0], cfg, reuse="off", deadline=time.monotonic() + 10)
+        wait_until = time.monotonic() + 30
+        while first.admitted is None:
+            assert time.monotonic() < wait_until
+            time.sleep(0.01)
+        with engine_lock(packing):
+            second = s.calibrate(prompts[1], cfg, reuse="off")
+            got = s.submit(answer(), "answer")
+        assert got.result(60).token_ids == packing.generate(query, max_new_tokens=NEW, stop_strings=()).token_ids
+        assert not first.done and second.admitted is None  # served while the first runs, the second waiting
+    finally:
+        s.close()
+
+
+def test_an_engine_runs_one_calibration_at_a_time(engine, sched):
+    """Engine.calibrate called while another calibration runs on the engine (its scheduler's, paused between two
+    steps, or another thread's) is refused in one line, and the one running keeps its own result; a calibration
+    given to the scheduler while another thread's runs waits for it. Before, both ran at once on the engine's shared
+    buffers and gave wrong histories without a word."""
+    from sicl_fast.errors import SiclError
+
+    prompt = engine.prepare(request("ten", demos=(("two", "2"), ("six", "6"))))
+    same = engine.prepare(request("six", demos=(("two", "2"), ("six", "6"))))  # the same shape
+    knobs = dict(max_steps=6, N=4, tau=0.0, seed=3)
+    ref = engine.calibrate(prompt, reuse="off", **knobs)
+    started = threading.Event()
+    long = sched.calibrate(same, reuse="off", on_step=lambda i, f: started.set(), **LONG)
+    assert started.wait(60)
+    with pytest.raises(SiclError, match="another calibration is running on this engine"):
+        engine.calibrate(prompt, reuse="off", **knobs)
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.result(60)
+    end = time.monotonic() + 30
+    while engine.calibrating:  # the cancelled one stops at its next step
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    go, running = threading.Event(), threading.Event()
+    out = {}
+
+    def hold(step, f):
+        running.set()
+        go.wait(60)
+
+    other = threading.Thread(target=lambda: out.update(r=engine.calibrate(same, reuse="off", on_step=hold, **knobs)))
+    other.start()
+    assert running.wait(60)
+    queued = sched.calibrate(prompt, reuse="off", **knobs)  # waits for the other thread's run
+    time.sleep(0.1)
+    assert not queued.done
+    go.set()
+    other.join(60)
+    assert queued.result(60).history == ref.history and out["r"].steps == 6

@@ -68,8 +68,8 @@ class CalibrationLane:
             return not self.calls
         if self.packable(item):
             return len(self.slots) < self.packed.pack
-        with _ONE_GUARD:
-            return self.running is None and _ONE.get(self.engine) in (None, self)
+        with _ONE_GUARD:  # and none of another thread's runs (Engine.run would refuse it)
+            return self.running is None and _ONE.get(self.engine) in (None, self) and not self.engine.calibrating
 
     def start(self, owner, item, stop_reason) -> None:
         """Begin the work (its first turn comes with the next unit). stop_reason(): the request's own ('cancelled',

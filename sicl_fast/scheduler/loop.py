@@ -22,7 +22,8 @@ the other (no credit builds up while it is idle). So an answer that arrives duri
 and a half times its time alone plus the calibration step in progress (a step is not cut), and a stream of answers
 slows a calibration to a third of its speed, never more: it ends. Within a lane, admission is in arrival order;
 work that does not fit the rows or tokens waits with its lane, and the oldest work that does not fit the bytes
-holds back all younger work until it fits (so nothing starves). A unit runs under the engine's lock
+holds back all younger work until it fits (so nothing starves), but for younger answers while it waits for bytes that
+calibrations hold (they may run long; the answers end soon, and then it holds them back too). A unit runs under the engine's lock
 (`engine_lock`), so two schedulers on one engine (two servers in one process) take turns.
 
 Cancellation (Ticket.cancel: a client that went away), a deadline and the drain act on their own request only: a
@@ -51,7 +52,7 @@ from .answers import AnswerLane
 from .calibrations import CalibrationLane
 from .limits import Cost, Limits, over_limit
 from .tickets import Cancelled, QueueFull, ShuttingDown, Ticket
-from .work import Answer, Calibrate, Call
+from .work import WORK, Answer, Calibrate, Call
 
 log = logging.getLogger("sicl_fast.scheduler")
 
@@ -125,6 +126,7 @@ class Scheduler:
         self._waiting: dict[Ticket, None] = {}  # requests never admitted, in arrival order
         self._seq = 0
         self.used = Cost()
+        self.used_work = Cost()  # of which the calibrations' and calls' (the work lane's)
         self.vtime = {"answers": 0.0, "work": 0.0}
         self._busy_before = {"answers": False, "work": False}
         self._mean_s = 1.0  # running mean of a request's time in the batch (Retry-After)
@@ -268,6 +270,13 @@ class Scheduler:
             return
         op.many = isinstance(got, (list, tuple))
         op.items = list(got) if op.many else [got]
+        odd = next((item for item in op.items if not isinstance(item, WORK)), None)
+        if odd is not None:  # its own failure: an item the lanes cannot run (nor key, if unhashable) stops here
+            op.items = []
+            self._end(t, error=TypeError(f"request {t.kind!r}: its flow yielded {type(odd).__name__} {odd!r:.60}; a "
+                                         "flow yields scheduler.work items (Calibrate, Answer, Call) or a list of "
+                                         "them"))
+            return
         op.results, op.left, op.error = [None] * len(op.items), len(op.items), None
         if not op.items:
             self._advance(op, [])
@@ -285,10 +294,7 @@ class Scheduler:
                     self._owner[item] = (op, i, Cost())
                     self._done(item, res)
                     return
-            cost = self._cost(item)
-            why = cost.fits(Cost(), self.limits, self.max_bytes)
-            if why is not None:
-                raise LimitError(f"request {item.prompt.id!r}: {over_limit(why, cost, self.limits, self.max_bytes)}")
+            cost = self.refuse_alone(item)
         except Exception as exc:  # noqa: BLE001 - the request's own failure
             self._owner[item] = (op, i, Cost())
             self._done(item, error=exc)
@@ -296,9 +302,23 @@ class Scheduler:
         self._owner[item] = (op, i, cost)
         bisect.insort(self._pending, (t.seq, id(item), item))
 
-    def _cost(self, item) -> Cost:
+    def refuse_alone(self, item, least: bool = False) -> Cost:
+        """The item's cost; LimitError when it exceeds a limit by itself (it could never be admitted). Checked as the
+        item is queued, and by a front end before it queues a request whose later work it knows (a chat's answer,
+        which comes after its calibration). least: an Answer priced as the least it may hold, its calibration not
+        known yet (one stored over its whole prompt, a per-query calibration's: its new tokens only), so that a check
+        made early refuses nothing the queue takes."""
+        cost = self._cost(item, least)
+        why = cost.fits(Cost(), self.limits, self.max_bytes)
+        if why is not None:
+            raise LimitError(f"request {item.prompt.id!r}: {over_limit(why, cost, self.limits, self.max_bytes)}")
+        return cost
+
+    def _cost(self, item, least: bool = False) -> Cost:
         lm, plan = self.engine.lm, self.engine.plan
         if isinstance(item, Answer):
+            if least:
+                return Cost.of_answer(lm, item.prompt, item.max_new_tokens, item.prompt.length, self.every, False)
             n = item.calibration.length if item.calibration is not None else item.prompt.demo_end
             return Cost.of_answer(lm, item.prompt, item.max_new_tokens, n, self.every, item.calibration is None)
         if isinstance(item, Calibrate):
@@ -309,6 +329,8 @@ class Scheduler:
         """An item ended: its place is free; its request goes on once every item of its yield has."""
         op, i, cost = self._owner.pop(item)
         self.used = self.used - cost
+        if not isinstance(item, Answer):
+            self.used_work = self.used_work - cost
         if op.ticket.done:
             return
         if op.ticket.cancelled:  # whatever its work gave (a calibration stopped with reason 'cancelled')
@@ -395,8 +417,11 @@ class Scheduler:
                 blocked.add(lane)
                 continue
             why = cost.fits(self.used, self.limits, self.max_bytes)
+            if why == "bytes" and lane != "answers" and cost.fits(self.used_work, self.limits, self.max_bytes):
+                blocked.update(("packed", "one", "call"))  # it waits for bytes a calibration holds: younger work
+                continue  # waits behind it, younger answers go on (a long calibration never holds answers back)
             if why == "bytes":
-                break  # the oldest that does not fit holds back everything younger
+                break  # the oldest that does not fit holds back everything younger (what it waits for ends soon)
             if why is not None:
                 blocked.add(lane)
                 continue
@@ -407,6 +432,8 @@ class Scheduler:
                 self._waiting.pop(t, None)
                 t.decide()
             self.used = self.used + cost
+            if lane != "answers":
+                self.used_work = self.used_work + cost
             try:
                 if lane == "answers":
                     self.answers.start(item, item)

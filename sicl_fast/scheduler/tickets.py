@@ -3,7 +3,8 @@
     ticket = scheduler.submit(flow, kind="chat", deadline=None)
     ticket.result(timeout)            the flow's return value (or its exception: Cancelled, ShuttingDown, QueueFull,
     await ticket                      a SiclError of the work); `ticket.future` is a concurrent.futures.Future
-    ticket.cancel()                   it leaves at the next boundary of the work it is in (a token, a step)
+    ticket.cancel()                   it leaves at the next boundary of the work it is in (a token, a step); so
+                                      does a cancelled ticket.future, or a cancelled asyncio task awaiting it
 
 A flow is a generator: it yields work (sicl_fast.scheduler.work: a calibration, an answer, a call on the engine, or a
 list of them, which run together) and gets each result back, and returns the reply; the scheduler runs the work on
@@ -52,6 +53,9 @@ class Ticket:
         self.shutdown_at: float | None = None
         self.decided: concurrent.futures.Future = concurrent.futures.Future()  # done once admitted or ended
         self.seq = 0  # arrival order (the scheduler's)
+        # a front end that cancels the future (future.cancel(), or the asyncio task awaiting the ticket, whose
+        # cancellation asyncio passes on to it) cancels the request: its work stops at the next token or step
+        self.future.add_done_callback(lambda f: f.cancelled() and self._cancelled.set())
 
     def cancel(self) -> None:
         self._cancelled.set()

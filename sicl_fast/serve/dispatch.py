@@ -15,10 +15,10 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel
 
-from ..errors import SiclError
+from ..errors import LimitError, SiclError
 from ..scheduler import Cancelled, QueueFull, ShuttingDown, Ticket
 from .body import check_content_type, read_body
-from .errors import ServeHTTPError, internal_error
+from .errors import ServeHTTPError, from_sicl_error, internal_error
 from .shutdown import DROPPED, REFUSED
 from .state import ServeState, serve_state
 
@@ -75,8 +75,9 @@ async def watch(request: Request, ticket: Ticket, future) -> None:
     fut.exception()  # read here (outcome() reads the ticket's own future): asyncio would log it as never retrieved
 
 
-def outcome(request: Request, ticket: Ticket) -> Any:
-    """The ended request's result, or its failure as the reply it gets."""
+def outcome(request: Request, ticket: Ticket, limit_status: int | None = None) -> Any:
+    """The ended request's result, or its failure as the reply it gets. limit_status: the status of a limit the
+    scheduler refused the work for as it was queued (LimitError; default its own, 422; the chat endpoint's 400)."""
     state = serve_state(request)
     try:
         return ticket.future.result(0)
@@ -86,6 +87,8 @@ def outcome(request: Request, ticket: Ticket) -> Any:
         raise ServeHTTPError(499, "cancelled", "the request was cancelled") from None
     except ShuttingDown:
         raise state.shutdown.error(DROPPED) from None
+    except LimitError as exc:
+        raise from_sicl_error(exc, limit_status) from None
     except SiclError:
         raise
     except Exception as exc:  # a bug inside the request: log it, answer 500, keep serving
@@ -93,11 +96,12 @@ def outcome(request: Request, ticket: Ticket) -> Any:
         raise internal_error(request, exc) from None
 
 
-async def run_job(request: Request, kind: str, flow: Generator, deadline: float | None = None):
-    """Submit the flow and wait for its reply. -> (result, ticket)"""
+async def run_job(request: Request, kind: str, flow: Generator, deadline: float | None = None,
+                  limit_status: int | None = None):
+    """Submit the flow and wait for its reply (limit_status: outcome's). -> (result, ticket)"""
     ticket = submit(request, kind, flow, deadline)
     await watch(request, ticket, ticket.future)
-    return outcome(request, ticket), ticket
+    return outcome(request, ticket, limit_status), ticket
 
 
 def timing(ticket: Ticket) -> dict:

@@ -38,6 +38,14 @@ def calibrated(call, on_step: Callable[[int, float], None] | None, done: Callabl
     return res
 
 
+def refuse_early(scheduler, call: CalibrateCall) -> CalibrateCall:
+    """The call, once its answers are known to fit the scheduler's limits (the uncalibrated one, priced exactly:
+    Scheduler.refuse_alone), so that an answer over a limit is refused before the calibration runs."""
+    if call.generate:
+        scheduler.refuse_alone(Answer(call.prompt, call.max_new_tokens, call.stop))
+    return call
+
+
 def calibrate_flow(engine, call: CalibrateCall, on_step=None, done=lambda res: None):
     """The ascent (stopped early by the request's deadline, its cancellation or its time budget), then the optional
     answers and rows."""

@@ -6,7 +6,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from ..dispatch import read_call, run_job, timing
-from ..jobs import calibrate_flow, proxy_flow
+from ..jobs import calibrate_flow, proxy_flow, refuse_early
 from ..metrics import note
 from ..openapi import body_doc
 from ..schema import CalibrateBody, ProxyBody
@@ -30,7 +30,8 @@ async def proxy(request: Request, state: ServeState = Depends(serve_state)) -> d
 async def calibrate(request: Request, state: ServeState = Depends(serve_state)) -> dict:
     """The ascent on one prompt: summary, history, effective config; with `generate` both greedy answers;
     with `return_embeddings` the calibrated rows (base64). `timeout_s`: return the best X by then."""
-    call = await read_call(request, CalibrateBody, state.validator.calibrate)
+    call = await read_call(request, CalibrateBody,
+                           lambda body: refuse_early(state.scheduler, state.validator.calibrate(body)))
     note(request, id=call.prompt.id)
     deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
     metrics = state.metrics

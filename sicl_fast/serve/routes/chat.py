@@ -125,6 +125,7 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
     knobs = CalibrationKnobs(**{k: v for k, v in sicl.items() if k in KNOBS})
     stop = check_stops((body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
                        f"request {rid!r}: field 'stop'")
+    state.scheduler.refuse_alone(Answer(prompt, new, stop), least=True)  # before its calibration runs
     return ChatCall(prompt=prompt, config=state.validator.config(knobs, rid), reuse=sicl.get("reuse"),
                     max_new_tokens=new, stop=stop, stream=body.stream,
                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -180,7 +181,7 @@ async def chat_completions(request: Request, state: ServeState = Depends(serve_s
     deadline = time.monotonic() + call.timeout_s if call.timeout_s is not None else None
     if call.stream:
         return await stream(request, state, call, head, deadline)
-    out, ticket = await run_job(request, "chat", chat_flow(state, call), deadline)
+    out, ticket = await run_job(request, "chat", chat_flow(state, call), deadline, limit_status=400)
     note_sicl(request, out["sicl"])
     return {**head, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": out["content"], "refusal": None},
@@ -203,7 +204,7 @@ async def stream(request: Request, state: ServeState, call: ChatCall, head: dict
     ticket = submit(request, "chat", chat_flow(state, call, push), deadline)
     await watch(request, ticket, ticket.decided)  # admitted, or ended (a 429, a 503, an error: replied as such)
     if ticket.done:
-        outcome(request, ticket)
+        outcome(request, ticket, limit_status=400)
     fut = asyncio.wrap_future(ticket.future)
 
     def chunk(delta: dict, finish=None, **extra) -> bytes:

@@ -151,8 +151,8 @@ def step_cuda_tests(fig: Figures, dry: bool) -> None:
     except KeyboardInterrupt as exc:  # what ran before the time was up, for the log and the partial figures
         fig["summary"] = _pytest_summary(exc.args[0] if exc.args else [], None)
         raise
-    fig["summary"] = _pytest_summary(lines, rc)
-    fig["failed"] = _count(fig["summary"], "failed") + _count(fig["summary"], "error")
+    fig["summary"] = summary = _pytest_summary(lines, rc)
+    fig["failed"] = _count(summary, "failed") + _count(summary, "error")
 
 
 def _pytest_summary(lines: list[str], rc: int | None) -> str:

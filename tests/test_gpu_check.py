@@ -217,3 +217,15 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
     assert mod.main(["--dry-run", "--out", str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err
     assert err == f"gpu_check.py: error: --out {tmp_path / 'f'} is a file, not a folder\n"
+
+
+def test_the_cuda_tests_step_counts_what_pytest_said(tmp_path, monkeypatch):
+    """The step as its child runs it on the GPU (pytest's output through `stream`, faked here): its figures are
+    pytest's summary and the failures counted from it (481e2be..1764cfa read fig["summary"] back from Figures, which
+    has no item access: a TypeError after every real cuda_tests run, the step 'failed' whatever pytest said)."""
+    mod = load_module()
+    said = ["tests/test_cuda.py ..F", "========= 2 failed, 120 passed, 3 errors in 99.1s ========="]
+    monkeypatch.setattr(mod, "stream", lambda cmd, env=None: (1, said))
+    mod.step_cuda_tests(mod.Figures(tmp_path, "cuda_tests"), dry=False)
+    got = json.loads((tmp_path / "cuda_tests.json").read_text())
+    assert got["summary"] == "2 failed, 120 passed, 3 errors in 99.1s" and got["failed"] == 5

@@ -152,7 +152,14 @@ def step_cuda_tests(fig: Figures, dry: bool) -> None:
         fig["summary"] = _pytest_summary(exc.args[0] if exc.args else [], None)
         raise
     fig["summary"] = summary = _pytest_summary(lines, rc)
+    if summary.startswith("no summary"):  # pytest ran no test (not installed, a collection error): no figure of it
+        raise RuntimeError(f"pytest ran no test (exit status {rc}): {_last(lines)}")
     fig["failed"] = _count(summary, "failed") + _count(summary, "error")
+
+
+def _last(lines: list[str]) -> str:
+    """The last non-blank line a child wrote (what it said when it ended), or 'no output'."""
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "no output")[:200]
 
 
 def _pytest_summary(lines: list[str], rc: int | None) -> str:
@@ -180,6 +187,10 @@ def step_kernels(fig: Figures, dry: bool) -> None:
         checks = [(ln[8:], True) for ln in lines if ln.startswith("- PASS: ")]
         checks += [(ln[8:], False) for ln in lines if ln.startswith("- FAIL: ")]
         fig["exit_status"] = rc
+        if rc != 0 or not checks:  # it ended early or checked nothing: its parity is not measured, not "met"
+            fig["parity_passed"], fig["parity_failed"] = sum(ok for _, ok in checks), [w for w, ok in checks if not ok]
+            raise RuntimeError(f"gpu_kernels.py --quick ran {len(checks)} parity checks (exit status {rc}): "
+                               f"{_last(lines)}")
     fig["parity_passed"] = sum(ok for _, ok in checks)
     fig["parity_failed"] = [what for what, ok in checks if not ok]
 

@@ -229,3 +229,22 @@ def test_the_cuda_tests_step_counts_what_pytest_said(tmp_path, monkeypatch):
     mod.step_cuda_tests(mod.Figures(tmp_path, "cuda_tests"), dry=False)
     got = json.loads((tmp_path / "cuda_tests.json").read_text())
     assert got["summary"] == "2 failed, 120 passed, 3 errors in 99.1s" and got["failed"] == 5
+
+
+@pytest.mark.parametrize("step,rc,said", [
+    ("cuda_tests", 1, ["/usr/bin/python: No module named pytest"]),
+    ("cuda_tests", 4, ["ERROR: file or directory not found: tests/test_cuda.py"]),
+    ("kernels", 0, ["No CUDA device: bench/gpu_kernels.py times the Triton kernels on a GPU. Nothing to do here"]),
+    ("kernels", 1, ["- PASS: rows_qkv", "Traceback (most recent call last):", "RuntimeError: CUDA error"]),
+])
+def test_a_step_whose_child_ran_nothing_fails_and_shows_no_figure(tmp_path, monkeypatch, step, rc, said):
+    """pytest that ran no test, gpu_kernels.py that checked nothing or ended early: the step fails with the child's
+    last line, and its target is 'not measured', never 'met' (before: 'no summary', 0 failed, and '0 PASS, 0
+    FAIL', both read as met)."""
+    mod = load_module()
+    monkeypatch.setattr(mod, "stream", lambda cmd, env=None: (rc, said))
+    with pytest.raises(RuntimeError, match=said[-1][:30]):
+        mod.STEP_FUNCTIONS[step](mod.Figures(tmp_path, step), False)
+    status = f"failed: RuntimeError: {said[-1]}"
+    rows = mod.targets({step: mod.collect(tmp_path, step, status)}, cuda=True)
+    assert rows[0 if step == "cuda_tests" else 1][1:] == ("-", f"not measured: {step} failed")

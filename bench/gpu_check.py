@@ -572,6 +572,7 @@ def run_child(step: str, out: Path, timeout: float) -> str:
     """One step in a child interpreter (its output, and its own children's, streamed to OUT/<step>.log as it runs),
     stopped after `timeout` s as `timeout -s INT` does: SIGINT to its process group, SIGKILL GRACE_S later. Its
     status: 'ok', 'failed (...)' or 'timed out after N s', each with the last line the step wrote."""
+    out = out.absolute()  # the child runs from the tree's root: a relative OUT would name another folder there
     log_path = out / f"{step}.log"
     # every line in the log as it is printed; the tree's package on the path of the child's own children too
     # (bench/gpu_kernels.py, pytest), which a plain copy has not installed
@@ -638,7 +639,7 @@ def main(argv=None) -> int:
                     help="the whole check's seconds (default 540: 9 minutes)")
     ap.add_argument("--step", choices=list(STEPS), help=argparse.SUPPRESS)  # a child runs one step
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).absolute()  # the children run from the tree's root (run_child), whatever this cwd is
     if args.step:  # the child: its status is its exit code; its parent stops it with SIGINT
         status = run_in_process(args.step, out, False, None)
         return 0 if status == "ok" else INTERRUPTED if status.startswith("timed out") else 1

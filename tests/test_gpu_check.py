@@ -248,3 +248,25 @@ def test_a_step_whose_child_ran_nothing_fails_and_shows_no_figure(tmp_path, monk
     status = f"failed: RuntimeError: {said[-1]}"
     rows = mod.targets({step: mod.collect(tmp_path, step, status)}, cuda=True)
     assert rows[0 if step == "cuda_tests" else 1][1:] == ("-", f"not measured: {step} failed")
+
+
+def test_a_relative_out_reaches_the_child_as_this_folder(tmp_path, monkeypatch):
+    """The children run from the tree's root: `--out rel` given from another folder must reach them as that folder
+    (before: 'rel', so every step's child wrote into ROOT/rel, or failed where it did not exist)."""
+    mod = load_module()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
+    seen = {}
+
+    class Child:
+        pid = 0
+
+        def __init__(self, cmd, **kw):
+            seen.update(cmd=cmd, cwd=kw.get("cwd"))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(mod.subprocess, "Popen", Child)
+    assert mod.run_child("kernels", Path("rel"), 5) == "ok"
+    assert seen["cwd"] == mod.ROOT and seen["cmd"][seen["cmd"].index("--out") + 1] == str(tmp_path / "rel")

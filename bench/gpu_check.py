@@ -618,9 +618,15 @@ def collect(out: Path, step: str, status: str) -> dict:
 
 
 def out_problem(out: Path) -> str | None:
-    """Why --out cannot take this run's figures (a file; a folder that holds an earlier run's files), or None."""
+    """Why --out cannot take this run's figures (a file; a folder that holds an earlier run's files; one that cannot be
+    made or written: under a file, no permission), or None."""
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a folder"
+    above = next(p for p in out.parents if p.exists() or p == p.parent) if not out.exists() else out
+    if not above.is_dir():
+        return f"--out {out} cannot be made: {above} is a file, not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"--out {out} cannot be {'written' if above == out else 'made'}: no permission in {above}"
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held:
         names = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
@@ -663,7 +669,11 @@ def main(argv=None) -> int:
         print("gpu_check.py: error: no CUDA device: bench/gpu_check.py measures on a GPU; --dry-run runs its CPU "
               "form", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # what out_problem cannot foresee (a read-only file system, /proc)
+        print(f"gpu_check.py: error: --out {out} cannot be made: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name(0) if cuda else "CPU (--dry-run)"
     t0, results = time.perf_counter(), {}
     import sicl_fast

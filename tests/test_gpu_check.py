@@ -270,3 +270,22 @@ def test_a_relative_out_reaches_the_child_as_this_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(mod.subprocess, "Popen", Child)
     assert mod.run_child("kernels", Path("rel"), 5) == "ok"
     assert seen["cwd"] == mod.ROOT and seen["cmd"][seen["cmd"].index("--out") + 1] == str(tmp_path / "rel")
+
+
+@pytest.mark.parametrize("where", ["file/sub", "file/a/b", "read-only"])
+def test_an_out_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch, where):
+    """Under a file, or on a file system that refuses the folder (a read-only one, /proc): one line, exit status 2
+    (before: a NotADirectoryError or OSError traceback from out.mkdir after torch's import, exit status 1)."""
+    import errno
+
+    mod = load_module()
+    (tmp_path / "file").write_text("x")
+    said = f"cannot be made: {tmp_path}/file is a file, not a folder"
+    if where == "read-only":
+        def refuse(self, *a, **k):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr(mod.Path, "mkdir", refuse)
+        said = "cannot be made: Read-only file system"
+    out = str(tmp_path / where)
+    assert mod.main(["--dry-run", "--out", out, "--steps", "cuda_tests"]) == 2
+    assert capsys.readouterr().err == f"gpu_check.py: error: --out {out} {said}\n"

@@ -63,11 +63,15 @@ rewritten after each), check.json (every step's status; the figures of the steps
 cut short or failed had under "_partial") and check.md (the table: a target whose step did not end shows no figure
 and says why). A step is stopped at its limit as `timeout -s INT` does: SIGINT to its process group (pytest then
 prints its summary of what ran), SIGKILL GRACE_S later. Exit status 0 when every step ran (a missed target is a
-finding, not a failure), 1 when a step failed, timed out or was skipped, 2 for a usage error (one line).
+finding, not a failure), 1 when a step failed, timed out or was skipped, 2 for a usage error (one line). Ctrl-C or
+SIGTERM stops the check where it is: the running step's child and its own children are stopped as at its limit (they
+run in a session of their own, which a terminal's Ctrl-C does not reach), that step reads 'interrupted', the steps
+after it are not run, and the table of what ran is written; exit status 130.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -443,10 +447,11 @@ def _get(results: dict, step: str, *keys):
 
 
 def outcome(status: str | None) -> str:
-    """The kind of a step's status: 'ok', 'skipped', 'failed', 'timed out', or 'not run' (None)."""
+    """The kind of a step's status: 'ok', 'skipped', 'failed', 'timed out', 'interrupted', or 'not run' (None)."""
     if status is None:
         return "not run"
-    return next((k for k in ("ok", "skipped", "failed", "timed out") if status.startswith(k)), "failed")
+    return next((k for k in ("ok", "skipped", "failed", "timed out", "interrupted") if status.startswith(k)),
+                "failed")
 
 
 # bf16_pieces: the bound of tests/test_cuda.py's split-reference test (test_refresh.py's): 1e-5 of the largest element
@@ -584,18 +589,33 @@ def run_child(step: str, out: Path, timeout: float) -> str:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop(proc)
             rc = None
+        except KeyboardInterrupt:  # this check's Ctrl-C or SIGTERM: its child, a session of its own, stops with it
+            stop(proc)
+            raise
     last = _tail(log_path, 1)
     said = f"; its last line: {last[0][:200]!r}" if last else "; it wrote nothing"
     if rc is None or rc == INTERRUPTED:
         return f"timed out after {timeout:.0f} s ({step}.log holds what it wrote{said})"
     return "ok" if rc == 0 else f"failed (exit status {rc}; see {step}.log{said})"
+
+
+def stop(proc) -> None:
+    """Stop a step's child and its own children (its process group) as `timeout -s INT` does: SIGINT, SIGKILL GRACE_S
+    later (at once on a second Ctrl-C), and SIGKILL to whatever of the group outlived the child, so that nothing of
+    the step keeps running, or holds the device, after it."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=GRACE_S)
+    except ProcessLookupError:
+        pass
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(path: Path, n: int) -> list[str]:
@@ -675,29 +695,51 @@ def main(argv=None) -> int:
         print(f"gpu_check.py: error: --out {out} cannot be made: {exc.strerror or exc}", file=sys.stderr)
         return 2
     device = torch.cuda.get_device_name(0) if cuda else "CPU (--dry-run)"
-    t0, results = time.perf_counter(), {}
+    t0 = time.perf_counter()
     import sicl_fast
 
     print(f"# gpu_check on {device}: steps {', '.join(args.steps)}; figures in {out}; sicl_fast from "
           f"{Path(sicl_fast.__file__).parent}, torch {torch.__version__}", flush=True)
+    before = signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the step's child stopped, the table written
+    try:
+        return _run_steps(args, out, cuda, device, t0)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run_steps(args, out: Path, cuda: bool, device: str, t0: float) -> int:
+    """main's steps, in order, each under its share of the budget from t0; check.json after each, check.md at the end
+    (module docstring)."""
+    results, interrupted = {}, False
     for step in args.steps:
         left = args.budget_s - (time.perf_counter() - t0)
         room = left - GRACE_S if cuda else left  # a child's SIGINT leaves it GRACE_S to end
-        if room < MIN_STEP_S:
-            status = f"skipped: {max(left, 0):.0f} s of the budget left"
-        elif cuda:
-            status = run_child(step, out, min(STEPS[step], room))
-        else:
-            status = run_in_process(step, out, True, min(DRY_TIMEOUT, room))
+        try:
+            if room < MIN_STEP_S:
+                status = f"skipped: {max(left, 0):.0f} s of the budget left"
+            elif cuda:
+                status = run_child(step, out, min(STEPS[step], room))
+            else:
+                status = run_in_process(step, out, True, min(DRY_TIMEOUT, room))
+        except KeyboardInterrupt:
+            status, interrupted = "interrupted (Ctrl-C or SIGTERM): the check stopped here", True
         results[step] = collect(out, step, status)
         print(f"[{time.perf_counter() - t0:6.1f} s] {step}: {status}", flush=True)
         if cuda and status != "ok" and not status.startswith("skipped"):  # what it wrote last, here too
             print("\n".join(f"    {ln}" for ln in _tail(out / f"{step}.log", 12)), flush=True)
         (out / "check.json").write_text(json.dumps(results, indent=1, default=str))
+        if interrupted:
+            break
     md = table(results, cuda, device)
     (out / "check.md").write_text(md)
     print("\n" + md)
+    if interrupted:
+        return 130  # as a shell reports a command ended by Ctrl-C
     return 0 if all(v["_status"] == "ok" for v in results.values()) else 1
+
+
+def _terminated(*_) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":

@@ -289,3 +289,67 @@ def test_an_out_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch, w
     out = str(tmp_path / where)
     assert mod.main(["--dry-run", "--out", out, "--steps", "cuda_tests"]) == 2
     assert capsys.readouterr().err == f"gpu_check.py: error: --out {out} {said}\n"
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (its parent gone, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_ctrl_c_stops_the_steps_child_and_its_children(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) of the check while a step's child runs: the child runs in a session of its own (so that
+    its time limit reaches its children), which a terminal's Ctrl-C does not reach, so the check stops it and its
+    own children before it ends (before: the check died with a traceback and the child ran on, unbounded, holding
+    the device). The child here is a Python that starts a grandchild and sleeps."""
+    import signal
+    import time
+
+    mod = load_module()
+    pids = tmp_path / "pids"
+    child = tmp_path / "child.sh"
+    child.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import os, subprocess, time; "
+                     f"g = subprocess.Popen(['sleep', '60']); open('{pids}', 'w').write(f'{{os.getpid()}} {{g.pid}}'); "
+                     "time.sleep(60)\"\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(mod.sys, "executable", str(child))
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    started = []
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(KeyboardInterrupt):
+            mod.run_child("kernels", tmp_path, timeout=60)
+        started = [int(p) for p in pids.read_text().split()]
+        deadline = time.monotonic() + 5
+        while not all(map(_gone, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 2 and all(map(_gone, started)), started
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for pid in started:
+            with __import__("contextlib").suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_an_interrupted_check_says_so_and_writes_the_table_of_what_ran(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a step (the CPU form here): that step reads 'interrupted', the steps after it are not run, the
+    table is written, exit status 130 (before: a KeyboardInterrupt traceback, no check.md, the cut step missing)."""
+    mod = load_module()
+
+    def interrupted(fig, dry):
+        fig["parity_passed"] = 3
+        raise KeyboardInterrupt
+    monkeypatch.setitem(mod.STEP_FUNCTIONS, "kernels", interrupted)
+    out = tmp_path / "o"
+    assert mod.main(["--dry-run", "--out", str(out), "--steps", "cuda_tests", "kernels", "bf16_pieces"]) == 130
+    res, md = json.loads((out / "check.json").read_text()), (out / "check.md").read_text()
+    assert list(res) == ["cuda_tests", "kernels"] and res["cuda_tests"]["_status"] == "ok"
+    assert res["kernels"] == {"_status": "interrupted (Ctrl-C or SIGTERM): the check stopped here",
+                              "_partial": {"parity_passed": 3}}
+    assert "| - | not measured: kernels interrupted |" in md and "| - | not measured: bf16_pieces not run |" in md

@@ -101,6 +101,48 @@ def test_a_faulty_kernel_goes_on_through_the_torch_ops(models, monkeypatch):
     assert settings["impl"] == "torch" and settings["fallback"] == plan.fallback
 
 
+def test_a_capture_that_raises_goes_on_uncaptured(models, monkeypatch):
+    """The capture itself raises (as CUDA refuses an operation inside a capture): the step is kept without a graph,
+    its first call checks the same step uncaptured, which matches, so the run goes on uncaptured with the uncaptured
+    run's numbers, and the plan says why (before: the RuntimeError ended the run)."""
+    be = backend(models)
+    cfg = config(be, max_steps=6)
+    p = make_prompt(6)
+    want = run_static(be, cfg, p)
+    fake = FakeCuda(monkeypatch)
+
+    def refuse(ops, k):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
+    fake.fault = refuse
+    with pytest.warns(SiclWarning, match="the static step could not be captured"):
+        got = run_static(be, cfg, p, steps=StepCache("cpu"))
+    assert_same_result(got, want)
+    assert be.plan.fallback == ("uncaptured: the static step could not be captured (RuntimeError: operation not "
+                                "permitted when stream is capturing); uncaptured it matched the torch ops")
+
+
+def test_a_kernel_that_raises_at_its_first_launch_goes_on_through_the_torch_ops(models, monkeypatch):
+    """The plan's kernel raises at its first launch, the capture's warm-up (a kernel this GPU cannot run): the same
+    step uncaptured raises too, so the run goes on through the torch ops and the math attention with a clean run's
+    numbers (before: the error ended the run)."""
+    lm = models["llama"]
+    be = backend(models)
+    cfg = config(be, max_steps=6)
+    p = make_prompt(6)
+    want = run_static(make_backend("fast", lm, diff_matmul="bf16", impl="torch", attn="math"), cfg, p)
+
+    def broken(lp, plan):
+        raise RuntimeError("out of resource: shared memory")
+    monkeypatch.setattr(be.ops, "proxy_planned", broken)
+    FakeCuda(monkeypatch)
+    with pytest.warns(SiclWarning, match="through the torch ops"):
+        got = run_static(be, cfg, p, steps=StepCache("cpu"))
+    assert_same_result(got, want)
+    assert be.plan.impl == "torch" and be.plan.attention == "math"
+    assert be.plan.fallback == ("torch: the static step could not be captured (RuntimeError: out of resource: shared "
+                                "memory), and uncaptured it failed: RuntimeError: out of resource: shared memory")
+
+
 def test_a_faulty_decode_capture_goes_on_uncaptured(models, monkeypatch):
     be = make_backend("fast-fp32", models["qwen3"], impl="torch")
     X = be.embed(make_prompt(6))[:20]

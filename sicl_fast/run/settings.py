@@ -74,6 +74,13 @@ def engine_settings(engine) -> dict:
     return model_plan_settings(engine.lm, engine.plan, engine.backend.attention_kernel)
 
 
+def fallback_settings(engine) -> dict:
+    """What a record adds to its run's settings (the results writer puts its "settings" on top of the run's): after
+    a fallback (RunPlan.fallback: a captured step failed its check, and the run went on otherwise) the engine's part
+    as it runs now, its impl and attention and the note; {} before any."""
+    return {} if engine.plan.fallback is None else {FIELD: engine_settings(engine)}
+
+
 def run_settings(command: str, engine: dict, config=None, **parts) -> dict:
     """A record's settings (module docstring): the command, the engine's part (engine_settings), the config (a
     CalibrationConfig, or None where the run calibrates nothing) and the command's own parts, JSON-ready and as they
@@ -209,6 +216,7 @@ def resume_check(want: dict, where: str, variant: Callable[[dict], tuple[str, di
     return lambda records: check_resume(records, want, where, variant)
 
 
-__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "run_settings",
+__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "fallback_settings",
+           "run_settings",
            "record_settings", "flatten", "compared", "settings_diff", "short_name", "describe_diff", "check_resume",
            "resume_check"]

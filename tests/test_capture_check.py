@@ -5,6 +5,8 @@ same step uncaptured; a faulty kernel (the plan's ops off, captured or not) fall
 the run goes on and gives the numbers of a run that never captured (bit for bit: the same ops in the same order),
 and the plan, the warning and the records' settings say which and why.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -215,3 +217,32 @@ def test_a_fallback_is_a_note_of_the_records_settings(models, tmp_path):
 
     a, b = (json.loads(line)["settings"] for line in out.read_text().splitlines())
     assert a["fallback"] is None and b["fallback"] == "uncaptured: why" and b["command"] == "calibrate"
+
+
+def test_a_resume_after_a_fallback_says_how_to_run_as_its_records_did(models):
+    """A file whose records went on through the torch ops (a failed capture check) and a resume with the flags the
+    run was started with: refused, naming the fallback and the flags that run as the records did (--impl, --attn,
+    --attn-precision; before: only "attention "math" / "triton" ... use another --out or the same settings", and no
+    flag chose the attention). A file that fell back midway holds records of both settings: no run adds to all of
+    them, said once (before: each run refused by the other half's records in turn)."""
+    from sicl_fast.errors import SiclError
+    from sicl_fast.run.settings import check_resume
+
+    plan = backend(models).plan
+    plan = dataclasses.replace(plan, impl="triton", attention="triton", attention_precision="tf32x3")
+    want = {"command": "calibrate", **plan_settings(plan)}
+    fell = {"command": "calibrate", **plan_settings(fall_back(plan, "torch", "the captured static step's first "
+                                                                        "replay f0 is off by 0.05"))}
+    with pytest.raises(SiclError) as exc:
+        check_resume([{"id": "a", "settings": fell}], want, "--out r.jsonl")
+    assert str(exc.value) == (
+        '--out r.jsonl: its records were made with other settings than this run\'s: attention "math" / "triton", '
+        'impl "torch" / "triton" (the file\'s / this run\'s); use another --out or the settings they went on with '
+        "after a failed check of a captured step (torch: the captured static step's first replay f0 is off by "
+        "0.05): --impl torch --attn math --attn-precision tf32x3")
+    check_resume([{"id": "a", "settings": fell}], {**want, "impl": "torch", "attention": "math"}, "--out r.jsonl")
+    with pytest.raises(SiclError, match=r'^--out r.jsonl: holds records of different settings \(attention "triton" / '
+                                        r'"math", impl "triton" / "torch"\); its run went on otherwise midway, after a '
+                                        r"failed check of a captured step \(torch: .*\): no run's settings match them "
+                                        r"all, so none adds to it; use another --out$"):
+        check_resume([{"id": "a", "settings": want}, {"id": "b", "settings": fell}], want, "--out r.jsonl")

@@ -188,6 +188,7 @@ def check_resume(records: Sequence[dict], want: dict, where: str,
                         "before records carried them, or by hand): whether they match this run's cannot be told, so "
                         "this run does not add to them; use another --out")
     distinct = {json.dumps(record_settings(r), sort_keys=True): record_settings(r) for r in records}
+    _refuse_mixed(list(distinct.values()), where)
     for got in distinct.values():  # a file holds one settings, or a few: each compared once
         if got.get("command") != want.get("command"):
             raise SiclError(f"{where}: holds records of sicl-fast {got.get('command')}, not of sicl-fast "
@@ -200,14 +201,38 @@ def check_resume(records: Sequence[dict], want: dict, where: str,
 
 
 def _refuse_other(got: dict, want: dict, where: str, of: str = "") -> None:
-    """check_resume's one message: the settings that differ, with both values (describe_diff)."""
+    """check_resume's one message: the settings that differ, with both values (describe_diff), and where the file's
+    records went on otherwise after a failed check of a captured step (a fallback), the flags that run as they did."""
     diff = settings_diff(got, want)
     if diff:
         why = (" (its records hold no calibrated embeddings to decode or export: they would be calibrated again, "
                "which another --out does)" if any(n.startswith("outputs.") for n in diff) else "")
+        same = "the same settings"
+        if isinstance(got.get("fallback"), str) and set(diff) <= set(FALLBACK_FLAGS):
+            flags = " ".join(f"{flag} {got.get(n) or 'ieee'}" for n, flag in FALLBACK_FLAGS.items())
+            same = (f"the settings they went on with after a failed check of a captured step ({got['fallback']}): "
+                    f"{flags}")
         raise SiclError(f"{where}: its records{of} were made with other settings than this run's: "
                         f"{describe_diff(got, want, diff)} (the file's / this run's); use another --out{why} or "
-                        "the same settings")
+                        f"{same}")
+
+
+def _refuse_mixed(distinct: list[dict], where: str) -> None:
+    """Refuse a file whose records were made with settings that differ among themselves (a run that fell back midway,
+    or files joined by hand): no run's settings match them all, so none adds to it; the message says which differ."""
+    for other in distinct[1:]:
+        diff = settings_diff(distinct[0], other)
+        if diff:
+            note = next((s["fallback"] for s in distinct if isinstance(s.get("fallback"), str)), None)
+            cause = (f"; its run went on otherwise midway, after a failed check of a captured step ({note})"
+                     if note else "")
+            raise SiclError(f"{where}: holds records of different settings ({describe_diff(distinct[0], other, diff)})"
+                            f"{cause}: no run's settings match them all, so none adds to it; use another --out")
+
+
+# the flags that set what a fallback changes (RunPlan.fallback: the torch ops, the math attention, whose precision a
+# record holds where it is not IEEE): the message that says how to run as a fallback's records went on
+FALLBACK_FLAGS = {"impl": "--impl", "attention": "--attn", "attention_precision": "--attn-precision"}
 
 
 def resume_check(want: dict, where: str, variant: Callable[[dict], tuple[str, dict, dict] | None] | None = None

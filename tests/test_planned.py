@@ -97,3 +97,26 @@ def test_a_finished_resume_recalls_the_plan_its_first_run_remembered(tiny_model_
     assert main(argv) == 0 and "nothing to do: all 1 requests are already in" in capsys.readouterr().err
     assert main([*argv, "--max-steps", "2"]) == 2  # and a refused one
     assert "max_steps 1 / 2 (the file's / this run's)" in capsys.readouterr().err
+
+
+def test_a_damaged_remembered_plan_is_planned_again(own_cache, models):
+    """A remembered plan whose settings are not what remember() keeps (a field missing or of another type, a
+    fallback, a count of 0) is not recalled (planned again), so it never answers a resume (before: `"settings": {}`
+    or `"impl": 42` were recalled and every resume of the file was refused, naming settings nobody set, until the
+    file was found and removed). What plan_settings makes is recalled, an attention precision included."""
+    from sicl_fast.run.planned import recall
+    from sicl_fast.run.settings import plan_settings
+
+    for plan in (make_plan(models["llama"]), make_plan(models["llama"], impl="torch", attn="math",
+                                                        attn_precision="tf32x3")):
+        remember("k", {"settings": {"model": {}, **plan_settings(plan)}, "family": "llama", "n_params": 5})
+        assert recall("k")["settings"] == plan_settings(plan)
+    good = json.loads((own_cache / "plans" / "k.json").read_text())
+    for damage in [{"settings": {}}, {"settings": {**good["settings"], "impl": 42}},
+                   {"settings": {k: v for k, v in good["settings"].items() if k != "dtype"}},
+                   {"settings": {**good["settings"], "threads": 2}}, {"settings": {**good["settings"], "pack": True}},
+                   {"settings": {**good["settings"], "pack": 0}}, {"settings": {**good["settings"], "fallback": "x"}},
+                   {"settings": {**good["settings"], "length_buckets": "4"}}, {"n_params": True},
+                   {"n_params": -5}, {"family": ""}]:
+        (own_cache / "plans" / "k.json").write_text(json.dumps({**good, **damage}))
+        assert recall("k") is None, damage

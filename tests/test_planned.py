@@ -120,3 +120,27 @@ def test_a_damaged_remembered_plan_is_planned_again(own_cache, models):
                    {"n_params": -5}, {"family": ""}]:
         (own_cache / "plans" / "k.json").write_text(json.dumps({**good, **damage}))
         assert recall("k") is None, damage
+
+
+def test_a_plans_folder_that_cannot_be_written_costs_only_the_recall(own_cache):
+    """remember() on a cache whose plans/ is a file, or whose oldest '*.json' past KEEP is a folder: nothing is kept
+    or removed, and nothing is raised (before: an internal error, NotADirectoryError or IsADirectoryError, in every
+    run that remembered)."""
+    import os
+
+    from sicl_fast.run.planned import KEEP, recall
+
+    facts = {"settings": {"model": {}, "backend": "fast", "impl": "torch", "attention": "sdpa", "diff_matmul": "bf16",
+                          "dtype": "float32", "device": "cpu", "length_buckets": None, "pack": 1, "fallback": None},
+             "family": "llama", "n_params": 5}
+    own_cache.mkdir(parents=True)
+    (own_cache / "plans").write_text("not a folder")
+    remember("k", facts)
+    assert recall("k") is None and (own_cache / "plans").read_text() == "not a folder"
+    (own_cache / "plans").unlink()
+    (own_cache / "plans" / "0-old.json").mkdir(parents=True)
+    os.utime(own_cache / "plans" / "0-old.json", (0, 0))
+    for i in range(KEEP + 1):
+        remember(f"k{i}", facts)
+    assert (own_cache / "plans" / "0-old.json").is_dir() and recall(f"k{KEEP}") is not None
+    assert len(list((own_cache / "plans").glob("k*.json"))) == KEEP

@@ -38,6 +38,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,18 +198,23 @@ def remember(key: str | None, facts: dict) -> None:
         tmp.write_text(json.dumps(entry, sort_keys=True), encoding="utf-8")
         os.replace(tmp, folder / f"{key}.json")  # readers see the whole entry or none
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # plans/ a file, a read-only cache: nothing was written
+            tmp.unlink(missing_ok=True)
         return
     for old in _newest_first(folder)[KEEP:]:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # removed meanwhile by another process, or not ours to remove
+            old.unlink(missing_ok=True)
 
 
 def _newest_first(folder: Path) -> list[Path]:
-    """The remembered plans in `folder`, the newest first (one removed meanwhile by another process is left out)."""
+    """The remembered plans in `folder` (files only: a folder of that name is not one), the newest first (one removed
+    meanwhile by another process is left out)."""
     found = []
     for path in folder.glob("*.json"):
         with contextlib.suppress(OSError):
-            found.append((path.stat().st_mtime_ns, path))
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime_ns, path))
     return [path for _, path in sorted(found, reverse=True)]
 
 

@@ -141,9 +141,11 @@ def settings_diff(got: dict, want: dict) -> list[str]:
     too when they differ (they say which). NOTES (a fallback) are never compared."""
     a, b = flatten(_norm(compared(got))), flatten(_norm(compared(want)))
     diff = {k for k in set(a) | set(b) if _typed(a.get(k)) != _typed(b.get(k)) and k not in NOTES}
-    if "model.fingerprint" in diff:
-        names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
-        diff |= {"model.name"} if names[0] != names[1] else set()
+    names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
+    if names[0] == names[1]:  # one side without a fingerprint keeps its name in `compared`: not a difference
+        diff.discard("model.name")
+    elif "model.fingerprint" in diff:
+        diff.add("model.name")
     return sorted(diff)
 
 

@@ -63,11 +63,15 @@ rewritten after each), check.json (every step's status; the figures of the steps
 cut short or failed had under "_partial") and check.md (the table: a target whose step did not end shows no figure
 and says why). A step is stopped at its limit as `timeout -s INT` does: SIGINT to its process group (pytest then
 prints its summary of what ran), SIGKILL GRACE_S later. Exit status 0 when every step ran (a missed target is a
-finding, not a failure), 1 when a step failed, timed out or was skipped, 2 for a usage error (one line).
+finding, not a failure), 1 when a step failed, timed out or was skipped, 2 for a usage error (one line). Ctrl-C or
+SIGTERM stops the check where it is: the running step's child and its own children are stopped as at its limit (they
+run in a session of their own, which a terminal's Ctrl-C does not reach), that step reads 'interrupted', the steps
+after it are not run, and the table of what ran is written; exit status 130.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -151,8 +155,15 @@ def step_cuda_tests(fig: Figures, dry: bool) -> None:
     except KeyboardInterrupt as exc:  # what ran before the time was up, for the log and the partial figures
         fig["summary"] = _pytest_summary(exc.args[0] if exc.args else [], None)
         raise
-    fig["summary"] = _pytest_summary(lines, rc)
-    fig["failed"] = _count(fig["summary"], "failed") + _count(fig["summary"], "error")
+    fig["summary"] = summary = _pytest_summary(lines, rc)
+    if summary.startswith("no summary"):  # pytest ran no test (not installed, a collection error): no figure of it
+        raise RuntimeError(f"pytest ran no test (exit status {rc}): {_last(lines)}")
+    fig["failed"] = _count(summary, "failed") + _count(summary, "error")
+
+
+def _last(lines: list[str]) -> str:
+    """The last non-blank line a child wrote (what it said when it ended), or 'no output'."""
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "no output")[:200]
 
 
 def _pytest_summary(lines: list[str], rc: int | None) -> str:
@@ -180,6 +191,10 @@ def step_kernels(fig: Figures, dry: bool) -> None:
         checks = [(ln[8:], True) for ln in lines if ln.startswith("- PASS: ")]
         checks += [(ln[8:], False) for ln in lines if ln.startswith("- FAIL: ")]
         fig["exit_status"] = rc
+        if rc != 0 or not checks:  # it ended early or checked nothing: its parity is not measured, not "met"
+            fig["parity_passed"], fig["parity_failed"] = sum(ok for _, ok in checks), [w for w, ok in checks if not ok]
+            raise RuntimeError(f"gpu_kernels.py --quick ran {len(checks)} parity checks (exit status {rc}): "
+                               f"{_last(lines)}")
     fig["parity_passed"] = sum(ok for _, ok in checks)
     fig["parity_failed"] = [what for what, ok in checks if not ok]
 
@@ -432,10 +447,11 @@ def _get(results: dict, step: str, *keys):
 
 
 def outcome(status: str | None) -> str:
-    """The kind of a step's status: 'ok', 'skipped', 'failed', 'timed out', or 'not run' (None)."""
+    """The kind of a step's status: 'ok', 'skipped', 'failed', 'timed out', 'interrupted', or 'not run' (None)."""
     if status is None:
         return "not run"
-    return next((k for k in ("ok", "skipped", "failed", "timed out") if status.startswith(k)), "failed")
+    return next((k for k in ("ok", "skipped", "failed", "timed out", "interrupted") if status.startswith(k)),
+                "failed")
 
 
 # bf16_pieces: the bound of tests/test_cuda.py's split-reference test (test_refresh.py's): 1e-5 of the largest element
@@ -561,6 +577,7 @@ def run_child(step: str, out: Path, timeout: float) -> str:
     """One step in a child interpreter (its output, and its own children's, streamed to OUT/<step>.log as it runs),
     stopped after `timeout` s as `timeout -s INT` does: SIGINT to its process group, SIGKILL GRACE_S later. Its
     status: 'ok', 'failed (...)' or 'timed out after N s', each with the last line the step wrote."""
+    out = out.absolute()  # the child runs from the tree's root: a relative OUT would name another folder there
     log_path = out / f"{step}.log"
     # every line in the log as it is printed; the tree's package on the path of the child's own children too
     # (bench/gpu_kernels.py, pytest), which a plain copy has not installed
@@ -572,18 +589,33 @@ def run_child(step: str, out: Path, timeout: float) -> str:
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=GRACE_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop(proc)
             rc = None
+        except KeyboardInterrupt:  # this check's Ctrl-C or SIGTERM: its child, a session of its own, stops with it
+            stop(proc)
+            raise
     last = _tail(log_path, 1)
     said = f"; its last line: {last[0][:200]!r}" if last else "; it wrote nothing"
     if rc is None or rc == INTERRUPTED:
         return f"timed out after {timeout:.0f} s ({step}.log holds what it wrote{said})"
     return "ok" if rc == 0 else f"failed (exit status {rc}; see {step}.log{said})"
+
+
+def stop(proc) -> None:
+    """Stop a step's child and its own children (its process group) as `timeout -s INT` does: SIGINT, SIGKILL GRACE_S
+    later (at once on a second Ctrl-C), and SIGKILL to whatever of the group outlived the child, so that nothing of
+    the step keeps running, or holds the device, after it."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=GRACE_S)
+    except ProcessLookupError:
+        pass
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(path: Path, n: int) -> list[str]:
@@ -606,9 +638,15 @@ def collect(out: Path, step: str, status: str) -> dict:
 
 
 def out_problem(out: Path) -> str | None:
-    """Why --out cannot take this run's figures (a file; a folder that holds an earlier run's files), or None."""
+    """Why --out cannot take this run's figures (a file; a folder that holds an earlier run's files; one that cannot be
+    made or written: under a file, no permission), or None."""
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file, not a folder"
+    above = next(p for p in out.parents if p.exists() or p == p.parent) if not out.exists() else out
+    if not above.is_dir():
+        return f"--out {out} cannot be made: {above} is a file, not a folder"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"--out {out} cannot be {'written' if above == out else 'made'}: no permission in {above}"
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if held:
         names = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
@@ -627,7 +665,7 @@ def main(argv=None) -> int:
                     help="the whole check's seconds (default 540: 9 minutes)")
     ap.add_argument("--step", choices=list(STEPS), help=argparse.SUPPRESS)  # a child runs one step
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).absolute()  # the children run from the tree's root (run_child), whatever this cwd is
     if args.step:  # the child: its status is its exit code; its parent stops it with SIGINT
         status = run_in_process(args.step, out, False, None)
         return 0 if status == "ok" else INTERRUPTED if status.startswith("timed out") else 1
@@ -651,31 +689,57 @@ def main(argv=None) -> int:
         print("gpu_check.py: error: no CUDA device: bench/gpu_check.py measures on a GPU; --dry-run runs its CPU "
               "form", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # what out_problem cannot foresee (a read-only file system, /proc)
+        print(f"gpu_check.py: error: --out {out} cannot be made: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     device = torch.cuda.get_device_name(0) if cuda else "CPU (--dry-run)"
-    t0, results = time.perf_counter(), {}
+    t0 = time.perf_counter()
     import sicl_fast
 
     print(f"# gpu_check on {device}: steps {', '.join(args.steps)}; figures in {out}; sicl_fast from "
           f"{Path(sicl_fast.__file__).parent}, torch {torch.__version__}", flush=True)
+    before = signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the step's child stopped, the table written
+    try:
+        return _run_steps(args, out, cuda, device, t0)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _run_steps(args, out: Path, cuda: bool, device: str, t0: float) -> int:
+    """main's steps, in order, each under its share of the budget from t0; check.json after each, check.md at the end
+    (module docstring)."""
+    results, interrupted = {}, False
     for step in args.steps:
         left = args.budget_s - (time.perf_counter() - t0)
         room = left - GRACE_S if cuda else left  # a child's SIGINT leaves it GRACE_S to end
-        if room < MIN_STEP_S:
-            status = f"skipped: {max(left, 0):.0f} s of the budget left"
-        elif cuda:
-            status = run_child(step, out, min(STEPS[step], room))
-        else:
-            status = run_in_process(step, out, True, min(DRY_TIMEOUT, room))
+        try:
+            if room < MIN_STEP_S:
+                status = f"skipped: {max(left, 0):.0f} s of the budget left"
+            elif cuda:
+                status = run_child(step, out, min(STEPS[step], room))
+            else:
+                status = run_in_process(step, out, True, min(DRY_TIMEOUT, room))
+        except KeyboardInterrupt:
+            status, interrupted = "interrupted (Ctrl-C or SIGTERM): the check stopped here", True
         results[step] = collect(out, step, status)
         print(f"[{time.perf_counter() - t0:6.1f} s] {step}: {status}", flush=True)
         if cuda and status != "ok" and not status.startswith("skipped"):  # what it wrote last, here too
             print("\n".join(f"    {ln}" for ln in _tail(out / f"{step}.log", 12)), flush=True)
         (out / "check.json").write_text(json.dumps(results, indent=1, default=str))
+        if interrupted:
+            break
     md = table(results, cuda, device)
     (out / "check.md").write_text(md)
     print("\n" + md)
+    if interrupted:
+        return 130  # as a shell reports a command ended by Ctrl-C
     return 0 if all(v["_status"] == "ok" for v in results.values()) else 1
+
+
+def _terminated(*_) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,11 @@ def require(module: str) -> None:
                                 f'install it with: pip install "sicl-fast[{extra}]"')
 
 
-def first_line(exc: BaseException) -> str:
-    """'KeyError: data_offsets': an exception's type and the first line of its text, for a one-line message that
-    says what failed inside a damaged input (the whole text of some, torch.load's among them, runs over lines)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+def first_line(exc: BaseException, typed: bool = True) -> str:
+    """'KeyError: data_offsets': an exception's type (typed) and the first line of its text, with the next one where
+    the first ends in a colon (transformers' "Validation error for field 'x':" says what on the next), for a one-line
+    message that says what failed inside a damaged input (the whole text of some, torch.load's among them, runs over
+    lines)."""
+    text = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    head = f"{text[0]} {text[1]}" if len(text) > 1 and text[0].endswith(":") else text[0] if text else ""
+    return f"{type(exc).__name__}: {head}".rstrip(": ") if typed or not head else head

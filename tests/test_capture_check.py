@@ -5,6 +5,8 @@ same step uncaptured; a faulty kernel (the plan's ops off, captured or not) fall
 the run goes on and gives the numbers of a run that never captured (bit for bit: the same ops in the same order),
 and the plan, the warning and the records' settings say which and why.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -101,6 +103,48 @@ def test_a_faulty_kernel_goes_on_through_the_torch_ops(models, monkeypatch):
     assert settings["impl"] == "torch" and settings["fallback"] == plan.fallback
 
 
+def test_a_capture_that_raises_goes_on_uncaptured(models, monkeypatch):
+    """The capture itself raises (as CUDA refuses an operation inside a capture): the step is kept without a graph,
+    its first call checks the same step uncaptured, which matches, so the run goes on uncaptured with the uncaptured
+    run's numbers, and the plan says why (before: the RuntimeError ended the run)."""
+    be = backend(models)
+    cfg = config(be, max_steps=6)
+    p = make_prompt(6)
+    want = run_static(be, cfg, p)
+    fake = FakeCuda(monkeypatch)
+
+    def refuse(ops, k):
+        raise RuntimeError("operation not permitted when stream is capturing\nCUDA kernel errors ...")
+    fake.fault = refuse
+    with pytest.warns(SiclWarning, match="the static step could not be captured"):
+        got = run_static(be, cfg, p, steps=StepCache("cpu"))
+    assert_same_result(got, want)
+    assert be.plan.fallback == ("uncaptured: the static step could not be captured (RuntimeError: operation not "
+                                "permitted when stream is capturing); uncaptured it matched the torch ops")
+
+
+def test_a_kernel_that_raises_at_its_first_launch_goes_on_through_the_torch_ops(models, monkeypatch):
+    """The plan's kernel raises at its first launch, the capture's warm-up (a kernel this GPU cannot run): the same
+    step uncaptured raises too, so the run goes on through the torch ops and the math attention with a clean run's
+    numbers (before: the error ended the run)."""
+    lm = models["llama"]
+    be = backend(models)
+    cfg = config(be, max_steps=6)
+    p = make_prompt(6)
+    want = run_static(make_backend("fast", lm, diff_matmul="bf16", impl="torch", attn="math"), cfg, p)
+
+    def broken(lp, plan):
+        raise RuntimeError("out of resource: shared memory")
+    monkeypatch.setattr(be.ops, "proxy_planned", broken)
+    FakeCuda(monkeypatch)
+    with pytest.warns(SiclWarning, match="through the torch ops"):
+        got = run_static(be, cfg, p, steps=StepCache("cpu"))
+    assert_same_result(got, want)
+    assert be.plan.impl == "torch" and be.plan.attention == "math"
+    assert be.plan.fallback == ("torch: the static step could not be captured (RuntimeError: out of resource: shared "
+                                "memory), and uncaptured it failed: RuntimeError: out of resource: shared memory")
+
+
 def test_a_faulty_decode_capture_goes_on_uncaptured(models, monkeypatch):
     be = make_backend("fast-fp32", models["qwen3"], impl="torch")
     X = be.embed(make_prompt(6))[:20]
@@ -173,3 +217,32 @@ def test_a_fallback_is_a_note_of_the_records_settings(models, tmp_path):
 
     a, b = (json.loads(line)["settings"] for line in out.read_text().splitlines())
     assert a["fallback"] is None and b["fallback"] == "uncaptured: why" and b["command"] == "calibrate"
+
+
+def test_a_resume_after_a_fallback_says_how_to_run_as_its_records_did(models):
+    """A file whose records went on through the torch ops (a failed capture check) and a resume with the flags the
+    run was started with: refused, naming the fallback and the flags that run as the records did (--impl, --attn,
+    --attn-precision; before: only "attention "math" / "triton" ... use another --out or the same settings", and no
+    flag chose the attention). A file that fell back midway holds records of both settings: no run adds to all of
+    them, said once (before: each run refused by the other half's records in turn)."""
+    from sicl_fast.errors import SiclError
+    from sicl_fast.run.settings import check_resume
+
+    plan = backend(models).plan
+    plan = dataclasses.replace(plan, impl="triton", attention="triton", attention_precision="tf32x3")
+    want = {"command": "calibrate", **plan_settings(plan)}
+    fell = {"command": "calibrate", **plan_settings(fall_back(plan, "torch", "the captured static step's first "
+                                                                        "replay f0 is off by 0.05"))}
+    with pytest.raises(SiclError) as exc:
+        check_resume([{"id": "a", "settings": fell}], want, "--out r.jsonl")
+    assert str(exc.value) == (
+        '--out r.jsonl: its records were made with other settings than this run\'s: attention "math" / "triton", '
+        'impl "torch" / "triton" (the file\'s / this run\'s); use another --out or the settings they went on with '
+        "after a failed check of a captured step (torch: the captured static step's first replay f0 is off by "
+        "0.05): --impl torch --attn math --attn-precision tf32x3")
+    check_resume([{"id": "a", "settings": fell}], {**want, "impl": "torch", "attention": "math"}, "--out r.jsonl")
+    with pytest.raises(SiclError, match=r'^--out r.jsonl: holds records of different settings \(attention "triton" / '
+                                        r'"math", impl "triton" / "torch"\); its run went on otherwise midway, after a '
+                                        r"failed check of a captured step \(torch: .*\): no run's settings match them "
+                                        r"all, so none adds to it; use another --out$"):
+        check_resume([{"id": "a", "settings": want}, {"id": "b", "settings": fell}], want, "--out r.jsonl")

@@ -519,6 +519,26 @@ def test_budget_curves_by_hand():
     assert runs_compared([("paper", recs)]) is None
 
 
+def test_each_run_of_a_split_file_has_a_label_of_its_own():
+    """A file split into runs labels each by what sets it apart, never two alike: a string that reads as a number
+    is quoted (pack "1" beside pack 1; before: "pack=1; pack=1", the second run "#2"), and where more than 3 names
+    differ, as many are shown as tell the runs apart, the ones that tell most apart first (before: the first 3 by
+    name, and two runs that differed only in a fourth read the same, "+1 more")."""
+    from sicl_fast.evaluation.report import split_by_settings
+
+    base = {"format": 1, "command": "icleval", "impl": "cpp", "attention": "cpp", "dtype": "float32", "pack": 1}
+    rec = {"task": "t", "correct_base": True, "correct_calibrated": True}
+
+    def labels(*settings):
+        return [label for _, label, _ in split_by_settings([{**rec, "uid": i, "settings": {**base, **s}}
+                                                            for i, s in enumerate(settings)])]
+    assert labels({}, {"pack": "1"}) == ["pack=1", 'pack="1"']
+    other = {"impl": "x", "attention": "y", "dtype": "z"}
+    got = labels({}, other, {**other, "pack": 2})
+    assert len(set(got)) == 3, got
+    assert "pack=1" in got[1] and "pack=2" in got[2] and "more" not in got[1] + got[2], got
+
+
 def test_runs_are_split_by_the_one_rule_and_empty_settings_are_none(tmp_path):
     """Issue 54, lesser points: two runs whose settings differ only by true and 1 are told apart by what differs
     ("checkpoint=true", "checkpoint=1"; 481e2be: "settings recorded; settings recorded", as the grouping and the

@@ -207,3 +207,25 @@ def test_cli_ablation_and_report_command(run, engine, capsys):
     assert "## a" in md and "## b" in md and "Fisher" in md
     for p in rep["figures"]:
         assert (d / "RUN3" / p).read_bytes()[:8] == PNG
+
+
+def test_a_fallback_midway_is_in_the_records_settings(tiny_llama, tmp_path, monkeypatch):
+    """A captured step that fails its check switches the run to the torch ops (FastBackend.fall_back): icleval's
+    records made from then on say so in their settings, the impl and attention they ran with and the fallback, as
+    calibrate's do (before: the plan's impl and no fallback, for numbers the torch ops made)."""
+    eng = Engine(tiny_llama, add_special_tokens=True, impl="cpp")
+    run = eng.run
+
+    def falls_back(*a, **k):
+        if eng.plan.fallback is None:
+            eng.backend.fall_back("torch", "the captured static step's first replay f0 is off by 0.05")
+        return run(*a, **k)
+    monkeypatch.setattr(eng, "run", falls_back)
+    out = tmp_path / "r.jsonl"
+    with pytest.warns(SiclWarning, match="through the torch ops"):
+        run_methods(eng, ICLEVAL_EXCERPTS, out, methods=["base", "sicl"], config=eng.config(max_steps=1, N=2),
+                    tasks=["classifier_order"], limit=1, progress=False)
+    got = {r["method"]: r["settings"] for r in map(json.loads, out.read_text().splitlines())}
+    s = got["sicl"]
+    assert (s["command"], s["impl"], s["attention"]) == ("icleval", "torch", "math")
+    assert s["fallback"] == "torch: the captured static step's first replay f0 is off by 0.05"

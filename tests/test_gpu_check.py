@@ -217,3 +217,139 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path, capsys):
     assert mod.main(["--dry-run", "--out", str(tmp_path / "f")]) == 2
     err = capsys.readouterr().err
     assert err == f"gpu_check.py: error: --out {tmp_path / 'f'} is a file, not a folder\n"
+
+
+def test_the_cuda_tests_step_counts_what_pytest_said(tmp_path, monkeypatch):
+    """The step as its child runs it on the GPU (pytest's output through `stream`, faked here): its figures are
+    pytest's summary and the failures counted from it (481e2be..1764cfa read fig["summary"] back from Figures, which
+    has no item access: a TypeError after every real cuda_tests run, the step 'failed' whatever pytest said)."""
+    mod = load_module()
+    said = ["tests/test_cuda.py ..F", "========= 2 failed, 120 passed, 3 errors in 99.1s ========="]
+    monkeypatch.setattr(mod, "stream", lambda cmd, env=None: (1, said))
+    mod.step_cuda_tests(mod.Figures(tmp_path, "cuda_tests"), dry=False)
+    got = json.loads((tmp_path / "cuda_tests.json").read_text())
+    assert got["summary"] == "2 failed, 120 passed, 3 errors in 99.1s" and got["failed"] == 5
+
+
+@pytest.mark.parametrize("step,rc,said", [
+    ("cuda_tests", 1, ["/usr/bin/python: No module named pytest"]),
+    ("cuda_tests", 4, ["ERROR: file or directory not found: tests/test_cuda.py"]),
+    ("kernels", 0, ["No CUDA device: bench/gpu_kernels.py times the Triton kernels on a GPU. Nothing to do here"]),
+    ("kernels", 1, ["- PASS: rows_qkv", "Traceback (most recent call last):", "RuntimeError: CUDA error"]),
+])
+def test_a_step_whose_child_ran_nothing_fails_and_shows_no_figure(tmp_path, monkeypatch, step, rc, said):
+    """pytest that ran no test, gpu_kernels.py that checked nothing or ended early: the step fails with the child's
+    last line, and its target is 'not measured', never 'met' (before: 'no summary', 0 failed, and '0 PASS, 0
+    FAIL', both read as met)."""
+    mod = load_module()
+    monkeypatch.setattr(mod, "stream", lambda cmd, env=None: (rc, said))
+    with pytest.raises(RuntimeError, match=said[-1][:30]):
+        mod.STEP_FUNCTIONS[step](mod.Figures(tmp_path, step), False)
+    status = f"failed: RuntimeError: {said[-1]}"
+    rows = mod.targets({step: mod.collect(tmp_path, step, status)}, cuda=True)
+    assert rows[0 if step == "cuda_tests" else 1][1:] == ("-", f"not measured: {step} failed")
+
+
+def test_a_relative_out_reaches_the_child_as_this_folder(tmp_path, monkeypatch):
+    """The children run from the tree's root: `--out rel` given from another folder must reach them as that folder
+    (before: 'rel', so every step's child wrote into ROOT/rel, or failed where it did not exist)."""
+    mod = load_module()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel").mkdir()
+    seen = {}
+
+    class Child:
+        pid = 0
+
+        def __init__(self, cmd, **kw):
+            seen.update(cmd=cmd, cwd=kw.get("cwd"))
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(mod.subprocess, "Popen", Child)
+    assert mod.run_child("kernels", Path("rel"), 5) == "ok"
+    assert seen["cwd"] == mod.ROOT and seen["cmd"][seen["cmd"].index("--out") + 1] == str(tmp_path / "rel")
+
+
+@pytest.mark.parametrize("where", ["file/sub", "file/a/b", "read-only"])
+def test_an_out_that_cannot_be_made_is_one_line(tmp_path, capsys, monkeypatch, where):
+    """Under a file, or on a file system that refuses the folder (a read-only one, /proc): one line, exit status 2
+    (before: a NotADirectoryError or OSError traceback from out.mkdir after torch's import, exit status 1)."""
+    import errno
+
+    mod = load_module()
+    (tmp_path / "file").write_text("x")
+    said = f"cannot be made: {tmp_path}/file is a file, not a folder"
+    if where == "read-only":
+        def refuse(self, *a, **k):
+            raise OSError(errno.EROFS, "Read-only file system")
+        monkeypatch.setattr(mod.Path, "mkdir", refuse)
+        said = "cannot be made: Read-only file system"
+    out = str(tmp_path / where)
+    assert mod.main(["--dry-run", "--out", out, "--steps", "cuda_tests"]) == 2
+    assert capsys.readouterr().err == f"gpu_check.py: error: --out {out} {said}\n"
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie (its parent gone, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def test_ctrl_c_stops_the_steps_child_and_its_children(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) of the check while a step's child runs: the child runs in a session of its own (so that
+    its time limit reaches its children), which a terminal's Ctrl-C does not reach, so the check stops it and its
+    own children before it ends (before: the check died with a traceback and the child ran on, unbounded, holding
+    the device). The child here is a Python that starts a grandchild and sleeps."""
+    import signal
+    import time
+
+    mod = load_module()
+    pids = tmp_path / "pids"
+    child = tmp_path / "child.sh"
+    child.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import os, subprocess, time; "
+                     f"g = subprocess.Popen(['sleep', '60']); open('{pids}', 'w').write(f'{{os.getpid()}} {{g.pid}}'); "
+                     "time.sleep(60)\"\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(mod.sys, "executable", str(child))
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, ctrl_c)
+    started = []
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(KeyboardInterrupt):
+            mod.run_child("kernels", tmp_path, timeout=60)
+        started = [int(p) for p in pids.read_text().split()]
+        deadline = time.monotonic() + 5
+        while not all(map(_gone, started)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(started) == 2 and all(map(_gone, started)), started
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for pid in started:
+            with __import__("contextlib").suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_an_interrupted_check_says_so_and_writes_the_table_of_what_ran(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during a step (the CPU form here): that step reads 'interrupted', the steps after it are not run, the
+    table is written, exit status 130 (before: a KeyboardInterrupt traceback, no check.md, the cut step missing)."""
+    mod = load_module()
+
+    def interrupted(fig, dry):
+        fig["parity_passed"] = 3
+        raise KeyboardInterrupt
+    monkeypatch.setitem(mod.STEP_FUNCTIONS, "kernels", interrupted)
+    out = tmp_path / "o"
+    assert mod.main(["--dry-run", "--out", str(out), "--steps", "cuda_tests", "kernels", "bf16_pieces"]) == 130
+    res, md = json.loads((out / "check.json").read_text()), (out / "check.md").read_text()
+    assert list(res) == ["cuda_tests", "kernels"] and res["cuda_tests"]["_status"] == "ok"
+    assert res["kernels"] == {"_status": "interrupted (Ctrl-C or SIGTERM): the check stopped here",
+                              "_partial": {"parity_passed": 3}}
+    assert "| - | not measured: kernels interrupted |" in md and "| - | not measured: bf16_pieces not run |" in md

@@ -108,3 +108,19 @@ def test_each_command_refuses_the_flags_it_does_not_use(capsys):
             checked += 1
     assert {"--loop", "--pack", "--diff-matmul", "--N", "--store"} <= every - flags_of(top["proxy"])
     assert checked > 100
+
+
+def test_the_attention_kernel_has_a_flag_wherever_its_precision_has():
+    """--attn chooses the attention kernel (the plan's `attn`) on every command with --attn-precision: the plan's
+    refusals say "use attn 'triton' or 'math'", and a fallback to the torch ops records attention 'math', which a
+    resume of its file must be able to ask for. Before there was none, and argparse read `--attn math` as an
+    abbreviation of --attn-precision ("invalid choice: 'math'") and `--attn ieee` as the precision."""
+    from sicl_fast.commands.cli import _plan_choices
+
+    with_precision = [path for path, p in PARSERS.items() if "--attn-precision" in flags_of(p)]
+    assert len(with_precision) >= 8
+    for path in with_precision:
+        args = build_parser().parse_args([*path, *minimal_args(PARSERS[path]), "--attn", "math"])
+        assert (_plan_choices(args)["attn"], args.attn_precision) == ("math", "auto"), path
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--attn", "ieee"])

@@ -244,3 +244,26 @@ def test_checkpoint_header_parsers_raise_nothing_else(tmp_path):
                 data[at:at + 8] = struct.pack("<Q", rng.choice([2 ** 40, 2 ** 63, 2 ** 64 - 1]))
         check(file, bytes(data))
     assert outcomes["answer"] and outcomes["refused"] > 60, outcomes  # both outcomes seen: the fuzz reaches both
+
+
+@pytest.mark.parametrize("damage", ["config field", "garbage bin"])
+def test_a_damaged_model_folder_is_a_one_line_error(tiny_model_dir, tmp_path, damage):
+    """A model folder whose config gives a field of the wrong type (transformers' two-line validation error), or
+    whose pytorch_model.bin is garbage (torch.load's paragraphs on weights_only): one line naming the folder and
+    what is wrong (before: the whole text, two and six lines)."""
+    import json
+    import shutil
+
+    from sicl_fast import load
+
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "m")
+    if damage == "config field":
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": "two"}))
+        said = "num_hidden_layers"
+    else:
+        (folder / "model.safetensors").unlink()
+        (folder / "pytorch_model.bin").write_bytes(bytes(range(256)) * 12)
+        said = "Weights only load failed"
+    msg = _one_line_load_error(lambda: load(str(folder), dtype="float32", device="cpu"), folder)
+    assert msg.startswith(f"could not load model directory {folder}: ") and said in msg, msg

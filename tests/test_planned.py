@@ -97,3 +97,50 @@ def test_a_finished_resume_recalls_the_plan_its_first_run_remembered(tiny_model_
     assert main(argv) == 0 and "nothing to do: all 1 requests are already in" in capsys.readouterr().err
     assert main([*argv, "--max-steps", "2"]) == 2  # and a refused one
     assert "max_steps 1 / 2 (the file's / this run's)" in capsys.readouterr().err
+
+
+def test_a_damaged_remembered_plan_is_planned_again(own_cache, models):
+    """A remembered plan whose settings are not what remember() keeps (a field missing or of another type, a
+    fallback, a count of 0) is not recalled (planned again), so it never answers a resume (before: `"settings": {}`
+    or `"impl": 42` were recalled and every resume of the file was refused, naming settings nobody set, until the
+    file was found and removed). What plan_settings makes is recalled, an attention precision included."""
+    from sicl_fast.run.planned import recall
+    from sicl_fast.run.settings import plan_settings
+
+    for plan in (make_plan(models["llama"]), make_plan(models["llama"], impl="torch", attn="math",
+                                                        attn_precision="tf32x3")):
+        remember("k", {"settings": {"model": {}, **plan_settings(plan)}, "family": "llama", "n_params": 5})
+        assert recall("k")["settings"] == plan_settings(plan)
+    good = json.loads((own_cache / "plans" / "k.json").read_text())
+    for damage in [{"settings": {}}, {"settings": {**good["settings"], "impl": 42}},
+                   {"settings": {k: v for k, v in good["settings"].items() if k != "dtype"}},
+                   {"settings": {**good["settings"], "threads": 2}}, {"settings": {**good["settings"], "pack": True}},
+                   {"settings": {**good["settings"], "pack": 0}}, {"settings": {**good["settings"], "fallback": "x"}},
+                   {"settings": {**good["settings"], "length_buckets": "4"}}, {"n_params": True},
+                   {"n_params": -5}, {"family": ""}]:
+        (own_cache / "plans" / "k.json").write_text(json.dumps({**good, **damage}))
+        assert recall("k") is None, damage
+
+
+def test_a_plans_folder_that_cannot_be_written_costs_only_the_recall(own_cache):
+    """remember() on a cache whose plans/ is a file, or whose oldest '*.json' past KEEP is a folder: nothing is kept
+    or removed, and nothing is raised (before: an internal error, NotADirectoryError or IsADirectoryError, in every
+    run that remembered)."""
+    import os
+
+    from sicl_fast.run.planned import KEEP, recall
+
+    facts = {"settings": {"model": {}, "backend": "fast", "impl": "torch", "attention": "sdpa", "diff_matmul": "bf16",
+                          "dtype": "float32", "device": "cpu", "length_buckets": None, "pack": 1, "fallback": None},
+             "family": "llama", "n_params": 5}
+    own_cache.mkdir(parents=True)
+    (own_cache / "plans").write_text("not a folder")
+    remember("k", facts)
+    assert recall("k") is None and (own_cache / "plans").read_text() == "not a folder"
+    (own_cache / "plans").unlink()
+    (own_cache / "plans" / "0-old.json").mkdir(parents=True)
+    os.utime(own_cache / "plans" / "0-old.json", (0, 0))
+    for i in range(KEEP + 1):
+        remember(f"k{i}", facts)
+    assert (own_cache / "plans" / "0-old.json").is_dir() and recall(f"k{KEEP}") is not None
+    assert len(list((own_cache / "plans").glob("k*.json"))) == KEEP

@@ -91,6 +91,11 @@ def test_a_resume_compares_the_model_files_not_their_name(tiny_model_dir, reqs, 
     other = {**by_path, "model": {"name": "other.gguf", "fingerprint": "file:2"}}
     assert settings_diff(embedded, other) == ["model.fingerprint", "model.name"]
     assert describe_diff(embedded, other) == 'model files "file:1" / "file:2", model "smollm2-135m" / "other.gguf"'
+    # settings written by hand without a fingerprint on one side: the files differ, the name that is the same is
+    # not named (before: "model \"m\" / \"m\"")
+    hand = {"model": {"name": "smollm2-135m"}, "dtype": "float32"}
+    assert settings_diff(embedded, hand) == ["model.fingerprint"]
+    assert settings_diff(hand, {**hand, "model": {"name": "other"}}) == ["model.name"]
 
 
 def test_a_refused_resume_leaves_its_file_untouched(tiny_model_dir, reqs, tmp_path, capsys, monkeypatch):

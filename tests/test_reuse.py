@@ -165,6 +165,32 @@ def test_a_run_stopped_from_outside_is_not_stored(tiny_llama, one_thread):
 
 
 @pytest.mark.parametrize("mode", ["auto", "on"])
+def test_a_calibration_that_fell_back_midway_is_stored_under_the_plan_it_ended_on(tiny_llama, one_thread, mode,
+                                                                                 monkeypatch):
+    """A captured step that fails its check midway switches the run to the torch ops (FastBackend.fall_back): the
+    calibration's bits are the torch ops', so the store keeps it under the key of that plan, never under the key
+    looked up before the run (before: under it, and a process without the fault was served the torch ops' rows as
+    its own, exact)."""
+    from sicl_fast.errors import SiclWarning
+
+    eng = Engine(tiny_llama, impl="cpp")
+    p = eng.prepare(request("five"))
+    cfg = eng.reuser.resolve(eng.config(**BASE))
+    before = eng.reuser.key(p, cfg)
+    run = eng.run
+
+    def falls_back(*a, **k):
+        eng.backend.fall_back("torch", "the captured static step's first replay f0 is off by 0.05")
+        return run(*a, **k)
+    monkeypatch.setattr(eng, "run", falls_back)
+    with pytest.warns(SiclWarning, match="through the torch ops"):
+        got = eng.calibrate(p, reuse=mode, **BASE)
+    after = eng.reuser.key(p, cfg)
+    assert after != before and eng.store.peek(before) is None
+    assert eng.store.peek(after) is got.calibration and got.calibration.impl == "torch"
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
 def test_a_waiter_stops_by_its_own_time_budget(tiny_llama, one_thread, mode):
     """A query whose calibration another thread has in flight waits for it no longer than its own time budget: it
     then ends as its own calibration with that budget would (one step, stop_reason 'time_budget', nothing stored),

@@ -443,3 +443,14 @@ def test_a_killed_writers_temporaries_are_removed(tmp_path):
     fresh = CalibrationStore(1 << 20, tmp_path)
     left[0].write_bytes(b"half")  # killed after this store opened: its next read of the key removes it
     assert same(fresh.get(cal.key), cal) and not left[0].exists()
+
+
+def test_a_shard_folder_that_is_a_file_costs_only_the_disk_copy(tmp_path, caplog):
+    """entries/<k[:2]> replaced by a file: the entry is kept in memory, the disk write is logged as failed and
+    nothing is raised (before: FileExistsError from its mkdir, an internal error of the run)."""
+    key = "s" * 40
+    s = CalibrationStore(1 << 20, tmp_path)
+    (tmp_path / "entries" / key[:2]).write_text("not a folder")
+    with caplog.at_level("WARNING", logger="sicl_fast.store"):
+        s.put(entry(key))
+    assert same(s.get(key), entry(key)) and f"cannot write entry {key}" in caplog.text

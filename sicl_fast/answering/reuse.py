@@ -176,10 +176,13 @@ class Reuser:
 
     def entry(self, key: str, scope: str, res: CalibrationResult, prompt: Prompt, exact: bool,
               low: float | None) -> Calibration | None:
-        """The storable Calibration of a finished run, or None for a run stopped from outside."""
+        """The storable Calibration of a finished run, or None for a run stopped from outside. Its key is the one of
+        the plan the run ended on: where a captured step failed its check midway and the run fell back to the torch
+        ops (FastBackend.fall_back), the bits are that plan's, never stored under `key`, the one looked up before."""
         if res.stop_reason not in NATURAL_STOPS:
             return None
         n = prompt.demo_end if scope == "stem" else prompt.length
+        key = self.key(prompt, res.config, scope)
         return Calibration.from_result(key, scope, res, prompt, n, self.engine.lm.name, exact, low)
 
     def for_prompt(self, cal: Calibration, prompt: Prompt, t0: float, reuse: str, key: str | None,

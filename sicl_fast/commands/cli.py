@@ -18,6 +18,7 @@ from ..diagnostics.gradstudy import STUDY_ESTIMATORS, STUDY_MUS, STUDY_NS
 from ..errors import SiclError, SiclWarning, require
 from ..evaluation.cli import add_icleval_eval_args, add_report_command
 from ..formats.records import OPENED, folder_arg
+from ..models.attention import ATTN_IMPLS
 from ..models.loading import DTYPES
 from ..models.transformer import DIFF_MATMUL
 from ..ops import IMPLS
@@ -150,6 +151,10 @@ def _diff(g) -> None:
                    help="fast backend, float32 models: multiply the perturbed rows' differences from row 0 in bf16 "
                         "(auto: where bf16 products are fast: AVX512-BF16 / AMX CPUs, CUDA sm_80+) or in FP8 e4m3 "
                         "(fp8: tensor cores on CUDA sm_89+, refused below, emulated off CUDA; not chosen by auto yet)")
+    g.add_argument("--attn", default="auto", choices=ATTN_IMPLS,
+                   help="fast backend: the attention kernel; auto: the fused kernel of --impl (Triton, C++), else "
+                        "flash-attn on CUDA for fp16 / bf16 or torch's SDPA; math: the torch reference (what a "
+                        "fallback to the torch ops runs)")
     g.add_argument("--attn-precision", default="auto", choices=ATTN_PRECISIONS,
                    help="fast backend: the float32 attention's products (the reference pass's, the difference "
                         "form's); auto: tf32x3 with the Triton attention (3 TF32 products on the tensor cores, about "
@@ -606,7 +611,7 @@ def _wants_grad(args) -> bool:
 def _plan_choices(args, **over) -> dict:
     """The run plan's choices from the flags (sicl_fast.run.plan.Choices; `over` replaces some)."""
     return {**dict(backend=getattr(args, "backend", "auto"), diff_matmul=getattr(args, "diff_matmul", "auto"),
-                   attn_precision=getattr(args, "attn_precision", "auto"),
+                   attn=getattr(args, "attn", "auto"), attn_precision=getattr(args, "attn_precision", "auto"),
                    impl=args.impl, loop=getattr(args, "loop", "auto"), sync_every=getattr(args, "sync_every", None),
                    pack=getattr(args, "pack", 1), grad=_wants_grad(args), graphs=getattr(args, "graphs", "auto"),
                    length_buckets=getattr(args, "length_buckets", "auto"), reuse=_reuse_choice(args),

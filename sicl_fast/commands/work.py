@@ -11,7 +11,7 @@ from ..answering.reuse import reuse_info
 from ..calibration.ascent import CalibrationConfig
 from ..answering.export import CalibratedEmbeddings
 from ..formats.requests import Request
-from ..run.settings import engine_settings
+from ..run.settings import fallback_settings
 
 
 def check_requests(
@@ -85,8 +85,7 @@ def calibrate_requests(engine, requests: Sequence[Request], config: CalibrationC
                 rec["answer_calibrated"] = answer_result(engine, res, p, max_new_tokens, stops).answer
         if export:
             rec["embeddings"] = CalibratedEmbeddings.from_result(p, res.embeddings, engine.lm.name, rows="all")
-        if engine.plan.fallback is not None:  # a captured step failed its check: what the run went on with
-            rec["settings"] = engine_settings(engine)
+        rec.update(fallback_settings(engine))  # after a failed capture check: what the run went on with
         records[i] = rec
 
     engine.calibrate_many(prompts, config, on_result=record, time_budget_s=time_budget_s)

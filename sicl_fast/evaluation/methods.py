@@ -42,7 +42,7 @@ from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.scoring import max_gen_len, score, should_stop
 from ..formats.records import STDOUT, ResultWriter, check_output, read_records
-from ..run.settings import resume_check, run_settings, settings_diff
+from ..run.settings import fallback_settings, resume_check, run_settings, settings_diff
 from ..run.workers import as_workers, write_all
 from .ablations import Variant, make_variants, variant_name
 from .baselines import contextual_calibration, dc_pmi, demo_select
@@ -313,7 +313,8 @@ def sample_records(engine, chunk: Sequence[tuple[Sample, Sequence[Variant]]], op
         runner = _Runner(engine, options, time_budget_s, answer_at)
         runner._calibrated = packed._calibrated
         prompt = runner.prompt(sample)
-        out += [runner.record(sample, prompt, v) for v in variants]
+        # after a failed capture check, what the run went on with (the records of calibrate do the same)
+        out += [{**runner.record(sample, prompt, v), **fallback_settings(engine)} for v in variants]
     return out
 
 

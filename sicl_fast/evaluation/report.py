@@ -108,6 +108,13 @@ def split_by_settings(records: Sequence[dict]) -> list[tuple[dict | None, str, l
         groups.setdefault(key, (got, []))[1].append(r)
     known = [g for g, _ in groups.values() if g is not None]
     differ = sorted({n for g in known[1:] for n in settings_diff(known[0], g)})
+    flats = [flatten(g) for g in known]
+    # the names that tell most groups apart first; as many of them as make every label its own (3 at least)
+    differ.sort(key=lambda n: -len({_label_value(f.get(n)) for f in flats}))
+    shown = min(3, len(differ))
+    while shown < len(differ) and len({tuple(_label_value(f.get(n)) for n in differ[:shown]) for f in flats}) < len(
+            flats):
+        shown += 1
     unknown_models = {k[1] for k in groups if k[0] == "unknown"}
     out = []
     for (_, model), (got, recs) in groups.items():
@@ -115,14 +122,25 @@ def split_by_settings(records: Sequence[dict]) -> list[tuple[dict | None, str, l
             label = "settings unknown" + (f", model {model}" if len(unknown_models) > 1 else "")
         else:
             flat = flatten(got)
-            shown = [f"{short_name(n)}={_label_value(flat.get(n))}" for n in differ[:3]]
-            label = ", ".join(shown + ([f"+{len(differ) - 3} more"] if len(differ) > 3 else [])) or "settings recorded"
+            parts = [f"{short_name(n)}={_label_value(flat.get(n))}" for n in differ[:shown]]
+            more = len(differ) - shown
+            label = ", ".join(parts + ([f"+{more} more"] if more > 0 else [])) or "settings recorded"
         out.append((got, label, recs))
     return out
 
 
 def _label_value(v) -> str:
-    return "unset" if v is None else v if isinstance(v, str) else json.dumps(v)
+    """A setting's value in a run's label: a string as it is, unless it reads as another JSON value ("1", "true":
+    then quoted, so that it does not read as the number or the bool another run holds)."""
+    if v is None:
+        return "unset"
+    if not isinstance(v, str):
+        return json.dumps(v)
+    try:
+        json.loads(v)
+    except ValueError:
+        return v
+    return json.dumps(v)
 
 
 # -----------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelLoadError, require
+from ..errors import ModelLoadError, first_line, require
 from ..formats.inputs import env_path
 from .converted import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
                     find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
@@ -190,7 +190,7 @@ def _convert_gguf(gguf: Path):
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types here
-        raise ModelLoadError(f"could not load GGUF file {gguf}: {exc}") from exc
+        raise ModelLoadError(f"could not load GGUF file {gguf}: {first_line(exc, typed=False)}") from exc
     # The weights are de-quantized to float32 already; drop the GGUF marker so they can be saved as safetensors.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -389,7 +389,7 @@ def load(
             tok = AutoTokenizer.from_pretrained(path)
             m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         except Exception as exc:
-            raise ModelLoadError(f"could not load model directory {path}: {exc}") from exc
+            raise ModelLoadError(f"could not load model directory {path}: {first_line(exc, typed=False)}") from exc
     m = m.to(device=dev, dtype=dtype).eval()
     m.requires_grad_(False)
     use_eager_where_needed(m)  # transformers' default SDPA drops Gemma 2's attention soft-cap

@@ -20,8 +20,10 @@ K/V buffers, a cleared mask cache): `keep` holds references to every one of them
 The first replay of each new capture is checked (first_replay): its outputs against the same step run uncaptured
 through the torch ops (the owner's ReplayCheck says what to compare and how closely); on a mismatch or an error the
 same step runs uncaptured with the plan's ops, and if that is wrong too, through the torch ops; the owner switches
-the run over in place (the plan says which and why: sicl_fast.run.plan.fall_back) and the run goes on. Nothing of
-the check runs inside a capture: it reads the outputs on the host after a replay.
+the run over in place (the plan says which and why: sicl_fast.run.plan.fall_back) and the run goes on. A warm-up or
+a capture that raises (a kernel this GPU cannot run, an operation a capture refuses) is such an error: the step is
+kept without a graph and its first call takes the same way. Nothing of the check runs inside a capture: it reads the
+outputs on the host after a replay.
 
 Freed by reference counting: a graph is held by its owner (a cache entry, a forward, a packed step) and holds nothing
 that holds the owner back (the callable it captured is a `weakly` one), so a dropped step, refresh, decode cache or
@@ -47,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..errors import SiclError
+from ..errors import SiclError, first_line
 from .knobs import check_range
 
 GRAPH_MODES = ("auto", "on", "off")  # the run plan's choices (sicl_fast.run.plan.resolve_graphs)
@@ -172,19 +174,22 @@ def first_replay(step: CapturedStep, check: ReplayCheck) -> str | None:
     state = check.state()
     saved = [t.clone() for t in state]
     want = check.reference()
-    why = _tried(step.graph.replay, check, want)
-    if why is None:
-        return None
+    if step.graph is None:  # its warm-up or its capture raised (CapturedStep.error): nothing to replay
+        what = f"the {check.name} could not be captured ({step.error})"
+    else:
+        why = _tried(step.graph.replay, check, want)
+        if why is None:
+            return None
+        what = f"the captured {check.name}'s first replay {why}"
     for t, s in zip(state, saved):
         t.copy_(s)
     eager = _tried(step.fn, check, want)
     if eager is None:
-        check.fall_back("uncaptured", f"the captured {check.name}'s first replay {why}; uncaptured it matched the "
-                                      "torch ops")
+        check.fall_back("uncaptured", f"{what}; uncaptured it matched the torch ops")
         return "uncaptured"
     for t, s in zip(state, saved):
         t.copy_(s)
-    check.fall_back("torch", f"the captured {check.name}'s first replay {why}, and uncaptured it {eager}")
+    check.fall_back("torch", f"{what}, and uncaptured it {eager}")
     return "torch"
 
 
@@ -193,22 +198,29 @@ class CapturedStep:
     replays the graph. keep: a callable returning the tensors the graph reads by address but does not own (module
     docstring), called after the capture and held. pool: a memory pool shared with other graphs (a Captures'), or
     None (its own). check: a ReplayCheck its first replay is checked with (first_replay); after a fallback the
-    step runs fn uncaptured."""
+    step runs fn uncaptured. A warm-up or capture that raises leaves graph None and says why in `error` (with a
+    check: its first call falls back; without one the error is raised here)."""
 
     def __init__(self, fn: Callable[[], None], warmup: int = 2, keep: Callable[[], list] | None = None,
                  pool=None, stream=None, check: ReplayCheck | None = None) -> None:
         self.fn, self.pool, self.check = fn, pool, check
         self.fallback: str | None = None  # what the first replay's check fell back to
-        side = stream if stream is not None else torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
+        self.error: str | None = None  # why the warm-up or the capture failed (then graph is None: first_replay)
+        self.graph, self.kept = torch.cuda.CUDAGraph(), []
+        try:
+            side = stream if stream is not None else torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(self.graph, pool=pool, stream=side):
                 fn()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=side):
-            fn()
-        self.kept = keep() if keep is not None else []
+            self.kept = keep() if keep is not None else []
+        except Exception as exc:  # noqa: BLE001 - a kernel or a capture this GPU refuses: the first call falls back
+            if check is None:  # nothing to check a fallback against: the owner's error
+                raise
+            self.graph, self.error = None, first_line(exc)
 
     def __call__(self) -> None:
         if self.check is not None:

@@ -38,6 +38,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,9 +156,30 @@ def recall(key: str | None) -> dict | None:
         got = json.loads((_folder() / f"{key}.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    ok = (isinstance(got, dict) and got.get("version") == VERSION and isinstance(got.get("settings"), dict)
-          and isinstance(got.get("family"), str) and isinstance(got.get("n_params"), int))
+    ok = (isinstance(got, dict) and got.get("version") == VERSION and _settings_ok(got.get("settings"))
+          and isinstance(got.get("family"), str) and got["family"] != "" and _count(got.get("n_params")))
     return got if ok else None
+
+
+# what a remembered plan's settings hold (run.settings.plan_settings of a plan made before any run, so no fallback),
+# each a JSON type of its own: anything else is a damaged file, planned again rather than answering a resume with it
+PLANNED = {"backend": (str,), "impl": (str,), "attention": (str, type(None)), "diff_matmul": (str,), "dtype": (str,),
+           "device": (str,), "length_buckets": (int, type(None)), "pack": (int,), "fallback": (type(None),)}
+PLANNED_OPTIONAL = {"attention_precision": (str,)}  # present only where not IEEE float32 (RunPlan.result_axes)
+
+
+def _count(x) -> bool:
+    """An int >= 1 that is not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _settings_ok(settings) -> bool:
+    """Are `settings` what remember() keeps (PLANNED, PLANNED_OPTIONAL), each of its type?"""
+    types = {**PLANNED, **PLANNED_OPTIONAL}
+    if not isinstance(settings, dict) or not PLANNED.keys() <= settings.keys() <= types.keys():
+        return False
+    return (all(isinstance(v, types[k]) and not isinstance(v, bool) for k, v in settings.items())
+            and _count(settings["pack"]) and (settings["length_buckets"] is None or _count(settings["length_buckets"])))
 
 
 def remember(key: str | None, facts: dict) -> None:
@@ -176,18 +198,23 @@ def remember(key: str | None, facts: dict) -> None:
         tmp.write_text(json.dumps(entry, sort_keys=True), encoding="utf-8")
         os.replace(tmp, folder / f"{key}.json")  # readers see the whole entry or none
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # plans/ a file, a read-only cache: nothing was written
+            tmp.unlink(missing_ok=True)
         return
     for old in _newest_first(folder)[KEEP:]:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # removed meanwhile by another process, or not ours to remove
+            old.unlink(missing_ok=True)
 
 
 def _newest_first(folder: Path) -> list[Path]:
-    """The remembered plans in `folder`, the newest first (one removed meanwhile by another process is left out)."""
+    """The remembered plans in `folder` (files only: a folder of that name is not one), the newest first (one removed
+    meanwhile by another process is left out)."""
     found = []
     for path in folder.glob("*.json"):
         with contextlib.suppress(OSError):
-            found.append((path.stat().st_mtime_ns, path))
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime_ns, path))
     return [path for _, path in sorted(found, reverse=True)]
 
 

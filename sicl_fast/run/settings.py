@@ -74,6 +74,13 @@ def engine_settings(engine) -> dict:
     return model_plan_settings(engine.lm, engine.plan, engine.backend.attention_kernel)
 
 
+def fallback_settings(engine) -> dict:
+    """What a record adds to its run's settings (the results writer puts its "settings" on top of the run's): after
+    a fallback (RunPlan.fallback: a captured step failed its check, and the run went on otherwise) the engine's part
+    as it runs now, its impl and attention and the note; {} before any."""
+    return {} if engine.plan.fallback is None else {FIELD: engine_settings(engine)}
+
+
 def run_settings(command: str, engine: dict, config=None, **parts) -> dict:
     """A record's settings (module docstring): the command, the engine's part (engine_settings), the config (a
     CalibrationConfig, or None where the run calibrates nothing) and the command's own parts, JSON-ready and as they
@@ -134,9 +141,11 @@ def settings_diff(got: dict, want: dict) -> list[str]:
     too when they differ (they say which). NOTES (a fallback) are never compared."""
     a, b = flatten(_norm(compared(got))), flatten(_norm(compared(want)))
     diff = {k for k in set(a) | set(b) if _typed(a.get(k)) != _typed(b.get(k)) and k not in NOTES}
-    if "model.fingerprint" in diff:
-        names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
-        diff |= {"model.name"} if names[0] != names[1] else set()
+    names = [flatten(_norm(s)).get("model.name") for s in (got, want)]
+    if names[0] == names[1]:  # one side without a fingerprint keeps its name in `compared`: not a difference
+        diff.discard("model.name")
+    elif "model.fingerprint" in diff:
+        diff.add("model.name")
     return sorted(diff)
 
 
@@ -181,6 +190,7 @@ def check_resume(records: Sequence[dict], want: dict, where: str,
                         "before records carried them, or by hand): whether they match this run's cannot be told, so "
                         "this run does not add to them; use another --out")
     distinct = {json.dumps(record_settings(r), sort_keys=True): record_settings(r) for r in records}
+    _refuse_mixed(list(distinct.values()), where)
     for got in distinct.values():  # a file holds one settings, or a few: each compared once
         if got.get("command") != want.get("command"):
             raise SiclError(f"{where}: holds records of sicl-fast {got.get('command')}, not of sicl-fast "
@@ -193,14 +203,38 @@ def check_resume(records: Sequence[dict], want: dict, where: str,
 
 
 def _refuse_other(got: dict, want: dict, where: str, of: str = "") -> None:
-    """check_resume's one message: the settings that differ, with both values (describe_diff)."""
+    """check_resume's one message: the settings that differ, with both values (describe_diff), and where the file's
+    records went on otherwise after a failed check of a captured step (a fallback), the flags that run as they did."""
     diff = settings_diff(got, want)
     if diff:
         why = (" (its records hold no calibrated embeddings to decode or export: they would be calibrated again, "
                "which another --out does)" if any(n.startswith("outputs.") for n in diff) else "")
+        same = "the same settings"
+        if isinstance(got.get("fallback"), str) and set(diff) <= set(FALLBACK_FLAGS):
+            flags = " ".join(f"{flag} {got.get(n) or 'ieee'}" for n, flag in FALLBACK_FLAGS.items())
+            same = (f"the settings they went on with after a failed check of a captured step ({got['fallback']}): "
+                    f"{flags}")
         raise SiclError(f"{where}: its records{of} were made with other settings than this run's: "
                         f"{describe_diff(got, want, diff)} (the file's / this run's); use another --out{why} or "
-                        "the same settings")
+                        f"{same}")
+
+
+def _refuse_mixed(distinct: list[dict], where: str) -> None:
+    """Refuse a file whose records were made with settings that differ among themselves (a run that fell back midway,
+    or files joined by hand): no run's settings match them all, so none adds to it; the message says which differ."""
+    for other in distinct[1:]:
+        diff = settings_diff(distinct[0], other)
+        if diff:
+            note = next((s["fallback"] for s in distinct if isinstance(s.get("fallback"), str)), None)
+            cause = (f"; its run went on otherwise midway, after a failed check of a captured step ({note})"
+                     if note else "")
+            raise SiclError(f"{where}: holds records of different settings ({describe_diff(distinct[0], other, diff)})"
+                            f"{cause}: no run's settings match them all, so none adds to it; use another --out")
+
+
+# the flags that set what a fallback changes (RunPlan.fallback: the torch ops, the math attention, whose precision a
+# record holds where it is not IEEE): the message that says how to run as a fallback's records went on
+FALLBACK_FLAGS = {"impl": "--impl", "attention": "--attn", "attention_precision": "--attn-precision"}
 
 
 def resume_check(want: dict, where: str, variant: Callable[[dict], tuple[str, dict, dict] | None] | None = None
@@ -209,6 +243,7 @@ def resume_check(want: dict, where: str, variant: Callable[[dict], tuple[str, di
     return lambda records: check_resume(records, want, where, variant)
 
 
-__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "run_settings",
+__all__ = ["FORMAT", "FIELD", "plan_settings", "model_plan_settings", "engine_settings", "fallback_settings",
+           "run_settings",
            "record_settings", "flatten", "compared", "settings_diff", "short_name", "describe_diff", "check_resume",
            "resume_check"]

@@ -277,17 +277,17 @@ class DiskStore:
         if self._left_in_place(cal.key):  # a corrupt entry that could not be moved aside is not overwritten
             return
         tensors, sidecar = self.paths(cal.key)
-        tensors.parent.mkdir(parents=True, exist_ok=True)
         data = save_tensors({"rows": cal.rows.contiguous(), "input_ids": cal.input_ids.contiguous()},
                             metadata={"format": FORMAT, "key": cal.key})
         side = {"format": FORMAT, "key": cal.key, "meta": cal.meta(), "tensors_sha256": _sha256(data),
                 "tensors_bytes": len(data)}
         side["sha256"] = sidecar_sha256(side)
         try:
+            tensors.parent.mkdir(parents=True, exist_ok=True)
             _write_atomic(tensors, data)
             _write_atomic(sidecar, json.dumps(side, indent=1).encode())
         except OSError as exc:
-            # a full or read-only disk costs only the next run its reuse
+            # a full or read-only disk, a shard folder that is a file: costs only the next run its reuse
             log.warning("store %s: cannot write entry %s: %s", self.root, cal.key, exc.strerror or exc)
 
 

@@ -256,7 +256,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "reuse": _group("calibration store (docs/store.md)", _reuse),
         "store": _group("calibration store: where it keeps calibrations", _store),
         "budget": _group("time budget", _budget),
-        "ray": _group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")', _ray),
+        "ray": _group('scale out on Ray (the ray extra: SICL_RAY=1 make setup; docs/scaling.md)', _ray),
         "debug": _group("errors", lambda g: g.add_argument(
             "--debug", action="store_true", help="show the full traceback of an unexpected error")),
     }

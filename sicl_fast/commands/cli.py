@@ -413,9 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
                          "column")
 
-    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention and its check, "
-                    "difference products, loop, decoding reads, graphs, pack, estimator, store, threads, OpenMP wait "
-                    "policy) and why")
+    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, its check and "
+                    "its precision, difference products, loop, decoding reads, graphs, pack, estimator, store, "
+                    "threads, OpenMP wait policy) and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s and its floor "
                             "at the product rates of its precisions (float32, bf16) measured here; the step's floor; "

@@ -20,6 +20,7 @@ import sys
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers.utils import logging as hf_logging
 
 
 def prompt_matrix(model, path: str) -> torch.Tensor:
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: a newline)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
+    # the answer is the output: transformers' advisory warnings (a converted tokenizer's clean_up_tokenization_spaces,
+    # which it ignores for BPE) and its loading bar say nothing a reader of the answer can act on
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     print(answer(model, tokenizer, args.embeddings, args.max_new_tokens, args.stop))

@@ -1,30 +1,25 @@
 """Ahead-of-time compilation of the kernels for an NVIDIA target, without a GPU (ptxas ships with triton).
 
-Used by tests (the RNG kernels' PTX must contain no FMA and no approximate division / sqrt, or the GPU would
-not reproduce step.rng bit for bit) and by `bench/gpu_kernels.py --compile-only` (registers, spills).
+Used through kernels/_configs.py (its child interpreters): tests/test_sm90_configs.py (shared memory, spills, the
+tensor cores), tests/test_kernel_rng.py (the RNG kernels' PTX must contain no FMA and no approximate division /
+sqrt, or the GPU would not reproduce step.rng bit for bit) and `bench/gpu_kernels.py --compile-only`.
 
     compile_kernel(name, arch=90, **overrides) -> triton CompiledKernel   (kernels imported as JIT functions; with
                                                                          aligned=True as the JIT specialises them)
-    compile_ptx(name, arch=90) -> {"ptx": str, "shared": int}            (works under TRITON_INTERPRET=1 too)
-    compile_many(names, arch=90) -> {name: that dict}                    several, in one separate interpreter
     spec_mismatches() -> list of str: where SPECS disagrees with the kernels' own parameters (tested empty)
     float_ops(ptx) -> Counter of the float32 arithmetic instructions in a PTX listing
     tensor_core_ops(ptx) -> Counter of its tensor-core instructions (mma.sync, wgmma.mma_async) by operand type
 
 Under TRITON_INTERPRET=1 the kernels of this process are interpreted functions, which cannot be compiled (and
 so are triton.language's own @jit helpers, such as tl.randint4x, made when triton is first imported), so
-compile_ptx runs the compile in a fresh interpreter with TRITON_INTERPRET=0: the same installed package, loaded
-the normal way, whatever this process imported before.
+kernels/_configs.py compiles in fresh interpreters with TRITON_INTERPRET=0: the same installed package, loaded the
+normal way, whatever this process imported before.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
-import json
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import triton
@@ -220,10 +215,11 @@ def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, con
                    options: dict | None = None, aligned: bool = False):
     """Compile one kernel of SPECS for CUDA sm_<arch> (no GPU needed). Overrides update the spec's dicts. aligned:
     every pointer and the kernel's ALIGNED_INTS given tt.divisibility 16, as the JIT specialises them at real shapes.
-    Needs the kernels as JIT functions (TRITON_INTERPRET unset or 0 at import); see compile_ptx otherwise."""
+    Needs the kernels as JIT functions (TRITON_INTERPRET unset or 0 at import): kernels/_configs.compile_cases
+    otherwise."""
     if _utils.interpreting():
         raise SiclError("compile_kernel needs the kernels as JIT functions; under TRITON_INTERPRET=1 use "
-                        "compile_ptx (it compiles in a separate interpreter)")
+                        "kernels._configs.compile_cases (it compiles in separate interpreters)")
     _, sig, consts, opts = SPECS[name]
     fn = _kernel(name)
     sig = {**sig, **(signature or {})}
@@ -237,30 +233,6 @@ def compile_kernel(name: str, arch: int = 90, signature: dict | None = None, con
                  if arg not in consts and (sig[arg].startswith("*") or arg in ints)}
     src = ASTSource(fn, full_sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
-
-
-def compile_many(names, arch: int = 90, cache_dir: str | None = None) -> dict:
-    """{name: compile_ptx's dict} for several kernels, compiled in one separate interpreter (one start-up)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", **({"TRITON_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
-    r = subprocess.run([sys.executable, "-m", __name__, ",".join(names), str(arch)], env=env, capture_output=True,
-                       text=True)
-    if r.returncode != 0:
-        raise SiclError(f"compiling {', '.join(names)} for sm_{arch} failed: {r.stderr.strip().splitlines()[-3:]}")
-    return json.loads(r.stdout)
-
-
-def compile_ptx(name: str, arch: int = 90, cache_dir: str | None = None) -> dict:
-    """{"ptx": the PTX listing, "shared": shared memory bytes} of one kernel of SPECS for sm_<arch>. cache_dir:
-    compile in a separate interpreter with this (empty) Triton cache, so the result depends on nothing an
-    earlier compile left behind."""
-    if not _utils.interpreting() and cache_dir is None:
-        k = compile_kernel(name, arch)
-        return {"ptx": k.asm["ptx"], "shared": int(k.metadata.shared)}
-    env = {**os.environ, "TRITON_INTERPRET": "0", **({"TRITON_CACHE_DIR": str(cache_dir)} if cache_dir else {})}
-    r = subprocess.run([sys.executable, "-m", __name__, name, str(arch)], env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SiclError(f"compiling {name} for sm_{arch} failed: {r.stderr.strip().splitlines()[-1:]}")
-    return json.loads(r.stdout)
 
 
 def tensor_core_ops(ptx: str) -> Counter:
@@ -281,8 +253,3 @@ def float_ops(ptx: str) -> Counter:
     return Counter(re.findall(r"\b(?:(?:add|sub|mul|fma|div|sqrt|rsqrt|rcp|ex2|lg2)(?:\.[a-z0-9]+)*\.f32|"
                               r"cvt\.rna\.tf32\.f32)\b", ptx))
 
-
-if __name__ == "__main__":  # python -m sicl_fast.kernels._aot NAME[,NAME..] ARCH: the separate interpreter
-    names = sys.argv[1].split(",")
-    got = {n: compile_ptx(n, int(sys.argv[2])) for n in names}
-    print(json.dumps(got[names[0]] if len(names) == 1 else got))

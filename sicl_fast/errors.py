@@ -67,7 +67,16 @@ def require(module: str) -> None:
     if not found:
         extra, what = EXTRAS[module]
         raise MissingExtraError(f'{what}: the optional package {module} is not installed; '
-                                f'install it with: pip install "sicl-fast[{extra}]"')
+                                f'install it with: {pip_command()} install "sicl-fast[{extra}]"')
+
+
+def pip_command() -> str:
+    """This interpreter's pip, as a shell command (`/repo/.venv/bin/python -m pip`): a bare `pip` in a clone set up
+    by `make setup` is another environment's, where an install does not reach this one."""
+    import shlex
+    import sys
+
+    return f"{shlex.quote(sys.executable)} -m pip" if sys.executable else "pip"
 
 
 def first_line(exc: BaseException, typed: bool = True) -> str:

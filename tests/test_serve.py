@@ -566,7 +566,7 @@ def test_a_job_running_past_the_grace_period_gets_a_503(engine, monkeypatch, how
     assert not srv.thread.is_alive()
     r = out["r"]
     err = error_of(r)
-    assert r.status_code == 503 and err["kind"] == "shutting_down" and "before this job finished" in err["message"]
+    assert r.status_code == 503 and err["kind"] == "shutting_down" and "before this request finished" in err["message"]
     assert r.headers["connection"] == "close"
 
 
@@ -728,7 +728,7 @@ def test_sigterm_drains_and_exits_0(tiny_dir):
     s = r.json()["summary"]
     assert s["stop_reason"] == "deadline" and s["steps"] >= 1
     assert_clean(srv.log)
-    assert "1 queued job(s) answered 503" in srv.log
+    assert "1 request(s) waiting to be admitted answered 503" in srv.log
     line = re.search(r"request \w+ 127\.0\.0\.1:\d+ POST /v1/calibrate 200 (\S+)s id='run' steps=(\d+) "
                      r"proxy=(\S+)->(\S+) stop='deadline'", srv.log)
     assert line, srv.log
@@ -790,7 +790,7 @@ def test_a_job_past_the_grace_period_ends_with_the_process_cleanly(tiny_dir):
     assert rc == 0 and time.monotonic() - t0 < 3.5, srv.log  # the job alone would have run on for about 4 s
     assert "terminate called" not in srv.log and "past the grace period still inside the engine" in srv.log, srv.log
     r = out["r"]
-    assert r.status_code == 503 and "shut down before this job finished" in error_of(r)["message"], r.text
+    assert r.status_code == 503 and "shut down before this request finished" in error_of(r)["message"], r.text
     assert_clean(srv.log)
 
 

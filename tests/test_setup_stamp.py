@@ -70,4 +70,5 @@ def test_stale_setup_is_redone(checkout, change):
         (checkout / ".venv" / "sicl-setup.stamp").unlink()
     run = setup(checkout, **env)
     assert CURRENT not in run.stdout and run.returncode != 0  # it went on to install (and failed at activate)
+    assert run.stdout.startswith("setting up .venv:") and "a few minutes" in run.stdout  # not minutes of silence
     assert not (checkout / ".venv" / "sicl-setup.stamp").exists()  # a redo that fails leaves no stamp

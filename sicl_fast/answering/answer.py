@@ -45,17 +45,24 @@ def query_prompt(engine, query, reserve: int) -> Prompt:
     return engine.prepare(query, reserve=reserve)
 
 
-def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",),
-                 stop_fn=None) -> list[Generation]:
-    """Greedy answers to `queries` from one calibration, as one batch on the fast backends."""
+def checked_queries(engine, calibration, queries, max_new_tokens: int, stop_strings) -> tuple:
+    """(the Calibration, the stop strings, the queries as Prompts that fit it): the checks of an answer, made before
+    any query is prepared or any K/V computed (answer_batch's, and the scheduler's before it queues one);
+    generation's own checks (greedy_decode) are not on the K/V path, where an empty stop string would end every
+    answer at once."""
     cal = calibration_of(calibration)
-    # before any query is prepared or any K/V computed; generation's own checks (greedy_decode) are not on the K/V
-    # path, where an empty stop string would end every answer at once
     stop_strings = check_stops(stop_strings)
     check_range("max_new_tokens", max_new_tokens, "answer")
     prompts = [query_prompt(engine, q, max_new_tokens) for q in queries]
     for p in prompts:
         fits(cal, p, engine.lm)
+    return cal, stop_strings, prompts
+
+
+def answer_batch(engine, calibration, queries, max_new_tokens: int = 32, stop_strings=("\n",),
+                 stop_fn=None) -> list[Generation]:
+    """Greedy answers to `queries` from one calibration, as one batch on the fast backends."""
+    cal, stop_strings, prompts = checked_queries(engine, calibration, queries, max_new_tokens, stop_strings)
     backend = engine.backend
     if not supports_kv_answers(backend):
         return [engine.generate(p, full_embeddings(engine, cal, p), max_new_tokens=max_new_tokens,
@@ -96,5 +103,5 @@ def answer_result(engine, res, prompt: Prompt, max_new_tokens: int = 32, stop_st
                            stop_fn=stop_fn)
 
 
-__all__ = ["ANSWER_BATCH", "answer_one", "answer_batch", "answer_result", "calibration_of", "query_prompt",
-           "embeddings_prefix"]
+__all__ = ["ANSWER_BATCH", "answer_one", "answer_batch", "answer_result", "calibration_of", "checked_queries",
+           "query_prompt", "embeddings_prefix"]

@@ -1,2 +1,3 @@
-"""The ascent: eager, static and packed loops, their state and stop rule, estimator, proxy, noise, spec, gradient;
-a prompt's static step planned once (step_plan)."""
+"""The ascent's loops: the eager reference loop (ascent: Calibrator), the static, sync-free step (static) and the
+packed step (packed), the read loop both share (reads), a prompt's static step planned once (step_plan), and the
+exact gradient (grad). One step's math (proxy, noise, estimator, spec, stop rule) is sicl_fast.step's."""

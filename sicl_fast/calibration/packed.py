@@ -42,7 +42,7 @@ from ..run.graphs import Captures, ReplayCheck, model_refs, weakly
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from .static import StaticStep, compare_references, compare_steps, step_outputs
+from .static import ReferenceCheck, StaticStep, compare_steps, step_outputs
 from .reads import Slot, read, steps_to_read
 from .step_plan import plan_step
 
@@ -206,9 +206,9 @@ class PackedCheck(ReplayCheck):
             step.step()
 
 
-class PackedRefreshCheck(ReplayCheck):
+class PackedRefreshCheck(ReferenceCheck):
     """The first replay of a slot's captured refresh (PackedStep.refresh) against the torch twin's packed forward
-    with that slot alone, at the same X: the slot's reference rows and logits by static.compare_references."""
+    with that slot alone, at the same X: the slot's reference rows and logits."""
 
     name = "packed slot's reference refresh"
 
@@ -226,12 +226,6 @@ class PackedRefreshCheck(ReplayCheck):
         fwd = step.backend.torch_twin().packed_forward()
         fwd.arrange([st.prompt], [st.spec.B], [st.state.X], None, [st.bucket])
         return [t.clone() for t in (*fwd.ref.rows(0, fwd.spans[0].b).tensors(), fwd.z_refs[0])]
-
-    def outputs(self) -> list:
-        return self.state()
-
-    def compare(self, got: list, want: list) -> str | None:
-        return compare_references(got, want)
 
     def fall_back(self, to: str, why: str) -> None:
         self.step().fall_back(to, why)

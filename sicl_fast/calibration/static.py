@@ -303,9 +303,20 @@ def compare_references(got: list, want: list) -> str | None:
     return None
 
 
-class RefreshCheck(ReplayCheck):
+class ReferenceCheck(ReplayCheck):
+    """The first replay of a refresh (a static step's, a packed slot's): what it writes, the value rows' reference
+    and their logits (state()), is what it outputs, compared with the torch twin's by compare_references."""
+
+    def outputs(self) -> list:
+        return self.state()
+
+    def compare(self, got: list, want: list) -> str | None:
+        return compare_references(got, want)
+
+
+class RefreshCheck(ReferenceCheck):
     """The first replay of a StaticStep's forward's refresh graph (StepForward.capture_refresh) against the torch
-    twin's forward's reference at the same X: compare_references."""
+    twin's forward's reference at the same X."""
 
     name = "reference refresh"
 
@@ -321,12 +332,6 @@ class RefreshCheck(ReplayCheck):
         fwd = st.forward
         twin = st.backend.torch_twin().step_forward(st.prompt, fwd.policy, st.spec.B, st.state.X, bucket=st.bucket)
         return [t.clone() for t in (*twin.ref.tensors(), twin.z_ref)]
-
-    def outputs(self) -> list:
-        return self.state()
-
-    def compare(self, got: list, want: list) -> str | None:
-        return compare_references(got, want)
 
     def fall_back(self, to: str, why: str) -> None:
         st = self.st()
@@ -378,5 +383,5 @@ def run_static(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Ten
             return result
 
 
-__all__ = ["StaticStep", "StepCache", "StepCheck", "RefreshCheck", "compare_steps", "compare_references",
-           "step_outputs", "run_static", "F0_TOL", "MOVE_TOL", "REF_TOL"]
+__all__ = ["StaticStep", "StepCache", "StepCheck", "ReferenceCheck", "RefreshCheck", "compare_steps",
+           "compare_references", "step_outputs", "run_static", "F0_TOL", "MOVE_TOL", "REF_TOL"]

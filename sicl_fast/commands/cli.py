@@ -261,7 +261,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
         "reuse": _group("calibration store (docs/store.md)", _reuse),
         "store": _group("calibration store: where it keeps calibrations", _store),
         "budget": _group("time budget", _budget),
-        "ray": _group('scale out on Ray (pip install "sicl-fast[ray]"; README "Scaling out")', _ray),
+        "ray": _group('scale out on Ray (the ray extra: SICL_RAY=1 make setup; docs/scaling.md)', _ray),
         "debug": _group("errors", lambda g: g.add_argument(
             "--debug", action="store_true", help="show the full traceback of an unexpected error")),
     }
@@ -418,9 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also time a whole calibration of this many steps (no gate, patience off): the 'calib s' "
                          "column")
 
-    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention and its check, "
-                    "difference products, loop, decoding reads, graphs, pack, estimator, store, threads, OpenMP wait "
-                    "policy) and why")
+    command("plan", "the run plan the engine flags resolve to on the model (backend, impl, attention, its check and "
+                    "its precision, difference products, loop, decoding reads, graphs, pack, estimator, store, "
+                    "threads, OpenMP wait policy) and why")
 
     pr = command("profile", "where the time of one ascent step goes: per phase ms, share, FLOPs, FLOP/s and its floor "
                             "at the product rates of its precisions (float32, bf16) measured here; the step's floor; "

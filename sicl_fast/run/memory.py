@@ -129,10 +129,6 @@ class StepBytes:
         """What running it needs: what it keeps, the run's copies of X and one layer's temporaries."""
         return self.kept + self.copies + self.activations
 
-    def scaled(self, n: int) -> StepBytes:
-        """n such steps (the packed step's slots)."""
-        return StepBytes(*(n * getattr(self, f.name) for f in fields(self)))
-
 
 def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None = None,
                prefix: bool = True, policy: str | None = None) -> StepBytes:

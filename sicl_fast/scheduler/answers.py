@@ -5,7 +5,8 @@ every answer its next token(s).
     lane.start(owner, item)       an Answer (scheduler.work) joins the batch of its prefix at the next unit: a stored
                                   calibration's rows [0, b) (every query on it shares one batch, the production case)
                                   or, for an answer from embeddings, its own rows [0, b) (a batch of its own)
-    done = lane.unit()            one read interval of every batch, in turn -> [(owner, Generation | None, error)]
+    done, rows = lane.unit()      one read interval of every batch, in turn -> ([(owner, Generation | None, error)],
+                                  the rows it decoded)
     lane.drop(owner)              its rows leave now (a cancelled request)
 
 A batch holds rows of one rotary table (rope types that depend on the length: Transformer.fit_rope), so its key is
@@ -41,6 +42,8 @@ def listener(on_text):
 
 
 class AnswerLane:
+    """The answers in flight on one engine, batched per prefix (module docstring)."""
+
     def __init__(self, engine) -> None:
         self.engine = engine
         self.kv = supports_kv_answers(engine.backend)

@@ -36,6 +36,8 @@ _ONE_GUARD = threading.Lock()
 
 
 class CalibrationLane:
+    """The calibrations and calls in flight on one engine (module docstring)."""
+
     def __init__(self, engine) -> None:
         self.engine = engine
         plan = engine.plan

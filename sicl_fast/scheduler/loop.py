@@ -42,11 +42,8 @@ import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
-from ..answering.answer import calibration_of, query_prompt
-from ..answering.reuse import fits
-from ..backends.generate import check_stops
+from ..answering.answer import checked_queries
 from ..errors import LimitError
-from ..run.knobs import check_range
 from ..run.memory import cache_budget
 from .answers import AnswerLane
 from .calibrations import CalibrationLane
@@ -177,12 +174,8 @@ class Scheduler:
     def answer(self, calibration, query, max_new_tokens: int = 32, stop_strings=("\n",),
                on_text: Callable[[str], Any] | None = None) -> Ticket:
         """Engine.answer through the scheduler: the query's row joins the running batch of its calibration. Checked
-        here, before it is queued (as answering.answer.answer_batch checks)."""
-        cal = calibration_of(calibration)
-        stops = check_stops(stop_strings)
-        check_range("max_new_tokens", max_new_tokens, "answer")
-        prompt = query_prompt(self.engine, query, max_new_tokens)
-        fits(cal, prompt, self.engine.lm)
+        here, before it is queued, as Engine.answer checks (answering.answer.checked_queries)."""
+        cal, stops, (prompt,) = checked_queries(self.engine, calibration, [query], max_new_tokens, stop_strings)
 
         def flow():
             return (yield Answer(prompt, max_new_tokens, stops, on_text, calibration=cal))

@@ -2,7 +2,7 @@
 
 `Server` is uvicorn's server with the drain of shutdown.py on SIGTERM and SIGINT in place of uvicorn's own
 shutdown (which cancels requests still running after a few seconds and answers them in plain text): it exits with
-status 0 once no job runs or the grace period is over.
+status 0 once nothing is in flight or the grace period is over.
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(engine, settings: ServeSettings, sock: socket.socket | None = None) -> int:
     """Serve on `sock` (default: bind(settings)) until SIGTERM or SIGINT, then drain (shutdown.py) and return 0. A
-    job still running past the grace period ends with the process: os._exit(0) without the interpreter's
-    finalization, which would abort the process inside that job's torch call (Scheduler.ended)."""
+    request still in flight past the grace period ends with the process: os._exit(0) without the interpreter's
+    finalization, which would abort the process inside that request's torch call (Scheduler.ended)."""
     sock = sock if sock is not None else bind(settings)
     app = create_app(engine, settings)
     auth = "API key required" if settings.api_key else "no API key"
@@ -95,7 +95,7 @@ def serve(engine, settings: ServeSettings, sock: socket.socket | None = None) ->
           "at /docs)", file=sys.stderr, flush=True)
     Server(app).run(sockets=[sock])
     if not app.state.serve.scheduler.ended:
-        log.info("exiting with the job that ran past the grace period still inside the engine (its reply was the "
+        log.info("exiting with the work that ran past the grace period still inside the engine (its reply was the "
                  "503)")
         logging.shutdown()
         sys.stdout.flush(), sys.stderr.flush()

@@ -57,18 +57,19 @@ class Shutdown:
         return self.end is not None and time.monotonic() >= self.end
 
     def tick(self) -> bool:
-        """On the event loop: drain the queue once asked. True when the server should exit now (no job runs, or
-        the grace period is over)."""
+        """On the event loop: drain the queue once asked. True when the server should exit now (nothing is in
+        flight, or the grace period is over)."""
         if self.end is None:
             return False
         if not self._began:
             self._began = True
             running = self.scheduler.busy
             dropped = self.scheduler.drain(self.stop_at)
-            log.info("shutting down: taking no new work; %d queued job(s) answered 503; %s", dropped,
+            log.info("shutting down: taking no new work; %d request(s) waiting to be admitted answered 503; %s",
+                     dropped,
                      f"the work in flight may go on: a calibration is asked to stop in "
                      f"{STOP_FRACTION * self.grace_s:g} s, and what runs past {self.grace_s:g} s (--grace-s) is "
-                     "answered 503" if running else "no job running")
+                     "answered 503" if running else "nothing in flight")
         return not self.scheduler.busy or self.expired()
 
     def error(self, message: str) -> ServeHTTPError:
@@ -77,8 +78,8 @@ class Shutdown:
         return ServeHTTPError(503, "shutting_down", message, {"Retry-After": str(retry), "Connection": "close"})
 
     def too_late(self) -> ServeHTTPError:
-        """The 503 for a job still running when the grace period ends (its work is lost)."""
-        return self.error(f"the server shut down before this job finished (grace period {self.grace_s:g} s, "
+        """The 503 for a request still in flight when the grace period ends (its work is lost)."""
+        return self.error(f"the server shut down before this request finished (grace period {self.grace_s:g} s, "
                           "--grace-s)")
 
 

@@ -454,7 +454,8 @@ def test_an_answer_over_a_batch_limit_is_refused_before_its_calibration(engine):
     with ServerThread(engine, ServeSettings(port=0, api_key=KEY, max_new_tokens=64, max_batch_tokens=40)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError, match=r"exceed this server's limit of 40 \(--max-batch-tokens\)"):
-            client.chat.completions.create(model="tiny-llama", messages=fresh, max_tokens=64, extra_body={"sicl": KNOBS})
+            client.chat.completions.create(model="tiny-llama", messages=fresh, max_tokens=64,
+                                           extra_body={"sicl": KNOBS})
         r = _post_chat(srv, fresh, max_tokens=64, stream=True, sicl=KNOBS)
         assert r.status_code == 400 and "--max-batch-tokens" in r.json()["error"]["message"]
         r = httpx.post(srv.url + "/v1/calibrate", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,

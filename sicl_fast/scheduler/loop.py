@@ -22,9 +22,9 @@ the other (no credit builds up while it is idle). So an answer that arrives duri
 and a half times its time alone plus the calibration step in progress (a step is not cut), and a stream of answers
 slows a calibration to a third of its speed, never more: it ends. Within a lane, admission is in arrival order;
 work that does not fit the rows or tokens waits with its lane, and the oldest work that does not fit the bytes
-holds back all younger work until it fits (so nothing starves), but for younger answers while it waits for bytes that
-calibrations hold (they may run long; the answers end soon, and then it holds them back too). A unit runs under the engine's lock
-(`engine_lock`), so two schedulers on one engine (two servers in one process) take turns.
+holds back all younger work until it fits (so nothing starves), but for younger answers while it waits for bytes
+that calibrations hold (they may run long; the answers end soon, and then it holds them back too). A unit runs under
+the engine's lock (`engine_lock`), so two schedulers on one engine (two servers in one process) take turns.
 
 Cancellation (Ticket.cancel: a client that went away), a deadline and the drain act on their own request only: a
 waiting request leaves the queue; an answer leaves its batch at the next token; a calibration stops at its next step

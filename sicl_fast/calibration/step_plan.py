@@ -40,8 +40,8 @@ class StepPlan:
     depend on, the key a StepCache keeps the step by: prompts of one shape can share one StaticStep, and its captured
     graph (StaticStep.load): their spans may differ in place, not in count or length, and their texts in everything;
     with a bucket, their lengths and span lengths too, within the bucket's sizes. It holds the config's, the spec's
-    and the bucket's values (dataclasses.astuple), the span count and the forward's shape: plain values, hashed and
-    compared on every lookup without a call of theirs."""
+    and the bucket's values (dataclasses.astuple), the span count and the forward's shape: plain values, which a
+    lookup hashes and compares without calling back into their classes (a dataclass's __hash__ and __eq__)."""
 
     prompt: Prompt
     config: CalibrationConfig

@@ -140,9 +140,8 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
     prefix policy ('kept', 'pass', 'none') where the caller worked it out (a StepPlan,
     sicl_fast.calibration.step_plan), else worked out here from prefix; spec: the step's StepSpec where the caller made
     one (a StepPlan's: its batch rows B and its block's end b, the batch's rows), else worked out here from config,
-    prompt and bucket. The exact gradient (estimator 'grad') runs
-    one row, but autograd keeps every layer's activations for the backward (one layer's with checkpoint), about
-    twice over."""
+    prompt and bucket. The exact gradient (estimator 'grad') runs one row, but autograd keeps every layer's
+    activations for the backward (one layer's with checkpoint), about twice over."""
     s = ModelShape.of(lm)
     f32 = 4
     # B, and the perturbed block's end n: the batch's rows

@@ -19,7 +19,6 @@ from sicl_fast import Engine
 from sicl_fast.diagnostics.benchmark import synthetic_prompt
 from sicl_fast.run.checks import calibration_inputs
 from sicl_fast.diagnostics.profile import layers_call
-from sicl_fast.step.spec import resolve_scale
 from sicl_fast.calibration.static import StaticStep
 
 
@@ -32,7 +31,7 @@ def main(argv=None) -> int:
     eng = Engine()
     be = eng.backend
     prompt = synthetic_prompt(eng.lm, args.length, seed=0)
-    config = resolve_scale(eng.config(), be.lm)
+    config = eng.config().resolve_scale(be.lm)
     st = StaticStep(be, config, prompt, calibration_inputs(be, prompt, config))
     forward = layers_call(st)
     with torch.no_grad():

@@ -197,6 +197,8 @@ class Engine:
     def reuse_mode(self, reuse: str | None = None, keeps_best: bool = False) -> str:
         """The store mode calibrate runs with: the plan's (or `reuse`), refused with best_at (keeps_best): a
         calibration from the store has no run to keep it from."""
+        if reuse is None and not keeps_best:
+            return self.plan.reuse  # resolved and checked when the plan was made
         return resolve_reuse(self.plan.reuse if reuse is None else reuse, 1, keeps_best=keeps_best)[0]
 
     def stored_result(self, prompt: Prompt, config: CalibrationConfig | None = None, reuse: str | None = None,

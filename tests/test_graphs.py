@@ -168,11 +168,10 @@ def step_size(backend, config, prompt, X0=None, bucket=None, plan=None):
     """The bytes of a StaticStep (run.memory.step_bytes through its StepPlan: the plan it was made with, or its
     own)."""
     from sicl_fast.calibration.step_plan import StepPlan
-    from sicl_fast.step.spec import resolve_scale
 
     if plan is None:
         X0 = backend.embed(prompt) if X0 is None else X0
-        plan = StepPlan.of(backend, resolve_scale(config, backend.lm), prompt, X0[:prompt.length], bucket)
+        plan = StepPlan.of(backend, config.resolve_scale(backend.lm), prompt, X0[:prompt.length], bucket)
     return plan.bytes
 
 

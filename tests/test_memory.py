@@ -2,6 +2,7 @@
 piece by piece, on the tiny models: the difference form with its prefix kept, run in every pass or absent, padded to a
 length bucket, the central estimator; the plain form. The step cache bounded by those bytes (least recently used
 dropped), its budget from the memory available, and a refresh of the value rows' reference written in place."""
+import dataclasses
 import weakref
 
 import pytest
@@ -16,7 +17,6 @@ from sicl_fast.calibration.step_plan import plan_step
 from sicl_fast.run import memory
 from sicl_fast.run.buckets import Bucket
 from sicl_fast.run.memory import StepBytes, step_bytes
-from sicl_fast.step.spec import resolve_scale
 from conftest import synthetic_prompt
 from test_fast_backend import V
 from test_ops import why_unavailable
@@ -81,14 +81,14 @@ def test_the_count_is_the_bytes_the_step_holds(models, family, form, scope, a, e
         pytest.skip("the plain form keeps K/V buffers with in-place ops (cpp, triton): " + why_unavailable("cpp"))
     lm = models[family]
     be = make_backend("fast", lm, impl=impl, diff_matmul="bf16" if form == "rows" else "off")
-    cfg = resolve_scale(CalibrationConfig(**BASE, projection_scope=scope, estimator=estimator), lm)
+    cfg = CalibrationConfig(**BASE, projection_scope=scope, estimator=estimator).resolve_scale(lm)
     p = synthetic_prompt(45, [(a + 8, a + 14), (a + 20, a + 25)], a, V, seed=1)
     bucket = Bucket.of(p, 4) if bucketed else None
     st = StaticStep(be, cfg, p, be.embed(p), bucket=bucket)
     st()  # the pass's K/V buffers are made by the first step
     want = step_bytes(lm, p, cfg, bucket=bucket, form=form)
     got = held(st)
-    assert got == StepBytes(**{**want.__dict__, "activations": 0}), (got, want)
+    assert got == dataclasses.replace(want, activations=0), (got, want)
     assert want.kept > 0 and (want.reference > 0) == (form == "rows") and (want.prefix > 0) == (scope == "demos" and
                                                                                                  a > 0)
     everything = sum(storages(reachable(st)).values()) + got.kv  # the model's K/V buffers are not the step's own
@@ -98,7 +98,7 @@ def test_the_count_is_the_bytes_the_step_holds(models, family, form, scope, a, e
 def test_the_packed_step_holds_its_slots_without_prefix(models):
     """The packed step's slots run without the prefix K/V: prefix=False counts them so."""
     lm = models["llama"]
-    cfg = resolve_scale(CalibrationConfig(**BASE, projection_scope="demos"), lm)
+    cfg = CalibrationConfig(**BASE, projection_scope="demos").resolve_scale(lm)
     p = synthetic_prompt(45, [(14, 20), (26, 31)], 6, V)
     with_prefix, without = (step_bytes(lm, p, cfg, form="rows", prefix=x) for x in (True, False))
     assert with_prefix.prefix > 0 and without.prefix == 0 and without.reference > with_prefix.reference
@@ -108,7 +108,7 @@ def test_the_step_cache_is_bounded_in_bytes(models, monkeypatch):
     """A budget that holds two of three buckets' steps: the least recently used goes when the third is built, the
     cache never holds more than the budget, and the budget by default is a share of the memory available."""
     be = make_backend("fast", models["llama"], impl="torch", diff_matmul="bf16")
-    cfg = resolve_scale(CalibrationConfig(**{**BASE, "max_steps": 2}), be.lm)
+    cfg = CalibrationConfig(**{**BASE, "max_steps": 2}).resolve_scale(be.lm)
     prompts = [synthetic_prompt(L, [(10, 14), (L - 20, L - 16)], 6, V, seed=L) for L in (40, 70, 100)]
     sizes = [plan_step(be, cfg, p, buckets=4)[0].bytes for p in prompts]  # what the cache counts them by
     budget = sizes[1].kept + sizes[2].kept + max(s.activations for s in sizes)
@@ -118,7 +118,8 @@ def test_the_step_cache_is_bounded_in_bytes(models, monkeypatch):
         run_static(be, cfg, p, steps=cache)
         assert 0 < cache.held <= budget
     assert len(cache.cache) == 2 and cache.cache.dropped == 1 and cache.cache.stats == {"builds": 3, "hits": 0}
-    assert [k[0][-1] for k in cache.cache.entries] == [Bucket.of(p, 4) for p in prompts[1:]]  # the first one went
+    # the first one went (a key: the plan's shape, whose last part is its bucket's sizes, then the fallback)
+    assert [k[0][-1] for k in cache.cache.entries] == [dataclasses.astuple(Bucket.of(p, 4)) for p in prompts[1:]]
     run_static(be, cfg, prompts[2], steps=cache)
     assert cache.cache.stats == {"builds": 3, "hits": 1}
     monkeypatch.setattr(memory, "available_memory", lambda device: 10_000)
@@ -133,7 +134,7 @@ def test_a_refresh_writes_the_reference_in_place(models, monkeypatch):
     from sicl_fast.models import rows
 
     be = make_backend("fast", models["gemma2"], impl="torch", diff_matmul="bf16")
-    cfg = resolve_scale(CalibrationConfig(**BASE), be.lm)
+    cfg = CalibrationConfig(**BASE).resolve_scale(be.lm)
     p = synthetic_prompt(45, [(14, 20), (26, 31)], 6, V)
     st = StaticStep(be, cfg, p, be.embed(p))
     fwd = st.forward
@@ -223,7 +224,7 @@ def test_the_count_holds_the_forward_of_the_model_s_own_backends(wide_vocab, own
     lm = own_head if backend == "hf own" else wide_vocab
     be = make_backend(backend.split()[0], lm)
     assert (be.plan.head.mode if be.plan.head is not None else None) == {"hf own": "own", "hf": "table"}.get(backend)
-    cfg = resolve_scale(CalibrationConfig(**{**BASE, "N": 4}), be.lm)
+    cfg = CalibrationConfig(**{**BASE, "N": 4}).resolve_scale(be.lm)
     p = synthetic_prompt(100, [(40, 50), (70, 84)], 4, 8192)
     X = be.embed(p)
     batch = X[:p.demo_end].expand(cfg.batch, -1, -1).clone()
@@ -245,7 +246,7 @@ def test_a_naive_step_that_does_not_fit_is_refused(wide_vocab, monkeypatch):
     be = make_backend("naive", wide_vocab)
     cfg = CalibrationConfig(**{**BASE, "N": 4, "max_steps": 1})
     p = synthetic_prompt(100, [(40, 50), (70, 84)], 4, 8192)
-    old = step_bytes(be.lm, p, resolve_scale(cfg, be.lm)).total  # the count without the logits (form None)
+    old = step_bytes(be.lm, p, cfg.resolve_scale(be.lm)).total  # the count without the logits (form None)
     monkeypatch.setattr(checks, "available_memory", lambda device: 2 * old)
     with pytest.raises(SiclError, match=r"one ascent step needs about .*\(the naive backend holds the logits of every "
                                         r"row over the whole vocabulary"):

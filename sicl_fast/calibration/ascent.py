@@ -36,7 +36,7 @@ from .grad import proxy_gradient
 from ..run.knobs import F32_MAX, F32_TINY, check_mu, check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from ..step.spec import ESTIMATORS, GRAD_MODES, PROJECTION_SCOPES, StepSpec, batch_size, check_choice, resolve_scale
+from ..step.spec import StepSpec, batch_size, check_choices
 from ..step.zo import cosine, snr
 
 
@@ -113,7 +113,8 @@ class CalibrationConfig:
                         "is measured in; 1.0 gives absolute units)"),
                        (max(self.mu, self.eta) * self.scale <= F32_MAX,
                         f"mu * scale and eta * scale must be <= {F32_MAX:.3g}, the largest float32 number")]
-        check_choice(self.estimator, ESTIMATORS, "estimator", "CalibrationConfig")
+        check_choices("CalibrationConfig", estimator=self.estimator, grad_mode=self.grad_mode,
+                      projection_scope=self.projection_scope)
         checks += [
             (not self.checkpoint or self.estimator == "grad",
              "checkpoint applies to estimator 'grad' only (the zeroth-order forwards keep no activations)"),
@@ -123,8 +124,6 @@ class CalibrationConfig:
         for ok, msg in checks:
             if not ok:
                 raise SiclError(f"CalibrationConfig: {msg}")
-        check_choice(self.grad_mode, GRAD_MODES, "grad_mode", "CalibrationConfig")
-        check_choice(self.projection_scope, PROJECTION_SCOPES, "projection_scope", "CalibrationConfig")
 
     @property
     def mu_eff(self) -> float:
@@ -138,12 +137,19 @@ class CalibrationConfig:
     def batch(self) -> int:
         return batch_size(self.N, self.estimator)
 
+    def resolve_scale(self, lm) -> CalibrationConfig:
+        """This config in the units every loop steps in: its own scale, or the model's embedding scale
+        (lm.embedding_scale) where it has none (mu and eta are given in units of it)."""
+        return self if self.scale is not None else self.replace(scale=lm.embedding_scale)
+
     def replace(self, **kw) -> CalibrationConfig:
         return dataclasses.replace(self, **kw)
 
     def with_overrides(self, **overrides) -> CalibrationConfig:
-        """This config with `overrides`, None values ignored (a flag or field left unset keeps the preset's)."""
-        return self.replace(**{k: v for k, v in overrides.items() if v is not None})
+        """This config with `overrides`, None values ignored (a flag or field left unset keeps the preset's); this
+        config itself where none is left (checked when it was made)."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        return self.replace(**given) if given else self
 
     @classmethod
     def for_model(cls, lm, **overrides) -> CalibrationConfig:
@@ -206,7 +212,7 @@ class Calibrator:
     def __init__(self, backend, config: CalibrationConfig) -> None:
         self.backend = backend
         self.ops = backend.ops
-        self.config = resolve_scale(config, backend.lm)
+        self.config = config.resolve_scale(backend.lm)
 
     def initial_embeddings(self, prompt: Prompt, X0: torch.Tensor | None = None, kept: int = 0) -> torch.Tensor:
         """X0 [L, d] float32: the prompt's input embeddings, or the given ones, checked with the prompt and the

@@ -42,7 +42,6 @@ from ..run.memory import cache_budget
 from ..run.knobs import check_range
 from ..run.run_args import BestAt, check_budget, stop_check
 from ..formats.spans import Prompt
-from ..step.spec import resolve_scale
 from ..run.buckets import Bucket
 from .reads import Slot, read, steps_to_read
 from .step_plan import StepPlan, plan_step
@@ -65,7 +64,7 @@ class StaticStep:
         backend.plan.require_sync_free("step")
         backend.plan.check_zeroth_order(config.estimator)
         if plan is None:
-            plan = StepPlan.of(backend, resolve_scale(config, backend.lm), prompt, X0, bucket, use_prefix)
+            plan = StepPlan.of(backend, config.resolve_scale(backend.lm), prompt, X0, bucket, use_prefix)
         self.backend, self.ops, self.prompt, self.bucket = backend, backend.ops, plan.prompt, plan.bucket
         self.config, self.spec = plan.config, plan.spec
         dev = backend.device
@@ -95,7 +94,7 @@ class StaticStep:
     def shape(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor,
               bucket: Bucket | None = None, use_prefix: bool = True) -> tuple:
         """What a step's buffers and kernel launches depend on (X0 [L, d]): its plan's shape (StepPlan.shape)."""
-        return StepPlan.of(backend, resolve_scale(config, backend.lm), prompt, X0, bucket, use_prefix).shape
+        return StepPlan.of(backend, config.resolve_scale(backend.lm), prompt, X0, bucket, use_prefix).shape
 
     def load(self, plan: StepPlan, X0: torch.Tensor) -> None:
         """Re-arm this step for the prompt of `plan` (of this step's shape: StepPlan.shape) from X0 [L, d]: every

@@ -15,17 +15,17 @@ re-armed from it (StaticStep.load).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
-from ..backends.step_forward import StepForward, resolve_policy
+from ..backends.step_forward import StepForward
 from ..formats.spans import Prompt
 from ..run.buckets import Bucket
 from ..run.checks import check_inputs, check_step_memory
 from ..run.memory import StepBytes, form_of, step_bytes
 from ..step.proxy import ProxyPlan
-from ..step.spec import StepSpec, block_end, resolve_scale
+from ..step.spec import StepSpec, block_end
 from .ascent import CalibrationConfig
 
 
@@ -36,7 +36,12 @@ class StepPlan:
     its forward ('kept', 'pass', 'none': sicl_fast.backends.step_forward), for this prompt; forward: the forward's
     shape (StepForward.shape); bytes: what the step holds and needs (StepBytes, with the run's copies of X);
     proxy: the proxy plan on the backend's device (its width the bucket's positions); rows_end: the perturbed
-    block's own end where a bucket pads it (None: the spec's b)."""
+    block's own end where a bucket pads it (None: the spec's b); shape: what the step's buffers and kernel launches
+    depend on, the key a StepCache keeps the step by: prompts of one shape can share one StaticStep, and its captured
+    graph (StaticStep.load): their spans may differ in place, not in count or length, and their texts in everything;
+    with a bucket, their lengths and span lengths too, within the bucket's sizes. It holds the config's, the spec's
+    and the bucket's values (dataclasses.astuple), the span count and the forward's shape: plain values, which a
+    lookup hashes and compares without calling back into their classes (a dataclass's __hash__ and __eq__)."""
 
     prompt: Prompt
     config: CalibrationConfig
@@ -47,31 +52,28 @@ class StepPlan:
     bytes: StepBytes
     proxy: ProxyPlan
     rows_end: int | None
+    shape: tuple
 
     @classmethod
     def of(cls, backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor, bucket: Bucket | None = None,
            use_prefix: bool = True, kept: int = 0) -> StepPlan:
-        """The plan of `prompt`'s step on `backend` from X0 [L, d] (config with its scale resolved: resolve_scale),
-        padded to `bucket` where given. use_prefix=False: the forward runs the full rows [0, b) (the packed step's
-        slots; a backend made without the prefix cache runs them so too); kept: the copies of X the run keeps along
-        the way (BestAt), counted in its bytes."""
+        """The plan of `prompt`'s step on `backend` from X0 [L, d] (config with its scale resolved:
+        CalibrationConfig.resolve_scale), padded to `bucket` where given. use_prefix=False: the forward runs the full
+        rows [0, b) (the packed step's slots; a backend made without the prefix cache runs them so too); kept: the
+        copies of X the run keeps along the way (BestAt), counted in its bytes."""
         spec = StepSpec.for_prompt(config, prompt, X0, bucket)
         prefix = use_prefix and getattr(backend, "prefix_cache", True)  # a fast backend made without it: none
-        policy = resolve_policy(prompt, spec.prefix_policy if prefix else "none")
-        return cls(prompt=prompt, config=config, bucket=bucket, spec=spec, policy=policy,
-                   forward=StepForward.shape(prompt, policy, spec.B, bucket),
-                   bytes=step_bytes(backend.lm, prompt, config, kept, bucket, form_of(backend.plan), policy=policy),
+        forward = StepForward.shape(prompt, spec.prefix_policy if prefix else "none", spec.B, bucket)
+        policy = forward[0]  # the policy this prompt runs (resolve_policy: 'none' where it has no prefix rows)
+        return cls(prompt=prompt, config=config, bucket=bucket, spec=spec, policy=policy, forward=forward,
+                   bytes=step_bytes(backend.lm, prompt, config, kept, bucket, form_of(backend.plan), policy=policy,
+                                    spec=spec),
                    proxy=ProxyPlan.build(prompt.offsets, int(prompt.positions.numel()), backend.device, config.alpha,
                                          config.beta, config.gamma, config.q,
                                          width=None if bucket is None else bucket.positions),
-                   rows_end=None if bucket is None else block_end(config, prompt))
-
-    @property
-    def shape(self) -> tuple:
-        """What the step's buffers and kernel launches depend on. Prompts of one shape can share one StaticStep, and
-        its captured graph (StaticStep.load): their spans may differ in place, not in count or length, and their
-        texts in everything; with a bucket, their lengths and span lengths too, within the bucket's sizes."""
-        return self.config, self.spec, len(self.prompt.token_spans), self.forward, self.bucket
+                   rows_end=None if bucket is None else block_end(config, prompt),
+                   shape=(astuple(config), astuple(spec), len(prompt.token_spans), forward,
+                          None if bucket is None else astuple(bucket)))
 
 
 def plan_step(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tensor | None = None,
@@ -82,7 +84,7 @@ def plan_step(backend, config: CalibrationConfig, prompt: Prompt, X0: torch.Tens
     (StepPlan.of; buckets: the length buckets a doubling, or None) and the memory check on its bytes (reclaimable:
     what a step cache would give back for it)."""
     lm = backend.lm
-    config = resolve_scale(config, lm)
+    config = config.resolve_scale(lm)
     X0 = check_inputs(backend, prompt, config, X0)
     bucket = None if buckets is None else Bucket.of(prompt, buckets, lm.max_context)
     plan = StepPlan.of(backend, config, prompt, X0, bucket, use_prefix, kept)

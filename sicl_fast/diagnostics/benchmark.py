@@ -22,7 +22,6 @@ from ..errors import SiclError
 from ..calibration.packed import PackedStep, run_packed
 from ..formats.requests import render_structured
 from ..formats.spans import Prompt, tokenize
-from ..step.spec import resolve_scale
 from ..calibration.static import StaticStep, StepCache, run_static
 from ..calibration.step_plan import plan_step
 
@@ -142,7 +141,7 @@ def step_runner(backend, prompt: Prompt, config: CalibrationConfig) -> tuple[Cal
     step from X0 (one_step); the static step, replayed from its CUDA graph when the plan's graphs are on; with pack
     > 1, the packed step of `pack` copies of the prompt (one call steps them all)."""
     plan = backend.plan
-    config = resolve_scale(config, backend.lm)
+    config = config.resolve_scale(backend.lm)
     X0 = calibration_inputs(backend, prompt, config)
     if plan.loop_for(config.estimator) == "eager":
         cal, steps = Calibrator(backend, config), itertools.count()

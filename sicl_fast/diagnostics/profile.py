@@ -39,7 +39,6 @@ import torch
 from .benchmark import PeakMemory, native_stderr_silenced
 from ..run.checks import calibration_inputs
 from .kernel_count import count_kernels, cuda_kernel_events
-from ..step.spec import resolve_scale
 from ..calibration.static import StaticStep
 
 PHASES = ("perturb", "decoder layers", "span head", "proxy", "update", "host overhead")
@@ -248,7 +247,7 @@ def step_floor(backend, config, prompt, repeats: int = 5) -> Floor | None:
     other backends (their forward is not ours to count)."""
     if not hasattr(getattr(backend, "model", None), "layers"):
         return None
-    config = resolve_scale(config, backend.lm)
+    config = config.resolve_scale(backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     return floor_of(st, measure_rates(backend.model, step_rows(st), st.forward.rows_on, repeats))
 
@@ -329,7 +328,7 @@ def profile_step(backend, config, prompt, repeats: int = 5, trace: str | None = 
     command's progress): each round's whole step, then each phase's best time and the host overhead, then the
     product rates."""
     say = progress or (lambda line: None)
-    config = resolve_scale(config, backend.lm)
+    config = config.resolve_scale(backend.lm)
     st = StaticStep(backend, config, prompt, calibration_inputs(backend, prompt, config))
     dev, m, ops, spec, state = backend.device, backend.model, backend.ops, st.spec, st.state
     a, fwd = prompt.demo_start, st.forward

@@ -5,7 +5,7 @@ tensors a built step holds, piece by piece.
 
     available_memory(device) -> bytes free for a step (CUDA: the driver's free memory plus what torch's allocator
                                 holds unused; the CPU: MemAvailable, or the cgroup's headroom when smaller)
-    step_bytes(lm, prompt, config, kept, bucket, form, prefix, policy) -> StepBytes
+    step_bytes(lm, prompt, config, kept, bucket, form, prefix, policy, spec) -> StepBytes
     cache_budget(device) -> bytes the kept steps may take (CACHE_SHARE of the memory available)
 
 A static step of the fast backend keeps, for as long as it is cached (its CUDA graph reads them by address):
@@ -33,7 +33,7 @@ own head its logits at the span rows (own_head_bytes).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -108,7 +108,9 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class StepBytes:
-    """One step's bytes, by what holds them (module docstring)."""
+    """One step's bytes, by what holds them (module docstring); and, summed once when it is made: kept, what the step
+    holds between two steps (a cached step's cost: not the run's copies of X), and total, what running it needs (what
+    it keeps, the run's copies of X and one layer's temporaries)."""
 
     state: int = 0
     copies: int = 0
@@ -118,20 +120,17 @@ class StepBytes:
     logits: int = 0
     kv: int = 0
     activations: int = 0
+    kept: int = field(init=False, repr=False, compare=False)
+    total: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def kept(self) -> int:
-        """What the step holds between two steps (a cached step's cost): not the run's copies of X."""
-        return sum(getattr(self, f.name) for f in fields(self)) - self.activations - self.copies
-
-    @property
-    def total(self) -> int:
-        """What running it needs: what it keeps, the run's copies of X and one layer's temporaries."""
-        return self.kept + self.copies + self.activations
+    def __post_init__(self) -> None:
+        total = sum(getattr(self, f.name) for f in fields(self) if f.init)
+        object.__setattr__(self, "kept", total - self.activations - self.copies)
+        object.__setattr__(self, "total", total)
 
 
 def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None = None,
-               prefix: bool = True, policy: str | None = None) -> StepBytes:
+               prefix: bool = True, policy: str | None = None, spec=None) -> StepBytes:
     """The bytes of one ascent step of `prompt` under the CalibrationConfig config (module docstring), padded to
     `bucket` (a length bucket) where given; kept: copies of X [L, d] kept along the way (BestAt). form: the fast
     backend's step forward, 'rows' (the difference form) or 'plain'; 'naive' (the naive backend: the layers'
@@ -139,14 +138,15 @@ def step_bytes(lm, prompt, config, kept: int = 0, bucket=None, form: str | None 
     own_head_bytes) or None (the hf backend with its head's table: the layers' temporaries); prefix: False where the
     step runs without the prefix K/V (the packed step, a backend without the prefix cache); policy: the forward's
     prefix policy ('kept', 'pass', 'none') where the caller worked it out (a StepPlan,
-    sicl_fast.calibration.step_plan), else worked out here from prefix. The exact gradient (estimator 'grad') runs
-    one row, but autograd keeps every layer's activations for the backward (one layer's with checkpoint), about
-    twice over."""
+    sicl_fast.calibration.step_plan), else worked out here from prefix; spec: the step's StepSpec where the caller made
+    one (a StepPlan's: its batch rows B and its block's end b, the batch's rows), else worked out here from config,
+    prompt and bucket. The exact gradient (estimator 'grad') runs one row, but autograd keeps every layer's
+    activations for the backward (one layer's with checkpoint), about twice over."""
     s = ModelShape.of(lm)
     f32 = 4
-    B = config.batch
+    # B, and the perturbed block's end n: the batch's rows
+    B, n = (spec.B, spec.b) if spec is not None else (config.batch, block_end(config, prompt, bucket))
     L = bucket.length if bucket is not None else prompt.length
-    n = block_end(config, prompt, bucket)  # the perturbed block's end: the batch's rows
     b = bucket.rows if bucket is not None else prompt.demo_end  # the forward's rows
     P = bucket.positions if bucket is not None else int(prompt.positions.numel())
     a = prompt.demo_start

@@ -11,7 +11,7 @@ perturbation batch: one forward and one backward of row 0 (B = 1) give the exact
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,12 +21,20 @@ from .rng import check_counter_range
 ESTIMATORS = ("forward", "central", "grad")  # grad: the exact gradient by autograd (sicl_fast.calibration.grad)
 GRAD_MODES = ("clip", "normalize")
 PROJECTION_SCOPES = ("prompt", "demos")
+# the categorical knobs of a step, in one table: each one's choices (check_choices)
+CHOICES = {"estimator": ESTIMATORS, "grad_mode": GRAD_MODES, "projection_scope": PROJECTION_SCOPES}
 
 
 def check_choice(value, choices: tuple, name: str, where: str) -> None:
     """The one check of a categorical knob."""
     if value not in choices:
         raise SiclError(f"{where}: unknown {name} {value!r}; choose one of {choices}")
+
+
+def check_choices(where: str, **knobs) -> None:
+    """check_choice of each categorical knob name=value of a step against its choices (CHOICES), in order."""
+    for name, value in knobs.items():
+        check_choice(value, CHOICES[name], name, where)
 
 
 def batch_size(N: int, estimator: str) -> int:
@@ -51,12 +59,6 @@ def prefix_policy(kappa: float, scope: str) -> str:
     run (the projection covers rows [a, b) only, or is off: kappa <= 0), else 'pass' (the whole-matrix projection
     may rescale them: they run in every step's pass). See sicl_fast.backends.step_forward."""
     return "kept" if not kappa > 0 or scope == "demos" else "pass"
-
-
-def resolve_scale(config, lm):
-    """The CalibrationConfig `config` in the units every loop steps in: its own scale, or the model's embedding scale
-    (lm.embedding_scale) when it has none (mu and eta are given in units of it)."""
-    return config if config.scale is not None else config.replace(scale=lm.embedding_scale)
 
 
 def f32(x: float) -> float:
@@ -84,6 +86,17 @@ class StepSpec:
     grad_mode: str = "clip"
     clip_norm: float = 1.0
     scope: str = "prompt"
+    # worked out once from the fields above (__post_init__), read by the plan and by every step's ops: B, the batch
+    # rows (batch_size); rows, R = b - a; central, grad (the exact-gradient step: no directions, no perturbation
+    # batch) and project (kappa > 0), the estimator's and the projection's switches; prefix_policy, how a step's
+    # forward treats rows [0, a) (prefix_policy); project_rows, the rows [lo, hi) the cosine projection covers
+    B: int = field(init=False, repr=False, compare=False)
+    rows: int = field(init=False, repr=False, compare=False)
+    central: bool = field(init=False, repr=False, compare=False)
+    grad: bool = field(init=False, repr=False, compare=False)
+    project: bool = field(init=False, repr=False, compare=False)
+    prefix_policy: str = field(init=False, repr=False, compare=False)
+    project_rows: tuple[int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = "step"
@@ -98,10 +111,14 @@ class StepSpec:
                             f"0 <= a < b <= L = {self.L}")
         if not 0 <= self.seed < 2**32:
             raise SiclError(f"{where}: seed must be in [0, 2**32), got {self.seed}")
-        check_choice(self.estimator, ESTIMATORS, "estimator", where)
-        check_choice(self.grad_mode, GRAD_MODES, "grad_mode", where)
-        check_choice(self.scope, PROJECTION_SCOPES, "projection_scope", where)
+        check_choices(where, estimator=self.estimator, grad_mode=self.grad_mode, projection_scope=self.scope)
         check_counter_range(self.N, self.b - self.a, self.d)
+        derived = dict(B=batch_size(self.N, self.estimator), rows=self.b - self.a, central=self.estimator == "central",
+                       grad=self.estimator == "grad", project=self.kappa > 0,
+                       prefix_policy=prefix_policy(self.kappa, self.scope),
+                       project_rows=(self.a, self.b) if self.scope == "demos" else (0, self.L))
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def build(cls, cfg, L: int, d: int, a: int, b: int) -> StepSpec:
@@ -112,45 +129,14 @@ class StepSpec:
 
     @classmethod
     def for_prompt(cls, cfg, prompt, X0, bucket=None) -> StepSpec:
-        """The step of `prompt` (a Prompt) from X0 [L, d] (cfg with its scale resolved, resolve_scale): perturbed rows
-        [a, b) = [first demonstration token, end of the last output span) (block_end), or [a, L) with perturb_query;
-        the forward always reads rows [0, demo_end) only. What every loop (eager, static, packed) steps with. bucket:
-        a length bucket (sicl_fast.run.buckets), whose padded step has L = bucket.length and b = bucket.rows (or
-        bucket.length with perturb_query; the block's own end then travels as the ops' rows_end,
-        sicl_fast.step.zo)."""
+        """The step of `prompt` (a Prompt) from X0 [L, d] (cfg with its scale resolved:
+        CalibrationConfig.resolve_scale): perturbed rows [a, b) = [first demonstration token, end of the last output
+        span) (block_end), or [a, L) with perturb_query; the forward always reads rows [0, demo_end) only. What every
+        loop (eager, static, packed) steps with. bucket: a length bucket (sicl_fast.run.buckets), whose padded step
+        has L = bucket.length and b = bucket.rows (or bucket.length with perturb_query; the block's own end then
+        travels as the ops' rows_end, sicl_fast.step.zo)."""
         L = X0.shape[0] if bucket is None else bucket.length
         return cls.build(cfg, L, X0.shape[1], prompt.demo_start, block_end(cfg, prompt, bucket))
-
-    @property
-    def B(self) -> int:
-        return batch_size(self.N, self.estimator)
-
-    @property
-    def rows(self) -> int:
-        return self.b - self.a
-
-    @property
-    def central(self) -> bool:
-        return self.estimator == "central"
-
-    @property
-    def grad(self) -> bool:
-        """The exact-gradient step (no directions, no perturbation batch)."""
-        return self.estimator == "grad"
-
-    @property
-    def project(self) -> bool:
-        return self.kappa > 0
-
-    @property
-    def prefix_policy(self) -> str:
-        """How a step's forward treats rows [0, a) (prefix_policy)."""
-        return prefix_policy(self.kappa, self.scope)
-
-    @property
-    def project_rows(self) -> tuple[int, int]:
-        """Rows [lo, hi) the cosine projection covers."""
-        return (self.a, self.b) if self.scope == "demos" else (0, self.L)
 
     def check_X(self, X, name: str, op: str) -> None:
         """X must be an [L, d] tensor of this spec."""
@@ -164,5 +150,5 @@ class StepSpec:
                             f"got {f.numel()}")
 
 
-__all__ = ["StepSpec", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "block_end", "check_choice",
-           "f32", "prefix_policy", "resolve_scale"]
+__all__ = ["StepSpec", "CHOICES", "ESTIMATORS", "GRAD_MODES", "PROJECTION_SCOPES", "batch_size", "block_end",
+           "check_choice", "check_choices", "f32", "prefix_policy"]

@@ -407,6 +407,31 @@ def test_cache_clear_removes_only_what_the_cache_wrote(tmp_path, monkeypatch, ca
     assert all((p.read_text() if p.is_file() else p.is_symlink()) for p in files)
 
 
+def test_cache_list_and_clear_see_the_remembered_run_plans(tmp_path, monkeypatch, capsys):
+    """The run plans resumes recall (sicl_fast.run.planned, plans/<key>.json) are the cache's too: `cache list`
+    counts them on one line and `cache clear` removes them (before: neither saw them, and a cleared cache still
+    answered resumes from them); a file of the user's in plans/ is kept, with the folder."""
+    from sicl_fast.run.planned import recall, remember
+
+    monkeypatch.setenv("SICL_FAST_CACHE", str(tmp_path))
+    settings = {"backend": "fast", "impl": "cpp", "attention": None, "diff_matmul": "off", "dtype": "float32",
+                "device": "cpu", "length_buckets": None, "pack": 1, "fallback": None}
+    keys = ["0123456789abcdef", "fedcba9876543210"]
+    for key in keys:
+        remember(key, {"settings": settings, "family": "llama", "n_params": 10})
+    assert recall(keys[0]) is not None
+    mine = cache.plans_dir() / "notes.json"
+    mine.write_text("mine")
+    assert main(["cache", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "# " in out and ": 2 item(s)" in out and "2 remembered run plan(s)" in out and "notes" not in out
+    assert main(["cache", "clear"]) == 0 and "removed 2 item(s)" in capsys.readouterr().out
+    assert recall(keys[0]) is None and mine.read_text() == "mine"
+    mine.unlink()
+    remember(keys[0], {"settings": settings, "family": "llama", "n_params": 10})
+    assert main(["cache", "clear"]) == 0 and not cache.plans_dir().exists()
+
+
 def test_an_assembly_removes_a_killed_assemblys_temporary(cache_root):
     """A killed gemma3-270m assembly left its .part (270 MB) in the cache for ever; the next assembly (under the
     file's lock) removes it, and `cache clear` leaves one that is being written alone."""

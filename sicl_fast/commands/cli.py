@@ -468,8 +468,8 @@ def _serve_command(s) -> None:
 
 
 def _cache_command(sub, debug) -> None:
-    cc = sub.add_parser("cache", help="the converted-model cache (GGUF files de-quantized into transformers "
-                                      "folders): list, verify, clear, path")
+    cc = sub.add_parser("cache", help="the model cache (GGUF files de-quantized into transformers folders, and the "
+                                      "run plans resumes recall): list, verify, clear, path")
     acts = cc.add_subparsers(dest="action", required=True, metavar="{list,verify,clear,path}")
     model_help = "a model as --model takes it (default: the embedded SmolLM2-135M)"
     acts.add_parser("list", parents=[debug], help="every entry: its size, source and state")
@@ -988,7 +988,12 @@ def cmd_cache(args) -> int:
         found = cache.entries()
         print(f"# {cache.cache_dir()}: {len(found)} item(s), {sum(e.size for e in found) / 2**20:.1f} MiB")
         for e in found:
-            print(f"{e.size / 2**20:10.1f} MiB  {e.state:12s}  {e.source or '-':40s}  {e.path}")
+            if e.state != "plan":
+                print(f"{e.size / 2**20:10.1f} MiB  {e.state:12s}  {e.source or '-':40s}  {e.path}")
+        plans = [e for e in found if e.state == "plan"]  # a few hundred bytes each, up to 64: one line for all
+        if plans:
+            print(f"{sum(e.size for e in plans) / 2**20:10.1f} MiB  {'plans':12s}  "
+                  f"{f'{len(plans)} remembered run plan(s)':40s}  {cache.plans_dir()}")
         return 0
     if args.action == "verify":
         results = cache.verify_entries(entry_of(args.model), full=not args.quick)

@@ -10,6 +10,9 @@ once.
         converted/.<key>.lock               the conversion lock of one source (flock); .<file>.lock: an assembly's
         converted/.tmp-<key>-XXXX/          a conversion being written (renamed into place when whole)
         converted/.bad/<entry>-<time>-<pid>/  entries found damaged, moved aside (`sicl-fast cache clear` frees them)
+        plans/<key>.json                    the run plans engines made after their loads, recalled by resumes before
+                                            theirs (sicl_fast.run.planned, the newest 64; .<key>.<pid>.tmp: one being
+                                            written)
 
 key: a digest of the source's content and CACHE_VERSION, not of its path, so every checkout, virtual environment
 and copy of one file shares one entry. MANIFEST records, for every file written, its size, its sha256 and a
@@ -68,6 +71,8 @@ _KEY = r"[0-9a-f]{16}"
 ENTRY_NAME = re.compile(rf".+-{_KEY}")  # converted/<stem>-<key> (and an older version's, without a manifest)
 UNFINISHED_NAME = re.compile(rf"\.tmp-{_KEY}-.+")  # converted/.tmp-<key>-XXXX
 MOVED_NAME = re.compile(rf".+-{_KEY}-\d{{8}}-\d{{6}}-\d+")  # converted/.bad/<entry>-<date>-<time>-<pid>
+PLANS = "plans"
+PLAN_NAME = re.compile(rf"{_KEY}\.json|\.{_KEY}\.\d+\.tmp")  # plans/<key>.json, plans/.<key>.<pid>.tmp (being written)
 
 T = TypeVar("T")
 
@@ -421,6 +426,17 @@ def _converted_entries() -> Iterator[Entry]:
         yield from (Entry(p, _size(p), None, "moved aside") for p in sorted(bad.iterdir()) if _own(p, MOVED_NAME))
 
 
+def plans_dir() -> Path:
+    """The folder of the remembered run plans (sicl_fast.run.planned), in the cache's folder."""
+    return cache_dir() / PLANS
+
+
+def _plan_entries() -> Iterator[Entry]:
+    folder = plans_dir()
+    if folder.is_dir() and not folder.is_symlink():
+        yield from (Entry(p, _size(p), None, "plan") for p in sorted(folder.iterdir()) if _own(p, PLAN_NAME, False))
+
+
 def _source_entries() -> Iterator[Entry]:
     root = cache_dir()
     for name in ASSEMBLED.values():
@@ -437,7 +453,7 @@ def entries() -> list[Entry]:
     """Everything the cache wrote (module docstring: nothing else in its folder), converted entries first.
     Raises SiclError when the cache's folder is not one (check_cache_dir)."""
     check_cache_dir()
-    return [*_converted_entries(), *_source_entries()]
+    return [*_converted_entries(), *_source_entries(), *_plan_entries()]
 
 
 def key_of_entry(entry: Path) -> str:
@@ -513,9 +529,13 @@ def clear(only: Path | None = None) -> tuple[list[Path], int, list[Path]]:
     memo = cache_dir() / SOURCES
     if only is None and _is_memo(memo):
         memo.unlink(missing_ok=True)
+    if only is None:
+        with contextlib.suppress(OSError):  # plans/ empty now, unless it holds something else (kept, with it)
+            plans_dir().rmdir()
     return removed, freed, skipped
 
 
 __all__ = ["cache_dir", "converted_dir", "content_key", "source_digest", "find_entry", "verify", "load_cached",
            "entries", "Entry", "verify_entries", "warn_moved_aside", "clear", "check_cache_dir", "assembling",
-           "ASSEMBLED", "CACHE_ENV", "file_sha256", "sample_digest", "tensor_sums", "CACHE_VERSION", "MANIFEST"]
+           "ASSEMBLED", "CACHE_ENV", "plans_dir", "file_sha256", "sample_digest", "tensor_sums", "CACHE_VERSION",
+           "MANIFEST"]

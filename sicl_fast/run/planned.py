@@ -17,16 +17,16 @@ Two ways to know it:
     code: 2-3 s on a CPU, which a run that loads its model pays anyway but a finished or refused resume does not
     need (bench/RESULTS.md section 33).
   * recalled: what an engine of the same arguments planned after its load, kept in the model cache
-    (cache_dir()/plans/KEY.json, the newest KEEP) under a key of everything that plan is made from (plan_key): the
-    model's files (their fingerprint: not their name or path), the arguments (dtype, device, the choices), this
-    machine (the device it resolves, the GPU's name and capability, the cores this process may use), the software
-    (every file of sicl_fast and its kernels by size and time, the versions of torch, transformers, triton and
-    flash-attn) and the environment variables a plan may read (threads, OpenMP, Triton, torch, CUDA). Nothing of
-    transformers is imported on this path. A key whose plan was never remembered (the first run after an edit or an
-    upgrade, another machine, a model never loaded with these arguments) is planned. A recalled plan that the
-    engine would no longer make (something the key does not hold has changed) answers a resume as that plan would;
-    a run that loads checks its records again with what its engine planned (the results writer's check) and
-    remembers that plan in its place.
+    (models.converted.plans_dir()/KEY.json, the newest KEEP; `sicl-fast cache list` counts them, `cache clear`
+    removes them) under a key of everything that plan is made from (plan_key): the model's files (their fingerprint:
+    not their name or path), the arguments (dtype, device, the choices), this machine (the device it resolves, the
+    GPU's name and capability, the cores this process may use), the software (every file of sicl_fast and its
+    kernels by size and time, the versions of torch, transformers, triton and flash-attn) and the environment
+    variables a plan may read (threads, OpenMP, Triton, torch, CUDA). Nothing of transformers is imported on this
+    path. A key whose plan was never remembered (the first run after an edit or an upgrade, another machine, a model
+    never loaded with these arguments) is planned. A recalled plan that the engine would no longer make (something
+    the key does not hold has changed) answers a resume as that plan would; a run that loads checks its records again
+    with what its engine planned (the results writer's check) and remembers that plan in its place.
 """
 from __future__ import annotations
 
@@ -142,9 +142,9 @@ def software() -> dict:
 
 
 def _folder() -> Path:
-    from ..models.converted import cache_dir
+    from ..models.converted import plans_dir
 
-    return cache_dir() / "plans"
+    return plans_dir()
 
 
 def recall(key: str | None) -> dict | None:

@@ -86,7 +86,7 @@ def file_entries():
 # into step/spec.py (the knob checks of the config with its scale resolved, check_choices, as that config is made; the
 # padded step's StepSpec; the prompt's own block end, block_end, which the spec, shared by the bucket's prompts and
 # part of the step cache's key, cannot carry). At 481e2be: 15-27 into spec.py, 4-7 into memory.py and buckets.py, 3
-# into step_forward.py (bench/RESULTS.md 37).
+# into step_forward.py (bench/RESULTS.md 35).
 MOST = {"sicl_fast/run/memory.py": 3}
 MOST_BUCKETED = {**MOST, "sicl_fast/step/spec.py": 3}
 

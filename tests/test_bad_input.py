@@ -415,6 +415,9 @@ def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags,
     # issue 48: 5 was taken as "5" while 5.5 and true were "must be a non-empty string"
     (json.dumps(dict(STRUCT, id=5.5)).encode() + b"\n", "field 'id': must be a non-empty string, or an integer (kept "
                                                         "as its decimal string: 5 is \"5\"), got float"),
+    # issue 54 item 4: json's ValueError for an integer over 4300 digits was an internal error
+    (json.dumps(dict(STRUCT, id=5)).replace('"id": 5', '"id": ' + "5" * 5000).encode() + b"\n",
+     "r.jsonl:1: invalid JSON: Exceeds the limit (4300 digits)"),
 ])
 def test_bad_requests_file_is_one_line(tmp_path, capsys, no_model, content, needle):
     path = tmp_path / "r.jsonl"
@@ -534,13 +537,24 @@ def test_requests_reader_errors_are_request_errors(tmp_path):
         list(read_requests(p))
 
 
+def test_a_byte_order_mark_and_crlf_line_ends_are_no_damage(tmp_path):
+    # issue 54 item 4: a requests file saved by Notepad (a BOM, CRLF) was refused as invalid JSON
+    p = tmp_path / "r.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps(STRUCT).encode() + b"\r\n\r\n"
+                  + json.dumps(dict(STRUCT, id="b")).encode() + b"\r\n")
+    assert [r.id for r in read_requests(p)] == ["digits", "b"]
+
+
 # --------------------------------------------------------------------------------------- report
 
 
 @pytest.mark.parametrize("content,needle", [(b"[1, 2]\n", "must be a JSON object, got list"),
                                             (b"", "holds no records"),
                                             (b'{"task": "x"\n', "invalid JSON record"),
-                                            (b"\xff\n", "not UTF-8")])
+                                            (b"\xff\n", "not UTF-8"),
+                                            # issue 54 item 4: json's ValueError escaped (an internal error)
+                                            (b'{"uid": ' + b"1" * 5000 + b"}\n", "res.jsonl:1: invalid JSON record: "
+                                                                               "Exceeds the limit (4300 digits)")])
 def test_report_on_bad_results_is_one_line(tmp_path, capsys, content, needle):
     res = tmp_path / "res.jsonl"
     res.write_bytes(content)

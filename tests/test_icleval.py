@@ -139,6 +139,25 @@ def test_unknown_file_name_is_refused(tmp_path):
         load_dir(tmp_path, tasks=["classifier_order"])
 
 
+def test_a_damaged_task_file_is_one_error_and_a_bom_is_no_damage(tmp_path, shipped):
+    # issue 54 item 4: the parser's ValueError (an integer over 4300 digits) and RecursionError escaped as internal
+    # errors; a byte order mark (Notepad's) was refused as invalid JSON
+    items = [dict(s.raw) for s in shipped["classifier_order"][:2]]
+    path = write_task(tmp_path, "classifier_order", items)
+    text = path.read_bytes()
+    path.write_bytes(b"\xef\xbb\xbf" + text)
+    assert [s.uid for s in load_task(path, check_sha256=False)] == [s.uid for s in shipped["classifier_order"][:2]]
+    for data, needle in ((text.replace(b'"uid": 0', b'"uid": ' + b"9" * 5000, 1), "invalid JSON: Exceeds the limit"),
+                         (b"[" * 100000 + b"]" * 100000, "JSON nested too deeply")):
+        path.write_bytes(data)
+        with pytest.raises(ICLEvalError, match=rf"^classifier_order\.json: {needle}"):
+            load_task(path, check_sha256=False)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ICLEvalError, match="is a directory, not a task file"):
+        load_task(path)
+
+
 # ------------------------------------------------------------------------------------------------ shipped files
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 
 from ..errors import ResultsFileError, SiclError, SiclWarning
-from .inputs import describe_missing, open_input
+from .inputs import describe_missing, json_value, open_input
 
 STDOUT = "-"
 
@@ -331,14 +331,7 @@ def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except UnicodeDecodeError:
-                raise SiclError(f"{path}:{lineno}: not UTF-8 text") from None
-            except json.JSONDecodeError as exc:
-                raise SiclError(f"{path}:{lineno}: invalid JSON record: {exc}") from None
-            except RecursionError:
-                raise SiclError(f"{path}:{lineno}: JSON nested too deeply") from None
+            rec = json_value(line, f"{path}:{lineno}", what="JSON record")
             if not isinstance(rec, dict):
                 raise SiclError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
             out.append(rec)

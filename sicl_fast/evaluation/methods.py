@@ -30,6 +30,7 @@ unknown.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -98,8 +99,44 @@ class BaselineOptions:
         return {}
 
 
+_NUMBER = ((int, float), "a number")
+# the JSON type of each field of a record that a resume or a report reads, as the methods write it (None: null too)
+RECORD_FIELDS: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    "task": ((str,), "a string", False), "uid": ((int,), "an integer", False),
+    **{k: ((str,), "a string", True) for k in ("variant", "method", "model", "stop_reason")},
+    **{k: ((bool,), "true or false", False) for k in ("correct_base", "correct_calibrated", "correct_scored_base")},
+    "gated": ((bool,), "true or false", True), "config": ((dict,), "an object", True),
+    "steps": ((int,), "an integer", True),
+    **{k: (*_NUMBER, True) for k in ("seconds", "calibration_seconds", "initial_proxy", "best_proxy", "time_budget_s")},
+    "history": ((list,), "a list of numbers", True), "answers_at": ((dict,), "an object {step: answer}", True),
+}
+
+
+def record_problem(rec: dict) -> str | None:
+    """What is wrong with a record's fields (a hand edit, another program's file), in words, or None: each field of
+    RECORD_FIELDS it has holds that JSON type (true is no number, "false" no boolean), the history numbers, the keys
+    of answers_at step counts. The one check of a record's fields: a resume moves such a record aside (record_key
+    raises), a report refuses it (report.check_records)."""
+    for name, (types, what, nullable) in RECORD_FIELDS.items():
+        if name not in rec or (rec[name] is None and nullable):
+            continue
+        v = rec[name]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            return f"field {name!r} must be {what}, got {json.dumps(v)[:60]}"
+    if any(not isinstance(x, (int, float)) or isinstance(x, bool) for x in rec.get("history") or ()):
+        return f"field 'history' must be a list of numbers, got {json.dumps(rec['history'])[:60]}"
+    bad = [k for k in rec.get("answers_at") or {} if not (k.isascii() and k.isdigit())]
+    if bad:
+        return f"field 'answers_at': {bad[0]!r} is not a step count"
+    return None
+
+
 def record_key(rec: dict) -> tuple[str, str, int]:
-    """(variant, task, uid); records without a variant field (single-method runs) are the 'sicl' variant."""
+    """(variant, task, uid); records without a variant field (single-method runs) are the 'sicl' variant. Raises
+    ValueError for a record whose fields do not read (record_problem): the results file moves it aside."""
+    problem = record_problem(rec)
+    if problem is not None:
+        raise ValueError(problem)
     return rec.get("variant", "sicl"), rec["task"], rec["uid"]
 
 

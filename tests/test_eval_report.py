@@ -358,6 +358,22 @@ def test_a_settings_model_that_is_no_object_is_shown_as_it_is(tmp_path):
     assert "model by-hand (None), float32" in render_markdown(build_report([run]))
 
 
+def test_report_refuses_one_file_twice_and_an_empty_name(tmp_path, capsys):
+    # issue 54 item 4: the same file given twice (or through a link) was two runs, its p-values counted twice by
+    # Fisher's method; an empty --names was a run without a name
+    from sicl_fast.commands.cli import main
+
+    path = _write_jsonl(tmp_path / "r.jsonl", synthetic_records(2, n=2))
+    (tmp_path / "link.jsonl").symlink_to(path)
+    for argv, needle in (([str(path), str(tmp_path / "link.jsonl")], "link.jsonl: is " + str(path) + " again"),
+                         ([str(path), str(tmp_path / "." / "r.jsonl")], "r.jsonl again"),
+                         ([str(path), "--names", " "], "--names: an empty name")):
+        assert main(["report", *argv, "--report", str(tmp_path / "RUN"), "--no-plots"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err
+    assert not (tmp_path / "RUN").exists()
+
+
 def test_report_refuses_duplicates(tmp_path):
     recs = synthetic_records(7)
     with pytest.raises(ValueError, match="duplicate"):

@@ -407,6 +407,12 @@ def test_sha256_mismatch_warns_but_loads(tmp_path):
     with pytest.warns(ICLEvalDataWarning, match=r"classifier_format\.json: sha256 .* differs"):
         samples = load_task(tmp_path / src.name)
     assert len(samples) == 2 and samples[0].task_file == "classifier_format"
+    # issue 54 item 4: icleval loads its tasks when it checks its flags and again when it runs them: one file was
+    # two warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load_dir(tmp_path)
+    assert not seen
 
 
 def test_errors_are_sicl_errors():

@@ -63,6 +63,17 @@ def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = 
     (written before records carried them) are a run of their own per model, "settings unknown"."""
     if names is not None and len(names) != len(paths):
         raise SiclError(f"{len(names)} names for {len(paths)} results files")
+    if names is not None and not all(n.strip() for n in names):
+        raise SiclError("--names: an empty name; give each run a name (or leave --names out: the records' model)")
+    seen: dict[tuple[int, int], str | os.PathLike] = {}
+    for p in paths:  # the same file twice (by identity: a link or another spelling of its path included) would count
+        try:         # its records as two runs' evidence (Fisher's method over runs)
+            st = os.stat(p)
+        except OSError:
+            continue  # read_records says what is wrong with it
+        if (st.st_dev, st.st_ino) in seen and stat.S_ISREG(st.st_mode):
+            raise SiclError(f"results file {p}: is {seen[st.st_dev, st.st_ino]} again; give each run's file once")
+        seen[st.st_dev, st.st_ino] = p
     runs: list[Run] = []
     used: set[str] = set()
     for i, p in enumerate(paths):

@@ -103,6 +103,9 @@ def sample_from_json(spec: TaskSpec, obj: Any, index: int) -> Sample:
     )
 
 
+_WARNED: set[tuple[str, str]] = set()  # (file, sha256) whose difference from the release load_task said
+
+
 def load_task(path: str | Path, check_sha256: bool = True) -> list[Sample]:
     """Load one task file. Its name must be one of the 13 ICLEval files (TASK_FILES, with ".json").
 
@@ -121,7 +124,10 @@ def load_task(path: str | Path, check_sha256: bool = True) -> list[Sample]:
         raise ICLEvalError(f"{spec.file_name}: cannot read {path}: {exc.strerror or exc}") from None
     if check_sha256:
         digest = hashlib.sha256(data).hexdigest()
-        if digest != spec.sha256:
+        if digest != spec.sha256 and (str(path.resolve()), digest) not in _WARNED:
+            # once a file and content per process: a command loads its tasks when it checks its flags and again when
+            # it runs them, and one file is not two warnings
+            _WARNED.add((str(path.resolve()), digest))
             warnings.warn(
                 f"{spec.file_name}: sha256 {digest} differs from the released ICLEval file ({spec.sha256}); "
                 f"loading it anyway",

@@ -71,7 +71,7 @@ def describe_missing(path: Path) -> str:
 BOM = "\ufeff"  # what Notepad and PowerShell put before UTF-8 text: no part of the JSON
 
 
-def json_value(data: bytes | str, where: str, error: type[SiclError] = SiclError, what: str = "JSON"):
+def json_value(data: bytes | str, where: str, error: type[Exception] = SiclError, what: str = "JSON"):
     """The JSON value of `data` (a line of a JSONL file, or a whole file), read as UTF-8 with a leading byte order
     mark dropped. Raises `error` "{where}: ..." when it is not: bytes that are not UTF-8, text that is not JSON (`what`
     names it: "invalid {what}: ..."), nesting too deep for the parser, a number too long to read (json raises a

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SiclWarning, require
+from ..formats.inputs import json_value
 from ..formats.records import check_out_dir
 from .entry import Calibration, Expected, fields_problem, meta_problem
 from .wait import wait
@@ -204,8 +205,8 @@ class DiskStore:
         from safetensors.torch import load as load_tensors
 
         try:
-            side = json.loads(sidecar.read_bytes())
-        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+            side = json_value(sidecar.read_bytes(), "sidecar", CorruptEntry)  # not JSON, not UTF-8, too deep
+        except OSError as exc:
             raise CorruptEntry(f"unreadable sidecar ({type(exc).__name__})") from None
         check_sidecar(side, key)
         try:

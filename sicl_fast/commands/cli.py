@@ -884,7 +884,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_gradstudy(args) -> int:
-    from ..diagnostics.gradstudy import StudySettings, study_prompt, study_settings, walk_config
+    from ..diagnostics.gradstudy import StudySettings, study_key, study_prompt, study_settings, walk_config
     from ..run.progress import progress_bar
     from ..formats.records import ResultWriter, check_out_dir, check_output, nothing_left
     from ..formats.requests import read_requests
@@ -903,7 +903,7 @@ def cmd_gradstudy(args) -> int:
         check_out_dir(args.report, "--report", STUDY_FILES, make=False)
     where, ids = f"--out {args.out}", [r.id for r in requests]
     key, early = _planned(args)  # a resume's settings checked before the model loads
-    done = early is not None and nothing_left(args.out, ids, check=resume_check(study_settings(
+    done = early is not None and nothing_left(args.out, ids, key=study_key, check=resume_check(study_settings(
         early.settings, _preset(early).with_overrides(**_overrides(args)), settings, args.add_special_tokens), where))
     if args.report:  # after the resume's check: a refused resume makes no folder
         check_out_dir(args.report, "--report", STUDY_FILES)
@@ -916,7 +916,7 @@ def cmd_gradstudy(args) -> int:
     prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written
     eng.check_steps(prompts, [walk_config(cfg)])  # and the walk's step checked for memory (issue 54: no 0-byte --out)
     want = study_settings(engine_settings(eng), cfg, settings, args.add_special_tokens)
-    with ResultWriter(args.out, settings=want, check=resume_check(want, where)) as out:
+    with ResultWriter(args.out, key=study_key, settings=want, check=resume_check(want, where)) as out:
         todo = [p for p in prompts if p.id not in out]
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",

@@ -1005,3 +1005,14 @@ def test_a_refused_request_leaves_no_export_folder(tiny_model_dir, tmp_path, cap
                  *FAST]) == 2
     one_line_error(capsys, "request 'long': field 'prompt': 9001 tokens exceed the model's context")
     assert not out.exists() and not export.exists()
+
+
+def test_a_request_refused_after_the_engine_opened_the_store_leaves_no_store_folder(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    # issue 54 item 4: the store's folders were made when the engine opened it, so a request refused only once the
+    # engine tokenized it (too long for the model) left DIR/entries, locks and corrupt behind
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, dict(STRUCT, id="long", query="word " * 6000)])
+    argv = ["calibrate", reqs, "--model", str(tiny_model_dir), "--out", str(tmp_path / "o.jsonl"), *FAST]
+    assert main([*argv, "--store", str(tmp_path / "st"), "--export", str(tmp_path / "emb")]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt':", "exceed the model's context")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]

@@ -452,6 +452,7 @@ def test_a_shard_folder_that_is_a_file_costs_only_the_disk_copy(tmp_path, caplog
     nothing is raised (before: FileExistsError from its mkdir, an internal error of the run)."""
     key = "s" * 40
     s = CalibrationStore(1 << 20, tmp_path)
+    (tmp_path / "entries").mkdir()  # the store makes its folders with its first lookup
     (tmp_path / "entries" / key[:2]).write_text("not a folder")
     with caplog.at_level("WARNING", logger="sicl_fast.store"):
         s.put(entry(key))

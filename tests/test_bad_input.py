@@ -134,6 +134,18 @@ def test_a_refused_resume_leaves_the_file_as_it_was(tmp_path):
         assert "a" in w
 
 
+def test_a_bad_file_that_cannot_be_one_is_named_and_the_results_left_as_they_were(tmp_path):
+    # issue 54 item 4: said "--out o.jsonl: cannot repair it for resuming: No such file or directory" (a dangling
+    # o.jsonl.bad), as if --out were missing
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b'{"id": "a"}\n{"id": "torn')
+    (tmp_path / "o.jsonl.bad").symlink_to(tmp_path / "gone" / "x")
+    with pytest.raises(ResultsFileError, match=r"o.jsonl: cannot put its 1 unreadable line\(s\) aside in .*o.jsonl.bad: "
+                                               "No such file or directory; the file is left as it was"):
+        ResultWriter(out)
+    assert out.read_bytes() == b'{"id": "a"}\n{"id": "torn'
+
+
 def test_a_clean_file_is_left_untouched(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a"}\n{"id": "b"}\n')

@@ -245,10 +245,14 @@ class ResultWriter:
             return
         if bad:
             bad_path = self.path.with_name(self.path.name + ".bad")
-            with bad_path.open("ab") as out:  # first put the unreadable lines safely aside
-                out.writelines(bad)
-                out.flush()
-                os.fsync(out.fileno())
+            try:
+                with bad_path.open("ab") as out:  # first put the unreadable lines safely aside
+                    out.writelines(bad)
+                    out.flush()
+                    os.fsync(out.fileno())
+            except OSError as exc:  # named: "cannot repair it: No such file or directory" read as --out's own
+                raise ResultsFileError(f"--out {self.path}: cannot put its {len(bad)} unreadable line(s) aside in "
+                                       f"{bad_path}: {_os_reason(exc)}; the file is left as it was") from None
             self.moved_aside = len(bad)
             warnings.warn(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; "
                           f"{len(keep)} record(s) kept", SiclWarning, stacklevel=4)

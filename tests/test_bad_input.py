@@ -245,6 +245,24 @@ def test_icleval_needs_a_regular_out(tmp_path, capsys, no_model):
     one_line_error(capsys, "regular file")
 
 
+def test_icleval_out_that_is_one_of_its_task_files_is_refused(tmp_path, capsys, no_model):
+    # issue 54 item 4: the task file's lines were moved to FILE.bad as unreadable records and the task file emptied
+    # (calibrate and gradstudy refuse their input file as --out; icleval compared nothing)
+    import shutil
+
+    from conftest import ICLEVAL_EXCERPTS
+
+    data = tmp_path / "data"
+    shutil.copytree(ICLEVAL_EXCERPTS, data)
+    before = (data / "generate_order.json").read_bytes()
+    (tmp_path / "link.json").symlink_to(data / "generate_order.json")
+    for out in (data / "generate_order.json", tmp_path / "link.json"):
+        assert main(["icleval", str(data), "--limit", "1", "--out", str(out)]) == 2
+        one_line_error(capsys, f"is the input file {data / 'generate_order.json'}; the results need a file of "
+                               "their own")
+    assert (data / "generate_order.json").read_bytes() == before and not (data / "generate_order.json.bad").exists()
+
+
 # --------------------------------------------------------------------------------------- 4, 10: the Python API
 
 

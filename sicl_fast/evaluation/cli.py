@@ -114,7 +114,7 @@ def check_icleval_args(args, knobs: dict | None = None) -> None:
     if args.report:
         require("matplotlib")
         check_out_dir(args.report, "--report", REPORT_FILES, make=False)
-    check_records_out(args.out)
+    check_records_out(args.out, args.dir)
     select_samples(args.dir, args.tasks, args.limit)
 
 

@@ -41,6 +41,7 @@ from ..calibration.ascent import CalibrationConfig
 from ..errors import ResultsFileError, SiclError
 from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
+from ..icleval.tasks import TASK_FILES
 from ..icleval.scoring import max_gen_len, score, should_stop
 from ..formats.records import STDOUT, ResultWriter, check_output, read_records
 from ..run.settings import fallback_settings, resume_check, run_settings, settings_diff
@@ -431,11 +432,14 @@ def select_samples(data_dir, tasks=None, limit: int | None = None) -> list[Sampl
     return [s for name in data for s in (data[name][:limit] if limit is not None else data[name])]
 
 
-def check_records_out(out_path) -> None:
-    """The records are read back for the tables: --out must be a regular file (or a new one), not '-' or a pipe."""
+def check_records_out(out_path, data_dir=None) -> None:
+    """The records are read back for the tables: --out must be a regular file (or a new one), not '-' or a pipe; and
+    none of the task files of `data_dir` (by identity: a link to one too), whose lines the results file would move
+    aside as unreadable records, leaving the task file empty."""
     if str(out_path) == STDOUT or (Path(out_path).exists() and not Path(out_path).is_file()):
         raise ResultsFileError(f"--out {out_path}: icleval reads its records back for the tables; give a regular file")
-    check_output(out_path)
+    tasks = [] if data_dir is None else [Path(data_dir) / f"{name}.json" for name in TASK_FILES]
+    check_output(out_path, inputs=[p for p in tasks if p.is_file()])
 
 
 def run_methods(
@@ -466,7 +470,7 @@ def run_methods(
 
     from ..run.progress import StepProgress, progress_bar
 
-    check_records_out(out_path)
+    check_records_out(out_path, data_dir)
     options = options or BaselineOptions()
     workers = as_workers(engine)
     variants = build_variants(methods, workers, config, sicl_variants, options)

@@ -245,6 +245,28 @@ def test_icleval_needs_a_regular_out(tmp_path, capsys, no_model):
     one_line_error(capsys, "regular file")
 
 
+def test_a_report_folder_whose_files_would_replace_an_input_is_refused(tmp_path, capsys, no_model):
+    # issue 54 item 4: `report RUN/report.json --report RUN` replaced its own results file with the report (exit 0), and
+    # icleval --out RUN/report.json --report RUN or gradstudy --out RUN/study.json --report RUN their records
+    from conftest import ICLEVAL_EXCERPTS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text('{"task": "classifier_order", "uid": 0, "correct_base": true, '
+                                     '"correct_calibrated": true}\n')
+    before = (run / "report.json").read_bytes()
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    for argv, name in ((["report", str(run / "report.json"), "--report", str(run), "--no-plots"], "report.json"),
+                       (["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", str(tmp_path / "new" / "report.md"),
+                         "--report", str(tmp_path / "new")], "report.md"),
+                       (["gradstudy", reqs, "--out", str(tmp_path / "g" / "study.json"), "--report",
+                         str(tmp_path / "g")], "study.json")):
+        assert main(argv) == 2
+        one_line_error(capsys, f"its {name} would replace ", "a file this run reads")
+    assert (run / "report.json").read_bytes() == before and sorted(p.name for p in run.iterdir()) == ["report.json"]
+    assert not (tmp_path / "new").exists() and not (tmp_path / "g").exists()
+
+
 def test_icleval_out_that_is_one_of_its_task_files_is_refused(tmp_path, capsys, no_model):
     # issue 54 item 4: the task file's lines were moved to FILE.bad as unreadable records and the task file emptied
     # (calibrate and gradstudy refuse their input file as --out; icleval compared nothing)

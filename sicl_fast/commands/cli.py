@@ -900,7 +900,8 @@ def cmd_gradstudy(args) -> int:
     check_output(args.out, inputs=[args.requests])
     if args.report:
         require("matplotlib")
-        check_out_dir(args.report, "--report", STUDY_FILES, make=False)
+        check_out_dir(args.report, "--report", STUDY_FILES, make=False, files=STUDY_NAMES,
+                      inputs=[args.out, args.requests])
     where, ids = f"--out {args.out}", [r.id for r in requests]
     key, early = _planned(args)  # a resume's settings checked before the model loads
     done = early is not None and nothing_left(args.out, ids, key=study_key, check=resume_check(study_settings(
@@ -928,6 +929,7 @@ def cmd_gradstudy(args) -> int:
 
 
 STUDY_FILES = "study.md, study.json and the plots"  # what gradstudy's --report folder gets, for its messages
+STUDY_NAMES = ("study.md", "study.json")  # the files its write_report puts there, none of which may be an input
 
 
 def _study_table(args, ids, settings, title: str) -> int:

@@ -21,6 +21,7 @@ from .icleval_cls import DCPMI_PREMISES
 from .methods import CALIBRATIONS, METHODS, BaselineOptions, run_methods
 
 REPORT_FILES = "report.md, report.json and plots/"  # what --report's folder gets, for its messages
+REPORT_NAMES = ("report.md", "report.json")  # the files write_report puts in it, none of which may be an input
 
 
 def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +114,7 @@ def check_icleval_args(args, knobs: dict | None = None) -> None:
     require("scipy")
     if args.report:
         require("matplotlib")
-        check_out_dir(args.report, "--report", REPORT_FILES, make=False)
+        check_out_dir(args.report, "--report", REPORT_FILES, make=False, files=REPORT_NAMES, inputs=[args.out])
     check_records_out(args.out, args.dir)
     select_samples(args.dir, args.tasks, args.limit)
 
@@ -214,7 +215,7 @@ def report_from_args(args, file=None) -> int:
     if not args.no_plots:
         require("matplotlib")
     runs = load_runs(args.results, args.names)
-    check_out_dir(args.report, "--report", REPORT_FILES)
+    check_out_dir(args.report, "--report", REPORT_FILES, files=REPORT_NAMES, inputs=args.results)
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:
         write_summary_into(args.summary_into, name, rep, source=", ".join(map(str, args.results)))

@@ -52,11 +52,7 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
         example = p / ("results.jsonl" if flag == "--out" else "report.md")
         raise ResultsFileError(f"{flag} {p}: is a directory; give a file name (e.g. {example})")
     for src in inputs:
-        src = Path(src)
-        same = p.resolve() == src.resolve()
-        if not same and p.exists() and src.exists():
-            same = os.path.samefile(p, src)
-        if same:
+        if _same_file(p, src):
             raise ResultsFileError(f"{flag} {p}: is the input file {src}; the results need a file of their own")
     if p.exists():
         if not os.access(p, os.W_OK):
@@ -65,6 +61,15 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
     why = _cannot_create(p)
     if why is not None:
         raise ResultsFileError(f"{flag} {p}: {why}")
+
+
+def _same_file(path: str | os.PathLike, other: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same path once resolved (a file not made yet included), or the same file
+    (a hard link)."""
+    path, other = Path(path), Path(other)
+    if path.resolve() == other.resolve():
+        return True
+    return path.exists() and other.exists() and os.path.samefile(path, other)
 
 
 def _cannot_create(path: Path) -> str | None:
@@ -90,13 +95,15 @@ def folder_arg(text: str) -> str:
     return text
 
 
-def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool = True) -> Path:
+def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool = True,
+                  files: Iterable[str] = (), inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
     it cannot be a writable folder: an empty name, a file, a dangling link or a link loop (the folder's or one on the
     way to it), no permission. `what`: what goes in it, for the message. make=False: the same checks without making
     it (its nearest existing parent a folder this process may write to): a command checks its flags first, then a
     resume, and makes its folders only once the resume is not refused (or with their first file: --export,
-    --store)."""
+    --store). files, inputs: the files the command writes in it (report.md, ...) and those it reads or appends to (its
+    results file): one of those would be replaced by the other, refused."""
     if not str(directory).strip():  # Path("") is the current folder, which would fill with the outputs
         raise SiclError(f"{flag}: an empty folder name; give a folder for {what}")
     path = Path(directory)
@@ -104,6 +111,11 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool
         raise SiclError(f"{flag} {path}: {describe_missing(path)}")
     if path.exists() and not path.is_dir():
         raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
+    for name in files:
+        for src in inputs:
+            if str(src) != STDOUT and _same_file(path / name, src):
+                raise SiclError(f"{flag} {path}: its {name} would replace {src}, a file this run reads; give {what} a "
+                                "folder of their own")
     if not path.exists():
         why = _cannot_create(path)
         if why is not None:

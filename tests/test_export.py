@@ -190,6 +190,16 @@ def test_calibrate_export_to_a_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--export" in err[0] and "is a file" in err[0]
     assert not (tmp_path / "o.jsonl").exists()
+    # issue 54 item 4: an --export file that is --out (or the requests file) replaced it with the embeddings, exit 0
+    for out, inp in ((tmp_path / "emb" / f"{REQ['id']}.safetensors", reqs),
+                     (tmp_path / "o.jsonl", str(tmp_path / f"{REQ['id']}.safetensors"))):
+        if inp != reqs:
+            Path(inp).write_text(Path(reqs).read_text())
+        assert main(["calibrate", str(inp), "--out", str(out), "--export", str(out.parent if inp == reqs else tmp_path),
+                     "--model", str(tmp_path / "no-model")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"its {REQ['id']}.safetensors would replace " in err[0], err
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -175,10 +175,13 @@ def export_path(directory: str | os.PathLike, rid: str) -> Path:
     return Path(directory) / f"{name}.safetensors"
 
 
-def check_export_dir(directory: str | os.PathLike) -> Path:
-    """Check the --export folder before any model is loaded (SiclError when it cannot be a writable folder); it is
+def check_export_dir(directory: str | os.PathLike, ids: Iterable[str] = (),
+                     inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """Check the --export folder before any model is loaded (SiclError when it cannot be a writable folder, or when
+    the file of one of the request `ids` would replace one of `inputs`: the results file, the requests file); it is
     made with its first file (CalibratedEmbeddings.save), so a run refused before then leaves none behind."""
-    return check_out_dir(directory, "--export", "the embeddings files", make=False)
+    return check_out_dir(directory, "--export", "the embeddings files", make=False,
+                         files=[export_path(directory, rid).name for rid in ids], inputs=inputs)
 
 
 class ExportingWriter:

@@ -750,6 +750,8 @@ def cmd_calibrate(args) -> int:
     requests = list(read_requests(args.requests))
     _check_flags(args)
     check_output(args.out, inputs=[args.requests])
+    if args.export:  # checked, not made (with its first file): a refused resume or request makes no folder
+        check_export_dir(args.export, [r.id for r in requests], [args.out, args.requests])
     where = f"--out {args.out}"
     key, early = _planned(args)  # a resume's settings checked before the model loads (None: a new file, not known)
     if early is not None:
@@ -758,8 +760,6 @@ def cmd_calibrate(args) -> int:
         if nothing_left(args.out, [r.id for r in requests], check=resume_check(want, where)):
             print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
             return 0  # a finished run resumed: no model to load
-    if args.export:  # after the resume's check: a refused resume makes no folder
-        check_export_dir(args.export)
     with _workers(args, early=early) as workers:
         _remember(args, key, workers.facts)
         cfg = workers.config(**_overrides(args))

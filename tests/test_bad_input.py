@@ -140,8 +140,8 @@ def test_a_bad_file_that_cannot_be_one_is_named_and_the_results_left_as_they_wer
     out = tmp_path / "o.jsonl"
     out.write_bytes(b'{"id": "a"}\n{"id": "torn')
     (tmp_path / "o.jsonl.bad").symlink_to(tmp_path / "gone" / "x")
-    with pytest.raises(ResultsFileError, match=r"o.jsonl: cannot put its 1 unreadable line\(s\) aside in .*o.jsonl.bad: "
-                                               "No such file or directory; the file is left as it was"):
+    with pytest.raises(ResultsFileError, match=r"o.jsonl: cannot put its 1 unreadable line\(s\) aside in "
+                                               ".*o.jsonl.bad: No such file or directory; the file is left as it was"):
         ResultWriter(out)
     assert out.read_bytes() == b'{"id": "a"}\n{"id": "torn'
 

@@ -214,8 +214,10 @@ def report_from_args(args, file=None) -> int:
     require("scipy")
     if not args.no_plots:
         require("matplotlib")
+    # the folder before the records (a flag before the work), made once they read: a refused report makes none
+    check_out_dir(args.report, "--report", REPORT_FILES, make=False, files=REPORT_NAMES, inputs=args.results)
     runs = load_runs(args.results, args.names)
-    check_out_dir(args.report, "--report", REPORT_FILES, files=REPORT_NAMES, inputs=args.results)
+    check_out_dir(args.report, "--report", REPORT_FILES)
     rep = write_report(args.report, runs, plots=not args.no_plots)
     if args.summary_into:
         write_summary_into(args.summary_into, name, rep, source=", ".join(map(str, args.results)))

@@ -67,8 +67,11 @@ def _same_file(path: str | os.PathLike, other: str | os.PathLike) -> bool:
     """Whether two paths name one file: the same path once resolved (a file not made yet included), or the same file
     (a hard link)."""
     path, other = Path(path), Path(other)
-    if path.resolve() == other.resolve():
-        return True
+    try:
+        if path.resolve() == other.resolve():
+            return True
+    except (OSError, RuntimeError):  # a link loop on the way (RuntimeError): no file, so none the other is
+        return False
     return path.exists() and other.exists() and os.path.samefile(path, other)
 
 
@@ -111,15 +114,15 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool
         raise SiclError(f"{flag} {path}: {describe_missing(path)}")
     if path.exists() and not path.is_dir():
         raise SiclError(f"{flag} {path}: is a file; give a folder for {what}")
+    if not path.exists():
+        why = _cannot_create(path)
+        if why is not None:
+            raise SiclError(f"{flag} {path}: {why}")
     for name in files:
         for src in inputs:
             if str(src) != STDOUT and _same_file(path / name, src):
                 raise SiclError(f"{flag} {path}: its {name} would replace {src}, a file this run reads; give {what} a "
                                 "folder of their own")
-    if not path.exists():
-        why = _cannot_create(path)
-        if why is not None:
-            raise SiclError(f"{flag} {path}: {why}")
     if not make:
         return path
     try:

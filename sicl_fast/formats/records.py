@@ -152,12 +152,17 @@ class ResultWriter:
     sicl_fast.run.settings), beneath the settings a record brings of its own (the engine's part after a fallback:
     commands.work); check: called with the records the file holds once it is opened and read, before it is
     repaired and before anything is written (a resume's settings check, sicl_fast.run.settings.resume_check: it
-    raises to refuse, and a refused resume leaves the file as it was, a torn last line included).
+    raises to refuse, and a refused resume leaves the file as it was, a torn last line included). repair=False:
+    read and check only, the repair left to `repair()` (nothing_left: a run that goes on to load its model may still
+    be refused, a request too long, and refused means untouched).
     written: records written by this writer; done: the keys in the file (resumed and written).
     """
 
     def __init__(self, path: str | os.PathLike, key: Callable[[dict], object] = lambda r: r["id"],
-                 settings: dict | None = None, check: Callable[[list[dict]], None] | None = None) -> None:
+                 settings: dict | None = None, check: Callable[[list[dict]], None] | None = None,
+                 repair: bool = True) -> None:
+        self._repair_now = repair
+        self._found: tuple | None = None  # what _read found, for a repair() later (repair=False)
         self.key = key
         self.settings = settings
         self.check = check
@@ -198,7 +203,10 @@ class ResultWriter:
             found = self._read(fh)
             if self.check is not None:
                 self.check(self.records)
-            self._repair(fh, *found)
+            if self._repair_now:
+                self._repair(fh, *found)
+            else:
+                self._found = found
         except OSError as exc:
             fh.close()
             raise ResultsFileError(f"--out {self.path}: cannot repair it for resuming: {_os_reason(exc)}") from None
@@ -284,6 +292,16 @@ class ResultWriter:
         os.fsync(fh.fileno())
         backup.unlink()
 
+    def repair(self) -> None:
+        """The repair a writer opened with repair=False left (its file's unreadable lines moved aside, duplicates
+        dropped), as opening with repair=True makes it."""
+        if self._found is not None:
+            found, self._found = self._found, None
+            try:
+                self._repair(self._fh, *found)
+            except OSError as exc:
+                raise ResultsFileError(f"--out {self.path}: cannot repair it: {_os_reason(exc)}") from None
+
     def __contains__(self, key) -> bool:
         return key in self.done
 
@@ -336,8 +354,12 @@ def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], 
     p = Path(path)
     if str(path) == STDOUT or not p.is_file():
         return False
-    with ResultWriter(p, key, check=check) as out:
+    # repaired only when nothing is left: a run with work loads its model and may be refused yet (a request too
+    # long for it), and a refused run leaves its file as it was; the writer it opens then repairs it
+    with ResultWriter(p, key, check=check, repair=False) as out:
         done = all(k in out for k in keys)
+        if done:
+            out.repair()  # the finished run's records are read back (its table): a torn line moved aside first
     OPENED.remove(out)  # it wrote nothing: no part of an interrupted run's summary
     return done
 

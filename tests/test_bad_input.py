@@ -1067,4 +1067,24 @@ def test_a_request_refused_after_the_engine_opened_the_store_leaves_no_store_fol
     argv = ["calibrate", reqs, "--model", str(tiny_model_dir), "--out", str(tmp_path / "o.jsonl"), *FAST]
     assert main([*argv, "--store", str(tmp_path / "st"), "--export", str(tmp_path / "emb")]) == 2
     one_line_error(capsys, "request 'long': field 'prompt':", "exceed the model's context")
+    # and gradstudy's --report folder (made after the resume's check, before the requests were tokenized)
+    assert main(["gradstudy", reqs, "--model", str(tiny_model_dir), "--out", str(tmp_path / "g.jsonl"), "--report",
+                 str(tmp_path / "rep"), "--study-N", "2", "--seeds", "1", "--points", "0"]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt':", "exceed the model's context")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
+def test_a_run_refused_after_its_resume_was_read_leaves_the_file_as_it_was(tiny_model_dir, tmp_path, capsys):
+    # issue 54 item 4 (a recovery before a refusal): the resume's early read (nothing_left) moved a torn last line to
+    # OUT.bad and rewrote the file, then a request too long for the model refused the run
+    out = tmp_path / "o.jsonl"
+    argv = ["--model", str(tiny_model_dir), "--out", str(out), *FAST]
+    assert main(["calibrate", write_jsonl(tmp_path / "one.jsonl", [STRUCT]), *argv]) == 0
+    with out.open("ab") as fh:
+        fh.write(b'{"id": "tor')
+    before = out.read_bytes()
+    capsys.readouterr()
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, dict(STRUCT, id="long", query="word " * 6000)])
+    assert main(["calibrate", reqs, *argv]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt':")
+    assert out.read_bytes() == before and not (tmp_path / "o.jsonl.bad").exists()

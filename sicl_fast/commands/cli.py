@@ -787,15 +787,12 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_icleval(args) -> int:
-    from ..evaluation.cli import REPORT_FILES, check_icleval_args, finished_run, print_report, run_icleval_from_args
-    from ..formats.records import check_out_dir
+    from ..evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
 
     _check_flags(args)
     check_icleval_args(args, {k: v for k, v in _overrides(args).items() if v is not None})
     key, early = _planned(args)  # a resume's settings checked before the model loads
-    done = finished_run(args, _overrides(args), early)
-    if args.report:  # after the resume's check: a refused resume makes no folder
-        check_out_dir(args.report, "--report", REPORT_FILES)
+    done = finished_run(args, _overrides(args), early)  # --report checked with the flags, made with the report
     if done is not None:  # a finished run resumed: its report, without loading the model
         print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
         return print_report(*done, args)
@@ -906,9 +903,7 @@ def cmd_gradstudy(args) -> int:
     key, early = _planned(args)  # a resume's settings checked before the model loads
     done = early is not None and nothing_left(args.out, ids, key=study_key, check=resume_check(study_settings(
         early.settings, _preset(early).with_overrides(**_overrides(args)), settings, args.add_special_tokens), where))
-    if args.report:  # after the resume's check: a refused resume makes no folder
-        check_out_dir(args.report, "--report", STUDY_FILES)
-    if done:
+    if done:  # --report checked with the flags and made with the report: a refused run (a request too long) makes none
         print(f"nothing to do: all {len(ids)} requests are already in {args.out}", file=sys.stderr)
         return _study_table(args, ids, settings, early.name)
     eng = _engine(args, early=early)

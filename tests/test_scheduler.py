@@ -462,3 +462,27 @@ def test_an_engine_runs_one_calibration_at_a_time(engine, sched):
     go.set()
     other.join(60)
     assert queued.result(60).history == ref.history and out["r"].steps == 6
+
+
+def test_threads_asking_for_the_engine_scheduler_at_once_share_one(tiny_llama, one_thread):
+    """Engine.scheduler() called from 8 threads at once on first use gives all of them the one scheduler (second
+    probe of issue #52). Before, each thread that saw none yet started its own: up to 8 scheduler threads on one
+    engine, answers split over them instead of decoding together, all but the last never closed."""
+    eng = Engine(tiny_llama)
+    start, got = threading.Barrier(8), []
+
+    def ask() -> None:
+        start.wait(10)
+        got.append(eng.scheduler())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    made = {id(s): s for s in got}
+    try:
+        assert len(got) == 8 and len(made) == 1
+    finally:
+        for s in made.values():
+            assert s.close()

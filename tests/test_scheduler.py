@@ -486,3 +486,55 @@ def test_threads_asking_for_the_engine_scheduler_at_once_share_one(tiny_llama, o
     finally:
         for s in made.values():
             assert s.close()
+
+
+def test_a_request_whose_own_code_raises_a_base_exception_fails_alone(engine, stored, alone):
+    """A Call, an on_text or an observer raising what is not an Exception (asyncio.CancelledError, which user code
+    driving an event loop meets; KeyboardInterrupt) fails its own request (or, on_text, ends its answer there), and
+    the scheduler goes on (second probe of issue #52). Before, it ended the scheduler's thread: that request and
+    every later one waited for ever."""
+    class Loud(Observer):
+        def decoded(self, rows: int, tokens: int, seconds: float) -> None:
+            raise asyncio.CancelledError()
+
+    def raise_(exc):
+        raise exc
+
+    s = Scheduler(engine, observer=Loud())
+    try:
+        for exc in (asyncio.CancelledError, KeyboardInterrupt):
+            with pytest.raises(exc):
+                s.call(lambda e, exc=exc: raise_(exc())).result(10)
+        cut = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=(),
+                       on_text=lambda text: raise_(asyncio.CancelledError()))
+        assert tokens(cut) == alone["nine"][:1]  # it stopped at its first token, as any failing listener's does
+        assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+    finally:
+        assert s.close(10)
+
+
+def test_a_packed_slot_whose_on_step_raises_fails_alone(packing):
+    """Packing forced (pack 2): one request's on_step raising stops its own slot at the read, its ticket raising
+    that error (as Engine.calibrate alone raises it), and the other request's slot runs on to its own result within
+    the packed step's tolerance (second probe of issue #52). Before, the error failed every slot of the packed step:
+    the other request got the first one's ValueError."""
+    prompts = [packing.prepare(request(q, demos=(("one" * (i + 1), "1"), ("seven", "7" * (i + 1)))))
+               for i, q in enumerate(("five", "nine"))]
+    cfg = packing.config(max_steps=6, N=4, tau=0.0)
+    ref = packing.calibrate(prompts[1], cfg, reuse="off")
+
+    def fails(step: int, f: float) -> None:
+        if step == 2:
+            raise ValueError("the request's own on_step")
+
+    s = Scheduler(packing)
+    try:
+        with engine_lock(packing):
+            bad = s.calibrate(prompts[0], cfg, on_step=fails)
+            good = s.calibrate(prompts[1], cfg)
+        with pytest.raises(ValueError, match="own on_step"):
+            bad.result(60)
+        got = good.result(60)
+        assert got.steps == ref.steps and got.history == pytest.approx(ref.history, rel=1e-5, abs=0)
+    finally:
+        s.close()

@@ -288,7 +288,7 @@ class Scheduler:
                     self._done(item, res)
                     return
             cost = self.refuse_alone(item)
-        except Exception as exc:  # noqa: BLE001 - the request's own failure
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure
             self._owner[item] = (op, i, Cost())
             self._done(item, error=exc)
             return
@@ -356,7 +356,7 @@ class Scheduler:
             self._mean_s = 0.8 * self._mean_s + 0.2 * t.batch_seconds
             try:
                 self.observer.finished(t)
-            except Exception:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001 - the observer's failure is no request's
                 log.exception("the scheduler's observer failed")
 
     def _is_waiting(self, item) -> bool:
@@ -432,7 +432,7 @@ class Scheduler:
                     self.answers.start(item, item)
                 else:
                     self.work.start(item, item, t.stop_reason)
-            except Exception as exc:  # noqa: BLE001 - the item's own failure (bad input found late)
+            except BaseException as exc:  # noqa: BLE001 - the item's own failure (bad input found late)
                 self._done(item, error=exc)
 
     def _refuse(self) -> None:
@@ -466,7 +466,7 @@ class Scheduler:
         if name == "answers":
             try:
                 self.observer.decoded(rows, self.answers.tokens - tokens, seconds)
-            except Exception:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001 - the observer's failure is no request's
                 log.exception("the scheduler's observer failed")
         with self._cond:
             for item, result, error in done:

@@ -538,3 +538,43 @@ def test_a_packed_slot_whose_on_step_raises_fails_alone(packing):
         assert got.steps == ref.steps and got.history == pytest.approx(ref.history, rel=1e-5, abs=0)
     finally:
         s.close()
+
+
+def test_a_flow_whose_cleanup_fails_ends_alone(engine, stored, alone):
+    """A flow (Scheduler.submit) cancelled while its answer decodes is closed; when its own cleanup fails (a
+    `finally` that raises, a GeneratorExit it ignores) the request still ends Cancelled and the scheduler goes on
+    (second probe of issue #52). Before, the failure ended the scheduler's thread: every later request waited for
+    ever."""
+    from sicl_fast.scheduler import Answer
+
+    query = engine.prepare(request("nine"), reserve=200)
+
+    def raising():
+        try:
+            return (yield Answer(query, 200, (), calibration=stored))
+        finally:
+            raise ValueError("the flow's own cleanup")
+
+    def stubborn():
+        ignored = False
+        while True:
+            try:
+                return (yield Answer(query, 200, (), calibration=stored))
+            except GeneratorExit:
+                if ignored:  # the second close (its collection) ends it
+                    raise
+                ignored = True
+
+    s = Scheduler(engine)
+    try:
+        for flow in (raising, stubborn):
+            started = threading.Event()
+            t = s.submit(flow(), "custom")
+            s.answer(stored, request("five"), max_new_tokens=1, stop_strings=(),
+                     on_text=lambda text: started.set()).result(10)  # the custom answer is in the batch by now
+            t.cancel()
+            with pytest.raises(Cancelled):
+                t.result(10)
+        assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+    finally:
+        assert s.close(10)

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Generator
 from typing import Any
+
+log = logging.getLogger("sicl_fast.scheduler")
 
 
 class QueueFull(Exception):
@@ -79,9 +82,15 @@ class Ticket:
         return min(due)[1] if due else None
 
     def end(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Set the outcome (once; a waiter that gave up on the future is not an error)."""
+        """Set the outcome (once; a waiter that gave up on the future is not an error). A flow ended while it waits
+        at a yield (cancelled, refused, drained) is closed: a failure of its own cleanup (a `finally` that raises, a
+        GeneratorExit ignored) is logged and leaves the outcome as it is."""
         self.finished = time.monotonic()
-        self.flow.close()
+        try:
+            self.flow.close()
+        except BaseException:  # noqa: BLE001 - the flow's own failure: it must not end the scheduler's thread
+            log.warning("request %r: its flow failed as it was closed; it ends as it was ending", self.kind,
+                        exc_info=True)
         try:
             if error is None:
                 self.future.set_result(result)

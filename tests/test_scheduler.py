@@ -389,6 +389,10 @@ async def _awaited(ticket):
     return await ticket
 
 
+def _raise(exc: BaseException):
+    raise exc
+
+
 def test_a_calibration_waiting_for_bytes_does_not_hold_answers_back(packing):
     """--max-batch-bytes that fits one packed calibration and an answer, not two calibrations (pack 2): a second
     calibration waits for the bytes the first holds, and an answer that comes meanwhile is served while the first
@@ -497,16 +501,13 @@ def test_a_request_whose_own_code_raises_a_base_exception_fails_alone(engine, st
         def decoded(self, rows: int, tokens: int, seconds: float) -> None:
             raise asyncio.CancelledError()
 
-    def raise_(exc):
-        raise exc
-
     s = Scheduler(engine, observer=Loud())
     try:
         for exc in (asyncio.CancelledError, KeyboardInterrupt):
             with pytest.raises(exc):
-                s.call(lambda e, exc=exc: raise_(exc())).result(10)
+                s.call(lambda e, exc=exc: _raise(exc())).result(10)
         cut = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=(),
-                       on_text=lambda text: raise_(asyncio.CancelledError()))
+                       on_text=lambda text: _raise(asyncio.CancelledError()))
         assert tokens(cut) == alone["nine"][:1]  # it stopped at its first token, as any failing listener's does
         assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
     finally:
@@ -575,6 +576,25 @@ def test_a_flow_whose_cleanup_fails_ends_alone(engine, stored, alone):
             t.cancel()
             with pytest.raises(Cancelled):
                 t.result(10)
+        assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+    finally:
+        assert s.close(10)
+
+
+def test_a_done_callback_raising_a_base_exception_skips_nothing(engine, stored, alone):
+    """A done-callback of a ticket's future that raises asyncio.CancelledError (a BaseException) is logged: the
+    callbacks after it run (an asyncio task awaiting the ticket gets its result) and the scheduler goes on (second
+    probe of issue #52). Before, concurrent.futures let it through: the awaiting task waited for ever and the
+    scheduler's thread ended."""
+    s = Scheduler(engine)
+
+    async def main():
+        t = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=())
+        t.future.add_done_callback(lambda f: _raise(asyncio.CancelledError()))
+        return await asyncio.wait_for(_awaited(t), 10)
+
+    try:
+        assert asyncio.run(main()).token_ids == alone["nine"]
         assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
     finally:
         assert s.close(10)

@@ -598,3 +598,31 @@ def test_a_done_callback_raising_a_base_exception_skips_nothing(engine, stored, 
         assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
     finally:
         assert s.close(10)
+
+
+def test_one_work_item_yielded_twice_runs_twice(engine, sched, stored, alone):
+    """A flow that yields one item object twice (`[Answer(...)] * 2`), and two requests whose flows yield the same
+    item object at once, each get the item's own result, and nothing stays held (second probe of issue #52). Before,
+    the scheduler kept one place per item object: the second use took the first's, its request waited for ever and
+    its cost stayed held (the scheduler busy, the limits shrunk for good)."""
+    from sicl_fast.scheduler import Answer, Cost
+
+    query = engine.prepare(request("nine"), reserve=NEW)
+    item = Answer(query, NEW, (), calibration=stored)
+
+    def twice():
+        return (yield [item] * 2)
+
+    def once():
+        return (yield item)
+
+    with engine_lock(engine):  # taken in together: the same item in flight for two requests at once
+        both = sched.submit(twice(), "twice")
+        first, second = sched.submit(once(), "once"), sched.submit(once(), "once")
+    assert [g.token_ids for g in both.result(30)] == [alone["nine"]] * 2
+    assert tokens(first) == tokens(second) == alone["nine"]
+    end = time.monotonic() + 30
+    while sched.busy:
+        assert time.monotonic() < end, "the repeated item is still held"
+        time.sleep(0.01)
+    assert sched.used == Cost()

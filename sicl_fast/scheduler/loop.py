@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import dataclasses
 import logging
 import math
 import threading
@@ -270,6 +271,10 @@ class Scheduler:
                                          "flow yields scheduler.work items (Calibrate, Answer, Call) or a list of "
                                          "them"))
             return
+        # the scheduler keys work in flight by the item object: one yielded again (the same Answer twice in a list,
+        # or one that another request has in flight) runs as a copy of its own
+        op.items = [dataclasses.replace(item) if item in self._owner or any(item is x for x in op.items[:k]) else item
+                    for k, item in enumerate(op.items)]
         op.results, op.left, op.error = [None] * len(op.items), len(op.items), None
         if not op.items:
             self._advance(op, [])

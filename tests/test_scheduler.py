@@ -626,3 +626,29 @@ def test_one_work_item_yielded_twice_runs_twice(engine, sched, stored, alone):
         assert time.monotonic() < end, "the repeated item is still held"
         time.sleep(0.01)
     assert sched.used == Cost()
+
+
+def test_submit_takes_a_new_generator_only(engine, sched, stored, alone):
+    """Scheduler.submit refuses, in one line naming what it got, what is not a generator not yet started: a number,
+    a generator the caller advanced, one generator submitted twice (second probe of issue #52). Before, the first
+    two failed later on their tickets (an AttributeError about `.send`), and the last two were resumed with None: a
+    silent None result, or the other ticket's answer cut off."""
+    from sicl_fast.scheduler import Answer
+
+    query = engine.prepare(request("nine"), reserve=NEW)
+
+    def flow():
+        return (yield Answer(query, NEW, (), calibration=stored)).token_ids
+
+    with pytest.raises(TypeError, match="got int"):
+        sched.submit(5)
+    started = flow()
+    next(started)
+    with pytest.raises(TypeError, match="already suspended"):
+        sched.submit(started)
+    started.close()
+    twice = flow()
+    first = sched.submit(twice)
+    with pytest.raises(TypeError, match="already (submitted|suspended)"):  # queued, or started by now
+        sched.submit(twice)
+    assert first.result(30) == alone["nine"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import dataclasses
+import inspect
 import logging
 import math
 import threading
@@ -137,9 +138,14 @@ class Scheduler:
 
     def submit(self, flow: Generator, kind: str = "request", deadline: float | None = None) -> Ticket:
         """Queue a flow (scheduler.tickets); ShuttingDown while draining. A request that cannot be admitted while
-        max_queue others wait ends with QueueFull (its ticket's exception)."""
+        max_queue others wait ends with QueueFull (its ticket's exception). A flow is a generator not yet started
+        (the scheduler sends it its first None): anything else is a TypeError here, before it is queued."""
         ticket = Ticket(flow, kind, deadline)
-        with self._cond:
+        with self._cond:  # read where the scheduler starts flows (_main): a flow submitted twice is seen here
+            what = self._not_new(flow)
+            if what is not None:
+                raise TypeError(f"Scheduler.submit: a flow is a generator not yet started (it yields scheduler.work "
+                                f"items: scheduler.tickets), got {what}")
             if self._draining:
                 raise ShuttingDown()
             self._seq += 1
@@ -148,6 +154,16 @@ class Scheduler:
             self._waiting[ticket] = None
             self._cond.notify()
         return ticket
+
+    def _not_new(self, flow) -> str | None:
+        """What `flow` is when it is not a generator the scheduler may start (a new one, not queued already)."""
+        if not inspect.isgenerator(flow):
+            return type(flow).__name__
+        if inspect.getgeneratorstate(flow) != inspect.GEN_CREATED:
+            return "a generator already " + inspect.getgeneratorstate(flow).removeprefix("GEN_").lower()
+        if any(t.flow is flow for t in self._inbox):
+            return "a generator already submitted"
+        return None
 
     def check(self) -> None:
         """Raise ShuttingDown while draining, QueueFull when max_queue requests already wait (before a request is

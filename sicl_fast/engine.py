@@ -109,6 +109,8 @@ class Engine:
         self.add_special_tokens = add_special_tokens
         self.steps = None  # the static steps and their graphs, per prompt shape
         self._running = threading.Lock()  # held by the calibration that runs (run): one at a time
+        self._scheduler = None
+        self._scheduler_guard = threading.Lock()  # threads asking for the scheduler at once get one, not one each
         self.step_hook = None  # on_step(step, proxy) of every calibration run without its own (sicl_fast.run.progress)
         if self.plan.graphs or self.plan.length_buckets:
             self.steps = StepCache(self.lm.device, self.plan.graph_cache, self.plan.length_buckets,
@@ -219,14 +221,15 @@ class Engine:
         methods from other threads."""
         from .scheduler import Limits, Scheduler
 
-        current = getattr(self, "_scheduler", None)
-        if current is not None and not current.closed:
-            if limits is not None and limits != current.limits:
-                raise SiclError("Engine.scheduler: this engine's scheduler already runs with other limits; close it "
-                                "first (scheduler().close())")
-            return current
-        self._scheduler = Scheduler(self, limits or Limits())
-        return self._scheduler
+        with self._scheduler_guard:
+            current = self._scheduler
+            if current is not None and not current.closed:
+                if limits is not None and limits != current.limits:
+                    raise SiclError("Engine.scheduler: this engine's scheduler already runs with other limits; close "
+                                    "it first (scheduler().close())")
+                return current
+            self._scheduler = Scheduler(self, limits or Limits())
+            return self._scheduler
 
     @property
     def reuser(self) -> Reuser:

@@ -138,6 +138,20 @@ def test_streaming_returns_the_same_answer_as_chunks(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_the_sampling_fields_at_their_neutral_values_are_served(client):
+    """What front ends send with every request at its neutral value (logprobs false, top_logprobs 0, the penalties
+    0, a seed, n 1, temperature 0, top_p 1) is served and changes nothing (before: 'logprobs', the penalties and
+    'seed' were 400s, extra inputs); a value greedy decoding does not have is a 400 naming the field."""
+    kw = dict(model="tiny-llama", messages=conversation("five"), max_tokens=4, extra_body={"sicl": KNOBS})
+    plain = client.chat.completions.create(**kw)
+    neutral = client.chat.completions.create(**kw, logprobs=False, top_logprobs=0, presence_penalty=0,
+                                             frequency_penalty=0.0, seed=7, n=1, temperature=0, top_p=1)
+    assert neutral.choices[0].message.content == plain.choices[0].message.content
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("top_logprobs", 2)):
+        with pytest.raises(openai.BadRequestError, match=f"field '{field}': only 0 is supported"):
+            client.chat.completions.create(**kw, **{field: value})
+
+
 def test_stopping_fields_reach_the_chat_endpoint(client):
     """The stops of /v1/calibrate through `sicl`: a time budget of 0 ends the calibration after one step, and
     min_delta_rel (a knob) makes patience stop where the paper's rule goes on. Prompts of their own (other seeds):

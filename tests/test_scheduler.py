@@ -389,6 +389,10 @@ async def _awaited(ticket):
     return await ticket
 
 
+def _raise(exc: BaseException):
+    raise exc
+
+
 def test_a_calibration_waiting_for_bytes_does_not_hold_answers_back(packing):
     """--max-batch-bytes that fits one packed calibration and an answer, not two calibrations (pack 2): a second
     calibration waits for the bytes the first holds, and an answer that comes meanwhile is served while the first
@@ -462,3 +466,189 @@ def test_an_engine_runs_one_calibration_at_a_time(engine, sched):
     go.set()
     other.join(60)
     assert queued.result(60).history == ref.history and out["r"].steps == 6
+
+
+def test_threads_asking_for_the_engine_scheduler_at_once_share_one(tiny_llama, one_thread):
+    """Engine.scheduler() called from 8 threads at once on first use gives all of them the one scheduler (second
+    probe of issue #52). Before, each thread that saw none yet started its own: up to 8 scheduler threads on one
+    engine, answers split over them instead of decoding together, all but the last never closed."""
+    eng = Engine(tiny_llama)
+    start, got = threading.Barrier(8), []
+
+    def ask() -> None:
+        start.wait(10)
+        got.append(eng.scheduler())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    made = {id(s): s for s in got}
+    try:
+        assert len(got) == 8 and len(made) == 1
+    finally:
+        for s in made.values():
+            assert s.close()
+
+
+def test_a_request_whose_own_code_raises_a_base_exception_fails_alone(engine, stored, alone):
+    """A Call, an on_text or an observer raising what is not an Exception (asyncio.CancelledError, which user code
+    driving an event loop meets; KeyboardInterrupt) fails its own request (or, on_text, ends its answer there), and
+    the scheduler goes on (second probe of issue #52). Before, it ended the scheduler's thread: that request and
+    every later one waited for ever."""
+    class Loud(Observer):
+        def decoded(self, rows: int, tokens: int, seconds: float) -> None:
+            raise asyncio.CancelledError()
+
+    s = Scheduler(engine, observer=Loud())
+    try:
+        for exc in (asyncio.CancelledError, KeyboardInterrupt):
+            with pytest.raises(exc):
+                s.call(lambda e, exc=exc: _raise(exc())).result(10)
+        cut = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=(),
+                       on_text=lambda text: _raise(asyncio.CancelledError()))
+        assert tokens(cut) == alone["nine"][:1]  # it stopped at its first token, as any failing listener's does
+        assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+    finally:
+        assert s.close(10)
+
+
+def test_a_packed_slot_whose_on_step_raises_fails_alone(packing):
+    """Packing forced (pack 2): one request's on_step raising stops its own slot at the read, its ticket raising
+    that error (as Engine.calibrate alone raises it), and the other request's slot runs on to its own result within
+    the packed step's tolerance (second probe of issue #52). Before, the error failed every slot of the packed step:
+    the other request got the first one's ValueError."""
+    prompts = [packing.prepare(request(q, demos=(("one" * (i + 1), "1"), ("seven", "7" * (i + 1)))))
+               for i, q in enumerate(("five", "nine"))]
+    cfg = packing.config(max_steps=6, N=4, tau=0.0)
+    ref = packing.calibrate(prompts[1], cfg, reuse="off")
+
+    def fails(step: int, f: float) -> None:
+        if step == 2:
+            raise ValueError("the request's own on_step")
+
+    s = Scheduler(packing)
+    try:
+        with engine_lock(packing):
+            bad = s.calibrate(prompts[0], cfg, on_step=fails)
+            good = s.calibrate(prompts[1], cfg)
+        with pytest.raises(ValueError, match="own on_step"):
+            bad.result(60)
+        got = good.result(60)
+        assert got.steps == ref.steps and got.history == pytest.approx(ref.history, rel=1e-5, abs=0)
+    finally:
+        s.close()
+
+
+def test_a_flow_whose_cleanup_fails_ends_alone(engine, stored, alone):
+    """A flow (Scheduler.submit) cancelled while its answer decodes is closed; when its own cleanup fails (a
+    `finally` that raises, a GeneratorExit it ignores) the request still ends Cancelled and the scheduler goes on
+    (second probe of issue #52). Before, the failure ended the scheduler's thread: every later request waited for
+    ever."""
+    from sicl_fast.scheduler import Answer
+
+    query = engine.prepare(request("nine"), reserve=200)
+
+    def raising():
+        try:
+            return (yield Answer(query, 200, (), calibration=stored))
+        finally:
+            raise ValueError("the flow's own cleanup")
+
+    def stubborn():
+        ignored = False
+        while True:
+            try:
+                return (yield Answer(query, 200, (), calibration=stored))
+            except GeneratorExit:
+                if ignored:  # the second close (its collection) ends it
+                    raise
+                ignored = True
+
+    s = Scheduler(engine)
+    try:
+        for flow in (raising, stubborn):
+            started = threading.Event()
+            t = s.submit(flow(), "custom")
+            s.answer(stored, request("five"), max_new_tokens=1, stop_strings=(),
+                     on_text=lambda text: started.set()).result(10)  # the custom answer is in the batch by now
+            t.cancel()
+            with pytest.raises(Cancelled):
+                t.result(10)
+        assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+    finally:
+        assert s.close(10)
+
+
+def test_a_done_callback_raising_a_base_exception_skips_nothing(engine, stored, alone):
+    """A done-callback of a ticket's future that raises asyncio.CancelledError (a BaseException) is logged: the
+    callbacks after it run (an asyncio task awaiting the ticket gets its result) and the scheduler goes on (second
+    probe of issue #52). Before, concurrent.futures let it through: the awaiting task waited for ever and the
+    scheduler's thread ended."""
+    s = Scheduler(engine)
+
+    async def main():
+        t = s.answer(stored, request("nine"), max_new_tokens=NEW, stop_strings=())
+        t.future.add_done_callback(lambda f: _raise(asyncio.CancelledError()))
+        return await asyncio.wait_for(_awaited(t), 10)
+
+    try:
+        assert asyncio.run(main()).token_ids == alone["nine"]
+        assert tokens(s.answer(stored, request("five"), max_new_tokens=NEW, stop_strings=())) == alone["five"]
+    finally:
+        assert s.close(10)
+
+
+def test_one_work_item_yielded_twice_runs_twice(engine, sched, stored, alone):
+    """A flow that yields one item object twice (`[Answer(...)] * 2`), and two requests whose flows yield the same
+    item object at once, each get the item's own result, and nothing stays held (second probe of issue #52). Before,
+    the scheduler kept one place per item object: the second use took the first's, its request waited for ever and
+    its cost stayed held (the scheduler busy, the limits shrunk for good)."""
+    from sicl_fast.scheduler import Answer, Cost
+
+    query = engine.prepare(request("nine"), reserve=NEW)
+    item = Answer(query, NEW, (), calibration=stored)
+
+    def twice():
+        return (yield [item] * 2)
+
+    def once():
+        return (yield item)
+
+    with engine_lock(engine):  # taken in together: the same item in flight for two requests at once
+        both = sched.submit(twice(), "twice")
+        first, second = sched.submit(once(), "once"), sched.submit(once(), "once")
+    assert [g.token_ids for g in both.result(30)] == [alone["nine"]] * 2
+    assert tokens(first) == tokens(second) == alone["nine"]
+    end = time.monotonic() + 30
+    while sched.busy:
+        assert time.monotonic() < end, "the repeated item is still held"
+        time.sleep(0.01)
+    assert sched.used == Cost()
+
+
+def test_submit_takes_a_new_generator_only(engine, sched, stored, alone):
+    """Scheduler.submit refuses, in one line naming what it got, what is not a generator not yet started: a number,
+    a generator the caller advanced, one generator submitted twice (second probe of issue #52). Before, the first
+    two failed later on their tickets (an AttributeError about `.send`), and the last two were resumed with None: a
+    silent None result, or the other ticket's answer cut off."""
+    from sicl_fast.scheduler import Answer
+
+    query = engine.prepare(request("nine"), reserve=NEW)
+
+    def flow():
+        return (yield Answer(query, NEW, (), calibration=stored)).token_ids
+
+    with pytest.raises(TypeError, match="got int"):
+        sched.submit(5)
+    started = flow()
+    next(started)
+    with pytest.raises(TypeError, match="already suspended"):
+        sched.submit(started)
+    started.close()
+    twice = flow()
+    first = sched.submit(twice)
+    with pytest.raises(TypeError, match="already (submitted|suspended)"):  # queued, or started by now
+        sched.submit(twice)
+    assert first.result(30) == alone["nine"]

@@ -34,7 +34,7 @@ def listener(on_text):
     def stop_fn(text: str) -> bool:
         try:
             on_text(text)
-        except Exception:  # noqa: BLE001 - the listener's own failure ends its answer only
+        except BaseException:  # noqa: BLE001 - the listener's own failure (asyncio.CancelledError too) ends its answer only
             log.warning("an answer's listener failed; that answer stops here", exc_info=True)
             return True
         return False
@@ -120,7 +120,7 @@ class AnswerLane:
             before = batch.tokens
             try:
                 stopped = batch.advance()
-            except Exception as exc:  # noqa: BLE001 - the batch's rows fail, the others go on
+            except BaseException as exc:  # noqa: BLE001 - the batch's rows fail, the others go on
                 log.error("a decode batch failed; its %d answers fail with it", batch.size, exc_info=exc)
                 for row in [r for r, (_, k) in self.rows.items() if k == key]:
                     done.append((self.rows.pop(row)[0], None, exc))
@@ -140,7 +140,7 @@ class AnswerLane:
                  else item.embeddings)
             gen = eng.generate(item.prompt, X, max_new_tokens=item.max_new_tokens, stop_strings=item.stop_strings,
                                stop_fn=listener(item.on_text))
-        except Exception as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - the answer's own failure
             return owner, None, exc
         self.tokens += len(gen.token_ids)
         return owner, gen, None

@@ -10,7 +10,8 @@ the engine back at every step boundary), so the store, reuse and every loop serv
 and its result is the one it has alone. With pack > 1 (`--pack auto` on a GPU for a model under 1B parameters),
 calibrations without the store (reuse 'off', the packed step's rule: run.plan.resolve_reuse) run as slots of one
 packed step (calibration.packed.PackedRun): a calibration joins at the next read and leaves at its own stop, with
-its own config, seed, time budget, deadline and cancellation; the others (reuse 'auto' / 'on', the exact gradient)
+its own config, seed, time budget, deadline and cancellation (and
+its on_step's failure: OwnSteps); the others (reuse 'auto' / 'on', the exact gradient)
 run one at a time beside it. A unit is one turn of each: a read interval of the packed step, a step (or read
 interval) of the one-at-a-time calibration, or one call (a proxy), in turn with them.
 
@@ -35,6 +36,26 @@ _ONE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ONE_GUARD = threading.Lock()
 
 
+class OwnSteps:
+    """A packed slot's on_step and stop hook: a failure of its request's on_step stops that slot at the read (its
+    result replaced by the error), as it ends Engine.calibrate alone, and leaves the packed step's other slots, other
+    requests', running."""
+
+    def __init__(self, on_step, stop_reason) -> None:
+        self.fn, self.stop_reason = on_step, stop_reason
+        self.error: BaseException | None = None
+
+    def on_step(self, step: int, f: float) -> None:
+        if self.error is None:
+            try:
+                self.fn(step, f)
+            except BaseException as exc:  # noqa: BLE001 - the request's own failure
+                self.error = exc
+
+    def should_stop(self) -> str | None:
+        return "failed" if self.error is not None else self.stop_reason()
+
+
 class CalibrationLane:
     """The calibrations and calls in flight on one engine (module docstring)."""
 
@@ -43,6 +64,7 @@ class CalibrationLane:
         plan = engine.plan
         self.packed = PackedRun(engine.backend, plan.pack, plan.sync_every) if plan.pack > 1 else None
         self.slots: dict[int, object] = {}  # packed index -> owner
+        self.own: dict[int, OwnSteps] = {}  # packed index -> its request's on_step, failures kept to itself
         self.running: tuple | None = None  # (owner, Coroutine) of the one-at-a-time calibration
         self.calls: deque[tuple] = deque()  # (owner, Call)
         self.rope: dict[str, tuple] = {}  # 'packed' / 'one' -> the rotary lengths it last ran with
@@ -79,9 +101,11 @@ class CalibrationLane:
         if isinstance(item, Call):
             self.calls.append((owner, item))
         elif self.packable(item):
-            i = self.packed.add(item.prompt, item.config, item.time_budget_s, should_stop=stop_reason,
-                                on_step=item.on_step)
+            own = OwnSteps(item.on_step, stop_reason)
+            i = self.packed.add(item.prompt, item.config, item.time_budget_s, should_stop=own.should_stop,
+                                on_step=own.on_step if item.on_step is not None else None)
             self.slots[i] = owner
+            self.own[i] = own
         else:
             with _ONE_GUARD:
                 _ONE[self.engine] = self
@@ -115,18 +139,21 @@ class CalibrationLane:
             owner, call = self.calls.popleft()
             try:
                 return [(owner, call.fn(self.engine), None)]
-            except Exception as exc:  # noqa: BLE001 - the call's own failure
+            except BaseException as exc:  # noqa: BLE001 - the call's own failure (an asyncio.CancelledError too)
                 return [(owner, None, exc)]
         done = []
         if self.slots:
             out: list = []
             try:
                 self._rope("packed", lambda: out.extend(self.packed.interval()))
-            except Exception as exc:  # noqa: BLE001 - a failure of the packed step fails its slots
+            except BaseException as exc:  # noqa: BLE001 - a failure of the packed step fails its slots
                 done += [(owner, None, exc) for owner in self.slots.values()]
                 self.slots.clear()
+                self.own.clear()
                 self.packed = PackedRun(self.engine.backend, self.packed.pack, self.packed.sync_every)
-            done += [(self.slots.pop(i), res, None) for i, res in out]
+            for i, res in out:
+                error = self.own.pop(i).error
+                done.append((self.slots.pop(i), None if error is not None else res, error))
             self.steps += 1
         if self.running is not None:
             owner, co = self.running

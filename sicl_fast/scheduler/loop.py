@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import dataclasses
+import inspect
 import logging
 import math
 import threading
@@ -136,9 +138,14 @@ class Scheduler:
 
     def submit(self, flow: Generator, kind: str = "request", deadline: float | None = None) -> Ticket:
         """Queue a flow (scheduler.tickets); ShuttingDown while draining. A request that cannot be admitted while
-        max_queue others wait ends with QueueFull (its ticket's exception)."""
+        max_queue others wait ends with QueueFull (its ticket's exception). A flow is a generator not yet started
+        (the scheduler sends it its first None): anything else is a TypeError here, before it is queued."""
         ticket = Ticket(flow, kind, deadline)
-        with self._cond:
+        with self._cond:  # read where the scheduler starts flows (_main): a flow submitted twice is seen here
+            what = self._not_new(flow)
+            if what is not None:
+                raise TypeError(f"Scheduler.submit: a flow is a generator not yet started (it yields scheduler.work "
+                                f"items: scheduler.tickets), got {what}")
             if self._draining:
                 raise ShuttingDown()
             self._seq += 1
@@ -147,6 +154,16 @@ class Scheduler:
             self._waiting[ticket] = None
             self._cond.notify()
         return ticket
+
+    def _not_new(self, flow) -> str | None:
+        """What `flow` is when it is not a generator the scheduler may start (a new one, not queued already)."""
+        if not inspect.isgenerator(flow):
+            return type(flow).__name__
+        if inspect.getgeneratorstate(flow) != inspect.GEN_CREATED:
+            return "a generator already " + inspect.getgeneratorstate(flow).removeprefix("GEN_").lower()
+        if any(t.flow is flow for t in self._inbox):
+            return "a generator already submitted"
+        return None
 
     def check(self) -> None:
         """Raise ShuttingDown while draining, QueueFull when max_queue requests already wait (before a request is
@@ -270,6 +287,10 @@ class Scheduler:
                                          "flow yields scheduler.work items (Calibrate, Answer, Call) or a list of "
                                          "them"))
             return
+        # the scheduler keys work in flight by the item object: one yielded again (the same Answer twice in a list,
+        # or one that another request has in flight) runs as a copy of its own
+        op.items = [dataclasses.replace(item) if item in self._owner or any(item is x for x in op.items[:k]) else item
+                    for k, item in enumerate(op.items)]
         op.results, op.left, op.error = [None] * len(op.items), len(op.items), None
         if not op.items:
             self._advance(op, [])
@@ -288,7 +309,7 @@ class Scheduler:
                     self._done(item, res)
                     return
             cost = self.refuse_alone(item)
-        except Exception as exc:  # noqa: BLE001 - the request's own failure
+        except BaseException as exc:  # noqa: BLE001 - the request's own failure
             self._owner[item] = (op, i, Cost())
             self._done(item, error=exc)
             return
@@ -356,7 +377,7 @@ class Scheduler:
             self._mean_s = 0.8 * self._mean_s + 0.2 * t.batch_seconds
             try:
                 self.observer.finished(t)
-            except Exception:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001 - the observer's failure is no request's
                 log.exception("the scheduler's observer failed")
 
     def _is_waiting(self, item) -> bool:
@@ -432,7 +453,7 @@ class Scheduler:
                     self.answers.start(item, item)
                 else:
                     self.work.start(item, item, t.stop_reason)
-            except Exception as exc:  # noqa: BLE001 - the item's own failure (bad input found late)
+            except BaseException as exc:  # noqa: BLE001 - the item's own failure (bad input found late)
                 self._done(item, error=exc)
 
     def _refuse(self) -> None:
@@ -466,7 +487,7 @@ class Scheduler:
         if name == "answers":
             try:
                 self.observer.decoded(rows, self.answers.tokens - tokens, seconds)
-            except Exception:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001 - the observer's failure is no request's
                 log.exception("the scheduler's observer failed")
         with self._cond:
             for item, result, error in done:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from collections.abc import Generator
 from typing import Any
+
+log = logging.getLogger("sicl_fast.scheduler")
 
 
 class QueueFull(Exception):
@@ -37,6 +40,19 @@ class ShuttingDown(Exception):
     """The scheduler is draining (the server is shutting down): no new requests; one still waiting never runs."""
 
 
+class _Future(concurrent.futures.Future):
+    """A concurrent future whose done-callbacks each run whatever another one raised. concurrent.futures catches an
+    Exception of a callback only: one raising asyncio.CancelledError (a BaseException) skipped the callbacks after
+    it (an `await ticket` waited for ever) and ended the thread that set the outcome, the scheduler's."""
+
+    def _invoke_callbacks(self) -> None:
+        for callback in self._done_callbacks:
+            try:
+                callback(self)
+            except BaseException:  # noqa: BLE001 - the callback's own failure, logged as concurrent.futures does
+                log.exception("a done-callback of a scheduler ticket failed: %r", callback)
+
+
 class Ticket:
     """One request (module docstring). deadline: time.monotonic() after which stop_reason() says 'deadline' (a
     calibration stops at its next step with the best X so far); shutdown_at: set by the drain, after which it says
@@ -45,13 +61,13 @@ class Ticket:
 
     def __init__(self, flow: Generator, kind: str = "request", deadline: float | None = None) -> None:
         self.flow, self.kind, self.deadline = flow, kind, deadline
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.future: concurrent.futures.Future = _Future()
         self._cancelled = threading.Event()
         self.submitted = time.monotonic()
         self.admitted: float | None = None
         self.finished: float | None = None
         self.shutdown_at: float | None = None
-        self.decided: concurrent.futures.Future = concurrent.futures.Future()  # done once admitted or ended
+        self.decided: concurrent.futures.Future = _Future()  # done once admitted or ended
         self.seq = 0  # arrival order (the scheduler's)
         # a front end that cancels the future (future.cancel(), or the asyncio task awaiting the ticket, whose
         # cancellation asyncio passes on to it) cancels the request: its work stops at the next token or step
@@ -79,9 +95,15 @@ class Ticket:
         return min(due)[1] if due else None
 
     def end(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Set the outcome (once; a waiter that gave up on the future is not an error)."""
+        """Set the outcome (once; a waiter that gave up on the future is not an error). A flow ended while it waits
+        at a yield (cancelled, refused, drained) is closed: a failure of its own cleanup (a `finally` that raises, a
+        GeneratorExit ignored) is logged and leaves the outcome as it is."""
         self.finished = time.monotonic()
-        self.flow.close()
+        try:
+            self.flow.close()
+        except BaseException:  # noqa: BLE001 - the flow's own failure: it must not end the scheduler's thread
+            log.warning("request %r: its flow failed as it was closed; it ends as it was ending", self.kind,
+                        exc_info=True)
         try:
             if error is None:
                 self.future.set_result(result)

@@ -86,6 +86,12 @@ class ChatBody(BaseModel):
     temperature: float | None = Field(None, description="0 only: decoding is greedy")
     top_p: float | None = Field(None, description="1 only")
     n: int | None = Field(None, description="1 only")
+    logprobs: bool | None = Field(None, description="false only: no log-probabilities are returned")
+    top_logprobs: int | None = Field(None, description="0 only")
+    presence_penalty: float | None = Field(None, description="0 only")
+    frequency_penalty: float | None = Field(None, description="0 only")
+    seed: int | None = Field(None, description="any: greedy decoding gives one answer whatever the seed (the "
+                                               "calibration's seed is sicl.seed)")
     user: str | None = None
     sicl: SiclOptions | None = Field(None, description="calibration knobs, reuse, timeout_s, time_budget_s")
 
@@ -113,10 +119,15 @@ def chat_call(state: ServeState, body: ChatBody, rid: str) -> ChatCall:
     if body.model != engine.lm.name:
         raise ServeHTTPError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
                                                      f"{engine.lm.name!r} (GET /v1/models)")
-    for name, value, allowed in (("temperature", body.temperature, 0), ("top_p", body.top_p, 1), ("n", body.n, 1)):
+    # the sampling fields a client may send with their neutral values (front ends often send them all): accepted
+    # at those values, the only ones greedy decoding has
+    neutral = (("temperature", body.temperature, 0), ("top_p", body.top_p, 1), ("n", body.n, 1),
+               ("logprobs", body.logprobs, False), ("top_logprobs", body.top_logprobs, 0),
+               ("presence_penalty", body.presence_penalty, 0), ("frequency_penalty", body.frequency_penalty, 0))
+    for name, value, allowed in neutral:
         if value is not None and value != allowed:
-            raise ServeHTTPError(400, "invalid_request", f"field {name!r}: only {allowed} is supported (the answer "
-                                                         "is decoded greedily from the calibrated prompt)")
+            raise ServeHTTPError(400, "invalid_request", f"field {name!r}: only {json.dumps(allowed)} is supported "
+                                                         "(the answer is decoded greedily from the calibrated prompt)")
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"  # what was sent
     new = state.validator.new_tokens(getattr(body, field), rid, field, default=settings.max_new_tokens)
     request = render(engine.lm, [m.model_dump() for m in body.messages], rid)

@@ -1088,3 +1088,24 @@ def test_a_run_refused_after_its_resume_was_read_leaves_the_file_as_it_was(tiny_
     assert main(["calibrate", reqs, *argv]) == 2
     one_line_error(capsys, "request 'long': field 'prompt':")
     assert out.read_bytes() == before and not (tmp_path / "o.jsonl.bad").exists()
+
+
+def test_a_repair_that_cannot_rewrite_the_file_says_nothing_was_moved(tmp_path, monkeypatch):
+    # issue 54 item 4 (a warning that states what it could not do): with the disk full at the rewrite, the warning
+    # still said "1 unreadable line(s) moved to o.jsonl.bad" while the file kept the line
+    import errno
+
+    import sicl_fast.formats.records as records
+
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b'{"id": "a"}\n{"id": "torn')
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(records, "_write_synced", full)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(ResultsFileError, match="cannot repair it for resuming: No space left on device"):
+            ResultWriter(out)
+    assert not [w for w in said if "moved to" in str(w.message)] and out.read_bytes() == b'{"id": "a"}\n{"id": "torn'

@@ -259,11 +259,12 @@ class ResultWriter:
                 backup: Path) -> None:
         """Make the file hold the kept lines alone (_read's findings): unreadable lines moved to FILE.bad, duplicates
         dropped, an interrupted repair finished; a file that needs none of it is not written."""
+        said = []  # said once the file is rewritten: a rewrite that fails (a full disk) moved nothing
         if not saved:
             backup.unlink(missing_ok=True)  # a copy cut short: the file was not touched yet
         else:
-            warnings.warn(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy "
-                          f"{backup} restored ({len(keep)} record(s) kept)", SiclWarning, stacklevel=4)
+            said.append(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy {backup} "
+                        f"restored ({len(keep)} record(s) kept)")
         if not saved and not bad and not duplicates and sum(map(len, keep)) == len(data):
             return
         if bad:
@@ -276,12 +277,9 @@ class ResultWriter:
             except OSError as exc:  # named: "cannot repair it: No such file or directory" read as --out's own
                 raise ResultsFileError(f"--out {self.path}: cannot put its {len(bad)} unreadable line(s) aside in "
                                        f"{bad_path}: {_os_reason(exc)}; the file is left as it was") from None
-            self.moved_aside = len(bad)
-            warnings.warn(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; "
-                          f"{len(keep)} record(s) kept", SiclWarning, stacklevel=4)
+            said.append(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; {len(keep)} record(s) kept")
         if duplicates:
-            warnings.warn(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)",
-                          SiclWarning, stacklevel=4)
+            said.append(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)")
         # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done (a kill
         # meanwhile: the next open restores it, above)
         _write_synced(backup, b"".join(keep))
@@ -291,6 +289,9 @@ class ResultWriter:
         fh.flush()
         os.fsync(fh.fileno())
         backup.unlink()
+        self.moved_aside = len(bad)
+        for message in said:
+            warnings.warn(message, SiclWarning, stacklevel=4)
 
     def repair(self) -> None:
         """The repair a writer opened with repair=False left (its file's unreadable lines moved aside, duplicates

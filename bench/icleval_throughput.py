@@ -34,6 +34,7 @@ from pathlib import Path
 
 from sicl_fast.commands.cli import _Parser
 from sicl_fast.errors import SiclError, SiclWarning
+from sicl_fast.formats.inputs import json_value
 from sicl_fast.run.knobs import arg_type
 
 PROG = "icleval_throughput.py"
@@ -50,13 +51,10 @@ def count_samples(folder: str, tasks) -> int:
 def read_lines(path: Path) -> list[dict]:
     """The JSON lines of one of this script's files (a SiclError names a line that is not one)."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    raise SiclError(f"{path}:{n}: not a JSON line") from None
+                out.append(json_value(line, f"{path}:{n}"))  # not UTF-8, too deep, not JSON: one line naming it
                 if not isinstance(out[-1], dict):
                     raise SiclError(f"{path}:{n}: not a JSON object")
     return out

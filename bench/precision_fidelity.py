@@ -55,6 +55,7 @@ import torch
 
 from sicl_fast.commands.cli import _Parser
 from sicl_fast.errors import SiclError, SiclWarning
+from sicl_fast.formats.inputs import json_value
 from sicl_fast.run.knobs import arg_type
 
 PROG = "precision_fidelity.py"
@@ -102,14 +103,12 @@ KEYS = ("model", "path", "sample", "max_steps", "f32_gain", "f32_best", "f32_ini
 def read_study(path: str) -> list[dict]:
     """The records of --out, each checked to be one of this study's (a SiclError names the line otherwise)."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                r = json.loads(line)
-            except ValueError:
-                raise SiclError(f"{path}:{n}: not a JSON record (is this the study's records file?)") from None
+            # sicl_fast's one reader of JSON lines: not UTF-8, nested too deep, a 5000-digit number are one line too
+            r = json_value(line, f"{path}:{n}", what="JSON record (is this the study's records file?)")
             missing = [k for k in KEYS if not isinstance(r, dict) or k not in r]
             if missing:
                 raise SiclError(f"{path}:{n}: not a record of this study (no {', '.join(missing)})")

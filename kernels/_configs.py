@@ -306,15 +306,26 @@ def compile_cases(cases, arch: int = 90, cache: Path | None = None, jobs: int = 
     cache = Path(cache or cache_dir())
     cache.mkdir(parents=True, exist_ok=True)
     cases = list(dict.fromkeys(cases))
-    todo = [c for c in cases if not (cache / f"{c.key(arch)}.json").is_file()]
+    todo = [c for c in cases if _cached(cache / f"{c.key(arch)}.json") is None]
     if todo:
         _compile_missing(todo, arch, cache, jobs, timeout)
     out = {}
     for c in cases:
-        path = cache / f"{c.key(arch)}.json"
-        out[c] = json.loads(path.read_text()) if path.is_file() else {"error": "not compiled: the compile ran out of "
-                                                                               "time or its process failed"}
+        out[c] = _cached(cache / f"{c.key(arch)}.json") or {"error": "not compiled: the compile ran out of time or "
+                                                                      "its process failed"}
     return out
+
+
+def _cached(path: Path) -> dict | None:
+    """The result a cache entry holds, or None: no entry, or one that does not read as a result (cut short, edited,
+    not JSON): it is compiled again and replaced, not a traceback of every later check."""
+    try:
+        result = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    ok = isinstance(result, dict) and "error" in result and (
+        result["error"] is not None or all(isinstance(result.get(k), int) for k in ("shared", "regs", "stack")))
+    return result if ok else None
 
 
 def _compile_missing(todo, arch: int, cache: Path, jobs: int, timeout: float | None) -> None:

@@ -134,6 +134,18 @@ def test_a_refused_resume_leaves_the_file_as_it_was(tmp_path):
         assert "a" in w
 
 
+def test_a_bad_file_that_cannot_be_one_is_named_and_the_results_left_as_they_were(tmp_path):
+    # issue 54 item 4: said "--out o.jsonl: cannot repair it for resuming: No such file or directory" (a dangling
+    # o.jsonl.bad), as if --out were missing
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b'{"id": "a"}\n{"id": "torn')
+    (tmp_path / "o.jsonl.bad").symlink_to(tmp_path / "gone" / "x")
+    with pytest.raises(ResultsFileError, match=r"o.jsonl: cannot put its 1 unreadable line\(s\) aside in "
+                                               ".*o.jsonl.bad: No such file or directory; the file is left as it was"):
+        ResultWriter(out)
+    assert out.read_bytes() == b'{"id": "a"}\n{"id": "torn'
+
+
 def test_a_clean_file_is_left_untouched(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a"}\n{"id": "b"}\n')
@@ -231,6 +243,46 @@ def test_icleval_needs_a_regular_out(tmp_path, capsys, no_model):
 
     assert main(["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", "-"]) == 2
     one_line_error(capsys, "regular file")
+
+
+def test_a_report_folder_whose_files_would_replace_an_input_is_refused(tmp_path, capsys, no_model):
+    # issue 54 item 4: `report RUN/report.json --report RUN` replaced its own results file with the report (exit 0), and
+    # icleval --out RUN/report.json --report RUN or gradstudy --out RUN/study.json --report RUN their records
+    from conftest import ICLEVAL_EXCERPTS
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text('{"task": "classifier_order", "uid": 0, "correct_base": true, '
+                                     '"correct_calibrated": true}\n')
+    before = (run / "report.json").read_bytes()
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT])
+    for argv, name in ((["report", str(run / "report.json"), "--report", str(run), "--no-plots"], "report.json"),
+                       (["icleval", str(ICLEVAL_EXCERPTS), "--limit", "1", "--out", str(tmp_path / "new" / "report.md"),
+                         "--report", str(tmp_path / "new")], "report.md"),
+                       (["gradstudy", reqs, "--out", str(tmp_path / "g" / "study.json"), "--report",
+                         str(tmp_path / "g")], "study.json")):
+        assert main(argv) == 2
+        one_line_error(capsys, f"its {name} would replace ", "a file this run reads")
+    assert (run / "report.json").read_bytes() == before and sorted(p.name for p in run.iterdir()) == ["report.json"]
+    assert not (tmp_path / "new").exists() and not (tmp_path / "g").exists()
+
+
+def test_icleval_out_that_is_one_of_its_task_files_is_refused(tmp_path, capsys, no_model):
+    # issue 54 item 4: the task file's lines were moved to FILE.bad as unreadable records and the task file emptied
+    # (calibrate and gradstudy refuse their input file as --out; icleval compared nothing)
+    import shutil
+
+    from conftest import ICLEVAL_EXCERPTS
+
+    data = tmp_path / "data"
+    shutil.copytree(ICLEVAL_EXCERPTS, data)
+    before = (data / "generate_order.json").read_bytes()
+    (tmp_path / "link.json").symlink_to(data / "generate_order.json")
+    for out in (data / "generate_order.json", tmp_path / "link.json"):
+        assert main(["icleval", str(data), "--limit", "1", "--out", str(out)]) == 2
+        one_line_error(capsys, f"is the input file {data / 'generate_order.json'}; the results need a file of "
+                               "their own")
+    assert (data / "generate_order.json").read_bytes() == before and not (data / "generate_order.json.bad").exists()
 
 
 # --------------------------------------------------------------------------------------- 4, 10: the Python API
@@ -415,6 +467,9 @@ def test_config_values_checked_before_loading(tmp_path, capsys, no_model, flags,
     # issue 48: 5 was taken as "5" while 5.5 and true were "must be a non-empty string"
     (json.dumps(dict(STRUCT, id=5.5)).encode() + b"\n", "field 'id': must be a non-empty string, or an integer (kept "
                                                         "as its decimal string: 5 is \"5\"), got float"),
+    # issue 54 item 4: json's ValueError for an integer over 4300 digits was an internal error
+    (json.dumps(dict(STRUCT, id=5)).replace('"id": 5', '"id": ' + "5" * 5000).encode() + b"\n",
+     "r.jsonl:1: invalid JSON: Exceeds the limit (4300 digits)"),
 ])
 def test_bad_requests_file_is_one_line(tmp_path, capsys, no_model, content, needle):
     path = tmp_path / "r.jsonl"
@@ -534,13 +589,24 @@ def test_requests_reader_errors_are_request_errors(tmp_path):
         list(read_requests(p))
 
 
+def test_a_byte_order_mark_and_crlf_line_ends_are_no_damage(tmp_path):
+    # issue 54 item 4: a requests file saved by Notepad (a BOM, CRLF) was refused as invalid JSON
+    p = tmp_path / "r.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps(STRUCT).encode() + b"\r\n\r\n"
+                  + json.dumps(dict(STRUCT, id="b")).encode() + b"\r\n")
+    assert [r.id for r in read_requests(p)] == ["digits", "b"]
+
+
 # --------------------------------------------------------------------------------------- report
 
 
 @pytest.mark.parametrize("content,needle", [(b"[1, 2]\n", "must be a JSON object, got list"),
                                             (b"", "holds no records"),
                                             (b'{"task": "x"\n', "invalid JSON record"),
-                                            (b"\xff\n", "not UTF-8")])
+                                            (b"\xff\n", "not UTF-8"),
+                                            # issue 54 item 4: json's ValueError escaped (an internal error)
+                                            (b'{"uid": ' + b"1" * 5000 + b"}\n", "res.jsonl:1: invalid JSON record: "
+                                                                               "Exceeds the limit (4300 digits)")])
 def test_report_on_bad_results_is_one_line(tmp_path, capsys, content, needle):
     res = tmp_path / "res.jsonl"
     res.write_bytes(content)
@@ -991,3 +1057,55 @@ def test_a_refused_request_leaves_no_export_folder(tiny_model_dir, tmp_path, cap
                  *FAST]) == 2
     one_line_error(capsys, "request 'long': field 'prompt': 9001 tokens exceed the model's context")
     assert not out.exists() and not export.exists()
+
+
+def test_a_request_refused_after_the_engine_opened_the_store_leaves_no_store_folder(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    # issue 54 item 4: the store's folders were made when the engine opened it, so a request refused only once the
+    # engine tokenized it (too long for the model) left DIR/entries, locks and corrupt behind
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, dict(STRUCT, id="long", query="word " * 6000)])
+    argv = ["calibrate", reqs, "--model", str(tiny_model_dir), "--out", str(tmp_path / "o.jsonl"), *FAST]
+    assert main([*argv, "--store", str(tmp_path / "st"), "--export", str(tmp_path / "emb")]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt':", "exceed the model's context")
+    # and gradstudy's --report folder (made after the resume's check, before the requests were tokenized)
+    assert main(["gradstudy", reqs, "--model", str(tiny_model_dir), "--out", str(tmp_path / "g.jsonl"), "--report",
+                 str(tmp_path / "rep"), "--study-N", "2", "--seeds", "1", "--points", "0"]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt':", "exceed the model's context")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.jsonl"]
+
+
+def test_a_run_refused_after_its_resume_was_read_leaves_the_file_as_it_was(tiny_model_dir, tmp_path, capsys):
+    # issue 54 item 4 (a recovery before a refusal): the resume's early read (nothing_left) moved a torn last line to
+    # OUT.bad and rewrote the file, then a request too long for the model refused the run
+    out = tmp_path / "o.jsonl"
+    argv = ["--model", str(tiny_model_dir), "--out", str(out), *FAST]
+    assert main(["calibrate", write_jsonl(tmp_path / "one.jsonl", [STRUCT]), *argv]) == 0
+    with out.open("ab") as fh:
+        fh.write(b'{"id": "tor')
+    before = out.read_bytes()
+    capsys.readouterr()
+    reqs = write_jsonl(tmp_path / "r.jsonl", [STRUCT, dict(STRUCT, id="long", query="word " * 6000)])
+    assert main(["calibrate", reqs, *argv]) == 2
+    one_line_error(capsys, "request 'long': field 'prompt':")
+    assert out.read_bytes() == before and not (tmp_path / "o.jsonl.bad").exists()
+
+
+def test_a_repair_that_cannot_rewrite_the_file_says_nothing_was_moved(tmp_path, monkeypatch):
+    # issue 54 item 4 (a warning that states what it could not do): with the disk full at the rewrite, the warning
+    # still said "1 unreadable line(s) moved to o.jsonl.bad" while the file kept the line
+    import errno
+
+    import sicl_fast.formats.records as records
+
+    out = tmp_path / "o.jsonl"
+    out.write_bytes(b'{"id": "a"}\n{"id": "torn')
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(records, "_write_synced", full)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(ResultsFileError, match="cannot repair it for resuming: No space left on device"):
+            ResultWriter(out)
+    assert not [w for w in said if "moved to" in str(w.message)] and out.read_bytes() == b'{"id": "a"}\n{"id": "torn'

@@ -44,6 +44,8 @@ def test_precision_fidelity_bad_input_is_one_line(tmp_path, capsys, monkeypatch)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "x.json").write_text('{"a": 1}')
     (tmp_path / "junk.jsonl").write_text('{"x": 1}\n')
+    (tmp_path / "latin.jsonl").write_bytes(b"\xff\xfe\n")
+    (tmp_path / "deep.jsonl").write_bytes(b"[" * 100000 + b"]" * 100000 + b"\n")
     out = str(tmp_path / "r.jsonl")
     for argv, needles in (([str(tmp_path / "none"), "--out", out], ("not a directory",)),
                           ([str(tmp_path / "empty"), "--out", out], ("no ICLEval task files in",)),
@@ -53,7 +55,12 @@ def test_precision_fidelity_bad_input_is_one_line(tmp_path, capsys, monkeypatch)
                           ([str(ICLEVAL_EXCERPTS), "--out", out, "--report", str(tmp_path / "junk.jsonl" / "r.md")],
                            (f"--report {tmp_path}/junk.jsonl/r.md: {tmp_path}/junk.jsonl is not a directory",)),
                           (["x", "--report-only", "--out", str(tmp_path / "junk.jsonl")],
-                           ("junk.jsonl:1: not a record of this study (no model, path",))):
+                           ("junk.jsonl:1: not a record of this study (no model, path",)),
+                          # issue 54 item 4: bytes that are not UTF-8 and deep nesting were raw tracebacks
+                          (["x", "--report-only", "--out", str(tmp_path / "latin.jsonl")],
+                           ("latin.jsonl:1: not UTF-8 text (byte 0)",)),
+                          (["x", "--report-only", "--out", str(tmp_path / "deep.jsonl")],
+                           ("deep.jsonl:1: JSON record (is this the study's records file?) nested too deeply",))):
         assert pf.main(argv) == 2
         one_line(capsys, prog, *needles)
     for flags, needle in ((["--per-file", "0"], "argument --per-file: must be >= 1, got 0"),

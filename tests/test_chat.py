@@ -226,6 +226,10 @@ def _post_chat(server, messages, **extra) -> httpx.Response:
     ({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]},
      ("content[0] is a part of type 'input_audio': audio is not supported",)),
     ({"role": "user", "content": 5}, ("field 'messages.5.content': Input should be a valid string",)),
+    # issue 54 item 4: a text part whose text is no string was "is a part of type 'text'; content must be ... text
+    # parts": what it is, said as what is wrong
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, ("messages[5]': content[0].text must be a string, "
+                                                                  "got int",)),
 ])
 def test_images_and_other_parts_are_refused_by_name(server, turn, needles):
     """#40: an image part gave `field 'messages.5.content.str': Input should be a valid string (and 3 more)`: the

@@ -15,7 +15,7 @@ from sicl_fast.calibration.ascent import CalibrationConfig
 from sicl_fast.evaluation import icleval_cls as C
 from sicl_fast.evaluation import stats
 from sicl_fast.evaluation.ablations import drop_component, make_variants, variant_name
-from sicl_fast.evaluation.report import Run, build_report, load_runs, write_report
+from sicl_fast.evaluation.report import Run, build_report, load_runs, render_markdown, write_report
 from sicl_fast.icleval import load_dir, render
 
 FIXTURES = Path(__file__).parent / "fixtures" / "icleval" / "data"
@@ -312,6 +312,66 @@ def test_report_reads_plain_run_icleval_records(tmp_path):
     rep = write_report(tmp_path / "RUN", [run])
     (v,) = rep["runs"][0]["variants"]
     assert v["variant"] == "sicl" and v["proxy"] is not None and v["mcnemar"]["samples"] == len(recs)
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    # issue 54 item 4: hand-edited records were internal errors (TypeError, AttributeError), or read wrong: "false"
+    # counted as a correct answer
+    ("correct_base", "false", "field 'correct_base' must be true or false, got \"false\""),
+    ("task", ["a"], "record 0: field 'task' must be a string"),
+    ("uid", {"a": 1}, "record 0: field 'uid' must be an integer"),
+    ("steps", "3", "(classifier_order:0): field 'steps' must be an integer"),
+    ("initial_proxy", "0.1", "field 'initial_proxy' must be a number"),
+    ("history", ["a", "b"], "field 'history' must be a list of numbers"),
+    ("variant", 5, "field 'variant' must be a string"),
+    ("config", "x", "field 'config' must be an object"),
+    ("answers_at", {"x": "a"}, "field 'answers_at': 'x' is not a step count"),
+])
+def test_report_refuses_a_field_of_the_wrong_type_in_one_line(tmp_path, capsys, field, value, needle):
+    from sicl_fast.commands.cli import main
+
+    recs = synthetic_records(4, n=2)
+    recs[0][field] = value
+    path = _write_jsonl(tmp_path / "r.jsonl", recs)
+    assert main(["report", str(path), "--report", str(tmp_path / "RUN"), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "error: " in err and needle in err, err
+
+
+def test_a_resume_moves_a_record_of_the_wrong_types_aside(tmp_path):
+    # issue 54 item 4: a hand-edited answers_at was an internal error (int('x')) on every later resume
+    from sicl_fast.evaluation.methods import record_key
+    from sicl_fast.formats.records import ResultWriter
+
+    recs = synthetic_records(5, n=2)
+    recs[1]["answers_at"] = {"x": "a"}
+    path = _write_jsonl(tmp_path / "r.jsonl", recs)
+    with pytest.warns(UserWarning, match="1 unreadable line"), ResultWriter(path, key=record_key) as out:
+        assert out.resumed == len(recs) - 1 and record_key(recs[1] | {"answers_at": {}}) not in out
+
+
+def test_a_settings_model_that_is_no_object_is_shown_as_it_is(tmp_path):
+    recs = synthetic_records(6, n=2)
+    for r in recs:
+        r["settings"] = {"command": "icleval", "model": "by-hand", "dtype": "float32"}
+    (run,) = load_runs([_write_jsonl(tmp_path / "r.jsonl", recs)])
+    assert "model by-hand (None), float32" in render_markdown(build_report([run]))
+
+
+def test_report_refuses_one_file_twice_and_an_empty_name(tmp_path, capsys):
+    # issue 54 item 4: the same file given twice (or through a link) was two runs, its p-values counted twice by
+    # Fisher's method; an empty --names was a run without a name
+    from sicl_fast.commands.cli import main
+
+    path = _write_jsonl(tmp_path / "r.jsonl", synthetic_records(2, n=2))
+    (tmp_path / "link.jsonl").symlink_to(path)
+    for argv, needle in (([str(path), str(tmp_path / "link.jsonl")], "link.jsonl: is " + str(path) + " again"),
+                         ([str(path), str(tmp_path / "." / "r.jsonl")], "r.jsonl again"),
+                         ([str(path), "--names", " "], "--names: an empty name")):
+        assert main(["report", *argv, "--report", str(tmp_path / "RUN"), "--no-plots"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err
+    assert not (tmp_path / "RUN").exists()
 
 
 def test_report_refuses_duplicates(tmp_path):

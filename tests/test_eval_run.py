@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 from scipy import stats as sps
@@ -190,8 +191,11 @@ def test_cli_ablation_and_report_command(run, engine, capsys):
     mt = rep["runs"][0]["methods"]  # all methods on the same samples: the one the ablation ran on
     assert mt["same_samples"] and mt["n"] == 1 and [r["task"] for r in mt["rows"]] == ["classifier_order"]
 
-    # `sicl-fast report R1 R2 --report RUN3`: two runs given together, Fisher across them
-    args = _parser().parse_args(["report", str(run["out"]), str(run["out"]), "--report", str(d / "RUN3"),
+    # `sicl-fast report R1 R2 --report RUN3`: two runs given together, Fisher across them (a copy: the same file
+    # twice is refused, its p-values would count twice)
+    other = d / "copy.jsonl"
+    other.write_bytes(Path(run["out"]).read_bytes())
+    args = _parser().parse_args(["report", str(run["out"]), str(other), "--report", str(d / "RUN3"),
                                  "--names", "a", "b"])
     assert report_from_args(args) == 0
     rep = json.loads((d / "RUN3" / "report.json").read_text())

@@ -17,7 +17,8 @@ pytest.importorskip("safetensors")
 
 from sicl_fast import Calibrator, Engine, SiclError  # noqa: E402
 from sicl_fast.commands.cli import main  # noqa: E402
-from sicl_fast.answering.export import CalibratedEmbeddings, export_path, load, save, vllm_prompt_embeds  # noqa: E402
+from sicl_fast.answering.export import (  # noqa: E402
+    FORMAT, CalibratedEmbeddings, export_path, load, save, vllm_prompt_embeds)
 
 REQ = {"id": "e1", "instruction": "Write each number word as a digit.",
        "demos": [{"input": "one", "output": "1"}, {"input": "seven", "output": "7"}, {"input": "two", "output": "2"}],
@@ -81,6 +82,20 @@ def test_bad_inputs_are_clear_errors(tiny_run, tmp_path):
         load(tmp_path / "junk.safetensors")
     with pytest.raises(SiclError, match="rows must be one of"):
         CalibratedEmbeddings.from_result(prompt, res.embeddings, "m", rows="query")
+    # issue 54 item 4: a file of int rows, float or 2-D ids loaded, to fail later in the reader's own code; a file
+    # without the format said its path twice
+    from safetensors.torch import save_file
+
+    meta = {"format": FORMAT, "model": "m", "id": "x", "row_start": "0", "row_end": "2"}
+    for name, tensors, m in (
+            ("int_rows", {"embeddings": torch.zeros(2, 4, dtype=torch.int32), "input_ids": torch.arange(3)}, meta),
+            ("float_ids", {"embeddings": torch.zeros(2, 4), "input_ids": torch.zeros(3)}, meta),
+            ("ids_2d", {"embeddings": torch.zeros(2, 4), "input_ids": torch.arange(3).view(1, 3)}, meta),
+            ("no_format", {"embeddings": torch.zeros(2, 4), "input_ids": torch.arange(3)}, None)):
+        save_file(tensors, str(tmp_path / f"{name}.safetensors"), metadata=m)
+        with pytest.raises(SiclError, match=rf"^\S*{name}.safetensors: unreadable embeddings file: (embeddings 'x': "
+                                            r"rows must be bfloat16 or float32|not a sicl_fast embeddings file)"):
+            load(tmp_path / f"{name}.safetensors")
 
 
 def test_a_malformed_embeddings_object_is_one_error_whatever_breaks():
@@ -175,6 +190,16 @@ def test_calibrate_export_to_a_file_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--export" in err[0] and "is a file" in err[0]
     assert not (tmp_path / "o.jsonl").exists()
+    # issue 54 item 4: an --export file that is --out (or the requests file) replaced it with the embeddings, exit 0
+    for out, inp in ((tmp_path / "emb" / f"{REQ['id']}.safetensors", reqs),
+                     (tmp_path / "o.jsonl", str(tmp_path / f"{REQ['id']}.safetensors"))):
+        if inp != reqs:
+            Path(inp).write_text(Path(reqs).read_text())
+        assert main(["calibrate", str(inp), "--out", str(out), "--export", str(out.parent if inp == reqs else tmp_path),
+                     "--model", str(tmp_path / "no-model")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"its {REQ['id']}.safetensors would replace " in err[0], err
+    assert not (tmp_path / "emb").exists() and not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.slow

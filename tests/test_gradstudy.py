@@ -139,3 +139,26 @@ def test_gradstudy_command(tmp_path, capsys):
     assert out.read_text().count("\n") == 1
     assert main(["gradstudy", str(reqs), "--out", "-"]) == 2
     assert "give a regular file" in capsys.readouterr().err
+
+
+def test_a_damaged_study_record_is_moved_aside_not_an_internal_error(tmp_path):
+    """Issue 54 item 4: gradstudy's table read every record of --out as study_prompt writes it, so a hand-edited one
+    (points a string, a cosine a string, an N a list, a point without its exact step) was an internal error of every
+    later run; study_key, the results file's key, moves it aside and the prompt is studied again."""
+    from sicl_fast.diagnostics.gradstudy import study_key
+    from sicl_fast.formats.records import ResultWriter
+
+    zo = {"estimator": "forward", "mu": 0.004, "N": 2, "seeds": 1, "cosine_mean": 0.1, "cosine_std": 0.0,
+          "norm_ratio": 3.0, "clip_share": 0.0, "gain_mean": 1e-6, "gain_std": 0.0}
+    good = {"id": "a", "L": 9, "rows": 4, "d": 16, "scale": 0.2,
+            "points": [{"step": 0, "proxy": 0.1, "exact": {"gain": 2e-6, "clip_share": 0.0, "norm": 0.1}, "zo": [zo]}]}
+    point = good["points"][0]
+    bad = [{**good, "id": "b", "points": "x"}, {**good, "id": "c", "points": [{**point, "zo": [{**zo, "N": [2]}]}]},
+           {**good, "id": "d", "points": [{k: v for k, v in point.items() if k != "exact"}]},
+           {**good, "id": "e", "points": [{**point, "zo": [{**zo, "cosine_mean": "0.5"}]}]},
+           {**good, "id": "f", "points": [{**point, "zo": [{**zo, "estimator": "backward"}]}]}]
+    path = tmp_path / "study.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, *bad]))
+    with pytest.warns(UserWarning, match=f"{len(bad)} unreadable line"), ResultWriter(path, key=study_key) as out:
+        assert out.done == {"a"}
+    assert summarize([json.loads(line) for line in path.read_text().splitlines()])[0]["N"] == 2

@@ -139,6 +139,25 @@ def test_unknown_file_name_is_refused(tmp_path):
         load_dir(tmp_path, tasks=["classifier_order"])
 
 
+def test_a_damaged_task_file_is_one_error_and_a_bom_is_no_damage(tmp_path, shipped):
+    # issue 54 item 4: the parser's ValueError (an integer over 4300 digits) and RecursionError escaped as internal
+    # errors; a byte order mark (Notepad's) was refused as invalid JSON
+    items = [dict(s.raw) for s in shipped["classifier_order"][:2]]
+    path = write_task(tmp_path, "classifier_order", items)
+    text = path.read_bytes()
+    path.write_bytes(b"\xef\xbb\xbf" + text)
+    assert [s.uid for s in load_task(path, check_sha256=False)] == [s.uid for s in shipped["classifier_order"][:2]]
+    for data, needle in ((text.replace(b'"uid": 0', b'"uid": ' + b"9" * 5000, 1), "invalid JSON: Exceeds the limit"),
+                         (b"[" * 100000 + b"]" * 100000, "JSON nested too deeply")):
+        path.write_bytes(data)
+        with pytest.raises(ICLEvalError, match=rf"^classifier_order\.json: {needle}"):
+            load_task(path, check_sha256=False)
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ICLEvalError, match="is a directory, not a task file"):
+        load_task(path)
+
+
 # ------------------------------------------------------------------------------------------------ shipped files
 
 
@@ -388,6 +407,12 @@ def test_sha256_mismatch_warns_but_loads(tmp_path):
     with pytest.warns(ICLEvalDataWarning, match=r"classifier_format\.json: sha256 .* differs"):
         samples = load_task(tmp_path / src.name)
     assert len(samples) == 2 and samples[0].task_file == "classifier_format"
+    # issue 54 item 4: icleval loads its tasks when it checks its flags and again when it runs them: one file was
+    # two warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load_dir(tmp_path)
+    assert not seen
 
 
 def test_errors_are_sicl_errors():

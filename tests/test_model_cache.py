@@ -465,3 +465,13 @@ def test_cache_commands_on_a_cache_that_is_not_a_folder(tmp_path, monkeypatch, c
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "model cache " in err and "(from SICL_FAST_CACHE)" in err and needle in err, err
     assert root.is_symlink() or root.is_file() or (root / "converted").read_text() == "x"
+
+
+def test_a_sources_memo_nested_too_deep_is_remade_not_a_traceback(tmp_path, monkeypatch):
+    # issue 54 item 4: json's RecursionError (not a ValueError) escaped _read_json: every load was an internal error
+    monkeypatch.setenv("SICL_FAST_CACHE", str(tmp_path))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF model bytes")
+    (tmp_path / cache.SOURCES).write_bytes(b"[" * 100000 + b"]" * 100000)
+    assert cache.source_digest(src) == cache.file_sha256(src)
+    assert json.loads((tmp_path / cache.SOURCES).read_text())[str(src.resolve())]["sha256"] == cache.file_sha256(src)

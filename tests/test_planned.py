@@ -120,6 +120,8 @@ def test_a_damaged_remembered_plan_is_planned_again(own_cache, models):
                    {"n_params": -5}, {"family": ""}]:
         (own_cache / "plans" / "k.json").write_text(json.dumps({**good, **damage}))
         assert recall("k") is None, damage
+    (own_cache / "plans" / "k.json").write_bytes(b"[" * 100000 + b"]" * 100000)  # issue 54 item 4: RecursionError
+    assert recall("k") is None
 
 
 def test_a_plans_folder_that_cannot_be_written_costs_only_the_recall(own_cache):

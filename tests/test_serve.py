@@ -872,3 +872,36 @@ def test_the_packed_server_path_with_packing_forced(tiny_llama):
         assert body["reuse"]["reuse"] == "off"
         gen = eng.generate(eng.prepare(r, reserve=4), ref.embeddings, max_new_tokens=4, stop_strings=())
         assert body["answers"]["calibrated"] == gen.answer
+
+
+def test_the_client_reads_a_retry_after_date_from_a_proxy_in_front(tmp_path):
+    """Issue 54 item 4: Retry-After may be an HTTP date (RFC 9110; a proxy in front of the server sends one); the client
+    parsed it with float() outside its try, a ValueError in place of the QueueFullError."""
+    import email.utils
+    import http.server
+
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"error": {"kind": "queue_full", "message": "busy"}}'
+            self.send_response(429)
+            self.send_header("Retry-After", when)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=httpd.handle_request, daemon=True).start()
+    try:
+        with Client(f"http://127.0.0.1:{httpd.server_address[1]}") as c, pytest.raises(QueueFullError) as exc:
+            c.health()
+    finally:
+        httpd.server_close()
+    assert exc.value.kind == "queue_full" and 20 < exc.value.retry_after <= 30
+    from sicl_fast.serve.client import retry_after
+
+    assert [retry_after(v) for v in ("3", None, "soon", "nan", "-5")] == [3.0, 1.0, 1.0, 1.0, 0.0]

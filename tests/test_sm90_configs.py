@@ -9,6 +9,8 @@ The compiles are cached by the kernels' sources, the configuration and Triton's 
 a run from nothing compiles about 97 launch decisions (the float32 attention's at both precisions among them) in a
 child interpreter, a later one reads them. The full sweep (every family, length, dtype and flag set, and sm_80):
 `python bench/gpu_kernels.py --compile-only`."""
+import json
+
 import pytest
 
 from test_ops import why_unavailable
@@ -101,3 +103,23 @@ def test_a_problem_is_named(configs):
                    "tests: rope_rows_config(...): rope_rows needs 344,320 B of shared memory, over sm_80's 166,912 B",
                    "tests: rope_rows_config(...): rope_rows spills (24 B stack frame, 255 registers)",
                    "tests: rope_rows_config(...): rope_rows has blocks that are not powers of two: BLOCK_R=5"]
+
+
+def test_a_damaged_cache_entry_is_compiled_again_not_a_traceback(configs, tmp_path, monkeypatch):
+    # issue 54 item 4: an entry cut short or edited was json.loads' raw exception (or a KeyError) in every later check
+    cases = configs.suite_cases()[:4]
+    good = {"shared": 1024, "regs": 32, "stack": 0, "error": None}
+    damaged = [b"", b'{"shared": 10', b"[1, 2]", b'{"error": null, "shared": "1"}']
+    for case, data in zip(cases, damaged):
+        (tmp_path / f"{case.key(90)}.json").write_bytes(data)
+    compiled = []
+
+    def compile_missing(todo, arch, cache, jobs, timeout):
+        compiled.extend(todo)
+        for case in todo:
+            (cache / f"{case.key(arch)}.json").write_text(json.dumps(good))
+
+    monkeypatch.setattr(configs, "_compile_missing", compile_missing)
+    assert configs.compile_cases(cases, 90, cache=tmp_path) == {case: good for case in cases}
+    assert compiled == cases
+    assert configs.compile_cases(cases, 90, cache=tmp_path) == {case: good for case in cases} and len(compiled) == 4

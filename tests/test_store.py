@@ -104,7 +104,7 @@ def test_disk_round_trip_is_bit_for_bit(tmp_path):
     assert side["format"] == FORMAT and side["key"] == cal.key and side["sha256"] == sidecar_sha256(side)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "missing_tensors", "meta_edit"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "sidecar", "missing_tensors", "meta_edit", "deep_sidecar"])
 def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
     key = "c" * 40
     CalibrationStore(1 << 20, tmp_path).put(entry(key))
@@ -120,6 +120,8 @@ def test_corrupt_entry_is_moved_aside_and_recomputed(tmp_path, damage):
         sidecar.write_bytes(sidecar.read_bytes()[:40])
     elif damage == "missing_tensors":
         tensors.unlink()
+    elif damage == "deep_sidecar":  # issue 54 item 4: the parser's RecursionError was an internal error of every run
+        sidecar.write_bytes(b"[" * 100000 + b"]" * 100000)
     else:  # a hand edit of the sidecar that keeps it valid JSON
         side = json.loads(sidecar.read_text())
         side["meta"]["best_proxy"] = 0.99
@@ -450,6 +452,7 @@ def test_a_shard_folder_that_is_a_file_costs_only_the_disk_copy(tmp_path, caplog
     nothing is raised (before: FileExistsError from its mkdir, an internal error of the run)."""
     key = "s" * 40
     s = CalibrationStore(1 << 20, tmp_path)
+    (tmp_path / "entries").mkdir()  # the store makes its folders with its first lookup
     (tmp_path / "entries" / key[:2]).write_text("not a folder")
     with caplog.at_level("WARNING", logger="sicl_fast.store"):
         s.put(entry(key))

@@ -46,7 +46,10 @@ def message_text(content, where: str) -> str:
             raise RequestError(f"{where}: content[{k}] is a part of type {kind!r}: {NOT_TEXT[kind]} not supported "
                                "(the calibrated prompt is text); send text parts ({\"type\": \"text\", \"text\": "
                                "...}) or a string")
-        if kind != "text" or not isinstance(p.get("text"), str):
+        if kind == "text" and not isinstance(p.get("text"), str):
+            got = "nothing" if "text" not in p else "null" if p["text"] is None else type(p["text"]).__name__
+            raise RequestError(f"{where}: content[{k}].text must be a string, got {got}")
+        if kind != "text":
             what = f"a part of type {kind!r}" if isinstance(kind, str) else "not a text part"
             raise RequestError(f"{where}: content[{k}] is {what}; content must be a string or a list of text parts "
                                "({\"type\": \"text\", \"text\": ...})")

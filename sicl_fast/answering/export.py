@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -53,6 +53,13 @@ class CalibratedEmbeddings:
     id: str
 
     def __post_init__(self) -> None:
+        wire = {t for t, _ in WIRE_DTYPES.values()}
+        if self.rows.dtype not in wire or self.input_ids.dim() != 1 or self.input_ids.dtype != torch.int64:
+            # a file written by another program: int rows or float ids would fail later, in someone else's code
+            raise SiclError(f"embeddings {self.id!r}: rows must be {' or '.join(sorted(WIRE_DTYPES))} (got "
+                            f"{str(self.rows.dtype).replace('torch.', '')}) and input_ids one row of int64 token ids "
+                            f"(got {str(self.input_ids.dtype).replace('torch.', '')} of shape "
+                            f"{tuple(self.input_ids.shape)})")
         L = int(self.input_ids.numel())
         if self.rows.dim() != 2 or not 0 <= self.row_start <= self.row_end <= L \
                 or self.rows.shape[0] != self.row_end - self.row_start:
@@ -143,7 +150,7 @@ class CalibratedEmbeddings:
             with safe_open(str(path), framework="pt") as fh:
                 meta = fh.metadata() or {}
                 if meta.get("format") != FORMAT:
-                    raise SiclError(f"{path}: not a sicl_fast embeddings file (format {meta.get('format')!r})")
+                    raise SiclError(f"not a sicl_fast embeddings file (format {meta.get('format')!r})")
                 return cls(rows=fh.get_tensor("embeddings"), row_start=int(meta["row_start"]),
                            row_end=int(meta["row_end"]), input_ids=fh.get_tensor("input_ids"), model=meta["model"],
                            id=meta["id"])
@@ -168,10 +175,13 @@ def export_path(directory: str | os.PathLike, rid: str) -> Path:
     return Path(directory) / f"{name}.safetensors"
 
 
-def check_export_dir(directory: str | os.PathLike) -> Path:
-    """Check the --export folder before any model is loaded (SiclError when it cannot be a writable folder); it is
+def check_export_dir(directory: str | os.PathLike, ids: Iterable[str] = (),
+                     inputs: Iterable[str | os.PathLike] = ()) -> Path:
+    """Check the --export folder before any model is loaded (SiclError when it cannot be a writable folder, or when
+    the file of one of the request `ids` would replace one of `inputs`: the results file, the requests file); it is
     made with its first file (CalibratedEmbeddings.save), so a run refused before then leaves none behind."""
-    return check_out_dir(directory, "--export", "the embeddings files", make=False)
+    return check_out_dir(directory, "--export", "the embeddings files", make=False,
+                         files=[export_path(directory, rid).name for rid in ids], inputs=inputs)
 
 
 class ExportingWriter:

@@ -750,6 +750,8 @@ def cmd_calibrate(args) -> int:
     requests = list(read_requests(args.requests))
     _check_flags(args)
     check_output(args.out, inputs=[args.requests])
+    if args.export:  # checked, not made (with its first file): a refused resume or request makes no folder
+        check_export_dir(args.export, [r.id for r in requests], [args.out, args.requests])
     where = f"--out {args.out}"
     key, early = _planned(args)  # a resume's settings checked before the model loads (None: a new file, not known)
     if early is not None:
@@ -758,8 +760,6 @@ def cmd_calibrate(args) -> int:
         if nothing_left(args.out, [r.id for r in requests], check=resume_check(want, where)):
             print(f"nothing to do: all {len(requests)} requests are already in {args.out}", file=sys.stderr)
             return 0  # a finished run resumed: no model to load
-    if args.export:  # after the resume's check: a refused resume makes no folder
-        check_export_dir(args.export)
     with _workers(args, early=early) as workers:
         _remember(args, key, workers.facts)
         cfg = workers.config(**_overrides(args))
@@ -787,15 +787,12 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_icleval(args) -> int:
-    from ..evaluation.cli import REPORT_FILES, check_icleval_args, finished_run, print_report, run_icleval_from_args
-    from ..formats.records import check_out_dir
+    from ..evaluation.cli import check_icleval_args, finished_run, print_report, run_icleval_from_args
 
     _check_flags(args)
     check_icleval_args(args, {k: v for k, v in _overrides(args).items() if v is not None})
     key, early = _planned(args)  # a resume's settings checked before the model loads
-    done = finished_run(args, _overrides(args), early)
-    if args.report:  # after the resume's check: a refused resume makes no folder
-        check_out_dir(args.report, "--report", REPORT_FILES)
+    done = finished_run(args, _overrides(args), early)  # --report checked with the flags, made with the report
     if done is not None:  # a finished run resumed: its report, without loading the model
         print(f"nothing to do: all {len(done[1])} records are already in {args.out}", file=sys.stderr)
         return print_report(*done, args)
@@ -884,7 +881,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_gradstudy(args) -> int:
-    from ..diagnostics.gradstudy import StudySettings, study_prompt, study_settings, walk_config
+    from ..diagnostics.gradstudy import StudySettings, study_key, study_prompt, study_settings, walk_config
     from ..run.progress import progress_bar
     from ..formats.records import ResultWriter, check_out_dir, check_output, nothing_left
     from ..formats.requests import read_requests
@@ -900,14 +897,13 @@ def cmd_gradstudy(args) -> int:
     check_output(args.out, inputs=[args.requests])
     if args.report:
         require("matplotlib")
-        check_out_dir(args.report, "--report", STUDY_FILES, make=False)
+        check_out_dir(args.report, "--report", STUDY_FILES, make=False, files=STUDY_NAMES,
+                      inputs=[args.out, args.requests])
     where, ids = f"--out {args.out}", [r.id for r in requests]
     key, early = _planned(args)  # a resume's settings checked before the model loads
-    done = early is not None and nothing_left(args.out, ids, check=resume_check(study_settings(
+    done = early is not None and nothing_left(args.out, ids, key=study_key, check=resume_check(study_settings(
         early.settings, _preset(early).with_overrides(**_overrides(args)), settings, args.add_special_tokens), where))
-    if args.report:  # after the resume's check: a refused resume makes no folder
-        check_out_dir(args.report, "--report", STUDY_FILES)
-    if done:
+    if done:  # --report checked with the flags and made with the report: a refused run (a request too long) makes none
         print(f"nothing to do: all {len(ids)} requests are already in {args.out}", file=sys.stderr)
         return _study_table(args, ids, settings, early.name)
     eng = _engine(args, early=early)
@@ -916,7 +912,7 @@ def cmd_gradstudy(args) -> int:
     prompts = [eng.prepare(r) for r in requests]  # every request tokenized before anything is written
     eng.check_steps(prompts, [walk_config(cfg)])  # and the walk's step checked for memory (issue 54: no 0-byte --out)
     want = study_settings(engine_settings(eng), cfg, settings, args.add_special_tokens)
-    with ResultWriter(args.out, settings=want, check=resume_check(want, where)) as out:
+    with ResultWriter(args.out, key=study_key, settings=want, check=resume_check(want, where)) as out:
         todo = [p for p in prompts if p.id not in out]
         if len(todo) < len(prompts):
             print(f"resuming: {len(prompts) - len(todo)} of {len(prompts)} requests already in {args.out}",
@@ -928,6 +924,7 @@ def cmd_gradstudy(args) -> int:
 
 
 STUDY_FILES = "study.md, study.json and the plots"  # what gradstudy's --report folder gets, for its messages
+STUDY_NAMES = ("study.md", "study.json")  # the files its write_report puts there, none of which may be an input
 
 
 def _study_table(args, ids, settings, title: str) -> int:

@@ -207,6 +207,28 @@ def study_prompt(backend, prompt: Prompt, config: CalibrationConfig, settings: S
             "scale": cal.config.scale, "points": points}
 
 
+def _numbers(obj, names: Sequence[str]) -> bool:
+    return isinstance(obj, dict) and all(isinstance(obj.get(k), (int, float)) and not isinstance(obj.get(k), bool)
+                                         for k in names)
+
+
+def _point_reads(p) -> bool:
+    """Whether one point of a record holds what summarize reads, of its JSON types (study_prompt's form)."""
+    return (isinstance(p, dict) and _numbers(p.get("exact"), ("gain", "clip_share")) and isinstance(p.get("zo"), list)
+            and all(_numbers(z, ("mu", "N", "cosine_mean", "norm_ratio", "clip_share", "gain_mean"))
+                    and z.get("estimator") in STUDY_ESTIMATORS for z in p["zo"]))
+
+
+def study_key(rec: dict) -> str:
+    """The id of a gradstudy record (the results file's key) whose fields read as study_prompt writes them: its
+    length, rows and points of numbers. ValueError for any other (a hand edit, a torn repair): the results file moves
+    it aside and its prompt is studied again, where summarize and the report raised on it (an internal error)."""
+    if not (isinstance(rec.get("id"), str) and _numbers(rec, ("L", "rows")) and isinstance(rec.get("points"), list)
+            and all(_point_reads(p) for p in rec["points"])):
+        raise ValueError("not a record of gradstudy")
+    return rec["id"]
+
+
 def summarize(records: Sequence[dict]) -> list[dict]:
     """One row per (estimator, mu, N): means over every prompt and point of the per-point means (cosine, norm
     ratio, clip share, ZO gain), the exact step's mean gain and clip share at the same points, and n (points)."""

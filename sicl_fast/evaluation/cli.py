@@ -21,6 +21,7 @@ from .icleval_cls import DCPMI_PREMISES
 from .methods import CALIBRATIONS, METHODS, BaselineOptions, run_methods
 
 REPORT_FILES = "report.md, report.json and plots/"  # what --report's folder gets, for its messages
+REPORT_NAMES = ("report.md", "report.json")  # the files write_report puts in it, none of which may be an input
 
 
 def add_icleval_eval_args(p: argparse.ArgumentParser) -> None:
@@ -113,8 +114,8 @@ def check_icleval_args(args, knobs: dict | None = None) -> None:
     require("scipy")
     if args.report:
         require("matplotlib")
-        check_out_dir(args.report, "--report", REPORT_FILES, make=False)
-    check_records_out(args.out)
+        check_out_dir(args.report, "--report", REPORT_FILES, make=False, files=REPORT_NAMES, inputs=[args.out])
+    check_records_out(args.out, args.dir)
     select_samples(args.dir, args.tasks, args.limit)
 
 
@@ -213,6 +214,8 @@ def report_from_args(args, file=None) -> int:
     require("scipy")
     if not args.no_plots:
         require("matplotlib")
+    # the folder before the records (a flag before the work), made once they read: a refused report makes none
+    check_out_dir(args.report, "--report", REPORT_FILES, make=False, files=REPORT_NAMES, inputs=args.results)
     runs = load_runs(args.results, args.names)
     check_out_dir(args.report, "--report", REPORT_FILES)
     rep = write_report(args.report, runs, plots=not args.no_plots)

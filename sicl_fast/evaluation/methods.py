@@ -30,6 +30,7 @@ unknown.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from ..calibration.ascent import CalibrationConfig
 from ..errors import ResultsFileError, SiclError
 from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
+from ..icleval.tasks import TASK_FILES
 from ..icleval.scoring import max_gen_len, score, should_stop
 from ..formats.records import STDOUT, ResultWriter, check_output, read_records
 from ..run.settings import fallback_settings, resume_check, run_settings, settings_diff
@@ -98,8 +100,44 @@ class BaselineOptions:
         return {}
 
 
+_NUMBER = ((int, float), "a number")
+# the JSON type of each field of a record that a resume or a report reads, as the methods write it (None: null too)
+RECORD_FIELDS: dict[str, tuple[tuple[type, ...], str, bool]] = {
+    "task": ((str,), "a string", False), "uid": ((int,), "an integer", False),
+    **{k: ((str,), "a string", True) for k in ("variant", "method", "model", "stop_reason")},
+    **{k: ((bool,), "true or false", False) for k in ("correct_base", "correct_calibrated", "correct_scored_base")},
+    "gated": ((bool,), "true or false", True), "config": ((dict,), "an object", True),
+    "steps": ((int,), "an integer", True),
+    **{k: (*_NUMBER, True) for k in ("seconds", "calibration_seconds", "initial_proxy", "best_proxy", "time_budget_s")},
+    "history": ((list,), "a list of numbers", True), "answers_at": ((dict,), "an object {step: answer}", True),
+}
+
+
+def record_problem(rec: dict) -> str | None:
+    """What is wrong with a record's fields (a hand edit, another program's file), in words, or None: each field of
+    RECORD_FIELDS it has holds that JSON type (true is no number, "false" no boolean), the history numbers, the keys
+    of answers_at step counts. The one check of a record's fields: a resume moves such a record aside (record_key
+    raises), a report refuses it (report.check_records)."""
+    for name, (types, what, nullable) in RECORD_FIELDS.items():
+        if name not in rec or (rec[name] is None and nullable):
+            continue
+        v = rec[name]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            return f"field {name!r} must be {what}, got {json.dumps(v)[:60]}"
+    if any(not isinstance(x, (int, float)) or isinstance(x, bool) for x in rec.get("history") or ()):
+        return f"field 'history' must be a list of numbers, got {json.dumps(rec['history'])[:60]}"
+    bad = [k for k in rec.get("answers_at") or {} if not (k.isascii() and k.isdigit())]
+    if bad:
+        return f"field 'answers_at': {bad[0]!r} is not a step count"
+    return None
+
+
 def record_key(rec: dict) -> tuple[str, str, int]:
-    """(variant, task, uid); records without a variant field (single-method runs) are the 'sicl' variant."""
+    """(variant, task, uid); records without a variant field (single-method runs) are the 'sicl' variant. Raises
+    ValueError for a record whose fields do not read (record_problem): the results file moves it aside."""
+    problem = record_problem(rec)
+    if problem is not None:
+        raise ValueError(problem)
     return rec.get("variant", "sicl"), rec["task"], rec["uid"]
 
 
@@ -394,11 +432,14 @@ def select_samples(data_dir, tasks=None, limit: int | None = None) -> list[Sampl
     return [s for name in data for s in (data[name][:limit] if limit is not None else data[name])]
 
 
-def check_records_out(out_path) -> None:
-    """The records are read back for the tables: --out must be a regular file (or a new one), not '-' or a pipe."""
+def check_records_out(out_path, data_dir=None) -> None:
+    """The records are read back for the tables: --out must be a regular file (or a new one), not '-' or a pipe; and
+    none of the task files of `data_dir` (by identity: a link to one too), whose lines the results file would move
+    aside as unreadable records, leaving the task file empty."""
     if str(out_path) == STDOUT or (Path(out_path).exists() and not Path(out_path).is_file()):
         raise ResultsFileError(f"--out {out_path}: icleval reads its records back for the tables; give a regular file")
-    check_output(out_path)
+    tasks = [] if data_dir is None else [Path(data_dir) / f"{name}.json" for name in TASK_FILES]
+    check_output(out_path, inputs=[p for p in tasks if p.is_file()])
 
 
 def run_methods(
@@ -429,7 +470,7 @@ def run_methods(
 
     from ..run.progress import StepProgress, progress_bar
 
-    check_records_out(out_path)
+    check_records_out(out_path, data_dir)
     options = options or BaselineOptions()
     workers = as_workers(engine)
     variants = build_variants(methods, workers, config, sicl_variants, options)

@@ -63,10 +63,23 @@ def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = 
     (written before records carried them) are a run of their own per model, "settings unknown"."""
     if names is not None and len(names) != len(paths):
         raise SiclError(f"{len(names)} names for {len(paths)} results files")
+    if names is not None and not all(n.strip() for n in names):
+        raise SiclError("--names: an empty name; give each run a name (or leave --names out: the records' model)")
+    seen: dict[tuple[int, int], str | os.PathLike] = {}
+    for p in paths:  # the same file twice (by identity: a link or another spelling of its path included) would count
+        try:         # its records as two runs' evidence (Fisher's method over runs)
+            st = os.stat(p)
+        except OSError:
+            continue  # read_records says what is wrong with it
+        if (st.st_dev, st.st_ino) in seen and stat.S_ISREG(st.st_mode):
+            raise SiclError(f"results file {p}: is {seen[st.st_dev, st.st_ino]} again; give each run's file once")
+        seen[st.st_dev, st.st_ino] = p
     runs: list[Run] = []
     used: set[str] = set()
     for i, p in enumerate(paths):
-        parts = split_by_settings(drop_failed(read_records(p, allow_empty=False), str(p)))
+        records = drop_failed(read_records(p, allow_empty=False), str(p))
+        check_fields(records, str(p))  # before they are split by their settings, which reads them
+        parts = split_by_settings(records)
         if len(parts) > 1:
             print(f"note: {p}: its records were made with {len(parts)} different settings, reported as "
                   f"{len(parts)} runs (never pooled): " + "; ".join(label for _, label, _ in parts), file=sys.stderr)
@@ -196,15 +209,32 @@ def drop_failed(records: Sequence[dict], where: str = "") -> list[dict]:
     return ok
 
 
-def check_records(records: Sequence[dict], where: str = "") -> None:
-    """Every record needs the fields the report reads; one (variant, task, uid) at most once; every record of one
-    settings (split_by_settings), and the records of one variant with one setting (check_settings)."""
-    need = ("task", "uid", "correct_base", "correct_calibrated")
-    seen = set()
+NEEDED = ("task", "uid", "correct_base", "correct_calibrated")  # the fields every record of a report has
+
+
+def check_fields(records: Sequence[dict], where: str = "") -> None:
+    """Every record has the fields the report reads (NEEDED), each of its JSON type (methods.record_problem: a
+    "false" read as true, or a string among numbers, would be a wrong table or an internal error)."""
+    from .methods import record_problem
+
     for i, r in enumerate(records):
-        miss = [k for k in need if k not in r]
+        miss = [k for k in NEEDED if k not in r]
         if miss:
             raise SiclError(f"{where} record {i}: missing field(s) {', '.join(miss)}")
+        problem = record_problem(r)
+        if problem is not None:
+            raise SiclError(f"{where} record {i} ({r['task']}:{r['uid']}): {problem}"
+                            if isinstance(r["task"], str) and isinstance(r["uid"], int) else
+                            f"{where} record {i}: {problem}")
+
+
+def check_records(records: Sequence[dict], where: str = "") -> None:
+    """Every record has the fields the report reads, of their types (check_fields); one (variant, task, uid) at most
+    once; every record of one settings (split_by_settings), and the records of one variant with one setting
+    (check_settings)."""
+    check_fields(records, where)
+    seen = set()
+    for i, r in enumerate(records):
         key = (variant_of(r), r["task"], r["uid"])
         if key in seen:
             raise SiclError(f"{where} record {i}: duplicate record for variant {key[0]!r}, {key[1]}:{key[2]}")
@@ -472,7 +502,7 @@ def _config_line(cfg) -> str:
 
 def _run_settings_line(st: dict) -> str:
     """The run-level settings of a run (sicl_fast.run.settings) in one line; the config is each variant's line."""
-    model = st.get("model") or {}
+    model = st.get("model") if isinstance(st.get("model"), dict) else {"name": st.get("model")}
     parts = [f"model {model.get('name')} ({model.get('fingerprint')})",
              f"{st.get('dtype')} on {st.get('device')}"]
     parts += [f"{k} {'off' if st.get(k) is None else st.get(k)}"

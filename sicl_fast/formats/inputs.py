@@ -7,6 +7,9 @@ streams.
     env_path("SICL_FAST_CACHE")                           the folder a variable names, absolute; None when unset,
                                                           empty or blank
 
+    json_value(line, "r.jsonl:3", RequestError)           the JSON value of a line or a file's bytes, or one line
+                                                          naming what is wrong (the one JSON reader of input files)
+
 A regular file is opened; a pipe (a FIFO, `/dev/stdin` on a pipe, a process substitution `<(cat f)`), a terminal
 and `-` (standard input) are read once, as a stream; anything else is refused with what it is: a directory, a
 socket, a device; a dangling symbolic link, a symbolic link loop, a missing file, one that cannot be read.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import sys
@@ -64,6 +68,29 @@ def describe_missing(path: Path) -> str:
     return f"is a symbolic link to {target}, which does not exist (a dangling link)"
 
 
+BOM = "\ufeff"  # what Notepad and PowerShell put before UTF-8 text: no part of the JSON
+
+
+def json_value(data: bytes | str, where: str, error: type[Exception] = SiclError, what: str = "JSON"):
+    """The JSON value of `data` (a line of a JSONL file, or a whole file), read as UTF-8 with a leading byte order
+    mark dropped. Raises `error` "{where}: ..." when it is not: bytes that are not UTF-8, text that is not JSON (`what`
+    names it: "invalid {what}: ..."), nesting too deep for the parser, a number too long to read (json raises a
+    ValueError, not a JSONDecodeError, for an integer of more than 4300 digits). Every file reader of JSON takes it."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{where}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
+    try:
+        return json.loads(data.removeprefix(BOM))
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: invalid {what}: {exc}") from None
+    except RecursionError:
+        raise error(f"{where}: {what} nested too deeply") from None
+    except ValueError as exc:  # int(): "Exceeds the limit (4300 digits) for integer string conversion ..."
+        raise error(f"{where}: invalid {what}: {str(exc).split(';')[0]}") from None
+
+
 @contextlib.contextmanager
 def open_input(path: str | os.PathLike, what: str, directory_hint: str = "",
                error: type[SiclError] = SiclError) -> Iterator[BinaryIO]:
@@ -107,4 +134,4 @@ def _is_tty(p: Path) -> bool:
         os.close(fd)
 
 
-__all__ = ["open_input", "describe_missing", "env_path", "STDIN"]
+__all__ = ["open_input", "describe_missing", "env_path", "json_value", "STDIN"]

@@ -24,7 +24,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 
 from ..errors import ResultsFileError, SiclError, SiclWarning
-from .inputs import describe_missing, open_input
+from .inputs import describe_missing, json_value, open_input
 
 STDOUT = "-"
 
@@ -52,11 +52,7 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
         example = p / ("results.jsonl" if flag == "--out" else "report.md")
         raise ResultsFileError(f"{flag} {p}: is a directory; give a file name (e.g. {example})")
     for src in inputs:
-        src = Path(src)
-        same = p.resolve() == src.resolve()
-        if not same and p.exists() and src.exists():
-            same = os.path.samefile(p, src)
-        if same:
+        if _same_file(p, src):
             raise ResultsFileError(f"{flag} {p}: is the input file {src}; the results need a file of their own")
     if p.exists():
         if not os.access(p, os.W_OK):
@@ -65,6 +61,18 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
     why = _cannot_create(p)
     if why is not None:
         raise ResultsFileError(f"{flag} {p}: {why}")
+
+
+def _same_file(path: str | os.PathLike, other: str | os.PathLike) -> bool:
+    """Whether two paths name one file: the same path once resolved (a file not made yet included), or the same file
+    (a hard link)."""
+    path, other = Path(path), Path(other)
+    try:
+        if path.resolve() == other.resolve():
+            return True
+    except (OSError, RuntimeError):  # a link loop on the way (RuntimeError): no file, so none the other is
+        return False
+    return path.exists() and other.exists() and os.path.samefile(path, other)
 
 
 def _cannot_create(path: Path) -> str | None:
@@ -90,13 +98,15 @@ def folder_arg(text: str) -> str:
     return text
 
 
-def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool = True) -> Path:
+def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool = True,
+                  files: Iterable[str] = (), inputs: Iterable[str | os.PathLike] = ()) -> Path:
     """Create the output folder of `flag` (--export, --report) before any work; SiclError "{flag} DIR: ..." when
     it cannot be a writable folder: an empty name, a file, a dangling link or a link loop (the folder's or one on the
     way to it), no permission. `what`: what goes in it, for the message. make=False: the same checks without making
     it (its nearest existing parent a folder this process may write to): a command checks its flags first, then a
     resume, and makes its folders only once the resume is not refused (or with their first file: --export,
-    --store)."""
+    --store). files, inputs: the files the command writes in it (report.md, ...) and those it reads or appends to (its
+    results file): one of those would be replaced by the other, refused."""
     if not str(directory).strip():  # Path("") is the current folder, which would fill with the outputs
         raise SiclError(f"{flag}: an empty folder name; give a folder for {what}")
     path = Path(directory)
@@ -108,6 +118,11 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool
         why = _cannot_create(path)
         if why is not None:
             raise SiclError(f"{flag} {path}: {why}")
+    for name in files:
+        for src in inputs:
+            if str(src) != STDOUT and _same_file(path / name, src):
+                raise SiclError(f"{flag} {path}: its {name} would replace {src}, a file this run reads; give {what} a "
+                                "folder of their own")
     if not make:
         return path
     try:
@@ -137,12 +152,17 @@ class ResultWriter:
     sicl_fast.run.settings), beneath the settings a record brings of its own (the engine's part after a fallback:
     commands.work); check: called with the records the file holds once it is opened and read, before it is
     repaired and before anything is written (a resume's settings check, sicl_fast.run.settings.resume_check: it
-    raises to refuse, and a refused resume leaves the file as it was, a torn last line included).
+    raises to refuse, and a refused resume leaves the file as it was, a torn last line included). repair=False:
+    read and check only, the repair left to `repair()` (nothing_left: a run that goes on to load its model may still
+    be refused, a request too long, and refused means untouched).
     written: records written by this writer; done: the keys in the file (resumed and written).
     """
 
     def __init__(self, path: str | os.PathLike, key: Callable[[dict], object] = lambda r: r["id"],
-                 settings: dict | None = None, check: Callable[[list[dict]], None] | None = None) -> None:
+                 settings: dict | None = None, check: Callable[[list[dict]], None] | None = None,
+                 repair: bool = True) -> None:
+        self._repair_now = repair
+        self._found: tuple | None = None  # what _read found, for a repair() later (repair=False)
         self.key = key
         self.settings = settings
         self.check = check
@@ -183,7 +203,10 @@ class ResultWriter:
             found = self._read(fh)
             if self.check is not None:
                 self.check(self.records)
-            self._repair(fh, *found)
+            if self._repair_now:
+                self._repair(fh, *found)
+            else:
+                self._found = found
         except OSError as exc:
             fh.close()
             raise ResultsFileError(f"--out {self.path}: cannot repair it for resuming: {_os_reason(exc)}") from None
@@ -236,25 +259,27 @@ class ResultWriter:
                 backup: Path) -> None:
         """Make the file hold the kept lines alone (_read's findings): unreadable lines moved to FILE.bad, duplicates
         dropped, an interrupted repair finished; a file that needs none of it is not written."""
+        said = []  # said once the file is rewritten: a rewrite that fails (a full disk) moved nothing
         if not saved:
             backup.unlink(missing_ok=True)  # a copy cut short: the file was not touched yet
         else:
-            warnings.warn(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy "
-                          f"{backup} restored ({len(keep)} record(s) kept)", SiclWarning, stacklevel=4)
+            said.append(f"{self.path}: an earlier resume was interrupted while it rewrote the file; its copy {backup} "
+                        f"restored ({len(keep)} record(s) kept)")
         if not saved and not bad and not duplicates and sum(map(len, keep)) == len(data):
             return
         if bad:
             bad_path = self.path.with_name(self.path.name + ".bad")
-            with bad_path.open("ab") as out:  # first put the unreadable lines safely aside
-                out.writelines(bad)
-                out.flush()
-                os.fsync(out.fileno())
-            self.moved_aside = len(bad)
-            warnings.warn(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; "
-                          f"{len(keep)} record(s) kept", SiclWarning, stacklevel=4)
+            try:
+                with bad_path.open("ab") as out:  # first put the unreadable lines safely aside
+                    out.writelines(bad)
+                    out.flush()
+                    os.fsync(out.fileno())
+            except OSError as exc:  # named: "cannot repair it: No such file or directory" read as --out's own
+                raise ResultsFileError(f"--out {self.path}: cannot put its {len(bad)} unreadable line(s) aside in "
+                                       f"{bad_path}: {_os_reason(exc)}; the file is left as it was") from None
+            said.append(f"{self.path}: {len(bad)} unreadable line(s) moved to {bad_path}; {len(keep)} record(s) kept")
         if duplicates:
-            warnings.warn(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)",
-                          SiclWarning, stacklevel=4)
+            said.append(f"{self.path}: {duplicates} duplicate record(s) dropped (same id as an earlier line)")
         # rewrite in place (the lock stays on this file); a copy of the kept lines exists until it is done (a kill
         # meanwhile: the next open restores it, above)
         _write_synced(backup, b"".join(keep))
@@ -264,6 +289,19 @@ class ResultWriter:
         fh.flush()
         os.fsync(fh.fileno())
         backup.unlink()
+        self.moved_aside = len(bad)
+        for message in said:
+            warnings.warn(message, SiclWarning, stacklevel=4)
+
+    def repair(self) -> None:
+        """The repair a writer opened with repair=False left (its file's unreadable lines moved aside, duplicates
+        dropped), as opening with repair=True makes it."""
+        if self._found is not None:
+            found, self._found = self._found, None
+            try:
+                self._repair(self._fh, *found)
+            except OSError as exc:
+                raise ResultsFileError(f"--out {self.path}: cannot repair it: {_os_reason(exc)}") from None
 
     def __contains__(self, key) -> bool:
         return key in self.done
@@ -317,8 +355,12 @@ def nothing_left(path: str | os.PathLike, keys: Iterable, key: Callable[[dict], 
     p = Path(path)
     if str(path) == STDOUT or not p.is_file():
         return False
-    with ResultWriter(p, key, check=check) as out:
+    # repaired only when nothing is left: a run with work loads its model and may be refused yet (a request too
+    # long for it), and a refused run leaves its file as it was; the writer it opens then repairs it
+    with ResultWriter(p, key, check=check, repair=False) as out:
         done = all(k in out for k in keys)
+        if done:
+            out.repair()  # the finished run's records are read back (its table): a torn line moved aside first
     OPENED.remove(out)  # it wrote nothing: no part of an interrupted run's summary
     return done
 
@@ -331,14 +373,7 @@ def read_records(path: str | os.PathLike, allow_empty: bool = True) -> list[dict
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except UnicodeDecodeError:
-                raise SiclError(f"{path}:{lineno}: not UTF-8 text") from None
-            except json.JSONDecodeError as exc:
-                raise SiclError(f"{path}:{lineno}: invalid JSON record: {exc}") from None
-            except RecursionError:
-                raise SiclError(f"{path}:{lineno}: JSON nested too deeply") from None
+            rec = json_value(line, f"{path}:{lineno}", what="JSON record")
             if not isinstance(rec, dict):
                 raise SiclError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
             out.append(rec)

@@ -9,7 +9,6 @@ Both become a `Request`: the full prompt text, the character span [start, end) o
 """
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any
 from collections.abc import Iterator
 
 from ..errors import RequestError, SiclWarning, TextError
-from .inputs import open_input
+from .inputs import BOM, json_value, open_input
 
 DEFAULT_TEMPLATE: dict[str, str] = {
     # one demonstration; {input} and {output} are filled in, the output's characters become its span
@@ -225,19 +224,9 @@ def read_requests(path: str | Path) -> Iterator[Request]:
     with open_input(path, "requests file", "give a JSONL file, one request a line", RequestError) as fh:
         for lineno, raw in enumerate(fh, 1):
             where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise RequestError(f"{where}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
-            if not line.strip():
+            if not raw.decode("utf-8", "replace").removeprefix(BOM).strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"{where}: invalid JSON: {exc}") from None
-            except RecursionError:
-                raise RequestError(f"{where}: JSON nested too deeply") from None
-            req = parse_request(obj, where)
+            req = parse_request(json_value(raw, where, RequestError), where)
             if req.id in seen:
                 raise RequestError(f"{where}: duplicate request id {req.id!r}")
             seen.add(req.id)

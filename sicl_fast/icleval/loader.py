@@ -6,13 +6,13 @@ built from these exact strings. The file name selects the task (dispatch is alwa
 from __future__ import annotations
 
 import hashlib
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterable
 
+from ..formats.inputs import json_value
 from .errors import ICLEvalDataWarning, ICLEvalError, where
 from .tasks import TASK_FILES, TASKS, TaskSpec, get_task, task_name
 
@@ -103,6 +103,9 @@ def sample_from_json(spec: TaskSpec, obj: Any, index: int) -> Sample:
     )
 
 
+_WARNED: set[tuple[str, str]] = set()  # (file, sha256) whose difference from the release load_task said
+
+
 def load_task(path: str | Path, check_sha256: bool = True) -> list[Sample]:
     """Load one task file. Its name must be one of the 13 ICLEval files (TASK_FILES, with ".json").
 
@@ -111,22 +114,27 @@ def load_task(path: str | Path, check_sha256: bool = True) -> list[Sample]:
     """
     path = Path(path)
     spec = get_task(path)  # also refuses names that do not end in ".json"
+    if path.is_dir():
+        raise ICLEvalError(f"{spec.file_name}: {path} is a directory, not a task file")
     if not path.is_file():
         raise ICLEvalError(f"{spec.file_name}: file not found: {path}")
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ICLEvalError(f"{spec.file_name}: cannot read {path}: {exc.strerror or exc}") from None
     if check_sha256:
         digest = hashlib.sha256(data).hexdigest()
-        if digest != spec.sha256:
+        if digest != spec.sha256 and (str(path.resolve()), digest) not in _WARNED:
+            # once a file and content per process: a command loads its tasks when it checks its flags and again when
+            # it runs them, and one file is not two warnings
+            _WARNED.add((str(path.resolve()), digest))
             warnings.warn(
                 f"{spec.file_name}: sha256 {digest} differs from the released ICLEval file ({spec.sha256}); "
                 f"loading it anyway",
                 ICLEvalDataWarning,
                 stacklevel=2,
             )
-    try:
-        items = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ICLEvalError(f"{spec.file_name}: not UTF-8 JSON: {exc}") from None
+    items = json_value(data, spec.file_name, ICLEvalError)
     if not isinstance(items, list):
         raise ICLEvalError(f"{spec.file_name}: must be a JSON array of samples, got {type(items).__name__}")
     samples = [sample_from_json(spec, obj, i) for i, obj in enumerate(items)]

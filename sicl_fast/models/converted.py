@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 
 from ..errors import SiclError, SiclWarning, first_line
-from ..formats.inputs import describe_missing, env_path
+from ..formats.inputs import describe_missing, env_path, json_value
 
 CACHE_VERSION = 3  # bump when the conversion changes (v2: own SentencePiece-BPE tokenizer builder; v3: content key)
 MANIFEST = ".sicl_fast_manifest.json"
@@ -155,8 +155,8 @@ def tensor_sums(t: torch.Tensor) -> list[int]:
 
 def _read_json(path: Path) -> dict:
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        obj = json_value(path.read_bytes(), str(path))
+    except (OSError, SiclError):  # missing, or damaged (nesting too deep for the parser among it): remade
         return {}
     return obj if isinstance(obj, dict) else {}
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SiclError
+from ..formats.inputs import json_value
 from .plan import RunPlan, make_plan
 from .settings import model_plan_settings
 
@@ -152,9 +153,10 @@ def recall(key: str | None) -> dict | None:
     unreadable (then planned)."""
     if key is None:
         return None
+    path = _folder() / f"{key}.json"
     try:
-        got = json.loads((_folder() / f"{key}.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        got = json_value(path.read_bytes(), str(path))
+    except (OSError, SiclError):  # SiclError: not JSON, not UTF-8, nested too deep for the parser
         return None
     ok = (isinstance(got, dict) and got.get("version") == VERSION and _settings_ok(got.get("settings"))
           and isinstance(got.get("family"), str) and got["family"] != "" and _count(got.get("n_params")))

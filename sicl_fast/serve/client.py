@@ -11,6 +11,9 @@ An error reply raises ServerError (status, kind, message); a full queue raises Q
 """
 from __future__ import annotations
 
+import email.utils
+import math
+import time
 from typing import Any
 
 from ..errors import SiclError
@@ -31,6 +34,22 @@ class QueueFullError(ServerError):
     def __init__(self, status, kind, message, request_id=None, retry_after: float = 1.0) -> None:
         super().__init__(status, kind, message, request_id)
         self.retry_after = retry_after
+
+
+def retry_after(value: str | None, now: float | None = None) -> float:
+    """The seconds a Retry-After header asks for: a number of seconds, or an HTTP date (RFC 9110 allows both; a proxy
+    in front of the server may send the date), at least 0; 1 when there is none or it reads as neither (a 429 is
+    answered with the wait it asks for, never with a ValueError of the header)."""
+    if value is None:
+        return 1.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - (time.time() if now is None else now)
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return 1.0
+    return max(0.0, seconds) if math.isfinite(seconds) else 1.0
 
 
 class Client:
@@ -55,7 +74,7 @@ class Client:
                 kind, message = "http", r.text[:200]
             rid = r.headers.get("x-request-id")
             if r.status_code == 429:
-                raise QueueFullError(429, kind, message, rid, float(r.headers.get("retry-after", 1)))
+                raise QueueFullError(429, kind, message, rid, retry_after(r.headers.get("retry-after")))
             raise ServerError(r.status_code, kind, message, rid)
         return r
 

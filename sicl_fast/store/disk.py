@@ -6,6 +6,9 @@
     DIR/locks/<key>.lock                    flock'ed while a process reads, writes or computes that key
     DIR/corrupt/                            entries that failed their checks, moved aside with a time stamp
 
+The folders are checked when a DiskStore opens and made with its first lookup, so a run refused before any lookup
+leaves none behind.
+
 Writes are atomic: each file is written to a temporary name in its folder (<key>.safetensors.XXXX.tmp,
 <key>.json.XXXX.tmp), flushed to disk and renamed, the tensors first and the sidecar last, so a reader sees a whole
 entry or none. A temporary left by a killed writer is removed by the next process that holds its key's lock: a
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SiclWarning, require
+from ..formats.inputs import json_value
 from ..formats.records import check_out_dir
 from .entry import Calibration, Expected, fields_problem, meta_problem
 from .wait import wait
@@ -128,15 +132,28 @@ class DiskStore:
         # the --export / --report folder check: an empty name (not the current folder), a file, a dangling link, a
         # link loop, no permission, said plainly
         root = os.path.expanduser(os.fspath(directory))
-        check_out_dir(root, "store", "the calibrations")
+        check_out_dir(root, "store", "the calibrations", make=False)  # the name as given: "" is no folder
         self.root = Path(root)
         for sub in ("entries", "locks", "corrupt"):
-            check_out_dir(self.root / sub, "store", "the calibrations")
+            check_out_dir(self.root / sub, "store", "the calibrations", make=False)
+        self._made = False  # the folders are made with the first lock (_make): a run refused before any lookup (a
+        #                     request too long, found once the engine that opened the store tokenizes it) makes none
         self.corrupted = 0
         # key -> the identity of a corrupt entry's sidecar that could not be moved aside (_move_aside): reported once,
         # then read as missing and never overwritten while it is there
         self._left: dict[str, tuple] = {}
         self._sweep()
+
+    def _make(self) -> None:
+        """Make the store's folders (once): DIR, entries/ and locks/, checked as when it opened, and corrupt/ where it
+        is missing (one replaced by a file since the store opened is _move_aside's to report, not a refusal)."""
+        if not self._made:
+            for path in (self.root, self.root / "entries", self.root / "locks"):
+                check_out_dir(path, "store", "the calibrations")
+            with contextlib.suppress(OSError):
+                if not os.path.lexists(self.root / "corrupt"):
+                    (self.root / "corrupt").mkdir()
+            self._made = True
 
     def paths(self, key: str) -> tuple[Path, Path]:
         d = self.root / "entries" / key[:2]
@@ -147,6 +164,7 @@ class DiskStore:
         """Hold the key's lock (flock, exclusive; waits for another holder, in this process or another). With
         should_stop (the waiter's calibration hook), the wait tries the lock every POLL_S seconds and raises
         GaveUp(reason) when should_stop fires first (sicl_fast.store.wait)."""
+        self._make()
         with open(self.root / "locks" / f"{key}.lock", "a+b") as fh:
             wait(functools.partial(_take, fh.fileno()), should_stop)
             try:
@@ -204,8 +222,8 @@ class DiskStore:
         from safetensors.torch import load as load_tensors
 
         try:
-            side = json.loads(sidecar.read_bytes())
-        except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
+            side = json_value(sidecar.read_bytes(), "sidecar", CorruptEntry)  # not JSON, not UTF-8, too deep
+        except OSError as exc:
             raise CorruptEntry(f"unreadable sidecar ({type(exc).__name__})") from None
         check_sidecar(side, key)
         try:
@@ -241,6 +259,8 @@ class DiskStore:
             if not path.exists():
                 continue
             try:
+                if not os.path.lexists(corrupt):  # made with its first entry; one replaced by a file is not a folder
+                    corrupt.mkdir()
                 os.replace(path, corrupt / f"{path.stem}.{stamp}.{os.getpid()}{path.suffix}")
                 moved += 1
             except OSError as exc:

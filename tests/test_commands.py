@@ -65,7 +65,20 @@ def test_a_command_refuses_the_flags_it_does_not_use(argv, capsys):
         main(argv)
     assert exc.value.code == 2
     flag = [a for a in argv if a.startswith("--")][0]
-    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+    assert f"sicl-fast {argv[0]}: error: unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, who", [
+    (["calibrate", "r.jsonl", "--out", "o.jsonl", "--length-buckets", "5", "3"], "sicl-fast calibrate"),
+    (["cache", "list", "extra"], "sicl-fast cache list"),
+])
+def test_arguments_left_over_are_refused_by_their_command(argv, who, capsys):
+    """A value too many ('--length-buckets 5 3') is refused by the command given it, which --help then explains
+    (before: 'sicl-fast: error: unrecognized arguments: 3', the program's, whose --help lists commands)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(f"{who}: error: unrecognized arguments: {argv[-1]}"), err
 
 
 def test_plan_takes_the_flags_that_change_the_plan(tiny_model_dir, capsys):

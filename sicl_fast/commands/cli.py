@@ -51,6 +51,22 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but arguments left over are refused by the (sub-)command that was given them ('sicl-fast
+        calibrate: error: unrecognized arguments: 3', and its --help), not by the program."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._chosen(ns).error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
+    def _chosen(self, ns) -> argparse.ArgumentParser:
+        """The innermost (sub-)command parser `ns` was parsed by."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and getattr(ns, action.dest, None) in action.choices:
+                chosen = action.choices[getattr(ns, action.dest)]
+                return chosen._chosen(ns) if isinstance(chosen, _Parser) else chosen
+        return self
+
 
 # what each knob does, for its --help (the ranges are sicl_fast.run.knobs'; the defaults the presets')
 KNOB_HELP = {

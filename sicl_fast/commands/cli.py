@@ -52,8 +52,11 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):
-        """argparse's, but arguments left over are refused by the (sub-)command that was given them ('sicl-fast
-        calibrate: error: unrecognized arguments: 3', and its --help), not by the program."""
+        """argparse's, but where there are sub-commands, arguments left over are refused by the (sub-)command that
+        was given them ('sicl-fast calibrate: error: unrecognized arguments: 3', and its --help), not by the
+        program."""
+        if self._subparsers is None:  # a parser of one command (the bench scripts'): argparse's own
+            return super().parse_args(args, namespace)
         ns, extra = self.parse_known_args(args, namespace)
         if extra:
             self._chosen(ns).error(f"unrecognized arguments: {' '.join(extra)}")

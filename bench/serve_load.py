@@ -5,6 +5,7 @@
     mkdir /tmp/base && git archive 481e2be | tar -x -C /tmp/base && cp sicl_fast/ops/_C*.so /tmp/base/sicl_fast/
     python bench/serve_load.py --other /tmp/base
     python bench/serve_load.py --other /tmp/base --clients 1 8 --requests 2 --mix-answers 2 --out /tmp/short.json
+    python bench/serve_load.py --other /tmp/base --clients 8 32 --calibrations 8 --pack auto    # a GPU (issue 55)
 
 Both servers run as `sicl-fast serve` subprocesses (the embedded SmolLM2-135M, `--threads`, one at a time busy:
 each phase runs on one server, then on the other, the order alternating), the clients are threads of this process,
@@ -16,6 +17,10 @@ that after the first one every request is a store hit on one stored calibration.
   alone   each query once, one at a time: its latency alone and its answer, the reference of "tokens identical"
   load    for each --clients count and each mode (non-streaming, streaming), every client sends --requests
           requests back to back: answers per second, tokens per second, latency p50 / p99, answers equal to alone
+  calibrations  (with --calibrations) for each count K, K calibrate requests of the mix's prompt at once
+          (/v1/calibrate, reuse off, --cal-steps steps, no early stop, seeds 0..K-1): calibrations per second,
+          steps per second, latency p50 / p99 and each seed's best proxy, this server's beside the other's (with
+          --pack above 1, this server runs them as slots of one packed step: the packed server path)
   mix     a calibration of another prompt (/v1/calibrate, reuse off, --mix-steps steps, no early stop) starts, and
           --mix-delay s later --mix-answers answers arrive one after the other: each one's latency against its
           latency alone and the calibration's step alone (both measured just before: each answer once, the same
@@ -78,11 +83,11 @@ def free_port() -> int:
 class Server:
     """`sicl-fast serve` of this checkout (root None) or of another (its own code: other_checkout.PRELUDE)."""
 
-    def __init__(self, name: str, root: str | None, threads: int) -> None:
+    def __init__(self, name: str, root: str | None, threads: int, extra: tuple[str, ...] = ()) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = ["serve", "--port", str(self.port), "--threads", str(threads), "--log-level", "warning",
-                 "--max-queue", "64"]
+                 "--max-queue", "64", *extra]
         cmd = ([sys.executable, "-m", "sicl_fast.cli", *flags] if root is None else
                [sys.executable, "-c", SERVE, str(Path(root).resolve()), *flags])
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -167,6 +172,39 @@ def load(server: Server, clients: int, stream: bool, alone: dict, args) -> dict:
             "mean_tokens": statistics.mean(tokens) if tokens else None, "not_alone": wrong}
 
 
+def calibrations(server: Server, count: int, args) -> dict:
+    """`count` calibrate requests of the mix's prompt at once, seeds 0..count-1 (module docstring)."""
+    config = {"patience": 0, "tau": 0.0, "min_delta": 0.0, "max_steps": args.cal_steps}
+    lat, steps, best, errors = {}, {}, {}, {}
+    lock = threading.Lock()
+
+    def one(seed: int) -> None:
+        body = {"request": MIX_REQUEST, "reuse": "off", "config": {**config, "seed": seed}}
+        t0 = time.perf_counter()
+        try:
+            r = httpx.post(server.url + "/v1/calibrate", json=body, timeout=args.timeout)
+            r.raise_for_status()
+            summary = r.json()["summary"]
+        except Exception as exc:  # noqa: BLE001 - counted, the run goes on
+            with lock:
+                errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            return
+        with lock:
+            lat[seed], steps[seed], best[seed] = time.perf_counter() - t0, summary["steps"], summary["best_proxy"]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    xs = list(lat.values())
+    return {"count": count, "done": len(xs), "errors": errors, "wall_s": wall, "per_s": len(xs) / wall,
+            "steps_per_s": sum(steps.values()) / wall, "p50_s": pct(xs, 0.5) if xs else None,
+            "p99_s": pct(xs, 0.99) if xs else None, "best_proxy": {str(k): v for k, v in sorted(best.items())}}
+
+
 def mix(server: Server, alone: dict, args) -> dict:
     """Answers arriving while a calibration of another prompt runs (module docstring). Their latency alone and the
     calibration's step alone are measured just before: each answer once, and the same calibration for
@@ -214,12 +252,17 @@ def main() -> int:
     ap.add_argument("--mix-delay", type=float, default=1.0)
     ap.add_argument("--mix-answers", type=int, default=4)
     ap.add_argument("--mix-alone-steps", type=int, default=5, help="steps of the mix's calibration run alone first")
+    ap.add_argument("--calibrations", type=int, nargs="*", default=[],
+                    help="the calibrations phase's counts of calibrate requests at once (none: no such phase)")
+    ap.add_argument("--cal-steps", type=int, default=8, help="steps of each calibration of that phase")
+    ap.add_argument("--pack", default=None, help="this server's --pack (its default when unset; the other server "
+                                                 "is given none: 481e2be has no packed server path)")
     ap.add_argument("--threads", type=int, default=1, help="each server's threads (OMP_NUM_THREADS and --threads)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds a request may take")
     ap.add_argument("--out", default="bench/results_serve_batching.json")
     args = ap.parse_args()
 
-    servers = [Server("this", None, args.threads)]
+    servers = [Server("this", None, args.threads, ("--pack", args.pack) if args.pack else ())]
     if args.other:
         servers.append(Server("other", args.other, args.threads))
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor()
@@ -250,6 +293,14 @@ def main() -> int:
                           f"answers/s, p50 {row['p50_s']:.3f} s, p99 {row['p99_s']:.3f} s, not alone "
                           f"{row['not_alone']}, errors {row['errors']}", file=sys.stderr, flush=True)
                 k += 1
+        for count in args.calibrations:
+            for s in order(k):
+                row = calibrations(s, count, args)
+                res["servers"][s.name].setdefault("calibrations", []).append(row)
+                print(f"{s.name:5s} calibrations {count:2d} at once: {row['per_s']:.2f} a second, "
+                      f"{row['steps_per_s']:.1f} steps/s, p50 {row['p50_s']} s, errors {row['errors']}",
+                      file=sys.stderr, flush=True)
+            k += 1
         for s in order(k):
             al = res["servers"][s.name]["alone"]
             res["servers"][s.name]["mix"] = mix(s, {q: v["answer"] for q, v in al.items()}, args)
@@ -276,6 +327,18 @@ def table(res: dict) -> str:
                      f"{b['p50_s'] if b else float('nan'):.3f} | {a['p99_s']:.3f} | "
                      f"{b['p99_s'] if b else float('nan'):.3f} | {a['answers'] - a['not_alone']}/{a['answers']}"
                      + (f", {b['answers'] - b['not_alone']}/{b['answers']}" if b else "") + " |")
+    if this.get("calibrations"):
+        lines += ["", "| calibrations at once | per s this | per s other | x | steps/s this | steps/s other | "
+                  "p50 s this | p50 s other | max abs best proxy this - other |", "|---" * 9 + "|"]
+        for i, a in enumerate(this["calibrations"]):
+            b = other["calibrations"][i] if other else None
+            diff = (max((abs(v - b["best_proxy"][k]) for k, v in a["best_proxy"].items() if k in b["best_proxy"]),
+                        default=float("nan")) if b else float("nan"))
+            lines.append(f"| {a['count']} | {a['per_s']:.2f} | {b['per_s'] if b else float('nan'):.2f} | "
+                         + (f"{a['per_s'] / b['per_s']:.2f}" if b and b["per_s"] else "") + f" | "
+                         f"{a['steps_per_s']:.1f} | {b['steps_per_s'] if b else float('nan'):.1f} | "
+                         f"{a['p50_s'] or float('nan'):.3f} | "
+                         f"{(b['p50_s'] or float('nan')) if b else float('nan'):.3f} | {diff:.2e} |")
     for name, srv in res["servers"].items():
         m = srv["mix"]
         c = m["calibration"]

@@ -138,6 +138,17 @@ def chat(client, model: str, query: str, stream: bool, args) -> tuple[float, str
     return time.perf_counter() - t0, text, tokens
 
 
+def at_once(one, n: int) -> float:
+    """one(0) ... one(n - 1) on n threads at once: the seconds until the last ends."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def load(server: Server, clients: int, stream: bool, alone: dict, args) -> dict:
     """--requests requests from each of `clients` clients, back to back."""
     lat, tokens, wrong, errors = [], [], 0, {}
@@ -159,13 +170,7 @@ def load(server: Server, clients: int, stream: bool, alone: dict, args) -> dict:
                 tokens.append(n)
                 wrong += text != alone[q]
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = at_once(one, clients)
     return {"clients": clients, "stream": stream, "answers": len(lat), "errors": errors, "wall_s": wall,
             "answers_per_s": len(lat) / wall, "tokens_per_s": sum(tokens) / wall,
             "p50_s": pct(lat, 0.5) if lat else None, "p99_s": pct(lat, 0.99) if lat else None,
@@ -192,13 +197,7 @@ def calibrations(server: Server, count: int, args) -> dict:
         with lock:
             lat[seed], steps[seed], best[seed] = time.perf_counter() - t0, summary["steps"], summary["best_proxy"]
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = at_once(one, count)
     xs = list(lat.values())
     return {"count": count, "done": len(xs), "errors": errors, "wall_s": wall, "per_s": len(xs) / wall,
             "steps_per_s": sum(steps.values()) / wall, "p50_s": pct(xs, 0.5) if xs else None,

@@ -43,6 +43,7 @@ from ..icleval.convert import tokenize_sample
 from ..icleval.loader import Sample, load_dir
 from ..icleval.tasks import TASK_FILES
 from ..icleval.scoring import max_gen_len, score, should_stop
+from ..formats.inputs import of_type
 from ..formats.records import STDOUT, ResultWriter, check_output, read_records
 from ..run.settings import fallback_settings, resume_check, run_settings, settings_diff
 from ..run.workers import as_workers, write_all
@@ -121,10 +122,9 @@ def record_problem(rec: dict) -> str | None:
     for name, (types, what, nullable) in RECORD_FIELDS.items():
         if name not in rec or (rec[name] is None and nullable):
             continue
-        v = rec[name]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            return f"field {name!r} must be {what}, got {json.dumps(v)[:60]}"
-    if any(not isinstance(x, (int, float)) or isinstance(x, bool) for x in rec.get("history") or ()):
+        if not of_type(rec[name], types):
+            return f"field {name!r} must be {what}, got {json.dumps(rec[name])[:60]}"
+    if not all(of_type(x, _NUMBER[0]) for x in rec.get("history") or ()):
         return f"field 'history' must be a list of numbers, got {json.dumps(rec['history'])[:60]}"
     bad = [k for k in rec.get("answers_at") or {} if not (k.isascii() and k.isdigit())]
     if bad:

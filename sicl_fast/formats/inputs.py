@@ -91,6 +91,13 @@ def json_value(data: bytes | str, where: str, error: type[Exception] = SiclError
         raise error(f"{where}: invalid {what}: {str(exc).split(';')[0]}") from None
 
 
+def of_type(value, typ) -> bool:
+    """Is the parsed JSON `value` of `typ` (a type or a tuple of them)? A bool is an int only where bool is named
+    (JSON's true is no number): the one type check of what a JSON reader read."""
+    typs = typ if isinstance(typ, tuple) else (typ,)
+    return isinstance(value, typs) and (bool in typs or not isinstance(value, bool))
+
+
 @contextlib.contextmanager
 def open_input(path: str | os.PathLike, what: str, directory_hint: str = "",
                error: type[SiclError] = SiclError) -> Iterator[BinaryIO]:
@@ -134,4 +141,4 @@ def _is_tty(p: Path) -> bool:
         os.close(fd)
 
 
-__all__ = ["open_input", "describe_missing", "env_path", "json_value", "STDIN"]
+__all__ = ["open_input", "describe_missing", "env_path", "json_value", "of_type", "STDIN"]

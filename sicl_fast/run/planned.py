@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SiclError
-from ..formats.inputs import json_value
+from ..formats.inputs import json_value, of_type
 from .plan import RunPlan, make_plan
 from .settings import model_plan_settings
 
@@ -172,7 +172,7 @@ PLANNED_OPTIONAL = {"attention_precision": (str,)}  # present only where not IEE
 
 def _count(x) -> bool:
     """An int >= 1 that is not a bool."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    return of_type(x, int) and x >= 1
 
 
 def _settings_ok(settings) -> bool:
@@ -180,7 +180,7 @@ def _settings_ok(settings) -> bool:
     types = {**PLANNED, **PLANNED_OPTIONAL}
     if not isinstance(settings, dict) or not PLANNED.keys() <= settings.keys() <= types.keys():
         return False
-    return (all(isinstance(v, types[k]) and not isinstance(v, bool) for k, v in settings.items())
+    return (all(of_type(v, types[k]) for k, v in settings.items())
             and _count(settings["pack"]) and (settings["length_buckets"] is None or _count(settings["length_buckets"])))
 
 

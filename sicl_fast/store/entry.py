@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..calibration.ascent import CalibrationConfig, CalibrationResult
+from ..formats.inputs import of_type
 
 SCOPES = ("stem", "prompt")
 NUMBER = (int, float)
@@ -37,12 +38,6 @@ META = {"key": str, "scope": str, "token_spans": list, "demo_start": int, "demo_
         "best_proxy": NUMBER, "steps": int, "best_step": int, "gated": bool, "stop_reason": str, "history": list,
         "projections": int, "seconds": NUMBER, "config": dict, "impl": str, "model": str, "exact": bool,
         "min_cosine": (*NUMBER, type(None))}
-
-
-def of_type(value, typ) -> bool:
-    """Is the parsed JSON `value` of `typ` (a type or a tuple of them)? A bool is an int only where bool is named."""
-    typs = typ if isinstance(typ, tuple) else (typ,)
-    return isinstance(value, typs) and (bool in typs or not isinstance(value, bool))
 
 
 def fields_problem(obj, schema: dict, what: str) -> str | None:
@@ -201,4 +196,4 @@ class Expected:
         return None
 
 
-__all__ = ["Calibration", "Expected", "META", "SCOPES", "fields_problem", "meta_problem", "of_type"]
+__all__ = ["Calibration", "Expected", "META", "SCOPES", "fields_problem", "meta_problem"]

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from ..errors import SiclError
 from ..icleval.tasks import TASK_FILES
-from ..formats.records import read_records, write_text_atomic
+from ..formats.records import read_records, same_file, write_text_atomic
 from ..run.settings import record_settings
 from . import stats
 from .budget import budget_curves, runs_compared
@@ -65,15 +65,12 @@ def load_runs(paths: Sequence[str | os.PathLike], names: Sequence[str] | None = 
         raise SiclError(f"{len(names)} names for {len(paths)} results files")
     if names is not None and not all(n.strip() for n in names):
         raise SiclError("--names: an empty name; give each run a name (or leave --names out: the records' model)")
-    seen: dict[tuple[int, int], str | os.PathLike] = {}
-    for p in paths:  # the same file twice (by identity: a link or another spelling of its path included) would count
-        try:         # its records as two runs' evidence (Fisher's method over runs)
-            st = os.stat(p)
-        except OSError:
-            continue  # read_records says what is wrong with it
-        if (st.st_dev, st.st_ino) in seen and stat.S_ISREG(st.st_mode):
-            raise SiclError(f"results file {p}: is {seen[st.st_dev, st.st_ino]} again; give each run's file once")
-        seen[st.st_dev, st.st_ino] = p
+    for i, p in enumerate(paths):  # the same file twice (by identity: a link or another spelling of its path
+        # included) would count its records as two runs' evidence (Fisher's method over runs); a path that is no
+        # file is read_records' to name
+        twin = next((q for q in paths[:i] if same_file(p, q)), None) if Path(p).is_file() else None
+        if twin is not None:
+            raise SiclError(f"results file {p}: is {twin} again; give each run's file once")
     runs: list[Run] = []
     used: set[str] = set()
     for i, p in enumerate(paths):

@@ -52,7 +52,7 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
         example = p / ("results.jsonl" if flag == "--out" else "report.md")
         raise ResultsFileError(f"{flag} {p}: is a directory; give a file name (e.g. {example})")
     for src in inputs:
-        if _same_file(p, src):
+        if same_file(p, src):
             raise ResultsFileError(f"{flag} {p}: is the input file {src}; the results need a file of their own")
     if p.exists():
         if not os.access(p, os.W_OK):
@@ -63,7 +63,7 @@ def check_output(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = 
         raise ResultsFileError(f"{flag} {p}: {why}")
 
 
-def _same_file(path: str | os.PathLike, other: str | os.PathLike) -> bool:
+def same_file(path: str | os.PathLike, other: str | os.PathLike) -> bool:
     """Whether two paths name one file: the same path once resolved (a file not made yet included), or the same file
     (a hard link)."""
     path, other = Path(path), Path(other)
@@ -120,7 +120,7 @@ def check_out_dir(directory: str | os.PathLike, flag: str, what: str, make: bool
             raise SiclError(f"{flag} {path}: {why}")
     for name in files:
         for src in inputs:
-            if str(src) != STDOUT and _same_file(path / name, src):
+            if str(src) != STDOUT and same_file(path / name, src):
                 raise SiclError(f"{flag} {path}: its {name} would replace {src}, a file this run reads; give {what} a "
                                 "folder of their own")
     if not make:
@@ -406,4 +406,4 @@ def proxy_record(prompt, out) -> dict:
 
 
 __all__ = ["ResultWriter", "nothing_left", "read_records", "write_text_atomic", "check_output", "STDOUT",
-           "proxy_record", "folder_arg", "check_out_dir"]
+           "proxy_record", "folder_arg", "check_out_dir", "same_file"]
